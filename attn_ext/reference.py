@@ -1,0 +1,223 @@
+"""The textbook, in plain PyTorch: the ground truth every test and benchmark compares against.
+
+Written to be obviously right, not fast: full score matrices, explicit masks, ``cat`` and
+``transpose``. Layouts follow ``shared/DESIGN.md``: q ``(B, Sq, H, D)``,
+k ``(B, Sk, Hkv, D)``, v ``(B, Sk, Hkv, Dv)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+# ---------------------------------------------------------------------------------------
+# scaled dot-product attention
+# ---------------------------------------------------------------------------------------
+
+
+def causal_mask(sq: int, sk: int, device=None) -> torch.Tensor:
+    """Boolean ``(sq, sk)`` mask, True where query ``i`` may see key ``j``.
+
+    Bottom-right aligned: ``j <= i + (sk - sq)``. For ``sq == sk`` this is the textbook
+    lower triangle (the complement of ``triu(ones, diagonal=1)``).
+    """
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    return j <= i + (sk - sq)
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale [+ causal mask]) v, and the log-sum-exp of each score row.
+
+    Returns ``out (B, Sq, H, Dv)`` and ``lse (B, H, Sq)`` (in q's dtype). A row that sees no
+    key gives output 0 and lse -inf.
+    """
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    # GQA / MQA: query head h reads kv head h // (H // Hkv).
+    group = H // Hkv
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    # (B, H, S, D) for batched matrix products.
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    scores = (qh @ kh.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
+    if causal:
+        scores = scores.masked_fill(~causal_mask(Sq, Sk, q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, Sq); -inf for an empty row
+    probs = torch.exp(scores - lse[..., None])
+    probs = torch.nan_to_num(probs, nan=0.0)  # empty rows: exp(-inf - -inf) -> 0
+    out = probs @ vh  # (B, H, Sq, Dv)
+    return out.transpose(1, 2), lse
+
+
+def attention(q, k, v, causal: bool = False, scale: Optional[float] = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) [+ causal mask]) v on ``(B, S, H, D)`` tensors."""
+    return attention_with_lse(q, k, v, causal, scale)[0]
+
+
+def attention_probs(q, k, causal: bool = False, scale: Optional[float] = None) -> torch.Tensor:
+    """The ``(B, H, Sq, Sk)`` attention probabilities (rows that see no key are 0)."""
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    k = k.repeat_interleave(H // Hkv, dim=2)
+    scores = (q.transpose(1, 2) @ k.transpose(1, 2).transpose(-2, -1)) * scale
+    if causal:
+        scores = scores.masked_fill(~causal_mask(Sq, Sk, q.device), float("-inf"))
+    return torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+
+
+# ---------------------------------------------------------------------------------------
+# sinusoidal positional encoding (Vaswani et al. 2017, section 3.5)
+# ---------------------------------------------------------------------------------------
+
+
+def sinusoidal_table(
+    seq_len: int,
+    dim: int,
+    base: float = 10000.0,
+    positions: Optional[torch.Tensor] = None,
+    dtype=torch.float64,
+) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / base^(2i/dim)), PE(pos, 2i+1) = cos(pos / base^(2i/dim)).
+
+    Rows are positions ``0 .. seq_len-1``, or ``positions`` (any shape, a trailing ``dim``
+    axis is added). For odd ``dim`` the last column is a sin.
+    """
+    if positions is None:
+        positions = torch.arange(seq_len)
+    pos = positions.to(torch.float64)[..., None]  # (..., 1)
+    two_i = torch.arange(0, dim, 2, dtype=torch.float64)  # 2i for each sin column
+    angle = pos / base ** (two_i / dim)  # (..., ceil(dim/2))
+    pe = torch.zeros(*pos.shape[:-1], dim, dtype=torch.float64)
+    pe[..., 0::2] = torch.sin(angle)
+    pe[..., 1::2] = torch.cos(angle)[..., : dim // 2]
+    return pe.to(dtype)
+
+
+def sinusoidal_pe(
+    x: torch.Tensor,
+    positions: Optional[torch.Tensor] = None,
+    offset: int = 0,
+    base: float = 10000.0,
+) -> torch.Tensor:
+    """x + PE for ``x (B, S, D)`` or ``(S, D)``; positions ``(S,)``/``(B, S)`` or offset + s."""
+    S, D = x.shape[-2], x.shape[-1]
+    if positions is None:
+        positions = torch.arange(S) + offset
+    pe = sinusoidal_table(S, D, base, positions.cpu(), dtype=x.dtype).to(x.device)
+    return x + pe
+
+
+# ---------------------------------------------------------------------------------------
+# rotary position embedding (Su et al. 2021, RoFormer)
+# ---------------------------------------------------------------------------------------
+
+
+def rope_cache(
+    seq_len: int, rotary_dim: int, base: float = 10000.0, dtype=torch.float64
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables ``(seq_len, rotary_dim/2)`` of angle ``pos * base^(-2i/rotary_dim)``."""
+    theta = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    angle = torch.arange(seq_len, dtype=torch.float64)[:, None] * theta[None, :]
+    return torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dim (GPT-NeoX / HF LLaMA)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Optional[torch.Tensor] = None,
+    offset: int = 0,
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """Rotate channel pairs of ``x (B, S, H, D)`` by angle ``pos * theta_i``.
+
+    ``cos``/``sin`` are ``(S_max, rotary_dim/2)``; channels past ``rotary_dim`` pass through.
+    Half-split pairs channel ``i`` with ``i + rotary_dim/2``; interleaved pairs ``2i, 2i+1``.
+    Positions are ``offset + s`` or ``positions`` of shape ``(S,)`` or ``(B, S)``.
+    """
+    B, S = x.shape[0], x.shape[1]
+    rot = 2 * cos.shape[-1]
+    if positions is None:
+        positions = torch.arange(S, device=x.device) + offset
+    c = cos[positions].to(x.dtype)  # (S, rot/2) or (B, S, rot/2)
+    s = sin[positions].to(x.dtype)
+    if c.dim() == 2:
+        c, s = c[None], s[None]
+    c, s = c[:, :, None, :], s[:, :, None, :]  # broadcast over heads: (B|1, S, 1, rot/2)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    if interleaved:
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        c2, s2 = torch.cat((c, c), dim=-1), torch.cat((s, s), dim=-1)
+        out = x_rot * c2 + rotate_half(x_rot) * s2
+    return torch.cat((out, x_pass), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------
+# multi-head attention, the textbook way
+# ---------------------------------------------------------------------------------------
+
+
+class MultiHeadAttentionRef(nn.Module):
+    """Q/K/V/O projections, split heads, scaled dot-product attention, concat heads.
+
+    ``forward(x, memory=None)``: self-attention on ``x (B, S, d_model)``, or cross-attention
+    with queries from ``x`` and keys/values from ``memory``. ``rope=(cos, sin, interleaved)``
+    rotates q and k (positions 0..S-1) before attention.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: Optional[int] = None,
+        causal: bool = True,
+        bias: bool = True,
+        qk_dim: Optional[int] = None,
+        v_dim: Optional[int] = None,
+    ):
+        super().__init__()
+        self.h = num_heads
+        self.hkv = num_kv_heads or num_heads
+        self.d = qk_dim or d_model // num_heads
+        self.dv = v_dim or self.d
+        self.causal = causal
+        self.w_q = nn.Linear(d_model, self.h * self.d, bias=bias)
+        self.w_k = nn.Linear(d_model, self.hkv * self.d, bias=bias)
+        self.w_v = nn.Linear(d_model, self.hkv * self.dv, bias=bias)
+        self.w_o = nn.Linear(self.h * self.dv, d_model, bias=bias)
+
+    def forward(self, x, memory=None, rope_tables=None):
+        memory = x if memory is None else memory
+        B, Sq, _ = x.shape
+        Sk = memory.shape[1]
+        q = self.w_q(x).view(B, Sq, self.h, self.d)
+        k = self.w_k(memory).view(B, Sk, self.hkv, self.d)
+        v = self.w_v(memory).view(B, Sk, self.hkv, self.dv)
+        if rope_tables is not None:
+            cos, sin, interleaved = rope_tables
+            q = rope(q, cos, sin, interleaved=interleaved, offset=Sk - Sq)
+            k = rope(k, cos, sin, interleaved=interleaved)
+        out = attention(q, k, v, causal=self.causal)  # (B, Sq, H, Dv)
+        return self.w_o(out.reshape(B, Sq, self.h * self.dv))

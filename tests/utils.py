@@ -1,0 +1,39 @@
+"""Tolerance rule of DESIGN.md: a low-precision result passes when its error against the
+float64 reference is at most 2x the error of the same reference computed in that low
+precision, plus a tiny absolute floor (the rule of FlashAttention's test suite)."""
+
+from __future__ import annotations
+
+import torch
+
+# Absolute floors per dtype: rounding of a single output element.
+FLOOR = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-6,
+    torch.float16: 1e-3,
+    torch.bfloat16: 8e-3,
+}
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
+    diff = (a - b).abs()
+    diff = torch.where(both_inf, torch.zeros_like(diff), diff)
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def assert_close_rule(ours: torch.Tensor, ref64: torch.Tensor, ref_low: torch.Tensor,
+                      name: str = "output", factor: float = 2.0) -> None:
+    """ours vs float64 reference, allowed 2x the low-precision reference's own error."""
+    assert ours.shape == ref64.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(ref64.shape)}"
+    assert not torch.isnan(ours).any() or torch.isnan(ref64).any(), f"{name}: NaN in result"
+    err = max_err(ours, ref64)
+    ref_err = max_err(ref_low, ref64)
+    bound = factor * ref_err + FLOOR[ours.dtype]
+    assert err <= bound, f"{name}: max error {err:.3e} > {factor} * ref error {ref_err:.3e} + floor ({bound:.3e})"
+
+
+def randn(*shape, dtype=torch.float32, device="cpu", scale=1.0):
+    """Random normal input, never zeros (fresh per call)."""
+    return (torch.randn(*shape, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
