@@ -5,6 +5,8 @@ Importing this package loads the compiled op library (``attn_ext._C``), which re
 ops with PyTorch's dispatcher, then registers their fake kernels and autograd formulas.
 """
 
+import torch  # noqa: F401  (loads libc10/libtorch, which _C links against)
+
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.attn_ext.*)
 from . import ops as _ops  # noqa: F401  (fake kernels + autograd)
 from .ops import sinusoidal_pe, sinusoidal_pe_, sinusoidal_table
