@@ -53,7 +53,7 @@ def _extension():
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     sources += sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     opt = ["-O0", "-g"] if DEBUG else ["-O3", "-g0"]
-    cxx = opt + ["-std=c++17", "-fopenmp", "-DPy_LIMITED_API=0x030A0000"]
+    cxx = opt + ["-std=c++20", "-fopenmp", "-DPy_LIMITED_API=0x030A0000"]
     link = ["-fopenmp"]
     kwargs = dict(
         name="attn_ext._C",
@@ -72,7 +72,7 @@ def _extension():
                 os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
         kwargs["sources"] += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         kwargs["extra_compile_args"]["nvcc"] = opt[:1] + [
-            "-std=c++17",
+            "-std=c++20",
             "--expt-relaxed-constexpr",
             "-lineinfo" if DEBUG else "-DNDEBUG",
             "-DATTN_EXT_WITH_CUDA",
