@@ -94,3 +94,286 @@ def _sinusoidal_pe_backward(ctx, grad):
 torch.library.register_autograd(
     "attn_ext::sinusoidal_pe", _sinusoidal_pe_backward, setup_context=_sinusoidal_pe_setup
 )
+
+
+# ---------------------------------------------------------------------------------------
+# rotary position embedding (RoPE)
+# ---------------------------------------------------------------------------------------
+#
+# Backward design: the rotation R(theta) is orthogonal, so d(R x)/dx applied to a gradient g
+# is R(theta)^T g = R(-theta) g, i.e. the same kernel with sin negated. That is the internal
+# op attn_ext::_rope_backward (the kernels flip sin's sign bit on load; no negated table is
+# materialised). Its own backward is rope again, so double backward works too.
+# Gradients for cos/sin are not supported: tables are built by rope_cache, not learned. A
+# cos/sin that requires grad raises a ValueError instead of silently getting no gradient.
+
+
+def _check_tables_no_grad(cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        raise ValueError(
+            "attn_ext.rope: gradients w.r.t. cos/sin are not supported (the tables come from "
+            "rope_cache); pass cos.detach() / sin.detach()"
+        )
+
+
+def _rope_4d(x: torch.Tensor) -> torch.Tensor:
+    # 3-D (B, S, D) is the single-head form: a free (B, S, 1, D) view.
+    return x.unsqueeze(2) if x.dim() == 3 else x
+
+
+def rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Optional[torch.Tensor] = None,
+    offset: int = 0,
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """Rotary position embedding (Su et al., RoFormer): rotate channel pairs of ``x`` by
+    angle ``pos * theta_i``, returning a new contiguous tensor.
+
+    Args:
+        x: ``(B, S, H, D)`` (or ``(B, S, D)`` as ``H = 1``), float32/float64/float16/bfloat16.
+            Any strides on B, S, H (slices of a packed QKV buffer, ``(B, H, S, D)``
+            tensors passed as ``.transpose(1, 2)``); the last dim must be contiguous.
+        cos, sin: ``(S_max, rotary_dim/2)`` tables from :func:`rope_cache`, float32 or
+            ``x``'s dtype (math is fp32 either way; float64 for float64 x).
+            ``rotary_dim = 2 * cos.size(-1) <= D``; channels past it pass through.
+        positions: optional int64 ``(S,)`` or ``(B, S)`` table row of each token; every
+            entry must be in ``[0, S_max)`` (checked on CPU; a device assert on CUDA).
+            Without it row ``s`` uses table row ``offset + s``.
+        interleaved: False pairs channel ``i`` with ``i + rotary_dim/2`` (GPT-NeoX / Hugging
+            Face LLaMA, ``rotate_half``); True pairs ``2i, 2i+1`` (GPT-J / RoFormer / Meta).
+
+    Differentiable in ``x`` (the backward is the inverse rotation); not in cos/sin.
+    """
+    _check_tables_no_grad(cos, sin)
+    out = _lib.rope(_rope_4d(x), cos, sin, positions, offset, interleaved)
+    return out.squeeze(2) if x.dim() == 3 else out
+
+
+def rope_(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Optional[torch.Tensor] = None,
+    offset: int = 0,
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """In-place :func:`rope`: rotates ``x`` where it lies (channels past ``rotary_dim`` and
+    the rest of a packed buffer are untouched) and returns ``x``. Not differentiable."""
+    _lib.rope_(_rope_4d(x), cos, sin, positions, offset, interleaved)
+    return x
+
+
+def rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Optional[torch.Tensor] = None,
+    offset: int = 0,
+    interleaved: bool = False,
+    inplace: bool = False,
+):
+    """Rotate ``q (B, S, H, D)`` and ``k (B, S, Hkv, Dk)`` with the same tables and positions.
+
+    ``inplace=True`` rotates both in one parallel region (one kernel launch on CUDA) and
+    returns ``(q, k)`` themselves; otherwise returns two new tensors (differentiable in q, k).
+    """
+    if inplace:
+        _lib.rope_qk_(_rope_4d(q), _rope_4d(k), cos, sin, positions, offset, interleaved)
+        return q, k
+    return (
+        rope(q, cos, sin, positions, offset, interleaved),
+        rope(k, cos, sin, positions, offset, interleaved),
+    )
+
+
+_SCALING_TYPES = ("linear", "ntk", "dynamic", "yarn", "llama3")
+
+
+def rope_inv_freq(
+    rotary_dim: int, base: float = 10000.0, scaling: Optional[dict] = None, seq_len: int = 0
+):
+    """``(inv_freq (rotary_dim/2,) float64, attention_factor)`` for a scaling dict; see
+    :func:`rope_cache` for the formulas."""
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
+    if not (math.isfinite(base) and base > 0):
+        raise ValueError(f"base must be a positive finite number, got {base}")
+    dim = rotary_dim
+    exps = torch.arange(0, dim, 2, dtype=torch.float64) / dim  # 2i / dim
+
+    def inv(b):
+        return 1.0 / (b**exps)
+
+    if scaling is None:
+        return inv(base), 1.0
+    kind = scaling.get("type", scaling.get("rope_type"))
+    if kind not in _SCALING_TYPES:
+        raise ValueError(f"scaling['type'] must be one of {_SCALING_TYPES}, got {kind!r}")
+    factor = float(scaling.get("factor", 1.0))
+    if not factor > 0:
+        raise ValueError(f"scaling['factor'] must be > 0, got {factor}")
+
+    def orig(default=None):
+        v = scaling.get("original_max_position_embeddings", default)
+        if v is None:
+            raise ValueError(f"scaling type {kind!r} needs 'original_max_position_embeddings'")
+        return int(v)
+
+    if kind == "linear":
+        # Position interpolation: pos / factor, i.e. every frequency divided by factor.
+        return inv(base) / factor, 1.0
+    if kind in ("ntk", "dynamic"):
+        # Dynamic NTK (HF "dynamic"): base' = base * (factor*L/L0 - (factor-1))^(dim/(dim-2))
+        # with L = max(seq_len, L0): unchanged up to the original context L0.
+        L0 = orig()
+        L = max(seq_len, L0)
+        new_base = base * ((factor * L / L0) - (factor - 1)) ** (dim / (dim - 2))
+        return inv(new_base), 1.0
+    if kind == "yarn":
+        L0 = orig()
+        beta_fast = float(scaling.get("beta_fast", 32.0))
+        beta_slow = float(scaling.get("beta_slow", 1.0))
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attn = scaling.get("attention_factor")
+        if attn is None:
+            m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            attn = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
+
+        def correction_dim(rotations):  # dim index whose wavelength fits `rotations` times in L0
+            return dim * math.log(L0 / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        extrapolate = 1.0 - ramp  # 1: keep the original frequency, 0: interpolate (/ factor)
+        f = inv(base)
+        return f / factor * (1 - extrapolate) + f * extrapolate, float(attn)
+    # llama3
+    L0 = orig(8192)
+    low_ff = float(scaling.get("low_freq_factor", 1.0))
+    high_ff = float(scaling.get("high_freq_factor", 4.0))
+    if not high_ff > low_ff:
+        raise ValueError(f"llama3 scaling needs high_freq_factor > low_freq_factor, got {high_ff}, {low_ff}")
+    f = inv(base)
+    wavelen = 2 * math.pi / f
+    low_wavelen, high_wavelen = L0 / low_ff, L0 / high_ff
+    smooth = (L0 / wavelen - low_ff) / (high_ff - low_ff)
+    scaled = torch.where(wavelen > low_wavelen, f / factor, f)
+    smoothed = (1 - smooth) * f / factor + smooth * f
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled), 1.0
+
+
+def rope_cache(
+    seq_len: int,
+    rotary_dim: int,
+    base: float = 10000.0,
+    scaling: Optional[dict] = None,
+    dtype: Optional[torch.dtype] = None,
+    device: Optional[torch.device] = None,
+):
+    """``(cos, sin)`` tables of shape ``(seq_len, rotary_dim/2)`` for :func:`rope`.
+
+    ``cos[p, i] = a * cos(p * inv_freq_i)``, ``sin[p, i] = a * sin(p * inv_freq_i)``, computed
+    in float64 and cast to ``dtype`` (default float32, which :func:`rope` accepts for every
+    x dtype). Unscaled: ``inv_freq_i = base^(-2i/rotary_dim)``, ``a = 1``. ``scaling`` follows
+    Hugging Face transformers' ``modeling_rope_utils`` rope-init functions
+    (key ``"type"`` or ``"rope_type"``):
+
+    - ``{"type": "linear", "factor": f}``: position interpolation, ``inv_freq_i / f``
+      (same as positions ``p / f``).
+    - ``{"type": "ntk" | "dynamic", "factor": f, "original_max_position_embeddings": L0}``:
+      *dynamic* NTK (HF ``"dynamic"``): ``base' = base * (f*L/L0 - (f-1))^(d/(d-2))`` with
+      ``L = max(seq_len, L0)`` and ``d = rotary_dim``, so tables up to ``L0`` are unscaled.
+      (The fixed NTK-aware variant ``base * f^(d/(d-2))`` is not this one.)
+    - ``{"type": "yarn", "factor": f, "original_max_position_embeddings": L0, "beta_fast":
+      32, "beta_slow": 1, ["attention_factor", "mscale", "mscale_all_dim", "truncate"]}``:
+      correction dims ``d_r = d*ln(L0/(2*pi*r)) / (2*ln(base))`` for ``r = beta_fast``
+      (low, floored) and ``beta_slow`` (high, ceiled), clamped to ``[0, d-1]``; ramp
+      ``m_i = clamp((i - low)/(high - low), 0, 1)``;
+      ``inv_freq_i = base^(-2i/d) * (m_i / f + (1 - m_i))``; ``a = 0.1*ln(f) + 1`` (f > 1)
+      unless ``attention_factor`` (or mscale/mscale_all_dim) says otherwise.
+    - ``{"type": "llama3", "factor": f, "low_freq_factor": 1, "high_freq_factor": 4,
+      "original_max_position_embeddings": 8192}``: with wavelength ``w_i = 2*pi/inv_freq_i``:
+      ``w_i < L0/high`` unchanged, ``w_i > L0/low`` divided by ``f``, in between
+      ``(1 - t) * inv_freq_i / f + t * inv_freq_i`` with ``t = (L0/w_i - low)/(high - low)``.
+    """
+    if seq_len < 0:
+        raise ValueError(f"seq_len must be >= 0, got {seq_len}")
+    inv_freq, attn = rope_inv_freq(rotary_dim, base, scaling, seq_len)
+    angle = torch.arange(seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    dtype = dtype or torch.float32
+    cos = (torch.cos(angle) * attn).to(dtype=dtype, device=device)
+    sin = (torch.sin(angle) * attn).to(dtype=dtype, device=device)
+    return cos, sin
+
+
+def _rope_fake_out(x, cos, sin, name="x"):
+    torch._check(x.dim() == 4, lambda: f"{name} must have 4 dims (B, S, H, D), got shape {list(x.shape)}")
+    torch._check(cos.dim() == 2, lambda: f"cos must have 2 dims (S_max, rotary_dim/2), got shape {list(cos.shape)}")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("attn_ext::rope")
+def _rope_fake(x, cos, sin, positions=None, offset=0, interleaved=False):
+    return _rope_fake_out(x, cos, sin)
+
+
+@torch.library.register_fake("attn_ext::_rope_backward")
+def _rope_backward_fake(grad, cos, sin, positions=None, offset=0, interleaved=False):
+    return _rope_fake_out(grad, cos, sin, "grad")
+
+
+@torch.library.register_fake("attn_ext::rope_")
+def _rope_inplace_fake(x, cos, sin, positions=None, offset=0, interleaved=False):
+    return None
+
+
+@torch.library.register_fake("attn_ext::rope_qk_")
+def _rope_qk_inplace_fake(q, k, cos, sin, positions=None, offset=0, interleaved=False):
+    return None
+
+
+def _rope_setup(ctx, inputs, output):
+    _x, cos, sin, positions, offset, interleaved = inputs
+    ctx.save_for_backward(cos, sin, positions)
+    ctx.offset = offset
+    ctx.interleaved = interleaved
+
+
+def _tables_grad_error(ctx):
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        raise RuntimeError(
+            "attn_ext.rope: gradients w.r.t. cos/sin are not supported; detach the tables"
+        )
+
+
+def _rope_backward(ctx, grad):
+    _tables_grad_error(ctx)
+    cos, sin, positions = ctx.saved_tensors
+    gx = _lib._rope_backward(grad, cos, sin, positions, ctx.offset, ctx.interleaved)
+    return gx, None, None, None, None, None
+
+
+def _rope_inverse_backward(ctx, grad):
+    _tables_grad_error(ctx)
+    cos, sin, positions = ctx.saved_tensors
+    gx = _lib.rope(grad, cos, sin, positions, ctx.offset, ctx.interleaved)
+    return gx, None, None, None, None, None
+
+
+torch.library.register_autograd("attn_ext::rope", _rope_backward, setup_context=_rope_setup)
+torch.library.register_autograd(
+    "attn_ext::_rope_backward", _rope_inverse_backward, setup_context=_rope_setup
+)

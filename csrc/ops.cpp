@@ -22,6 +22,52 @@ TORCH_LIBRARY(attn_ext, m) {
       "    float base=10000.0"
       ") -> ()");
 
+  // ---- rotary position embedding (RoPE) --------------------------------------------------
+  // x: (B, S, H, D), any strides on B, S, H, last dim contiguous. cos/sin: (S_max, R/2),
+  // float32 or x's dtype; rotary_dim R = 2 * cos.size(-1) <= D, channels past R pass through.
+  // Angle of row (b, s): table row pos = positions[s] / positions[b, s] (int64 (S,) or
+  // (B, S)) or offset + s. interleaved=False pairs channels (i, i + R/2) (GPT-NeoX / HF),
+  // True pairs (2i, 2i + 1) (GPT-J / Meta LLaMA). Out-of-place output is contiguous.
+  m.def(
+      "rope("
+      "    Tensor x,"
+      "    Tensor cos,"
+      "    Tensor sin,"
+      "    Tensor? positions=None,"
+      "    SymInt offset=0,"
+      "    bool interleaved=False"
+      ") -> Tensor");
+  m.def(
+      "rope_("
+      "    Tensor(a!) x,"
+      "    Tensor cos,"
+      "    Tensor sin,"
+      "    Tensor? positions=None,"
+      "    SymInt offset=0,"
+      "    bool interleaved=False"
+      ") -> ()");
+  // q (B, S, H, D) and k (B, S, Hkv, Dk) rotated in place in one parallel region / launch.
+  m.def(
+      "rope_qk_("
+      "    Tensor(a!) q,"
+      "    Tensor(b!) k,"
+      "    Tensor cos,"
+      "    Tensor sin,"
+      "    Tensor? positions=None,"
+      "    SymInt offset=0,"
+      "    bool interleaved=False"
+      ") -> ()");
+  // The inverse rotation (angle -theta, i.e. -sin): the backward of rope, out of place.
+  m.def(
+      "_rope_backward("
+      "    Tensor grad,"
+      "    Tensor cos,"
+      "    Tensor sin,"
+      "    Tensor? positions=None,"
+      "    SymInt offset=0,"
+      "    bool interleaved=False"
+      ") -> Tensor");
+
   // ---- diagnostics ------------------------------------------------------------------------
   // Runs an at::parallel_for over n items and returns how many distinct threads took part:
   // proves the library was built with OpenMP (without -fopenmp it is always 1).

@@ -1,0 +1,90 @@
+// Argument checks and RopeParams filling shared by the CPU and CUDA RoPE adapters.
+// Every failure names the argument, what was expected and what was given.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+
+#include "common/checks.h"
+#include "common/pos_enc_params.h"
+
+namespace attn_ext {
+
+// x: (B, S, H, D) floating, last dim contiguous.
+inline void check_rope_input(const at::Tensor& x, const char* name) {
+  check_dim(x, name, 4, "(B, S, H, D)");
+  check_floating(x, name);
+  check_last_dim_contiguous(x, name);
+}
+
+// Fills everything but the tensors (added by add_rope_tensor). x gives B, S, dtype, device.
+inline RopeParams make_rope_params(const at::Tensor& x, const at::Tensor& cos,
+                                   const at::Tensor& sin,
+                                   const std::optional<at::Tensor>& positions, int64_t offset,
+                                   bool interleaved, bool inverse) {
+  check_dim(cos, "cos", 2, "(S_max, rotary_dim/2)");
+  check_dim(sin, "sin", 2, "(S_max, rotary_dim/2)");
+  TORCH_CHECK(cos.sizes() == sin.sizes(), "cos and sin must have the same shape, got cos ",
+              cos.sizes(), " and sin ", sin.sizes());
+  TORCH_CHECK(cos.scalar_type() == sin.scalar_type(), "cos and sin must have the same dtype, got cos ",
+              cos.scalar_type(), " and sin ", sin.scalar_type());
+  TORCH_CHECK(cos.scalar_type() == at::kFloat || cos.scalar_type() == x.scalar_type(),
+              "cos/sin must be float32 or x's dtype (", x.scalar_type(), "), got ",
+              cos.scalar_type());
+  check_same_device(cos, x, "cos", "x");
+  check_same_device(sin, x, "sin", "x");
+  check_last_dim_contiguous(cos, "cos");
+  check_last_dim_contiguous(sin, "sin");
+
+  RopeParams p{};
+  p.num_tensors = 0;
+  p.B = x.size(0);
+  p.S = x.size(1);
+  p.cos = cos.data_ptr();
+  p.sin = sin.data_ptr();
+  p.cos_row_stride = cos.stride(0);
+  p.sin_row_stride = sin.stride(0);
+  p.S_max = cos.size(0);
+  p.half = cos.size(1);
+  p.offset = offset;
+  p.interleaved = interleaved;
+  p.inverse = inverse;
+  p.positions = nullptr;
+  if (positions.has_value()) {
+    const at::Tensor& pos = *positions;
+    const bool per_batch = check_positions(pos, x, p.B, p.S, /*allow_batched=*/true);
+    p.positions = pos.data_ptr<int64_t>();
+    p.pos_batch_stride = per_batch ? pos.stride(0) : 0;
+    p.pos_row_stride = pos.stride(-1);
+  } else if (p.S > 0) {
+    TORCH_CHECK(offset >= 0 && offset + p.S <= p.S_max, "offset + S = ", offset, " + ", p.S,
+                " must lie in [0, cos.size(0) = ", p.S_max,
+                "] (the cos/sin tables have no rows past that)");
+  }
+  return p;
+}
+
+// Adds x -> out (out may be x) as tensor number p.num_tensors.
+inline void add_rope_tensor(RopeParams& p, const at::Tensor& x, const at::Tensor& out,
+                            const char* name) {
+  TORCH_CHECK(p.num_tensors < 2, "internal: at most two tensors per RoPE call");
+  TORCH_CHECK(x.size(0) == p.B && x.size(1) == p.S, name, " must have B = ", p.B, " and S = ",
+              p.S, " (the first two dims of q), got shape ", x.sizes());
+  TORCH_CHECK(2 * p.half <= x.size(3), "rotary_dim = 2 * cos.size(-1) = ", 2 * p.half,
+              " must be <= the head dim D = ", name, ".size(-1) = ", x.size(3));
+  RopeTensorParams& t = p.t[p.num_tensors++];
+  t.x = x.data_ptr();
+  t.out = out.data_ptr();
+  t.H = x.size(2);
+  t.D = x.size(3);
+  t.x_batch_stride = x.stride(0);
+  t.x_row_stride = x.stride(1);
+  t.x_head_stride = x.stride(2);
+  t.out_batch_stride = out.stride(0);
+  t.out_row_stride = out.stride(1);
+  t.out_head_stride = out.stride(2);
+}
+
+}  // namespace attn_ext

@@ -1,0 +1,92 @@
+// Small x86 SIMD layer for the CPU kernels.
+//
+// at::vec::Vectorized picks its instruction set from CPU_CAPABILITY macros that ATen's own
+// build defines per compiled copy; an extension gets none of them and would fall back to the
+// scalar "DEFAULT" path. So the hot loops that matter are written twice: an AVX2+FMA+F16C
+// version in functions marked ATTN_EXT_AVX2 (compiled for that ISA whatever the global
+// -march), and a portable scalar loop. use_avx2() chooses at run time.
+//
+// Avx2IO<T>: load 8 elements of T as 8 floats / store 8 floats as T (round to nearest even),
+// for T = float, c10::Half (F16C), c10::BFloat16 (integer shifts).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define ATTN_EXT_HAVE_AVX2_PATH 1
+#include <immintrin.h>
+#define ATTN_EXT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define ATTN_EXT_HAVE_AVX2_PATH 0
+#endif
+
+namespace attn_ext::cpu {
+
+// True when the CPU has AVX2, FMA and F16C, unless ATTN_EXT_CPU_SIMD=0 (for measuring the
+// portable path).
+inline bool use_avx2() {
+#if ATTN_EXT_HAVE_AVX2_PATH
+  static const bool ok = [] {
+    const char* env = std::getenv("ATTN_EXT_CPU_SIMD");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+#if ATTN_EXT_HAVE_AVX2_PATH
+
+template <typename T>
+struct Avx2IO;
+
+template <>
+struct Avx2IO<float> {
+  ATTN_EXT_AVX2 static inline __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  ATTN_EXT_AVX2 static inline void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+};
+
+template <>
+struct Avx2IO<c10::Half> {
+  ATTN_EXT_AVX2 static inline __m256 load(const c10::Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  ATTN_EXT_AVX2 static inline void store(c10::Half* p, __m256 v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+
+template <>
+struct Avx2IO<c10::BFloat16> {
+  // bf16 is the top half of an fp32: widen by a 16-bit shift.
+  ATTN_EXT_AVX2 static inline __m256 load(const c10::BFloat16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  // Round to nearest even like c10::BFloat16(float): add 0x7fff + lsb, keep the top 16 bits;
+  // NaN becomes the quiet NaN 0x7fc0.
+  ATTN_EXT_AVX2 static inline void store(c10::BFloat16* p, __m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    // 8 x u32 (< 2^16) -> 8 x u16: pack within 128-bit lanes, then gather the two halves.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+};
+
+#endif  // ATTN_EXT_HAVE_AVX2_PATH
+
+}  // namespace attn_ext::cpu
