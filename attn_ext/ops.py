@@ -359,9 +359,16 @@ def _tables_grad_error(ctx):
         )
 
 
+def _last_dim_contiguous(g):
+    # Autograd may hand us an expanded gradient (e.g. of .sum(): all strides 0); the
+    # kernels read rows with stride 1.
+    return g if g.size(-1) <= 1 or g.stride(-1) == 1 else g.contiguous()
+
+
 def _rope_backward(ctx, grad):
     _tables_grad_error(ctx)
     cos, sin, positions = ctx.saved_tensors
+    grad = _last_dim_contiguous(grad)
     gx = _lib._rope_backward(grad, cos, sin, positions, ctx.offset, ctx.interleaved)
     return gx, None, None, None, None, None
 
@@ -369,6 +376,7 @@ def _rope_backward(ctx, grad):
 def _rope_inverse_backward(ctx, grad):
     _tables_grad_error(ctx)
     cos, sin, positions = ctx.saved_tensors
+    grad = _last_dim_contiguous(grad)
     gx = _lib.rope(grad, cos, sin, positions, ctx.offset, ctx.interleaved)
     return gx, None, None, None, None, None
 

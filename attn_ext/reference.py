@@ -135,6 +135,71 @@ def rope_cache(
     return torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
 
 
+def rope_scaled_inv_freq(rotary_dim: int, base: float, scaling: dict, seq_len: int = 0):
+    """One frequency at a time, straight from the formulas (Hugging Face transformers'
+    ``modeling_rope_utils``): returns (list of inv_freq_i, attention factor).
+
+    linear: theta_i / factor. ntk/dynamic: base -> base * (factor * L/L0 - (factor - 1))
+    ** (d/(d-2)), L = max(seq_len, L0). yarn: blend theta_i/factor and theta_i by a linear
+    ramp between the correction dims of beta_fast and beta_slow; attention factor
+    0.1 ln(factor) + 1. llama3: wavelength > L0/low_freq_factor -> theta_i/factor, wavelength
+    < L0/high_freq_factor -> theta_i, smooth blend in between.
+    """
+    d = rotary_dim
+    kind = scaling.get("type", scaling.get("rope_type"))
+    factor = scaling.get("factor", 1.0)
+    theta = [base ** (-(2 * i) / d) for i in range(d // 2)]
+    if kind == "linear":
+        return [t / factor for t in theta], 1.0
+    if kind in ("ntk", "dynamic"):
+        L0 = scaling["original_max_position_embeddings"]
+        L = max(seq_len, L0)
+        b = base * (factor * L / L0 - (factor - 1)) ** (d / (d - 2))
+        return [b ** (-(2 * i) / d) for i in range(d // 2)], 1.0
+    if kind == "yarn":
+        L0 = scaling["original_max_position_embeddings"]
+
+        def corr(rot):
+            return d * math.log(L0 / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr(scaling.get("beta_fast", 32))), 0)
+        high = min(math.ceil(corr(scaling.get("beta_slow", 1))), d - 1)
+        if low == high:
+            high += 0.001
+        out = []
+        for i, t in enumerate(theta):
+            ramp = min(max((i - low) / (high - low), 0.0), 1.0)  # 0: keep t, 1: t / factor
+            out.append(t * (1 - ramp) + (t / factor) * ramp)
+        attn = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        return out, attn
+    if kind == "llama3":
+        L0 = scaling.get("original_max_position_embeddings", 8192)
+        lo = scaling.get("low_freq_factor", 1.0)
+        hi = scaling.get("high_freq_factor", 4.0)
+        out = []
+        for t in theta:
+            wavelen = 2 * math.pi / t
+            if wavelen < L0 / hi:
+                out.append(t)
+            elif wavelen > L0 / lo:
+                out.append(t / factor)
+            else:
+                smooth = (L0 / wavelen - lo) / (hi - lo)
+                out.append((1 - smooth) * t / factor + smooth * t)
+        return out, 1.0
+    raise ValueError(f"unknown scaling type {kind!r}")
+
+
+def rope_cache_scaled(seq_len: int, rotary_dim: int, base: float, scaling: dict):
+    """cos, sin float64 ``(seq_len, rotary_dim/2)`` from :func:`rope_scaled_inv_freq`."""
+    inv_freq, attn = rope_scaled_inv_freq(rotary_dim, base, scaling, seq_len)
+    cos = torch.tensor([[math.cos(p * f) * attn for f in inv_freq] for p in range(seq_len)],
+                       dtype=torch.float64)
+    sin = torch.tensor([[math.sin(p * f) * attn for f in inv_freq] for p in range(seq_len)],
+                       dtype=torch.float64)
+    return cos.reshape(seq_len, rotary_dim // 2), sin.reshape(seq_len, rotary_dim // 2)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """(x1, x2) -> (-x2, x1) on the two halves of the last dim (GPT-NeoX / HF LLaMA)."""
     x1, x2 = x.chunk(2, dim=-1)
