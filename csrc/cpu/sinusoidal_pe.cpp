@@ -27,6 +27,7 @@
 
 #include "common/checks.h"
 #include "common/pos_enc_params.h"
+#include "common/sinusoidal_adapter.h"
 #include "cpu/simd.h"
 
 namespace attn_ext {
@@ -193,40 +194,6 @@ void sinusoidal_kernel(const SinusoidalParams& p) {
   });
 }
 
-// Checks arguments and fills params for x -> out (out may be x itself).
-SinusoidalParams make_params(const at::Tensor& x, const at::Tensor& out,
-                             const std::optional<at::Tensor>& positions, int64_t offset,
-                             double base) {
-  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "x must have 3 dims (B, S, D) or 2 dims (S, D), got shape ",
-              x.sizes());
-  check_floating(x, "x");
-  TORCH_CHECK(std::isfinite(base) && base > 0.0, "base must be a positive finite number, got ",
-              base);
-  const bool batched_x = x.dim() == 3;
-  SinusoidalParams p{};
-  p.B = batched_x ? x.size(0) : 1;
-  p.S = x.size(-2);
-  p.D = x.size(-1);
-  p.x = x.data_ptr();
-  p.out = out.data_ptr();
-  p.x_batch_stride = batched_x ? x.stride(0) : 0;
-  p.x_row_stride = x.stride(-2);
-  p.x_col_stride = x.stride(-1);
-  p.out_batch_stride = batched_x ? out.stride(0) : 0;
-  p.out_row_stride = out.stride(-2);
-  p.offset = offset;
-  p.log_base = std::log(base);
-  p.positions = nullptr;
-  if (positions.has_value()) {
-    const at::Tensor& pos = *positions;
-    const bool per_batch = check_positions(pos, x, p.B, p.S, batched_x);
-    p.positions = pos.data_ptr<int64_t>();
-    p.pos_batch_stride = per_batch ? pos.stride(0) : 0;
-    p.pos_row_stride = pos.stride(-1);
-  }
-  return p;
-}
-
 void run(const at::Tensor& x, const SinusoidalParams& p) {
   if (p.B * p.S * p.D == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sinusoidal_pe",
@@ -235,19 +202,17 @@ void run(const at::Tensor& x, const SinusoidalParams& p) {
 
 at::Tensor sinusoidal_pe_cpu(const at::Tensor& x, const std::optional<at::Tensor>& positions,
                              int64_t offset, double base) {
-  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "x must have 3 dims (B, S, D) or 2 dims (S, D), got shape ",
-              x.sizes());
+  check_sinusoidal_rank(x);
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  run(x, make_params(x, out, positions, offset, base));
+  run(x, make_sinusoidal_params(x, out, positions, offset, base));
   return out;
 }
 
 void sinusoidal_pe_inplace_cpu(const at::Tensor& x, const std::optional<at::Tensor>& positions,
                                int64_t offset, double base) {
-  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "x must have 3 dims (B, S, D) or 2 dims (S, D), got shape ",
-              x.sizes());
+  check_sinusoidal_rank(x);
   check_last_dim_contiguous(x, "x (in place)");
-  run(x, make_params(x, x, positions, offset, base));
+  run(x, make_sinusoidal_params(x, x, positions, offset, base));
 }
 
 }  // namespace

@@ -1,0 +1,146 @@
+"""Tests of attn_ext/reference.py itself: hand-computed tiny cases and the textbook's
+properties. Everything else is tested against this file, so it must be right."""
+
+import math
+
+import pytest
+import torch
+
+from attn_ext import reference as ref
+
+f64 = torch.float64
+
+
+def test_attention_hand_computed():
+    # One head, D = 1, three tokens: scores are q_i * k_j / sqrt(1).
+    q = torch.tensor([1.0, 2.0, 0.5], dtype=f64).view(1, 3, 1, 1)
+    k = torch.tensor([0.0, 1.0, -1.0], dtype=f64).view(1, 3, 1, 1)
+    v = torch.tensor([10.0, 20.0, 30.0], dtype=f64).view(1, 3, 1, 1)
+    out, lse = ref.attention_with_lse(q, k, v, causal=True)
+    # row 0 sees key 0 only
+    assert out[0, 0, 0, 0].item() == pytest.approx(10.0)
+    assert lse[0, 0, 0].item() == pytest.approx(0.0)
+    # row 1 sees keys 0, 1 with scores 0, 2
+    w = torch.softmax(torch.tensor([0.0, 2.0], dtype=f64), 0)
+    assert out[0, 1, 0, 0].item() == pytest.approx(float(w[0] * 10 + w[1] * 20))
+    assert lse[0, 0, 1].item() == pytest.approx(math.log(1 + math.exp(2.0)))
+    # row 2 sees all keys, scores 0, 0.5, -0.5
+    w = torch.softmax(torch.tensor([0.0, 0.5, -0.5], dtype=f64), 0)
+    assert out[0, 2, 0, 0].item() == pytest.approx(float(w @ torch.tensor([10.0, 20, 30], dtype=f64)))
+
+
+def test_causal_rows_sum_to_one_and_first_token_attends_to_itself():
+    q, k = torch.randn(2, 6, 3, 4, dtype=f64), torch.randn(2, 6, 3, 4, dtype=f64)
+    p = ref.attention_probs(q, k, causal=True)  # (B, H, S, S)
+    for i in range(6):
+        assert torch.allclose(p[..., i, : i + 1].sum(-1), torch.ones((), dtype=f64))
+        assert torch.all(p[..., i, i + 1 :] == 0)
+    assert torch.all(p[..., 0, 0] == 1)
+
+
+def test_causal_mask_matches_textbook_triu_and_aligns_bottom_right():
+    s = 5
+    textbook = ~torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
+    assert torch.equal(ref.causal_mask(s, s), textbook)
+    # Sq < Sk: the last query row sees every key (KV-cache decoding).
+    m = ref.causal_mask(2, 5)
+    assert m[1].all() and m[0].tolist() == [True, True, True, True, False]
+    # Sq > Sk: the first rows see nothing -> output 0, lse -inf, no NaN.
+    q, k, v = torch.randn(1, 4, 1, 3, dtype=f64), torch.randn(1, 2, 1, 3, dtype=f64), torch.randn(1, 2, 1, 3, dtype=f64)
+    out, lse = ref.attention_with_lse(q, k, v, causal=True)
+    assert torch.all(out[0, :2] == 0) and torch.isinf(lse[0, 0, :2]).all()
+    assert not torch.isnan(out).any()
+
+
+def test_gqa_equals_repeated_heads():
+    q = torch.randn(2, 5, 4, 3, dtype=f64)
+    k, v = torch.randn(2, 7, 2, 3, dtype=f64), torch.randn(2, 7, 2, 6, dtype=f64)
+    out = ref.attention(q, k, v, causal=True)
+    out_rep = ref.attention(q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2), causal=True)
+    assert out.shape == (2, 5, 4, 6)
+    assert torch.allclose(out, out_rep)
+    # head 3 reads kv head 1
+    o3 = ref.attention(q[:, :, 3:4], k[:, :, 1:2], v[:, :, 1:2], causal=True)
+    assert torch.allclose(out[:, :, 3:4], o3)
+
+
+def test_self_attention_without_position_is_permutation_equivariant():
+    torch.manual_seed(0)
+    mha = ref.MultiHeadAttentionRef(8, 2, causal=False).double()
+    x = torch.randn(1, 6, 8, dtype=f64)
+    perm = torch.randperm(6)
+    assert torch.allclose(mha(x)[:, perm], mha(x[:, perm]))
+    # with RoPE the same permutation changes the output
+    cos, sin = ref.rope_cache(6, 4)
+    y1 = mha(x, rope_tables=(cos, sin, False))[:, perm]
+    y2 = mha(x[:, perm], rope_tables=(cos, sin, False))
+    assert not torch.allclose(y1, y2)
+
+
+def test_sinusoidal_table_hand_computed_and_odd_dim():
+    pe = ref.sinusoidal_table(3, 5, base=10000.0)
+    for pos in range(3):
+        for i in range(5):
+            w = 1.0 / 10000.0 ** ((i - i % 2) / 5)
+            want = math.sin(pos * w) if i % 2 == 0 else math.cos(pos * w)
+            assert pe[pos, i].item() == pytest.approx(want, abs=1e-15)
+
+
+def test_sinusoidal_shift_is_a_rotation_per_frequency_pair():
+    d, delta = 16, 7
+    pe = ref.sinusoidal_table(50, d)
+    for i in range(d // 2):
+        w = 1.0 / 10000.0 ** (2 * i / d)
+        c, s = math.cos(delta * w), math.sin(delta * w)
+        rot = torch.tensor([[c, s], [-s, c]], dtype=f64)  # (sin, cos)(p + delta) = rot @ (sin, cos)(p)
+        pair = pe[:, 2 * i : 2 * i + 2]  # (pos, [sin, cos])
+        assert torch.allclose(pair[delta:], pair[:-delta] @ rot.T, atol=1e-12)
+
+
+def test_sinusoidal_dot_product_depends_only_on_distance():
+    pe = ref.sinusoidal_table(64, 32)
+    gram = pe @ pe.T
+    for dist in (0, 1, 5, 20):
+        diag = torch.diagonal(gram, offset=dist)
+        assert torch.allclose(diag, diag[0].expand_as(diag), atol=1e-10)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_score_depends_only_on_relative_position(interleaved):
+    d = 8
+    cos, sin = ref.rope_cache(64, d)
+    q, k = torch.randn(1, 1, 1, d, dtype=f64), torch.randn(1, 1, 1, d, dtype=f64)
+
+    def score(m, n):
+        qm = ref.rope(q, cos, sin, offset=m, interleaved=interleaved)
+        kn = ref.rope(k, cos, sin, offset=n, interleaved=interleaved)
+        return float((qm * kn).sum())
+
+    assert score(10, 3) == pytest.approx(score(30, 23), abs=1e-12)
+    assert score(5, 5) == pytest.approx(float((q * k).sum()), abs=1e-12)
+    assert score(10, 3) != pytest.approx(score(10, 4), abs=1e-6)
+
+
+def test_rope_hand_computed_pairings():
+    # D = 4, rotary over all: half-split pairs (0, 2), (1, 3); interleaved pairs (0, 1), (2, 3).
+    cos, sin = ref.rope_cache(4, 4, base=100.0)
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=f64).view(1, 1, 1, 4)
+    pos = 3
+    th = [pos * 100.0 ** (-0.0), pos * 100.0 ** (-0.5)]
+    c, s = [math.cos(t) for t in th], [math.sin(t) for t in th]
+    half = ref.rope(x, cos, sin, offset=pos).flatten().tolist()
+    assert half == pytest.approx([1 * c[0] - 3 * s[0], 2 * c[1] - 4 * s[1],
+                                  1 * s[0] + 3 * c[0], 2 * s[1] + 4 * c[1]])
+    inter = ref.rope(x, cos, sin, offset=pos, interleaved=True).flatten().tolist()
+    assert inter == pytest.approx([1 * c[0] - 2 * s[0], 1 * s[0] + 2 * c[0],
+                                   3 * c[1] - 4 * s[1], 3 * s[1] + 4 * c[1]])
+
+
+def test_rope_partial_passes_channels_through_and_positions_forms_agree():
+    cos, sin = ref.rope_cache(20, 4)
+    x = torch.randn(2, 5, 3, 10, dtype=f64)
+    y = ref.rope(x, cos, sin, offset=4)
+    assert torch.equal(y[..., 4:], x[..., 4:])
+    pos = torch.arange(4, 9)
+    assert torch.allclose(ref.rope(x, cos, sin, positions=pos), y)
+    assert torch.allclose(ref.rope(x, cos, sin, positions=pos.expand(2, 5)), y)
