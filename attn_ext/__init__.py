@@ -11,9 +11,12 @@ from . import _C  # noqa: F401  (loads the library: registers torch.ops.attn_ext
 from . import ops as _ops  # noqa: F401  (fake kernels + autograd)
 from .ops import sinusoidal_pe, sinusoidal_pe_, sinusoidal_table
 from .ops import rope, rope_, rope_qk, rope_cache, rope_inv_freq
+from .ops import attention, causal_attention
 from . import reference
 
 __all__ = [
+    "attention",
+    "causal_attention",
     "sinusoidal_pe",
     "sinusoidal_pe_",
     "sinusoidal_table",
