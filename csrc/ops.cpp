@@ -66,6 +66,8 @@ TORCH_LIBRARY(attn_ext, m) {
       "    Tensor? positions=None,"
       "    SymInt offset=0,"
       "    bool interleaved=False"
+      ") -> Tensor");
+
   // ---- attention ----------------------------------------------------------------------------
   // q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv): any strides, last dim contiguous.
   // Hkv divides H (query head h reads kv head h / (H / Hkv)); scale defaults to 1/sqrt(D);
