@@ -384,6 +384,10 @@ def _rope_inverse_backward(ctx, grad):
 torch.library.register_autograd("attn_ext::rope", _rope_backward, setup_context=_rope_setup)
 torch.library.register_autograd(
     "attn_ext::_rope_backward", _rope_inverse_backward, setup_context=_rope_setup
+)
+
+
+# ---------------------------------------------------------------------------------------
 # scaled dot-product attention
 # ---------------------------------------------------------------------------------------
 
@@ -508,3 +512,39 @@ torch.library.register_autograd(
     _attention_forward_backward,
     setup_context=_attention_forward_setup,
 )
+
+
+# ---------------------------------------------------------------------------------------
+# attention probabilities for inspection (need_weights)
+# ---------------------------------------------------------------------------------------
+
+
+def attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    lse: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The ``(B, H, Sq, Sk)`` attention probabilities ``exp(scale * q k^T - lse)`` in float32.
+
+    For attention maps and plots, not for the fast path: it forms the full score matrix. Pass
+    the ``lse`` returned by ``attention(..., return_lse=True)`` to reuse the forward's
+    normaliser (rows then sum to 1 up to rounding); without it the normaliser is computed
+    here. Rows that see no key are 0. q ``(B, Sq, H, D)``, k ``(B, Sk, Hkv, D)``.
+    """
+    H, D = q.size(2), q.size(3)
+    Sq, Sk, Hkv = q.size(1), k.size(1), k.size(2)
+    s = scale if scale is not None else 1.0 / math.sqrt(D)
+    if Hkv != H:
+        k = k.repeat_interleave(H // Hkv, dim=2)
+    qf = q.transpose(1, 2).to(torch.float32 if q.dtype != torch.float64 else q.dtype)
+    kf = k.transpose(1, 2).to(qf.dtype)
+    scores = torch.matmul(qf, kf.transpose(-2, -1)) * s  # (B, H, Sq, Sk)
+    if causal:
+        keep = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(Sk - Sq)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.to(scores.dtype).unsqueeze(-1))
+    return torch.nan_to_num(probs, nan=0.0)
