@@ -12,7 +12,16 @@ from . import ops as _ops  # noqa: F401  (fake kernels + autograd)
 from .ops import sinusoidal_pe, sinusoidal_pe_, sinusoidal_table
 from .ops import rope, rope_, rope_qk, rope_cache, rope_inv_freq
 from .ops import attention, causal_attention
-from . import reference
+from .ops import attention_weights
+from .modules import (
+    KVCache,
+    LearnedPositionalEmbedding,
+    MultiHeadAttention,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    TransformerBlock,
+)
+from . import models, reference
 
 __all__ = [
     "attention",
@@ -25,6 +34,14 @@ __all__ = [
     "rope_qk",
     "rope_cache",
     "rope_inv_freq",
+    "attention_weights",
+    "KVCache",
+    "LearnedPositionalEmbedding",
+    "MultiHeadAttention",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEncoding",
+    "TransformerBlock",
+    "models",
     "reference",
     "library_path",
 ]
