@@ -224,6 +224,73 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"rotary_dim {rotary.rotary_dim} must be <= head dim {d}")
         self.rotary = rotary
 
+    @classmethod
+    def from_linears(
+        cls,
+        q_proj: nn.Linear,
+        k_proj: nn.Linear,
+        v_proj: nn.Linear,
+        o_proj: nn.Linear,
+        num_heads: int,
+        causal: bool = True,
+        num_kv_heads: Optional[int] = None,
+        rotary=None,
+    ) -> "MultiHeadAttention":
+        """Build the fused layer from the textbook's four projections (as in
+        ``reference.MultiHeadAttentionRef``): the QKV weight is ``cat([W_q, W_k, W_v])``.
+        Head dims follow from the shapes; ``num_kv_heads`` defaults to what k_proj implies
+        for the query head dim."""
+        d_model = q_proj.in_features
+        if not (k_proj.in_features == v_proj.in_features == d_model):
+            raise ValueError("q_proj, k_proj and v_proj must read the same width (self-attention)")
+        if q_proj.out_features % num_heads:
+            raise ValueError(f"q_proj.out_features {q_proj.out_features} is not a multiple of num_heads {num_heads}")
+        d = q_proj.out_features // num_heads
+        hkv = num_kv_heads if num_kv_heads is not None else k_proj.out_features // d
+        if hkv * d != k_proj.out_features or v_proj.out_features % hkv:
+            raise ValueError(
+                f"k_proj/v_proj widths ({k_proj.out_features}, {v_proj.out_features}) do not fit "
+                f"{hkv} kv heads of dim {d}")
+        dv = v_proj.out_features // hkv
+        has_bias = [m.bias is not None for m in (q_proj, k_proj, v_proj, o_proj)]
+        if any(has_bias) and not all(has_bias):
+            raise ValueError("either all four projections have a bias or none does")
+        layer = cls(d_model, num_heads, hkv, causal=causal, bias=all(has_bias), rotary=rotary,
+                    qk_dim=d, v_dim=dv)
+        w = q_proj.weight
+        layer = layer.to(device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            assert layer.qkv is not None
+            layer.qkv.weight.copy_(torch.cat([q_proj.weight, k_proj.weight, v_proj.weight]))
+            layer.out_proj.weight.copy_(o_proj.weight)
+            if all(has_bias):
+                layer.qkv.bias.copy_(torch.cat([q_proj.bias, k_proj.bias, v_proj.bias]))
+                layer.out_proj.bias.copy_(o_proj.bias)
+        return layer
+
+    @classmethod
+    def from_torch(cls, mha: nn.MultiheadAttention, causal: bool = False) -> "MultiHeadAttention":
+        """Build the layer from a ``torch.nn.MultiheadAttention`` (self-attention with equal
+        q/k/v widths; its packed ``in_proj_weight`` is already our fused QKV layout). The
+        result takes ``(B, S, E)`` input whatever the source's ``batch_first`` was."""
+        if not mha._qkv_same_embed_dim:
+            raise ValueError("from_torch needs kdim == vdim == embed_dim (packed in_proj_weight)")
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError("from_torch does not support add_bias_kv or add_zero_attn")
+        E, H = mha.embed_dim, mha.num_heads
+        has_bias = mha.in_proj_bias is not None
+        layer = cls(E, H, causal=causal, bias=has_bias, dropout=mha.dropout)
+        w = mha.in_proj_weight
+        layer = layer.to(device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            assert layer.qkv is not None
+            layer.qkv.weight.copy_(mha.in_proj_weight)
+            layer.out_proj.weight.copy_(mha.out_proj.weight)
+            if has_bias:
+                layer.qkv.bias.copy_(mha.in_proj_bias)
+                layer.out_proj.bias.copy_(mha.out_proj.bias)
+        return layer
+
     def new_kv_cache(self, batch: int, max_len: int, dtype: Optional[torch.dtype] = None,
                      device: Optional[torch.device] = None) -> KVCache:
         """An empty preallocated :class:`KVCache` for this layer."""
@@ -233,6 +300,11 @@ class MultiHeadAttention(nn.Module):
         k = torch.empty(batch, max_len, self.num_kv_heads, self.head_dim, dtype=dtype, device=device)
         v = torch.empty(batch, max_len, self.num_kv_heads, self.v_dim, dtype=dtype, device=device)
         return KVCache(k, v)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The attention call of the fast path: ``(B, Sq, H, Dv)`` contiguous. (Benchmarks and
+        the demo swap it per instance to time the same model on other attention code.)"""
+        return torch.ops.attn_ext.attention(q, k, v, self.causal, self.scale)
 
     def forward(
         self,
@@ -282,7 +354,7 @@ class MultiHeadAttention(nn.Module):
             out, lse = torch.ops.attn_ext.attention_forward(q, k, v, self.causal, self.scale)
             weights = attention_weights(q, k, self.causal, self.scale, lse)
         else:
-            out = torch.ops.attn_ext.attention(q, k, v, self.causal, self.scale)
+            out = self._attend(q, k, v)
         # out: (B, Sq, H, Dv) contiguous -> (B, Sq, H * Dv) for free
         return self.out_proj(out.view(B, Sq, H * Dv)), weights
 

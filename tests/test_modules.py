@@ -194,3 +194,22 @@ def test_dropout_training_path_is_the_same_attention_without_dropout_rate():
     layer.train()
     layer.dropout = 1e-12  # the explicit-probabilities path with (almost) no dropout
     torch.testing.assert_close(layer(x)[0], y_eval, rtol=1e-9, atol=1e-9)
+
+
+def test_from_linears_carries_textbook_weights(device):
+    textbook = ref.MultiHeadAttentionRef(48, 6, 2, causal=True).to(device, f64)
+    ours = MultiHeadAttention.from_linears(textbook.w_q, textbook.w_k, textbook.w_v, textbook.w_o,
+                                           num_heads=6, causal=True)
+    assert ours.num_kv_heads == 2 and ours.head_dim == 8
+    x = torch.randn(3, 10, 48, dtype=f64, device=device)
+    torch.testing.assert_close(ours(x)[0], textbook(x), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_from_torch_matches_nn_multihead_attention(causal):
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).double().eval()
+    ours = MultiHeadAttention.from_torch(mha, causal=causal).eval()
+    x = torch.randn(2, 9, 32, dtype=f64)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(9, dtype=f64) if causal else None
+    want, _ = mha(x, x, x, attn_mask=mask, need_weights=False, is_causal=causal)
+    torch.testing.assert_close(ours(x)[0], want, rtol=1e-10, atol=1e-10)
