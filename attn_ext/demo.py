@@ -211,9 +211,6 @@ def pictures(out_dir: str, rev_models, kback_models, losses, kback_len: int, dev
     model = kback_models["rope"]
     x = torch.randint(0, model.head.out_features, (1, kback_len), device=device)
     attn = model.blocks[-1].attn
-    captured = {}
-    hook = attn.register_forward_hook(lambda m, inp, out: captured.__setitem__("w", None))
-    hook.remove()
     with torch.no_grad():
         h = model.tok(x)
         for blk in model.blocks[:-1]:
