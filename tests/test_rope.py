@@ -13,7 +13,7 @@ import torch
 
 import attn_ext
 from attn_ext import reference as R
-from tests.utils import assert_close_rule, randn
+from utils import assert_close_rule, randn
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
