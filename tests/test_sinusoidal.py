@@ -179,3 +179,16 @@ def test_fast_path_negative_and_huge_positions(device):
     ref_low = ref.sinusoidal_pe(x64.float(), positions=positions)
     got = attn_ext.sinusoidal_pe(x64.float().to(device), positions=positions.to(device))
     assert_close_rule(got.cpu(), ref64, ref_low)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0, 99_000, -70, 999_999_990])
+def test_fast_path_recurrence_rows(device, dtype, offset):
+    # offset + s rows are produced by angle-addition steps between exact restarts (every
+    # 16 rows): 300 consecutive rows cover many steps and restarts; the last offset crosses
+    # the fast path's 1e9 limit mid-chunk.
+    x64 = randn(2, 300, 72, dtype=torch.float64)
+    ref64 = ref.sinusoidal_pe(x64.to(dtype).double(), offset=offset)
+    ref_low = ref.sinusoidal_pe(x64.to(dtype), offset=offset)
+    got = attn_ext.sinusoidal_pe(x64.to(dtype).to(device), offset=offset)
+    assert_close_rule(got.cpu(), ref64, ref_low)
