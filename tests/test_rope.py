@@ -389,3 +389,18 @@ def test_portable_cpu_path():
     res = subprocess.run([sys.executable, "-c", _SCALAR_SCRIPT], env=env, cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "scalar-ok" in res.stdout, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_nt_store_path_cpu(monkeypatch, dtype, interleaved):
+    # Opt-in non-temporal stores for large (>= 8 MiB) out-of-place outputs: same bits as the
+    # in-place (cached-store) path.
+    monkeypatch.setenv("ATTN_EXT_NT_STORES", "1")
+    q = randn(4, 512, 16, 128, dtype=dtype)
+    cos, sin = _tables(512, 128, torch.float32, "cpu")
+    out = attn_ext.rope(q, cos, sin, interleaved=interleaved)
+    y = q.clone()
+    attn_ext.rope_(y, cos, sin, interleaved=interleaved)
+    torch.testing.assert_close(out, y, rtol=0, atol=0)
+    _check(out[:, :64], q[:, :64], cos, sin, None, 0, interleaved)
