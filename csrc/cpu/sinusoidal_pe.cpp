@@ -65,6 +65,10 @@ void pe_row(acc_t* pe, int64_t D, double pos, const double* inv_freq) {
   pe_row_tail<acc_t>(pe, D, 0, pos, inv_freq);
 }
 
+// Rows per block: PE rows are computed kRestart at a time, and the angle-addition
+// recurrence restarts from an exact row at every block start.
+constexpr int64_t kRestart = 16;
+
 #if ATTN_EXT_HAVE_AVX2_PATH
 // Largest |pos| for the fast row: keeps k = round(pos * w / (pi/2)) inside int32 (w <= 1).
 constexpr double kFastMaxPos = 1.0e9;
@@ -139,7 +143,6 @@ ATTN_EXT_AVX2 void pe_row_step_avx2(float* pe, int64_t n4, double* state_sin, do
     _mm_storeu_ps(pe + 2 * i + 4, _mm_unpackhi_ps(sf, cf));
   }
 }
-constexpr int64_t kRestart = 16;
 
 // out[0, D) = x[0, D) + pe[0, D), 8 lanes at a time; returns the first index not done.
 template <typename T>
@@ -179,59 +182,75 @@ void sinusoidal_kernel(const SinusoidalParams& p) {
   const bool simd = kSimdType && cpu::use_avx2();
 
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> pe(D + 8);
+    std::vector<acc_t> pe(kRestart * D + 8);
     // Consecutive positions (offset + s): angle-addition steps between exact rows.
     const bool recur = simd && p.positions == nullptr;
     std::vector<double> st_sin(recur ? pairs : 0), st_cos(recur ? pairs : 0);
     bool state_ok = false;  // st_* hold the previous position's row
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b0 = shared ? 0 : item / S;
-      const int64_t s = shared ? item : item % S;
-      const int64_t pos = p.positions
-                              ? p.positions[b0 * p.pos_batch_stride + s * p.pos_row_stride]
-                              : p.offset + s;
-      const double dpos = static_cast<double>(pos);
+    // Pass 1 computes the PE rows of a block of kRestart items into pe (kRestart x D floats,
+    // L2-resident); pass 2 adds them to x batch by batch, so each batch reads one contiguous
+    // run of kRestart rows (long sequential streams for the prefetchers) instead of hopping
+    // across all B batches for every row.
+    for (int64_t blk = begin; blk < end; blk += kRestart) {
+      const int64_t n = std::min<int64_t>(kRestart, end - blk);
+      // pass 1: PE rows of items blk .. blk + n
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t item = blk + j;
+        const int64_t b0 = shared ? 0 : item / S;
+        const int64_t s = shared ? item : item % S;
+        const int64_t pos = p.positions
+                                ? p.positions[b0 * p.pos_batch_stride + s * p.pos_row_stride]
+                                : p.offset + s;
+        const double dpos = static_cast<double>(pos);
+        acc_t* pe_j = pe.data() + j * D;
 #if ATTN_EXT_HAVE_AVX2_PATH
-      if constexpr (kSimdType) {
-        if (simd && std::abs(dpos) <= kFastMaxPos) {
-          // Pairs [0, n4) vectorised, the rest (and an odd D's last sin) below.
-          const int64_t n4 = (D / 2) / 4 * 4;
-          if (recur && state_ok && (item - begin) % kRestart != 0) {
-            pe_row_step_avx2(pe.data(), n4, st_sin.data(), st_cos.data(), cos_w.data(),
-                             sin_w.data());
+        if constexpr (kSimdType) {
+          if (simd && std::abs(dpos) <= kFastMaxPos) {
+            // Pairs [0, n4) vectorised, the rest (and an odd D's last sin) below.
+            const int64_t n4 = (D / 2) / 4 * 4;
+            if (recur && state_ok && (item - begin) % kRestart != 0) {
+              pe_row_step_avx2(pe_j, n4, st_sin.data(), st_cos.data(), cos_w.data(),
+                               sin_w.data());
+            } else {
+              pe_row_avx2(pe_j, n4, dpos, inv_freq.data(), recur ? st_sin.data() : nullptr,
+                          recur ? st_cos.data() : nullptr);
+              state_ok = recur;
+            }
+            pe_row_tail<acc_t>(pe_j, D, n4, dpos, inv_freq.data());
           } else {
-            pe_row_avx2(pe.data(), n4, dpos, inv_freq.data(), recur ? st_sin.data() : nullptr,
-                        recur ? st_cos.data() : nullptr);
-            state_ok = recur;
+            pe_row<acc_t>(pe_j, D, dpos, inv_freq.data());
+            state_ok = false;
           }
-          pe_row_tail<acc_t>(pe.data(), D, n4, dpos, inv_freq.data());
         } else {
-          pe_row<acc_t>(pe.data(), D, dpos, inv_freq.data());
-          state_ok = false;
+          pe_row<acc_t>(pe_j, D, dpos, inv_freq.data());
         }
-      } else {
-        pe_row<acc_t>(pe.data(), D, dpos, inv_freq.data());
-      }
 #else
-      pe_row<acc_t>(pe.data(), D, dpos, inv_freq.data());
+        pe_row<acc_t>(pe_j, D, dpos, inv_freq.data());
 #endif
+      }
+      // pass 2: out = x + PE, batch-major over the block
       for (int64_t r = 0; r < rows_per_item; ++r) {
-        const int64_t b = shared ? r : b0;
-        const scalar_t* xr = x + b * p.x_batch_stride + s * p.x_row_stride;
-        scalar_t* orow = out + b * p.out_batch_stride + s * p.out_row_stride;
-        if (p.x_col_stride == 1) {
-          int64_t d0 = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t item = blk + j;
+          const int64_t b = shared ? r : item / S;
+          const int64_t s = shared ? item : item % S;
+          const acc_t* pe_j = pe.data() + j * D;
+          const scalar_t* xr = x + b * p.x_batch_stride + s * p.x_row_stride;
+          scalar_t* orow = out + b * p.out_batch_stride + s * p.out_row_stride;
+          if (p.x_col_stride == 1) {
+            int64_t d0 = 0;
 #if ATTN_EXT_HAVE_AVX2_PATH
-          if constexpr (kSimdType) {
-            if (simd) d0 = add_row_avx2<scalar_t>(xr, orow, pe.data(), D);
-          }
+            if constexpr (kSimdType) {
+              if (simd) d0 = add_row_avx2<scalar_t>(xr, orow, pe_j, D);
+            }
 #endif
-          for (int64_t d = d0; d < D; ++d) {
-            orow[d] = static_cast<scalar_t>(static_cast<acc_t>(xr[d]) + pe[d]);
-          }
-        } else {
-          for (int64_t d = 0; d < D; ++d) {
-            orow[d] = static_cast<scalar_t>(static_cast<acc_t>(xr[d * p.x_col_stride]) + pe[d]);
+            for (int64_t d = d0; d < D; ++d) {
+              orow[d] = static_cast<scalar_t>(static_cast<acc_t>(xr[d]) + pe_j[d]);
+            }
+          } else {
+            for (int64_t d = 0; d < D; ++d) {
+              orow[d] = static_cast<scalar_t>(static_cast<acc_t>(xr[d * p.x_col_stride]) + pe_j[d]);
+            }
           }
         }
       }
