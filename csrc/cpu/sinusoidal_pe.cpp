@@ -144,6 +144,21 @@ ATTN_EXT_AVX2 void pe_row_step_avx2(float* pe, int64_t n4, double* state_sin, do
   }
 }
 
+// fp16/bf16 outputs: the next row straight from the previous fp32 row, 4 pairs per step.
+// The row is interleaved [s0 c0 s1 c1 ...]; rotating each pair by w_i is
+//   even lanes: s cw + c sw,  odd lanes: c cw - s sw  =  fmsubadd(row, cw2, swap(row) * sw2)
+// with cw2/sw2 = cos/sin(w_i) duplicated per lane pair. fp32 rounding over < kRestart steps
+// stays near 1e-6, far below fp16/bf16 resolution (fp32 outputs use the double recurrence).
+ATTN_EXT_AVX2 void pe_row_step_f32_avx2(float* pe, const float* prev, int64_t n4,
+                                        const float* cw2, const float* sw2) {
+  for (int64_t e = 0; e < 2 * n4; e += 8) {
+    const __m256 v = _mm256_loadu_ps(prev + e);
+    const __m256 swapped = _mm256_permute_ps(v, 0xb1);
+    _mm256_storeu_ps(pe + e, _mm256_fmsubadd_ps(v, _mm256_loadu_ps(cw2 + e),
+                                                _mm256_mul_ps(swapped, _mm256_loadu_ps(sw2 + e))));
+  }
+}
+
 // out[0, D) = x[0, D) + pe[0, D), 8 lanes at a time; returns the first index not done.
 template <typename T>
 ATTN_EXT_AVX2 int64_t add_row_avx2(const T* x, T* out, const float* pe, int64_t D) {
@@ -169,6 +184,13 @@ void sinusoidal_kernel(const SinusoidalParams& p) {
   for (int64_t i = 0; i < pairs; ++i) {
     cos_w[i] = std::cos(inv_freq[i]);
     sin_w[i] = std::sin(inv_freq[i]);
+  }
+  // fp16/bf16: step rows in fp32 (pe_row_step_f32_avx2), lanes duplicated per pair.
+  constexpr bool kF32Step = !std::is_same_v<scalar_t, float> && !std::is_same_v<scalar_t, double>;
+  std::vector<float> cw2(kF32Step ? 2 * pairs : 0), sw2(kF32Step ? 2 * pairs : 0);
+  for (int64_t i = 0; kF32Step && i < pairs; ++i) {
+    cw2[2 * i] = cw2[2 * i + 1] = static_cast<float>(cos_w[i]);
+    sw2[2 * i] = sw2[2 * i + 1] = static_cast<float>(sin_w[i]);
   }
   const auto* x = static_cast<const scalar_t*>(p.x);
   auto* out = static_cast<scalar_t*>(p.out);
@@ -209,11 +231,16 @@ void sinusoidal_kernel(const SinusoidalParams& p) {
             // Pairs [0, n4) vectorised, the rest (and an odd D's last sin) below.
             const int64_t n4 = (D / 2) / 4 * 4;
             if (recur && state_ok && (item - begin) % kRestart != 0) {
-              pe_row_step_avx2(pe_j, n4, st_sin.data(), st_cos.data(), cos_w.data(),
-                               sin_w.data());
+              if constexpr (kF32Step) {  // j >= 1 here: row j - 1 is in the block buffer
+                pe_row_step_f32_avx2(pe_j, pe_j - D, n4, cw2.data(), sw2.data());
+              } else {
+                pe_row_step_avx2(pe_j, n4, st_sin.data(), st_cos.data(), cos_w.data(),
+                                 sin_w.data());
+              }
             } else {
-              pe_row_avx2(pe_j, n4, dpos, inv_freq.data(), recur ? st_sin.data() : nullptr,
-                          recur ? st_cos.data() : nullptr);
+              const bool keep = recur && !kF32Step;  // double state only for the fp32 step
+              pe_row_avx2(pe_j, n4, dpos, inv_freq.data(), keep ? st_sin.data() : nullptr,
+                          keep ? st_cos.data() : nullptr);
               state_ok = recur;
             }
             pe_row_tail<acc_t>(pe_j, D, n4, dpos, inv_freq.data());
