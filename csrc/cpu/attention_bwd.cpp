@@ -153,28 +153,79 @@ void bwd_task(const AttentionBwdParams& bp, int64_t b, int64_t hkv, int64_t j0,
       const int64_t C = round_up(nq, 8);
       const acc_t* blk = packs + ((b * p.H + h) * L.n_qb + qb) * L.size;
       const acc_t *qt = blk + L.qt, *qr = blk + L.qr, *dot = blk + L.dot, *dor = blk + L.dor;
-      // pass 1: st (nk, C) = kb qt, masked on the diagonal
-      K.gemm(nk, C, D, s.kb.data(), Dp, 1, qt, kBlockQ, s.st.data(), C, false);
-      if (p.causal && j0 + nk - 1 > i0 + off) {
-        for (int64_t r = std::max<int64_t>(0, i0 + off + 1 - j0); r < nk; ++r) {
-          acc_t* row = s.st.data() + r * C;
-          const int64_t first_seen = j0 + r - off - i0;  // columns c < first_seen are masked
-          for (int64_t c = 0; c < std::min(first_seen, C); ++c) row[c] = neg_inf;
+      acc_t* dqh = dq_w + ((b * p.H + h) * p.Sq + i0) * Dp;
+      if (!(p.causal && j0 + nk - 1 > i0 + off)) {
+        // Off the diagonal: every (key, query) pair of the tile is visible.
+        // pass 1: st (nk, C) = kb qt
+        K.gemm(nk, C, D, s.kb.data(), Dp, 1, qt, kBlockQ, s.st.data(), C, false);
+        // pass 2: P^T
+        K.exp2_sub(s.st.data(), nk, C, blk + L.lse2);
+        // pass 3: dvt += P^T dout
+        K.gemm(nk, Dvp, nq, s.st.data(), C, 1, dor, Dvp, s.dvt.data(), Dvp, true);
+        // pass 4: dP^T = v dout^T
+        K.gemm(nk, C, Dv, s.vb.data(), Dvp, 1, dot, kBlockQ, s.dpt.data(), C, false);
+        // pass 5: dS^T = P^T * (dP^T - Di)
+        K.ds(s.st.data(), s.dpt.data(), nk, C, blk + L.di);
+        // pass 6: dkt += dS^T q
+        K.gemm(nk, Dp, nq, s.dpt.data(), C, 1, qr, Dp, s.dkt.data(), Dp, true);
+        // pass 7: dq_w rows += dS k
+        K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kb.data(), Dp, dqh, Dp, true);
+        continue;
+      }
+      // Diagonal tile: key j0 + r is seen by columns c >= first(r) = j0 + r - off - i0, so
+      // the hidden triangle is skipped in 6-key / 6-query steps (pass 1, 3, 4, 6, 7); what
+      // pass 1 / 4 leave uncomputed is filled with -inf / 0 before the element-wise passes.
+      auto first = [&](int64_t r) { return std::clamp<int64_t>(j0 + r - off - i0, 0, C); };
+      // pass 1: st = kb qt on the visible column panels, then mask
+      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+        const int64_t rows = std::min<int64_t>(6, nk - r0), c8 = first(r0) / 8 * 8;
+        if (c8 < C) {
+          K.gemm(rows, C - c8, D, s.kb.data() + r0 * Dp, Dp, 1, qt + c8, kBlockQ,
+                 s.st.data() + r0 * C + c8, C, false);
         }
+      }
+      for (int64_t r = 0; r < nk; ++r) {
+        std::fill(s.st.data() + r * C, s.st.data() + r * C + first(r), neg_inf);
       }
       // pass 2: P^T
       K.exp2_sub(s.st.data(), nk, C, blk + L.lse2);
-      // pass 3: dvt += P^T dout
-      K.gemm(nk, Dvp, nq, s.st.data(), C, 1, dor, Dvp, s.dvt.data(), Dvp, true);
-      // pass 4: dP^T = v dout^T
-      K.gemm(nk, C, Dv, s.vb.data(), Dvp, 1, dot, kBlockQ, s.dpt.data(), C, false);
-      // pass 5: dS^T = P^T * (dP^T - Di)
+      // pass 3: dvt += P^T dout over the queries that see each 6 keys
+      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+        const int64_t rows = std::min<int64_t>(6, nk - r0), c0 = std::min(first(r0), nq);
+        if (c0 < nq) {
+          K.gemm(rows, Dvp, nq - c0, s.st.data() + r0 * C + c0, C, 1, dor + c0 * Dvp, Dvp,
+                 s.dvt.data() + r0 * Dvp, Dvp, true);
+        }
+      }
+      // pass 4: dP^T = v dout^T on the visible column panels; zero elsewhere
+      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+        const int64_t rows = std::min<int64_t>(6, nk - r0), c8 = first(r0) / 8 * 8;
+        if (c8 < C) {
+          K.gemm(rows, C - c8, Dv, s.vb.data() + r0 * Dvp, Dvp, 1, dot + c8, kBlockQ,
+                 s.dpt.data() + r0 * C + c8, C, false);
+        }
+        for (int64_t r = r0; r < r0 + rows; ++r) {
+          std::fill(s.dpt.data() + r * C, s.dpt.data() + r * C + c8, acc_t(0));
+        }
+      }
+      // pass 5: dS^T = P^T * (dP^T - Di)  (0 where hidden: P = 0)
       K.ds(s.st.data(), s.dpt.data(), nk, C, blk + L.di);
-      // pass 6: dkt += dS^T q
-      K.gemm(nk, Dp, nq, s.dpt.data(), C, 1, qr, Dp, s.dkt.data(), Dp, true);
-      // pass 7: dq_w rows += dS k
-      acc_t* dqh = dq_w + ((b * p.H + h) * p.Sq + i0) * Dp;
-      K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kb.data(), Dp, dqh, Dp, true);
+      // pass 6: dkt += dS^T q over the queries that see each 6 keys
+      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+        const int64_t rows = std::min<int64_t>(6, nk - r0), c0 = std::min(first(r0), nq);
+        if (c0 < nq) {
+          K.gemm(rows, Dp, nq - c0, s.dpt.data() + r0 * C + c0, C, 1, qr + c0 * Dp, Dp,
+                 s.dkt.data() + r0 * Dp, Dp, true);
+        }
+      }
+      // pass 7: dq_w rows += dS k over the keys each 6 queries see (j <= i + off)
+      for (int64_t c0 = 0; c0 < nq; c0 += 6) {
+        const int64_t mrows = std::min<int64_t>(6, nq - c0);
+        const int64_t kc = std::clamp<int64_t>(i0 + c0 + mrows + off - j0, 0, nk);
+        if (kc > 0) {
+          K.gemm(mrows, Dp, kc, s.dpt.data() + c0, 1, C, s.kb.data(), Dp, dqh + c0 * Dp, Dp, true);
+        }
+      }
     }
   }
 
