@@ -139,3 +139,56 @@ def test_device_mix_is_an_error():
         pytest.skip("needs a CUDA device")
     with pytest.raises(RuntimeError, match="positions must be on the same device as x"):
         attn_ext.sinusoidal_pe(randn(2, 3, 4, device="cuda"), torch.arange(3))
+
+
+# ---- speed paths (AVX2 sincos row + vectorised add): accuracy where they can go wrong ----
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [7, 8, 9, 18, 130, 1024])
+def test_fast_path_large_positions(device, dtype, D):
+    # Positions up to 1e5 (the angle of pair 0 is ~1e5 rad): range reduction must hold up.
+    # D covers a pure scalar tail (7), exact multiples of the 4-pair vector (8) and tails.
+    x64 = randn(2, 33, D, dtype=torch.float64)
+    positions = torch.randint(0, 100_000, (33,))
+    positions[:2] = torch.tensor([99_999, 100_000])
+    ref64 = ref.sinusoidal_pe(x64.to(dtype).double(), positions=positions)
+    ref_low = ref.sinusoidal_pe(x64.to(dtype), positions=positions)
+    got = attn_ext.sinusoidal_pe(x64.to(dtype).to(device), positions=positions.to(device))
+    assert_close_rule(got.cpu(), ref64, ref_low)
+    y = x64.to(dtype).to(device)
+    attn_ext.sinusoidal_pe_(y, positions.to(device))
+    torch.testing.assert_close(y, got, rtol=0, atol=0)
+
+
+def test_fast_path_table_accuracy():
+    # The fp32 PE itself at positions 0 .. 1e5 against float64: within fp32 rounding.
+    got = attn_ext.sinusoidal_table(100_001, 64)
+    want = ref.sinusoidal_table(100_001, 64)
+    assert_close_rule(got, want, want.float(), "table")
+
+
+def test_fast_path_negative_and_huge_positions(device):
+    # Negative positions (quadrant arithmetic mod 4) and positions past the fast path's range
+    # (|pos| > 1e9 falls back to the libm row) stay within the tolerance rule.
+    x64 = randn(3, 6, 40, dtype=torch.float64)
+    positions = torch.tensor([[-1, -2, -3, -100_000, 5, 0],
+                              [3_000_000_000, -3_000_000_000, 7, 8, 9, 10],
+                              [123_456_789, 999_999_999, 1_000_000_001, 1, 2, 3]])
+    ref64 = ref.sinusoidal_pe(x64.float().double(), positions=positions)
+    ref_low = ref.sinusoidal_pe(x64.float(), positions=positions)
+    got = attn_ext.sinusoidal_pe(x64.float().to(device), positions=positions.to(device))
+    assert_close_rule(got.cpu(), ref64, ref_low)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0, 99_000, -70, 999_999_990])
+def test_fast_path_recurrence_rows(device, dtype, offset):
+    # offset + s rows are produced by angle-addition steps between exact restarts (every
+    # 16 rows): 300 consecutive rows cover many steps and restarts; the last offset crosses
+    # the fast path's 1e9 limit mid-chunk.
+    x64 = randn(2, 300, 72, dtype=torch.float64)
+    ref64 = ref.sinusoidal_pe(x64.to(dtype).double(), offset=offset)
+    ref_low = ref.sinusoidal_pe(x64.to(dtype), offset=offset)
+    got = attn_ext.sinusoidal_pe(x64.to(dtype).to(device), offset=offset)
+    assert_close_rule(got.cpu(), ref64, ref_low)

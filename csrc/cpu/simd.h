@@ -43,6 +43,15 @@ inline bool use_avx2() {
 #endif
 }
 
+// Non-temporal stores for large out-of-place outputs: opt-in with ATTN_EXT_NT_STORES=1 (read
+// on every call, so a benchmark can A/B both in one process). Measured on the 2-core EPYC
+// dev box: a win for fp32 with a reusing allocator, a loss for bf16 and with fresh pages
+// (benchmarks/RESULTS.md), so off by default.
+inline bool use_nt_stores() {
+  const char* env = std::getenv("ATTN_EXT_NT_STORES");
+  return env != nullptr && std::strcmp(env, "1") == 0;
+}
+
 #if ATTN_EXT_HAVE_AVX2_PATH
 
 template <typename T>
@@ -52,6 +61,9 @@ template <>
 struct Avx2IO<float> {
   ATTN_EXT_AVX2 static inline __m256 load(const float* p) { return _mm256_loadu_ps(p); }
   ATTN_EXT_AVX2 static inline void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+  // Non-temporal store (p 32-byte aligned): bypasses the cache, no read-for-ownership.
+  ATTN_EXT_AVX2 static inline void stream(float* p, __m256 v) { _mm256_stream_ps(p, v); }
+  static constexpr int kStreamAlign = 32;
 };
 
 template <>
@@ -63,6 +75,11 @@ struct Avx2IO<c10::Half> {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  ATTN_EXT_AVX2 static inline void stream(c10::Half* p, __m256 v) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static constexpr int kStreamAlign = 16;
 };
 
 template <>
@@ -75,6 +92,13 @@ struct Avx2IO<c10::BFloat16> {
   // Round to nearest even like c10::BFloat16(float): add 0x7fff + lsb, keep the top 16 bits;
   // NaN becomes the quiet NaN 0x7fc0.
   ATTN_EXT_AVX2 static inline void store(c10::BFloat16* p, __m256 v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), round(v));
+  }
+  ATTN_EXT_AVX2 static inline void stream(c10::BFloat16* p, __m256 v) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), round(v));
+  }
+  static constexpr int kStreamAlign = 16;
+  ATTN_EXT_AVX2 static inline __m128i round(__m256 v) {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
@@ -83,7 +107,7 @@ struct Avx2IO<c10::BFloat16> {
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
     // 8 x u32 (< 2^16) -> 8 x u16: pack within 128-bit lanes, then gather the two halves.
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    return _mm256_castsi256_si128(packed);
   }
 };
 

@@ -65,12 +65,18 @@ void pe_row(acc_t* pe, int64_t D, double pos, const double* inv_freq) {
   pe_row_tail<acc_t>(pe, D, 0, pos, inv_freq);
 }
 
+// Rows per block: PE rows are computed kRestart at a time, and the angle-addition
+// recurrence restarts from an exact row at every block start.
+constexpr int64_t kRestart = 16;
+
 #if ATTN_EXT_HAVE_AVX2_PATH
 // Largest |pos| for the fast row: keeps k = round(pos * w / (pi/2)) inside int32 (w <= 1).
 constexpr double kFastMaxPos = 1.0e9;
 
 // pe[0, 2*n4) for pairs [0, n4), n4 a multiple of 4: pe[2i] = sin(pos w_i), pe[2i+1] = cos.
-ATTN_EXT_AVX2 void pe_row_avx2(float* pe, int64_t n4, double pos, const double* inv_freq) {
+// state_sin/state_cos (nullable): also keep the double sin/cos for pe_row_step_avx2.
+ATTN_EXT_AVX2 void pe_row_avx2(float* pe, int64_t n4, double pos, const double* inv_freq,
+                               double* state_sin, double* state_cos) {
   const __m256d vpos = _mm256_set1_pd(pos);
   const __m256d two_over_pi = _mm256_set1_pd(0.63661977236758134308);
   // pi/2 = kPio2Hi + kPio2Lo (kPio2Hi is the double nearest pi/2).
@@ -111,6 +117,45 @@ ATTN_EXT_AVX2 void pe_row_avx2(float* pe, int64_t n4, double pos, const double* 
     const __m128 sf = _mm256_cvtpd_ps(sin_a), cf = _mm256_cvtpd_ps(cos_a);
     _mm_storeu_ps(pe + 2 * i, _mm_unpacklo_ps(sf, cf));
     _mm_storeu_ps(pe + 2 * i + 4, _mm_unpackhi_ps(sf, cf));
+    if (state_sin != nullptr) {
+      _mm256_storeu_pd(state_sin + i, sin_a);
+      _mm256_storeu_pd(state_cos + i, cos_a);
+    }
+  }
+}
+
+// The next position's row from the previous one by angle addition, in double:
+//   sin((p+1) w) = sin(p w) cos w + cos(p w) sin w,  cos((p+1) w) = cos(p w) cos w - sin(p w) sin w
+// 4 flops per pair instead of a range reduction and two polynomials. The caller restarts
+// from an exact row every kRestart positions, so rounding cannot build up (in double, 16
+// steps drift by ~1e-15, far below fp32 resolution).
+ATTN_EXT_AVX2 void pe_row_step_avx2(float* pe, int64_t n4, double* state_sin, double* state_cos,
+                                    const double* cos_w, const double* sin_w) {
+  for (int64_t i = 0; i < n4; i += 4) {
+    const __m256d sp = _mm256_loadu_pd(state_sin + i), cp = _mm256_loadu_pd(state_cos + i);
+    const __m256d cw = _mm256_loadu_pd(cos_w + i), sw = _mm256_loadu_pd(sin_w + i);
+    const __m256d sn = _mm256_fmadd_pd(sp, cw, _mm256_mul_pd(cp, sw));
+    const __m256d cs = _mm256_fmsub_pd(cp, cw, _mm256_mul_pd(sp, sw));
+    _mm256_storeu_pd(state_sin + i, sn);
+    _mm256_storeu_pd(state_cos + i, cs);
+    const __m128 sf = _mm256_cvtpd_ps(sn), cf = _mm256_cvtpd_ps(cs);
+    _mm_storeu_ps(pe + 2 * i, _mm_unpacklo_ps(sf, cf));
+    _mm_storeu_ps(pe + 2 * i + 4, _mm_unpackhi_ps(sf, cf));
+  }
+}
+
+// fp16/bf16 outputs: the next row straight from the previous fp32 row, 4 pairs per step.
+// The row is interleaved [s0 c0 s1 c1 ...]; rotating each pair by w_i is
+//   even lanes: s cw + c sw,  odd lanes: c cw - s sw  =  fmsubadd(row, cw2, swap(row) * sw2)
+// with cw2/sw2 = cos/sin(w_i) duplicated per lane pair. fp32 rounding over < kRestart steps
+// stays near 1e-6, far below fp16/bf16 resolution (fp32 outputs use the double recurrence).
+ATTN_EXT_AVX2 void pe_row_step_f32_avx2(float* pe, const float* prev, int64_t n4,
+                                        const float* cw2, const float* sw2) {
+  for (int64_t e = 0; e < 2 * n4; e += 8) {
+    const __m256 v = _mm256_loadu_ps(prev + e);
+    const __m256 swapped = _mm256_permute_ps(v, 0xb1);
+    _mm256_storeu_ps(pe + e, _mm256_fmsubadd_ps(v, _mm256_loadu_ps(cw2 + e),
+                                                _mm256_mul_ps(swapped, _mm256_loadu_ps(sw2 + e))));
   }
 }
 
@@ -134,6 +179,19 @@ void sinusoidal_kernel(const SinusoidalParams& p) {
   for (int64_t i = 0; i < pairs; ++i) {
     inv_freq[i] = std::exp(-(2.0 * static_cast<double>(i) / static_cast<double>(D)) * p.log_base);
   }
+  // Rotation by one position step, for the angle-addition recurrence.
+  std::vector<double> cos_w(pairs), sin_w(pairs);
+  for (int64_t i = 0; i < pairs; ++i) {
+    cos_w[i] = std::cos(inv_freq[i]);
+    sin_w[i] = std::sin(inv_freq[i]);
+  }
+  // fp16/bf16: step rows in fp32 (pe_row_step_f32_avx2), lanes duplicated per pair.
+  constexpr bool kF32Step = !std::is_same_v<scalar_t, float> && !std::is_same_v<scalar_t, double>;
+  std::vector<float> cw2(kF32Step ? 2 * pairs : 0), sw2(kF32Step ? 2 * pairs : 0);
+  for (int64_t i = 0; kF32Step && i < pairs; ++i) {
+    cw2[2 * i] = cw2[2 * i + 1] = static_cast<float>(cos_w[i]);
+    sw2[2 * i] = sw2[2 * i + 1] = static_cast<float>(sin_w[i]);
+  }
   const auto* x = static_cast<const scalar_t*>(p.x);
   auto* out = static_cast<scalar_t*>(p.out);
   const bool shared = p.positions == nullptr || p.pos_batch_stride == 0;
@@ -146,47 +204,80 @@ void sinusoidal_kernel(const SinusoidalParams& p) {
   const bool simd = kSimdType && cpu::use_avx2();
 
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> pe(D + 8);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b0 = shared ? 0 : item / S;
-      const int64_t s = shared ? item : item % S;
-      const int64_t pos = p.positions
-                              ? p.positions[b0 * p.pos_batch_stride + s * p.pos_row_stride]
-                              : p.offset + s;
-      const double dpos = static_cast<double>(pos);
+    std::vector<acc_t> pe(kRestart * D + 8);
+    // Consecutive positions (offset + s): angle-addition steps between exact rows.
+    const bool recur = simd && p.positions == nullptr;
+    std::vector<double> st_sin(recur ? pairs : 0), st_cos(recur ? pairs : 0);
+    bool state_ok = false;  // st_* hold the previous position's row
+    // Pass 1 computes the PE rows of a block of kRestart items into pe (kRestart x D floats,
+    // L2-resident); pass 2 adds them to x batch by batch, so each batch reads one contiguous
+    // run of kRestart rows (long sequential streams for the prefetchers) instead of hopping
+    // across all B batches for every row.
+    for (int64_t blk = begin; blk < end; blk += kRestart) {
+      const int64_t n = std::min<int64_t>(kRestart, end - blk);
+      // pass 1: PE rows of items blk .. blk + n
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t item = blk + j;
+        const int64_t b0 = shared ? 0 : item / S;
+        const int64_t s = shared ? item : item % S;
+        const int64_t pos = p.positions
+                                ? p.positions[b0 * p.pos_batch_stride + s * p.pos_row_stride]
+                                : p.offset + s;
+        const double dpos = static_cast<double>(pos);
+        acc_t* pe_j = pe.data() + j * D;
 #if ATTN_EXT_HAVE_AVX2_PATH
-      if constexpr (kSimdType) {
-        if (simd && std::abs(dpos) <= kFastMaxPos) {
-          // Pairs [0, n4) vectorised, the rest (and an odd D's last sin) below.
-          const int64_t n4 = (D / 2) / 4 * 4;
-          pe_row_avx2(pe.data(), n4, dpos, inv_freq.data());
-          pe_row_tail<acc_t>(pe.data(), D, n4, dpos, inv_freq.data());
+        if constexpr (kSimdType) {
+          if (simd && std::abs(dpos) <= kFastMaxPos) {
+            // Pairs [0, n4) vectorised, the rest (and an odd D's last sin) below.
+            const int64_t n4 = (D / 2) / 4 * 4;
+            if (recur && state_ok && (item - begin) % kRestart != 0) {
+              if constexpr (kF32Step) {  // j >= 1 here: row j - 1 is in the block buffer
+                pe_row_step_f32_avx2(pe_j, pe_j - D, n4, cw2.data(), sw2.data());
+              } else {
+                pe_row_step_avx2(pe_j, n4, st_sin.data(), st_cos.data(), cos_w.data(),
+                                 sin_w.data());
+              }
+            } else {
+              const bool keep = recur && !kF32Step;  // double state only for the fp32 step
+              pe_row_avx2(pe_j, n4, dpos, inv_freq.data(), keep ? st_sin.data() : nullptr,
+                          keep ? st_cos.data() : nullptr);
+              state_ok = recur;
+            }
+            pe_row_tail<acc_t>(pe_j, D, n4, dpos, inv_freq.data());
+          } else {
+            pe_row<acc_t>(pe_j, D, dpos, inv_freq.data());
+            state_ok = false;
+          }
         } else {
-          pe_row<acc_t>(pe.data(), D, dpos, inv_freq.data());
+          pe_row<acc_t>(pe_j, D, dpos, inv_freq.data());
         }
-      } else {
-        pe_row<acc_t>(pe.data(), D, dpos, inv_freq.data());
-      }
 #else
-      pe_row<acc_t>(pe.data(), D, dpos, inv_freq.data());
+        pe_row<acc_t>(pe_j, D, dpos, inv_freq.data());
 #endif
+      }
+      // pass 2: out = x + PE, batch-major over the block
       for (int64_t r = 0; r < rows_per_item; ++r) {
-        const int64_t b = shared ? r : b0;
-        const scalar_t* xr = x + b * p.x_batch_stride + s * p.x_row_stride;
-        scalar_t* orow = out + b * p.out_batch_stride + s * p.out_row_stride;
-        if (p.x_col_stride == 1) {
-          int64_t d0 = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t item = blk + j;
+          const int64_t b = shared ? r : item / S;
+          const int64_t s = shared ? item : item % S;
+          const acc_t* pe_j = pe.data() + j * D;
+          const scalar_t* xr = x + b * p.x_batch_stride + s * p.x_row_stride;
+          scalar_t* orow = out + b * p.out_batch_stride + s * p.out_row_stride;
+          if (p.x_col_stride == 1) {
+            int64_t d0 = 0;
 #if ATTN_EXT_HAVE_AVX2_PATH
-          if constexpr (kSimdType) {
-            if (simd) d0 = add_row_avx2<scalar_t>(xr, orow, pe.data(), D);
-          }
+            if constexpr (kSimdType) {
+              if (simd) d0 = add_row_avx2<scalar_t>(xr, orow, pe_j, D);
+            }
 #endif
-          for (int64_t d = d0; d < D; ++d) {
-            orow[d] = static_cast<scalar_t>(static_cast<acc_t>(xr[d]) + pe[d]);
-          }
-        } else {
-          for (int64_t d = 0; d < D; ++d) {
-            orow[d] = static_cast<scalar_t>(static_cast<acc_t>(xr[d * p.x_col_stride]) + pe[d]);
+            for (int64_t d = d0; d < D; ++d) {
+              orow[d] = static_cast<scalar_t>(static_cast<acc_t>(xr[d]) + pe_j[d]);
+            }
+          } else {
+            for (int64_t d = 0; d < D; ++d) {
+              orow[d] = static_cast<scalar_t>(static_cast<acc_t>(xr[d * p.x_col_stride]) + pe_j[d]);
+            }
           }
         }
       }
