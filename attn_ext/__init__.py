@@ -9,10 +9,12 @@ import torch  # noqa: F401  (loads libc10/libtorch, which _C links against)
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.attn_ext.*)
 from . import ops as _ops  # noqa: F401  (fake kernels + autograd)
-from .ops import sinusoidal_pe, sinusoidal_pe_, sinusoidal_table
+from .ops import attention, causal_attention, sinusoidal_pe, sinusoidal_pe_, sinusoidal_table
 from . import reference
 
 __all__ = [
+    "attention",
+    "causal_attention",
     "sinusoidal_pe",
     "sinusoidal_pe_",
     "sinusoidal_table",
