@@ -3,6 +3,9 @@
 // code: attention_fwd_kernel.cuh (fast forward) and attention_simple_kernel.cuh (everything
 // else, and the backward).
 //
+// Kernels are instantiated in attention_simple.cu and attention_fa2_hdim{64,128}.cu
+// (declared in attention_launch.h); this file holds no device code.
+//
 // Forward dispatch, in order:
 //   1. fast FA2-style tensor-core kernel (fa2::launch_fa2_fwd) when ALL of:
 //        dtype fp16 or bf16; D == Dv and D in {64, 128}; q, k, v data pointers 16-byte
@@ -27,8 +30,7 @@
 #include <tuple>
 
 #include "common/attention_checks.h"
-#include "cuda/attention_fwd_kernel.cuh"
-#include "cuda/attention_simple_kernel.cuh"
+#include "cuda/attention_launch.h"
 
 namespace attn_ext {
 namespace {

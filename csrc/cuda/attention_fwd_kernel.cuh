@@ -371,13 +371,9 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
 }
 
 // ---- launcher ------------------------------------------------------------------------------
-
-// Grid limits of this kernel: query tiles go on grid y (at most 65535).
-inline bool fwd_fast_grid_ok(const AttentionParams& p) {
-  const int64_t m_blocks = (p.Sq + 63) / 64;
-  return m_blocks <= 65535 && p.B * p.H <= 0x7fffffff;
-}
-
+// Instantiated in attention_fa2_hdim64.cu / attention_fa2_hdim128.cu (one head dim per
+// translation unit, so a parallel build compiles them side by side); dispatched from
+// attention_launch.h. T = __half or __nv_bfloat16.
 template <typename T, int kHeadDim, bool kCausal>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
   using Tr = FwdTraits<kHeadDim>;
@@ -389,17 +385,6 @@ cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
                   static_cast<unsigned>((p.Sq + Tr::kBlockM - 1) / Tr::kBlockM));
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
-}
-
-// T = __half or __nv_bfloat16; p.D == p.Dv in {64, 128} (the caller checked).
-template <typename T>
-cudaError_t launch_fa2_fwd(const AttentionParams& p, cudaStream_t stream) {
-  if (p.D == 64) {
-    return p.causal ? launch_fa2_fwd_impl<T, 64, true>(p, stream)
-                    : launch_fa2_fwd_impl<T, 64, false>(p, stream);
-  }
-  return p.causal ? launch_fa2_fwd_impl<T, 128, true>(p, stream)
-                  : launch_fa2_fwd_impl<T, 128, false>(p, stream);
 }
 
 }  // namespace fa2

@@ -24,13 +24,12 @@
 #include <cstdint>
 
 #include "common/attention_params.h"
+#include "cuda/attention_launch.h"  // kMaxHeadDim, kWarps and the launcher declarations
 
 namespace attn_ext {
 namespace cuda {
 namespace simple {
 
-constexpr int kMaxHeadDim = 256;             // D and Dv; the adapter rejects larger ones
-constexpr int kWarps = 4;                    // warps (rows) per block
 constexpr int kCols = kMaxHeadDim / 32;      // output columns per lane
 constexpr double kLog2e = 1.4426950408889634074;
 constexpr double kLn2 = 0.69314718055994530942;
