@@ -10,7 +10,7 @@
 //   1. fast FA2-style tensor-core kernel (fa2::launch_fa2_fwd) when ALL of:
 //        dtype fp16 or bf16; D == Dv and D in {64, 128}; q, k, v data pointers 16-byte
 //        aligned and their batch/row/head strides multiples of 8 elements; Sk > 0;
-//        ceil(Sq / 64) <= 65535; and the environment variable ATTN_EXT_CUDA_ATTN is not
+//        B, H <= 65535 (grid y/z); and the environment variable ATTN_EXT_CUDA_ATTN is not
 //        "simple" (tests set it to compare the two kernels on the same inputs).
 //   2. otherwise the simple kernel (simple::launch_simple_fwd): any dtype (fp32, fp64, fp16,
 //      bf16), any D, Dv <= 256, any strides with a contiguous last dim.

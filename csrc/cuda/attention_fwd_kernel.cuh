@@ -19,8 +19,10 @@
 //   * Online softmax in registers, in base 2 (scores times scale * log2 e), per-row max and sum
 //     reduced over the 4 lanes of a quad.
 //   * Causal (bottom-right): a query tile visits only the key tiles some row of it can see, and
-//     masks only the tiles that cross the diagonal or the end of the keys. The grid puts the
-//     query tile on y and launches the heaviest tiles (last rows, most keys) first.
+//     masks only the tiles that cross the diagonal or the end of the keys. Grid (query tiles,
+//     H, B) with the query tile fastest: the CTAs in flight together are all the tiles of a
+//     few heads (their K/V stay in L2), and within a head the heaviest tiles (last rows, most
+//     keys) launch first.
 //
 // Tile choice (both head dims): kBlockM = 64 x kBlockN = 64, 128 threads. 64 keys per step
 // give each warp 8 n8 score tiles (32 fp32 registers) and the O accumulator D/8 n8 tiles
@@ -164,7 +166,7 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t stride, int6
 }
 
 // ---- the kernel ----------------------------------------------------------------------------
-// grid (B * H, num_m_blocks); blockIdx.y = 0 is the heaviest query tile when causal.
+// grid (num_m_blocks, H, B); blockIdx.x = 0 is the heaviest query tile of its head when causal.
 template <typename T, int kHeadDim, bool kCausal>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHeadDim>::kMinBlocks)
     fa2_fwd_kernel(AttentionParams p) {
@@ -179,10 +181,10 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
   T* sV = sK + 2 * Tr::kTile;               // 2 x (kBlockN, kStride)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int64_t bh = blockIdx.x;
-  const int64_t b = bh / p.H, h = bh - b * p.H;
+  const int64_t h = blockIdx.y, b = blockIdx.z;
+  const int64_t bh = b * p.H + h;
   const int64_t hkv = h / (p.H / p.Hkv);
-  const int64_t m_block = kCausal ? static_cast<int64_t>(gridDim.y) - 1 - blockIdx.y : blockIdx.y;
+  const int64_t m_block = kCausal ? static_cast<int64_t>(gridDim.x) - 1 - blockIdx.x : blockIdx.x;
   const int64_t m0 = m_block * kBlockM;
   const int64_t Sq = p.Sq, Sk = p.Sk;
   const int64_t diag = Sk - Sq;  // causal: row i sees key j iff j <= i + diag
@@ -381,8 +383,8 @@ cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        Tr::kSmemBytes);
   if (e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>(p.B * p.H),
-                  static_cast<unsigned>((p.Sq + Tr::kBlockM - 1) / Tr::kBlockM));
+  const dim3 grid(static_cast<unsigned>((p.Sq + Tr::kBlockM - 1) / Tr::kBlockM),
+                  static_cast<unsigned>(p.H), static_cast<unsigned>(p.B));
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }

@@ -35,10 +35,10 @@ constexpr int kBlockM = 64;  // query rows per CTA (FwdTraits::kBlockM)
 template <typename T, int kHeadDim, bool kCausal>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream);
 
-// Query tiles go on grid y (at most 65535), B * H on grid x.
+// Grid (query tiles, H, B): y and z are limited to 65535.
 inline bool fwd_fast_grid_ok(const AttentionParams& p) {
   const int64_t m_blocks = (p.Sq + kBlockM - 1) / kBlockM;
-  return m_blocks <= 65535 && p.B * p.H <= 0x7fffffff;
+  return m_blocks <= 0x7fffffff && p.H <= 65535 && p.B <= 65535;
 }
 
 // T = __half or __nv_bfloat16; p.D == p.Dv in {64, 128} (the caller checked).
