@@ -7,13 +7,19 @@
 // (declared in attention_launch.h); this file holds no device code.
 //
 // Forward dispatch, in order:
+//   0. split-KV decode path (simple::launch_simple_fwd_split) when Sq <= 16, Sk >= 512 and the
+//      B * H * Sq rows alone would fill under a quarter of the GPU's warp slots (16 warps per
+//      SM): the keys are cut into chunks of >= 128, one warp per (row, chunk), then merged.
+//      Any dtype and head dim. (The fast kernel's 64-row query tiles would waste most of
+//      their work on one or a few query rows and leave most SMs idle.)
 //   1. fast FA2-style tensor-core kernel (fa2::launch_fa2_fwd) when ALL of:
 //        dtype fp16 or bf16; D == Dv and D in {64, 128}; q, k, v data pointers 16-byte
 //        aligned and their batch/row/head strides multiples of 8 elements; Sk > 0;
-//        B, H <= 65535 (grid y/z); and the environment variable ATTN_EXT_CUDA_ATTN is not
-//        "simple" (tests set it to compare the two kernels on the same inputs).
+//        B, H <= 65535 (grid y/z).
 //   2. otherwise the simple kernel (simple::launch_simple_fwd): any dtype (fp32, fp64, fp16,
 //      bf16), any D, Dv <= 256, any strides with a contiguous last dim.
+// ATTN_EXT_CUDA_ATTN=simple in the environment (read at each call) skips 0 and 1: tests use
+// it to compare the kernels on the same inputs.
 // Head dims above 256 are rejected with an error naming the argument.
 // Backward: always the simple kernels (dQ per query row, then dK/dV per key row; no atomics,
 // deterministic). A fast FA2 backward is not written yet.
@@ -74,6 +80,33 @@ bool force_simple() {
   return env != nullptr && std::strcmp(env, "simple") == 0;
 }
 
+// Split-KV plan for the forward: n_split > 1 when the decode path applies (see the top).
+struct SplitPlan {
+  int n_split = 1;
+  int64_t chunk = 0;
+};
+
+SplitPlan plan_split(const AttentionParams& p, int device) {
+  SplitPlan plan;
+  if (p.Sq > 16 || p.Sk < 512 || force_simple()) return plan;
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      sms <= 0) {
+    (void)cudaGetLastError();  // clear it; fall back to the unsplit kernels
+    return plan;
+  }
+  const int64_t rows = p.B * p.H * p.Sq;
+  const int64_t target = static_cast<int64_t>(sms) * 16;  // warps that fill the GPU
+  if (rows * 4 >= target) return plan;
+  int64_t n = (target + rows - 1) / rows;
+  const int64_t max_split = (p.Sk + 127) / 128;  // chunks of at least 128 keys
+  if (n > max_split) n = max_split;
+  if (n < 2) return plan;
+  plan.chunk = (p.Sk + n - 1) / n;
+  plan.n_split = static_cast<int>((p.Sk + plan.chunk - 1) / plan.chunk);  // no empty chunk
+  return plan;
+}
+
 bool use_fast_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const AttentionParams& p) {
   const auto dt = q.scalar_type();
@@ -98,6 +131,19 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q,
   const c10::cuda::CUDAGuard guard(q.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
+  const SplitPlan split = plan_split(p, q.device().index());
+  if (split.n_split > 1) {
+    const int64_t items = s.B * s.H * s.Sq * split.n_split;
+    check_grid_rows(items, "query x key-chunk");
+    at::Tensor part_o = at::empty({items, s.Dv}, lse.options());
+    at::Tensor part_ml = at::empty({items, 2}, lse.options());
+    dispatch_cuda_type(q.scalar_type(), "attention_forward", [&](auto tag) {
+      using T = decltype(tag);
+      C10_CUDA_CHECK(cuda::simple::launch_simple_fwd_split<T>(
+          p, split.chunk, split.n_split, part_o.data_ptr(), part_ml.data_ptr(), stream));
+    });
+    return {out, lse};
+  }
   const bool fast = use_fast_forward(q, k, v, p);
   dispatch_cuda_type(q.scalar_type(), "attention_forward", [&](auto tag) {
     using T = decltype(tag);

@@ -24,6 +24,12 @@ constexpr int kWarps = 4;         // rows (warps) per block: grid.x = ceil(rows 
 // T = float, double, __half, __nv_bfloat16.
 template <typename T>
 cudaError_t launch_simple_fwd(const AttentionParams& p, cudaStream_t stream);
+// Split-KV forward for few query rows and many keys: each (row, chunk of `chunk` keys) is
+// one warp; part_o (B*H*Sq, n_split, Dv) and part_ml (B*H*Sq, n_split, 2) are acc_t
+// workspaces; a second kernel merges the partials into out and lse.
+template <typename T>
+cudaError_t launch_simple_fwd_split(const AttentionParams& p, int64_t chunk, int n_split,
+                                    void* part_o, void* part_ml, cudaStream_t stream);
 // delta: (B, H, Sq) workspace of the accumulation type (float; double for double).
 template <typename T>
 cudaError_t launch_simple_bwd(const AttentionBwdParams& bp, void* delta, cudaStream_t stream);

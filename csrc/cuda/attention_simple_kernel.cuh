@@ -110,38 +110,22 @@ __device__ __forceinline__ int64_t key_end(const AttentionParams& p, int64_t i) 
 }
 
 // ---- forward ------------------------------------------------------------------------------
-// One warp per query row (b, h, i); rows ordered (b, h, i) so that a block's 4 rows share k/v.
-template <typename T>
-__global__ void __launch_bounds__(kWarps * 32, 4) simple_fwd_kernel(AttentionParams p) {
-  using acc_t = typename AccOf<T>::type;
-  __shared__ acc_t q_s[kWarps][kMaxHeadDim];  // this warp's q row * scale * log2(e)
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  if (row >= p.B * p.H * p.Sq) return;  // uniform per warp; only __syncwarp below
-  const int64_t i = row % p.Sq;
-  const int64_t bh = row / p.Sq;
-  const int64_t h = bh % p.H, b = bh / p.H;
-  const int64_t hkv = h / (p.H / p.Hkv);
-
-  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + i * p.q_row_stride +
-               h * p.q_head_stride;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
-  const acc_t qscale = static_cast<acc_t>(p.scale * kLog2e);
-  for (int64_t d = lane; d < p.D; d += 32) q_s[warp][d] = to_acc(q[d]) * qscale;
-  __syncwarp();
-
-  const int64_t kend = key_end(p, i);
-  acc_t m = neg_inf<acc_t>(), l = 0;  // running max (base-2 scaled scores) and sum
-  acc_t o[kCols];
+// attend_keys: one warp folds keys [kbeg, kend) of query row (b, h, i) into the unnormalised
+// output o (lane owns columns lane + 32 c), the running max m (base-2 scaled scores) and sum
+// l. q_s holds the row's q * scale * log2(e). With kbeg >= kend: m = -inf, l = 0, o = 0.
+template <typename T, typename acc_t>
+__device__ __forceinline__ void attend_keys(const AttentionParams& p, const acc_t* q_s,
+                                            const T* k, const T* v, int64_t kbeg, int64_t kend,
+                                            int lane, acc_t& m, acc_t& l, acc_t (&o)[kCols]) {
+  m = neg_inf<acc_t>();
+  l = 0;
 #pragma unroll
   for (int c = 0; c < kCols; ++c) o[c] = 0;
-
-  for (int64_t j0 = 0; j0 < kend; j0 += 32) {
+  for (int64_t j0 = kbeg; j0 < kend; j0 += 32) {
     // pass 1: lane computes the score of key j0 + lane
     const int64_t j = j0 + lane;
     acc_t s = neg_inf<acc_t>();
-    if (j < kend) s = dot_row(q_s[warp], k + j * p.k_row_stride, p.D);
+    if (j < kend) s = dot_row(q_s, k + j * p.k_row_stride, p.D);
     // pass 2: online softmax over the 32 scores (key j0 < kend, so m_new is finite)
     const acc_t m_new = fmax(m, warp_max(s));
     const acc_t corr = exp2_acc(m - m_new);  // 0 on the first chunk (m = -inf)
@@ -162,7 +146,13 @@ __global__ void __launch_bounds__(kWarps * 32, 4) simple_fwd_kernel(AttentionPar
       }
     }
   }
+}
 
+// Writes out = o / l and lse = ln(sum exp) of query row (b, h, i); l == 0: out 0, lse -inf.
+template <typename T, typename acc_t>
+__device__ __forceinline__ void write_row(const AttentionParams& p, int64_t b, int64_t h,
+                                          int64_t i, int lane, acc_t m, acc_t l,
+                                          const acc_t (&o)[kCols]) {
   T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + i * p.out_row_stride +
            h * p.out_head_stride;
   const bool empty = !(l > 0);  // no key seen: out 0, lse -inf
@@ -174,8 +164,116 @@ __global__ void __launch_bounds__(kWarps * 32, 4) simple_fwd_kernel(AttentionPar
   }
   if (lane == 0) {
     acc_t* lse = static_cast<acc_t*>(p.lse);
-    lse[bh * p.Sq + i] = empty ? neg_inf<acc_t>() : (m + log2_acc(l)) * static_cast<acc_t>(kLn2);
+    lse[(b * p.H + h) * p.Sq + i] =
+        empty ? neg_inf<acc_t>() : (m + log2_acc(l)) * static_cast<acc_t>(kLn2);
   }
+}
+
+// Stages query row (b, h, i) * scale * log2(e) into q_s; returns the row's k and v bases.
+template <typename T, typename acc_t>
+__device__ __forceinline__ void stage_query(const AttentionParams& p, int64_t b, int64_t h,
+                                            int64_t i, int lane, acc_t* q_s, const T*& k,
+                                            const T*& v) {
+  const int64_t hkv = h / (p.H / p.Hkv);
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + i * p.q_row_stride +
+               h * p.q_head_stride;
+  k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
+  v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  const acc_t qscale = static_cast<acc_t>(p.scale * kLog2e);
+  for (int64_t d = lane; d < p.D; d += 32) q_s[d] = to_acc(q[d]) * qscale;
+  __syncwarp();
+}
+
+// One warp per query row (b, h, i); rows ordered (b, h, i) so that a block's 4 rows share k/v.
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32, 4) simple_fwd_kernel(AttentionParams p) {
+  using acc_t = typename AccOf<T>::type;
+  __shared__ acc_t q_s[kWarps][kMaxHeadDim];  // this warp's q row * scale * log2(e)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (row >= p.B * p.H * p.Sq) return;  // uniform per warp; only __syncwarp below
+  const int64_t i = row % p.Sq;
+  const int64_t bh = row / p.Sq;
+  const int64_t h = bh % p.H, b = bh / p.H;
+  const T *k, *v;
+  stage_query<T, acc_t>(p, b, h, i, lane, q_s[warp], k, v);
+  acc_t m, l, o[kCols];
+  attend_keys<T, acc_t>(p, q_s[warp], k, v, 0, key_end(p, i), lane, m, l, o);
+  write_row<T, acc_t>(p, b, h, i, lane, m, l, o);
+}
+
+// ---- split-KV forward (decode: few query rows, many keys) -----------------------------------
+// Pass 1 (simple_fwd_split_kernel): one warp per (query row, key chunk of `chunk` keys);
+//   writes the chunk's unnormalised output to part_o (rows, n_split, Dv) and its (max, sum)
+//   to part_ml (rows, n_split, 2), acc_t, rows in (b, h, i) order.
+// Pass 2 (simple_fwd_combine_kernel): one warp per query row merges the n_split partials
+//   (chunks that saw no key have max -inf and are skipped) and writes out and lse.
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32, 4)
+    simple_fwd_split_kernel(AttentionParams p, int64_t chunk, int n_split, void* part_o_ptr,
+                            void* part_ml_ptr) {
+  using acc_t = typename AccOf<T>::type;
+  __shared__ acc_t q_s[kWarps][kMaxHeadDim];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (item >= p.B * p.H * p.Sq * n_split) return;
+  const int64_t row = item / n_split;
+  const int64_t sp = item - row * n_split;
+  const int64_t i = row % p.Sq;
+  const int64_t bh = row / p.Sq;
+  const int64_t h = bh % p.H, b = bh / p.H;
+  const T *k, *v;
+  stage_query<T, acc_t>(p, b, h, i, lane, q_s[warp], k, v);
+  const int64_t kbeg = sp * chunk;
+  int64_t kend = key_end(p, i);
+  if (kend > kbeg + chunk) kend = kbeg + chunk;
+  acc_t m, l, o[kCols];
+  attend_keys<T, acc_t>(p, q_s[warp], k, v, kbeg, kend, lane, m, l, o);
+  acc_t* po = static_cast<acc_t*>(part_o_ptr) + item * p.Dv;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const int64_t d = lane + 32 * c;
+    if (d < p.Dv) po[d] = o[c];
+  }
+  if (lane == 0) {
+    acc_t* pml = static_cast<acc_t*>(part_ml_ptr) + item * 2;
+    pml[0] = m;
+    pml[1] = l;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32, 4)
+    simple_fwd_combine_kernel(AttentionParams p, int n_split, const void* part_o_ptr,
+                              const void* part_ml_ptr) {
+  using acc_t = typename AccOf<T>::type;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (row >= p.B * p.H * p.Sq) return;
+  const int64_t i = row % p.Sq;
+  const int64_t bh = row / p.Sq;
+  const int64_t h = bh % p.H, b = bh / p.H;
+  const acc_t* pml = static_cast<const acc_t*>(part_ml_ptr) + row * n_split * 2;
+  const acc_t* po = static_cast<const acc_t*>(part_o_ptr) + row * n_split * p.Dv;
+  acc_t mx = neg_inf<acc_t>();
+  for (int sp = 0; sp < n_split; ++sp) mx = fmax(mx, pml[2 * sp]);
+  acc_t l = 0, o[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) o[c] = 0;
+  if (mx != neg_inf<acc_t>()) {
+    for (int sp = 0; sp < n_split; ++sp) {
+      const acc_t ms = pml[2 * sp];
+      if (ms == neg_inf<acc_t>()) continue;  // this chunk saw no key of the row
+      const acc_t w = exp2_acc(ms - mx);
+      l += w * pml[2 * sp + 1];
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int64_t d = lane + 32 * c;
+        if (d < p.Dv) o[c] += w * po[sp * p.Dv + d];
+      }
+    }
+  }
+  write_row<T, acc_t>(p, b, h, i, lane, mx, l, o);
 }
 
 // ---- backward ------------------------------------------------------------------------------
@@ -341,6 +439,20 @@ cudaError_t launch_simple_fwd(const AttentionParams& p, cudaStream_t stream) {
   const int64_t rows = p.B * p.H * p.Sq;
   if (rows == 0) return cudaSuccess;
   simple_fwd_kernel<T><<<blocks_for(rows), kWarps * 32, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_simple_fwd_split(const AttentionParams& p, int64_t chunk, int n_split,
+                                    void* part_o, void* part_ml, cudaStream_t stream) {
+  const int64_t rows = p.B * p.H * p.Sq;
+  if (rows == 0) return cudaSuccess;
+  simple_fwd_split_kernel<T><<<blocks_for(rows * n_split), kWarps * 32, 0, stream>>>(
+      p, chunk, n_split, part_o, part_ml);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  simple_fwd_combine_kernel<T><<<blocks_for(rows), kWarps * 32, 0, stream>>>(p, n_split, part_o,
+                                                                              part_ml);
   return cudaGetLastError();
 }
 
