@@ -84,7 +84,10 @@ def check_fwd(out, lse, q, k, v, causal, scale=None, name=""):
     assert_close_rule(out, r_out, low_out, name=f"{name} out")
     inf_ours, inf_ref = torch.isinf(lse), torch.isinf(r_lse)
     assert torch.equal(inf_ours.cpu(), inf_ref.cpu()), f"{name}: lse -inf rows differ"
-    assert max_err(lse, r_lse.float()) <= 1e-3, f"{name}: lse error {max_err(lse, r_lse):.3e}"
+    # fp32 lse: 1e-3 absolute plus a few fp32 ulps of its magnitude (large scores)
+    fin = torch.isfinite(r_lse)
+    bound = 1e-3 + 4e-6 * (float(r_lse[fin].abs().max()) if fin.any() else 0.0)
+    assert max_err(lse, r_lse) <= bound, f"{name}: lse error {max_err(lse, r_lse):.3e} > {bound:.3e}"
 
 
 # (B, Sq, Sk, H, Hkv): tile-aligned, ragged ends, Sq < Sk (decode-like), Sq > Sk (causal
