@@ -43,9 +43,9 @@ $PY -c "import attn_ext, torch; print('ops:', [n for n in dir(torch.ops.attn_ext
 # test_attention_cuda.py (fast vs simple vs reference) and every `device="cuda"` case of the
 # other test files (-k cuda). pytest-timeout guards against a hung kernel.
 t0=$SECONDS
-TT=$(( $(left) - 200 )); [ $TT -gt 240 ] && TT=240; [ $TT -lt 60 ] && TT=60
+TT=$(( $(left) - 150 )); [ $TT -gt 240 ] && TT=240; [ $TT -lt 90 ] && TT=90
 TO=""; $PY -c "import pytest_timeout" 2>/dev/null && TO="--timeout=60"
-timeout $TT $PY -m pytest -q -p no:cacheprovider $TO tests -k cuda -rfE \
+timeout $TT $PY -m pytest -q -p no:cacheprovider $TO tests -k cuda -rfE --durations=8 \
   > "$OUT/test_cuda.log" 2>&1
 rc=$?
 note "tests rc=$rc in $(( SECONDS - t0 )) s: $(grep -E '(passed|failed|error)' "$OUT/test_cuda.log" | tail -1)"
@@ -71,7 +71,8 @@ SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer
 if [ -x "$SAN" ]; then
   if [ "$(left)" -gt 70 ]; then
     t0=$SECONDS
-    timeout 90 "$SAN" --tool memcheck --error-exitcode 9 $PY benchmarks/gpu_sanitize_case.py \
+    TM=$(( $(left) - 40 )); [ $TM -gt 90 ] && TM=90
+    timeout $TM "$SAN" --tool memcheck --error-exitcode 9 $PY benchmarks/gpu_sanitize_case.py \
       > "$OUT/memcheck.log" 2>&1
     note "memcheck rc=$? in $(( SECONDS - t0 )) s: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
   else
