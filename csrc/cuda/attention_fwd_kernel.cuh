@@ -380,9 +380,20 @@ template <typename T, int kHeadDim, bool kCausal>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
   using Tr = FwdTraits<kHeadDim>;
   auto kernel = fa2_fwd_kernel<T, kHeadDim, kCausal>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       Tr::kSmemBytes);
+  // Raise the dynamic shared-memory limit (above 48 KiB at D = 128) once per device, not on
+  // every call (keeps the launch path free of extra driver calls, e.g. under graph capture).
+  // Racing first calls from two host threads both set it, which is harmless.
+  constexpr int kMaxDevices = 64;
+  static bool smem_set[kMaxDevices] = {};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
+  if (dev >= kMaxDevices || !smem_set[dev]) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             Tr::kSmemBytes);
+    if (e != cudaSuccess) return e;
+    if (dev < kMaxDevices) smem_set[dev] = true;
+  }
   const dim3 grid(static_cast<unsigned>((p.Sq + Tr::kBlockM - 1) / Tr::kBlockM),
                   static_cast<unsigned>(p.H), static_cast<unsigned>(p.B));
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
