@@ -30,10 +30,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 #include "common/attention_checks.h"
 #include "cuda/attention_launch.h"
