@@ -13,6 +13,11 @@
 
 namespace attn_ext {
 
+// Last dim contiguous (stride 1); empty tensors (any strides) are accepted.
+inline void check_row_contiguous(const at::Tensor& t, const char* name) {
+  if (t.numel() > 0) check_last_dim_contiguous(t, name);
+}
+
 struct AttentionShape {
   int64_t B, Sq, Sk, H, Hkv, D, Dv;
 };
@@ -44,9 +49,9 @@ inline AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tens
   TORCH_CHECK((s.Hkv > 0 && s.H % s.Hkv == 0) || (s.Hkv == 0 && s.H == 0),
               "k's number of heads Hkv = ", s.Hkv, " must divide q's number of heads H = ", s.H,
               " (GQA/MQA), got k shape ", k.sizes(), " and q shape ", q.sizes());
-  check_last_dim_contiguous(q, "q");
-  check_last_dim_contiguous(k, "k");
-  check_last_dim_contiguous(v, "v");
+  check_row_contiguous(q, "q");
+  check_row_contiguous(k, "k");
+  check_row_contiguous(v, "v");
   if (scale.has_value()) {
     TORCH_CHECK(std::isfinite(*scale), "scale must be finite, got ", *scale);
   }
@@ -82,8 +87,8 @@ inline void check_attention_bwd_inputs(const at::Tensor& dout, const at::Tensor&
   check_same_device(dout, q, "dout", "q");
   check_same_device(out, q, "out", "q");
   check_same_device(lse, q, "lse", "q");
-  check_last_dim_contiguous(dout, "dout");
-  check_last_dim_contiguous(out, "out");
+  check_row_contiguous(dout, "dout");
+  check_row_contiguous(out, "out");
 }
 
 // Fills the forward params; out (B, Sq, H, Dv) and lse (B, H, Sq) are contiguous.

@@ -16,6 +16,8 @@
 //   pass 6: dkt (nk, Dp) += dpt qr           qr (nq, Dp) = q rows
 //   pass 7: dq_w (nq, Dp) += dpt^T kb        into the worker's own dq buffer
 //
+// The query-side operands (q, q^T, dout, dout^T, lse, Di) are packed once per query block
+// by a parallel pre-pass (pass 0), costing (B * H * Sq) * (2 D + 2 Dv + 2) floats of workspace.
 // dq: every worker accumulates into its own fp32 (B, H, Sq, Dp) buffer; a final pass sums the
 // buffers in worker order. Tasks are assigned to workers by a fixed greedy plan (not
 // dynamically), so the result is bitwise identical from run to run for a given thread count.
@@ -40,15 +42,8 @@ struct BwdScratch {
   std::vector<acc_t> vb;    // (kBlockK, Dvp): v rows of the task
   std::vector<acc_t> dkt;   // (kBlockK, Dp): dk accumulator (unscaled)
   std::vector<acc_t> dvt;   // (kBlockK, Dvp): dv accumulator
-  std::vector<acc_t> qt;    // (D, kBlockQ): scale * log2(e) * q^T
-  std::vector<acc_t> qr;    // (kBlockQ, Dp): q rows
-  std::vector<acc_t> dot;   // (Dv, kBlockQ): dout^T
-  std::vector<acc_t> dor;   // (kBlockQ, Dvp): dout rows
   std::vector<acc_t> st;    // (kBlockK, kBlockQ): scores, then P^T
   std::vector<acc_t> dpt;   // (kBlockK, kBlockQ): dP^T, then dS^T
-  std::vector<acc_t> lse2;  // (kBlockQ): lse * log2(e); +inf for padding / empty rows
-  std::vector<acc_t> di;    // (kBlockQ): rowsum(dout * out)
-  std::vector<acc_t> tmp;   // (max(D, Dv)): one converted row
 
   BwdScratch(int64_t D, int64_t Dv)
       : Dp(round_up(D, 8)),
@@ -57,34 +52,90 @@ struct BwdScratch {
         vb(static_cast<size_t>(kBlockK * Dvp), acc_t(0)),
         dkt(static_cast<size_t>(kBlockK * Dp)),
         dvt(static_cast<size_t>(kBlockK * Dvp)),
-        qt(static_cast<size_t>(std::max<int64_t>(D, 1) * kBlockQ)),
-        qr(static_cast<size_t>(kBlockQ * Dp), acc_t(0)),
-        dot(static_cast<size_t>(std::max<int64_t>(Dv, 1) * kBlockQ)),
-        dor(static_cast<size_t>(kBlockQ * Dvp), acc_t(0)),
         st(static_cast<size_t>(kBlockK * kBlockQ)),
-        dpt(static_cast<size_t>(kBlockK * kBlockQ)),
-        lse2(kBlockQ),
-        di(kBlockQ),
-        tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1)), acc_t(0)) {}
+        dpt(static_cast<size_t>(kBlockK * kBlockQ)) {}
+};
+
+// Query-side operands of one (batch, head, query block of kBlockQ rows), packed once by a
+// parallel pre-pass and then read by every key tile task (instead of being re-packed per
+// key tile). One block, offsets in elements; padding rows/columns are zero:
+//   qt   (D, kBlockQ)    scale * log2(e) * q^T
+//   qr   (kBlockQ, Dp)   q rows
+//   dot  (Dv, kBlockQ)   dout^T
+//   dor  (kBlockQ, Dvp)  dout rows
+//   lse2 (kBlockQ)       lse * log2(e); +inf for padding rows and rows that see no key (P = 0)
+//   di   (kBlockQ)       rowsum(dout * out)
+struct QueryPackLayout {
+  int64_t n_qb, qt, qr, dot, dor, lse2, di, size;
+  QueryPackLayout(int64_t Sq, int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp)
+      : n_qb(ceil_div(Sq, kBlockQ)),
+        qt(0),
+        qr(qt + D * kBlockQ),
+        dot(qr + kBlockQ * Dp),
+        dor(dot + Dv * kBlockQ),
+        lse2(dor + kBlockQ * Dvp),
+        di(lse2 + kBlockQ),
+        size(di + kBlockQ) {}
 };
 
 template <typename scalar_t, typename acc_t>
-void bwd_task(const AttentionBwdParams& bp, int64_t b, int64_t hkv, int64_t j0,
-              const mk::Kernels<acc_t>& K, BwdScratch<acc_t>& s, acc_t* dq_w) {
+void pack_query_blocks(const AttentionBwdParams& bp, const QueryPackLayout& L, acc_t* packs) {
   const AttentionParams& p = bp.fwd;
-  const int64_t D = p.D, Dv = p.Dv, Dp = s.Dp, Dvp = s.Dvp;
-  const int64_t off = p.Sk - p.Sq;
-  const int64_t nk = std::min(kBlockK, p.Sk - j0);
-  const int64_t group = p.H / p.Hkv;
+  const int64_t D = p.D, Dv = p.Dv, Dp = round_up(D, 8), Dvp = round_up(Dv, 8);
   const auto* q = static_cast<const scalar_t*>(p.q);
-  const auto* k = static_cast<const scalar_t*>(p.k);
-  const auto* v = static_cast<const scalar_t*>(p.v);
   const auto* dout = static_cast<const scalar_t*>(bp.dout);
   const auto* o = static_cast<const scalar_t*>(bp.out);
   const auto* lse = static_cast<const acc_t*>(bp.lse);
   const acc_t qscale = static_cast<acc_t>(p.scale * kLog2e);
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const acc_t pos_inf = std::numeric_limits<acc_t>::infinity();
+  at::parallel_for(0, p.B * p.H * L.n_qb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1)));
+    for (int64_t idx = begin; idx < end; ++idx) {  // idx = (b * H + h) * n_qb + qb
+      const int64_t qb = idx % L.n_qb;
+      const int64_t h = (idx / L.n_qb) % p.H;
+      const int64_t b = idx / (L.n_qb * p.H);
+      const int64_t i0 = qb * kBlockQ;
+      const int64_t nq = std::min(kBlockQ, p.Sq - i0);
+      acc_t* blk = packs + idx * L.size;
+      acc_t *qt = blk + L.qt, *qr = blk + L.qr, *dot = blk + L.dot, *dor = blk + L.dor;
+      const scalar_t* qh = q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride;
+      const scalar_t* dh = dout + b * bp.dout_batch_stride + h * bp.dout_head_stride + i0 * bp.dout_row_stride;
+      const scalar_t* oh = o + b * bp.o_batch_stride + h * bp.o_head_stride + i0 * bp.o_row_stride;
+      for (int64_t ii = 0; ii < nq; ++ii) {
+        acc_t* qrow = qr + ii * Dp;
+        convert_row(qh + ii * p.q_row_stride, D, qrow);
+        for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + ii] = qrow[d] * qscale;
+        acc_t* drow = dor + ii * Dvp;
+        convert_row(dh + ii * bp.dout_row_stride, Dv, drow);
+        for (int64_t d = 0; d < Dv; ++d) dot[d * kBlockQ + ii] = drow[d];
+        convert_row(oh + ii * bp.o_row_stride, Dv, tmp.data());
+        acc_t di = 0;
+        for (int64_t d = 0; d < Dv; ++d) di += drow[d] * tmp[d];
+        blk[L.di + ii] = di;
+        const acc_t l = lse[(b * p.H + h) * p.Sq + i0 + ii];
+        blk[L.lse2 + ii] = l == neg_inf ? pos_inf : l * static_cast<acc_t>(kLog2e);
+      }
+      for (int64_t c = nq; c < kBlockQ; ++c) {
+        blk[L.di + c] = 0;
+        blk[L.lse2 + c] = pos_inf;
+      }
+    }
+  });
+}
+
+template <typename scalar_t, typename acc_t>
+void bwd_task(const AttentionBwdParams& bp, int64_t b, int64_t hkv, int64_t j0,
+              const QueryPackLayout& L, const acc_t* packs, const mk::Kernels<acc_t>& K,
+              BwdScratch<acc_t>& s, acc_t* dq_w) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t D = p.D, Dv = p.Dv, Dp = s.Dp, Dvp = s.Dvp;
+  const int64_t off = p.Sk - p.Sq;
+  const int64_t nk = std::min(kBlockK, p.Sk - j0);
+  const int64_t group = p.H / p.Hkv;
+  const auto* k = static_cast<const scalar_t*>(p.k);
+  const auto* v = static_cast<const scalar_t*>(p.v);
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
 
   load_rows(k + b * p.k_batch_stride + hkv * p.k_head_stride + j0 * p.k_row_stride,
             p.k_row_stride, nk, D, s.kb.data(), Dp);
@@ -93,57 +144,88 @@ void bwd_task(const AttentionBwdParams& bp, int64_t b, int64_t hkv, int64_t j0,
   std::fill(s.dkt.begin(), s.dkt.end(), acc_t(0));
   std::fill(s.dvt.begin(), s.dvt.end(), acc_t(0));
 
-  // First query row that sees key j0 (causal: j0 <= i + off).
-  const int64_t qbeg = p.causal ? std::max<int64_t>(0, j0 - off) : 0;
+  // Query blocks from the one holding the first row that sees key j0 (j0 <= i + off).
+  const int64_t qb_first = p.causal ? std::max<int64_t>(0, j0 - off) / kBlockQ : 0;
   for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
-    for (int64_t i0 = qbeg; i0 < p.Sq; i0 += kBlockQ) {
+    for (int64_t qb = qb_first; qb < L.n_qb; ++qb) {
+      const int64_t i0 = qb * kBlockQ;
       const int64_t nq = std::min(kBlockQ, p.Sq - i0);
       const int64_t C = round_up(nq, 8);
-      // Pack q, dout of rows [i0, i0 + nq) of head h; lse2 and Di per row.
-      const scalar_t* qh = q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride;
-      const scalar_t* dh = dout + b * bp.dout_batch_stride + h * bp.dout_head_stride + i0 * bp.dout_row_stride;
-      const scalar_t* oh = o + b * bp.o_batch_stride + h * bp.o_head_stride + i0 * bp.o_row_stride;
-      std::fill(s.qt.begin(), s.qt.begin() + D * C, acc_t(0));
-      std::fill(s.dot.begin(), s.dot.begin() + Dv * C, acc_t(0));
-      for (int64_t ii = 0; ii < nq; ++ii) {
-        convert_row(qh + ii * p.q_row_stride, D, s.qr.data() + ii * Dp);
-        for (int64_t d = 0; d < D; ++d) s.qt[d * C + ii] = s.qr[ii * Dp + d] * qscale;
-        acc_t* dr = s.dor.data() + ii * Dvp;
-        convert_row(dh + ii * bp.dout_row_stride, Dv, dr);
-        for (int64_t d = 0; d < Dv; ++d) s.dot[d * C + ii] = dr[d];
-        convert_row(oh + ii * bp.o_row_stride, Dv, s.tmp.data());
-        acc_t di = 0;
-        for (int64_t d = 0; d < Dv; ++d) di += dr[d] * s.tmp[d];
-        s.di[ii] = di;
-        const acc_t l = lse[(b * p.H + h) * p.Sq + i0 + ii];
-        s.lse2[ii] = l == neg_inf ? pos_inf : l * static_cast<acc_t>(kLog2e);
+      const acc_t* blk = packs + ((b * p.H + h) * L.n_qb + qb) * L.size;
+      const acc_t *qt = blk + L.qt, *qr = blk + L.qr, *dot = blk + L.dot, *dor = blk + L.dor;
+      acc_t* dqh = dq_w + ((b * p.H + h) * p.Sq + i0) * Dp;
+      if (!(p.causal && j0 + nk - 1 > i0 + off)) {
+        // Off the diagonal: every (key, query) pair of the tile is visible.
+        // pass 1: st (nk, C) = kb qt
+        K.gemm(nk, C, D, s.kb.data(), Dp, 1, qt, kBlockQ, s.st.data(), C, false);
+        // pass 2: P^T
+        K.exp2_sub(s.st.data(), nk, C, blk + L.lse2);
+        // pass 3: dvt += P^T dout
+        K.gemm(nk, Dvp, nq, s.st.data(), C, 1, dor, Dvp, s.dvt.data(), Dvp, true);
+        // pass 4: dP^T = v dout^T
+        K.gemm(nk, C, Dv, s.vb.data(), Dvp, 1, dot, kBlockQ, s.dpt.data(), C, false);
+        // pass 5: dS^T = P^T * (dP^T - Di)
+        K.ds(s.st.data(), s.dpt.data(), nk, C, blk + L.di);
+        // pass 6: dkt += dS^T q
+        K.gemm(nk, Dp, nq, s.dpt.data(), C, 1, qr, Dp, s.dkt.data(), Dp, true);
+        // pass 7: dq_w rows += dS k
+        K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kb.data(), Dp, dqh, Dp, true);
+        continue;
       }
-      for (int64_t c = nq; c < C; ++c) {
-        s.di[c] = 0;
-        s.lse2[c] = pos_inf;  // padding columns: P = 0
-      }
-      // pass 1: st (nk, C) = kb qt, masked on the diagonal
-      K.gemm(nk, C, D, s.kb.data(), Dp, 1, s.qt.data(), C, s.st.data(), C, false);
-      if (p.causal && j0 + nk - 1 > i0 + off) {
-        for (int64_t r = std::max<int64_t>(0, i0 + off + 1 - j0); r < nk; ++r) {
-          acc_t* row = s.st.data() + r * C;
-          const int64_t first_seen = j0 + r - off - i0;  // columns c < first_seen are masked
-          for (int64_t c = 0; c < std::min(first_seen, C); ++c) row[c] = neg_inf;
+      // Diagonal tile: key j0 + r is seen by columns c >= first(r) = j0 + r - off - i0, so
+      // the hidden triangle is skipped in 6-key / 6-query steps (pass 1, 3, 4, 6, 7); what
+      // pass 1 / 4 leave uncomputed is filled with -inf / 0 before the element-wise passes.
+      auto first = [&](int64_t r) { return std::clamp<int64_t>(j0 + r - off - i0, 0, C); };
+      // pass 1: st = kb qt on the visible column panels, then mask
+      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+        const int64_t rows = std::min<int64_t>(6, nk - r0), c8 = first(r0) / 8 * 8;
+        if (c8 < C) {
+          K.gemm(rows, C - c8, D, s.kb.data() + r0 * Dp, Dp, 1, qt + c8, kBlockQ,
+                 s.st.data() + r0 * C + c8, C, false);
         }
       }
+      for (int64_t r = 0; r < nk; ++r) {
+        std::fill(s.st.data() + r * C, s.st.data() + r * C + first(r), neg_inf);
+      }
       // pass 2: P^T
-      K.exp2_sub(s.st.data(), nk, C, s.lse2.data());
-      // pass 3: dvt += P^T dout
-      K.gemm(nk, Dvp, nq, s.st.data(), C, 1, s.dor.data(), Dvp, s.dvt.data(), Dvp, true);
-      // pass 4: dP^T = v dout^T
-      K.gemm(nk, C, Dv, s.vb.data(), Dvp, 1, s.dot.data(), C, s.dpt.data(), C, false);
-      // pass 5: dS^T = P^T * (dP^T - Di)
-      K.ds(s.st.data(), s.dpt.data(), nk, C, s.di.data());
-      // pass 6: dkt += dS^T q
-      K.gemm(nk, Dp, nq, s.dpt.data(), C, 1, s.qr.data(), Dp, s.dkt.data(), Dp, true);
-      // pass 7: dq_w rows += dS k
-      acc_t* dqh = dq_w + ((b * p.H + h) * p.Sq + i0) * Dp;
-      K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kb.data(), Dp, dqh, Dp, true);
+      K.exp2_sub(s.st.data(), nk, C, blk + L.lse2);
+      // pass 3: dvt += P^T dout over the queries that see each 6 keys
+      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+        const int64_t rows = std::min<int64_t>(6, nk - r0), c0 = std::min(first(r0), nq);
+        if (c0 < nq) {
+          K.gemm(rows, Dvp, nq - c0, s.st.data() + r0 * C + c0, C, 1, dor + c0 * Dvp, Dvp,
+                 s.dvt.data() + r0 * Dvp, Dvp, true);
+        }
+      }
+      // pass 4: dP^T = v dout^T on the visible column panels; zero elsewhere
+      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+        const int64_t rows = std::min<int64_t>(6, nk - r0), c8 = first(r0) / 8 * 8;
+        if (c8 < C) {
+          K.gemm(rows, C - c8, Dv, s.vb.data() + r0 * Dvp, Dvp, 1, dot + c8, kBlockQ,
+                 s.dpt.data() + r0 * C + c8, C, false);
+        }
+        for (int64_t r = r0; r < r0 + rows; ++r) {
+          std::fill(s.dpt.data() + r * C, s.dpt.data() + r * C + c8, acc_t(0));
+        }
+      }
+      // pass 5: dS^T = P^T * (dP^T - Di)  (0 where hidden: P = 0)
+      K.ds(s.st.data(), s.dpt.data(), nk, C, blk + L.di);
+      // pass 6: dkt += dS^T q over the queries that see each 6 keys
+      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+        const int64_t rows = std::min<int64_t>(6, nk - r0), c0 = std::min(first(r0), nq);
+        if (c0 < nq) {
+          K.gemm(rows, Dp, nq - c0, s.dpt.data() + r0 * C + c0, C, 1, qr + c0 * Dp, Dp,
+                 s.dkt.data() + r0 * Dp, Dp, true);
+        }
+      }
+      // pass 7: dq_w rows += dS k over the keys each 6 queries see (j <= i + off)
+      for (int64_t c0 = 0; c0 < nq; c0 += 6) {
+        const int64_t mrows = std::min<int64_t>(6, nq - c0);
+        const int64_t kc = std::clamp<int64_t>(i0 + c0 + mrows + off - j0, 0, nk);
+        if (kc > 0) {
+          K.gemm(mrows, Dp, kc, s.dpt.data() + c0, 1, C, s.kb.data(), Dp, dqh + c0 * Dp, Dp, true);
+        }
+      }
     }
   }
 
@@ -190,6 +272,11 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     }
   }
 
+  // pass 0: pack the query-side operands once.
+  const QueryPackLayout L(p.Sq, p.D, p.Dv, Dp, round_up(p.Dv, 8));
+  std::vector<acc_t> packs(static_cast<size_t>(p.B * p.H * L.n_qb * L.size), acc_t(0));
+  pack_query_blocks<scalar_t, acc_t>(bp, L, packs.data());
+
   // dq_w: (workers, B, H, Sq, Dp) partial sums, one slice per worker.
   const int64_t dq_size = p.B * p.H * p.Sq * Dp;
   std::vector<acc_t> dq_parts(static_cast<size_t>(workers * dq_size), acc_t(0));
@@ -200,7 +287,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
         const int64_t kb = t % n_kb;
         const int64_t hkv = (t / n_kb) % p.Hkv;
         const int64_t b = t / (n_kb * p.Hkv);
-        bwd_task<scalar_t, acc_t>(bp, b, hkv, kb * kBlockK, kern, s, dq_parts.data() + w * dq_size);
+        bwd_task<scalar_t, acc_t>(bp, b, hkv, kb * kBlockK, L, packs.data(), kern, s,
+                                  dq_parts.data() + w * dq_size);
       }
     }
   });

@@ -144,13 +144,54 @@ int64_t run_tile(const AttentionParams& p, const QueryTile& qt_, int64_t kbeg, i
   const int64_t first_row = qt_.i0;  // smallest query row of the tile
   for (int64_t j0 = kbeg; j0 < kend; j0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, kend - j0);
-    load_rows(kh + j0 * p.k_row_stride, p.k_row_stride, nk, D, s.kb.data(), Dp);
-    load_rows(vh + j0 * p.v_row_stride, p.v_row_stride, nk, Dv, s.vb.data(), Dvp);
-    // pass 1: st (nk, C) = kb (nk, D) qt (D, C)
-    K.gemm(nk, C, D, s.kb.data(), Dp, 1, s.qt.data(), C, s.st.data(), C, false);
-    if (p.causal && j0 + nk - 1 > first_row + off) {
-      // Diagonal tile: key j is hidden from column c when j > qrow[c] + off.
-      const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+    // k and v rows in the accumulation type: read in place when they already are (k is only
+    // broadcast from, so any row stride works; v needs Dv % 8 == 0 to be a gemm B operand),
+    // else converted into kb / vb.
+    const acc_t* kt;
+    const acc_t* vt;
+    int64_t ldk, ldv;
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      kt = kh + j0 * p.k_row_stride;
+      ldk = p.k_row_stride;
+    } else {
+      load_rows(kh + j0 * p.k_row_stride, p.k_row_stride, nk, D, s.kb.data(), Dp);
+      kt = s.kb.data();
+      ldk = Dp;
+    }
+    if (std::is_same_v<scalar_t, acc_t> && Dv == Dvp) {
+      vt = reinterpret_cast<const acc_t*>(vh + j0 * p.v_row_stride);
+      ldv = p.v_row_stride;
+    } else {
+      load_rows(vh + j0 * p.v_row_stride, p.v_row_stride, nk, Dv, s.vb.data(), Dvp);
+      vt = s.vb.data();
+      ldv = Dvp;
+    }
+    // Tile crossing the causal diagonal (some key hidden from some column). With one head
+    // per tile, column c is row first_row + c, so the hidden part is a triangle that pass 1
+    // and pass 3 skip in 6-key / 6-query steps; masking then fills it with -inf.
+    const bool diag = p.causal && j0 + nk - 1 > first_row + off;
+    const bool tri = diag && qt_.nh == 1;
+    const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+    // pass 1: st (nk, C) = k rows (nk, D) qt (D, C)
+    if (!tri) {
+      K.gemm(nk, C, D, kt, ldk, 1, s.qt.data(), C, s.st.data(), C, false);
+    } else {
+      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+        // first column that sees key j0 + r0, rounded down to a whole vector
+        const int64_t c8 = std::clamp<int64_t>(j0 + r0 - off - first_row, 0, C) / 8 * 8;
+        if (c8 < C) {
+          K.gemm(std::min<int64_t>(6, nk - r0), C - c8, D, kt + r0 * ldk, ldk, 1,
+                 s.qt.data() + c8, C, s.st.data() + r0 * C + c8, C, false);
+        }
+      }
+    }
+    if (tri) {
+      for (int64_t r = std::max<int64_t>(0, first_row + off + 1 - j0); r < nk; ++r) {
+        const int64_t hidden = std::min(C, j0 + r - off - first_row);  // columns [0, hidden)
+        std::fill(s.st.data() + r * C, s.st.data() + r * C + hidden, neg_inf);
+      }
+    } else if (diag) {
+      // Key j is hidden from column c when j > qrow[c] + off.
       for (int64_t r = std::max<int64_t>(0, first_row + off + 1 - j0); r < nk; ++r) {
         acc_t* row = s.st.data() + r * C;
         const int64_t lim = j0 + r - off;  // columns with qrow < lim are masked
@@ -169,7 +210,18 @@ int64_t run_tile(const AttentionParams& p, const QueryTile& qt_, int64_t kbeg, i
         for (int64_t d = 0; d < Dvp; ++d) orow[d] *= a;
       }
     }
-    K.gemm(cols, Dvp, nk, s.st.data(), 1, C, s.vb.data(), Dvp, s.o.data(), Dvp, true);
+    if (!tri) {
+      K.gemm(cols, Dvp, nk, s.st.data(), 1, C, vt, ldv, s.o.data(), Dvp, true);
+    } else {
+      for (int64_t c0 = 0; c0 < cols; c0 += 6) {
+        const int64_t mrows = std::min<int64_t>(6, cols - c0);
+        // keys seen by the chunk's last column: j <= first_row + c0 + mrows - 1 + off
+        const int64_t kc = std::clamp<int64_t>(first_row + c0 + mrows + off - j0, 0, nk);
+        if (kc > 0) {
+          K.gemm(mrows, Dvp, kc, s.st.data() + c0, 1, C, vt, ldv, s.o.data() + c0 * Dvp, Dvp, true);
+        }
+      }
+    }
   }
   return C;
 }
