@@ -35,7 +35,7 @@ bench: install
 
 # nvcc compile-only of every csrc/**/*.cu for sm_80 and sm_90 (no GPU needed)
 cuda-check: deps
-	$(PYTHON) tools/cuda_check.py --arch 80,90
+	$(PYTHON) tools/cuda_check.py --arch 80,90 --fail-on-spill fa2_fwd_kernel
 
 cpp: deps
 	cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$$($(PYTHON) -c 'import torch; print(torch.utils.cmake_prefix_path)')"

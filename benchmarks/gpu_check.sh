@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (H200, sm_90), run from the repo root there:
+#   bash benchmarks/gpu_check.sh
+# Builds attn_ext from source in place (nothing downloaded), runs the CUDA tests, the
+# compute-sanitizer checks (if the tool is there) and the attention benchmark, writes the logs
+# under $OUT (default ./gpu_out) and prints a short summary table LAST.
+# Budget: GPU_CHECK_BUDGET seconds (default 480) for everything; steps that would start too
+# late are skipped and say so.
+set -u
+OUT=${OUT:-./gpu_out}
+mkdir -p "$OUT"
+BUDGET=${GPU_CHECK_BUDGET:-480}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+SECONDS=0
+declare -a SUMMARY
+note() { SUMMARY+=("$1"); echo "### $1"; }
+left() { echo $(( BUDGET - SECONDS )); }
+
+# ---- 0. machine --------------------------------------------------------------------------
+{
+  nvidia-smi -L
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
+  $PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  /usr/local/cuda/bin/nvcc --version | tail -2
+  command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null
+} 2>&1 | tee "$OUT/info.log"
+
+# ---- 1. build ------------------------------------------------------------------------------
+t0=$SECONDS
+CUDA_HOME=/usr/local/cuda TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 ATTN_EXT_CUDA=1 \
+  $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1
+rc=$?
+note "build rc=$rc in $(( SECONDS - t0 )) s (log build.log)"
+if [ $rc -ne 0 ]; then
+  tail -40 "$OUT/build.log"
+  printf '\n===== SUMMARY =====\n'; printf '%s\n' "${SUMMARY[@]}"
+  exit 1
+fi
+$PY -c "import attn_ext, torch; print('ops:', [n for n in dir(torch.ops.attn_ext) if 'attention' in n])" 2>&1 | tee -a "$OUT/info.log"
+
+# ---- 2. CUDA tests -------------------------------------------------------------------------
+# test_attention_cuda.py (fast vs simple vs reference) and every `device="cuda"` case of the
+# other test files (-k cuda). pytest-timeout guards against a hung kernel.
+t0=$SECONDS
+TT=$(( $(left) - 150 )); [ $TT -gt 240 ] && TT=240; [ $TT -lt 90 ] && TT=90
+TO=""; $PY -c "import pytest_timeout" 2>/dev/null && TO="--timeout=60"
+timeout $TT $PY -m pytest -q -p no:cacheprovider $TO tests -k cuda -rfE --durations=8 \
+  > "$OUT/test_cuda.log" 2>&1
+rc=$?
+note "tests rc=$rc in $(( SECONDS - t0 )) s: $(grep -E '(passed|failed|error)' "$OUT/test_cuda.log" | tail -1)"
+grep -E '^(FAILED|ERROR)' "$OUT/test_cuda.log" | head -20
+
+# ---- 3. benchmark --------------------------------------------------------------------------
+t0=$SECONDS
+if [ "$(left)" -gt 100 ]; then
+  TB=$(( $(left) - 60 )); [ $TB -gt 150 ] && TB=150
+  timeout $TB $PY benchmarks/bench_attention_cuda.py --json "$OUT/bench.json" \
+    > "$OUT/bench.log" 2>&1
+  note "bench rc=$? in $(( SECONDS - t0 )) s (log bench.log)"
+  if [ -f benchmarks/bench_attention.py ] && [ "$(left)" -gt 120 ]; then
+    timeout 60 $PY benchmarks/bench_attention.py --device cuda > "$OUT/bench_attention.log" 2>&1
+    note "bench_attention.py --device cuda rc=$? (log bench_attention.log)"
+  fi
+else
+  note "bench skipped (budget)"
+fi
+
+# ---- 4. compute-sanitizer ------------------------------------------------------------------
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+if [ -x "$SAN" ]; then
+  if [ "$(left)" -gt 70 ]; then
+    t0=$SECONDS
+    TM=$(( $(left) - 40 )); [ $TM -gt 90 ] && TM=90
+    timeout $TM "$SAN" --tool memcheck --error-exitcode 9 $PY benchmarks/gpu_sanitize_case.py \
+      > "$OUT/memcheck.log" 2>&1
+    note "memcheck rc=$? in $(( SECONDS - t0 )) s: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
+  else
+    note "memcheck skipped (budget)"
+  fi
+  if [ "$(left)" -gt 50 ]; then
+    t0=$SECONDS
+    timeout 60 "$SAN" --tool racecheck --racecheck-report hazard --error-exitcode 9 \
+      $PY benchmarks/gpu_sanitize_case.py --fast-only > "$OUT/racecheck.log" 2>&1
+    note "racecheck rc=$? in $(( SECONDS - t0 )) s: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/racecheck.log" | tail -1)"
+  else
+    note "racecheck skipped (budget)"
+  fi
+else
+  note "compute-sanitizer not found"
+fi
+
+# ---- summary (last) ------------------------------------------------------------------------
+printf '\n===== SUMMARY (%d s) =====\n' $SECONDS
+printf '%s\n' "${SUMMARY[@]}"
+[ -f "$OUT/bench.log" ] && sed -n '/^ *S  *B /,$p' "$OUT/bench.log"
+grep -E "^# " "$OUT/bench.log" 2>/dev/null
+exit 0

@@ -1,0 +1,41 @@
+"""A few small attention calls for compute-sanitizer (memcheck / racecheck) on the GPU machine:
+the fast forward (both head dims, causal and not, ragged tile ends, Sq > Sk), the simple
+forward (forced and odd head dims) and the simple backward. Checks nothing itself beyond
+finiteness; the sanitizer's report is the result.
+
+  compute-sanitizer --tool memcheck python benchmarks/gpu_sanitize_case.py [--fast-only]
+"""
+
+import os
+import sys
+
+import torch
+
+import attn_ext  # noqa: F401
+
+fast_only = "--fast-only" in sys.argv
+op = torch.ops.attn_ext
+dev = "cuda"
+torch.manual_seed(0)
+cases = [  # (B, Sq, Sk, H, Hkv, D, Dv, dtype)
+    (1, 130, 77, 2, 1, 64, 64, torch.bfloat16),
+    (1, 65, 200, 2, 2, 128, 128, torch.float16),
+]
+if not fast_only:
+    cases += [(1, 33, 41, 2, 1, 59, 111, torch.float32), (1, 9, 17, 2, 2, 16, 24, torch.float64)]
+for B, Sq, Sk, H, Hkv, D, Dv, dt in cases:
+    q = torch.randn(B, Sq, H, D, device=dev).to(dt)
+    k = torch.randn(B, Sk, Hkv, D, device=dev).to(dt)
+    v = torch.randn(B, Sk, Hkv, Dv, device=dev).to(dt)
+    for causal in (False, True):
+        out, lse = op.attention_forward(q, k, v, causal, None)
+        if not fast_only:
+            os.environ["ATTN_EXT_CUDA_ATTN"] = "simple"
+            out2, _ = op.attention_forward(q, k, v, causal, None)
+            del os.environ["ATTN_EXT_CUDA_ATTN"]
+            dout = torch.randn_like(out)
+            grads = op.attention_backward(dout, q, k, v, out, lse, causal, None)
+            assert all(torch.isfinite(g).all() for g in grads)
+        assert not torch.isnan(out).any()
+torch.cuda.synchronize()
+print("sanitize case done")

@@ -1,0 +1,217 @@
+// attn_ext::attention_forward / attention_backward on CUDA: ATen adapter (checks shared with
+// the CPU adapter, outputs, dtype and kernel dispatch, device guard, current stream). Device
+// code: attention_fwd_kernel.cuh (fast forward) and attention_simple_kernel.cuh (everything
+// else, and the backward).
+//
+// Kernels are instantiated in attention_simple.cu and attention_fa2_hdim{64,128}.cu
+// (declared in attention_launch.h); this file holds no device code.
+//
+// Forward dispatch, in order:
+//   0. split-KV decode path (simple::launch_simple_fwd_split) when Sq <= 16, Sk >= 512 and the
+//      B * H * Sq rows alone would fill under a quarter of the GPU's warp slots (16 warps per
+//      SM): the keys are cut into chunks of >= 128, one warp per (row, chunk), then merged.
+//      Any dtype and head dim. (The fast kernel's 64-row query tiles would waste most of
+//      their work on one or a few query rows and leave most SMs idle.)
+//   1. fast FA2-style tensor-core kernel (fa2::launch_fa2_fwd) when ALL of:
+//        dtype fp16 or bf16; D == Dv and D in {64, 128}; q, k, v data pointers 16-byte
+//        aligned and their batch/row/head strides multiples of 8 elements; Sk > 0;
+//        B, H <= 65535 (grid y/z).
+//   2. otherwise the simple kernel (simple::launch_simple_fwd): any dtype (fp32, fp64, fp16,
+//      bf16), any D, Dv <= 256, any strides with a contiguous last dim.
+// ATTN_EXT_CUDA_ATTN=simple in the environment (read at each call) skips 0 and 1: tests use
+// it to compare the kernels on the same inputs.
+// Head dims above 256 are rejected with an error naming the argument.
+// Backward: always the simple kernels (dQ per query row, then dK/dV per key row; no atomics,
+// deterministic). A fast FA2 backward is not written yet.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+
+#include "common/attention_checks.h"
+#include "cuda/attention_launch.h"
+
+namespace attn_ext {
+namespace {
+
+// Calls f(T{}) with T the CUDA-side element type of `dtype` (the kernels use the CUDA types
+// __half / __nv_bfloat16, which have the same layout as c10::Half / c10::BFloat16).
+template <typename F>
+void dispatch_cuda_type(at::ScalarType dtype, const char* name, F&& f) {
+  switch (dtype) {
+    case at::kFloat: f(float{}); break;
+    case at::kDouble: f(double{}); break;
+    case at::kHalf: f(__half{}); break;
+    case at::kBFloat16: f(__nv_bfloat16{}); break;
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", dtype);
+  }
+}
+
+void check_cuda_head_dims(const AttentionShape& s) {
+  TORCH_CHECK(s.D <= cuda::simple::kMaxHeadDim, "q and k head dim D must be <= ",
+              cuda::simple::kMaxHeadDim, " on CUDA, got D = ", s.D);
+  TORCH_CHECK(s.Dv <= cuda::simple::kMaxHeadDim, "v head dim Dv must be <= ",
+              cuda::simple::kMaxHeadDim, " on CUDA, got Dv = ", s.Dv);
+}
+
+void check_grid_rows(int64_t rows, const char* what) {
+  const int64_t blocks = (rows + cuda::simple::kWarps - 1) / cuda::simple::kWarps;
+  TORCH_CHECK(blocks <= 0x7fffffff, "attention on CUDA: too many ", what, " rows (", rows,
+              ") for one launch");
+}
+
+bool aligned16(const at::Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int d = 0; d < 3; ++d) {
+    if (t.stride(d) % 8 != 0) return false;
+  }
+  return true;
+}
+
+bool force_simple() {
+  const char* env = std::getenv("ATTN_EXT_CUDA_ATTN");
+  return env != nullptr && std::strcmp(env, "simple") == 0;
+}
+
+// Split-KV plan for the forward: n_split > 1 when the decode path applies (see the top).
+struct SplitPlan {
+  int n_split = 1;
+  int64_t chunk = 0;
+};
+
+SplitPlan plan_split(const AttentionParams& p, int device) {
+  SplitPlan plan;
+  if (p.Sq > 16 || p.Sk < 512 || force_simple()) return plan;
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      sms <= 0) {
+    (void)cudaGetLastError();  // clear it; fall back to the unsplit kernels
+    return plan;
+  }
+  const int64_t rows = p.B * p.H * p.Sq;
+  const int64_t target = static_cast<int64_t>(sms) * 16;  // warps that fill the GPU
+  if (rows * 4 >= target) return plan;
+  int64_t n = (target + rows - 1) / rows;
+  const int64_t max_split = (p.Sk + 127) / 128;  // chunks of at least 128 keys
+  if (n > max_split) n = max_split;
+  if (n < 2) return plan;
+  plan.chunk = (p.Sk + n - 1) / n;
+  plan.n_split = static_cast<int>((p.Sk + plan.chunk - 1) / plan.chunk);  // no empty chunk
+  return plan;
+}
+
+bool use_fast_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const AttentionParams& p) {
+  const auto dt = q.scalar_type();
+  if (dt != at::kHalf && dt != at::kBFloat16) return false;
+  if (p.D != p.Dv || (p.D != 64 && p.D != 128)) return false;
+  if (p.Sk <= 0 || p.Sq <= 0) return false;
+  if (!aligned16(q) || !aligned16(k) || !aligned16(v)) return false;
+  if (!cuda::fa2::fwd_fast_grid_ok(p)) return false;
+  return !force_simple();
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q,
+                                                          const at::Tensor& k,
+                                                          const at::Tensor& v, bool causal,
+                                                          std::optional<double> scale) {
+  const AttentionShape s = check_attention_inputs(q, k, v, scale);
+  check_cuda_head_dims(s);
+  at::Tensor out = at::empty({s.B, s.Sq, s.H, s.Dv}, q.options());
+  at::Tensor lse = at::empty({s.B, s.H, s.Sq}, q.options().dtype(lse_dtype(q.scalar_type())));
+  if (s.B * s.H * s.Sq == 0) return {out, lse};
+  check_grid_rows(s.B * s.H * s.Sq, "query");
+  const c10::cuda::CUDAGuard guard(q.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  const AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
+  const SplitPlan split = plan_split(p, q.device().index());
+  if (split.n_split > 1) {
+    const int64_t items = s.B * s.H * s.Sq * split.n_split;
+    check_grid_rows(items, "query x key-chunk");
+    at::Tensor part_o = at::empty({items, s.Dv}, lse.options());
+    at::Tensor part_ml = at::empty({items, 2}, lse.options());
+    dispatch_cuda_type(q.scalar_type(), "attention_forward", [&](auto tag) {
+      using T = decltype(tag);
+      C10_CUDA_CHECK(cuda::simple::launch_simple_fwd_split<T>(
+          p, split.chunk, split.n_split, part_o.data_ptr(), part_ml.data_ptr(), stream));
+    });
+    return {out, lse};
+  }
+  const bool fast = use_fast_forward(q, k, v, p);
+  dispatch_cuda_type(q.scalar_type(), "attention_forward", [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
+      if (fast) {
+        C10_CUDA_CHECK(cuda::fa2::launch_fa2_fwd<T>(p, stream));
+        return;
+      }
+    }
+    C10_CUDA_CHECK(cuda::simple::launch_simple_fwd<T>(p, stream));
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse_in, bool causal, std::optional<double> scale) {
+  const AttentionShape s = check_attention_inputs(q, k, v, scale);
+  check_attention_bwd_inputs(dout, out, lse_in, q, s);
+  check_cuda_head_dims(s);
+  at::Tensor dq = at::empty({s.B, s.Sq, s.H, s.D}, q.options());
+  at::Tensor dk = at::empty({s.B, s.Sk, s.Hkv, s.D}, q.options());
+  at::Tensor dv = at::empty({s.B, s.Sk, s.Hkv, s.Dv}, q.options());
+  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv};
+  const c10::cuda::CUDAGuard guard(q.device());
+  if (s.Sq == 0 || s.H == 0) {  // no query: no gradient reaches k or v
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+  if (s.Sk == 0) {  // no key: every row is empty, dq = 0
+    dq.zero_();
+    return {dq, dk, dv};
+  }
+  check_grid_rows(s.B * s.H * s.Sq, "query");
+  check_grid_rows(s.B * s.Hkv * s.Sk, "key");
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  const at::Tensor lse = lse_in.contiguous();
+  // delta_i = rowsum(dO_i * O_i), (B, H, Sq) in the accumulation type (lse's dtype)
+  at::Tensor delta = at::empty({s.B, s.H, s.Sq}, lse.options());
+  AttentionBwdParams bp{};
+  bp.fwd = make_attention_params(q, k, v, at::Tensor(), at::Tensor(), s, causal, scale);
+  bp.dout = dout.data_ptr();
+  bp.out = out.data_ptr();
+  bp.lse = lse.data_ptr();
+  bp.dout_batch_stride = dout.stride(0);
+  bp.dout_row_stride = dout.stride(1);
+  bp.dout_head_stride = dout.stride(2);
+  bp.o_batch_stride = out.stride(0);
+  bp.o_row_stride = out.stride(1);
+  bp.o_head_stride = out.stride(2);
+  bp.dq = dq.data_ptr();
+  bp.dk = dk.data_ptr();
+  bp.dv = dv.data_ptr();
+  dispatch_cuda_type(q.scalar_type(), "attention_backward", [&](auto tag) {
+    using T = decltype(tag);
+    C10_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(bp, delta.data_ptr(), stream));
+  });
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
+  m.impl("attention_forward", &attention_forward_cuda);
+  m.impl("attention_backward", &attention_backward_cuda);
+}
+
+}  // namespace attn_ext

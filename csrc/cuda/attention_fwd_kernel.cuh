@@ -1,0 +1,405 @@
+// Fast attention forward for fp16 / bf16 on sm_80+ (FlashAttention-2 structure, our own code).
+// Pointers, strides and a stream; no ATen types. The adapter (attention.cu) decides when this
+// kernel applies (fwd_fast_supported) and otherwise runs the simple kernel.
+//
+//   q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, D)  -> out (B, Sq, H, D), lse (B, H, Sq)
+//   Requirements (checked by the adapter): D == Dv in {64, 128}; q/k/v base pointers 16-byte
+//   aligned and their batch/row/head strides multiples of 8 elements (every 16-byte chunk
+//   of a row is aligned for cp.async); Sq, Sk > 0.
+//
+// Structure
+//   * One CTA per (query tile of kBlockM = 64 rows, head, batch); 4 warps, warp w owns query
+//     rows [16 w, 16 w + 16) of the tile, so every softmax statistic lives in one warp.
+//   * Q tile and two K and two V tiles (double buffering) in shared memory, filled with 16-byte
+//     cp.async; rows past Sq / Sk are zero-filled (src-size 0), so no NaN from stale memory
+//     ever reaches P.V.
+//   * S = Q K^T and O += P V with mma.sync.m16n8k16 (fp32 accumulators); A/B fragments by
+//     ldmatrix (.trans for V); P stays in registers: the S accumulator layout of two adjacent
+//     n8 tiles is exactly the A-fragment layout of one k16 step.
+//   * Online softmax in registers, in base 2 (scores times scale * log2 e), per-row max and sum
+//     reduced over the 4 lanes of a quad.
+//   * Causal (bottom-right): a query tile visits only the key tiles some row of it can see, and
+//     masks only the tiles that cross the diagonal or the end of the keys. Grid (query tiles,
+//     H, B) with the query tile fastest: the CTAs in flight together are all the tiles of a
+//     few heads (their K/V stay in L2), and within a head the heaviest tiles (last rows, most
+//     keys) launch first.
+//
+// Tile choice (both head dims): kBlockM = 64 x kBlockN = 64, 128 threads. 64 keys per step
+// give each warp 8 n8 score tiles (32 fp32 registers) and the O accumulator D/8 n8 tiles
+// (64 registers at D = 128), which keeps the kernel under 255 registers without spilling;
+// shared rows are padded by 16 bytes (row stride D + 8 elements), which moves each of the 8
+// rows an ldmatrix phase reads to a different 16-byte bank group (conflict-free without a
+// swizzle). Shared memory: (64 + 4 * 64) rows * (D + 8) * 2 bytes = 45 KiB at D = 64,
+// 85 KiB at D = 128 (2 CTAs per SM on sm_90's 227 KiB).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/attention_params.h"
+
+namespace attn_ext {
+namespace cuda {
+namespace fa2 {
+
+template <int kHeadDim_>
+struct FwdTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;  // query rows per CTA (4 warps x 16)
+  static constexpr int kBlockN = 64;  // keys per step
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  // 2 CTAs per SM: lets ptxas use up to 255 registers (without an explicit minimum it capped
+  // the D = 64 kernel at 128 on sm_90 and spilled).
+  static constexpr int kMinBlocks = 2;
+  static constexpr int kStride = kHeadDim + 8;  // padded shared row, elements
+  static constexpr int kTile = kBlockN * kStride;  // one K or V buffer, elements
+  static constexpr int kSmemBytes = (kBlockM * kStride + 4 * kTile) * 2;
+  static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of 16");
+  static_assert(kBlockM == kBlockN, "load_tile assumes equal tile heights");
+};
+
+constexpr float kLog2eF = 1.4426950408889634074f;
+constexpr float kLn2F = 0.69314718055994530942f;
+
+// ---- PTX wrappers ---------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy global -> shared; when !valid nothing is read and the 16 bytes are zeroed.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// d (16x8 fp32) += a (16x16, row) * b (16x8, col)
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1);
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4],
+                                                  uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
+                                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats -> one register of two 16-bit values, `lo` in the low half (the lower column).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---- tile loads ----------------------------------------------------------------------------
+
+// Async-copy rows [row0, row0 + 64) of a (rows, kHeadDim) global matrix with row stride
+// `stride` (elements) into a (64, kStride) shared tile; rows >= nrows are zero-filled.
+// Thread t copies 16-byte chunks t, t + 128, ...: 16 consecutive threads cover one 256-byte
+// row at D = 128 (8 threads at D = 64), so each warp reads whole rows, coalesced.
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void load_tile(T* s, const T* g, int64_t stride, int64_t row0,
+                                          int64_t nrows, int tid) {
+  using Tr = FwdTraits<kHeadDim>;
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kIters = Tr::kBlockN * kChunksPerRow / Tr::kThreads;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int c = it * Tr::kThreads + tid;
+    const int r = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * 8;
+    const int64_t gr = row0 + r;
+    const bool valid = gr < nrows;
+    const T* src = g + (valid ? gr : 0) * stride + col;  // a valid address even when unused
+    cp_async_16(smem_addr(s + r * Tr::kStride + col), src, valid);
+  }
+}
+
+// ---- the kernel ----------------------------------------------------------------------------
+// grid (num_m_blocks, H, B); blockIdx.x = 0 is the heaviest query tile of its head when causal.
+template <typename T, int kHeadDim, bool kCausal>
+__global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHeadDim>::kMinBlocks)
+    fa2_fwd_kernel(AttentionParams p) {
+  using Tr = FwdTraits<kHeadDim>;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
+  constexpr int kNTiles = kBlockN / 8;    // n8 score tiles per warp row block
+  constexpr int kDTiles = kHeadDim / 8;   // n8 output tiles
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // (kBlockM, kStride)
+  T* sK = sQ + kBlockM * kStride;           // 2 x (kBlockN, kStride)
+  T* sV = sK + 2 * Tr::kTile;               // 2 x (kBlockN, kStride)
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t h = blockIdx.y, b = blockIdx.z;
+  const int64_t bh = b * p.H + h;
+  const int64_t hkv = h / (p.H / p.Hkv);
+  const int64_t m_block = kCausal ? static_cast<int64_t>(gridDim.x) - 1 - blockIdx.x : blockIdx.x;
+  const int64_t m0 = m_block * kBlockM;
+  const int64_t Sq = p.Sq, Sk = p.Sk;
+  const int64_t diag = Sk - Sq;  // causal: row i sees key j iff j <= i + diag
+
+  // keys [0, n_end) are seen by at least one row of this tile
+  int64_t n_end = Sk;
+  if (kCausal) {
+    const int64_t last_row_end = (m0 + kBlockM < Sq ? m0 + kBlockM : Sq) + diag;
+    n_end = last_row_end < Sk ? last_row_end : Sk;
+  }
+  const int n_tiles = n_end > 0 ? static_cast<int>((n_end + kBlockN - 1) / kBlockN) : 0;
+
+  const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+  const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
+  const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  T* gO = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride;
+  float* gLse = static_cast<float*>(p.lse) + bh * Sq;  // lse (B, H, Sq): row (b*H + h)
+
+  // rows of this thread: quad row g = lane / 4 of the warp's 16, and g + 8
+  const int64_t row_a = m0 + warp * 16 + (lane >> 2);
+  const int64_t row_b = row_a + 8;
+
+  if (n_tiles == 0) {  // causal with Sq > Sk: no row of this tile sees a key
+    for (int idx = tid; idx < kBlockM * kHeadDim; idx += Tr::kThreads) {
+      const int64_t r = m0 + idx / kHeadDim;
+      // +0.0 in fp16 and bf16 is the all-zero 16-bit pattern
+      if (r < Sq) reinterpret_cast<uint16_t*>(gO)[r * p.out_row_stride + idx % kHeadDim] = 0;
+    }
+    if (tid < kBlockM && m0 + tid < Sq) gLse[m0 + tid] = -INFINITY;
+    return;
+  }
+
+  // prologue: Q and K tile 0 (one group)
+  load_tile<T, kHeadDim>(sQ, gQ, p.q_row_stride, m0, Sq, tid);
+  load_tile<T, kHeadDim>(sK, gK, p.k_row_stride, 0, Sk, tid);
+  cp_async_commit();
+
+  float acc_o[kDTiles][4];
+#pragma unroll
+  for (int t = 0; t < kDTiles; ++t) acc_o[t][0] = acc_o[t][1] = acc_o[t][2] = acc_o[t][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};  // base-2 scaled
+  float row_sum[2] = {0.f, 0.f};               // this thread's partial sums (quad-reduced at end)
+  const float scale_log2 = static_cast<float>(p.scale) * kLog2eF;
+
+  // ldmatrix row/column offsets of this lane (see the fragment maps in the comments below)
+  const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8;  // A (Q) and V^T: matrices 1,3 rows +8
+  const int lcol = (lane >> 4) * 8;                     // A (Q) and V^T: matrices 2,3 cols +8
+  const int krow = (lane & 7) + (lane >> 4) * 8;        // K: matrices 2,3 are the next 8 keys
+  const int kcol = ((lane >> 3) & 1) * 8;               // K: matrices 1,3 are d + 8
+
+  for (int n = 0; n < n_tiles; ++n) {
+    const int buf = n & 1;
+    const int64_t n0 = static_cast<int64_t>(n) * kBlockN;
+    const T* sKb = sK + buf * Tr::kTile;
+    const T* sVb = sV + buf * Tr::kTile;
+
+    // V tile n -> its own group; it lands while S is computed
+    load_tile<T, kHeadDim>(sV + buf * Tr::kTile, gV, p.v_row_stride, n0, Sk, tid);
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but V tile n: Q and K tile n are here
+    __syncthreads();
+
+    // pass 1: S (16 x kBlockN per warp) = Q K^T.
+    //   A = Q rows [16w, 16w+16), cols [16kk, 16kk+16): ldmatrix x4 of the four 8x8 blocks
+    //   (rows +0/+8) x (cols +0/+8) -> a0..a3 in mma order.
+    //   B = K^T: K rows are keys with d contiguous, which is the "col" layout, so plain
+    //   ldmatrix: blocks (keys +0, d +0), (keys +0, d +8) = b0, b1 of n8 tile 2nn, and
+    //   (keys +8, d +0/+8) = b0, b1 of n8 tile 2nn + 1.
+    float s[kNTiles][4];
+#pragma unroll
+    for (int t = 0; t < kNTiles; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(smem_addr(sQ + (warp * 16 + lrow) * kStride + kk * 16 + lcol), a);
+#pragma unroll
+      for (int nn = 0; nn < kBlockN / 16; ++nn) {
+        uint32_t bk[4];
+        ldmatrix_x4(smem_addr(sKb + (nn * 16 + krow) * kStride + kk * 16 + kcol), bk);
+        mma_16816<T>(s[2 * nn], a, bk[0], bk[1]);
+        mma_16816<T>(s[2 * nn + 1], a, bk[2], bk[3]);
+      }
+    }
+
+    // K tile n + 1 -> the other buffer (last read in step n - 1, before this step's barrier).
+    // An empty group on the last step keeps the wait counts uniform.
+    if (n + 1 < n_tiles) {
+      load_tile<T, kHeadDim>(sK + (buf ^ 1) * Tr::kTile, gK, p.k_row_stride, n0 + kBlockN, Sk,
+                             tid);
+    }
+    cp_async_commit();
+
+    // pass 2: scale to base 2, then mask (after scaling: scale may be 0 or negative), then the
+    // online softmax. Accumulator element e of n8 tile t is (row g + 8 (e >= 2),
+    // key n0 + 8 t + 2 (lane % 4) + (e % 2)).
+#pragma unroll
+    for (int t = 0; t < kNTiles; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[t][e] *= scale_log2;
+    }
+    const bool need_mask =
+        (n0 + kBlockN > Sk) || (kCausal && n0 + kBlockN - 1 > m0 + diag);
+    if (need_mask) {
+#pragma unroll
+      for (int t = 0; t < kNTiles; ++t) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t key = n0 + t * 8 + (lane & 3) * 2 + (e & 1);
+          const int64_t row = e < 2 ? row_a : row_b;
+          const bool ok = key < Sk && (!kCausal || key <= row + diag);
+          if (!ok) s[t][e] = -INFINITY;
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int t = 0; t < kNTiles; ++t) mx = fmaxf(mx, fmaxf(s[t][2 * r], s[t][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(row_max[r], mx);
+      // a row that has seen no key yet keeps max -inf; subtract 0 then, never (-inf) - (-inf)
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float corr = fast_exp2(row_max[r] - m_use);
+      row_max[r] = m_new;
+      row_sum[r] *= corr;
+#pragma unroll
+      for (int t = 0; t < kDTiles; ++t) {
+        acc_o[t][2 * r] *= corr;
+        acc_o[t][2 * r + 1] *= corr;
+      }
+#pragma unroll
+      for (int t = 0; t < kNTiles; ++t) {
+        s[t][2 * r] = fast_exp2(s[t][2 * r] - m_use);
+        s[t][2 * r + 1] = fast_exp2(s[t][2 * r + 1] - m_use);
+        row_sum[r] += s[t][2 * r] + s[t][2 * r + 1];
+      }
+    }
+
+    cp_async_wait<1>();  // V tile n (only the K tile n + 1 group may still be in flight)
+    __syncthreads();
+
+    // pass 3: O += P V. A = P for keys [16kk, 16kk + 16): n8 score tiles 2kk and 2kk + 1 give
+    //   a0 = (g, 2c..) = s[2kk][0,1], a1 = (g+8, ..) = s[2kk][2,3], a2 = s[2kk+1][0,1],
+    //   a3 = s[2kk+1][2,3]. B = V (keys x d, d contiguous: "row"), so ldmatrix.trans:
+    //   blocks (keys +0, d +0), (keys +8, d +0) = b0, b1 of n8 output tile 2dd, and
+    //   (keys +0/+8, d +8) = b0, b1 of tile 2dd + 1.
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dd = 0; dd < kHeadDim / 16; ++dd) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(smem_addr(sVb + (kk * 16 + lrow) * kStride + dd * 16 + lcol), bv);
+        mma_16816<T>(acc_o[2 * dd], a, bv[0], bv[1]);
+        mma_16816<T>(acc_o[2 * dd + 1], a, bv[2], bv[3]);
+      }
+    }
+  }
+  // The last committed group is empty; nothing is left in flight.
+
+  // epilogue: normalise, write out (B, Sq, H, D) and lse; empty rows -> 0 and -inf
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const bool empty = !(l > 0.f);
+    const float inv = empty ? 0.f : 1.f / l;
+    const int64_t row = r == 0 ? row_a : row_b;
+    if (row < Sq) {
+      T* orow = gO + row * p.out_row_stride + (lane & 3) * 2;
+#pragma unroll
+      for (int t = 0; t < kDTiles; ++t) {
+        *reinterpret_cast<uint32_t*>(orow + t * 8) =
+            pack2<T>(acc_o[t][2 * r] * inv, acc_o[t][2 * r + 1] * inv);
+      }
+      if ((lane & 3) == 0) gLse[row] = empty ? -INFINITY : (row_max[r] + __log2f(l)) * kLn2F;
+    }
+  }
+}
+
+// ---- launcher ------------------------------------------------------------------------------
+// Instantiated in attention_fa2_hdim64.cu / attention_fa2_hdim128.cu (one head dim per
+// translation unit, so a parallel build compiles them side by side); dispatched from
+// attention_launch.h. T = __half or __nv_bfloat16.
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
+  using Tr = FwdTraits<kHeadDim>;
+  auto kernel = fa2_fwd_kernel<T, kHeadDim, kCausal>;
+  // Raise the dynamic shared-memory limit (above 48 KiB at D = 128) once per device, not on
+  // every call (keeps the launch path free of extra driver calls, e.g. under graph capture).
+  // Racing first calls from two host threads both set it, which is harmless.
+  constexpr int kMaxDevices = 64;
+  static bool smem_set[kMaxDevices] = {};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev >= kMaxDevices || !smem_set[dev]) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             Tr::kSmemBytes);
+    if (e != cudaSuccess) return e;
+    if (dev < kMaxDevices) smem_set[dev] = true;
+  }
+  const dim3 grid(static_cast<unsigned>((p.Sq + Tr::kBlockM - 1) / Tr::kBlockM),
+                  static_cast<unsigned>(p.H), static_cast<unsigned>(p.B));
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace fa2
+}  // namespace cuda
+}  // namespace attn_ext

@@ -1,0 +1,63 @@
+// Host-side entry points of the CUDA attention kernels, shared by the ATen adapter
+// (attention.cu) and the translation units that instantiate them:
+//   attention_simple.cu        simple::launch_simple_fwd / launch_simple_bwd, every dtype
+//   attention_fa2_hdim64.cu    fa2::launch_fa2_fwd_impl<T, 64, causal>,  T = __half, bf16
+//   attention_fa2_hdim128.cu   fa2::launch_fa2_fwd_impl<T, 128, causal>
+// Each returns the launch's error code; the caller checks it. No ATen types.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/attention_params.h"
+
+namespace attn_ext {
+namespace cuda {
+
+namespace simple {
+constexpr int kMaxHeadDim = 256;  // largest D and Dv of the simple kernels
+constexpr int kWarps = 4;         // rows (warps) per block: grid.x = ceil(rows / kWarps)
+
+// T = float, double, __half, __nv_bfloat16.
+template <typename T>
+cudaError_t launch_simple_fwd(const AttentionParams& p, cudaStream_t stream);
+// Split-KV forward for few query rows and many keys: each (row, chunk of `chunk` keys) is
+// one warp; part_o (B*H*Sq, n_split, Dv) and part_ml (B*H*Sq, n_split, 2) are acc_t
+// workspaces; a second kernel merges the partials into out and lse.
+template <typename T>
+cudaError_t launch_simple_fwd_split(const AttentionParams& p, int64_t chunk, int n_split,
+                                    void* part_o, void* part_ml, cudaStream_t stream);
+// delta: (B, H, Sq) workspace of the accumulation type (float; double for double).
+template <typename T>
+cudaError_t launch_simple_bwd(const AttentionBwdParams& bp, void* delta, cudaStream_t stream);
+}  // namespace simple
+
+namespace fa2 {
+constexpr int kBlockM = 64;  // query rows per CTA (FwdTraits::kBlockM)
+
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream);
+
+// Grid (query tiles, H, B): y and z are limited to 65535.
+inline bool fwd_fast_grid_ok(const AttentionParams& p) {
+  const int64_t m_blocks = (p.Sq + kBlockM - 1) / kBlockM;
+  return m_blocks <= 0x7fffffff && p.H <= 65535 && p.B <= 65535;
+}
+
+// T = __half or __nv_bfloat16; p.D == p.Dv in {64, 128} (the caller checked).
+template <typename T>
+cudaError_t launch_fa2_fwd(const AttentionParams& p, cudaStream_t stream) {
+  if (p.D == 64) {
+    return p.causal ? launch_fa2_fwd_impl<T, 64, true>(p, stream)
+                    : launch_fa2_fwd_impl<T, 64, false>(p, stream);
+  }
+  return p.causal ? launch_fa2_fwd_impl<T, 128, true>(p, stream)
+                  : launch_fa2_fwd_impl<T, 128, false>(p, stream);
+}
+}  // namespace fa2
+
+}  // namespace cuda
+}  // namespace attn_ext

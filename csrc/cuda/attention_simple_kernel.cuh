@@ -1,0 +1,478 @@
+// Device code of the simple CUDA attention kernels: the fallback for every shape and dtype the
+// fast kernel (attention_fwd_kernel.cuh) does not cover, and the on-GPU oracle the fast kernel
+// is tested against. Pointers, strides and a stream; no ATen types.
+//
+// Shapes (AttentionParams, common/attention_params.h):
+//   q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv)   last dim contiguous, any strides
+//   out (B, Sq, H, Dv) contiguous, lse (B, H, Sq) contiguous acc_t (float; double for double)
+// Query head h reads kv head h / (H / Hkv). Causal: row i sees key j iff j <= i + (Sk - Sq).
+//
+// Scheme: one warp per output row (a query row in the forward and for dQ, a key row for
+// dK/dV), 4 warps per block. The warp's own row (q, or k and v) is staged in shared memory in
+// acc_t; each lane then takes one of 32 partner rows at a time (keys, or queries), computes
+// its dot products over the whole head dim, and the warp folds the 32 results into
+// per-lane output columns (lane + 32 c, c < 8, so head dims up to 256). Softmax is online
+// in base 2: scores are pre-multiplied by scale * log2(e). Everything accumulates in acc_t
+// (fp32 for fp32/fp16/bf16, fp64 for fp64). No atomics: dK/dV loop over the queries that
+// see their key, so results are deterministic.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/attention_params.h"
+#include "cuda/attention_launch.h"  // kMaxHeadDim, kWarps and the launcher declarations
+
+namespace attn_ext {
+namespace cuda {
+namespace simple {
+
+constexpr int kCols = kMaxHeadDim / 32;      // output columns per lane
+constexpr double kLog2e = 1.4426950408889634074;
+constexpr double kLn2 = 0.69314718055994530942;
+
+template <typename T>
+struct AccOf {
+  using type = float;
+};
+template <>
+struct AccOf<double> {
+  using type = double;
+};
+
+// Conversions that do not rely on __half / __nv_bfloat16 operators (torch builds with
+// __CUDA_NO_HALF_CONVERSIONS__ and friends).
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_acc(float x);
+template <>
+__device__ __forceinline__ float from_acc<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_acc<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <typename T>
+__device__ __forceinline__ T from_acc(double x) {
+  return x;  // only T = double reaches here
+}
+
+__device__ __forceinline__ float exp2_acc(float x) { return exp2f(x); }
+__device__ __forceinline__ double exp2_acc(double x) { return exp2(x); }
+__device__ __forceinline__ float log2_acc(float x) { return log2f(x); }
+__device__ __forceinline__ double log2_acc(double x) { return log2(x); }
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t neg_inf() {
+  return -static_cast<acc_t>(INFINITY);
+}
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t warp_sum(acc_t x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t warp_max(acc_t x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
+// dot(a[0, n), b[0, n)) with a in shared memory (acc_t) and b in global memory (T).
+template <typename T, typename acc_t>
+__device__ __forceinline__ acc_t dot_row(const acc_t* a, const T* b, int64_t n) {
+  acc_t s0 = 0, s1 = 0;
+  int64_t d = 0;
+  for (; d + 1 < n; d += 2) {
+    s0 += a[d] * to_acc(b[d]);
+    s1 += a[d + 1] * to_acc(b[d + 1]);
+  }
+  if (d < n) s0 += a[d] * to_acc(b[d]);
+  return s0 + s1;
+}
+
+// Number of keys row i sees: keys [0, key_end(i)). May be <= 0 (the row sees nothing).
+__device__ __forceinline__ int64_t key_end(const AttentionParams& p, int64_t i) {
+  if (!p.causal) return p.Sk;
+  const int64_t e = i + (p.Sk - p.Sq) + 1;
+  return e < p.Sk ? e : p.Sk;
+}
+
+// ---- forward ------------------------------------------------------------------------------
+// attend_keys: one warp folds keys [kbeg, kend) of query row (b, h, i) into the unnormalised
+// output o (lane owns columns lane + 32 c), the running max m (base-2 scaled scores) and sum
+// l. q_s holds the row's q * scale * log2(e). With kbeg >= kend: m = -inf, l = 0, o = 0.
+template <typename T, typename acc_t>
+__device__ __forceinline__ void attend_keys(const AttentionParams& p, const acc_t* q_s,
+                                            const T* k, const T* v, int64_t kbeg, int64_t kend,
+                                            int lane, acc_t& m, acc_t& l, acc_t (&o)[kCols]) {
+  m = neg_inf<acc_t>();
+  l = 0;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) o[c] = 0;
+  for (int64_t j0 = kbeg; j0 < kend; j0 += 32) {
+    // pass 1: lane computes the score of key j0 + lane
+    const int64_t j = j0 + lane;
+    acc_t s = neg_inf<acc_t>();
+    if (j < kend) s = dot_row(q_s, k + j * p.k_row_stride, p.D);
+    // pass 2: online softmax over the 32 scores (key j0 < kend, so m_new is finite)
+    const acc_t m_new = fmax(m, warp_max(s));
+    const acc_t corr = exp2_acc(m - m_new);  // 0 on the first chunk (m = -inf)
+    const acc_t pj = exp2_acc(s - m_new);    // 0 for keys past kend
+    l = l * corr + warp_sum(pj);
+    m = m_new;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) o[c] *= corr;
+    // pass 3: o += p_j * v_j, lane owns columns lane + 32 c
+    const int64_t n = (kend - j0) < 32 ? (kend - j0) : 32;
+    for (int jj = 0; jj < n; ++jj) {
+      const acc_t pb = __shfl_sync(0xffffffffu, pj, jj);
+      const T* vr = v + (j0 + jj) * p.v_row_stride;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int64_t d = lane + 32 * c;
+        if (d < p.Dv) o[c] += pb * to_acc(vr[d]);
+      }
+    }
+  }
+}
+
+// Writes out = o / l and lse = ln(sum exp) of query row (b, h, i); l == 0: out 0, lse -inf.
+template <typename T, typename acc_t>
+__device__ __forceinline__ void write_row(const AttentionParams& p, int64_t b, int64_t h,
+                                          int64_t i, int lane, acc_t m, acc_t l,
+                                          const acc_t (&o)[kCols]) {
+  T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + i * p.out_row_stride +
+           h * p.out_head_stride;
+  const bool empty = !(l > 0);  // no key seen: out 0, lse -inf
+  const acc_t inv = empty ? acc_t(0) : acc_t(1) / l;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const int64_t d = lane + 32 * c;
+    if (d < p.Dv) out[d] = from_acc<T>(o[c] * inv);
+  }
+  if (lane == 0) {
+    acc_t* lse = static_cast<acc_t*>(p.lse);
+    lse[(b * p.H + h) * p.Sq + i] =
+        empty ? neg_inf<acc_t>() : (m + log2_acc(l)) * static_cast<acc_t>(kLn2);
+  }
+}
+
+// Stages query row (b, h, i) * scale * log2(e) into q_s; returns the row's k and v bases.
+template <typename T, typename acc_t>
+__device__ __forceinline__ void stage_query(const AttentionParams& p, int64_t b, int64_t h,
+                                            int64_t i, int lane, acc_t* q_s, const T*& k,
+                                            const T*& v) {
+  const int64_t hkv = h / (p.H / p.Hkv);
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + i * p.q_row_stride +
+               h * p.q_head_stride;
+  k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
+  v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  const acc_t qscale = static_cast<acc_t>(p.scale * kLog2e);
+  for (int64_t d = lane; d < p.D; d += 32) q_s[d] = to_acc(q[d]) * qscale;
+  __syncwarp();
+}
+
+// One warp per query row (b, h, i); rows ordered (b, h, i) so that a block's 4 rows share k/v.
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32, 4) simple_fwd_kernel(AttentionParams p) {
+  using acc_t = typename AccOf<T>::type;
+  __shared__ acc_t q_s[kWarps][kMaxHeadDim];  // this warp's q row * scale * log2(e)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (row >= p.B * p.H * p.Sq) return;  // uniform per warp; only __syncwarp below
+  const int64_t i = row % p.Sq;
+  const int64_t bh = row / p.Sq;
+  const int64_t h = bh % p.H, b = bh / p.H;
+  const T *k, *v;
+  stage_query<T, acc_t>(p, b, h, i, lane, q_s[warp], k, v);
+  acc_t m, l, o[kCols];
+  attend_keys<T, acc_t>(p, q_s[warp], k, v, 0, key_end(p, i), lane, m, l, o);
+  write_row<T, acc_t>(p, b, h, i, lane, m, l, o);
+}
+
+// ---- split-KV forward (decode: few query rows, many keys) -----------------------------------
+// Pass 1 (simple_fwd_split_kernel): one warp per (query row, key chunk of `chunk` keys);
+//   writes the chunk's unnormalised output to part_o (rows, n_split, Dv) and its (max, sum)
+//   to part_ml (rows, n_split, 2), acc_t, rows in (b, h, i) order.
+// Pass 2 (simple_fwd_combine_kernel): one warp per query row merges the n_split partials
+//   (chunks that saw no key have max -inf and are skipped) and writes out and lse.
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32, 4)
+    simple_fwd_split_kernel(AttentionParams p, int64_t chunk, int n_split, void* part_o_ptr,
+                            void* part_ml_ptr) {
+  using acc_t = typename AccOf<T>::type;
+  __shared__ acc_t q_s[kWarps][kMaxHeadDim];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (item >= p.B * p.H * p.Sq * n_split) return;
+  const int64_t row = item / n_split;
+  const int64_t sp = item - row * n_split;
+  const int64_t i = row % p.Sq;
+  const int64_t bh = row / p.Sq;
+  const int64_t h = bh % p.H, b = bh / p.H;
+  const T *k, *v;
+  stage_query<T, acc_t>(p, b, h, i, lane, q_s[warp], k, v);
+  const int64_t kbeg = sp * chunk;
+  int64_t kend = key_end(p, i);
+  if (kend > kbeg + chunk) kend = kbeg + chunk;
+  acc_t m, l, o[kCols];
+  attend_keys<T, acc_t>(p, q_s[warp], k, v, kbeg, kend, lane, m, l, o);
+  acc_t* po = static_cast<acc_t*>(part_o_ptr) + item * p.Dv;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const int64_t d = lane + 32 * c;
+    if (d < p.Dv) po[d] = o[c];
+  }
+  if (lane == 0) {
+    acc_t* pml = static_cast<acc_t*>(part_ml_ptr) + item * 2;
+    pml[0] = m;
+    pml[1] = l;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32, 4)
+    simple_fwd_combine_kernel(AttentionParams p, int n_split, const void* part_o_ptr,
+                              const void* part_ml_ptr) {
+  using acc_t = typename AccOf<T>::type;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (row >= p.B * p.H * p.Sq) return;
+  const int64_t i = row % p.Sq;
+  const int64_t bh = row / p.Sq;
+  const int64_t h = bh % p.H, b = bh / p.H;
+  const acc_t* pml = static_cast<const acc_t*>(part_ml_ptr) + row * n_split * 2;
+  const acc_t* po = static_cast<const acc_t*>(part_o_ptr) + row * n_split * p.Dv;
+  acc_t mx = neg_inf<acc_t>();
+  for (int sp = 0; sp < n_split; ++sp) mx = fmax(mx, pml[2 * sp]);
+  acc_t l = 0, o[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) o[c] = 0;
+  if (mx != neg_inf<acc_t>()) {
+    for (int sp = 0; sp < n_split; ++sp) {
+      const acc_t ms = pml[2 * sp];
+      if (ms == neg_inf<acc_t>()) continue;  // this chunk saw no key of the row
+      const acc_t w = exp2_acc(ms - mx);
+      l += w * pml[2 * sp + 1];
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int64_t d = lane + 32 * c;
+        if (d < p.Dv) o[c] += w * po[sp * p.Dv + d];
+      }
+    }
+  }
+  write_row<T, acc_t>(p, b, h, i, lane, mx, l, o);
+}
+
+// ---- backward ------------------------------------------------------------------------------
+// Pass 1 (simple_bwd_dq_kernel): per query row, delta_i = sum_d dO_i,d * O_i,d (written to
+//   `delta`, (B, H, Sq) acc_t) and dQ_i = scale * sum_j P_ij (dP_ij - delta_i) k_j,
+//   with P_ij = exp(scale q_i.k_j - lse_i) and dP_ij = dO_i . v_j.
+// Pass 2 (simple_bwd_dkdv_kernel): per key row (b, hkv, j), over every query head of its
+//   group and every query i that sees j: dV_j += P_ij dO_i, dK_j += scale dS_ij q_i.
+// Pass 2 reads pass 1's delta: launch them in this order on one stream.
+
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32, 4)
+    simple_bwd_dq_kernel(AttentionBwdParams bp, void* delta_ptr) {
+  using acc_t = typename AccOf<T>::type;
+  const AttentionParams& p = bp.fwd;
+  __shared__ acc_t q_s[kWarps][kMaxHeadDim];   // q_i * scale * log2(e)
+  __shared__ acc_t do_s[kWarps][kMaxHeadDim];  // dO_i
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (row >= p.B * p.H * p.Sq) return;
+  const int64_t i = row % p.Sq;
+  const int64_t bh = row / p.Sq;
+  const int64_t h = bh % p.H, b = bh / p.H;
+  const int64_t hkv = h / (p.H / p.Hkv);
+
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + i * p.q_row_stride +
+               h * p.q_head_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  const T* dout = static_cast<const T*>(bp.dout) + b * bp.dout_batch_stride +
+                  i * bp.dout_row_stride + h * bp.dout_head_stride;
+  const T* o = static_cast<const T*>(bp.out) + b * bp.o_batch_stride + i * bp.o_row_stride +
+               h * bp.o_head_stride;
+  const acc_t qscale = static_cast<acc_t>(p.scale * kLog2e);
+  for (int64_t d = lane; d < p.D; d += 32) q_s[warp][d] = to_acc(q[d]) * qscale;
+  acc_t di = 0;
+  for (int64_t d = lane; d < p.Dv; d += 32) {
+    const acc_t g = to_acc(dout[d]);
+    do_s[warp][d] = g;
+    di += g * to_acc(o[d]);
+  }
+  di = warp_sum(di);
+  if (lane == 0) static_cast<acc_t*>(delta_ptr)[row] = di;  // row == (b*H + h)*Sq + i
+  __syncwarp();
+  const acc_t lse2 = static_cast<const acc_t*>(bp.lse)[row] * static_cast<acc_t>(kLog2e);
+
+  const int64_t kend = key_end(p, i);
+  acc_t dq[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) dq[c] = 0;
+  for (int64_t j0 = 0; j0 < kend; j0 += 32) {
+    const int64_t j = j0 + lane;
+    acc_t ds = 0;
+    if (j < kend) {
+      const acc_t pr = exp2_acc(dot_row(q_s[warp], k + j * p.k_row_stride, p.D) - lse2);
+      const acc_t dp = dot_row(do_s[warp], v + j * p.v_row_stride, p.Dv);
+      ds = pr * (dp - di);
+    }
+    const int64_t n = (kend - j0) < 32 ? (kend - j0) : 32;
+    for (int jj = 0; jj < n; ++jj) {
+      const acc_t dsb = __shfl_sync(0xffffffffu, ds, jj);
+      const T* kr = k + (j0 + jj) * p.k_row_stride;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int64_t d = lane + 32 * c;
+        if (d < p.D) dq[c] += dsb * to_acc(kr[d]);
+      }
+    }
+  }
+  // dq (B, Sq, H, D) contiguous
+  T* dqr = static_cast<T*>(bp.dq) + ((b * p.Sq + i) * p.H + h) * p.D;
+  const acc_t scale = static_cast<acc_t>(p.scale);
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const int64_t d = lane + 32 * c;
+    if (d < p.D) dqr[d] = from_acc<T>(dq[c] * scale);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32, 4)
+    simple_bwd_dkdv_kernel(AttentionBwdParams bp, const void* delta_ptr) {
+  using acc_t = typename AccOf<T>::type;
+  const AttentionParams& p = bp.fwd;
+  __shared__ acc_t k_s[kWarps][kMaxHeadDim];  // k_j * scale * log2(e)
+  __shared__ acc_t v_s[kWarps][kMaxHeadDim];  // v_j
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;  // (b, hkv, j)
+  if (row >= p.B * p.Hkv * p.Sk) return;
+  const int64_t j = row % p.Sk;
+  const int64_t bg = row / p.Sk;
+  const int64_t hkv = bg % p.Hkv, b = bg / p.Hkv;
+  const int64_t group = p.H / p.Hkv;
+
+  const T* kj = static_cast<const T*>(p.k) + b * p.k_batch_stride + j * p.k_row_stride +
+                hkv * p.k_head_stride;
+  const T* vj = static_cast<const T*>(p.v) + b * p.v_batch_stride + j * p.v_row_stride +
+                hkv * p.v_head_stride;
+  const acc_t kscale = static_cast<acc_t>(p.scale * kLog2e);
+  for (int64_t d = lane; d < p.D; d += 32) k_s[warp][d] = to_acc(kj[d]) * kscale;
+  for (int64_t d = lane; d < p.Dv; d += 32) v_s[warp][d] = to_acc(vj[d]);
+  __syncwarp();
+
+  // queries that see key j: i >= j - (Sk - Sq) when causal, all otherwise
+  int64_t istart = p.causal ? j - (p.Sk - p.Sq) : 0;
+  if (istart < 0) istart = 0;
+  const acc_t* lse_all = static_cast<const acc_t*>(bp.lse);
+  const acc_t* delta_all = static_cast<const acc_t*>(delta_ptr);
+
+  acc_t dk[kCols], dv[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) dk[c] = dv[c] = 0;
+  for (int64_t hg = 0; hg < group; ++hg) {
+    const int64_t h = hkv * group + hg;
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+    const T* dout = static_cast<const T*>(bp.dout) + b * bp.dout_batch_stride +
+                    h * bp.dout_head_stride;
+    const int64_t stat = (b * p.H + h) * p.Sq;  // lse / delta row base
+    for (int64_t i0 = istart; i0 < p.Sq; i0 += 32) {
+      const int64_t i = i0 + lane;
+      acc_t pr = 0, ds = 0;
+      if (i < p.Sq) {
+        const acc_t lse2 = lse_all[stat + i] * static_cast<acc_t>(kLog2e);
+        pr = exp2_acc(dot_row(k_s[warp], q + i * p.q_row_stride, p.D) - lse2);
+        const acc_t dp = dot_row(v_s[warp], dout + i * bp.dout_row_stride, p.Dv);
+        ds = pr * (dp - delta_all[stat + i]);
+      }
+      const int64_t n = (p.Sq - i0) < 32 ? (p.Sq - i0) : 32;
+      for (int ii = 0; ii < n; ++ii) {
+        const acc_t pb = __shfl_sync(0xffffffffu, pr, ii);
+        const acc_t dsb = __shfl_sync(0xffffffffu, ds, ii);
+        const T* qr = q + (i0 + ii) * p.q_row_stride;
+        const T* gr = dout + (i0 + ii) * bp.dout_row_stride;
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+          const int64_t d = lane + 32 * c;
+          if (d < p.Dv) dv[c] += pb * to_acc(gr[d]);
+          if (d < p.D) dk[c] += dsb * to_acc(qr[d]);
+        }
+      }
+    }
+  }
+  // dk (B, Sk, Hkv, D), dv (B, Sk, Hkv, Dv) contiguous
+  T* dkr = static_cast<T*>(bp.dk) + ((b * p.Sk + j) * p.Hkv + hkv) * p.D;
+  T* dvr = static_cast<T*>(bp.dv) + ((b * p.Sk + j) * p.Hkv + hkv) * p.Dv;
+  const acc_t scale = static_cast<acc_t>(p.scale);
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const int64_t d = lane + 32 * c;
+    if (d < p.D) dkr[d] = from_acc<T>(dk[c] * scale);
+    if (d < p.Dv) dvr[d] = from_acc<T>(dv[c]);
+  }
+}
+
+// ---- launchers (return the launch error; the caller checks it) -----------------------------
+
+inline unsigned blocks_for(int64_t rows) {
+  return static_cast<unsigned>((rows + kWarps - 1) / kWarps);
+}
+
+template <typename T>
+cudaError_t launch_simple_fwd(const AttentionParams& p, cudaStream_t stream) {
+  const int64_t rows = p.B * p.H * p.Sq;
+  if (rows == 0) return cudaSuccess;
+  simple_fwd_kernel<T><<<blocks_for(rows), kWarps * 32, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_simple_fwd_split(const AttentionParams& p, int64_t chunk, int n_split,
+                                    void* part_o, void* part_ml, cudaStream_t stream) {
+  const int64_t rows = p.B * p.H * p.Sq;
+  if (rows == 0) return cudaSuccess;
+  simple_fwd_split_kernel<T><<<blocks_for(rows * n_split), kWarps * 32, 0, stream>>>(
+      p, chunk, n_split, part_o, part_ml);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  simple_fwd_combine_kernel<T><<<blocks_for(rows), kWarps * 32, 0, stream>>>(p, n_split, part_o,
+                                                                              part_ml);
+  return cudaGetLastError();
+}
+
+// delta: (B, H, Sq) acc_t workspace.
+template <typename T>
+cudaError_t launch_simple_bwd(const AttentionBwdParams& bp, void* delta, cudaStream_t stream) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t qrows = p.B * p.H * p.Sq;
+  const int64_t krows = p.B * p.Hkv * p.Sk;
+  if (qrows > 0) {
+    simple_bwd_dq_kernel<T><<<blocks_for(qrows), kWarps * 32, 0, stream>>>(bp, delta);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  if (krows > 0) {
+    simple_bwd_dkdv_kernel<T><<<blocks_for(krows), kWarps * 32, 0, stream>>>(bp, delta);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace simple
+}  // namespace cuda
+}  // namespace attn_ext

@@ -1,0 +1,344 @@
+"""CUDA-only checks of the attention kernels (csrc/cuda/attention*.cu): the fast fp16/bf16
+forward (FA2-style, head dims 64 and 128) against the simple CUDA kernel and against the
+float64 reference, on the shapes where the two kernels differ most (tile boundaries, Sq != Sk,
+rows without keys, GQA, strided views), plus the dispatch rules (misaligned inputs fall back
+to the simple kernel) and the simple backward. The generic value / gradient tests of
+tests/test_attention.py also run on CUDA through the `device` fixture.
+
+Every test skips without a GPU; nothing queries the GPU at import time.
+ATTN_EXT_CUDA_ATTN=simple forces the simple forward kernel (read by the op at each call).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attn_ext  # noqa: F401  (registers the ops)
+from attn_ext import reference
+from tests.utils import assert_close_rule, max_err, randn
+
+pytestmark = pytest.mark.cuda
+
+FAST_DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return "cuda"
+
+
+def fwd(q, k, v, causal, scale=None):
+    return torch.ops.attn_ext.attention_forward(q, k, v, causal, scale)
+
+
+def fwd_simple(monkeypatch, q, k, v, causal, scale=None):
+    with monkeypatch.context() as m:
+        m.setenv("ATTN_EXT_CUDA_ATTN", "simple")
+        return fwd(q, k, v, causal, scale)
+
+
+def kernel_names(fn):
+    """Names of the CUDA kernels fn() launched (torch profiler); None when the profiler
+    recorded no attn_ext kernel at all (then the dispatch checks pass vacuously, with a
+    warning, and the value checks around them still run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = {e.key for e in prof.key_averages()}
+    if not any("attn_ext" in n for n in names):
+        import warnings
+
+        warnings.warn(f"profiler recorded no attn_ext kernel ({sorted(names)[:5]}); "
+                      "kernel-dispatch checks are skipped")
+        return None
+    return names
+
+
+def ran(names, kernel: str) -> bool:
+    """kernel_names() contains `kernel` (True when the profiler recorded nothing)."""
+    return names is None or any(kernel in n for n in names)
+
+
+def did_not_run(names, kernel: str) -> bool:
+    return names is None or not any(kernel in n for n in names)
+
+
+def ref64(q, k, v, causal, scale=None):
+    out, lse = reference.attention_with_lse(q.double(), k.double(), v.double(), causal, scale)
+    return out, lse
+
+
+def check_fwd(out, lse, q, k, v, causal, scale=None, name=""):
+    """out against the float64 reference by the tolerance rule, lse to 1e-3 absolute."""
+    r_out, r_lse = ref64(q, k, v, causal, scale)
+    low_out, _ = reference.attention_with_lse(q, k, v, causal, scale)
+    assert out.dtype == q.dtype and out.is_contiguous()
+    assert lse.dtype == torch.float32 and lse.shape == r_lse.shape
+    assert not torch.isnan(out).any(), f"{name}: NaN in out"
+    assert not torch.isnan(lse).any(), f"{name}: NaN in lse"
+    assert_close_rule(out, r_out, low_out, name=f"{name} out")
+    inf_ours, inf_ref = torch.isinf(lse), torch.isinf(r_lse)
+    assert torch.equal(inf_ours.cpu(), inf_ref.cpu()), f"{name}: lse -inf rows differ"
+    # fp32 lse: 1e-3 absolute plus a few fp32 ulps of its magnitude (large scores)
+    fin = torch.isfinite(r_lse)
+    bound = 1e-3 + 4e-6 * (float(r_lse[fin].abs().max()) if fin.any() else 0.0)
+    assert max_err(lse, r_lse) <= bound, f"{name}: lse error {max_err(lse, r_lse):.3e} > {bound:.3e}"
+
+
+# (B, Sq, Sk, H, Hkv): tile-aligned, ragged ends, Sq < Sk (decode-like), Sq > Sk (causal
+# rows without keys, inside and across query tiles), GQA and MQA.
+SHAPES = [
+    (2, 128, 128, 4, 4),
+    (1, 97, 203, 4, 2),
+    (2, 200, 77, 4, 1),
+    (1, 1, 300, 8, 2),
+    (1, 65, 65, 2, 2),
+    (1, 130, 1, 2, 1),
+    (2, 333, 1025, 6, 3),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fast_vs_simple_vs_reference(shape, dtype, D, causal, cuda, monkeypatch):
+    B, Sq, Sk, H, Hkv = shape
+    q = randn(B, Sq, H, D, dtype=dtype, device=cuda)
+    k = randn(B, Sk, Hkv, D, dtype=dtype, device=cuda)
+    v = randn(B, Sk, Hkv, D, dtype=dtype, device=cuda)
+    out_f, lse_f = fwd(q, k, v, causal)
+    out_s, lse_s = fwd_simple(monkeypatch, q, k, v, causal)
+    check_fwd(out_f, lse_f, q, k, v, causal, name="fast")
+    check_fwd(out_s, lse_s, q, k, v, causal, name="simple")
+    # the two kernels agree to a couple of output roundings
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    assert max_err(out_f, out_s) <= 4 * ulp * max(1.0, float(out_s.abs().max()))
+    assert max_err(lse_f, lse_s) <= 1e-3
+    if causal and Sq > Sk:  # rows 0 .. Sq - Sk - 1 see no key
+        n = Sq - Sk
+        assert torch.all(out_f[:, :n] == 0) and torch.all(lse_f[:, :, :n] == float("-inf"))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+def test_fast_kernel_is_used_and_misaligned_falls_back(D, causal, cuda, monkeypatch):
+    B, S, H = 1, 150, 2
+    q = randn(B, S, H, D, dtype=torch.bfloat16, device=cuda)
+    k = randn(B, S, H, D, dtype=torch.bfloat16, device=cuda)
+    v = randn(B, S, H, D, dtype=torch.bfloat16, device=cuda)
+    names = kernel_names(lambda: fwd(q, k, v, causal))
+    assert ran(names, "fa2_fwd_kernel"), names
+    # same values one element off 16-byte alignment -> simple kernel
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype, device=cuda)
+    q_mis = buf[1:].view_as(q)
+    q_mis.copy_(q)
+    names = kernel_names(lambda: fwd(q_mis, k, v, causal))
+    assert ran(names, "simple_fwd_kernel"), names
+    assert did_not_run(names, "fa2_fwd_kernel"), names
+    out_mis, lse_mis = fwd(q_mis, k, v, causal)
+    check_fwd(out_mis, lse_mis, q, k, v, causal, name="misaligned")
+    out, lse = fwd(q, k, v, causal)
+    assert max_err(out, out_mis) <= 2.0 ** -6
+    # a row stride that is not a multiple of 8 elements -> simple kernel too
+    wide = randn(B, S, H, D + 4, dtype=torch.bfloat16, device=cuda)
+    k_odd = wide[..., :D]
+    assert k_odd.stride(2) % 8 != 0
+    names = kernel_names(lambda: fwd(q, k_odd, v, causal))
+    assert did_not_run(names, "fa2_fwd_kernel"), names
+    out_odd, lse_odd = fwd(q, k_odd, v, causal)
+    check_fwd(out_odd, lse_odd, q, k_odd, v, causal, name="odd stride")
+    # forcing the simple kernel
+    with monkeypatch.context() as m:
+        m.setenv("ATTN_EXT_CUDA_ATTN", "simple")
+        names = kernel_names(lambda: fwd(q, k, v, causal))
+    assert did_not_run(names, "fa2_fwd_kernel"), names
+
+
+@pytest.mark.parametrize("layout", ["packed", "transposed"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+def test_fast_strided_layouts(layout, dtype, causal, cuda, monkeypatch):
+    B, S, H, Hkv, D = 2, 157, 4, 2, 64
+    if layout == "packed":
+        qkv = randn(B, S, (H + 2 * Hkv) * D, dtype=dtype, device=cuda)
+        q = qkv[..., : H * D].view(B, S, H, D)
+        k = qkv[..., H * D : (H + Hkv) * D].view(B, S, Hkv, D)
+        v = qkv[..., (H + Hkv) * D :].view(B, S, Hkv, D)
+    else:
+        q = randn(B, H, S, D, dtype=dtype, device=cuda).transpose(1, 2)
+        k = randn(B, Hkv, S, D, dtype=dtype, device=cuda).transpose(1, 2)
+        v = randn(B, Hkv, S, D, dtype=dtype, device=cuda).transpose(1, 2)
+    names = kernel_names(lambda: fwd(q, k, v, causal))
+    assert ran(names, "fa2_fwd_kernel"), names
+    out, lse = fwd(q, k, v, causal)
+    check_fwd(out, lse, q, k, v, causal, name=layout)
+    out_s, _ = fwd_simple(monkeypatch, q, k, v, causal)
+    assert max_err(out, out_s) <= 2.0 ** -6
+
+
+@pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+def test_fast_long_causal(dtype, cuda, monkeypatch):
+    """Many key tiles, both pipeline buffers in use, causal skipping; fast vs simple vs float64."""
+    B, S, H, Hkv, D = 1, 2048 + 37, 4, 1, 128
+    q = randn(B, S, H, D, dtype=dtype, device=cuda)
+    k = randn(B, S, Hkv, D, dtype=dtype, device=cuda)
+    v = randn(B, S, Hkv, D, dtype=dtype, device=cuda)
+    for causal in (True, False):
+        out, lse = fwd(q, k, v, causal)
+        check_fwd(out, lse, q, k, v, causal, name=f"long causal={causal}")
+        out_s, lse_s = fwd_simple(monkeypatch, q, k, v, causal)
+        assert max_err(out, out_s) <= 2.0 ** -6
+        assert max_err(lse, lse_s) <= 1e-3
+
+
+def test_fast_custom_and_extreme_scale(cuda, monkeypatch):
+    q = randn(1, 70, 2, 64, dtype=torch.float16, device=cuda)
+    k = randn(1, 90, 2, 64, dtype=torch.float16, device=cuda)
+    v = randn(1, 90, 2, 64, dtype=torch.float16, device=cuda)
+    for scale in (0.3, 0.0, -0.2, 3.0):
+        out, lse = fwd(q, k, v, True, scale)
+        check_fwd(out, lse, q, k, v, True, scale, name=f"scale={scale}")
+
+
+def test_large_scores_no_overflow(cuda):
+    """Scores far beyond fp16 range in exp: the online softmax must stay finite."""
+    q = randn(1, 100, 2, 128, dtype=torch.bfloat16, device=cuda, scale=30.0)
+    k = randn(1, 100, 2, 128, dtype=torch.bfloat16, device=cuda, scale=30.0)
+    v = randn(1, 100, 2, 128, dtype=torch.bfloat16, device=cuda)
+    out, lse = fwd(q, k, v, False)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    check_fwd(out, lse, q, k, v, False, name="large scores")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("D,Dv", [(59, 111), (256, 256), (8, 200)])
+def test_simple_odd_head_dims(D, Dv, dtype, cuda):
+    q = randn(2, 37, 4, D, dtype=dtype, device=cuda)
+    k = randn(2, 41, 2, D, dtype=dtype, device=cuda)
+    v = randn(2, 41, 2, Dv, dtype=dtype, device=cuda)
+    for causal in (False, True):
+        out, lse = fwd(q, k, v, causal)
+        check_fwd(out, lse, q, k, v, causal, name=f"D={D} Dv={Dv}")
+
+
+def test_head_dim_too_large(cuda):
+    q = randn(1, 4, 1, 264, device=cuda)
+    with pytest.raises(RuntimeError, match="head dim D must be <= 256"):
+        fwd(q, q, q, False)
+    v = randn(1, 4, 1, 300, device=cuda)
+    with pytest.raises(RuntimeError, match="head dim Dv must be <= 256"):
+        fwd(q[..., :64], q[..., :64], v, False)
+
+
+def _grads(q, k, v, dout, causal, dtype):
+    q, k, v = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, _ = reference.attention_with_lse(q, k, v, causal)
+    out.backward(dout.to(dtype))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 70, 70, 4, 2, 64, 64), (1, 33, 90, 4, 1, 128, 128),
+                                   (2, 90, 33, 2, 2, 48, 80), (1, 1, 200, 8, 2, 64, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward(shape, dtype, causal, cuda):
+    B, Sq, Sk, H, Hkv, D, Dv = shape
+    q = randn(B, Sq, H, D, dtype=dtype, device=cuda)
+    k = randn(B, Sk, Hkv, D, dtype=dtype, device=cuda)
+    v = randn(B, Sk, Hkv, Dv, dtype=dtype, device=cuda)
+    dout = randn(B, Sq, H, Dv, dtype=dtype, device=cuda)
+    out, lse = fwd(q, k, v, causal)
+    dq, dk, dv = torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, causal, None)
+    _, *g64 = _grads(q, k, v, dout, causal, torch.float64)
+    _, *glow = _grads(q, k, v, dout, causal, dtype)
+    for name, ours, r64, rlow in zip(("dq", "dk", "dv"), (dq, dk, dv), g64, glow):
+        assert ours.dtype == dtype and ours.is_contiguous()
+        assert torch.isfinite(ours).all(), f"{name}: not finite"
+        assert_close_rule(ours, r64, rlow, name=name, factor=3.0)
+
+
+def test_backward_float64_tight(cuda):
+    B, Sq, Sk, H, Hkv, D, Dv = 1, 19, 23, 4, 2, 16, 24
+    q = randn(B, Sq, H, D, dtype=torch.float64, device=cuda)
+    k = randn(B, Sk, Hkv, D, dtype=torch.float64, device=cuda)
+    v = randn(B, Sk, Hkv, Dv, dtype=torch.float64, device=cuda)
+    dout = randn(B, Sq, H, Dv, dtype=torch.float64, device=cuda)
+    for causal in (False, True):
+        out, lse = fwd(q, k, v, causal)
+        assert lse.dtype == torch.float64
+        r_out, *g = _grads(q, k, v, dout, causal, torch.float64)
+        assert max_err(out, r_out) < 1e-10
+        grads = torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, causal, None)
+        for ours, r in zip(grads, g):
+            assert max_err(ours, r) < 1e-10
+
+
+def test_backward_deterministic(cuda):
+    q = randn(2, 130, 4, 64, dtype=torch.bfloat16, device=cuda)
+    k = randn(2, 130, 1, 64, dtype=torch.bfloat16, device=cuda)
+    v = randn(2, 130, 1, 64, dtype=torch.bfloat16, device=cuda)
+    dout = randn(2, 130, 4, 64, dtype=torch.bfloat16, device=cuda)
+    out, lse = fwd(q, k, v, True)
+    a = torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, True, None)
+    b = torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, True, None)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_autograd_through_wrapper(cuda):
+    q, k, v = [randn(1, 50, 2, 64, dtype=torch.bfloat16, device=cuda).requires_grad_()
+               for _ in range(3)]
+    out = attn_ext.attention(q, k, v, causal=True)
+    out.float().square().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_current_stream_and_no_sync(cuda):
+    """The op runs on the current stream: results on a side stream are correct once that
+    stream is synchronised."""
+    q = randn(1, 300, 2, 128, dtype=torch.bfloat16, device=cuda)
+    k = randn(1, 300, 2, 128, dtype=torch.bfloat16, device=cuda)
+    v = randn(1, 300, 2, 128, dtype=torch.bfloat16, device=cuda)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out, lse = fwd(q, k, v, True)
+    s.synchronize()
+    check_fwd(out, lse, q, k, v, True, name="side stream")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("B,Sq,Sk,H,Hkv,D", [(1, 1, 4096, 4, 1, 128), (2, 3, 1500, 2, 2, 64),
+                                             (1, 16, 777, 2, 1, 59), (1, 5, 600, 1, 1, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_kv_decode(B, Sq, Sk, H, Hkv, D, dtype, causal, cuda, monkeypatch):
+    """Few query rows, many keys: the split-KV path (key chunks merged by a second kernel)
+    against the unsplit simple kernel and the float64 reference."""
+    q = randn(B, Sq, H, D, dtype=dtype, device=cuda)
+    k = randn(B, Sk, Hkv, D, dtype=dtype, device=cuda)
+    v = randn(B, Sk, Hkv, D, dtype=dtype, device=cuda)
+    names = kernel_names(lambda: fwd(q, k, v, causal))
+    assert ran(names, "simple_fwd_split_kernel"), names
+    assert ran(names, "simple_fwd_combine_kernel"), names
+    out, lse = fwd(q, k, v, causal)
+    check_fwd(out, lse, q, k, v, causal, name="split")
+    out_s, lse_s = fwd_simple(monkeypatch, q, k, v, causal)
+    assert max_err(out, out_s) <= 2.0 ** -6
+    assert max_err(lse, lse_s) <= 1e-4
+
+
+def test_split_kv_rows_without_keys(cuda):
+    """Sq > Sk is not a decode shape, but Sq <= 16 with causal rows that see only part of
+    the keys: chunks past a row's last key are empty and must be skipped in the merge."""
+    q = randn(1, 16, 2, 64, dtype=torch.bfloat16, device=cuda)
+    k = randn(1, 520, 2, 64, dtype=torch.bfloat16, device=cuda)
+    v = randn(1, 520, 2, 64, dtype=torch.bfloat16, device=cuda)
+    out, lse = fwd(q, k, v, True)
+    check_fwd(out, lse, q, k, v, True, name="split causal")
