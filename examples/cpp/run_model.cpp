@@ -70,6 +70,9 @@ int main(int argc, char** argv) {
     for (int64_t i = 0; i < out.numel(); ++i) std::printf(" %.9g", p[i]);
     std::printf("\n");
     return 0;
+  } catch (const c10::Error& e) {  // op errors: the message without the C++ backtrace
+    std::fprintf(stderr, "run_model: error: %s\n", e.what_without_backtrace());
+    return 1;
   } catch (const std::exception& e) {  // torch::jit::load errors are std::exception, not c10::Error
     std::fprintf(stderr, "run_model: error: %s\n", e.what());
     return 1;
