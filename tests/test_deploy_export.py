@@ -50,7 +50,7 @@ def test_exported_program_keeps_our_ops_and_matches_eager(exported):
 
 def test_export_rejects_lengths_past_the_rope_table(exported):
     _, ep = exported
-    with pytest.raises(Exception, match="seq|idx|shape|range|<="):
+    with pytest.raises(Exception, match=f"<= {MAX_LEN}"):  # a shape guard, not a wrong answer
         ep.module()(torch.randint(0, 100, (1, MAX_LEN + 1)))
 
 
