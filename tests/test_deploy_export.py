@@ -10,7 +10,16 @@ import pytest
 import torch
 from torch.export import Dim
 
-from deploy_utils import run_python, tiny_gpt
+from deploy_utils import JIT_DEPRECATION, run_python, tiny_gpt
+
+# Both silenced warnings come from torch itself, not from attn_ext: importing inductor (for
+# AOTInductor) imports torch.utils.mkldnn, which uses the deprecated @torch.jit.script_method;
+# aoti_compile_and_package copies pytree specs and unpickling a LeafSpec trips torch's own
+# "isinstance(treespec, LeafSpec) is deprecated" FutureWarning.
+pytestmark = [
+    pytest.mark.filterwarnings(JIT_DEPRECATION),
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"),
+]
 
 MAX_LEN = 64  # RoPE table rows: the exported S must stay within it (see the README)
 
