@@ -1,0 +1,82 @@
+"""torch.compile(fullgraph=True) over models that call torch.ops.attn_ext.*: no graph break,
+the same values and gradients as eager, and one graph for every sequence length.
+
+The backward-carrying and dynamic-shape cases use the "aot_eager" backend (AOTAutograd +
+functionalisation, exactly what inductor receives, minus inductor's C++ code generation,
+which costs tens of seconds per graph on a 2-core CI box); one test runs the default
+inductor backend end to end."""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from deploy_utils import JIT_DEPRECATION, rope_attention, tiny_gpt
+
+# Importing inductor imports torch.utils.mkldnn, whose ScriptModules use the deprecated
+# @torch.jit.script_method (torch's own code, not ours): that DeprecationWarning is silenced.
+pytestmark = pytest.mark.filterwarnings(JIT_DEPRECATION)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_training_step_fullgraph_dynamic_length_matches_eager():
+    model = tiny_gpt(seed=11, num_kv_heads=2)
+    model.train()  # dropout is 0: train() only selects the differentiable (out-of-place) RoPE
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for S in (9, 14, 23):
+        idx = torch.randint(0, 100, (2, S))
+        torch._dynamo.mark_dynamic(idx, 1)
+        model.zero_grad()
+        got = compiled(idx)
+        got.square().mean().backward()
+        got_grads = _grads(model)
+        model.zero_grad()
+        want = model(idx)
+        want.square().mean().backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for n, g in _grads(model).items():
+            torch.testing.assert_close(got_grads[n], g, rtol=1e-5, atol=1e-7, msg=n)
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} graphs for 3 lengths"
+
+
+def test_inference_inplace_rope_fullgraph_dynamic_matches_eager():
+    # Under no_grad the modules rotate q/k in place (attn_ext::rope_qk_ on views of the fused
+    # QKV projection): the mutation must survive functionalisation.
+    gpt, mha = tiny_gpt(seed=12), rope_attention(seed=13)
+    for model, make in ((gpt, lambda b, s: torch.randint(0, 100, (b, s))),
+                        (mha, lambda b, s: torch.randn(b, s, 32))):
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(model, backend=counter, fullgraph=True)
+        with torch.no_grad():
+            for b, s in ((2, 7), (3, 12), (2, 30)):  # (sizes 0 and 1 are always specialised)
+                x = make(b, s)
+                torch._dynamo.mark_dynamic(x, 0)  # batch and sequence symbolic from the start
+                torch._dynamo.mark_dynamic(x, 1)
+                torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+        assert counter.frame_count == 1, f"recompiled: {counter.frame_count} graphs for 3 shapes"
+
+
+def test_inductor_fullgraph_forward_and_backward_match_eager():
+    # The default backend: inductor generates C++ around our ops (ExternKernel calls).
+    model = rope_attention(seed=14)
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(2, 10, 32, requires_grad=True)
+    got = compiled(x)
+    (gx,) = torch.autograd.grad(got.square().sum(), x)
+    g_qkv = model.mha.qkv.weight.grad
+    x2 = x.detach().clone().requires_grad_(True)
+    want = model(x2)
+    (wx,) = torch.autograd.grad(want.square().sum(), x2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx, wx, rtol=1e-4, atol=1e-5)
+    assert g_qkv is None  # autograd.grad: nothing accumulated

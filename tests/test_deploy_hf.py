@@ -1,0 +1,122 @@
+"""Hugging Face transformers with attn_implementation="attn_ext": same logits and the same
+greedy generation as transformers' eager attention, on a tiny random Llama (no downloads)."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import attn_ext.integrations.hf as attn_ext_hf  # noqa: E402  (registers "attn_ext")
+
+
+def _tiny_llama(attn_implementation, seed=0):
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=128,
+    )
+    torch.manual_seed(seed)  # identical random weights for every implementation
+    model = transformers.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation=attn_implementation, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    ours, ref = _tiny_llama("attn_ext"), _tiny_llama("eager")
+    for (n1, p1), (n2, p2) in zip(ours.state_dict().items(), ref.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    return ours, ref
+
+
+def test_registered_and_selected(models):
+    ours, _ = models
+    assert ours.config._attn_implementation == "attn_ext"
+    assert transformers.AttentionInterface._global_mapping["attn_ext"] is attn_ext_hf.attention_forward
+
+
+def test_prompt_logits_match_eager_and_use_our_kernel(models, monkeypatch):
+    ours, ref = models
+    calls = []
+    real = torch.ops.attn_ext.attention
+
+    class Spy:  # counts kernel calls and checks q/k/v arrive as views, GQA not repeated
+        def __call__(self, q, k, v, causal, scale):
+            calls.append((q.shape, k.shape, causal))
+            return real(q, k, v, causal, scale)
+
+    monkeypatch.setattr(torch.ops.attn_ext, "attention", Spy())
+    idx = torch.randint(0, 100, (2, 13))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: the mask-free path
+        got = ours(idx).logits
+        want = ref(idx).logits
+    assert len(calls) == 2  # one per layer
+    for q_shape, k_shape, causal in calls:  # (B, S, H, D); kv heads not repeated (GQA)
+        assert tuple(q_shape) == (2, 13, 4, 16) and tuple(k_shape) == (2, 13, 2, 16)
+        assert causal
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_cached_greedy_generation_matches_eager(models):
+    ours, ref = models
+    idx = torch.randint(0, 100, (2, 7))
+    kw = dict(max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0)
+    attn_ext_hf._warned_fallback = False
+    with torch.no_grad():
+        got = ours.generate(idx, **kw)
+        assert not attn_ext_hf._warned_fallback  # prefill and every decode step ran on attn_ext
+        want = ref.generate(idx, **kw)
+        # the logits of the whole generated sequence agree too
+        torch.testing.assert_close(ours(got).logits, ref(got).logits, rtol=1e-4, atol=1e-5)
+    assert got.shape == (2, 19)
+    assert torch.equal(got, want)
+
+
+def test_padding_mask_falls_back_to_sdpa_with_a_warning(models):
+    ours, ref = models
+    idx = torch.randint(0, 100, (2, 9))
+    mask = torch.ones_like(idx)
+    mask[1, :3] = 0  # left padding in the second row
+    attn_ext_hf._warned_fallback = False
+    with torch.no_grad(), pytest.warns(UserWarning, match="fall back to transformers' SDPA"):
+        got = ours(idx, attention_mask=mask).logits
+    with torch.no_grad():
+        want = ref(idx, attention_mask=mask).logits
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1, 3:], want[1, 3:], rtol=1e-4, atol=1e-5)
+
+
+def test_inputs_are_passed_as_views_and_gqa_is_native(monkeypatch):
+    B, H, Hkv, S, D = 2, 4, 2, 5, 8
+    q, k, v = torch.randn(B, H, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    seen = []
+    real = torch.ops.attn_ext.attention
+
+    def spy(qq, kk, vv, causal, scale):
+        seen.append((qq, kk, vv))
+        return real(qq, kk, vv, causal, scale)
+
+    monkeypatch.setattr(torch.ops.attn_ext, "attention", spy)
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, weights = attn_ext_hf.attention_forward(module, q, k, v, None, scaling=0.3)
+    assert weights is None and out.shape == (B, S, H, D)
+    (qq, kk, vv), = seen
+    for ours, theirs in ((qq, q), (kk, k), (vv, v)):  # same memory, (B, S, H, D) strides
+        assert ours.data_ptr() == theirs.data_ptr() and ours.shape == theirs.transpose(1, 2).shape
+        assert not ours.is_contiguous()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=0.3, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_is_refused():
+    q = torch.randn(1, 4, 3, 16).transpose(1, 2).transpose(1, 2)
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match="dropout=0 only"):
+        attn_ext_hf.attention_forward(module, q, q, q, None, dropout=0.1)

@@ -1,0 +1,95 @@
+"""TorchScript in Python: scripted and traced models that call torch.ops.attn_ext.* are saved,
+then loaded and run in a fresh process that either only loads the op library
+(torch.ops.load_library) or only imports attn_ext. Outputs equal the eager model's."""
+
+import os
+
+import pytest
+import torch
+
+import attn_ext
+from deploy_utils import JIT_DEPRECATION, TRACER_TABLE_WARNING, rope_attention, run_python, tiny_gpt
+
+pytestmark = [pytest.mark.filterwarnings(JIT_DEPRECATION),
+              pytest.mark.filterwarnings(TRACER_TABLE_WARNING)]
+
+# The loader: prepare the ops one way or the other, then run every saved model on its input.
+_LOADER = r"""
+import sys, warnings
+warnings.filterwarnings("ignore", message="`torch.jit", category=DeprecationWarning)  # see deploy_utils
+import torch
+how, folder, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+if how == "load_library":
+    torch.ops.load_library(open(folder + "/libpath.txt").read())
+    assert "attn_ext" not in sys.modules
+else:
+    import attn_ext
+    assert attn_ext.__file__.startswith(open(folder + "/pkgdir.txt").read())
+with torch.inference_mode():
+    for name in names:
+        model = torch.jit.load(f"{folder}/{name}.pt")
+        torch.save(model(torch.load(f"{folder}/{name}.in")), f"{folder}/{name}.{how}.out")
+print("ok")
+"""
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Scripted + traced TinyGPT (RoPE, causal) and MultiHeadAttention (RoPE, GQA), saved with
+    inputs of lengths other than the traced one, plus the eager outputs."""
+    folder = tmp_path_factory.mktemp("torchscript")
+    gpt, mha = tiny_gpt(), rope_attention()
+    idx = torch.randint(0, 100, (2, 13))
+    x = torch.randn(3, 11, 32)
+    with torch.no_grad():
+        models = {
+            "gpt_script": (torch.jit.script(gpt), idx),
+            "gpt_trace": (torch.jit.trace(gpt, (torch.randint(0, 100, (1, 5)),)), idx),
+            "mha_script": (torch.jit.script(mha), x),
+            "mha_trace": (torch.jit.trace(mha, (torch.randn(2, 6, 32),)), x),
+        }
+        expected = {"gpt_script": gpt(idx), "gpt_trace": gpt(idx),
+                    "mha_script": mha(x), "mha_trace": mha(x)}
+    for name, (module, inp) in models.items():
+        module.save(str(folder / f"{name}.pt"))
+        torch.save(inp, folder / f"{name}.in")
+    (folder / "libpath.txt").write_text(attn_ext.library_path())
+    (folder / "pkgdir.txt").write_text(os.path.dirname(attn_ext.__file__))
+    return folder, expected
+
+
+def test_scripted_models_match_eager_in_process(saved):
+    folder, expected = saved
+    for name in expected:
+        loaded = torch.jit.load(str(folder / f"{name}.pt"))
+        with torch.no_grad():
+            got = loaded(torch.load(folder / f"{name}.in"))
+        torch.testing.assert_close(got, expected[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["load_library", "import"])
+def test_saved_models_run_in_a_fresh_process(saved, how):
+    folder, expected = saved
+    out = run_python(_LOADER, how, str(folder), *expected, with_package=how == "import")
+    assert out.strip() == "ok"
+    for name, want in expected.items():
+        got = torch.load(folder / f"{name}.{how}.out")
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_scripted_tinygpt_keeps_grad_path():
+    """The scripted model also trains: same loss gradient as eager (out-of-place RoPE)."""
+    gpt = tiny_gpt(seed=3)
+    scripted = torch.jit.script(gpt)
+    idx = torch.randint(0, 100, (2, 9))
+    gpt(idx).square().mean().backward()
+    scripted(idx).square().mean().backward()
+    for (name, p), q in zip(gpt.named_parameters(), scripted.parameters()):
+        # script shares the parameters, so the two backwards accumulate: 2x eager's grad
+        assert p is q or torch.equal(p, q)
+    grads = {n: p.grad.clone() for n, p in gpt.named_parameters()}
+    gpt.zero_grad()
+    gpt(idx).square().mean().backward()
+    for n, p in gpt.named_parameters():
+        torch.testing.assert_close(grads[n], 2 * p.grad, rtol=1e-5, atol=1e-7, msg=n)
