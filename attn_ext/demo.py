@@ -126,9 +126,11 @@ def _use_attention(model, kind: str) -> None:
             blk.attn._attend = types.MethodType(textbook if kind == "textbook" else sdpa, blk.attn)
 
 
-def speed(device: str, seq: int, repeat: int) -> Dict[str, float]:
+def speed(device: str, seq: int, repeat: int, layers: int = 4, width: int = 256,
+          new: int = 64) -> Dict[str, float]:
     torch.manual_seed(0)
-    model = TinyGPT(256, d_model=256, num_heads=8, num_layers=4, max_len=seq, pos="rope").to(device)
+    model = TinyGPT(256, d_model=width, num_heads=8, num_layers=layers, max_len=seq,
+                    pos="rope").to(device)
     x = torch.randint(0, 256, (8, seq), device=device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
@@ -147,7 +149,6 @@ def speed(device: str, seq: int, repeat: int) -> Dict[str, float]:
     _use_attention(model, "attn_ext")
     model.eval()
     prompt = torch.randint(0, 256, (1, 16), device=device)
-    new = 64
     t_cache = _median(lambda: model.generate(prompt, new), max(1, repeat // 2))
 
     @torch.no_grad()
@@ -272,7 +273,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     device = args.device
     quick = args.quick
-    steps = 20 if quick else args.steps
+    steps = 8 if quick else args.steps
     t_start = time.time()
     print(f"attn_ext {attn_ext.__version__} | torch {torch.__version__} | device {device} | "
           f"{torch.get_num_threads()} threads | {steps} steps per model")
@@ -328,15 +329,15 @@ def main(argv=None) -> dict:
         print(f"    {v:10s}  " + "  ".join(f"{kback_acc[(v, L)]:>8s}" for L in eval_lens))
 
     # --- 3. speed ------------------------------------------------------------------------------
-    seq = 64 if quick else 256
-    print(f"\n[3] One training step of a 4-layer, 8-head, d=256 TinyGPT on (8, {seq}) tokens "
-          "(medians):")
-    sp = speed(device, seq, 3 if quick else 7)
+    seq, layers, width, new = (32, 1, 64, 8) if quick else (256, 4, 256, 64)
+    print(f"\n[3] One training step of a {layers}-layer, 8-head, d={width} TinyGPT on (8, {seq}) "
+          "tokens (medians):")
+    sp = speed(device, seq, 2 if quick else 7, layers, width, new)
     for kind, label in (("attn_ext", "attn_ext kernels"), ("sdpa", "PyTorch SDPA"),
                         ("textbook", "textbook attention")):
         rel = "" if kind == "attn_ext" else f"  ({sp[kind] / sp['attn_ext']:.2f}x the attn_ext time)"
         print(f"    {label:20s} {sp[kind] * 1e3:8.1f} ms{rel}")
-    print(f"    greedy decoding, 64 new tokens: {sp['decode_tok_s']:7.1f} tok/s with the KV cache, "
+    print(f"    greedy decoding, {new} new tokens: {sp['decode_tok_s']:7.1f} tok/s with the KV cache, "
           f"{sp['decode_nocache_tok_s']:7.1f} tok/s recomputing (same tokens)")
 
     # --- 4. deployment --------------------------------------------------------------------------
