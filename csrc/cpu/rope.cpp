@@ -84,8 +84,12 @@ ATTN_EXT_AVX2 int64_t rotate_row_avx2(const T* x, T* out, const TT* c, const TT*
       // swap within pairs: (x1, x2) -> (x2, x1); fmaddsub: even lanes a*b - c, odd a*b + c.
       const __m256 ya = _mm256_fmaddsub_ps(xa, c0, _mm256_mul_ps(_mm256_permute_ps(xa, 0xb1), s0));
       const __m256 yb = _mm256_fmaddsub_ps(xb, c1, _mm256_mul_ps(_mm256_permute_ps(xb, 0xb1), s1));
-      put<T, kStream>(out + 2 * i, ya);
-      put<T, kStream>(out + 2 * i + 8, yb);
+      if constexpr (std::is_same_v<T, c10::BFloat16> && !kStream) {
+        IO::store16(out + 2 * i, ya, yb);  // one pack + one 32-byte store for 16 outputs
+      } else {
+        put<T, kStream>(out + 2 * i, ya);
+        put<T, kStream>(out + 2 * i + 8, yb);
+      }
     }
   } else {
     for (; i + 8 <= half; i += 8) {
