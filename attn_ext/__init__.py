@@ -11,9 +11,21 @@ from . import _C  # noqa: F401  (loads the library: registers torch.ops.attn_ext
 from . import ops as _ops  # noqa: F401  (fake kernels + autograd)
 from .ops import sinusoidal_pe, sinusoidal_pe_, sinusoidal_table
 from .ops import rope, rope_, rope_qk, rope_cache, rope_inv_freq
-from . import reference
+from .ops import attention, causal_attention
+from .ops import attention_weights
+from .modules import (
+    KVCache,
+    LearnedPositionalEmbedding,
+    MultiHeadAttention,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    TransformerBlock,
+)
+from . import models, reference
 
 __all__ = [
+    "attention",
+    "causal_attention",
     "sinusoidal_pe",
     "sinusoidal_pe_",
     "sinusoidal_table",
@@ -22,6 +34,14 @@ __all__ = [
     "rope_qk",
     "rope_cache",
     "rope_inv_freq",
+    "attention_weights",
+    "KVCache",
+    "LearnedPositionalEmbedding",
+    "MultiHeadAttention",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEncoding",
+    "TransformerBlock",
+    "models",
     "reference",
     "library_path",
 ]

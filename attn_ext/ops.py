@@ -385,3 +385,166 @@ torch.library.register_autograd("attn_ext::rope", _rope_backward, setup_context=
 torch.library.register_autograd(
     "attn_ext::_rope_backward", _rope_inverse_backward, setup_context=_rope_setup
 )
+
+
+# ---------------------------------------------------------------------------------------
+# scaled dot-product attention
+# ---------------------------------------------------------------------------------------
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """``softmax(scale * q k^T [+ causal mask]) v`` without any ``(Sq, Sk)`` buffer.
+
+    Args:
+        q: ``(B, Sq, H, D)`` queries, or ``(B, Sq, D)`` for a single head.
+        k: ``(B, Sk, Hkv, D)`` keys (``(B, Sk, D)`` with 3-D q). ``Hkv`` must divide ``H``:
+            query head ``h`` reads kv head ``h // (H // Hkv)`` (GQA; ``Hkv = 1`` is MQA).
+        v: ``(B, Sk, Hkv, Dv)`` values (``(B, Sk, Dv)`` with 3-D q); ``Dv`` may differ from ``D``.
+            q, k, v may have any strides on their leading dims (views of a packed QKV
+            projection, ``x.transpose(1, 2)`` of a ``(B, H, S, D)`` tensor) but their last
+            dim must be contiguous. dtypes: float32, float64, float16, bfloat16 (all three
+            the same); fp16/bf16 accumulate in fp32.
+        causal: mask the future, aligned to the bottom-right corner: row ``i`` sees key
+            ``j`` iff ``j <= i + (Sk - Sq)``. For ``Sq == Sk`` this is the usual lower
+            triangle; for ``Sq < Sk`` (decoding with a KV cache) the last query row sees
+            every key. Example, ``Sq = 3, Sk = 5`` (``x`` = seen)::
+
+                      keys  0 1 2 3 4
+                query 0     x x x . .
+                query 1     x x x x .
+                query 2     x x x x x
+
+            Note: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``
+            aligns the mask top-left instead; the two agree only when ``Sq == Sk``.
+            With ``Sq > Sk`` the first ``Sq - Sk`` rows see no key: their output is 0 and
+            their lse ``-inf`` (never NaN).
+        scale: score scale, default ``1 / sqrt(D)``.
+        return_lse: also return the log-sum-exp of each score row.
+
+    Returns ``out (B, Sq, H, Dv)`` (contiguous, q's dtype; ``(B, Sq, Dv)`` for 3-D input), and
+    with ``return_lse`` also ``lse (B, H, Sq)`` (``(B, Sq)`` for 3-D input), float32 — float64
+    for float64 inputs. Differentiable in q, k, v through ``out``; the gradient of ``lse`` is
+    not propagated (treated as zero).
+    """
+    squeeze = q.dim() == 3
+    if squeeze:
+        if k.dim() != 3 or v.dim() != 3:
+            raise ValueError(
+                "with 3-D q (B, Sq, D), k and v must be 3-D (B, Sk, D) / (B, Sk, Dv), got "
+                f"k shape {list(k.shape)} and v shape {list(v.shape)}"
+            )
+        q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
+    if return_lse:
+        out, lse = _lib.attention_forward(q, k, v, causal, scale)
+        return (out.squeeze(2), lse.squeeze(1)) if squeeze else (out, lse)
+    out = _lib.attention(q, k, v, causal, scale)
+    return out.squeeze(2) if squeeze else out
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None
+) -> torch.Tensor:
+    """:func:`attention` with ``causal=True`` (bottom-right aligned mask; see there)."""
+    squeeze = q.dim() == 3
+    if squeeze:
+        if k.dim() != 3 or v.dim() != 3:
+            raise ValueError(
+                "with 3-D q (B, Sq, D), k and v must be 3-D (B, Sk, D) / (B, Sk, Dv), got "
+                f"k shape {list(k.shape)} and v shape {list(v.shape)}"
+            )
+        q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
+    out = _lib.causal_attention(q, k, v, scale)
+    return out.squeeze(2) if squeeze else out
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("attn_ext::attention_forward")
+def _attention_forward_fake(q, k, v, causal, scale=None):
+    torch._check(q.dim() == 4, lambda: f"q must have 4 dims (B, Sq, H, D), got shape {list(q.shape)}")
+    torch._check(k.dim() == 4, lambda: f"k must have 4 dims (B, Sk, Hkv, D), got shape {list(k.shape)}")
+    torch._check(v.dim() == 4, lambda: f"v must have 4 dims (B, Sk, Hkv, Dv), got shape {list(v.shape)}")
+    B, Sq, H, _ = q.shape
+    out = q.new_empty((B, Sq, H, v.shape[3]))
+    lse = q.new_empty((B, H, Sq), dtype=_lse_dtype(q.dtype))
+    return out, lse
+
+
+@torch.library.register_fake("attn_ext::attention_backward")
+def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None):
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
+    )
+
+
+def _attention_forward_setup(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal = causal
+    ctx.scale = scale
+
+
+def _attention_forward_backward(ctx, dout, dlse):
+    # Only out's gradient is propagated; lse's (dlse) is ignored (treated as zero).
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    elif dout.stride(-1) != 1 and dout.shape[-1] > 1:
+        dout = dout.contiguous()  # e.g. the expanded gradient of out.sum()
+    dq, dk, dv = _lib.attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+torch.library.register_autograd(
+    "attn_ext::attention_forward",
+    _attention_forward_backward,
+    setup_context=_attention_forward_setup,
+)
+
+
+# ---------------------------------------------------------------------------------------
+# attention probabilities for inspection (need_weights)
+# ---------------------------------------------------------------------------------------
+
+
+def attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    lse: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The ``(B, H, Sq, Sk)`` attention probabilities ``exp(scale * q k^T - lse)`` in float32.
+
+    For attention maps and plots, not for the fast path: it forms the full score matrix. Pass
+    the ``lse`` returned by ``attention(..., return_lse=True)`` to reuse the forward's
+    normaliser (rows then sum to 1 up to rounding); without it the normaliser is computed
+    here. Rows that see no key are 0. q ``(B, Sq, H, D)``, k ``(B, Sk, Hkv, D)``.
+    """
+    H, D = q.size(2), q.size(3)
+    Sq, Sk, Hkv = q.size(1), k.size(1), k.size(2)
+    s = scale if scale is not None else 1.0 / math.sqrt(D)
+    if Hkv != H:
+        k = k.repeat_interleave(H // Hkv, dim=2)
+    qf = q.transpose(1, 2).to(torch.float32 if q.dtype != torch.float64 else q.dtype)
+    kf = k.transpose(1, 2).to(qf.dtype)
+    scores = torch.matmul(qf, kf.transpose(-2, -1)) * s  # (B, H, Sq, Sk)
+    if causal:
+        keep = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(Sk - Sq)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.to(scores.dtype).unsqueeze(-1))
+    return torch.nan_to_num(probs, nan=0.0)

@@ -68,6 +68,52 @@ TORCH_LIBRARY(attn_ext, m) {
       "    bool interleaved=False"
       ") -> Tensor");
 
+  // ---- attention ----------------------------------------------------------------------------
+  // q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv): any strides, last dim contiguous.
+  // Hkv divides H (query head h reads kv head h / (H / Hkv)); scale defaults to 1/sqrt(D);
+  // causal: row i sees key j iff j <= i + (Sk - Sq) (bottom-right aligned). A row that sees
+  // no key gives out 0 and lse -inf.
+  // out (B, Sq, H, Dv) contiguous; lse (B, H, Sq) float32 (float64 for float64 inputs).
+  m.def(
+      "attention_forward("
+      "    Tensor q,"
+      "    Tensor k,"
+      "    Tensor v,"
+      "    bool causal,"
+      "    float? scale=None"
+      ") -> (Tensor out, Tensor lse)");
+  // Gradients of out with respect to q, k, v (contiguous, shapes and dtypes of q, k, v),
+  // recomputing the probabilities from lse. dout: (B, Sq, H, Dv), last dim contiguous.
+  m.def(
+      "attention_backward("
+      "    Tensor dout,"
+      "    Tensor q,"
+      "    Tensor k,"
+      "    Tensor v,"
+      "    Tensor out,"
+      "    Tensor lse,"
+      "    bool causal,"
+      "    float? scale=None"
+      ") -> (Tensor dq, Tensor dk, Tensor dv)");
+  // out of attention_forward. Composite (csrc/attention_composite.cpp): differentiable
+  // through attention_forward's autograd formula, so a backend implements only
+  // attention_forward / attention_backward.
+  m.def(
+      "attention("
+      "    Tensor q,"
+      "    Tensor k,"
+      "    Tensor v,"
+      "    bool causal=False,"
+      "    float? scale=None"
+      ") -> Tensor");
+  m.def(
+      "causal_attention("
+      "    Tensor q,"
+      "    Tensor k,"
+      "    Tensor v,"
+      "    float? scale=None"
+      ") -> Tensor");
+
   // ---- diagnostics ------------------------------------------------------------------------
   // Runs an at::parallel_for over n items and returns how many distinct threads took part:
   // proves the library was built with OpenMP (without -fopenmp it is always 1).

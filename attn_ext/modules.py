@@ -1,0 +1,443 @@
+"""``nn.Module`` layers built on ``torch.ops.attn_ext``: multi-head attention without reshape
+copies, a preallocated KV cache, positional-encoding modules and a Transformer block.
+
+Every module here is written so that ``torch.jit.script`` works (type annotations, ops called
+as ``torch.ops.attn_ext.*``), as well as ``torch.compile`` and ``torch.export``.
+
+The hot path of :class:`MultiHeadAttention` makes no copy of q, k, v or the output:
+
+    x (B, S, d_model) --qkv Linear--> (B, S, (H + Hkv) * D + Hkv * Dv)
+        q = [..., :H*D].view(B, S, H, D)            strided views of the projection,
+        k = [..., H*D:(H+Hkv)*D].view(B, S, Hkv, D)   read in place by the kernels
+        v = [..., (H+Hkv)*D:].view(B, S, Hkv, Dv)
+    RoPE rotates q and k in place (inference) or into new tensors (training: autograd)
+    attention -> (B, S, H, Dv) contiguous -> .view(B, S, H*Dv) -> out Linear
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .ops import attention_weights, rope_inv_freq
+
+__all__ = [
+    "KVCache",
+    "RotaryEmbedding",
+    "MultiHeadAttention",
+    "SinusoidalPositionalEncoding",
+    "LearnedPositionalEmbedding",
+    "TransformerBlock",
+]
+
+
+class KVCache:
+    """Preallocated keys and values of one attention layer for incremental decoding.
+
+    ``k``: ``(B, max_len, Hkv, D)``, ``v``: ``(B, max_len, Hkv, Dv)``; ``length`` tokens are
+    filled. :meth:`update` appends new keys/values and returns views of the filled part, which
+    the attention kernels read through strides (no copy beyond writing the new tokens).
+    Make one with :meth:`MultiHeadAttention.new_kv_cache`.
+    """
+
+    def __init__(self, k: Tensor, v: Tensor):
+        self.k = k
+        self.v = v
+        self.length = 0
+
+    def update(self, k_new: Tensor, v_new: Tensor) -> Tuple[Tensor, Tensor]:
+        s = k_new.size(1)
+        end = self.length + s
+        if end > self.k.size(1):
+            raise RuntimeError(
+                f"KVCache is full: {self.length} + {s} new tokens > max_len {self.k.size(1)}"
+            )
+        self.k[:, self.length : end].copy_(k_new)
+        self.v[:, self.length : end].copy_(v_new)
+        self.length = end
+        return self.k[:, :end], self.v[:, :end]
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding tables with a growable cos/sin cache.
+
+    Args:
+        rotary_dim: number of rotated channels per head (even, <= head dim).
+        base, scaling: as in :func:`attn_ext.rope_cache` (linear / ntk / yarn / llama3).
+        interleaved: pairing of channels (False: half-split, GPT-NeoX / HF LLaMA;
+            True: ``2i, 2i+1``, GPT-J / RoFormer / Meta LLaMA).
+        max_seq_len: initial cache length (the cache doubles when a longer sequence comes;
+            for the length-dependent "ntk" scaling it is also the length the base is set for).
+
+    The frequencies are kept as a Python list of floats (not a buffer), so ``model.half()``
+    cannot degrade them; tables are built in float64 and stored in float32.
+    """
+
+    def __init__(
+        self,
+        rotary_dim: int,
+        base: float = 10000.0,
+        interleaved: bool = False,
+        scaling: Optional[dict] = None,
+        max_seq_len: int = 2048,
+    ):
+        super().__init__()
+        inv_freq, attn_factor = rope_inv_freq(rotary_dim, base, scaling, max_seq_len)
+        self.rotary_dim = rotary_dim
+        self.interleaved = interleaved
+        self.inv_freq: List[float] = [float(f) for f in inv_freq.tolist()]
+        self.attention_factor = float(attn_factor)
+        cos, sin = self._build(max(1, max_seq_len), torch.device("cpu"), torch.float32)
+        self.built_in_float64 = False
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _build(self, n: int, device: torch.device, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+        inv = torch.tensor(self.inv_freq, dtype=torch.float64, device=device)
+        angle = torch.arange(n, dtype=torch.float64, device=device)[:, None] * inv[None, :]
+        cos = (torch.cos(angle) * self.attention_factor).to(dtype)
+        sin = (torch.sin(angle) * self.attention_factor).to(dtype)
+        return cos, sin
+
+    def tables(self, seq_len: int, dtype: torch.dtype = torch.float32) -> Tuple[Tensor, Tensor]:
+        """``(cos, sin)`` covering positions ``[0, seq_len)``, growing the cache if needed.
+
+        Tables are float32 (the kernels' math precision) for float32/float16/bfloat16
+        inputs and float64 for float64 inputs."""
+        want = torch.float64 if dtype == torch.float64 else torch.float32
+        # (module.to(float64) would up-cast float32 tables: track what they were built in)
+        stale = self.cos.dtype != want or (want == torch.float64) != self.built_in_float64
+        if seq_len > self.cos.size(0) or stale:
+            n = max(seq_len, self.cos.size(0) if stale else 2 * self.cos.size(0))
+            cos, sin = self._build(n, self.cos.device, want)
+            self.cos = cos
+            self.sin = sin
+            self.built_in_float64 = want == torch.float64
+        return self.cos, self.sin
+
+    def _tables_for(self, x: Tensor, offset: int, positions: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        if positions is None:
+            needed = offset + x.size(1)
+        else:
+            needed = int(positions.max().item()) + 1 if positions.numel() > 0 else 0
+        return self.tables(needed, x.dtype)
+
+    def rotate(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
+        """Rotate one ``(B, S, H, D)`` tensor: in place when no gradient is needed."""
+        cos, sin = self._tables_for(x, offset, positions)
+        if torch.is_grad_enabled() and x.requires_grad:
+            return torch.ops.attn_ext.rope(x, cos, sin, positions, offset, self.interleaved)
+        torch.ops.attn_ext.rope_(x, cos, sin, positions, offset, self.interleaved)
+        return x
+
+    def forward(self, q: Tensor, k: Tensor, offset: int = 0,
+                positions: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """Rotate ``q (B, S, H, D)`` and ``k (B, S, Hkv, D)``: in place (one call, returns the
+        same tensors) when no gradient is needed, else out of place (differentiable)."""
+        cos, sin = self._tables_for(q, offset, positions)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            q = torch.ops.attn_ext.rope(q, cos, sin, positions, offset, self.interleaved)
+            k = torch.ops.attn_ext.rope(k, cos, sin, positions, offset, self.interleaved)
+            return q, k
+        torch.ops.attn_ext.rope_qk_(q, k, cos, sin, positions, offset, self.interleaved)
+        return q, k
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head (and grouped-query) attention that never copies q, k, v or the output.
+
+    Args:
+        d_model: model width.
+        num_heads: query heads H.
+        num_kv_heads: key/value heads Hkv (divides H; default H; 1 = multi-query).
+        causal: bottom-right causal mask (see :func:`attn_ext.attention`).
+        bias: biases in the projections.
+        dropout: dropout on the attention probabilities in training. The kernels have no
+            dropout, so a training step with ``dropout > 0`` takes a slower path that forms
+            the probabilities explicitly; 0 (the default) keeps the fused kernel.
+        rotary: None, a rotary dim (int), or a :class:`RotaryEmbedding`.
+        qk_dim, v_dim: per-head dims D and Dv (default ``d_model // num_heads``).
+        cross_attention: queries from ``x``, keys/values from ``memory`` (separate q and kv
+            projections instead of one fused QKV projection).
+        kv_dim: width of ``memory`` for cross-attention (default ``d_model``).
+
+    ``forward(x, memory=None, kv_cache=None, need_weights=False)`` returns
+    ``(out (B, Sq, d_model), weights)`` where ``weights`` is the ``(B, H, Sq, Sk)`` attention
+    probabilities when ``need_weights`` (computed from q, k and the kernel's log-sum-exp,
+    so the fast path does not pay for it) and None otherwise.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: Optional[int] = None,
+        causal: bool = True,
+        bias: bool = True,
+        dropout: float = 0.0,
+        rotary=None,
+        qk_dim: Optional[int] = None,
+        v_dim: Optional[int] = None,
+        cross_attention: bool = False,
+        kv_dim: Optional[int] = None,
+    ):
+        super().__init__()
+        hkv = num_kv_heads if num_kv_heads is not None else num_heads
+        if num_heads <= 0 or hkv <= 0 or num_heads % hkv:
+            raise ValueError(f"num_kv_heads must divide num_heads, got num_heads={num_heads}, num_kv_heads={hkv}")
+        d = qk_dim if qk_dim is not None else d_model // num_heads
+        dv = v_dim if v_dim is not None else d
+        if d <= 0 or dv <= 0:
+            raise ValueError(f"head dims must be positive, got qk_dim={d}, v_dim={dv}")
+        self.num_heads = num_heads
+        self.num_kv_heads = hkv
+        self.head_dim = d
+        self.v_dim = dv
+        self.causal = causal
+        self.dropout = float(dropout)
+        self.scale = 1.0 / math.sqrt(d)
+        self.cross_attention = cross_attention
+        self.q_size = num_heads * d
+        self.k_size = hkv * d
+        self.v_size = hkv * dv
+        if cross_attention:
+            self.qkv = None
+            self.q_proj = nn.Linear(d_model, self.q_size, bias=bias)
+            self.kv_proj = nn.Linear(kv_dim or d_model, self.k_size + self.v_size, bias=bias)
+        else:
+            self.qkv = nn.Linear(d_model, self.q_size + self.k_size + self.v_size, bias=bias)
+            self.q_proj = None
+            self.kv_proj = None
+        self.out_proj = nn.Linear(num_heads * dv, d_model, bias=bias)
+        if isinstance(rotary, int) and not isinstance(rotary, bool):
+            rotary = RotaryEmbedding(rotary)
+        if rotary is not None and not isinstance(rotary, RotaryEmbedding):
+            raise TypeError(f"rotary must be None, an int rotary_dim or a RotaryEmbedding, got {type(rotary).__name__}")
+        if rotary is not None and rotary.rotary_dim > d:
+            raise ValueError(f"rotary_dim {rotary.rotary_dim} must be <= head dim {d}")
+        self.rotary = rotary
+
+    @classmethod
+    def from_linears(
+        cls,
+        q_proj: nn.Linear,
+        k_proj: nn.Linear,
+        v_proj: nn.Linear,
+        o_proj: nn.Linear,
+        num_heads: int,
+        causal: bool = True,
+        num_kv_heads: Optional[int] = None,
+        rotary=None,
+    ) -> "MultiHeadAttention":
+        """Build the fused layer from the textbook's four projections (as in
+        ``reference.MultiHeadAttentionRef``): the QKV weight is ``cat([W_q, W_k, W_v])``.
+        Head dims follow from the shapes; ``num_kv_heads`` defaults to what k_proj implies
+        for the query head dim."""
+        d_model = q_proj.in_features
+        if not (k_proj.in_features == v_proj.in_features == d_model):
+            raise ValueError("q_proj, k_proj and v_proj must read the same width (self-attention)")
+        if q_proj.out_features % num_heads:
+            raise ValueError(f"q_proj.out_features {q_proj.out_features} is not a multiple of num_heads {num_heads}")
+        d = q_proj.out_features // num_heads
+        hkv = num_kv_heads if num_kv_heads is not None else k_proj.out_features // d
+        if hkv * d != k_proj.out_features or v_proj.out_features % hkv:
+            raise ValueError(
+                f"k_proj/v_proj widths ({k_proj.out_features}, {v_proj.out_features}) do not fit "
+                f"{hkv} kv heads of dim {d}")
+        dv = v_proj.out_features // hkv
+        has_bias = [m.bias is not None for m in (q_proj, k_proj, v_proj, o_proj)]
+        if any(has_bias) and not all(has_bias):
+            raise ValueError("either all four projections have a bias or none does")
+        layer = cls(d_model, num_heads, hkv, causal=causal, bias=all(has_bias), rotary=rotary,
+                    qk_dim=d, v_dim=dv)
+        w = q_proj.weight
+        layer = layer.to(device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            assert layer.qkv is not None
+            layer.qkv.weight.copy_(torch.cat([q_proj.weight, k_proj.weight, v_proj.weight]))
+            layer.out_proj.weight.copy_(o_proj.weight)
+            if all(has_bias):
+                layer.qkv.bias.copy_(torch.cat([q_proj.bias, k_proj.bias, v_proj.bias]))
+                layer.out_proj.bias.copy_(o_proj.bias)
+        return layer
+
+    @classmethod
+    def from_torch(cls, mha: nn.MultiheadAttention, causal: bool = False) -> "MultiHeadAttention":
+        """Build the layer from a ``torch.nn.MultiheadAttention`` (self-attention with equal
+        q/k/v widths; its packed ``in_proj_weight`` is already our fused QKV layout). The
+        result takes ``(B, S, E)`` input whatever the source's ``batch_first`` was."""
+        if not mha._qkv_same_embed_dim:
+            raise ValueError("from_torch needs kdim == vdim == embed_dim (packed in_proj_weight)")
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError("from_torch does not support add_bias_kv or add_zero_attn")
+        E, H = mha.embed_dim, mha.num_heads
+        has_bias = mha.in_proj_bias is not None
+        layer = cls(E, H, causal=causal, bias=has_bias, dropout=mha.dropout)
+        w = mha.in_proj_weight
+        layer = layer.to(device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            assert layer.qkv is not None
+            layer.qkv.weight.copy_(mha.in_proj_weight)
+            layer.out_proj.weight.copy_(mha.out_proj.weight)
+            if has_bias:
+                layer.qkv.bias.copy_(mha.in_proj_bias)
+                layer.out_proj.bias.copy_(mha.out_proj.bias)
+        return layer
+
+    def new_kv_cache(self, batch: int, max_len: int, dtype: Optional[torch.dtype] = None,
+                     device: Optional[torch.device] = None) -> KVCache:
+        """An empty preallocated :class:`KVCache` for this layer."""
+        w = self.out_proj.weight
+        dtype = dtype or w.dtype
+        device = device or w.device
+        k = torch.empty(batch, max_len, self.num_kv_heads, self.head_dim, dtype=dtype, device=device)
+        v = torch.empty(batch, max_len, self.num_kv_heads, self.v_dim, dtype=dtype, device=device)
+        return KVCache(k, v)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The attention call of the fast path: ``(B, Sq, H, Dv)`` contiguous. (Benchmarks and
+        the demo swap it per instance to time the same model on other attention code.)"""
+        return torch.ops.attn_ext.attention(q, k, v, self.causal, self.scale)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Optional[Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+        need_weights: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        B, Sq = x.size(0), x.size(1)
+        H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_dim
+        if self.qkv is not None:
+            if memory is not None:
+                raise ValueError("memory is only for cross_attention=True layers")
+            qkv = self.qkv(x)  # (B, Sq, (H + Hkv) * D + Hkv * Dv)
+            q = qkv[:, :, : self.q_size].view(B, Sq, H, D)
+            k = qkv[:, :, self.q_size : self.q_size + self.k_size].view(B, Sq, Hkv, D)
+            v = qkv[:, :, self.q_size + self.k_size :].view(B, Sq, Hkv, Dv)
+        else:
+            assert self.q_proj is not None and self.kv_proj is not None
+            src = x if memory is None else memory
+            Sk = src.size(1)
+            q = self.q_proj(x).view(B, Sq, H, D)
+            kv = self.kv_proj(src)  # (B, Sk, Hkv * (D + Dv))
+            k = kv[:, :, : self.k_size].view(B, Sk, Hkv, D)
+            v = kv[:, :, self.k_size :].view(B, Sk, Hkv, Dv)
+
+        past = 0 if kv_cache is None else kv_cache.length
+        rotary = self.rotary
+        if rotary is not None:
+            if self.qkv is not None:
+                q, k = rotary(q, k, past)
+            else:  # cross-attention: queries continue the decoder positions, keys start at 0
+                q = rotary.rotate(q, past)
+                k = rotary.rotate(k, 0)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # (B, past + Sk, Hkv, D) views of the cache
+
+        weights: Optional[Tensor] = None
+        if self.training and self.dropout > 0.0:
+            probs = attention_weights(q, k, self.causal, self.scale)  # (B, H, Sq, Sk)
+            probs = F.dropout(probs, self.dropout, True)
+            vv = v.repeat_interleave(H // Hkv, dim=2).transpose(1, 2)  # (B, H, Sk, Dv)
+            out = (probs.to(v.dtype) @ vv).transpose(1, 2).contiguous()
+            if need_weights:
+                weights = probs
+        elif need_weights:
+            out, lse = torch.ops.attn_ext.attention_forward(q, k, v, self.causal, self.scale)
+            weights = attention_weights(q, k, self.causal, self.scale, lse)
+        else:
+            out = self._attend(q, k, v)
+        # out: (B, Sq, H, Dv) contiguous -> (B, Sq, H * Dv) for free
+        return self.out_proj(out.view(B, Sq, H * Dv)), weights
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """``dropout(x + PE)`` with the sinusoidal encoding computed on the fly: no table, no
+    maximum length. ``forward(x, offset=0, positions=None)`` for ``x (B, S, d_model)``."""
+
+    def __init__(self, d_model: int, dropout: float = 0.0, base: float = 10000.0):
+        super().__init__()
+        self.d_model = d_model
+        self.base = float(base)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
+        return self.dropout(torch.ops.attn_ext.sinusoidal_pe(x, positions, offset, self.base))
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """``x + E[pos]`` with a learned ``(max_len, d_model)`` table (GPT-2 / BERT style).
+
+    Learned absolute positions cannot extrapolate: a position >= ``max_len`` has no row, and
+    asking for one is a clear error (the textbook's point)."""
+
+    def __init__(self, max_len: int, d_model: int):
+        super().__init__()
+        self.max_len = max_len
+        self.embedding = nn.Embedding(max_len, d_model)
+        nn.init.normal_(self.embedding.weight, std=0.02)
+
+    def forward(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
+        if positions is None:
+            end = offset + x.size(1)
+            if offset < 0 or end > self.max_len:
+                raise ValueError(
+                    f"LearnedPositionalEmbedding: positions [{offset}, {end}) exceed max_len "
+                    f"{self.max_len}; learned absolute positions cannot extrapolate"
+                )
+            positions = torch.arange(offset, end, device=x.device)
+        elif positions.numel() > 0 and (int(positions.max().item()) >= self.max_len or int(positions.min().item()) < 0):
+            raise ValueError(
+                f"LearnedPositionalEmbedding: positions must be in [0, {self.max_len}); learned "
+                "absolute positions cannot extrapolate"
+            )
+        return x + self.embedding(positions).to(x.dtype)
+
+
+class TransformerBlock(nn.Module):
+    """Multi-head attention + residual + LayerNorm + position-wise feed-forward.
+
+    ``norm_first=True`` is pre-LN (GPT-2 and later: ``x + attn(LN(x))``, ``x + ff(LN(x))``);
+    False is the original post-LN of Vaswani et al. (``LN(x + attn(x))``, ``LN(x + ff(x))``).
+    ``forward(x, kv_cache=None) -> (B, S, d_model)``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        d_ff: Optional[int] = None,
+        num_kv_heads: Optional[int] = None,
+        causal: bool = True,
+        dropout: float = 0.0,
+        rotary=None,
+        norm_first: bool = True,
+        bias: bool = True,
+    ):
+        super().__init__()
+        d_ff = d_ff or 4 * d_model
+        self.norm_first = norm_first
+        self.attn = MultiHeadAttention(d_model, num_heads, num_kv_heads, causal=causal, bias=bias,
+                                       dropout=dropout, rotary=rotary)
+        self.ln1 = nn.LayerNorm(d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.ff = nn.Sequential(nn.Linear(d_model, d_ff, bias=bias), nn.GELU(),
+                                nn.Linear(d_ff, d_model, bias=bias))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, kv_cache: Optional[KVCache] = None) -> Tensor:
+        if self.norm_first:
+            x = x + self.drop(self.attn(self.ln1(x), None, kv_cache)[0])
+            x = x + self.drop(self.ff(self.ln2(x)))
+        else:
+            x = self.ln1(x + self.drop(self.attn(x, None, kv_cache)[0]))
+            x = self.ln2(x + self.drop(self.ff(x)))
+        return x

@@ -1,0 +1,129 @@
+// Input checks and params filling of the attention ops, shared by the CPU and CUDA adapters.
+// Every failure names the argument, what was expected and what was given (DESIGN.md, "Errors").
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <optional>
+
+#include "common/attention_params.h"
+#include "common/checks.h"
+
+namespace attn_ext {
+
+// Last dim contiguous (stride 1); empty tensors (any strides) are accepted.
+inline void check_row_contiguous(const at::Tensor& t, const char* name) {
+  if (t.numel() > 0) check_last_dim_contiguous(t, name);
+}
+
+struct AttentionShape {
+  int64_t B, Sq, Sk, H, Hkv, D, Dv;
+};
+
+inline AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v,
+                                             const std::optional<double>& scale) {
+  check_dim(q, "q", 4, "(B, Sq, H, D)");
+  check_dim(k, "k", 4, "(B, Sk, Hkv, D)");
+  check_dim(v, "v", 4, "(B, Sk, Hkv, Dv)");
+  check_floating(q, "q");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "k must have the same dtype as q (",
+              q.scalar_type(), "), got ", k.scalar_type());
+  TORCH_CHECK(v.scalar_type() == q.scalar_type(), "v must have the same dtype as q (",
+              q.scalar_type(), "), got ", v.scalar_type());
+  check_same_device(k, q, "k", "q");
+  check_same_device(v, q, "v", "q");
+  AttentionShape s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  TORCH_CHECK(k.size(0) == s.B, "k must have batch size B = ", s.B, " (from q), got shape ",
+              k.sizes());
+  TORCH_CHECK(v.size(0) == s.B, "v must have batch size B = ", s.B, " (from q), got shape ",
+              v.sizes());
+  TORCH_CHECK(k.size(3) == s.D, "k must have head dim D = ", s.D, " (from q), got shape ",
+              k.sizes());
+  TORCH_CHECK(v.size(1) == s.Sk, "v must have Sk = ", s.Sk, " keys (from k), got shape ",
+              v.sizes());
+  TORCH_CHECK(v.size(2) == s.Hkv, "v must have Hkv = ", s.Hkv, " heads (from k), got shape ",
+              v.sizes());
+  TORCH_CHECK((s.Hkv > 0 && s.H % s.Hkv == 0) || (s.Hkv == 0 && s.H == 0),
+              "k's number of heads Hkv = ", s.Hkv, " must divide q's number of heads H = ", s.H,
+              " (GQA/MQA), got k shape ", k.sizes(), " and q shape ", q.sizes());
+  check_row_contiguous(q, "q");
+  check_row_contiguous(k, "k");
+  check_row_contiguous(v, "v");
+  if (scale.has_value()) {
+    TORCH_CHECK(std::isfinite(*scale), "scale must be finite, got ", *scale);
+  }
+  return s;
+}
+
+// The dtype of lse: float32, or float64 for float64 inputs (gradcheck needs its precision).
+inline at::ScalarType lse_dtype(at::ScalarType input) {
+  return input == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+inline void check_attention_bwd_inputs(const at::Tensor& dout, const at::Tensor& out,
+                                       const at::Tensor& lse, const at::Tensor& q,
+                                       const AttentionShape& s) {
+  check_dim(dout, "dout", 4, "(B, Sq, H, Dv)");
+  check_dim(out, "out", 4, "(B, Sq, H, Dv)");
+  check_dim(lse, "lse", 3, "(B, H, Sq)");
+  const std::vector<int64_t> o_shape{s.B, s.Sq, s.H, s.Dv};
+  TORCH_CHECK(dout.sizes() == at::IntArrayRef(o_shape), "dout must have shape ",
+              at::IntArrayRef(o_shape), " (B, Sq, H, Dv), got ", dout.sizes());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(o_shape), "out must have shape ",
+              at::IntArrayRef(o_shape), " (B, Sq, H, Dv), got ", out.sizes());
+  const std::vector<int64_t> l_shape{s.B, s.H, s.Sq};
+  TORCH_CHECK(lse.sizes() == at::IntArrayRef(l_shape), "lse must have shape ",
+              at::IntArrayRef(l_shape), " (B, H, Sq), got ", lse.sizes());
+  TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "dout must have the same dtype as q (",
+              q.scalar_type(), "), got ", dout.scalar_type());
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out must have the same dtype as q (",
+              q.scalar_type(), "), got ", out.scalar_type());
+  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), "lse must be ",
+              lse_dtype(q.scalar_type()), " for ", q.scalar_type(), " inputs, got ",
+              lse.scalar_type());
+  check_same_device(dout, q, "dout", "q");
+  check_same_device(out, q, "out", "q");
+  check_same_device(lse, q, "lse", "q");
+  check_row_contiguous(dout, "dout");
+  check_row_contiguous(out, "out");
+}
+
+// Fills the forward params; out (B, Sq, H, Dv) and lse (B, H, Sq) are contiguous.
+inline AttentionParams make_attention_params(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, const at::Tensor& out,
+                                             const at::Tensor& lse, const AttentionShape& s,
+                                             bool causal, const std::optional<double>& scale) {
+  AttentionParams p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.out = out.defined() ? out.data_ptr() : nullptr;
+  p.lse = lse.defined() ? lse.data_ptr() : nullptr;
+  p.B = s.B;
+  p.Sq = s.Sq;
+  p.Sk = s.Sk;
+  p.H = s.H;
+  p.Hkv = s.Hkv;
+  p.D = s.D;
+  p.Dv = s.Dv;
+  p.q_batch_stride = q.stride(0);
+  p.q_row_stride = q.stride(1);
+  p.q_head_stride = q.stride(2);
+  p.k_batch_stride = k.stride(0);
+  p.k_row_stride = k.stride(1);
+  p.k_head_stride = k.stride(2);
+  p.v_batch_stride = v.stride(0);
+  p.v_row_stride = v.stride(1);
+  p.v_head_stride = v.stride(2);
+  p.out_batch_stride = s.Sq * s.H * s.Dv;
+  p.out_row_stride = s.H * s.Dv;
+  p.out_head_stride = s.Dv;
+  p.scale = scale.has_value() ? *scale : (s.D > 0 ? 1.0 / std::sqrt(static_cast<double>(s.D)) : 1.0);
+  p.causal = causal;
+  return p;
+}
+
+}  // namespace attn_ext

@@ -1,0 +1,98 @@
+// Helpers shared by the CPU attention forward (attention_fwd.cpp) and backward
+// (attention_bwd.cpp): tile sizes, loading strided bf16/fp16/fp32/fp64 rows into fp32/fp64
+// tiles, and a dynamically scheduled parallel loop.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "cpu/attention_microkernels.h"
+
+namespace attn_ext {
+namespace cpu_attn {
+
+// Query tile: up to kBlockQ score columns. A multiple of 48 = lcm(16-wide column panels,
+// 6-row register tiles) so that every product of the tile runs on full micro-tiles;
+// 96 queries amortise each key/value tile load over enough work while the transposed
+// score tile (kBlockK x kBlockQ fp32 = 36 KiB) and the q tile stay in L1/L2.
+constexpr int64_t kBlockQ = 96;
+// Key tile: rows of the transposed score tile per online-softmax step.
+constexpr int64_t kBlockK = 96;
+
+constexpr double kLog2e = 1.4426950408889634074;
+constexpr double kLn2 = 0.69314718055994530942;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// dst[0, n) = src[0, n) converted to acc_t (fp32 for fp32/bf16/fp16, fp64 for fp64).
+template <typename scalar_t, typename acc_t>
+inline void convert_row(const scalar_t* src, int64_t n, acc_t* dst) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(acc_t));
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    if (mk::cpu_has_avx2_fma()) {
+      mk::bf16_to_float_avx2(reinterpret_cast<const uint16_t*>(src), n, dst);
+    } else {
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    }
+  } else if constexpr (std::is_same_v<scalar_t, c10::Half> && std::is_same_v<acc_t, float>) {
+    if (mk::cpu_has_avx2_fma()) {
+      mk::half_to_float_avx2(reinterpret_cast<const uint16_t*>(src), n, dst);
+    } else {
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<acc_t>(src[i]);
+  }
+}
+
+// dst (rows, ld) = src rows (row r at src + r * row_stride, `cols` contiguous values);
+// columns [cols, ld) are left as they are (callers keep them zero).
+template <typename scalar_t, typename acc_t>
+inline void load_rows(const scalar_t* src, int64_t row_stride, int64_t rows, int64_t cols,
+                      acc_t* dst, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) convert_row(src + r * row_stride, cols, dst + r * ld);
+}
+
+// dst (cols, ld) = mul * transpose(src rows (rows, cols)); tmp holds one converted row.
+template <typename scalar_t, typename acc_t>
+inline void load_rows_transposed(const scalar_t* src, int64_t row_stride, int64_t rows,
+                                 int64_t cols, acc_t mul, acc_t* dst, int64_t ld, acc_t* tmp) {
+  for (int64_t r = 0; r < rows; ++r) {
+    convert_row(src + r * row_stride, cols, tmp);
+    for (int64_t d = 0; d < cols; ++d) dst[d * ld + r] = tmp[d] * mul;
+  }
+}
+
+// Runs task(t, scratch) for t in [0, n) on at::get_num_threads() workers that take tasks
+// in order from a shared counter (dynamic scheduling: robust to uneven tasks and to a
+// noisy machine). Each worker builds one Scratch with make_scratch() and reuses it.
+// Every task's result must not depend on which worker ran it.
+template <typename MakeScratch, typename Task>
+void parallel_tasks(int64_t n, MakeScratch&& make_scratch, Task&& task) {
+  if (n <= 0) return;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    (void)begin;
+    (void)end;
+    auto scratch = make_scratch();
+    for (;;) {
+      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+      if (t >= n) break;
+      task(t, scratch);
+    }
+  });
+}
+
+}  // namespace cpu_attn
+}  // namespace attn_ext

@@ -1,0 +1,342 @@
+// attn_ext::attention_forward on CPU: flash-style tiled attention with an online softmax.
+//
+//   out (B, Sq, H, Dv) = softmax(scale * q k^T [+ causal mask]) v,  lse (B, H, Sq)
+//   q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv): any strides but the last dim
+//
+// Work is split into query tiles: up to kBlockQ score columns, each a (query head, query
+// row) pair of one kv head. Normally a tile is up to 96 consecutive rows of one head; when
+// Sq is short (decoding) it takes the rows of several query heads sharing a kv head (GQA),
+// so each k/v tile loaded serves all of them. For one tile:
+//
+//   qt (D, C)   = scale * log2(e) * q^T   (packed once; C = columns rounded up to 8)
+//   for each key tile of up to kBlockK keys the tile can see (fully masked tiles skipped):
+//     kb (nk, Dp), vb (nk, Dvp)  = k, v rows converted to the accumulation type
+//     pass 1: st (nk, C) = kb qt                  scores, transposed, in log2 units
+//             mask (only tiles crossing the causal diagonal)
+//     pass 2: online softmax on st's columns      (running max m, sum l, rescale alpha)
+//     pass 3: o (C, Dvp) = alpha * o + st^T vb
+//   out = o / l, lse = (m + log2 l) * ln 2
+//
+// No (Sq, Sk) buffer exists: the extra memory is O(threads * tile). Tiles run in parallel
+// with dynamic scheduling, most expensive (latest causal rows) first. When there are fewer
+// tiles than threads (decoding), the keys of each tile are split into chunks processed in
+// parallel and merged through their (m, l) (split-KV).
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "common/attention_checks.h"
+#include "cpu/attention_common.h"
+
+namespace attn_ext {
+namespace cpu_attn {
+namespace {
+
+// Columns of one query tile: column c = hh * nq + ii is query head h0 + hh, row i0 + ii.
+struct QueryTile {
+  int64_t b, hkv, h0, nh, i0, nq;
+  int64_t cols() const { return nh * nq; }
+};
+
+struct TilePlan {
+  int64_t rows_per_tile, heads_per_tile, n_row_blocks, n_head_blocks, n_tiles;
+};
+
+TilePlan plan_tiles(const AttentionParams& p) {
+  TilePlan t{};
+  const int64_t group = p.H / p.Hkv;
+  t.rows_per_tile = std::max<int64_t>(1, std::min(p.Sq, kBlockQ));
+  t.heads_per_tile = std::max<int64_t>(1, std::min(group, kBlockQ / t.rows_per_tile));
+  t.n_row_blocks = ceil_div(p.Sq, t.rows_per_tile);
+  t.n_head_blocks = ceil_div(group, t.heads_per_tile);
+  t.n_tiles = p.B * p.Hkv * t.n_head_blocks * t.n_row_blocks;
+  return t;
+}
+
+// Tile index -> tile; the row block varies slowest and runs backwards, so the causal tiles
+// with the most keys are handed out first.
+QueryTile tile_at(const AttentionParams& p, const TilePlan& t, int64_t idx) {
+  const int64_t per_row_block = p.B * p.Hkv * t.n_head_blocks;
+  const int64_t rb = t.n_row_blocks - 1 - idx / per_row_block;
+  int64_t rest = idx % per_row_block;
+  const int64_t hb = rest % t.n_head_blocks;
+  rest /= t.n_head_blocks;
+  QueryTile q{};
+  q.hkv = rest % p.Hkv;
+  q.b = rest / p.Hkv;
+  const int64_t group = p.H / p.Hkv;
+  q.h0 = q.hkv * group + hb * t.heads_per_tile;
+  q.nh = std::min(t.heads_per_tile, group - hb * t.heads_per_tile);
+  q.i0 = rb * t.rows_per_tile;
+  q.nq = std::min(t.rows_per_tile, p.Sq - q.i0);
+  return q;
+}
+
+// Number of keys [0, kend) that some row of the tile can see.
+int64_t tile_key_end(const AttentionParams& p, const QueryTile& q) {
+  if (!p.causal) return p.Sk;
+  return std::clamp<int64_t>(q.i0 + q.nq + (p.Sk - p.Sq), 0, p.Sk);
+}
+
+template <typename acc_t>
+struct FwdScratch {
+  int64_t Dp, Dvp;
+  std::vector<acc_t> qt;     // (D, kBlockQ): scaled q^T of the tile
+  std::vector<acc_t> st;     // (kBlockK, kBlockQ): scores, then probabilities (transposed)
+  std::vector<acc_t> kb;     // (kBlockK, Dp): k rows, zero-padded columns
+  std::vector<acc_t> vb;     // (kBlockK, Dvp): v rows, zero-padded columns
+  std::vector<acc_t> o;      // (kBlockQ, Dvp): unnormalised output accumulator
+  std::vector<acc_t> m, l, alpha;  // (kBlockQ): running max (log2 units), sum, rescale
+  std::vector<acc_t> tmp;    // (max(D, Dv)): one converted row
+  std::vector<int64_t> qrow; // (kBlockQ): query row of each column (masking)
+
+  FwdScratch(int64_t D, int64_t Dv)
+      : Dp(round_up(D, 8)),
+        Dvp(round_up(Dv, 8)),
+        qt(static_cast<size_t>(std::max<int64_t>(D, 1) * kBlockQ)),
+        st(static_cast<size_t>(kBlockK * kBlockQ)),
+        kb(static_cast<size_t>(kBlockK * Dp), acc_t(0)),
+        vb(static_cast<size_t>(kBlockK * Dvp), acc_t(0)),
+        o(static_cast<size_t>(kBlockQ * std::max<int64_t>(Dvp, 1))),
+        m(kBlockQ),
+        l(kBlockQ),
+        alpha(kBlockQ),
+        tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1))),
+        qrow(kBlockQ) {}
+};
+
+// Runs the tile over keys [kbeg, kend): leaves the unnormalised output in s.o (cols, Dvp)
+// and the running max / sum in s.m / s.l (log2 units). Returns the padded column count.
+template <typename scalar_t, typename acc_t>
+int64_t run_tile(const AttentionParams& p, const QueryTile& qt_, int64_t kbeg, int64_t kend,
+                 const mk::Kernels<acc_t>& K, FwdScratch<acc_t>& s) {
+  const int64_t D = p.D, Dv = p.Dv, Dp = s.Dp, Dvp = s.Dvp;
+  const int64_t cols = qt_.cols();
+  const int64_t C = round_up(cols, 8);
+  const int64_t off = p.Sk - p.Sq;  // causal: row i sees key j iff j <= i + off
+  const auto* q = static_cast<const scalar_t*>(p.q);
+  const auto* k = static_cast<const scalar_t*>(p.k);
+  const auto* v = static_cast<const scalar_t*>(p.v);
+
+  // qt (D, C) = scale * log2(e) * q^T; padding columns are zero.
+  const acc_t qscale = static_cast<acc_t>(p.scale * kLog2e);
+  std::fill(s.qt.begin(), s.qt.begin() + D * C, acc_t(0));
+  for (int64_t hh = 0; hh < qt_.nh; ++hh) {
+    const scalar_t* qh = q + qt_.b * p.q_batch_stride + (qt_.h0 + hh) * p.q_head_stride +
+                         qt_.i0 * p.q_row_stride;
+    for (int64_t ii = 0; ii < qt_.nq; ++ii) {
+      convert_row(qh + ii * p.q_row_stride, D, s.tmp.data());
+      const int64_t c = hh * qt_.nq + ii;
+      for (int64_t d = 0; d < D; ++d) s.qt[d * C + c] = s.tmp[d] * qscale;
+      s.qrow[c] = qt_.i0 + ii;
+    }
+  }
+  for (int64_t c = cols; c < C; ++c) s.qrow[c] = std::numeric_limits<int64_t>::max() / 4;
+  std::fill(s.m.begin(), s.m.begin() + C, -std::numeric_limits<acc_t>::infinity());
+  std::fill(s.l.begin(), s.l.begin() + C, acc_t(0));
+  std::fill(s.o.begin(), s.o.begin() + C * Dvp, acc_t(0));
+
+  const scalar_t* kh = k + qt_.b * p.k_batch_stride + qt_.hkv * p.k_head_stride;
+  const scalar_t* vh = v + qt_.b * p.v_batch_stride + qt_.hkv * p.v_head_stride;
+  const int64_t first_row = qt_.i0;  // smallest query row of the tile
+  for (int64_t j0 = kbeg; j0 < kend; j0 += kBlockK) {
+    const int64_t nk = std::min(kBlockK, kend - j0);
+    // k and v rows in the accumulation type: read in place when they already are (k is only
+    // broadcast from, so any row stride works; v needs Dv % 8 == 0 to be a gemm B operand),
+    // else converted into kb / vb.
+    const acc_t* kt;
+    const acc_t* vt;
+    int64_t ldk, ldv;
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      kt = kh + j0 * p.k_row_stride;
+      ldk = p.k_row_stride;
+    } else {
+      load_rows(kh + j0 * p.k_row_stride, p.k_row_stride, nk, D, s.kb.data(), Dp);
+      kt = s.kb.data();
+      ldk = Dp;
+    }
+    if (std::is_same_v<scalar_t, acc_t> && Dv == Dvp) {
+      vt = reinterpret_cast<const acc_t*>(vh + j0 * p.v_row_stride);
+      ldv = p.v_row_stride;
+    } else {
+      load_rows(vh + j0 * p.v_row_stride, p.v_row_stride, nk, Dv, s.vb.data(), Dvp);
+      vt = s.vb.data();
+      ldv = Dvp;
+    }
+    // Tile crossing the causal diagonal (some key hidden from some column). With one head
+    // per tile, column c is row first_row + c, so the hidden part is a triangle that pass 1
+    // and pass 3 skip in 6-key / 6-query steps; masking then fills it with -inf.
+    const bool diag = p.causal && j0 + nk - 1 > first_row + off;
+    const bool tri = diag && qt_.nh == 1;
+    const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+    // pass 1: st (nk, C) = k rows (nk, D) qt (D, C)
+    if (!tri) {
+      K.gemm(nk, C, D, kt, ldk, 1, s.qt.data(), C, s.st.data(), C, false);
+    } else {
+      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+        // first column that sees key j0 + r0, rounded down to a whole vector
+        const int64_t c8 = std::clamp<int64_t>(j0 + r0 - off - first_row, 0, C) / 8 * 8;
+        if (c8 < C) {
+          K.gemm(std::min<int64_t>(6, nk - r0), C - c8, D, kt + r0 * ldk, ldk, 1,
+                 s.qt.data() + c8, C, s.st.data() + r0 * C + c8, C, false);
+        }
+      }
+    }
+    if (tri) {
+      for (int64_t r = std::max<int64_t>(0, first_row + off + 1 - j0); r < nk; ++r) {
+        const int64_t hidden = std::min(C, j0 + r - off - first_row);  // columns [0, hidden)
+        std::fill(s.st.data() + r * C, s.st.data() + r * C + hidden, neg_inf);
+      }
+    } else if (diag) {
+      // Key j is hidden from column c when j > qrow[c] + off.
+      for (int64_t r = std::max<int64_t>(0, first_row + off + 1 - j0); r < nk; ++r) {
+        acc_t* row = s.st.data() + r * C;
+        const int64_t lim = j0 + r - off;  // columns with qrow < lim are masked
+        for (int64_t c = 0; c < C; ++c) {
+          if (s.qrow[c] < lim) row[c] = neg_inf;
+        }
+      }
+    }
+    // pass 2: online softmax; st becomes the probabilities (relative to the new max)
+    K.softmax(s.st.data(), nk, C, s.m.data(), s.l.data(), s.alpha.data());
+    // pass 3: o = alpha * o + st^T vb
+    for (int64_t c = 0; c < cols; ++c) {
+      const acc_t a = s.alpha[c];
+      if (a != acc_t(1)) {
+        acc_t* orow = s.o.data() + c * Dvp;
+        for (int64_t d = 0; d < Dvp; ++d) orow[d] *= a;
+      }
+    }
+    if (!tri) {
+      K.gemm(cols, Dvp, nk, s.st.data(), 1, C, vt, ldv, s.o.data(), Dvp, true);
+    } else {
+      for (int64_t c0 = 0; c0 < cols; c0 += 6) {
+        const int64_t mrows = std::min<int64_t>(6, cols - c0);
+        // keys seen by the chunk's last column: j <= first_row + c0 + mrows - 1 + off
+        const int64_t kc = std::clamp<int64_t>(first_row + c0 + mrows + off - j0, 0, nk);
+        if (kc > 0) {
+          K.gemm(mrows, Dvp, kc, s.st.data() + c0, 1, C, vt, ldv, s.o.data() + c0 * Dvp, Dvp, true);
+        }
+      }
+    }
+  }
+  return C;
+}
+
+// out / lse of the tile's columns from o (cols, Dvp), m, l.
+template <typename scalar_t, typename acc_t>
+void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, int64_t Dvp,
+                const acc_t* m, const acc_t* l) {
+  auto* out = static_cast<scalar_t*>(p.out);
+  auto* lse = static_cast<acc_t*>(p.lse);
+  for (int64_t hh = 0; hh < t.nh; ++hh) {
+    const int64_t h = t.h0 + hh;
+    for (int64_t ii = 0; ii < t.nq; ++ii) {
+      const int64_t c = hh * t.nq + ii;
+      const int64_t i = t.i0 + ii;
+      const bool seen = l[c] > acc_t(0);  // false: the row sees no key
+      const acc_t inv = seen ? acc_t(1) / l[c] : acc_t(0);
+      scalar_t* orow = out + t.b * p.out_batch_stride + i * p.out_row_stride + h * p.out_head_stride;
+      const acc_t* src = o + c * Dvp;
+      for (int64_t d = 0; d < p.Dv; ++d) orow[d] = static_cast<scalar_t>(src[d] * inv);
+      lse[(t.b * p.H + h) * p.Sq + i] =
+          seen ? static_cast<acc_t>((static_cast<double>(m[c]) + std::log2(static_cast<double>(l[c]))) * kLn2)
+               : -std::numeric_limits<acc_t>::infinity();
+    }
+  }
+}
+
+template <typename scalar_t>
+void attention_fwd_kernel(const AttentionParams& p) {
+  using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+  const mk::Kernels<acc_t> kern = mk::kernels<acc_t>();
+  const TilePlan plan = plan_tiles(p);
+  const int64_t workers = at::get_num_threads();
+  auto make_scratch = [&] { return FwdScratch<acc_t>(p.D, p.Dv); };
+
+  // Split-KV when there are fewer tiles than threads and enough keys to share.
+  int64_t n_split = 1;
+  if (plan.n_tiles < workers && p.Sk >= 4 * kBlockK) {
+    n_split = std::min(ceil_div(2 * workers, plan.n_tiles), p.Sk / (2 * kBlockK));
+  }
+  if (n_split <= 1) {
+    parallel_tasks(plan.n_tiles, make_scratch, [&](int64_t idx, FwdScratch<acc_t>& s) {
+      const QueryTile t = tile_at(p, plan, idx);
+      run_tile<scalar_t, acc_t>(p, t, 0, tile_key_end(p, t), kern, s);
+      write_tile<scalar_t, acc_t>(p, t, s.o.data(), s.Dvp, s.m.data(), s.l.data());
+    });
+    return;
+  }
+
+  // Split-KV. pass 1: each (tile, chunk) writes its partial o, m, l;
+  // pass 2: each tile merges its chunks through their maxima.
+  const int64_t Dvp = round_up(p.Dv, 8);
+  const int64_t per_part = kBlockQ * (Dvp + 2);  // o (kBlockQ, Dvp), m, l (kBlockQ)
+  std::vector<acc_t> parts(static_cast<size_t>(plan.n_tiles * n_split * per_part));
+  parallel_tasks(plan.n_tiles * n_split, make_scratch, [&](int64_t idx, FwdScratch<acc_t>& s) {
+    const QueryTile t = tile_at(p, plan, idx / n_split);
+    const int64_t chunk = idx % n_split;
+    const int64_t kend = tile_key_end(p, t);
+    const int64_t per_chunk = round_up(ceil_div(kend, n_split), kBlockK);
+    const int64_t kbeg = std::min(kend, chunk * per_chunk);
+    const int64_t kstop = std::min(kend, kbeg + per_chunk);
+    run_tile<scalar_t, acc_t>(p, t, kbeg, kstop, kern, s);
+    acc_t* dst = parts.data() + idx * per_part;
+    const int64_t cols = t.cols();
+    std::copy(s.o.begin(), s.o.begin() + cols * Dvp, dst);
+    std::copy(s.m.begin(), s.m.begin() + cols, dst + kBlockQ * Dvp);
+    std::copy(s.l.begin(), s.l.begin() + cols, dst + kBlockQ * Dvp + kBlockQ);
+  });
+  parallel_tasks(plan.n_tiles, [&] { return std::vector<acc_t>(static_cast<size_t>(kBlockQ * (Dvp + 2))); },
+                 [&](int64_t idx, std::vector<acc_t>& merged) {
+    const QueryTile t = tile_at(p, plan, idx);
+    const int64_t cols = t.cols();
+    acc_t* o = merged.data();
+    acc_t* m = o + kBlockQ * Dvp;
+    acc_t* l = m + kBlockQ;
+    const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+    for (int64_t c = 0; c < cols; ++c) {
+      acc_t mx = neg_inf;
+      for (int64_t sp = 0; sp < n_split; ++sp) {
+        mx = std::max(mx, parts[(idx * n_split + sp) * per_part + kBlockQ * Dvp + c]);
+      }
+      m[c] = mx;
+      l[c] = 0;
+      std::fill(o + c * Dvp, o + (c + 1) * Dvp, acc_t(0));
+      for (int64_t sp = 0; sp < n_split; ++sp) {
+        const acc_t* part = parts.data() + (idx * n_split + sp) * per_part;
+        const acc_t ms = part[kBlockQ * Dvp + c];
+        if (ms == neg_inf) continue;  // the chunk saw no key of this row
+        const acc_t w = std::exp2(ms - mx);
+        l[c] += w * part[kBlockQ * Dvp + kBlockQ + c];
+        for (int64_t d = 0; d < Dvp; ++d) o[c * Dvp + d] += w * part[c * Dvp + d];
+      }
+    }
+    write_tile<scalar_t, acc_t>(p, t, o, Dvp, m, l);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                         const at::Tensor& v, bool causal,
+                                                         std::optional<double> scale) {
+  const AttentionShape s = check_attention_inputs(q, k, v, scale);
+  at::Tensor out = at::empty({s.B, s.Sq, s.H, s.Dv}, q.options());
+  at::Tensor lse = at::empty({s.B, s.H, s.Sq}, q.options().dtype(lse_dtype(q.scalar_type())));
+  if (s.B * s.H * s.Sq == 0) return {out, lse};
+  const AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_forward",
+                                  [&] { attention_fwd_kernel<scalar_t>(p); });
+  return {out, lse};
+}
+
+}  // namespace
+}  // namespace cpu_attn
+
+TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+  m.impl("attention_forward", &cpu_attn::attention_forward_cpu);
+}
+
+}  // namespace attn_ext

@@ -1,0 +1,128 @@
+// Block-level building blocks of the CPU attention kernels, with no ATen types.
+//
+// Both the forward and the backward are written as a few small dense products on fp32 (or
+// fp64) tiles plus element-wise softmax steps. Score tiles are stored *transposed*,
+//   st (rows = keys, cols = queries), row-major with leading dimension `cols`,
+// so every per-query reduction of the online softmax (max, sum) is a vertical vector
+// operation and never a horizontal one.
+//
+// Two implementations share this interface:
+//   - generic: plain loops below, templated on float/double (double inputs, and CPUs
+//     without AVX2/FMA); the compiler auto-vectorises the inner loops;
+//   - avx2: hand-written AVX2/FMA/F16C intrinsics in attention_microkernels_avx2.cpp
+//     (compiled for that target only), chosen at run time by cpu_has_avx2_fma().
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+namespace attn_ext {
+namespace mk {
+
+// C (M, N; ldc) = [C +] A (M, K) * B (K, N; ldb), where A's element (m, t) is
+// A[m * a_row + t * a_col] (so A may be a transposed view). N must be a multiple of 8.
+template <typename T>
+using GemmFn = void (*)(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_row,
+                        int64_t a_col, const T* B, int64_t ldb, T* C, int64_t ldc,
+                        bool accumulate);
+
+// Online-softmax update of one transposed score tile st (rows keys, cols queries; scores
+// already in log2 units, masked entries -inf). Per column c:
+//   m' = max(m[c], max_r st[r][c]);  mu = (m' == -inf ? 0 : m')
+//   alpha[c] = exp2(m[c] - mu);  st[r][c] = exp2(st[r][c] - mu);  l[c] = l[c] * alpha[c] + sum_r st[r][c]
+// cols must be a multiple of 8.
+template <typename T>
+using SoftmaxFn = void (*)(T* st, int64_t rows, int64_t cols, T* m, T* l, T* alpha);
+
+// st[r][c] = exp2(st[r][c] - sub[c]) (backward: probabilities from the saved lse).
+template <typename T>
+using Exp2SubFn = void (*)(T* st, int64_t rows, int64_t cols, const T* sub);
+
+// ds[r][c] = p[r][c] * (ds[r][c] - d[c]) (backward: dS = P * (dP - rowsum(dO * O))).
+template <typename T>
+using DsFn = void (*)(const T* p, T* ds, int64_t rows, int64_t cols, const T* d);
+
+template <typename T>
+struct Kernels {
+  GemmFn<T> gemm;
+  SoftmaxFn<T> softmax;
+  Exp2SubFn<T> exp2_sub;
+  DsFn<T> ds;
+};
+
+// ---- generic implementations ----------------------------------------------------------
+
+template <typename T>
+void gemm_generic(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_row, int64_t a_col,
+                  const T* B, int64_t ldb, T* C, int64_t ldc, bool accumulate) {
+  for (int64_t m = 0; m < M; ++m) {
+    T* c = C + m * ldc;
+    if (!accumulate) std::fill(c, c + N, T(0));
+    for (int64_t t = 0; t < K; ++t) {
+      const T a = A[m * a_row + t * a_col];
+      const T* b = B + t * ldb;
+      for (int64_t n = 0; n < N; ++n) c[n] += a * b[n];
+    }
+  }
+}
+
+template <typename T>
+void softmax_generic(T* st, int64_t rows, int64_t cols, T* m, T* l, T* alpha) {
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  for (int64_t c = 0; c < cols; ++c) {
+    T mx = m[c];
+    for (int64_t r = 0; r < rows; ++r) mx = std::max(mx, st[r * cols + c]);
+    const T mu = mx == kNegInf ? T(0) : mx;
+    alpha[c] = std::exp2(m[c] - mu);
+    T sum = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const T p = std::exp2(st[r * cols + c] - mu);
+      st[r * cols + c] = p;
+      sum += p;
+    }
+    l[c] = l[c] * alpha[c] + sum;
+    m[c] = mx;
+  }
+}
+
+template <typename T>
+void exp2_sub_generic(T* st, int64_t rows, int64_t cols, const T* sub) {
+  for (int64_t r = 0; r < rows; ++r) {
+    T* s = st + r * cols;
+    for (int64_t c = 0; c < cols; ++c) s[c] = std::exp2(s[c] - sub[c]);
+  }
+}
+
+template <typename T>
+void ds_generic(const T* p, T* ds, int64_t rows, int64_t cols, const T* d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) ds[r * cols + c] = p[r * cols + c] * (ds[r * cols + c] - d[c]);
+  }
+}
+
+// ---- AVX2 implementations (attention_microkernels_avx2.cpp) --------------------------
+
+bool cpu_has_avx2_fma();  // AVX2 + FMA + F16C, checked once
+void gemm_avx2(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_row, int64_t a_col,
+               const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate);
+void softmax_avx2(float* st, int64_t rows, int64_t cols, float* m, float* l, float* alpha);
+void exp2_sub_avx2(float* st, int64_t rows, int64_t cols, const float* sub);
+void ds_avx2(const float* p, float* ds, int64_t rows, int64_t cols, const float* d);
+// n bfloat16 / float16 values (raw bits) to float.
+void bf16_to_float_avx2(const uint16_t* src, int64_t n, float* dst);
+void half_to_float_avx2(const uint16_t* src, int64_t n, float* dst);
+
+template <typename T>
+inline Kernels<T> kernels() {
+  if constexpr (std::is_same_v<T, float>) {
+    if (cpu_has_avx2_fma()) return {gemm_avx2, softmax_avx2, exp2_sub_avx2, ds_avx2};
+  }
+  return {gemm_generic<T>, softmax_generic<T>, exp2_sub_generic<T>, ds_generic<T>};
+}
+
+}  // namespace mk
+}  // namespace attn_ext

@@ -1,0 +1,218 @@
+// AVX2 / FMA / F16C micro-kernels of the CPU attention (interface and semantics in
+// attention_microkernels.h). Every function here is compiled for that target through
+// __attribute__((target)) and is only called after cpu_has_avx2_fma() said yes, so the
+// library still loads and runs (on the generic kernels) on older x86-64 CPUs.
+//
+// This file includes no ATen header on purpose: nothing inline from a shared header may be
+// compiled for AVX2 here and then picked by the linker for the generic code paths.
+#include "cpu/attention_microkernels.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define ATTN_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define ATTN_HAVE_X86 1
+#endif
+
+namespace attn_ext {
+namespace mk {
+
+#ifdef ATTN_HAVE_X86
+
+bool cpu_has_avx2_fma() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+}
+
+namespace {
+
+// 2^x for x <= 0 (any x works up to 127): x = n + f, n = round(x), |f| <= 1/2;
+// 2^f by its degree-7 Taylor polynomial (relative error < 1e-8), 2^n through the exponent
+// bits. x < -126 (including -inf) gives exactly 0, so masked scores vanish.
+ATTN_AVX2 inline __m256 exp2_ps(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-126.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(127.0f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// Register-blocked tile C (MR, 8 * NV) of gemm_avx2: MR * NV accumulators stay in ymm
+// registers across the whole K loop (6 x 16 = 12 accumulators + 2 B vectors + 1 broadcast
+// fills the 16 registers). A is read by scalar broadcasts, so its strides are free.
+template <int MR, int NV>
+ATTN_AVX2 inline void gemm_tile(int64_t K, const float* A, int64_t a_row, int64_t a_col,
+                                const float* B, int64_t ldb, float* C, int64_t ldc,
+                                bool accumulate) {
+  __m256 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      acc[r][v] = accumulate ? _mm256_loadu_ps(C + r * ldc + 8 * v) : _mm256_setzero_ps();
+    }
+  }
+  for (int64_t t = 0; t < K; ++t) {
+    __m256 b[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) b[v] = _mm256_loadu_ps(B + t * ldb + 8 * v);
+    const float* a = A + t * a_col;
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 ar = _mm256_broadcast_ss(a + r * a_row);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(ar, b[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(C + r * ldc + 8 * v, acc[r][v]);
+  }
+}
+
+template <int NV>
+ATTN_AVX2 inline void gemm_cols(int64_t M, int64_t K, const float* A, int64_t a_row,
+                                int64_t a_col, const float* B, int64_t ldb, float* C,
+                                int64_t ldc, bool accumulate) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) {
+    gemm_tile<6, NV>(K, A + m * a_row, a_row, a_col, B, ldb, C + m * ldc, ldc, accumulate);
+  }
+  const float* a = A + m * a_row;
+  float* c = C + m * ldc;
+  switch (M - m) {
+    case 5: gemm_tile<5, NV>(K, a, a_row, a_col, B, ldb, c, ldc, accumulate); break;
+    case 4: gemm_tile<4, NV>(K, a, a_row, a_col, B, ldb, c, ldc, accumulate); break;
+    case 3: gemm_tile<3, NV>(K, a, a_row, a_col, B, ldb, c, ldc, accumulate); break;
+    case 2: gemm_tile<2, NV>(K, a, a_row, a_col, B, ldb, c, ldc, accumulate); break;
+    case 1: gemm_tile<1, NV>(K, a, a_row, a_col, B, ldb, c, ldc, accumulate); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+ATTN_AVX2 void gemm_avx2(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_row,
+                         int64_t a_col, const float* B, int64_t ldb, float* C, int64_t ldc,
+                         bool accumulate) {
+  // Column panels of 16 outside: the B panel (K, 16) stays in L1 while A streams by.
+  int64_t n = 0;
+  for (; n + 16 <= N; n += 16) gemm_cols<2>(M, K, A, a_row, a_col, B + n, ldb, C + n, ldc, accumulate);
+  if (n < N) gemm_cols<1>(M, K, A, a_row, a_col, B + n, ldb, C + n, ldc, accumulate);
+}
+
+ATTN_AVX2 void softmax_avx2(float* st, int64_t rows, int64_t cols, float* m, float* l,
+                            float* alpha) {
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t c = 0; c < cols; c += 8) {
+    // pass 1: running max of the 8 columns
+    const __m256 m_old = _mm256_loadu_ps(m + c);
+    __m256 mx0 = m_old, mx1 = neg_inf;
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2) {
+      mx0 = _mm256_max_ps(mx0, _mm256_loadu_ps(st + r * cols + c));
+      mx1 = _mm256_max_ps(mx1, _mm256_loadu_ps(st + (r + 1) * cols + c));
+    }
+    if (r < rows) mx0 = _mm256_max_ps(mx0, _mm256_loadu_ps(st + r * cols + c));
+    const __m256 mx = _mm256_max_ps(mx0, mx1);
+    const __m256 mu = _mm256_andnot_ps(_mm256_cmp_ps(mx, neg_inf, _CMP_EQ_OQ), mx);
+    const __m256 a = exp2_ps(_mm256_sub_ps(m_old, mu));
+    // pass 2: probabilities in place and their column sums
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    r = 0;
+    for (; r + 2 <= rows; r += 2) {
+      float* p0 = st + r * cols + c;
+      float* p1 = p0 + cols;
+      const __m256 e0 = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(p0), mu));
+      const __m256 e1 = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(p1), mu));
+      _mm256_storeu_ps(p0, e0);
+      _mm256_storeu_ps(p1, e1);
+      s0 = _mm256_add_ps(s0, e0);
+      s1 = _mm256_add_ps(s1, e1);
+    }
+    if (r < rows) {
+      float* p0 = st + r * cols + c;
+      const __m256 e0 = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(p0), mu));
+      _mm256_storeu_ps(p0, e0);
+      s0 = _mm256_add_ps(s0, e0);
+    }
+    const __m256 sum = _mm256_add_ps(s0, s1);
+    _mm256_storeu_ps(alpha + c, a);
+    _mm256_storeu_ps(l + c, _mm256_fmadd_ps(_mm256_loadu_ps(l + c), a, sum));
+    _mm256_storeu_ps(m + c, mx);
+  }
+}
+
+ATTN_AVX2 void exp2_sub_avx2(float* st, int64_t rows, int64_t cols, const float* sub) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = st + r * cols;
+    for (int64_t c = 0; c < cols; c += 8) {
+      _mm256_storeu_ps(s + c, exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_loadu_ps(sub + c))));
+    }
+  }
+}
+
+ATTN_AVX2 void ds_avx2(const float* p, float* ds, int64_t rows, int64_t cols, const float* d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* pr = p + r * cols;
+    float* dr = ds + r * cols;
+    for (int64_t c = 0; c < cols; c += 8) {
+      const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(dr + c), _mm256_loadu_ps(d + c));
+      _mm256_storeu_ps(dr + c, _mm256_mul_ps(_mm256_loadu_ps(pr + c), x));
+    }
+  }
+}
+
+ATTN_AVX2 void bf16_to_float_avx2(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &bits, sizeof(float));
+  }
+}
+
+ATTN_AVX2 void half_to_float_avx2(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  if (i < n) {  // tail through a zero-padded vector
+    alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    alignas(32) float out[8];
+    std::memcpy(tmp, src + i, static_cast<size_t>(n - i) * sizeof(uint16_t));
+    _mm256_store_ps(out, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp))));
+    std::memcpy(dst + i, out, static_cast<size_t>(n - i) * sizeof(float));
+  }
+}
+
+#else  // not x86-64 with GCC/Clang: the generic kernels are always used
+
+bool cpu_has_avx2_fma() { return false; }
+void gemm_avx2(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const float*, int64_t,
+               float*, int64_t, bool) {}
+void softmax_avx2(float*, int64_t, int64_t, float*, float*, float*) {}
+void exp2_sub_avx2(float*, int64_t, int64_t, const float*) {}
+void ds_avx2(const float*, float*, int64_t, int64_t, const float*) {}
+void bf16_to_float_avx2(const uint16_t*, int64_t, float*) {}
+void half_to_float_avx2(const uint16_t*, int64_t, float*) {}
+
+#endif
+
+}  // namespace mk
+}  // namespace attn_ext

@@ -1,0 +1,215 @@
+"""attn_ext modules against the textbook MultiHeadAttentionRef (same weights), KV-cache
+decoding against full recomputation, attention maps, and no copies on the hot path."""
+
+import pytest
+import torch
+
+import attn_ext
+from attn_ext import reference as ref
+from attn_ext.models import TinyGPT
+from attn_ext.modules import (
+    LearnedPositionalEmbedding,
+    MultiHeadAttention,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    TransformerBlock,
+)
+
+f64 = torch.float64
+
+
+def _copy_weights(ours: MultiHeadAttention, textbook: ref.MultiHeadAttentionRef) -> None:
+    """Give the textbook layer the same weights (our fused QKV = its Q, K, V stacked)."""
+    with torch.no_grad():
+        if ours.qkv is not None:
+            w = torch.cat([textbook.w_q.weight, textbook.w_k.weight, textbook.w_v.weight])
+            b = torch.cat([textbook.w_q.bias, textbook.w_k.bias, textbook.w_v.bias])
+            ours.qkv.weight.copy_(w)
+            ours.qkv.bias.copy_(b)
+        else:
+            ours.q_proj.weight.copy_(textbook.w_q.weight)
+            ours.q_proj.bias.copy_(textbook.w_q.bias)
+            ours.kv_proj.weight.copy_(torch.cat([textbook.w_k.weight, textbook.w_v.weight]))
+            ours.kv_proj.bias.copy_(torch.cat([textbook.w_k.bias, textbook.w_v.bias]))
+        ours.out_proj.weight.copy_(textbook.w_o.weight)
+        ours.out_proj.bias.copy_(textbook.w_o.bias)
+
+
+def _grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, rotary, interleaved, causal",
+    [(4, 4, None, False, True), (4, 2, None, False, False), (4, 1, 8, False, True),
+     (4, 2, 4, True, True), (2, 2, 8, True, False)],
+)
+def test_mha_matches_textbook_values_and_grads(device, heads, kv_heads, rotary, interleaved, causal):
+    d_model, B, S = 32, 2, 9
+    textbook = ref.MultiHeadAttentionRef(d_model, heads, kv_heads, causal=causal).to(device, f64)
+    rot = RotaryEmbedding(rotary, interleaved=interleaved) if rotary else None
+    ours = MultiHeadAttention(d_model, heads, kv_heads, causal=causal, rotary=rot).to(device, f64)
+    _copy_weights(ours, textbook)
+    x = torch.randn(B, S, d_model, dtype=f64, device=device, requires_grad=True)
+    tables = None
+    if rotary:
+        cos, sin = ref.rope_cache(S, rotary)
+        tables = (cos.to(device), sin.to(device), interleaved)
+    y_ref = textbook(x, rope_tables=tables)
+    y, w = ours(x)
+    assert w is None
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(y)
+    (gx_ref,) = torch.autograd.grad(y_ref, x, g, retain_graph=True)
+    y_ref.backward(g)
+    (gx,) = torch.autograd.grad(y, x, g, retain_graph=True)
+    y.backward(g)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-9, atol=1e-9)
+    g_ref, g_ours = _grads(textbook), _grads(ours)
+    if ours.qkv is not None:
+        torch.testing.assert_close(g_ours["qkv.weight"],
+                                   torch.cat([g_ref["w_q.weight"], g_ref["w_k.weight"], g_ref["w_v.weight"]]))
+    torch.testing.assert_close(g_ours["out_proj.weight"], g_ref["w_o.weight"])
+
+
+def test_cross_attention_matches_textbook(device):
+    d_model, B = 24, 2
+    textbook = ref.MultiHeadAttentionRef(d_model, 3, 1, causal=False).to(device, f64)
+    ours = MultiHeadAttention(d_model, 3, 1, causal=False, cross_attention=True).to(device, f64)
+    _copy_weights(ours, textbook)
+    x = torch.randn(B, 5, d_model, dtype=f64, device=device)
+    mem = torch.randn(B, 11, d_model, dtype=f64, device=device)
+    torch.testing.assert_close(ours(x, mem)[0], textbook(x, memory=mem), rtol=1e-10, atol=1e-10)
+
+
+def test_need_weights_rows_sum_to_one_and_match_reference(device):
+    ours = MultiHeadAttention(32, 4, 2, causal=True).to(device, f64)
+    x = torch.randn(2, 7, 32, dtype=f64, device=device)
+    y, w = ours(x, need_weights=True)
+    assert w.shape == (2, 4, 7, 7)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 7, dtype=f64, device=device))
+    assert torch.all(w.triu(1) == 0)  # causal: nothing above the diagonal
+    qkv = ours.qkv(x)
+    q = qkv[..., :32].view(2, 7, 4, 8)
+    k = qkv[..., 32:48].view(2, 7, 2, 8)
+    torch.testing.assert_close(w, ref.attention_probs(q, k, causal=True))
+    torch.testing.assert_close(y, ours(x)[0])
+
+
+@pytest.mark.parametrize("pos", ["rope", "learned", "sinusoidal", "none"])
+def test_kv_cache_decoding_matches_full_recomputation(pos):
+    torch.manual_seed(0)
+    model = TinyGPT(50, d_model=32, num_heads=4, num_layers=2, max_len=64, pos=pos,
+                    num_kv_heads=2).double().eval()
+    prompt = torch.randint(0, 50, (2, 5))
+    steps = 32
+    with torch.no_grad():
+        caches = model.new_caches(2, 5 + steps)
+        seq = prompt
+        logits = model(prompt, caches)
+        for step in range(steps):
+            nxt = logits[:, -1:].argmax(-1)
+            full = model(torch.cat([seq, nxt], 1))  # recompute everything
+            seq = torch.cat([seq, nxt], 1)
+            logits = model(nxt, caches)  # one token through the cache
+            torch.testing.assert_close(logits[:, -1], full[:, -1], rtol=1e-9, atol=1e-9)
+        assert caches[0].length == 5 + steps
+    gen = model.generate(prompt, 8)
+    assert gen.shape == (2, 13) and torch.equal(gen[:, :5], prompt)
+    assert torch.equal(gen, seq[:, :13])
+
+
+def test_no_copies_of_qkv_or_output_on_the_hot_path():
+    from torch.profiler import ProfilerActivity, profile
+
+    layer = MultiHeadAttention(64, 4, 2, rotary=RotaryEmbedding(16)).eval()
+    x = torch.randn(2, 33, 64)
+    # ops that materialise a copy (views such as transpose/view/slice are free)
+    copies = {"aten::copy_", "aten::clone", "aten::contiguous", "aten::cat", "aten::_to_copy",
+              "aten::repeat_interleave", "aten::_reshape_copy"}
+
+    def seen(fn):
+        # op names outside nn.Linear (whose addmm copies the bias into its fresh output)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        names = set()
+        for e in prof.events():
+            parent, inside_linear = e.cpu_parent, False
+            while parent is not None:
+                inside_linear |= parent.name in ("aten::linear", "aten::addmm", "aten::matmul")
+                parent = parent.cpu_parent
+            if not inside_linear:
+                names.add(e.name)
+        return names
+
+    with torch.no_grad():
+        layer(x)  # warm the RoPE cache
+        names = seen(lambda: layer(x))
+    assert "attn_ext::rope_qk_" in names and "attn_ext::attention" in names
+    assert not (names & copies), f"copies on the inference hot path: {names & copies}"
+    # training forward: RoPE out of place (differentiable), still no copies of q, k, v or out
+    layer.train()
+    names = seen(lambda: layer(x.requires_grad_()))
+    assert "attn_ext::rope" in names
+    assert not (names & copies), f"copies on the training forward: {names & copies}"
+
+
+def test_positional_modules():
+    x = torch.randn(2, 6, 16, dtype=f64)
+    sin = SinusoidalPositionalEncoding(16)
+    torch.testing.assert_close(sin(x, offset=3), ref.sinusoidal_pe(x, offset=3))
+    learned = LearnedPositionalEmbedding(8, 16).double()
+    torch.testing.assert_close(learned(x), x + learned.embedding.weight[:6])
+    with pytest.raises(ValueError, match="cannot extrapolate"):
+        learned(x, offset=4)
+    rot = RotaryEmbedding(8, max_seq_len=4)
+    cos, _ = rot.tables(100)  # grows
+    assert cos.shape[0] >= 100
+    c_ref, _ = ref.rope_cache(100, 8)
+    torch.testing.assert_close(cos[:100].double(), c_ref, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_transformer_block_trains(norm_first):
+    torch.manual_seed(0)
+    blk = TransformerBlock(32, 4, rotary=8, norm_first=norm_first)
+    x = torch.randn(4, 10, 32)
+    target = torch.randn(4, 10, 32)
+    opt = torch.optim.Adam(blk.parameters(), lr=3e-3)
+    first = None
+    for _ in range(30):
+        loss = torch.nn.functional.mse_loss(blk(x), target)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.7 * first
+
+
+def test_dropout_training_path_is_the_same_attention_without_dropout_rate():
+    layer = MultiHeadAttention(32, 4, dropout=0.5).double()
+    x = torch.randn(2, 5, 32, dtype=f64)
+    layer.eval()
+    y_eval = layer(x)[0]
+    layer.train()
+    layer.dropout = 1e-12  # the explicit-probabilities path with (almost) no dropout
+    torch.testing.assert_close(layer(x)[0], y_eval, rtol=1e-9, atol=1e-9)
+
+
+def test_from_linears_carries_textbook_weights(device):
+    textbook = ref.MultiHeadAttentionRef(48, 6, 2, causal=True).to(device, f64)
+    ours = MultiHeadAttention.from_linears(textbook.w_q, textbook.w_k, textbook.w_v, textbook.w_o,
+                                           num_heads=6, causal=True)
+    assert ours.num_kv_heads == 2 and ours.head_dim == 8
+    x = torch.randn(3, 10, 48, dtype=f64, device=device)
+    torch.testing.assert_close(ours(x)[0], textbook(x), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_from_torch_matches_nn_multihead_attention(causal):
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).double().eval()
+    ours = MultiHeadAttention.from_torch(mha, causal=causal).eval()
+    x = torch.randn(2, 9, 32, dtype=f64)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(9, dtype=f64) if causal else None
+    want, _ = mha(x, x, x, attn_mask=mask, need_weights=False, is_causal=causal)
+    torch.testing.assert_close(ours(x)[0], want, rtol=1e-10, atol=1e-10)
