@@ -407,3 +407,17 @@ def test_nt_store_path_cpu(monkeypatch, dtype, interleaved):
     attn_ext.rope_(y, cos, sin, interleaved=interleaved)
     torch.testing.assert_close(out, y, rtol=0, atol=0)
     _check(out[:, :64], q[:, :64], cos, sin, None, 0, interleaved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_nan_inf_propagate(device, dtype, interleaved):
+    # The vector paths' fp32 -> bf16/fp16 rounding must keep NaN a NaN and inf an inf.
+    x = randn(1, 3, 2, 32, dtype=dtype, device=device)
+    x[0, 1, 0, 5] = float("nan")
+    x[0, 2, 1, 7] = float("inf")
+    cos, sin = _tables(3, 32, torch.float32, device)
+    out = attn_ext.rope(x, cos, sin, interleaved=interleaved)
+    ref = R.rope(x.double(), cos.double(), sin.double(), interleaved=interleaved)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))

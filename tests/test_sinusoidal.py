@@ -192,3 +192,13 @@ def test_fast_path_recurrence_rows(device, dtype, offset):
     ref_low = ref.sinusoidal_pe(x64.to(dtype), offset=offset)
     got = attn_ext.sinusoidal_pe(x64.to(dtype).to(device), offset=offset)
     assert_close_rule(got.cpu(), ref64, ref_low)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fast_path_nan_inf_propagate(device, dtype):
+    x = randn(2, 20, 48, dtype=dtype, device=device)
+    x[0, 3, 5] = float("nan")
+    x[1, 7, 40] = float("-inf")
+    got = attn_ext.sinusoidal_pe(x)
+    assert torch.isnan(got[0, 3, 5]) and torch.isneginf(got[1, 7, 40])
+    assert torch.isfinite(got).sum() == x.numel() - 2

@@ -50,6 +50,15 @@ inline void rotate_row_scalar(const T* x, T* out, const TT* c, const TT* sn, int
 }
 
 #if ATTN_EXT_HAVE_AVX2_PATH
+template <typename T, bool kStream>
+ATTN_EXT_AVX2 inline void put(T* p, __m256 v) {
+  if constexpr (kStream) {
+    cpu::Avx2IO<T>::stream(p, v);
+  } else {
+    cpu::Avx2IO<T>::store(p, v);
+  }
+}
+
 // 8 pairs per step; returns the first pair index left for the scalar tail. kStream: out is
 // written with non-temporal stores (caller guarantees alignment).
 template <typename T, typename TT, bool kStream>
@@ -57,7 +66,6 @@ ATTN_EXT_AVX2 int64_t rotate_row_avx2(const T* x, T* out, const TT* c, const TT*
                                       int64_t half, bool interleaved, bool inverse) {
   using IO = cpu::Avx2IO<T>;
   using TIO = cpu::Avx2IO<TT>;
-#define put(ptr, v) (kStream ? IO::stream(ptr, v) : IO::store(ptr, v))
   // inverse: flip the sign bit of sin (exact).
   const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(inverse ? int(0x80000000u) : 0));
   int64_t i = 0;
@@ -76,20 +84,23 @@ ATTN_EXT_AVX2 int64_t rotate_row_avx2(const T* x, T* out, const TT* c, const TT*
       // swap within pairs: (x1, x2) -> (x2, x1); fmaddsub: even lanes a*b - c, odd a*b + c.
       const __m256 ya = _mm256_fmaddsub_ps(xa, c0, _mm256_mul_ps(_mm256_permute_ps(xa, 0xb1), s0));
       const __m256 yb = _mm256_fmaddsub_ps(xb, c1, _mm256_mul_ps(_mm256_permute_ps(xb, 0xb1), s1));
-      put(out + 2 * i, ya);
-      put(out + 2 * i + 8, yb);
+      if constexpr (std::is_same_v<T, c10::BFloat16> && !kStream) {
+        IO::store16(out + 2 * i, ya, yb);  // one pack + one 32-byte store for 16 outputs
+      } else {
+        put<T, kStream>(out + 2 * i, ya);
+        put<T, kStream>(out + 2 * i + 8, yb);
+      }
     }
   } else {
     for (; i + 8 <= half; i += 8) {
       const __m256 cv = TIO::load(c + i);
       const __m256 sv = _mm256_xor_ps(TIO::load(sn + i), sign);
       const __m256 x1 = IO::load(x + i), x2 = IO::load(x + half + i);
-      put(out + i, _mm256_fmsub_ps(x1, cv, _mm256_mul_ps(x2, sv)));
-      put(out + half + i, _mm256_fmadd_ps(x2, cv, _mm256_mul_ps(x1, sv)));
+      put<T, kStream>(out + i, _mm256_fmsub_ps(x1, cv, _mm256_mul_ps(x2, sv)));
+      put<T, kStream>(out + half + i, _mm256_fmadd_ps(x2, cv, _mm256_mul_ps(x1, sv)));
     }
   }
   return i;
-#undef put
 }
 #endif
 

@@ -98,16 +98,26 @@ struct Avx2IO<c10::BFloat16> {
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), round(v));
   }
   static constexpr int kStreamAlign = 16;
+  // 16 floats -> 16 bf16 with one pack and one 32-byte store.
+  ATTN_EXT_AVX2 static inline void store16(c10::BFloat16* p, __m256 lo, __m256 hi) {
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round32(lo), round32(hi)), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+  }
   ATTN_EXT_AVX2 static inline __m128i round(__m256 v) {
+    const __m256i r = round32(v);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+    return _mm256_castsi256_si128(packed);
+  }
+  // Rounded bf16 bits in the low half of each 32-bit lane.
+  ATTN_EXT_AVX2 static inline __m256i round32(__m256 v) {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
     r = _mm256_srli_epi32(r, 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-    // 8 x u32 (< 2^16) -> 8 x u16: pack within 128-bit lanes, then gather the two halves.
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
-    return _mm256_castsi256_si128(packed);
+    // (u32 < 2^16 each; callers pack 8 or 16 of them to u16 within 128-bit lanes and
+    // gather the lanes with one permute.)
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
   }
 };
 
