@@ -8,8 +8,8 @@
 // accumulates their dk and dv over every query head of the GQA group and every query tile
 // that sees them, so dk/dv need no atomics. For one (key tile, query head, query tile):
 //
-//   pass 1: st (nk, C) = kb qt               scores (log2 units), transposed; diagonal mask
-//   pass 2: st = exp2(st - lse2)             probabilities P^T
+//   pass 1: st (nk, C) = kb qt               scores, transposed; diagonal mask
+//   pass 2: st = exp(st - lse)               probabilities P^T
 //   pass 3: dvt (nk, Dvp) += st dor          dor (nq, Dvp) = dout rows
 //   pass 4: dpt (nk, C) = vb dot             dot (Dv, C) = dout^T
 //   pass 5: dpt = st * (dpt - Di)            dS^T
@@ -38,12 +38,12 @@ namespace {
 template <typename acc_t>
 struct BwdScratch {
   int64_t Dp, Dvp;
-  std::vector<acc_t> kb;    // (kBlockK, Dp): k rows of the task
-  std::vector<acc_t> vb;    // (kBlockK, Dvp): v rows of the task
-  std::vector<acc_t> dkt;   // (kBlockK, Dp): dk accumulator (unscaled)
-  std::vector<acc_t> dvt;   // (kBlockK, Dvp): dv accumulator
-  std::vector<acc_t> st;    // (kBlockK, kBlockQ): scores, then P^T
-  std::vector<acc_t> dpt;   // (kBlockK, kBlockQ): dP^T, then dS^T
+  AlignedVec<acc_t> kb;    // (kBlockK, Dp): k rows of the task
+  AlignedVec<acc_t> vb;    // (kBlockK, Dvp): v rows of the task
+  AlignedVec<acc_t> dkt;   // (kBlockK, Dp): dk accumulator (unscaled)
+  AlignedVec<acc_t> dvt;   // (kBlockK, Dvp): dv accumulator
+  AlignedVec<acc_t> st;    // (kBlockK, kBlockQ): scores, then P^T
+  AlignedVec<acc_t> dpt;   // (kBlockK, kBlockQ): dP^T, then dS^T
 
   BwdScratch(int64_t D, int64_t Dv)
       : Dp(round_up(D, 8)),
@@ -59,22 +59,22 @@ struct BwdScratch {
 // Query-side operands of one (batch, head, query block of kBlockQ rows), packed once by a
 // parallel pre-pass and then read by every key tile task (instead of being re-packed per
 // key tile). One block, offsets in elements; padding rows/columns are zero:
-//   qt   (D, kBlockQ)    scale * log2(e) * q^T
+//   qt   (D, kBlockQ)    scale * q^T (scores in natural-log units, like lse)
 //   qr   (kBlockQ, Dp)   q rows
 //   dot  (Dv, kBlockQ)   dout^T
 //   dor  (kBlockQ, Dvp)  dout rows
-//   lse2 (kBlockQ)       lse * log2(e); +inf for padding rows and rows that see no key (P = 0)
+//   lse  (kBlockQ)       lse; +inf for padding rows and rows that see no key (P = 0)
 //   di   (kBlockQ)       rowsum(dout * out)
 struct QueryPackLayout {
-  int64_t n_qb, qt, qr, dot, dor, lse2, di, size;
+  int64_t n_qb, qt, qr, dot, dor, lse, di, size;
   QueryPackLayout(int64_t Sq, int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp)
       : n_qb(ceil_div(Sq, kBlockQ)),
         qt(0),
         qr(qt + D * kBlockQ),
         dot(qr + kBlockQ * Dp),
         dor(dot + Dv * kBlockQ),
-        lse2(dor + kBlockQ * Dvp),
-        di(lse2 + kBlockQ),
+        lse(dor + kBlockQ * Dvp),
+        di(lse + kBlockQ),
         size(di + kBlockQ) {}
 };
 
@@ -86,11 +86,11 @@ void pack_query_blocks(const AttentionBwdParams& bp, const QueryPackLayout& L, a
   const auto* dout = static_cast<const scalar_t*>(bp.dout);
   const auto* o = static_cast<const scalar_t*>(bp.out);
   const auto* lse = static_cast<const acc_t*>(bp.lse);
-  const acc_t qscale = static_cast<acc_t>(p.scale * kLog2e);
+  const acc_t qscale = static_cast<acc_t>(p.scale);
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const acc_t pos_inf = std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, p.B * p.H * L.n_qb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1)));
+    AlignedVec<acc_t> tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1)));
     for (int64_t idx = begin; idx < end; ++idx) {  // idx = (b * H + h) * n_qb + qb
       const int64_t qb = idx % L.n_qb;
       const int64_t h = (idx / L.n_qb) % p.H;
@@ -114,11 +114,11 @@ void pack_query_blocks(const AttentionBwdParams& bp, const QueryPackLayout& L, a
         for (int64_t d = 0; d < Dv; ++d) di += drow[d] * tmp[d];
         blk[L.di + ii] = di;
         const acc_t l = lse[(b * p.H + h) * p.Sq + i0 + ii];
-        blk[L.lse2 + ii] = l == neg_inf ? pos_inf : l * static_cast<acc_t>(kLog2e);
+        blk[L.lse + ii] = l == neg_inf ? pos_inf : l;
       }
       for (int64_t c = nq; c < kBlockQ; ++c) {
         blk[L.di + c] = 0;
-        blk[L.lse2 + c] = pos_inf;
+        blk[L.lse + c] = pos_inf;
       }
     }
   });
@@ -159,7 +159,7 @@ void bwd_task(const AttentionBwdParams& bp, int64_t b, int64_t hkv, int64_t j0,
         // pass 1: st (nk, C) = kb qt
         K.gemm(nk, C, D, s.kb.data(), Dp, 1, qt, kBlockQ, s.st.data(), C, false);
         // pass 2: P^T
-        K.exp2_sub(s.st.data(), nk, C, blk + L.lse2);
+        K.exp_sub(s.st.data(), nk, C, blk + L.lse);
         // pass 3: dvt += P^T dout
         K.gemm(nk, Dvp, nq, s.st.data(), C, 1, dor, Dvp, s.dvt.data(), Dvp, true);
         // pass 4: dP^T = v dout^T
@@ -188,7 +188,7 @@ void bwd_task(const AttentionBwdParams& bp, int64_t b, int64_t hkv, int64_t j0,
         std::fill(s.st.data() + r * C, s.st.data() + r * C + first(r), neg_inf);
       }
       // pass 2: P^T
-      K.exp2_sub(s.st.data(), nk, C, blk + L.lse2);
+      K.exp_sub(s.st.data(), nk, C, blk + L.lse);
       // pass 3: dvt += P^T dout over the queries that see each 6 keys
       for (int64_t r0 = 0; r0 < nk; r0 += 6) {
         const int64_t rows = std::min<int64_t>(6, nk - r0), c0 = std::min(first(r0), nq);
@@ -274,12 +274,12 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
 
   // pass 0: pack the query-side operands once.
   const QueryPackLayout L(p.Sq, p.D, p.Dv, Dp, round_up(p.Dv, 8));
-  std::vector<acc_t> packs(static_cast<size_t>(p.B * p.H * L.n_qb * L.size), acc_t(0));
+  AlignedVec<acc_t> packs(static_cast<size_t>(p.B * p.H * L.n_qb * L.size), acc_t(0));
   pack_query_blocks<scalar_t, acc_t>(bp, L, packs.data());
 
   // dq_w: (workers, B, H, Sq, Dp) partial sums, one slice per worker.
   const int64_t dq_size = p.B * p.H * p.Sq * Dp;
-  std::vector<acc_t> dq_parts(static_cast<size_t>(workers * dq_size), acc_t(0));
+  AlignedVec<acc_t> dq_parts(static_cast<size_t>(workers * dq_size), acc_t(0));
   at::parallel_for(0, workers, 1, [&](int64_t wbeg, int64_t wend) {
     BwdScratch<acc_t> s(p.D, p.Dv);
     for (int64_t w = wbeg; w < wend; ++w) {

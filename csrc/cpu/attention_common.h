@@ -10,7 +10,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <new>
+#include <vector>
 #include <limits>
 #include <type_traits>
 
@@ -31,6 +34,30 @@ constexpr double kLog2e = 1.4426950408889634074;
 constexpr double kLn2 = 0.69314718055994530942;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Allocator of cache-line (64-byte) aligned scratch: tile rows are multiples of 16 floats, so
+// with an aligned base no 32-byte vector load or store of a tile straddles two cache lines.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) {
+    const size_t bytes = std::max<size_t>(64, (n * sizeof(T) + 63) / 64 * 64);
+    void* ptr = std::aligned_alloc(64, bytes);
+    if (ptr == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(ptr);
+  }
+  void deallocate(T* ptr, size_t) { std::free(ptr); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+
+template <typename T>
+using AlignedVec = std::vector<T, CacheLineAllocator<T>>;
 inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
 // dst[0, n) = src[0, n) converted to acc_t (fp32 for fp32/bf16/fp16, fp64 for fp64).

@@ -84,13 +84,13 @@ int64_t tile_key_end(const AttentionParams& p, const QueryTile& q) {
 template <typename acc_t>
 struct FwdScratch {
   int64_t Dp, Dvp;
-  std::vector<acc_t> qt;     // (D, kBlockQ): scaled q^T of the tile
-  std::vector<acc_t> st;     // (kBlockK, kBlockQ): scores, then probabilities (transposed)
-  std::vector<acc_t> kb;     // (kBlockK, Dp): k rows, zero-padded columns
-  std::vector<acc_t> vb;     // (kBlockK, Dvp): v rows, zero-padded columns
-  std::vector<acc_t> o;      // (kBlockQ, Dvp): unnormalised output accumulator
-  std::vector<acc_t> m, l, alpha;  // (kBlockQ): running max (log2 units), sum, rescale
-  std::vector<acc_t> tmp;    // (max(D, Dv)): one converted row
+  AlignedVec<acc_t> qt;     // (D, kBlockQ): scaled q^T of the tile
+  AlignedVec<acc_t> st;     // (kBlockK, kBlockQ): scores, then probabilities (transposed)
+  AlignedVec<acc_t> kb;     // (kBlockK, Dp): k rows, zero-padded columns
+  AlignedVec<acc_t> vb;     // (kBlockK, Dvp): v rows, zero-padded columns
+  AlignedVec<acc_t> o;      // (kBlockQ, Dvp): unnormalised output accumulator
+  AlignedVec<acc_t> m, l, alpha;  // (kBlockQ): running max (log2 units), sum, rescale
+  AlignedVec<acc_t> tmp;    // (max(D, Dv)): one converted row
   std::vector<int64_t> qrow; // (kBlockQ): query row of each column (masking)
 
   FwdScratch(int64_t D, int64_t Dv)
@@ -275,7 +275,7 @@ void attention_fwd_kernel(const AttentionParams& p) {
   // pass 2: each tile merges its chunks through their maxima.
   const int64_t Dvp = round_up(p.Dv, 8);
   const int64_t per_part = kBlockQ * (Dvp + 2);  // o (kBlockQ, Dvp), m, l (kBlockQ)
-  std::vector<acc_t> parts(static_cast<size_t>(plan.n_tiles * n_split * per_part));
+  AlignedVec<acc_t> parts(static_cast<size_t>(plan.n_tiles * n_split * per_part));
   parallel_tasks(plan.n_tiles * n_split, make_scratch, [&](int64_t idx, FwdScratch<acc_t>& s) {
     const QueryTile t = tile_at(p, plan, idx / n_split);
     const int64_t chunk = idx % n_split;
@@ -290,8 +290,8 @@ void attention_fwd_kernel(const AttentionParams& p) {
     std::copy(s.m.begin(), s.m.begin() + cols, dst + kBlockQ * Dvp);
     std::copy(s.l.begin(), s.l.begin() + cols, dst + kBlockQ * Dvp + kBlockQ);
   });
-  parallel_tasks(plan.n_tiles, [&] { return std::vector<acc_t>(static_cast<size_t>(kBlockQ * (Dvp + 2))); },
-                 [&](int64_t idx, std::vector<acc_t>& merged) {
+  parallel_tasks(plan.n_tiles, [&] { return AlignedVec<acc_t>(static_cast<size_t>(kBlockQ * (Dvp + 2))); },
+                 [&](int64_t idx, AlignedVec<acc_t>& merged) {
     const QueryTile t = tile_at(p, plan, idx);
     const int64_t cols = t.cols();
     acc_t* o = merged.data();

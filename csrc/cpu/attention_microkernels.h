@@ -38,9 +38,10 @@ using GemmFn = void (*)(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_r
 template <typename T>
 using SoftmaxFn = void (*)(T* st, int64_t rows, int64_t cols, T* m, T* l, T* alpha);
 
-// st[r][c] = exp2(st[r][c] - sub[c]) (backward: probabilities from the saved lse).
+// st[r][c] = exp(st[r][c] - sub[c]) (backward: probabilities from the saved lse; the
+// difference is taken in natural-log units, where lse was saved, to add no rounding to it).
 template <typename T>
-using Exp2SubFn = void (*)(T* st, int64_t rows, int64_t cols, const T* sub);
+using ExpSubFn = void (*)(T* st, int64_t rows, int64_t cols, const T* sub);
 
 // ds[r][c] = p[r][c] * (ds[r][c] - d[c]) (backward: dS = P * (dP - rowsum(dO * O))).
 template <typename T>
@@ -50,7 +51,7 @@ template <typename T>
 struct Kernels {
   GemmFn<T> gemm;
   SoftmaxFn<T> softmax;
-  Exp2SubFn<T> exp2_sub;
+  ExpSubFn<T> exp_sub;
   DsFn<T> ds;
 };
 
@@ -90,10 +91,10 @@ void softmax_generic(T* st, int64_t rows, int64_t cols, T* m, T* l, T* alpha) {
 }
 
 template <typename T>
-void exp2_sub_generic(T* st, int64_t rows, int64_t cols, const T* sub) {
+void exp_sub_generic(T* st, int64_t rows, int64_t cols, const T* sub) {
   for (int64_t r = 0; r < rows; ++r) {
     T* s = st + r * cols;
-    for (int64_t c = 0; c < cols; ++c) s[c] = std::exp2(s[c] - sub[c]);
+    for (int64_t c = 0; c < cols; ++c) s[c] = std::exp(s[c] - sub[c]);
   }
 }
 
@@ -110,7 +111,7 @@ bool cpu_has_avx2_fma();  // AVX2 + FMA + F16C, checked once
 void gemm_avx2(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_row, int64_t a_col,
                const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate);
 void softmax_avx2(float* st, int64_t rows, int64_t cols, float* m, float* l, float* alpha);
-void exp2_sub_avx2(float* st, int64_t rows, int64_t cols, const float* sub);
+void exp_sub_avx2(float* st, int64_t rows, int64_t cols, const float* sub);
 void ds_avx2(const float* p, float* ds, int64_t rows, int64_t cols, const float* d);
 // n bfloat16 / float16 values (raw bits) to float.
 void bf16_to_float_avx2(const uint16_t* src, int64_t n, float* dst);
@@ -119,9 +120,9 @@ void half_to_float_avx2(const uint16_t* src, int64_t n, float* dst);
 template <typename T>
 inline Kernels<T> kernels() {
   if constexpr (std::is_same_v<T, float>) {
-    if (cpu_has_avx2_fma()) return {gemm_avx2, softmax_avx2, exp2_sub_avx2, ds_avx2};
+    if (cpu_has_avx2_fma()) return {gemm_avx2, softmax_avx2, exp_sub_avx2, ds_avx2};
   }
-  return {gemm_generic<T>, softmax_generic<T>, exp2_sub_generic<T>, ds_generic<T>};
+  return {gemm_generic<T>, softmax_generic<T>, exp_sub_generic<T>, ds_generic<T>};
 }
 
 }  // namespace mk

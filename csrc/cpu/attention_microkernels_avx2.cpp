@@ -155,11 +155,13 @@ ATTN_AVX2 void softmax_avx2(float* st, int64_t rows, int64_t cols, float* m, flo
   }
 }
 
-ATTN_AVX2 void exp2_sub_avx2(float* st, int64_t rows, int64_t cols, const float* sub) {
+ATTN_AVX2 void exp_sub_avx2(float* st, int64_t rows, int64_t cols, const float* sub) {
+  const __m256 log2e = _mm256_set1_ps(1.4426950408889634f);
   for (int64_t r = 0; r < rows; ++r) {
     float* s = st + r * cols;
     for (int64_t c = 0; c < cols; c += 8) {
-      _mm256_storeu_ps(s + c, exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_loadu_ps(sub + c))));
+      const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_loadu_ps(sub + c));
+      _mm256_storeu_ps(s + c, exp2_ps(_mm256_mul_ps(x, log2e)));
     }
   }
 }
@@ -207,7 +209,7 @@ bool cpu_has_avx2_fma() { return false; }
 void gemm_avx2(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const float*, int64_t,
                float*, int64_t, bool) {}
 void softmax_avx2(float*, int64_t, int64_t, float*, float*, float*) {}
-void exp2_sub_avx2(float*, int64_t, int64_t, const float*) {}
+void exp_sub_avx2(float*, int64_t, int64_t, const float*) {}
 void ds_avx2(const float*, float*, int64_t, int64_t, const float*) {}
 void bf16_to_float_avx2(const uint16_t*, int64_t, float*) {}
 void half_to_float_avx2(const uint16_t*, int64_t, float*) {}
