@@ -329,10 +329,10 @@ def main(argv=None) -> dict:
         print(f"    {v:10s}  " + "  ".join(f"{kback_acc[(v, L)]:>8s}" for L in eval_lens))
 
     # --- 3. speed ------------------------------------------------------------------------------
-    seq, layers, width, new = (32, 1, 64, 8) if quick else (256, 4, 256, 64)
+    seq, layers, width, new = (32, 1, 64, 8) if quick else (192, 4, 256, 64)
     print(f"\n[3] One training step of a {layers}-layer, 8-head, d={width} TinyGPT on (8, {seq}) "
           "tokens (medians):")
-    sp = speed(device, seq, 2 if quick else 7, layers, width, new)
+    sp = speed(device, seq, 2 if quick else 5, layers, width, new)
     for kind, label in (("attn_ext", "attn_ext kernels"), ("sdpa", "PyTorch SDPA"),
                         ("textbook", "textbook attention")):
         rel = "" if kind == "attn_ext" else f"  ({sp[kind] / sp['attn_ext']:.2f}x the attn_ext time)"
