@@ -32,7 +32,9 @@ fuzz: install
 
 # AddressSanitizer + UBSan: builds a sanitized copy of the extension into build/asan/ (the
 # normal attn_ext/_C*.so is left alone), then runs ASAN_TESTS against it with the ASan
-# runtime preloaded. Python leaks by design, hence detect_leaks=0. See TESTING.md.
+# runtime preloaded (and libstdc++ with it: ASan's __cxa_throw interceptor needs it at
+# start-up, or the first C++ exception aborts). Python leaks by design: detect_leaks=0.
+# --capture=sys: sanitizer reports (written to fd 2) stay visible. See TESTING.md.
 ASAN_TESTS ?= tests/test_errors.py tests/test_fuzz.py tests/test_rope.py tests/test_sinusoidal.py \
 	tests/test_attention.py tests/test_reliability.py
 asan: deps
@@ -41,10 +43,10 @@ asan: deps
 	rm -rf build/asan/pkg && mkdir -p build/asan/pkg/attn_ext
 	cp -r attn_ext/*.py attn_ext/integrations build/asan/pkg/attn_ext/
 	cp build/asan/lib/attn_ext/_C*.so build/asan/pkg/attn_ext/
-	LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libstdc++.so)" \
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	PYTHONPATH=build/asan/pkg:. ATTN_EXT_EXPECT_ASAN=1 \
-		$(PYTHON) -P -m pytest -q -p no:cacheprovider $(ASAN_TESTS)
+		$(PYTHON) -P -m pytest -q -p no:cacheprovider --capture=sys $(ASAN_TESTS)
 
 demo: install
 	@$(PYTHON) -c "import tqdm, matplotlib" 2>/dev/null || $(PIP) install -q tqdm matplotlib
