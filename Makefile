@@ -45,7 +45,7 @@ asan: deps
 	cp build/asan/lib/attn_ext/_C*.so build/asan/pkg/attn_ext/
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libstdc++.so)" \
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	PYTHONPATH=build/asan/pkg:. ATTN_EXT_EXPECT_ASAN=1 \
+	PYTHONPATH=build/asan/pkg:. ATTN_EXT_EXPECT_ASAN=1 PYTHONHASHSEED=0 \
 		$(PYTHON) -P -m pytest -q -p no:cacheprovider --capture=sys $(ASAN_TESTS)
 
 demo: install

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 import attn_ext
 from attn_ext import reference as R
-from tests.utils import assert_close_rule, max_err
+from tests.utils import FLOOR, assert_close_rule, max_err
 
 _COMMON = dict(
     deadline=None,
@@ -194,6 +194,17 @@ def test_fuzz_attention(case, device):
         return
     ref_low = _attention_ref(*cpu, dout.cpu(), c["causal"], c["scale"], c["dtype"], c["grads"])
     for name, a, r64, rlow in zip(names, ours, ref64, ref_low):
+        if c["Sk"] == 1 and name in ("dq", "dk"):
+            # One key: P = 1, so dq = dk = 0 exactly, and the low-precision reference hits
+            # 0 by exact cancellation (its error is 0: the rule degenerates). Ours forms
+            # dP = dout . v and rowsum(dout * out) in different orders; allow the rounding
+            # of those dot products.
+            s = c["scale"] if c["scale"] is not None else c["D"] ** -0.5
+            mags = [float(t.abs().max()) for t in (dout.cpu(), cpu[2], cpu[0], cpu[1])]
+            bound = (torch.finfo(c["dtype"]).eps * c["Dv"] * mags[0] * mags[1]
+                     * max(mags[2], mags[3]) * s)
+            assert max_err(a, r64) <= bound + FLOOR[c["dtype"]], name
+            continue
         assert_close_rule(a, r64, rlow, name=name)
     # causal_attention / attention are the same numbers as attention_forward's out.
     if c["causal"]:
