@@ -372,6 +372,9 @@ def test_nan_inf_propagate_attention(dtype):
     """NaN/inf in one query row reaches exactly that row's output and lse (NaN), every other
     row stays finite and equal to the clean run; NaN in a key reaches the rows that see it."""
     q, k, v = _qkv(dtype, Sq=12, Sk=12)
+    # Keys 0 and 1 of kv head 1 (read by query head 3) have opposite signs in channel 2, so
+    # an inf in q[..., 3, 2] makes scores of both signs (+inf and -inf), whatever the seed.
+    k[1, 0, 1, 2], k[1, 1, 1, 2] = 1.0, -1.0
     clean, clean_lse = attn_ext.attention(q, k, v, causal=True, return_lse=True)
     for bad in (float("nan"), float("inf"), float("-inf")):
         qb = q.clone()
