@@ -10,6 +10,12 @@ Environment knobs
                           torch.cuda.is_available(): a GPU-less build box must still be able
                           to build the CUDA kernels.
   DEBUG=1                 -O0 -g instead of -O3 -g0.
+  ATTN_EXT_SANITIZE=1     AddressSanitizer + UndefinedBehaviorSanitizer build of the C++
+                          sources (-O1 -g -fsanitize=address,undefined
+                          -fno-omit-frame-pointer, no -fwrapv, compile and link). The result
+                          must be loaded with the ASan runtime preloaded; `make asan` builds it
+                          into build/asan/ (never over the normal attn_ext/_C*.so) and runs
+                          tests against it. CPU only (CUDA sources are left out).
   MAX_JOBS=N              parallel compile jobs (ninja).
   TORCH_CUDA_ARCH_LIST    defaults to "8.0;9.0" when unset and no GPU is visible.
 """
@@ -25,10 +31,14 @@ from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEBUG = os.environ.get("DEBUG", "0") == "1"
+SANITIZE = os.environ.get("ATTN_EXT_SANITIZE", "0") == "1"
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
 PY_LIMITED_API = "cp310"  # one build serves every CPython >= 3.10
 
 
 def _want_cuda():
+    if SANITIZE:
+        return False
     forced = os.environ.get("ATTN_EXT_CUDA")
     if forced is not None:
         if forced not in ("0", "1"):
@@ -55,6 +65,11 @@ def _extension():
     opt = ["-O0", "-g"] if DEBUG else ["-O3", "-g0"]
     cxx = opt + ["-std=c++20", "-fopenmp", "-DPy_LIMITED_API=0x030A0000"]
     link = ["-fopenmp"]
+    if SANITIZE:
+        # -O1 -g keeps the reports readable; -fno-wrapv (Python's flags add -fwrapv) lets
+        # UBSan see signed overflow in index arithmetic.
+        cxx = ["-O1", "-g", "-fno-wrapv"] + SANITIZE_FLAGS + cxx[2:]
+        link = link + SANITIZE_FLAGS
     kwargs = dict(
         name="attn_ext._C",
         sources=sources,

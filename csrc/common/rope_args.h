@@ -59,7 +59,8 @@ inline RopeParams make_rope_params(const at::Tensor& x, const at::Tensor& cos,
     p.pos_batch_stride = per_batch ? pos.stride(0) : 0;
     p.pos_row_stride = pos.stride(-1);
   } else if (p.S > 0) {
-    TORCH_CHECK(offset >= 0 && offset + p.S <= p.S_max, "offset + S = ", offset, " + ", p.S,
+    // offset <= S_max - S, not offset + S <= S_max: a huge offset must not wrap around.
+    TORCH_CHECK(offset >= 0 && offset <= p.S_max - p.S, "offset + S = ", offset, " + ", p.S,
                 " must lie in [0, cos.size(0) = ", p.S_max,
                 "] (the cos/sin tables have no rows past that)");
   }

@@ -64,7 +64,8 @@ inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 template <typename scalar_t, typename acc_t>
 inline void convert_row(const scalar_t* src, int64_t n, acc_t* dst) {
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(acc_t));
+    // (n == 0 may come with src == nullptr (D = 0): memcpy from nullptr is UB even for 0 bytes)
+    if (n > 0) std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(acc_t));
   } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
     if (mk::cpu_has_avx2_fma()) {
       mk::bf16_to_float_avx2(reinterpret_cast<const uint16_t*>(src), n, dst);

@@ -237,7 +237,8 @@ void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, in
     for (int64_t ii = 0; ii < t.nq; ++ii) {
       const int64_t c = hh * t.nq + ii;
       const int64_t i = t.i0 + ii;
-      const bool seen = l[c] > acc_t(0);  // false: the row sees no key
+      // l == 0 exactly: the row sees no key; NaN (a NaN/inf input) stays NaN in out and lse.
+      const bool seen = l[c] != acc_t(0);
       const acc_t inv = seen ? acc_t(1) / l[c] : acc_t(0);
       scalar_t* orow = out + t.b * p.out_batch_stride + i * p.out_row_stride + h * p.out_head_stride;
       const acc_t* src = o + c * Dvp;

@@ -32,7 +32,8 @@ namespace {
 ATTN_AVX2 inline __m256 exp2_ps(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-126.0f);
   const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(127.0f));
+  // (max/min return their second operand for NaN: x goes second so NaN stays NaN.)
+  x = _mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(lo, x));
   const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(x, n);
   __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
