@@ -11,6 +11,8 @@ deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
 	@$(PYTHON) -c "import ninja, pytest, hypothesis, numpy" 2>/dev/null || \
 		$(PIP) install -q ninja pytest hypothesis numpy
+	@# bdist_wheel / PEP 660 editable builds without isolation need setuptools >= 70.1 (or wheel)
+	@$(PYTHON) -c "import setuptools.command.bdist_wheel" 2>/dev/null || $(PIP) install -q "setuptools>=70.1"
 
 # --no-build-isolation: build against the torch installed above, not a fresh one
 install: deps
