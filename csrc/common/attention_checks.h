@@ -126,4 +126,27 @@ inline AttentionParams make_attention_params(const at::Tensor& q, const at::Tens
   return p;
 }
 
+// Fills the backward params (forward params plus dout/out/lse/gradient pointers and strides)
+// in one place for the CPU and CUDA adapters. lse must be contiguous (B, H, Sq).
+inline AttentionBwdParams make_attention_bwd_params(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
+    const at::Tensor& dv, const AttentionShape& s, bool causal, std::optional<double> scale) {
+  AttentionBwdParams bp{};
+  bp.fwd = make_attention_params(q, k, v, at::Tensor(), at::Tensor(), s, causal, scale);
+  bp.dout = dout.data_ptr();
+  bp.out = out.data_ptr();
+  bp.lse = lse.data_ptr();
+  bp.dout_batch_stride = dout.stride(0);
+  bp.dout_row_stride = dout.stride(1);
+  bp.dout_head_stride = dout.stride(2);
+  bp.o_batch_stride = out.stride(0);
+  bp.o_row_stride = out.stride(1);
+  bp.o_head_stride = out.stride(2);
+  bp.dq = dq.data_ptr();
+  bp.dk = dk.data_ptr();
+  bp.dv = dv.data_ptr();
+  return bp;
+}
+
 }  // namespace attn_ext

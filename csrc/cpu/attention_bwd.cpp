@@ -326,20 +326,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     return {dq, dk, dv};
   }
   const at::Tensor lse = lse_in.contiguous();
-  AttentionBwdParams bp{};
-  bp.fwd = make_attention_params(q, k, v, at::Tensor(), at::Tensor(), s, causal, scale);
-  bp.dout = dout.data_ptr();
-  bp.out = out.data_ptr();
-  bp.lse = lse.data_ptr();
-  bp.dout_batch_stride = dout.stride(0);
-  bp.dout_row_stride = dout.stride(1);
-  bp.dout_head_stride = dout.stride(2);
-  bp.o_batch_stride = out.stride(0);
-  bp.o_row_stride = out.stride(1);
-  bp.o_head_stride = out.stride(2);
-  bp.dq = dq.data_ptr();
-  bp.dk = dk.data_ptr();
-  bp.dv = dv.data_ptr();
+  AttentionBwdParams bp =
+      make_attention_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, s, causal, scale);
   if (s.Sk == 0) {  // no key: every row is empty, dq = 0
     dq.zero_();
     return {dq, dk, dv};

@@ -186,20 +186,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   const at::Tensor lse = lse_in.contiguous();
   // delta_i = rowsum(dO_i * O_i), (B, H, Sq) in the accumulation type (lse's dtype)
   at::Tensor delta = at::empty({s.B, s.H, s.Sq}, lse.options());
-  AttentionBwdParams bp{};
-  bp.fwd = make_attention_params(q, k, v, at::Tensor(), at::Tensor(), s, causal, scale);
-  bp.dout = dout.data_ptr();
-  bp.out = out.data_ptr();
-  bp.lse = lse.data_ptr();
-  bp.dout_batch_stride = dout.stride(0);
-  bp.dout_row_stride = dout.stride(1);
-  bp.dout_head_stride = dout.stride(2);
-  bp.o_batch_stride = out.stride(0);
-  bp.o_row_stride = out.stride(1);
-  bp.o_head_stride = out.stride(2);
-  bp.dq = dq.data_ptr();
-  bp.dk = dk.data_ptr();
-  bp.dv = dv.data_ptr();
+  AttentionBwdParams bp =
+      make_attention_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, s, causal, scale);
   dispatch_cuda_type(q.scalar_type(), "attention_backward", [&](auto tag) {
     using T = decltype(tag);
     C10_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(bp, delta.data_ptr(), stream));
