@@ -63,7 +63,7 @@ bench: install
 
 # nvcc compile-only of every csrc/**/*.cu for sm_80 and sm_90 (no GPU needed)
 cuda-check: deps
-	$(PYTHON) tools/cuda_check.py --arch 80,90 --fail-on-spill fa2_fwd_kernel
+	$(PYTHON) tools/cuda_check.py --arch 80,90 --fail-on-spill fa2_
 
 cpp: deps
 	cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$$($(PYTHON) -c 'import torch; print(torch.utils.cmake_prefix_path)')"

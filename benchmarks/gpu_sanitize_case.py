@@ -1,6 +1,6 @@
 """A few small attention calls for compute-sanitizer (memcheck / racecheck) on the GPU machine:
-the fast forward (both head dims, causal and not, ragged tile ends, Sq > Sk), the simple
-forward (forced and odd head dims) and the simple backward. Checks nothing itself beyond
+the fast forward and the fast backward (both head dims, causal and not, ragged tile ends,
+Sq > Sk, GQA), the simple forward (forced and odd head dims) and the simple backward. Checks nothing itself beyond
 finiteness; the sanitizer's report is the result.
 
   compute-sanitizer --tool memcheck python benchmarks/gpu_sanitize_case.py [--fast-only]
@@ -29,12 +29,16 @@ for B, Sq, Sk, H, Hkv, D, Dv, dt in cases:
     v = torch.randn(B, Sk, Hkv, Dv, device=dev).to(dt)
     for causal in (False, True):
         out, lse = op.attention_forward(q, k, v, causal, None)
+        dout = torch.randn_like(out)
+        grads = op.attention_backward(dout, q, k, v, out, lse, causal, None)  # fast for 16-bit
+        assert all(torch.isfinite(g).all() for g in grads)
         if not fast_only:
             os.environ["ATTN_EXT_CUDA_ATTN"] = "simple"
             out2, _ = op.attention_forward(q, k, v, causal, None)
             del os.environ["ATTN_EXT_CUDA_ATTN"]
-            dout = torch.randn_like(out)
+            os.environ["ATTN_EXT_CUDA_ATTN"] = "simple"
             grads = op.attention_backward(dout, q, k, v, out, lse, causal, None)
+            del os.environ["ATTN_EXT_CUDA_ATTN"]
             assert all(torch.isfinite(g).all() for g in grads)
         assert not torch.isnan(out).any()
 torch.cuda.synchronize()

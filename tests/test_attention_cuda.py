@@ -1,12 +1,13 @@
 """CUDA-only checks of the attention kernels (csrc/cuda/attention*.cu): the fast fp16/bf16
 forward (FA2-style, head dims 64 and 128) against the simple CUDA kernel and against the
 float64 reference, on the shapes where the two kernels differ most (tile boundaries, Sq != Sk,
-rows without keys, GQA, strided views), plus the dispatch rules (misaligned inputs fall back
-to the simple kernel) and the simple backward. The generic value / gradient tests of
+rows without keys, GQA, strided views), the fast FA2-style backward against the simple
+backward and float64 autograd, the dispatch rules (misaligned inputs, deterministic mode and
+ATTN_EXT_CUDA_ATTN=simple fall back to the simple kernels) and NaN propagation. The generic value / gradient tests of
 tests/test_attention.py also run on CUDA through the `device` fixture.
 
 Every test skips without a GPU; nothing queries the GPU at import time.
-ATTN_EXT_CUDA_ATTN=simple forces the simple forward kernel (read by the op at each call).
+ATTN_EXT_CUDA_ATTN=simple forces the simple kernels (read by the ops at each call).
 """
 
 from __future__ import annotations
@@ -281,14 +282,29 @@ def test_backward_float64_tight(cuda):
 
 
 def test_backward_deterministic(cuda):
-    q = randn(2, 130, 4, 64, dtype=torch.bfloat16, device=cuda)
-    k = randn(2, 130, 1, 64, dtype=torch.bfloat16, device=cuda)
-    v = randn(2, 130, 1, 64, dtype=torch.bfloat16, device=cuda)
-    dout = randn(2, 130, 4, 64, dtype=torch.bfloat16, device=cuda)
+    """The fast backward accumulates dq with fp32 atomics (dk, dv are written once per CTA);
+    torch.use_deterministic_algorithms(True) selects the simple kernels, bitwise repeatable."""
+    q = randn(2, 330, 4, 64, dtype=torch.bfloat16, device=cuda)
+    k = randn(2, 330, 1, 64, dtype=torch.bfloat16, device=cuda)
+    v = randn(2, 330, 1, 64, dtype=torch.bfloat16, device=cuda)
+    dout = randn(2, 330, 4, 64, dtype=torch.bfloat16, device=cuda)
     out, lse = fwd(q, k, v, True)
-    a = torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, True, None)
-    b = torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, True, None)
-    for x, y in zip(a, b):
+
+    def bwd():
+        return torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, True, None)
+
+    a, b = bwd(), bwd()
+    assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])  # dk, dv: no atomics
+    assert max_err(a[0], b[0]) <= 2.0 ** -6  # dq: atomics may reorder fp32 sums
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        names = kernel_names(bwd)
+        assert did_not_run(names, "fa2_bwd_kernel"), names
+        c, d = bwd(), bwd()
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    for x, y in zip(c, d):
         assert torch.equal(x, y)
 
 
@@ -342,3 +358,112 @@ def test_split_kv_rows_without_keys(cuda):
     v = randn(1, 520, 2, 64, dtype=torch.bfloat16, device=cuda)
     out, lse = fwd(q, k, v, True)
     check_fwd(out, lse, q, k, v, True, name="split causal")
+
+
+# ---- the fast (tensor-core) backward --------------------------------------------------------
+
+
+def bwd(dout, q, k, v, out, lse, causal, scale=None):
+    return torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def bwd_simple(monkeypatch, *args):
+    with monkeypatch.context() as m:
+        m.setenv("ATTN_EXT_CUDA_ATTN", "simple")
+        return bwd(*args)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fast_backward_vs_simple_vs_reference(shape, dtype, D, causal, cuda, monkeypatch):
+    """The FA2-style backward (key tiles of 128, query tiles of 64, GQA walk, rows without
+    keys) against float64 autograd through the reference (the tolerance rule, 3x like the
+    simple backward) and against the simple backward on the same inputs."""
+    B, Sq, Sk, H, Hkv = shape
+    q = randn(B, Sq, H, D, dtype=dtype, device=cuda)
+    k = randn(B, Sk, Hkv, D, dtype=dtype, device=cuda)
+    v = randn(B, Sk, Hkv, D, dtype=dtype, device=cuda)
+    dout = randn(B, Sq, H, D, dtype=dtype, device=cuda)
+    out, lse = fwd(q, k, v, causal)
+    names = kernel_names(lambda: bwd(dout, q, k, v, out, lse, causal))
+    assert ran(names, "fa2_bwd_kernel"), names
+    grads = bwd(dout, q, k, v, out, lse, causal)
+    simple = bwd_simple(monkeypatch, dout, q, k, v, out, lse, causal)
+    _, *g64 = _grads(q, k, v, dout, causal, torch.float64)
+    _, *glow = _grads(q, k, v, dout, causal, dtype)
+    for name, ours, s_, r64, rlow in zip(("dq", "dk", "dv"), grads, simple, g64, glow):
+        assert ours.dtype == dtype and ours.is_contiguous() and ours.shape == r64.shape
+        assert torch.isfinite(ours).all(), f"{name}: not finite"
+        assert_close_rule(ours, r64, rlow, name=f"fast {name}", factor=3.0)
+        assert_close_rule(s_, r64, rlow, name=f"simple {name}", factor=3.0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+def test_fast_backward_long_and_strided(dtype, causal, cuda):
+    """Many query tiles per key tile (both Q/dO buffers cycle), a packed-QKV layout (strided
+    heads) and a non-contiguous dout; custom scale."""
+    B, S, H, D = 2, 700, 4, 64
+    qkv = randn(B, S, 3 * H * D, dtype=dtype, device=cuda)
+    q, k, v = qkv.view(B, S, 3, H, D).unbind(2)
+    dout = randn(B, H, S, D, dtype=dtype, device=cuda).transpose(1, 2)  # strided rows
+    scale = 0.3
+    out, lse = fwd(q, k, v, causal, scale)
+    names = kernel_names(lambda: bwd(dout, q, k, v, out, lse, causal, scale))
+    assert ran(names, "fa2_bwd_kernel"), names
+    grads = bwd(dout, q, k, v, out, lse, causal, scale)
+
+    def ref_grads(dt):
+        qq, kk, vv = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        o, _ = reference.attention_with_lse(qq, kk, vv, causal, scale)
+        o.backward(dout.to(dt))
+        return qq.grad, kk.grad, vv.grad
+
+    for name, ours, r64, rlow in zip(("dq", "dk", "dv"), grads, ref_grads(torch.float64),
+                                     ref_grads(dtype)):
+        assert_close_rule(ours, r64, rlow, name=name, factor=3.0)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_fast_backward_dispatch(D, cuda, monkeypatch):
+    """fp16/bf16 with D in {64, 128} and 16-byte aligned rows -> fa2_bwd_kernel; a misaligned
+    dout, fp32, or another head dim -> the simple kernels; both give the same gradients."""
+    q, k, v, dout = [randn(1, 150, 2, D, dtype=torch.bfloat16, device=cuda) for _ in range(4)]
+    out, lse = fwd(q, k, v, True)
+    names = kernel_names(lambda: bwd(dout, q, k, v, out, lse, True))
+    assert ran(names, "fa2_bwd_kernel") and did_not_run(names, "simple_bwd"), names
+    fast = bwd(dout, q, k, v, out, lse, True)
+    buf = torch.empty(dout.numel() + 1, dtype=dout.dtype, device=cuda)
+    dout_mis = buf[1:].view_as(dout).copy_(dout)  # one element off 16-byte alignment
+    names = kernel_names(lambda: bwd(dout_mis, q, k, v, out, lse, True))
+    assert ran(names, "simple_bwd") and did_not_run(names, "fa2_bwd_kernel"), names
+    slow = bwd(dout_mis, q, k, v, out, lse, True)
+    for a, b in zip(fast, slow):
+        assert max_err(a, b) <= 2.0 ** -5
+    simple = bwd_simple(monkeypatch, dout, q, k, v, out, lse, True)
+    for a, b in zip(fast, simple):
+        assert max_err(a, b) <= 2.0 ** -5
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "simple"])
+def test_nan_propagates_on_cuda(fast, cuda, monkeypatch):
+    """A NaN in one query row makes exactly that row's output and lse NaN (not 0, not -inf),
+    as on the CPU; a NaN in a key reaches the rows that see it."""
+    q, k, v = [randn(1, 80, 2, 64, dtype=torch.bfloat16, device=cuda) for _ in range(3)]
+    if not fast:
+        monkeypatch.setenv("ATTN_EXT_CUDA_ATTN", "simple")
+    clean, clean_lse = fwd(q, k, v, True)
+    qb = q.clone()
+    qb[0, 5, 1, 3] = float("nan")
+    out, lse = fwd(qb, k, v, True)
+    assert torch.isnan(out[0, 5, 1]).all() and torch.isnan(lse[0, 1, 5])
+    mask = torch.ones_like(out, dtype=torch.bool)
+    mask[0, 5, 1] = False
+    assert torch.equal(out[mask], clean[mask])
+    kb = k.clone()
+    kb[0, 40, 0, 0] = float("nan")
+    out = fwd(q, kb, v, True)[0]
+    assert torch.isnan(out[0, 40:, 0]).all()
+    assert torch.isfinite(out[0, :40, 0]).all() and torch.isfinite(out[0, :, 1]).all()

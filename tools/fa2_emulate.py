@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""CPU emulation of csrc/cuda/attention_fwd_kernel.cuh, lane by lane, to check its fragment
-index math (ldmatrix / ldmatrix.trans addresses, mma.m16n8k16 fragment maps, P register
-reuse), tile loop, masking, online softmax and epilogue without a GPU.
+"""CPU emulation of csrc/cuda/attention_fwd_kernel.cuh and attention_bwd_kernel.cuh, lane by
+lane, to check their fragment index math (ldmatrix / ldmatrix.trans addresses, mma.m16n8k16
+fragment maps, register reuse of P and dS^T, the dS^T round trip through shared memory), tile
+loops, masking, online softmax, GQA head walk and epilogues without a GPU.
 
 The PTX semantics emulated (PTX ISA, "Matrix fragments for mma.m16n8k16" and "ldmatrix"):
   ldmatrix .x4: lanes 8i..8i+7 give the row addresses of 8x8 matrix i; lane l receives, in
@@ -146,7 +147,7 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse):
             l = row_sum[r].copy()
             l = l + l[lane ^ 1]
             l = l + l[lane ^ 2]
-            empty = ~(l > 0)
+            empty = l == 0
             inv = np.where(empty, 0.0, 1.0 / np.where(empty, 1.0, l))
             row = row_a if r == 0 else row_b
             for ln in range(32):
@@ -156,6 +157,186 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse):
                         out[row[ln], c: c + 2] = acc_o[t, ln, 2 * r: 2 * r + 2] * inv[ln]
                     if ln & 3 == 0:
                         lse[row[ln]] = -math.inf if empty[ln] else (row_max[r][ln] + math.log2(l[ln])) * math.log(2.0)
+
+
+def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, causal, scale, n_block, dq_acc, dk, dv):
+    """One CTA (key tile n_block, one kv head) of fa2_bwd_kernel. q, do: (group, Sq, D) (the
+    query heads of the kv head); k, v: (Sk, D); lse, delta: (group, Sq); dq_acc: (group, Sq, D)
+    accumulated; dk, dv: (Sk, D) written for this tile's keys."""
+    kBlockM, kBlockN, kWarps = 64, 128, 8
+    kStride, kDsStride = D + 8, kBlockM + 8
+    kQSub, kSubTiles, kDTiles = 32, 4, D // 8
+    kDqCols = D // (kWarps // (kBlockM // 16))
+    kDqChunk = 32 if kDqCols % 32 == 0 else kDqCols  # the kernel requires D in {64, 128}
+    group = q.shape[0]
+    n0 = n_block * kBlockN
+    diag = Sk - Sq
+    m_begin = 0
+    if causal:
+        first_row = n0 - diag
+        m_begin = first_row // kBlockM if first_row > 0 else 0
+    m_end = (Sq + kBlockM - 1) // kBlockM
+    n_m = max(m_end - m_begin, 0)
+    steps = group * n_m
+
+    def load_rows(g, row0, nrows, rows):
+        s = np.full((rows, kStride), np.nan)
+        for r in range(rows):
+            s[r, :D] = g[row0 + r] if row0 + r < nrows else 0.0
+        return s
+
+    sK = load_rows(k, n0, Sk, kBlockN)
+    sV = load_rows(v, n0, Sk, kBlockN)
+    log2e = 1.0 / math.log(2.0)
+    scale_log2 = scale * log2e
+    lane = np.arange(32)
+    lrow = (lane & 7) + ((lane >> 3) & 1) * 8
+    lcol = (lane >> 4) * 8
+    krow = (lane & 7) + (lane >> 4) * 8
+    kcol = ((lane >> 3) & 1) * 8
+    g_, c2 = lane >> 2, (lane & 3) * 2
+    acc_dk = np.zeros((kWarps, kDTiles, 32, 4))
+    acc_dv = np.zeros((kWarps, kDTiles, 32, 4))
+    for st in range(steps):
+        h = st // n_m
+        m0 = (m_begin + st % n_m) * kBlockM
+        sQb = load_rows(q[h], m0, Sq, kBlockM)
+        sdOb = load_rows(do[h], m0, Sq, kBlockM)
+        sLseb = np.array([(math.inf if lse[h, m0 + t] == -math.inf else lse[h, m0 + t] * log2e)
+                          if m0 + t < Sq else math.inf for t in range(kBlockM)])
+        sDeltab = np.array([delta[h, m0 + t] if m0 + t < Sq else 0.0 for t in range(kBlockM)])
+        sdS = np.full((kBlockN, kDsStride), np.nan)
+        need_mask = (n0 + kBlockN > Sk) or (m0 + kBlockM > Sq) or (causal and n0 + kBlockN - 1 > m0 + diag)
+        key_lim = min(Sk - n0, kBlockN)
+        row_lim = min(Sq - m0, kBlockM)
+        diag_lim = min(max(m0 + diag - n0, -2 * kBlockN), 2 * kBlockN) if causal else 0
+        for warp in range(kWarps):
+            for qs in range(kBlockM // kQSub):
+                q0 = qs * kQSub
+                s = np.zeros((kSubTiles, 32, 4))
+                dp = np.zeros((kSubTiles, 32, 4))
+                for kk in range(D // 16):
+                    ak = ldmatrix_x4(sK, [(warp * 16 + lrow[l], kk * 16 + lcol[l]) for l in range(32)])
+                    av = ldmatrix_x4(sV, [(warp * 16 + lrow[l], kk * 16 + lcol[l]) for l in range(32)])
+                    for nn in range(kQSub // 16):
+                        bq = ldmatrix_x4(sQb, [(q0 + nn * 16 + krow[l], kk * 16 + kcol[l]) for l in range(32)])
+                        bo = ldmatrix_x4(sdOb, [(q0 + nn * 16 + krow[l], kk * 16 + kcol[l]) for l in range(32)])
+                        mma(s[2 * nn], ak, bq[:, 0], bq[:, 1])
+                        mma(s[2 * nn + 1], ak, bq[:, 2], bq[:, 3])
+                        mma(dp[2 * nn], av, bo[:, 0], bo[:, 1])
+                        mma(dp[2 * nn + 1], av, bo[:, 2], bo[:, 3])
+                for t in range(kSubTiles):
+                    for e in range(4):
+                        qc = q0 + t * 8 + c2 + (e & 1)  # (32,)
+                        with np.errstate(over="ignore", invalid="ignore"):
+                            pr = np.exp2(s[t, :, e] * scale_log2 - sLseb[qc])
+                            ds = pr * (dp[t, :, e] - sDeltab[qc])
+                        if need_mask:
+                            kr = warp * 16 + g_ + (e >> 1) * 8
+                            ok = (kr < key_lim) & (qc < row_lim) & ((not causal) | (kr - qc <= diag_lim))
+                            pr = np.where(ok, pr, 0.0)
+                            ds = np.where(ok, ds, 0.0)
+                        s[t, :, e] = pr
+                        dp[t, :, e] = ds
+                for kk in range(kQSub // 16):
+                    ap = np.zeros((32, 4, 2))
+                    ads = np.zeros((32, 4, 2))
+                    for i, (tt, lo) in enumerate(((2 * kk, 0), (2 * kk, 2), (2 * kk + 1, 0), (2 * kk + 1, 2))):
+                        ap[:, i] = s[tt][:, lo: lo + 2]
+                        ads[:, i] = dp[tt][:, lo: lo + 2]
+                    qk = q0 + kk * 16
+                    for l in range(32):
+                        r = warp * 16 + g_[l]
+                        c = qk + c2[l]
+                        sdS[r, c: c + 2] = ads[l, 0]
+                        sdS[r + 8, c: c + 2] = ads[l, 1]
+                        sdS[r, c + 8: c + 10] = ads[l, 2]
+                        sdS[r + 8, c + 8: c + 10] = ads[l, 3]
+                    for dd in range(D // 16):
+                        bo = ldmatrix_x4(sdOb, [(qk + lrow[l], dd * 16 + lcol[l]) for l in range(32)], trans=True)
+                        mma(acc_dv[warp, 2 * dd], ap, bo[:, 0], bo[:, 1])
+                        mma(acc_dv[warp, 2 * dd + 1], ap, bo[:, 2], bo[:, 3])
+                    for dd in range(D // 16):
+                        bq = ldmatrix_x4(sQb, [(qk + lrow[l], dd * 16 + lcol[l]) for l in range(32)], trans=True)
+                        mma(acc_dk[warp, 2 * dd], ads, bq[:, 0], bq[:, 1])
+                        mma(acc_dk[warp, 2 * dd + 1], ads, bq[:, 2], bq[:, 3])
+        # __syncthreads(): dS^T complete
+        for warp in range(kWarps):
+            dq_row0 = (warp % (kBlockM // 16)) * 16
+            dq_col0 = (warp // (kBlockM // 16)) * kDqCols
+            for dc in range(0, kDqCols, kDqChunk):
+                acc_dq = np.zeros((kDqChunk // 8, 32, 4))
+                for kk in range(kBlockN // 16):
+                    a = ldmatrix_x4(sdS, [(kk * 16 + krow[l], dq_row0 + kcol[l]) for l in range(32)], trans=True)
+                    for dd in range(kDqChunk // 16):
+                        bk = ldmatrix_x4(sK, [(kk * 16 + lrow[l], dq_col0 + dc + dd * 16 + lcol[l])
+                                              for l in range(32)], trans=True)
+                        mma(acc_dq[2 * dd], a, bk[:, 0], bk[:, 1])
+                        mma(acc_dq[2 * dd + 1], a, bk[:, 2], bk[:, 3])
+                for r in range(2):
+                    for l in range(32):
+                        row = m0 + dq_row0 + g_[l] + 8 * r
+                        if row < Sq:
+                            for t in range(kDqChunk // 8):
+                                col = dq_col0 + dc + c2[l] + t * 8
+                                dq_acc[h, row, col] += scale * acc_dq[t, l, 2 * r]
+                                dq_acc[h, row, col + 1] += scale * acc_dq[t, l, 2 * r + 1]
+    for warp in range(kWarps):
+        for r in range(2):
+            for l in range(32):
+                key = n0 + warp * 16 + g_[l] + 8 * r
+                if key < Sk:
+                    for t in range(kDTiles):
+                        col = c2[l] + t * 8
+                        dk[key, col: col + 2] = scale * acc_dk[warp, t, l, 2 * r: 2 * r + 2]
+                        dv[key, col: col + 2] = acc_dv[warp, t, l, 2 * r: 2 * r + 2]
+
+
+def reference_bwd(q, k, v, do, causal, scale):
+    """Gradients of out = softmax(scale q k^T (masked)) v for the query heads q (group, Sq, D)
+    sharing k, v (Sk, D); returns out, lse, dq, dk, dv."""
+    dq = np.zeros_like(q)
+    dk = np.zeros_like(k)
+    dv = np.zeros_like(v)
+    outs, lses = [], []
+    Sq, Sk = q.shape[1], k.shape[0]
+    for h in range(q.shape[0]):
+        out, lse = reference(q[h], k, v, causal, scale)
+        s = q[h] @ k.T * scale
+        if causal:
+            i = np.arange(Sq)[:, None]
+            j = np.arange(Sk)[None, :]
+            s = np.where(j <= i + (Sk - Sq), s, -np.inf)
+        with np.errstate(invalid="ignore"):
+            p = np.where(np.isfinite(lse)[:, None], np.exp(s - np.where(np.isfinite(lse), lse, 0)[:, None]), 0.0)
+        dp = do[h] @ v.T
+        ds = p * (dp - (do[h] * out).sum(1, keepdims=True))
+        dq[h] = scale * ds @ k
+        dk += scale * ds.T @ q[h]
+        dv += p.T @ do[h]
+        outs.append(out)
+        lses.append(lse)
+    return np.stack(outs), np.stack(lses), dq, dk, dv
+
+
+def check_bwd(rng, Sq, Sk, D, group, causal) -> bool:
+    q = rng.standard_normal((group, Sq, D))
+    do = rng.standard_normal((group, Sq, D))
+    k, v = rng.standard_normal((Sk, D)), rng.standard_normal((Sk, D))
+    scale = 1 / math.sqrt(D)
+    out, lse, r_dq, r_dk, r_dv = reference_bwd(q, k, v, do, causal, scale)
+    delta = (do * out).sum(-1)  # fa2_bwd_delta_kernel
+    dq = np.zeros_like(q)
+    dk = np.full_like(k, np.nan)
+    dv = np.full_like(v, np.nan)
+    for n_block in range((Sk + 127) // 128):
+        fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, causal, scale, n_block, dq, dk, dv)
+    errs = [np.abs(a - b).max() if not np.isnan(a).any() else np.inf
+            for a, b in ((dq, r_dq), (dk, r_dk), (dv, r_dv))]
+    ok = max(errs) < 1e-9
+    print(f"bwd Sq={Sq:4d} Sk={Sk:4d} D={D:3d} group={group} causal={causal!s:5}: dq err {errs[0]:.2e}, "
+          f"dk err {errs[1]:.2e}, dv err {errs[2]:.2e}  {'ok' if ok else 'MISMATCH'}")
+    return ok
 
 
 def reference(q, k, v, causal, scale):
@@ -194,6 +375,11 @@ def main() -> int:
         bad += not ok
         print(f"Sq={Sq:4d} Sk={Sk:4d} D={D:3d} causal={causal!s:5}: out err {e_out:.2e}, "
               f"lse err {e_lse:.2e}, -inf rows match {same_inf}  {'ok' if ok else 'MISMATCH'}")
+    for Sq, Sk, D, group, causal in [(64, 128, 64, 1, False), (70, 130, 64, 2, True),
+                                     (130, 70, 64, 1, True), (100, 37, 128, 1, False),
+                                     (5, 200, 64, 1, True), (65, 1, 64, 1, True),
+                                     (140, 150, 128, 2, True)]:
+        bad += not check_bwd(rng, Sq, Sk, D, group, causal)
     return 1 if bad else 0
 
 

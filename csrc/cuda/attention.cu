@@ -21,15 +21,26 @@
 // ATTN_EXT_CUDA_ATTN=simple in the environment (read at each call) skips 0 and 1: tests use
 // it to compare the kernels on the same inputs.
 // Head dims above 256 are rejected with an error naming the argument.
-// Backward: always the simple kernels (dQ per query row, then dK/dV per key row; no atomics,
-// deterministic). A fast FA2 backward is not written yet.
+// Backward dispatch:
+//   1. fast FA2-style tensor-core backward (fa2::launch_fa2_bwd, attention_bwd_kernel.cuh)
+//      under the same conditions as the fast forward (with dout also 16-byte aligned with
+//      strides multiples of 8) and when its shared memory fits the device (155 KiB at
+//      D = 128: not on sm_86 / sm_89 / sm_120), unless torch.use_deterministic_algorithms(True)
+//      is set: its dQ is accumulated with fp32 atomics, so its dq is not bitwise reproducible
+//      (dk, dv are).
+//   2. otherwise the simple kernels (dQ per query row, then dK/dV per key row; no atomics,
+//      deterministic), any dtype and head dim <= 256.
+// ATTN_EXT_CUDA_ATTN=simple forces the simple kernels here too.
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -120,6 +131,35 @@ bool use_fast_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   return !force_simple();
 }
 
+// The device's opt-in shared memory per block (bytes), cached per device; 0 if unknown.
+int max_smem_optin(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices] = {};  // 0: not queried yet
+  if (device < 0 || device >= kMaxDevices) return 0;
+  int v = cache[device].load(std::memory_order_relaxed);
+  if (v > 0) return v;
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear it; the simple kernels need no opt-in
+    return 0;
+  }
+  cache[device].store(v, std::memory_order_relaxed);
+  return v;
+}
+
+bool use_fast_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, const AttentionParams& p) {
+  const auto dt = q.scalar_type();
+  if (dt != at::kHalf && dt != at::kBFloat16) return false;
+  if (p.D != p.Dv || (p.D != 64 && p.D != 128)) return false;
+  if (p.Sk <= 0 || p.Sq <= 0) return false;
+  if (!aligned16(q) || !aligned16(k) || !aligned16(v) || !aligned16(dout)) return false;
+  if (!cuda::fa2::bwd_fast_grid_ok(p)) return false;
+  if (at::globalContext().deterministicAlgorithms()) return false;
+  // 155 KiB at D = 128: more than sm_86 / sm_89 / sm_120 allow per block
+  if (cuda::fa2::bwd_smem_bytes(p.D) > max_smem_optin(q.device().index())) return false;
+  return !force_simple();
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q,
                                                           const at::Tensor& k,
                                                           const at::Tensor& v, bool causal,
@@ -188,10 +228,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   at::Tensor delta = at::empty({s.B, s.H, s.Sq}, lse.options());
   AttentionBwdParams bp =
       make_attention_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, s, causal, scale);
+  const bool fast = use_fast_backward(dout, q, k, v, bp.fwd);
+  at::Tensor dq_accum;
+  if (fast) dq_accum = at::zeros({s.B, s.Sq, s.H, s.D}, lse.options());  // fp32 atomics target
   dispatch_cuda_type(q.scalar_type(), "attention_backward", [&](auto tag) {
     using T = decltype(tag);
+    if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
+      if (fast) {
+        C10_CUDA_CHECK(cuda::fa2::launch_fa2_bwd<T>(bp, delta.data_ptr<float>(),
+                                                    dq_accum.data_ptr<float>(), stream));
+        return;
+      }
+    }
     C10_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(bp, delta.data_ptr(), stream));
   });
+  if (fast) dq.copy_(dq_accum);
   return {dq, dk, dv};
 }
 

@@ -3,6 +3,7 @@
 //   attention_simple.cu        simple::launch_simple_fwd / launch_simple_bwd, every dtype
 //   attention_fa2_hdim64.cu    fa2::launch_fa2_fwd_impl<T, 64, causal>,  T = __half, bf16
 //   attention_fa2_hdim128.cu   fa2::launch_fa2_fwd_impl<T, 128, causal>
+//   attention_fa2_bwd_hdim64.cu / attention_fa2_bwd_hdim128.cu   fa2::launch_fa2_bwd_impl
 // Each returns the launch's error code; the caller checks it. No ATen types.
 #pragma once
 
@@ -56,6 +57,38 @@ cudaError_t launch_fa2_fwd(const AttentionParams& p, cudaStream_t stream) {
   }
   return p.causal ? launch_fa2_fwd_impl<T, 128, true>(p, stream)
                   : launch_fa2_fwd_impl<T, 128, false>(p, stream);
+}
+
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, float* dq_accum,
+                                cudaStream_t stream);
+
+// Backward grid (key tiles of 128, Hkv, B).
+// Dynamic shared memory of fa2_bwd_kernel (BwdTraits<D>::kSmemBytes; the instantiating .cu
+// files static_assert that they agree): the adapter compares it with the device's opt-in limit.
+constexpr int bwd_smem_bytes(int64_t head_dim) {
+  return static_cast<int>(((2 * 128 + 4 * 64) * (head_dim + 8) + 128 * (64 + 8)) * 2 + 4 * 64 * 4);
+}
+
+// Each CTA walks (H / Hkv) x (query tiles of 64) steps, counted in 32 bits.
+inline bool bwd_fast_grid_ok(const AttentionParams& p) {
+  const int64_t n_blocks = (p.Sk + 127) / 128;
+  const int64_t steps = (p.H / p.Hkv) * ((p.Sq + 63) / 64);
+  return n_blocks <= 0x7fffffff && steps <= 0x7fffffff && p.Hkv <= 65535 && p.B <= 65535;
+}
+
+// T = __half or __nv_bfloat16; D == Dv in {64, 128} (the caller checked). delta: (B, H, Sq)
+// fp32 workspace; dq_accum: (B, Sq, H, D) fp32, zeroed; the caller converts it to dq.
+template <typename T>
+cudaError_t launch_fa2_bwd(const AttentionBwdParams& bp, float* delta, float* dq_accum,
+                           cudaStream_t stream) {
+  const bool causal = bp.fwd.causal;
+  if (bp.fwd.D == 64) {
+    return causal ? launch_fa2_bwd_impl<T, 64, true>(bp, delta, dq_accum, stream)
+                  : launch_fa2_bwd_impl<T, 64, false>(bp, delta, dq_accum, stream);
+  }
+  return causal ? launch_fa2_bwd_impl<T, 128, true>(bp, delta, dq_accum, stream)
+                : launch_fa2_bwd_impl<T, 128, false>(bp, delta, dq_accum, stream);
 }
 }  // namespace fa2
 

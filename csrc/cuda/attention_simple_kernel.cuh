@@ -155,7 +155,7 @@ __device__ __forceinline__ void write_row(const AttentionParams& p, int64_t b, i
                                           const acc_t (&o)[kCols]) {
   T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + i * p.out_row_stride +
            h * p.out_head_stride;
-  const bool empty = !(l > 0);  // no key seen: out 0, lse -inf
+  const bool empty = l == 0;  // no key seen: out 0, lse -inf (a NaN sum stays NaN)
   const acc_t inv = empty ? acc_t(0) : acc_t(1) / l;
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {

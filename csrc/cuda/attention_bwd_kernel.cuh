@@ -1,0 +1,424 @@
+// Fast attention backward for fp16 / bf16 on sm_80+ (FlashAttention-2 algorithm, our own code).
+// Pointers, strides and a stream; no ATen types. The adapter (attention.cu) decides when this
+// kernel applies (bwd_fast_supported there) and otherwise runs the simple kernels.
+//
+//   from q, k, v, out, dout (layouts of AttentionBwdParams) and the forward's lse (B, H, Sq):
+//   dk, dv (B, Sk, Hkv, D) in T, and dq accumulated in an fp32 workspace dq_accum
+//   (B, Sq, H, D), zeroed by the caller and converted to T by the caller afterwards.
+//   Requirements (checked by the adapter): D == Dv in {64, 128}; q, k, v, dout base pointers
+//   16-byte aligned and their batch/row/head strides multiples of 8 elements.
+//
+// Algorithm (P = softmax(scale * Q K^T), dS = P o (dP - delta), delta_i = rowsum(dO_i o O_i)):
+//   1. fa2_bwd_delta_kernel: delta (B, H, Sq) fp32, one warp per query row.
+//   2. fa2_bwd_kernel: one CTA per (key tile of kBlockN = 128 keys, kv head, batch); 8 warps,
+//      warp w owns keys [16 w, 16 w + 16) of the tile. K and V are loaded once; the CTA walks
+//      every query head of its kv-head group (GQA) and, for each, the query tiles of
+//      kBlockM = 64 rows that see some key of the tile (causal: rows i >= n0 - (Sk - Sq)).
+//      Q, dO, lse and delta tiles are double-buffered (cp.async prefetch of the next tile).
+//      Per query tile, all in the transposed ("key-major") orientation so that every product
+//      whose M dimension is keys keeps its left operand in registers:
+//        S^T  = K Q^T                 (A = K from shared, B = Q rows: plain ldmatrix)
+//        P^T  = exp2(S^T * scale log2e - lse log2e)   (masked entries 0)
+//        dP^T = V dO^T                (A = V from shared, B = dO rows)
+//        dS^T = P^T o (dP^T - delta)
+//        dV  += P^T dO                (A = P^T in registers, B = dO via ldmatrix.trans)
+//        dK  += dS^T Q                (A = dS^T in registers, B = Q via ldmatrix.trans)
+//        dQ  += dS K                  (dS^T goes through shared memory; A = dS by
+//                                      ldmatrix.trans, B = K by ldmatrix.trans; fp32 atomics)
+//      dK and dV stay in registers for the whole CTA and are written once at the end (scaled
+//      by `scale`), so they are deterministic; dQ's atomics are not (the adapter runs the
+//      simple, deterministic kernels when torch.use_deterministic_algorithms(True) is set).
+//
+// Tile choice: kBlockN = 128 keys x kBlockM = 64 queries, 256 threads. The dK and dV
+// accumulators (16 keys x D per warp: 2 x D/2 fp32 registers) are the largest register users;
+// 16 keys per warp keeps them at 128 registers at D = 128, and 8 warps share each Q/dO tile
+// loaded to shared memory (twice the reuse of a 64-key tile). Shared rows are padded by 16
+// bytes (row stride D + 8, dS^T row stride 64 + 8) for conflict-free ldmatrix. Shared memory:
+// (2 x 128 + 4 x 64) x (D + 8) x 2 + 128 x 72 x 2 + 1 KiB = 91 KiB at D = 64, 155 KiB at
+// D = 128 (fits sm_80 / sm_90's opt-in limits of 163 / 227 KiB, not the 99 KiB of sm_86 /
+// sm_89 / sm_120: the adapter checks the device's limit and otherwise runs the simple
+// kernels). Registers (ptxas): about 200 at D = 64, 255 at D = 128, so 1 CTA (8 warps) per
+// SM at both head dims.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/attention_params.h"
+#include "cuda/mma_ptx.cuh"
+
+namespace attn_ext {
+namespace cuda {
+namespace fa2 {
+
+template <int kHeadDim_>
+struct BwdTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;   // query rows per step
+  static constexpr int kBlockN = 128;  // keys per CTA (8 warps x 16)
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kMinBlocks = 1;  // 255 registers; smem allows 2 CTAs/SM at D = 64 anyway
+  static constexpr int kStride = kHeadDim + 8;  // padded Q/K/V/dO shared row, elements
+  static constexpr int kDsStride = kBlockM + 8;  // padded dS^T shared row, elements
+  // dQ = dS K: warp w computes query rows [16 (w % 4), +16) x head-dim columns
+  // [(w / 4) kHeadDim / 2, +kHeadDim / 2).
+  static constexpr int kDqCols = kHeadDim / (kWarps / (kBlockM / 16));
+  static constexpr int kSmemElems = (2 * kBlockN + 4 * kBlockM) * kStride + kBlockN * kDsStride;
+  static constexpr int kSmemBytes = kSmemElems * 2 + 4 * kBlockM * 4;  // + lse, delta (x2)
+  static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of 16");
+  static_assert(kBlockN == kWarps * 16, "one 16-key slice per warp");
+  static_assert(kDqCols % 16 == 0, "dQ column slices must be whole k16 steps");
+};
+
+// Async-copy rows [row0, row0 + kRows) of a (nrows, kHeadDim) global matrix with row stride
+// `stride` (elements) into a (kRows, kHeadDim + 8) shared tile; rows >= nrows are zero-filled.
+// Consecutive threads copy consecutive 16-byte chunks of a row (coalesced).
+template <typename T, int kHeadDim, int kRows, int kThreads>
+__device__ __forceinline__ void load_rows(T* s, const T* g, int64_t stride, int64_t row0,
+                                          int64_t nrows, int tid) {
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kStride = kHeadDim + 8;
+  static_assert(kRows * kChunksPerRow % kThreads == 0, "whole copy rounds");
+#pragma unroll
+  for (int it = 0; it < kRows * kChunksPerRow / kThreads; ++it) {
+    const int c = it * kThreads + tid;
+    const int r = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * 8;
+    const int64_t gr = row0 + r;
+    const bool valid = gr < nrows;
+    const T* src = g + (valid ? gr : 0) * stride + col;  // a valid address even when unused
+    cp_async_16(smem_addr(s + r * kStride + col), src, valid);
+  }
+}
+
+// delta_i = sum_d dO_i,d * O_i,d in fp32, one warp per row (b, h, i); delta (B, H, Sq).
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(256) fa2_bwd_delta_kernel(AttentionBwdParams bp, float* delta) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= p.B * p.H * p.Sq) return;
+  const int64_t i = row % p.Sq, bh = row / p.Sq, h = bh % p.H, b = bh / p.H;
+  const T* o = static_cast<const T*>(bp.out) + b * bp.o_batch_stride + i * bp.o_row_stride +
+               h * bp.o_head_stride;
+  const T* d = static_cast<const T*>(bp.dout) + b * bp.dout_batch_stride +
+               i * bp.dout_row_stride + h * bp.dout_head_stride;
+  float acc = 0.f;
+#pragma unroll
+  for (int c = lane; c < kHeadDim; c += 32) acc += to_float(o[c]) * to_float(d[c]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) delta[row] = acc;
+}
+
+// grid (key tiles, Hkv, B).
+template <typename T, int kHeadDim, bool kCausal>
+__global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHeadDim>::kMinBlocks)
+    fa2_bwd_kernel(AttentionBwdParams bp, const float* delta, float* dq_accum) {
+  using Tr = BwdTraits<kHeadDim>;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
+  constexpr int kDsStride = Tr::kDsStride, kThreads = Tr::kThreads;
+  constexpr int kQSub = 32;               // query columns per S^T / dP^T pass
+  constexpr int kSubTiles = kQSub / 8;    // n8 tiles of S^T / dP^T per warp and pass
+  constexpr int kDTiles = kHeadDim / 8;  // n8 tiles of dK / dV per warp
+  constexpr int kDqChunk = 32;  // dQ columns per accumulation pass
+  static_assert(Tr::kDqCols % kDqChunk == 0, "whole dQ chunks");
+  const AttentionParams& p = bp.fwd;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);  // (kBlockN, kStride)
+  T* sV = sK + kBlockN * kStride;          // (kBlockN, kStride)
+  T* sQ = sV + kBlockN * kStride;          // 2 x (kBlockM, kStride)
+  T* sdO = sQ + 2 * kBlockM * kStride;     // 2 x (kBlockM, kStride)
+  T* sdS = sdO + 2 * kBlockM * kStride;    // (kBlockN, kDsStride): dS^T, keys x queries
+  float* sLse = reinterpret_cast<float*>(sdS + kBlockN * kDsStride);  // 2 x kBlockM, base 2
+  float* sDelta = sLse + 2 * kBlockM;                                 // 2 x kBlockM
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t hkv = blockIdx.y, b = blockIdx.z;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kBlockN;
+  const int64_t Sq = p.Sq, Sk = p.Sk, H = p.H, D = kHeadDim;
+  const int group = static_cast<int>(H / p.Hkv);
+  const int64_t diag = Sk - Sq;  // causal: row i sees key j iff j <= i + diag
+
+  // query tiles [m_begin, m_end) see some key of this tile
+  int64_t m_begin = 0;
+  if (kCausal) {
+    const int64_t first_row = n0 - diag;  // the first row that sees key n0
+    m_begin = first_row > 0 ? first_row / kBlockM : 0;
+  }
+  const int64_t m_end = (Sq + kBlockM - 1) / kBlockM;
+  // step st = (query head hkv * group + st / n_m, query tile m_begin + st % n_m); 32-bit
+  // (the adapter checks group * n_m < 2^31)
+  const int n_m = static_cast<int>(m_end > m_begin ? m_end - m_begin : 0);
+  const int steps = group * n_m;
+
+  const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
+  const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  load_rows<T, kHeadDim, kBlockN, kThreads>(sK, gK, p.k_row_stride, n0, Sk, tid);
+  load_rows<T, kHeadDim, kBlockN, kThreads>(sV, gV, p.v_row_stride, n0, Sk, tid);
+
+  // Issues the loads of step st (query head, query tile) into buffer st & 1: Q and dO by
+  // cp.async (the caller commits), lse (base 2; -inf and rows past Sq -> +inf, so P = 0) and
+  // delta (rows past Sq -> 0) by plain loads.
+  auto load_step = [&](int st) {
+    const int buf = static_cast<int>(st & 1);
+    const int64_t h = hkv * group + st / n_m;
+    const int64_t m0 = (m_begin + st % n_m) * kBlockM;
+    const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+    const T* gdO = static_cast<const T*>(bp.dout) + b * bp.dout_batch_stride +
+                   h * bp.dout_head_stride;
+    load_rows<T, kHeadDim, kBlockM, kThreads>(sQ + buf * kBlockM * kStride, gQ, p.q_row_stride,
+                                              m0, Sq, tid);
+    load_rows<T, kHeadDim, kBlockM, kThreads>(sdO + buf * kBlockM * kStride, gdO,
+                                              bp.dout_row_stride, m0, Sq, tid);
+    if (tid < kBlockM) {
+      const int64_t row = m0 + tid;
+      float l2 = INFINITY, dl = 0.f;
+      if (row < Sq) {
+        const int64_t idx = (b * H + h) * Sq + row;
+        const float l = static_cast<const float*>(bp.lse)[idx];
+        l2 = l == -INFINITY ? INFINITY : l * kLog2eF;
+        dl = delta[idx];
+      }
+      sLse[buf * kBlockM + tid] = l2;
+      sDelta[buf * kBlockM + tid] = dl;
+    }
+  };
+  if (steps > 0) load_step(0);
+  cp_async_commit();  // K, V and step 0
+
+  float acc_dk[kDTiles][4], acc_dv[kDTiles][4];
+#pragma unroll
+  for (int t = 0; t < kDTiles; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[t][e] = acc_dv[t][e] = 0.f;
+  }
+  const float scale = static_cast<float>(p.scale);
+  const float scale_log2 = scale * kLog2eF;
+
+  // ldmatrix lane offsets (as in the forward): "A-style" rows/cols of a 16x16 block read in
+  // mma A order (matrices: rows +0/+8, then cols +0/+8), "B-style" of a block of two n8 tiles
+  // (matrices: cols +0/+8 of rows +0, then of rows +8).
+  const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8;
+  const int lcol = (lane >> 4) * 8;
+  const int krow = (lane & 7) + (lane >> 4) * 8;
+  const int kcol = ((lane >> 3) & 1) * 8;
+  const int g = lane >> 2, c2 = (lane & 3) * 2;
+  // this warp's keys (rows of S^T): key_a and key_a + 8
+  const int64_t key_a = n0 + warp * 16 + g;
+  // dQ slice of this warp
+  const int dq_row0 = (warp % (kBlockM / 16)) * 16;
+  const int dq_col0 = (warp / (kBlockM / 16)) * Tr::kDqCols;
+
+  for (int st = 0; st < steps; ++st) {
+    const int buf = static_cast<int>(st & 1);
+    const int64_t h = hkv * group + st / n_m;
+    const int64_t m0 = (m_begin + st % n_m) * kBlockM;
+    const T* sQb = sQ + buf * kBlockM * kStride;
+    const T* sdOb = sdO + buf * kBlockM * kStride;
+    const float* sLseb = sLse + buf * kBlockM;
+    const float* sDeltab = sDelta + buf * kBlockM;
+
+    cp_async_wait<0>();
+    __syncthreads();  // step st's tiles are here; every warp is done with step st - 1
+    if (st + 1 < steps) load_step(st + 1);  // into the other buffer (last read in step st - 1)
+    cp_async_commit();
+    const bool need_mask = (n0 + kBlockN > Sk) || (m0 + kBlockM > Sq) ||
+                           (kCausal && n0 + kBlockN - 1 > m0 + diag);
+    // the mask in tile coordinates (32-bit): key n0 + kr and row m0 + qc are kept iff
+    // kr < key_lim, qc < row_lim and (causal) kr - qc <= diag_lim
+    const int key_lim = static_cast<int>(Sk - n0 < kBlockN ? Sk - n0 : kBlockN);
+    const int row_lim = static_cast<int>(Sq - m0 < kBlockM ? Sq - m0 : kBlockM);
+    int diag_lim = 0;
+    if (kCausal) {
+      const int64_t dl = m0 + diag - n0;
+      diag_lim = static_cast<int>(dl < -2 * kBlockN ? -2 * kBlockN : (dl > 2 * kBlockN ? 2 * kBlockN : dl));
+    }
+
+    // The query columns in two halves of kQSub = 32 (halves the live S^T / dP^T registers,
+    // which sit next to the 2 x D/2 dK/dV accumulators; costs a second read of the K and V
+    // A fragments).
+#pragma unroll 1
+    for (int qs = 0; qs < kBlockM / kQSub; ++qs) {
+      const int q0 = qs * kQSub;  // first query column of this half, within the tile
+      // S^T (16 keys x 32 queries per warp) = K Q^T and dP^T = V dO^T
+      float s[kSubTiles][4], dp[kSubTiles][4];
+#pragma unroll
+      for (int t = 0; t < kSubTiles; ++t) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[t][e] = dp[t][e] = 0.f;
+      }
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        uint32_t ak[4], av[4];
+        ldmatrix_x4(smem_addr(sK + (warp * 16 + lrow) * kStride + kk * 16 + lcol), ak);
+        ldmatrix_x4(smem_addr(sV + (warp * 16 + lrow) * kStride + kk * 16 + lcol), av);
+#pragma unroll
+        for (int nn = 0; nn < kQSub / 16; ++nn) {
+          uint32_t bq[4], bo[4];
+          ldmatrix_x4(smem_addr(sQb + (q0 + nn * 16 + krow) * kStride + kk * 16 + kcol), bq);
+          ldmatrix_x4(smem_addr(sdOb + (q0 + nn * 16 + krow) * kStride + kk * 16 + kcol), bo);
+          mma_16816<T>(s[2 * nn], ak, bq[0], bq[1]);
+          mma_16816<T>(s[2 * nn + 1], ak, bq[2], bq[3]);
+          mma_16816<T>(dp[2 * nn], av, bo[0], bo[1]);
+          mma_16816<T>(dp[2 * nn + 1], av, bo[2], bo[3]);
+        }
+      }
+
+      // P^T and dS^T. Accumulator element e of n8 tile t is (key key_a + 8 (e >= 2),
+      // query m0 + q0 + 8 t + c2 + (e & 1)).
+#pragma unroll
+      for (int t = 0; t < kSubTiles; ++t) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qc = q0 + t * 8 + c2 + (e & 1);
+          float pr = fast_exp2(fmaf(s[t][e], scale_log2, -sLseb[qc]));
+          float ds = pr * (dp[t][e] - sDeltab[qc]);
+          if (need_mask) {
+            const int kr = warp * 16 + g + (e >> 1) * 8;
+            const bool ok = kr < key_lim && qc < row_lim && (!kCausal || kr - qc <= diag_lim);
+            // masked: exactly 0, also when v or dout hold inf/NaN (0 * NaN would leak)
+            if (!ok) pr = ds = 0.f;
+          }
+          s[t][e] = pr;
+          dp[t][e] = ds;  // dS^T
+        }
+      }
+
+      // dV += P^T dO and dK += dS^T Q: A from registers (n8 tiles 2kk, 2kk + 1 form a k16
+      // step, as P in the forward), B = dO / Q rows (queries x d, "row") by ldmatrix.trans.
+      // dS^T is also stored (as T) to shared memory for dQ.
+#pragma unroll
+      for (int kk = 0; kk < kQSub / 16; ++kk) {
+        uint32_t ap[4], ads[4];
+        ap[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+        ap[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+        ap[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        ap[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        ads[0] = pack2<T>(dp[2 * kk][0], dp[2 * kk][1]);
+        ads[1] = pack2<T>(dp[2 * kk][2], dp[2 * kk][3]);
+        ads[2] = pack2<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+        ads[3] = pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+        const int qk = q0 + kk * 16;  // first query of this k16 step
+        T* ds_row = sdS + (warp * 16 + g) * kDsStride + qk + c2;
+        *reinterpret_cast<uint32_t*>(ds_row) = ads[0];
+        *reinterpret_cast<uint32_t*>(ds_row + 8 * kDsStride) = ads[1];
+        *reinterpret_cast<uint32_t*>(ds_row + 8) = ads[2];
+        *reinterpret_cast<uint32_t*>(ds_row + 8 * kDsStride + 8) = ads[3];
+#pragma unroll
+        for (int dd = 0; dd < kHeadDim / 16; ++dd) {
+          uint32_t bo[4];
+          ldmatrix_x4_trans(smem_addr(sdOb + (qk + lrow) * kStride + dd * 16 + lcol), bo);
+          mma_16816<T>(acc_dv[2 * dd], ap, bo[0], bo[1]);
+          mma_16816<T>(acc_dv[2 * dd + 1], ap, bo[2], bo[3]);
+        }
+#pragma unroll
+        for (int dd = 0; dd < kHeadDim / 16; ++dd) {
+          uint32_t bq[4];
+          ldmatrix_x4_trans(smem_addr(sQb + (qk + lrow) * kStride + dd * 16 + lcol), bq);
+          mma_16816<T>(acc_dk[2 * dd], ads, bq[0], bq[1]);
+          mma_16816<T>(acc_dk[2 * dd + 1], ads, bq[2], bq[3]);
+        }
+      }
+    }
+    __syncthreads();  // all of dS^T is in shared memory
+
+    // dQ (rows [dq_row0, +16) x cols [dq_col0, +kDqCols) of this warp) = dS K over the 128
+    // keys. A = dS (queries x keys) read from dS^T with ldmatrix.trans ("B-style" offsets:
+    // matrices 1 and 3 are queries +8, 2 and 3 keys +8); B = K (keys x d, "row") by
+    // ldmatrix.trans as V in the forward.
+    // In chunks of kDqChunk = 32 columns (fewer live accumulators next to dK and dV).
+#pragma unroll
+    for (int dc = 0; dc < Tr::kDqCols; dc += kDqChunk) {
+      float acc_dq[kDqChunk / 8][4];
+#pragma unroll
+      for (int t = 0; t < kDqChunk / 8; ++t) acc_dq[t][0] = acc_dq[t][1] = acc_dq[t][2] = acc_dq[t][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4_trans(smem_addr(sdS + (kk * 16 + krow) * kDsStride + dq_row0 + kcol), a);
+#pragma unroll
+        for (int dd = 0; dd < kDqChunk / 16; ++dd) {
+          uint32_t bk[4];
+          ldmatrix_x4_trans(
+              smem_addr(sK + (kk * 16 + lrow) * kStride + dq_col0 + dc + dd * 16 + lcol), bk);
+          mma_16816<T>(acc_dq[2 * dd], a, bk[0], bk[1]);
+          mma_16816<T>(acc_dq[2 * dd + 1], a, bk[2], bk[3]);
+        }
+      }
+      // dq_accum (B, Sq, H, D) += scale * dQ; rows past Sq are skipped
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t row = m0 + dq_row0 + g + 8 * r;
+        if (row < Sq) {
+          float* dst = dq_accum + ((b * Sq + row) * H + h) * D + dq_col0 + dc + c2;
+#pragma unroll
+          for (int t = 0; t < kDqChunk / 8; ++t) {
+            atomicAdd(dst + t * 8, scale * acc_dq[t][2 * r]);
+            atomicAdd(dst + t * 8 + 1, scale * acc_dq[t][2 * r + 1]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // nothing may be in flight when the CTA exits
+
+  // epilogue: dk = scale * acc_dk, dv = acc_dv, (B, Sk, Hkv, D) contiguous; keys past Sk skipped
+  T* gdK = static_cast<T*>(bp.dk);
+  T* gdV = static_cast<T*>(bp.dv);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = key_a + 8 * r;
+    if (key < Sk) {
+      const int64_t off = ((b * Sk + key) * p.Hkv + hkv) * D + c2;
+#pragma unroll
+      for (int t = 0; t < kDTiles; ++t) {
+        *reinterpret_cast<uint32_t*>(gdK + off + t * 8) =
+            pack2<T>(scale * acc_dk[t][2 * r], scale * acc_dk[t][2 * r + 1]);
+        *reinterpret_cast<uint32_t*>(gdV + off + t * 8) =
+            pack2<T>(acc_dv[t][2 * r], acc_dv[t][2 * r + 1]);
+      }
+    }
+  }
+}
+
+// ---- launcher ------------------------------------------------------------------------------
+// Instantiated in attention_fa2_bwd_hdim64.cu / attention_fa2_bwd_hdim128.cu; dispatched from
+// attention_launch.h. delta: (B, H, Sq) fp32 workspace; dq_accum: (B, Sq, H, D) fp32, zeroed.
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, float* dq_accum,
+                                cudaStream_t stream) {
+  using Tr = BwdTraits<kHeadDim>;
+  const AttentionParams& p = bp.fwd;
+  const int64_t rows = p.B * p.H * p.Sq;
+  fa2_bwd_delta_kernel<T, kHeadDim>
+      <<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(bp, delta);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+
+  auto kernel = fa2_bwd_kernel<T, kHeadDim, kCausal>;
+  constexpr int kMaxDevices = 64;  // see launch_fa2_fwd_impl
+  static bool smem_set[kMaxDevices] = {};
+  int dev = 0;
+  e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev >= kMaxDevices || !smem_set[dev]) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             Tr::kSmemBytes);
+    if (e != cudaSuccess) return e;
+    if (dev < kMaxDevices) smem_set[dev] = true;
+  }
+  const dim3 grid(static_cast<unsigned>((p.Sk + Tr::kBlockN - 1) / Tr::kBlockN),
+                  static_cast<unsigned>(p.Hkv), static_cast<unsigned>(p.B));
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(bp, delta, dq_accum);
+  return cudaGetLastError();
+}
+
+}  // namespace fa2
+}  // namespace cuda
+}  // namespace attn_ext
