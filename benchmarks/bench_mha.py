@@ -120,11 +120,15 @@ def main():
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--shapes", default=None,
+                    help="B,S,d,H,Hkv[;B,S,d,H,Hkv...] (default: (4,1024,768,12,12) and its GQA form)")
     args = ap.parse_args()
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     if args.quick:
         shapes = [(2, 128, 128, 4, 4)]
         args.repeats = 2
+    elif args.shapes:
+        shapes = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes.split(";")]
     else:
         shapes = [(4, 1024, 768, 12, 12), (4, 1024, 768, 12, 4)]
     print(f"# bench_mha: torch {torch.__version__}, {torch.get_num_threads()} threads, "
