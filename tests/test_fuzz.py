@@ -26,6 +26,9 @@ import os
 
 import pytest
 import torch
+
+pytest.importorskip("hypothesis")  # the GPU machine has no hypothesis; CI installs it
+
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
