@@ -48,7 +48,7 @@ TO=""; $PY -c "import pytest_timeout" 2>/dev/null && TO="--timeout=60"
 timeout $TT $PY -m pytest -q -p no:cacheprovider $TO tests -k cuda -rfE --durations=8 \
   > "$OUT/test_cuda.log" 2>&1
 rc=$?
-note "tests rc=$rc in $(( SECONDS - t0 )) s: $(grep -E '(passed|failed|error)' "$OUT/test_cuda.log" | tail -1)"
+note "tests rc=$rc in $(( SECONDS - t0 )) s: $(grep -E '(passed|failed|error|skipped)' "$OUT/test_cuda.log" | tail -1)"
 grep -E '^(FAILED|ERROR)' "$OUT/test_cuda.log" | head -20
 
 # ---- 3. benchmark --------------------------------------------------------------------------
