@@ -1,8 +1,10 @@
-// Argument checks and RopeParams filling shared by the CPU and CUDA RoPE adapters.
+// Argument checks, RopeParams filling and the op bodies shared by the CPU and CUDA RoPE
+// adapters (which differ only in the `run(x, cos, params)` that launches their kernel).
 // Every failure names the argument, what was expected and what was given.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <optional>
@@ -86,6 +88,47 @@ inline void add_rope_tensor(RopeParams& p, const at::Tensor& x, const at::Tensor
   t.out_batch_stride = out.stride(0);
   t.out_row_stride = out.stride(1);
   t.out_head_stride = out.stride(2);
+}
+
+// rope / _rope_backward: out = rotate(x) (inverse: by -angle) into a new contiguous tensor.
+template <typename Run>
+at::Tensor rope_out_of_place_with(Run&& run, const at::Tensor& x, const at::Tensor& cos,
+                                  const at::Tensor& sin, const std::optional<at::Tensor>& positions,
+                                  int64_t offset, bool interleaved, bool inverse) {
+  check_rope_input(x, "x");
+  RopeParams p = make_rope_params(x, cos, sin, positions, offset, interleaved, inverse);
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  add_rope_tensor(p, x, out, "x");
+  run(x, cos, p);
+  return out;
+}
+
+// rope_: x rotated in place.
+template <typename Run>
+void rope_inplace_with(Run&& run, const at::Tensor& x, const at::Tensor& cos,
+                       const at::Tensor& sin, const std::optional<at::Tensor>& positions,
+                       int64_t offset, bool interleaved) {
+  check_rope_input(x, "x");
+  RopeParams p = make_rope_params(x, cos, sin, positions, offset, interleaved, false);
+  add_rope_tensor(p, x, x, "x");
+  run(x, cos, p);
+}
+
+// rope_qk_: q and k rotated in place by one kernel run.
+template <typename Run>
+void rope_qk_inplace_with(Run&& run, const at::Tensor& q, const at::Tensor& k,
+                          const at::Tensor& cos, const at::Tensor& sin,
+                          const std::optional<at::Tensor>& positions, int64_t offset,
+                          bool interleaved) {
+  check_rope_input(q, "q");
+  check_rope_input(k, "k");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "k must have q's dtype (", q.scalar_type(),
+              "), got ", k.scalar_type());
+  check_same_device(k, q, "k", "q");
+  RopeParams p = make_rope_params(q, cos, sin, positions, offset, interleaved, false);
+  add_rope_tensor(p, q, q, "q");
+  add_rope_tensor(p, k, k, "k");
+  run(q, cos, p);
 }
 
 }  // namespace attn_ext

@@ -310,20 +310,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
         *reinterpret_cast<uint32_t*>(ds_row + 8 * kDsStride) = ads[1];
         *reinterpret_cast<uint32_t*>(ds_row + 8) = ads[2];
         *reinterpret_cast<uint32_t*>(ds_row + 8 * kDsStride + 8) = ads[3];
-#pragma unroll
-        for (int dd = 0; dd < kHeadDim / 16; ++dd) {
-          uint32_t bo[4];
-          ldmatrix_x4_trans(smem_addr(sdOb + (qk + lrow) * kStride + dd * 16 + lcol), bo);
-          mma_16816<T>(acc_dv[2 * dd], ap, bo[0], bo[1]);
-          mma_16816<T>(acc_dv[2 * dd + 1], ap, bo[2], bo[3]);
-        }
-#pragma unroll
-        for (int dd = 0; dd < kHeadDim / 16; ++dd) {
-          uint32_t bq[4];
-          ldmatrix_x4_trans(smem_addr(sQb + (qk + lrow) * kStride + dd * 16 + lcol), bq);
-          mma_16816<T>(acc_dk[2 * dd], ads, bq[0], bq[1]);
-          mma_16816<T>(acc_dk[2 * dd + 1], ads, bq[2], bq[3]);
-        }
+        mma_a_rowblock<T, kHeadDim, kStride>(acc_dv, ap, sdOb + qk * kStride, lrow, lcol);
+        mma_a_rowblock<T, kHeadDim, kStride>(acc_dk, ads, sQb + qk * kStride, lrow, lcol);
       }
     }
     __syncthreads();  // all of dS^T is in shared memory
@@ -342,14 +330,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
         uint32_t a[4];
         ldmatrix_x4_trans(smem_addr(sdS + (kk * 16 + krow) * kDsStride + dq_row0 + kcol), a);
-#pragma unroll
-        for (int dd = 0; dd < kDqChunk / 16; ++dd) {
-          uint32_t bk[4];
-          ldmatrix_x4_trans(
-              smem_addr(sK + (kk * 16 + lrow) * kStride + dq_col0 + dc + dd * 16 + lcol), bk);
-          mma_16816<T>(acc_dq[2 * dd], a, bk[0], bk[1]);
-          mma_16816<T>(acc_dq[2 * dd + 1], a, bk[2], bk[3]);
-        }
+        mma_a_rowblock<T, kDqChunk, kStride>(acc_dq, a, sK + kk * 16 * kStride + dq_col0 + dc,
+                                             lrow, lcol);
       }
       // dq_accum (B, Sq, H, D) += scale * dQ; rows past Sq are skipped
 #pragma unroll
@@ -401,23 +383,27 @@ cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, floa
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
 
-  auto kernel = fa2_bwd_kernel<T, kHeadDim, kCausal>;
-  constexpr int kMaxDevices = 64;  // see launch_fa2_fwd_impl
-  static bool smem_set[kMaxDevices] = {};
-  int dev = 0;
-  e = cudaGetDevice(&dev);
+  constexpr auto kernel = fa2_bwd_kernel<T, kHeadDim, kCausal>;
+  e = ensure_dynamic_smem<kernel>(Tr::kSmemBytes);
   if (e != cudaSuccess) return e;
-  if (dev >= kMaxDevices || !smem_set[dev]) {
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             Tr::kSmemBytes);
-    if (e != cudaSuccess) return e;
-    if (dev < kMaxDevices) smem_set[dev] = true;
-  }
   const dim3 grid(static_cast<unsigned>((p.Sk + Tr::kBlockN - 1) / Tr::kBlockN),
                   static_cast<unsigned>(p.Hkv), static_cast<unsigned>(p.B));
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(bp, delta, dq_accum);
   return cudaGetLastError();
 }
+
+// One head dim's four kernels (fp16 / bf16 x causal or not), for attention_fa2_bwd_hdim*.cu.
+#define ATTN_EXT_INSTANTIATE_FA2_BWD(D)                                                       \
+  static_assert(BwdTraits<D>::kSmemBytes == bwd_smem_bytes(D),                              \
+                "attention_launch.h's bwd_smem_bytes is stale");                            \
+  template cudaError_t launch_fa2_bwd_impl<__half, D, false>(const AttentionBwdParams&,      \
+                                                             float*, float*, cudaStream_t); \
+  template cudaError_t launch_fa2_bwd_impl<__half, D, true>(const AttentionBwdParams&,       \
+                                                            float*, float*, cudaStream_t);  \
+  template cudaError_t launch_fa2_bwd_impl<__nv_bfloat16, D, false>(                        \
+      const AttentionBwdParams&, float*, float*, cudaStream_t);                              \
+  template cudaError_t launch_fa2_bwd_impl<__nv_bfloat16, D, true>(                         \
+      const AttentionBwdParams&, float*, float*, cudaStream_t);
 
 }  // namespace fa2
 }  // namespace cuda

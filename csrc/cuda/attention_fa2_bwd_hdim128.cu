@@ -1,22 +1,8 @@
-// Instantiations of the fast attention backward (attention_bwd_kernel.cuh) for head dim 128.
+// Instantiations of the fast attention backward (attention_bwd_kernel.cuh) for head dim 128
+// (one head dim per translation unit: a parallel build compiles them side by side).
 #include "cuda/attention_bwd_kernel.cuh"
 #include "cuda/attention_launch.h"
 
-namespace attn_ext {
-namespace cuda {
-namespace fa2 {
-
-static_assert(BwdTraits<128>::kSmemBytes == bwd_smem_bytes(128), "attention_launch.h's bwd_smem_bytes is stale");
-
-#define ATTN_EXT_BWD(T, causal)                                                              \
-  template cudaError_t launch_fa2_bwd_impl<T, 128, causal>(const AttentionBwdParams&, float*, \
-                                                          float*, cudaStream_t);
-ATTN_EXT_BWD(__half, false)
-ATTN_EXT_BWD(__half, true)
-ATTN_EXT_BWD(__nv_bfloat16, false)
-ATTN_EXT_BWD(__nv_bfloat16, true)
-#undef ATTN_EXT_BWD
-
-}  // namespace fa2
-}  // namespace cuda
-}  // namespace attn_ext
+namespace attn_ext::cuda::fa2 {
+ATTN_EXT_INSTANTIATE_FA2_BWD(128)
+}  // namespace attn_ext::cuda::fa2

@@ -262,13 +262,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
       a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
       a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
       a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-      for (int dd = 0; dd < kHeadDim / 16; ++dd) {
-        uint32_t bv[4];
-        ldmatrix_x4_trans(smem_addr(sVb + (kk * 16 + lrow) * kStride + dd * 16 + lcol), bv);
-        mma_16816<T>(acc_o[2 * dd], a, bv[0], bv[1]);
-        mma_16816<T>(acc_o[2 * dd + 1], a, bv[2], bv[3]);
-      }
+      mma_a_rowblock<T, kHeadDim, kStride>(acc_o, a, sVb + kk * 16 * kStride, lrow, lcol);
     }
   }
   // The last committed group is empty; nothing is left in flight.
@@ -301,21 +295,10 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
 template <typename T, int kHeadDim, bool kCausal>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
   using Tr = FwdTraits<kHeadDim>;
-  auto kernel = fa2_fwd_kernel<T, kHeadDim, kCausal>;
-  // Raise the dynamic shared-memory limit (above 48 KiB at D = 128) once per device, not on
-  // every call (keeps the launch path free of extra driver calls, e.g. under graph capture).
-  // Racing first calls from two host threads both set it, which is harmless.
-  constexpr int kMaxDevices = 64;
-  static bool smem_set[kMaxDevices] = {};
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
+  constexpr auto kernel = fa2_fwd_kernel<T, kHeadDim, kCausal>;
+  // above 48 KiB at D = 128: opt in (once per device)
+  const cudaError_t e = ensure_dynamic_smem<kernel>(Tr::kSmemBytes);
   if (e != cudaSuccess) return e;
-  if (dev >= kMaxDevices || !smem_set[dev]) {
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             Tr::kSmemBytes);
-    if (e != cudaSuccess) return e;
-    if (dev < kMaxDevices) smem_set[dev] = true;
-  }
   const dim3 grid(static_cast<unsigned>((p.Sq + Tr::kBlockM - 1) / Tr::kBlockM),
                   static_cast<unsigned>(p.H), static_cast<unsigned>(p.B));
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);

@@ -1,5 +1,6 @@
 // PTX wrappers shared by the tensor-core attention kernels (attention_fwd_kernel.cuh,
-// attention_bwd_kernel.cuh): cp.async, ldmatrix, mma.sync.m16n8k16 (sm_80+), packing and exp2.
+// attention_bwd_kernel.cuh): cp.async, ldmatrix, mma.sync.m16n8k16 (sm_80+), packing and exp2;
+// one warp-level product built from them, and the dynamic shared-memory opt-in of a launch.
 //
 // Fragment maps used throughout (PTX ISA, "Matrix fragments for mma.m16n8k16"; g = lane / 4,
 // c = lane % 4):
@@ -101,6 +102,40 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// acc (16 x kNCols fp32, kNCols / 8 n8 tiles) += a (16 x 16, A fragments) * B, where B is the
+// 16 x kNCols block of a shared tile (row stride kStride elements) starting at `block`, with
+// the k dimension along the tile's rows ("row" layout, read with ldmatrix.trans: matrices
+// rows +0/+8, then columns +8 — the lrow / lcol lane offsets). The forward's O += P V and the
+// backward's dV += P^T dO, dK += dS^T Q and dQ += dS K are all this product.
+template <typename T, int kNCols, int kStride>
+__device__ __forceinline__ void mma_a_rowblock(float (&acc)[kNCols / 8][4], const uint32_t (&a)[4],
+                                               const T* block, int lrow, int lcol) {
+#pragma unroll
+  for (int dd = 0; dd < kNCols / 16; ++dd) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(smem_addr(block + lrow * kStride + dd * 16 + lcol), b);
+    mma_16816<T>(acc[2 * dd], a, b[0], b[1]);
+    mma_16816<T>(acc[2 * dd + 1], a, b[2], b[3]);
+  }
+}
+
+// Raises kKernel's dynamic shared-memory limit to `bytes` once per device, not on every call
+// (keeps the launch path free of extra driver calls, e.g. under graph capture). One flag array
+// per kernel (the kernel is a template argument). Racing first calls from two host threads
+// both set it, which is harmless.
+template <auto kKernel>
+cudaError_t ensure_dynamic_smem(int bytes) {
+  constexpr int kMaxDevices = 64;
+  static bool done[kMaxDevices] = {};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev < kMaxDevices && done[dev]) return cudaSuccess;
+  e = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess && dev < kMaxDevices) done[dev] = true;
+  return e;
 }
 
 }  // namespace fa2

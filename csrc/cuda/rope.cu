@@ -47,51 +47,28 @@ void run_cuda(const at::Tensor& x, const at::Tensor& cos, const RopeParams& p) {
   });
 }
 
-at::Tensor rope_out_of_place_cuda(const at::Tensor& x, const at::Tensor& cos,
-                                  const at::Tensor& sin,
-                                  const std::optional<at::Tensor>& positions, int64_t offset,
-                                  bool interleaved, bool inverse) {
-  check_rope_input(x, "x");
-  RopeParams p = make_rope_params(x, cos, sin, positions, offset, interleaved, inverse);
-  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  add_rope_tensor(p, x, out, "x");
-  run_cuda(x, cos, p);
-  return out;
-}
-
 at::Tensor rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const std::optional<at::Tensor>& positions, int64_t offset,
                      bool interleaved) {
-  return rope_out_of_place_cuda(x, cos, sin, positions, offset, interleaved, false);
+  return rope_out_of_place_with(run_cuda, x, cos, sin, positions, offset, interleaved, false);
 }
 
 at::Tensor rope_backward_cuda(const at::Tensor& grad, const at::Tensor& cos,
                               const at::Tensor& sin, const std::optional<at::Tensor>& positions,
                               int64_t offset, bool interleaved) {
-  return rope_out_of_place_cuda(grad, cos, sin, positions, offset, interleaved, true);
+  return rope_out_of_place_with(run_cuda, grad, cos, sin, positions, offset, interleaved, true);
 }
 
 void rope_inplace_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                        const std::optional<at::Tensor>& positions, int64_t offset,
                        bool interleaved) {
-  check_rope_input(x, "x");
-  RopeParams p = make_rope_params(x, cos, sin, positions, offset, interleaved, false);
-  add_rope_tensor(p, x, x, "x");
-  run_cuda(x, cos, p);
+  rope_inplace_with(run_cuda, x, cos, sin, positions, offset, interleaved);
 }
 
 void rope_qk_inplace_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                           const at::Tensor& sin, const std::optional<at::Tensor>& positions,
                           int64_t offset, bool interleaved) {
-  check_rope_input(q, "q");
-  check_rope_input(k, "k");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "k must have q's dtype (", q.scalar_type(),
-              "), got ", k.scalar_type());
-  check_same_device(k, q, "k", "q");
-  RopeParams p = make_rope_params(q, cos, sin, positions, offset, interleaved, false);
-  add_rope_tensor(p, q, q, "q");
-  add_rope_tensor(p, k, k, "k");
-  run_cuda(q, cos, p);
+  rope_qk_inplace_with(run_cuda, q, k, cos, sin, positions, offset, interleaved);
 }
 
 }  // namespace
