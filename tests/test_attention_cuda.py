@@ -1,5 +1,5 @@
 """CUDA-only checks of the attention kernels (csrc/cuda/attention*.cu): the fast fp16/bf16
-forward (FA2-style, head dims 64 and 128) against the simple CUDA kernel and against the
+forward (FA2-style, head dims 32, 64, 96 and 128) against the simple CUDA kernel and against the
 float64 reference, on the shapes where the two kernels differ most (tile boundaries, Sq != Sk,
 rows without keys, GQA, strided views), the fast FA2-style backward against the simple
 backward and float64 autograd, the dispatch rules (misaligned inputs, deterministic mode and
@@ -105,7 +105,7 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [32, 64, 96, 128])
 @pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_fast_vs_simple_vs_reference(shape, dtype, D, causal, cuda, monkeypatch):
@@ -127,7 +127,7 @@ def test_fast_vs_simple_vs_reference(shape, dtype, D, causal, cuda, monkeypatch)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [32, 64, 96, 128])
 def test_fast_kernel_is_used_and_misaligned_falls_back(D, causal, cuda, monkeypatch):
     B, S, H = 1, 150, 2
     q = randn(B, S, H, D, dtype=torch.bfloat16, device=cuda)

@@ -359,7 +359,8 @@ def main() -> int:
     rng = np.random.default_rng(0)
     bad = 0
     for Sq, Sk, D, causal in [(64, 64, 64, False), (70, 130, 64, True), (130, 70, 16, True),
-                              (5, 200, 32, True), (100, 37, 128, False), (65, 1, 16, True)]:
+                              (5, 200, 32, True), (100, 37, 128, False), (65, 1, 16, True),
+                              (90, 150, 96, True)]:
         q, k, v = (rng.standard_normal((n, D)) for n in (Sq, Sk, Sk))
         scale = 1 / math.sqrt(D)
         out = np.full((Sq, D), np.nan)

@@ -13,7 +13,7 @@
 //      Any dtype and head dim. (The fast kernel's 64-row query tiles would waste most of
 //      their work on one or a few query rows and leave most SMs idle.)
 //   1. fast FA2-style tensor-core kernel (fa2::launch_fa2_fwd) when ALL of:
-//        dtype fp16 or bf16; D == Dv and D in {64, 128}; q, k, v data pointers 16-byte
+//        dtype fp16 or bf16; D == Dv and D in {32, 64, 96, 128}; q, k, v data pointers 16-byte
 //        aligned and their batch/row/head strides multiples of 8 elements; Sk > 0;
 //        B, H <= 65535 (grid y/z).
 //   2. otherwise the simple kernel (simple::launch_simple_fwd): any dtype (fp32, fp64, fp16,
@@ -23,7 +23,7 @@
 // Head dims above 256 are rejected with an error naming the argument.
 // Backward dispatch:
 //   1. fast FA2-style tensor-core backward (fa2::launch_fa2_bwd, attention_bwd_kernel.cuh)
-//      under the same conditions as the fast forward (with dout also 16-byte aligned with
+//      under the fast forward's conditions but D in {64, 128} only (dout also 16-byte aligned with
 //      strides multiples of 8) and when its shared memory fits the device (155 KiB at
 //      D = 128: not on sm_86 / sm_89 / sm_120), unless torch.use_deterministic_algorithms(True)
 //      is set: its dQ is accumulated with fp32 atomics, so its dq is not bitwise reproducible
@@ -124,7 +124,7 @@ bool use_fast_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const AttentionParams& p) {
   const auto dt = q.scalar_type();
   if (dt != at::kHalf && dt != at::kBFloat16) return false;
-  if (p.D != p.Dv || (p.D != 64 && p.D != 128)) return false;
+  if (p.D != p.Dv || !cuda::fa2::fwd_fast_head_dim(p.D)) return false;
   if (p.Sk <= 0 || p.Sq <= 0) return false;
   if (!aligned16(q) || !aligned16(k) || !aligned16(v)) return false;
   if (!cuda::fa2::fwd_fast_grid_ok(p)) return false;

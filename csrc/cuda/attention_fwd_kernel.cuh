@@ -3,7 +3,7 @@
 // kernel applies (fwd_fast_supported) and otherwise runs the simple kernel.
 //
 //   q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, D)  -> out (B, Sq, H, D), lse (B, H, Sq)
-//   Requirements (checked by the adapter): D == Dv in {64, 128}; q/k/v base pointers 16-byte
+//   Requirements (checked by the adapter): D == Dv in {32, 64, 96, 128}; q/k/v base pointers 16-byte
 //   aligned and their batch/row/head strides multiples of 8 elements (every 16-byte chunk
 //   of a row is aligned for cp.async); Sq, Sk > 0.
 //
@@ -24,13 +24,15 @@
 //     few heads (their K/V stay in L2), and within a head the heaviest tiles (last rows, most
 //     keys) launch first.
 //
-// Tile choice (both head dims): kBlockM = 64 x kBlockN = 64, 128 threads. 64 keys per step
+// Tile choice (every head dim): kBlockM = 64 x kBlockN = 64, 128 threads. 64 keys per step
 // give each warp 8 n8 score tiles (32 fp32 registers) and the O accumulator D/8 n8 tiles
 // (64 registers at D = 128), which keeps the kernel under 255 registers without spilling;
 // shared rows are padded by 16 bytes (row stride D + 8 elements), which moves each of the 8
 // rows an ldmatrix phase reads to a different 16-byte bank group (conflict-free without a
-// swizzle). Shared memory: (64 + 4 * 64) rows * (D + 8) * 2 bytes = 45 KiB at D = 64,
-// 85 KiB at D = 128 (2 CTAs per SM on sm_90's 227 KiB).
+// swizzle; at D = 32 and 96 the row stride is 20 words mod 32, which also maps the 8 rows to
+// disjoint bank groups). Shared memory: (64 + 4 * 64) rows * (D + 8) * 2 bytes = 25 KiB at
+// D = 32, 45 KiB at D = 64, 65 KiB at D = 96, 85 KiB at D = 128 (2 CTAs per SM on sm_90's
+// 227 KiB and on the 99 KiB of sm_86 / sm_89 up to D = 64, 1 above).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -304,6 +306,18 @@ cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
+
+// One head dim's four kernels (fp16 / bf16 x causal or not), for attention_fa2_hdim*.cu.
+#define ATTN_EXT_INSTANTIATE_FA2_FWD(D)                                                      \
+  static_assert(FwdTraits<D>::kBlockM == kBlockM, "attention_launch.h's kBlockM is stale");  \
+  template cudaError_t launch_fa2_fwd_impl<__half, D, false>(const AttentionParams&,         \
+                                                             cudaStream_t);                 \
+  template cudaError_t launch_fa2_fwd_impl<__half, D, true>(const AttentionParams&,          \
+                                                            cudaStream_t);                  \
+  template cudaError_t launch_fa2_fwd_impl<__nv_bfloat16, D, false>(const AttentionParams&,  \
+                                                                    cudaStream_t);          \
+  template cudaError_t launch_fa2_fwd_impl<__nv_bfloat16, D, true>(const AttentionParams&,   \
+                                                                   cudaStream_t);
 
 }  // namespace fa2
 }  // namespace cuda

@@ -1,8 +1,7 @@
 // Host-side entry points of the CUDA attention kernels, shared by the ATen adapter
 // (attention.cu) and the translation units that instantiate them:
 //   attention_simple.cu        simple::launch_simple_fwd / launch_simple_bwd, every dtype
-//   attention_fa2_hdim64.cu    fa2::launch_fa2_fwd_impl<T, 64, causal>,  T = __half, bf16
-//   attention_fa2_hdim128.cu   fa2::launch_fa2_fwd_impl<T, 128, causal>
+//   attention_fa2_hdim{32,64,96,128}.cu   fa2::launch_fa2_fwd_impl<T, D, causal>, T = __half, bf16
 //   attention_fa2_bwd_hdim64.cu / attention_fa2_bwd_hdim128.cu   fa2::launch_fa2_bwd_impl
 // Each returns the launch's error code; the caller checks it. No ATen types.
 #pragma once
@@ -48,15 +47,24 @@ inline bool fwd_fast_grid_ok(const AttentionParams& p) {
   return m_blocks <= 0x7fffffff && p.H <= 65535 && p.B <= 65535;
 }
 
-// T = __half or __nv_bfloat16; p.D == p.Dv in {64, 128} (the caller checked).
+// Head dims with a fast forward kernel (attention_fa2_hdim{32,64,96,128}.cu).
+inline bool fwd_fast_head_dim(int64_t d) { return d == 32 || d == 64 || d == 96 || d == 128; }
+
+template <typename T, int kHeadDim>
+cudaError_t launch_fa2_fwd_d(const AttentionParams& p, cudaStream_t stream) {
+  return p.causal ? launch_fa2_fwd_impl<T, kHeadDim, true>(p, stream)
+                  : launch_fa2_fwd_impl<T, kHeadDim, false>(p, stream);
+}
+
+// T = __half or __nv_bfloat16; p.D == p.Dv and fwd_fast_head_dim(p.D) (the caller checked).
 template <typename T>
 cudaError_t launch_fa2_fwd(const AttentionParams& p, cudaStream_t stream) {
-  if (p.D == 64) {
-    return p.causal ? launch_fa2_fwd_impl<T, 64, true>(p, stream)
-                    : launch_fa2_fwd_impl<T, 64, false>(p, stream);
+  switch (p.D) {
+    case 32: return launch_fa2_fwd_d<T, 32>(p, stream);
+    case 64: return launch_fa2_fwd_d<T, 64>(p, stream);
+    case 96: return launch_fa2_fwd_d<T, 96>(p, stream);
+    default: return launch_fa2_fwd_d<T, 128>(p, stream);
   }
-  return p.causal ? launch_fa2_fwd_impl<T, 128, true>(p, stream)
-                  : launch_fa2_fwd_impl<T, 128, false>(p, stream);
 }
 
 template <typename T, int kHeadDim, bool kCausal>
