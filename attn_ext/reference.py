@@ -55,8 +55,10 @@ def attention_with_lse(
     if causal:
         scores = scores.masked_fill(~causal_mask(Sq, Sk, q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (B, H, Sq); -inf for an empty row
-    probs = torch.exp(scores - lse[..., None])
-    probs = torch.nan_to_num(probs, nan=0.0)  # empty rows: exp(-inf - -inf) -> 0
+    # An empty row (every score -inf) has probabilities exp(-inf - 0) = 0, so its output is 0;
+    # a NaN anywhere in a row still makes that row NaN.
+    lse_finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - lse_finite[..., None])
     out = probs @ vh  # (B, H, Sq, Dv)
     return out.transpose(1, 2), lse
 
@@ -76,7 +78,8 @@ def attention_probs(q, k, causal: bool = False, scale: Optional[float] = None) -
     scores = (q.transpose(1, 2) @ k.transpose(1, 2).transpose(-2, -1)) * scale
     if causal:
         scores = scores.masked_fill(~causal_mask(Sq, Sk, q.device), float("-inf"))
-    return torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.exp(scores - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse))
 
 
 # ---------------------------------------------------------------------------------------

@@ -38,6 +38,30 @@ def test_causal_rows_sum_to_one_and_first_token_attends_to_itself():
     assert torch.all(p[..., 0, 0] == 1)
 
 
+def test_empty_rows_are_zero_and_nan_is_not_hidden():
+    """Sq > Sk causal: the first Sq - Sk rows see no key -> output exactly 0, lse -inf,
+    probabilities 0, gradients finite; a NaN in one query row reaches that row only."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 6, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 3, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 3, 2, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    out, lse = ref.attention_with_lse(q, k, v, causal=True)
+    assert torch.equal(out[:, :3], torch.zeros_like(out[:, :3]))
+    assert torch.isneginf(lse[..., :3]).all() and torch.isfinite(lse[..., 3:]).all()
+    probs = ref.attention_probs(q, k, causal=True)
+    assert torch.equal(probs[:, :, :3], torch.zeros_like(probs[:, :, :3]))
+    torch.testing.assert_close(probs[:, :, 3:].sum(-1), torch.ones(1, 2, 3, dtype=torch.float64))
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    qn = q.detach().clone()
+    qn[0, 4, 1, 0] = float("nan")
+    out_n = ref.attention(qn, k.detach(), v.detach(), causal=True)
+    assert torch.isnan(out_n[0, 4, 1]).all()
+    keep = torch.ones_like(out_n, dtype=torch.bool)
+    keep[0, 4, 1] = False
+    assert torch.equal(out_n[keep], out.detach()[keep])
+
+
 def test_causal_mask_matches_textbook_triu_and_aligns_bottom_right():
     s = 5
     textbook = ~torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
