@@ -11,7 +11,8 @@ TFLOP/s count causal attention as 4 * B * S^2 * H * D / 2 forward and 2.5x that 
 Forward + backward: ours is the fast forward plus the FA2-style tensor-core backward
 (attention_bwd_kernel.cuh), timed like SDPA; the simple (non-tensor-core) backward is timed
 once more for reference, on batch 0 only (B = 1), while one call stays under
---max-bwd-seconds. The last column is each row's speed relative to the fastest SDPA backend
+--max-bwd-seconds (that row is the simple forward + the simple backward: ATTN_EXT_CUDA_ATTN=simple
+switches both). The last column is each row's speed relative to the fastest SDPA backend
 for the same S and pass (> 1: we are faster).
 
   python benchmarks/bench_attention_cuda.py [--seqlens 4096,8192,16384] [--reps 10]
@@ -121,18 +122,28 @@ def main() -> int:
             o = attn_ext.attention(qf, kf, vf, causal=True)
             o.backward(dout)
 
-        # validate the fast backward's dq on batch 0, first 512 queries, against fp32 math
+        # validate the fast backward against fp32 math on batch 0: dq of the first 512 query
+        # rows from q, k, v, dout cut to 512 rows (exact: causal rows < 512 see only keys <
+        # 512); dk and dv over the full sequence only while S <= 4096 (the math backward
+        # materialises (H, S, S) fp32 score tensors)
         ours_fb_fast()
-        qr, kr, vr = (t[:1].detach().float().transpose(1, 2).requires_grad_() for t in (q, k, v))
+        cut = S if S <= 4096 else 512
+        qr, kr, vr = (t[:1, :cut].detach().float().transpose(1, 2).requires_grad_()
+                      for t in (q, k, v))
         with sdpa_kernel(SDPBackend.MATH):
             F.scaled_dot_product_attention(qr, kr, vr, is_causal=True).backward(
-                dout[:1].float().transpose(1, 2))
-        e3 = max((qf.grad[:1, :512].float() - qr.grad.transpose(1, 2)[:, :512]).abs().max().item(),
-                 (kf.grad[:1].float() - kr.grad.transpose(1, 2)).abs().max().item())
+                dout[:1, :cut].float().transpose(1, 2))
+        def rel(ours, ref):  # max error relative to the reference's largest entry
+            return ((ours.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+        errs = [rel(qf.grad[:1, :512], qr.grad.transpose(1, 2)[:, :512])]
+        if cut == S:
+            errs += [rel(g[:1], r.grad.transpose(1, 2)) for g, r in ((kf.grad, kr), (vf.grad, vr))]
+        e3 = max(errs)
         del qr, kr, vr
         ms = cuda_time_ms(ours_fb_fast, args.reps)
         rows.append(dict(S=S, B=B, impl="attn_ext", pass_="fwd+bwd", ms=ms,
-                         tflops=flops_fb / ms / 1e9, valid=e3 < 0.1, err=e3))
+                         tflops=flops_fb / ms / 1e9, valid=e3 < 2e-2, err=e3))
         del qf, kf, vf
         if bwd_ok:
             # the simple backward is slow: time it once, on batch 0 only

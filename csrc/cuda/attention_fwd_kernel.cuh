@@ -76,6 +76,7 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t stride, int6
                                           int64_t nrows, int tid) {
   using Tr = FwdTraits<kHeadDim>;
   constexpr int kChunksPerRow = kHeadDim / 8;
+  static_assert(Tr::kBlockN * kChunksPerRow % Tr::kThreads == 0, "whole copy rounds");
   constexpr int kIters = Tr::kBlockN * kChunksPerRow / Tr::kThreads;
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
@@ -291,9 +292,9 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
 }
 
 // ---- launcher ------------------------------------------------------------------------------
-// Instantiated in attention_fa2_hdim64.cu / attention_fa2_hdim128.cu (one head dim per
-// translation unit, so a parallel build compiles them side by side); dispatched from
-// attention_launch.h. T = __half or __nv_bfloat16.
+// Instantiated in attention_fa2_hdim{32,64,96,128}.cu (one head dim per translation unit,
+// so a parallel build compiles them side by side); dispatched from attention_launch.h.
+// T = __half or __nv_bfloat16.
 template <typename T, int kHeadDim, bool kCausal>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
   using Tr = FwdTraits<kHeadDim>;

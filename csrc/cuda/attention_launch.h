@@ -63,7 +63,8 @@ cudaError_t launch_fa2_fwd(const AttentionParams& p, cudaStream_t stream) {
     case 32: return launch_fa2_fwd_d<T, 32>(p, stream);
     case 64: return launch_fa2_fwd_d<T, 64>(p, stream);
     case 96: return launch_fa2_fwd_d<T, 96>(p, stream);
-    default: return launch_fa2_fwd_d<T, 128>(p, stream);
+    case 128: return launch_fa2_fwd_d<T, 128>(p, stream);
+    default: return cudaErrorInvalidValue;  // fwd_fast_head_dim and this switch disagree
   }
 }
 
@@ -95,6 +96,7 @@ cudaError_t launch_fa2_bwd(const AttentionBwdParams& bp, float* delta, float* dq
     return causal ? launch_fa2_bwd_impl<T, 64, true>(bp, delta, dq_accum, stream)
                   : launch_fa2_bwd_impl<T, 64, false>(bp, delta, dq_accum, stream);
   }
+  if (bp.fwd.D != 128) return cudaErrorInvalidValue;
   return causal ? launch_fa2_bwd_impl<T, 128, true>(bp, delta, dq_accum, stream)
                 : launch_fa2_bwd_impl<T, 128, false>(bp, delta, dq_accum, stream);
 }

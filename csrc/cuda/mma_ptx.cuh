@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 namespace attn_ext {
@@ -112,6 +113,7 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
 template <typename T, int kNCols, int kStride>
 __device__ __forceinline__ void mma_a_rowblock(float (&acc)[kNCols / 8][4], const uint32_t (&a)[4],
                                                const T* block, int lrow, int lcol) {
+  static_assert(kNCols % 16 == 0, "whole pairs of n8 tiles");
 #pragma unroll
   for (int dd = 0; dd < kNCols / 16; ++dd) {
     uint32_t b[4];
@@ -128,13 +130,13 @@ __device__ __forceinline__ void mma_a_rowblock(float (&acc)[kNCols / 8][4], cons
 template <auto kKernel>
 cudaError_t ensure_dynamic_smem(int bytes) {
   constexpr int kMaxDevices = 64;
-  static bool done[kMaxDevices] = {};
+  static std::atomic<bool> done[kMaxDevices] = {};
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
-  if (dev < kMaxDevices && done[dev]) return cudaSuccess;
+  if (dev < kMaxDevices && done[dev].load(std::memory_order_relaxed)) return cudaSuccess;
   e = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (e == cudaSuccess && dev < kMaxDevices) done[dev] = true;
+  if (e == cudaSuccess && dev < kMaxDevices) done[dev].store(true, std::memory_order_relaxed);
   return e;
 }
 
