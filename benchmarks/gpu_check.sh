@@ -79,6 +79,15 @@ else
   note "other CUDA tests skipped (budget)"
 fi
 
+# ---- 3c. the demo on the GPU, tiny settings ------------------------------------------------
+if [ "$(left)" -gt 100 ]; then
+  t0=$SECONDS
+  timeout 60 $PY -m attn_ext.demo --device cuda --quick --out "$OUT/demo" > "$OUT/demo.log" 2>&1
+  note "demo --device cuda --quick rc=$? in $(( SECONDS - t0 )) s (log demo.log)"
+else
+  note "demo skipped (budget)"
+fi
+
 # ---- 4. compute-sanitizer ------------------------------------------------------------------
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 if [ -x "$SAN" ]; then
