@@ -20,5 +20,5 @@ def test_fa2_emulation_matches_reference(capsys):
     rc = mod.main()
     out = capsys.readouterr().out
     assert "MISMATCH" not in out, out
-    assert out.count(" ok") == 14, out  # 7 forward + 7 backward cases
+    assert out.count(" ok") == 15, out  # 8 forward + 7 backward cases
     assert rc == 0

@@ -63,7 +63,8 @@ def mma(d, a, b0, b1):
 
 def fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse):
     """One CTA (query tile m_block) of fa2_fwd_kernel for one (b, h); q (Sq, D), k/v (Sk, D)."""
-    kBlockM = kBlockN = 64
+    kBlockM = 64
+    kBlockN = 64 if D <= 128 else 32  # FwdTraits::kBlockN
     kStride = D + 8
     kNTiles, kDTiles = kBlockN // 8, D // 8
     m0 = m_block * kBlockM
@@ -78,13 +79,13 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse):
             lse[r] = -math.inf
         return
 
-    def load_tile(g, row0, nrows):
-        s = np.full((64, kStride), np.nan)  # padding columns never read: NaN would show it
-        for r in range(64):
+    def load_tile(g, row0, nrows, rows):
+        s = np.full((rows, kStride), np.nan)  # padding columns never read: NaN would show it
+        for r in range(rows):
             s[r, :D] = g[row0 + r] if row0 + r < nrows else 0.0
         return s
 
-    sQ = load_tile(q, m0, Sq)
+    sQ = load_tile(q, m0, Sq, kBlockM)
     log2e = 1.0 / math.log(2.0)
     scale_log2 = scale * log2e
     for warp in range(4):
@@ -100,8 +101,8 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse):
         kcol = ((lane >> 3) & 1) * 8
         for n in range(n_tiles):
             n0 = n * kBlockN
-            sKb = load_tile(k, n0, Sk)
-            sVb = load_tile(v, n0, Sk)
+            sKb = load_tile(k, n0, Sk, kBlockN)
+            sVb = load_tile(v, n0, Sk, kBlockN)
             s = np.zeros((kNTiles, 32, 4))
             for kk in range(D // 16):
                 a = ldmatrix_x4(sQ, [(warp * 16 + lrow[l], kk * 16 + lcol[l]) for l in range(32)])
@@ -360,7 +361,7 @@ def main() -> int:
     bad = 0
     for Sq, Sk, D, causal in [(64, 64, 64, False), (70, 130, 64, True), (130, 70, 16, True),
                               (5, 200, 32, True), (100, 37, 128, False), (65, 1, 16, True),
-                              (90, 150, 96, True)]:
+                              (90, 150, 96, True), (70, 100, 256, True)]:
         q, k, v = (rng.standard_normal((n, D)) for n in (Sq, Sk, Sk))
         scale = 1 / math.sqrt(D)
         out = np.full((Sq, D), np.nan)

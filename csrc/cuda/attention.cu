@@ -13,7 +13,8 @@
 //      Any dtype and head dim. (The fast kernel's 64-row query tiles would waste most of
 //      their work on one or a few query rows and leave most SMs idle.)
 //   1. fast FA2-style tensor-core kernel (fa2::launch_fa2_fwd) when ALL of:
-//        dtype fp16 or bf16; D == Dv and D in {32, 64, 96, 128}; q, k, v data pointers 16-byte
+//        dtype fp16 or bf16; D == Dv and D in {32, 64, 96, 128, 256}; its shared memory
+//        fits the device's opt-in limit (99 KiB at D = 256); q, k, v data pointers 16-byte
 //        aligned and their batch/row/head strides multiples of 8 elements; Sk > 0;
 //        B, H <= 65535 (grid y/z).
 //   2. otherwise the simple kernel (simple::launch_simple_fwd): any dtype (fp32, fp64, fp16,
@@ -120,17 +121,6 @@ SplitPlan plan_split(const AttentionParams& p, int device) {
   return plan;
 }
 
-bool use_fast_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const AttentionParams& p) {
-  const auto dt = q.scalar_type();
-  if (dt != at::kHalf && dt != at::kBFloat16) return false;
-  if (p.D != p.Dv || !cuda::fa2::fwd_fast_head_dim(p.D)) return false;
-  if (p.Sk <= 0 || p.Sq <= 0) return false;
-  if (!aligned16(q) || !aligned16(k) || !aligned16(v)) return false;
-  if (!cuda::fa2::fwd_fast_grid_ok(p)) return false;
-  return !force_simple();
-}
-
 // The device's opt-in shared memory per block (bytes), cached per device; 0 if unknown.
 int max_smem_optin(int device) {
   constexpr int kMaxDevices = 64;
@@ -144,6 +134,18 @@ int max_smem_optin(int device) {
   }
   cache[device].store(v, std::memory_order_relaxed);
   return v;
+}
+
+bool use_fast_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const AttentionParams& p) {
+  const auto dt = q.scalar_type();
+  if (dt != at::kHalf && dt != at::kBFloat16) return false;
+  if (p.D != p.Dv || !cuda::fa2::fwd_fast_head_dim(p.D)) return false;
+  if (p.Sk <= 0 || p.Sq <= 0) return false;
+  if (!aligned16(q) || !aligned16(k) || !aligned16(v)) return false;
+  if (!cuda::fa2::fwd_fast_grid_ok(p)) return false;
+  if (cuda::fa2::fwd_smem_bytes(p.D) > max_smem_optin(q.device().index())) return false;
+  return !force_simple();
 }
 
 bool use_fast_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,

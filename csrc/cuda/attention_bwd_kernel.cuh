@@ -74,27 +74,6 @@ struct BwdTraits {
   static_assert(kDqCols % 16 == 0, "dQ column slices must be whole k16 steps");
 };
 
-// Async-copy rows [row0, row0 + kRows) of a (nrows, kHeadDim) global matrix with row stride
-// `stride` (elements) into a (kRows, kHeadDim + 8) shared tile; rows >= nrows are zero-filled.
-// Consecutive threads copy consecutive 16-byte chunks of a row (coalesced).
-template <typename T, int kHeadDim, int kRows, int kThreads>
-__device__ __forceinline__ void load_rows(T* s, const T* g, int64_t stride, int64_t row0,
-                                          int64_t nrows, int tid) {
-  constexpr int kChunksPerRow = kHeadDim / 8;
-  constexpr int kStride = kHeadDim + 8;
-  static_assert(kRows * kChunksPerRow % kThreads == 0, "whole copy rounds");
-#pragma unroll
-  for (int it = 0; it < kRows * kChunksPerRow / kThreads; ++it) {
-    const int c = it * kThreads + tid;
-    const int r = c / kChunksPerRow;
-    const int col = (c % kChunksPerRow) * 8;
-    const int64_t gr = row0 + r;
-    const bool valid = gr < nrows;
-    const T* src = g + (valid ? gr : 0) * stride + col;  // a valid address even when unused
-    cp_async_16(smem_addr(s + r * kStride + col), src, valid);
-  }
-}
-
 // delta_i = sum_d dO_i,d * O_i,d in fp32, one warp per row (b, h, i); delta (B, H, Sq).
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(256) fa2_bwd_delta_kernel(AttentionBwdParams bp, float* delta) {

@@ -24,15 +24,17 @@
 //     few heads (their K/V stay in L2), and within a head the heaviest tiles (last rows, most
 //     keys) launch first.
 //
-// Tile choice (every head dim): kBlockM = 64 x kBlockN = 64, 128 threads. 64 keys per step
-// give each warp 8 n8 score tiles (32 fp32 registers) and the O accumulator D/8 n8 tiles
-// (64 registers at D = 128), which keeps the kernel under 255 registers without spilling;
-// shared rows are padded by 16 bytes (row stride D + 8 elements), which moves each of the 8
+// Tile choice: kBlockM = 64 query rows, 128 threads; kBlockN = 64 keys per step up to
+// D = 128, 32 at D = 256. 64 keys give each warp 8 n8 score tiles (32 fp32 registers) next to
+// the O accumulator's D/8 n8 tiles (64 registers at D = 128); at D = 256 O alone takes 128,
+// so the key step halves to keep S at 16 and the kernel under 255 registers without spilling.
+// Shared rows are padded by 16 bytes (row stride D + 8 elements), which moves each of the 8
 // rows an ldmatrix phase reads to a different 16-byte bank group (conflict-free without a
-// swizzle; at D = 32 and 96 the row stride is 20 words mod 32, which also maps the 8 rows to
-// disjoint bank groups). Shared memory: (64 + 4 * 64) rows * (D + 8) * 2 bytes = 25 KiB at
-// D = 32, 45 KiB at D = 64, 65 KiB at D = 96, 85 KiB at D = 128 (2 CTAs per SM on sm_90's
-// 227 KiB and on the 99 KiB of sm_86 / sm_89 up to D = 64, 1 above).
+// swizzle; the stride is 4 or 20 words mod 32 for every D here, both conflict-free).
+// Shared memory: (64 + 4 * kBlockN) rows * (D + 8) * 2 bytes = 25 / 45 / 65 / 85 KiB at
+// D = 32 / 64 / 96 / 128 and 99 KiB (101376 bytes) at D = 256, which is exactly the opt-in
+// limit of sm_86 / sm_89; the adapter compares it with the device's limit and otherwise runs
+// the simple kernel.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -52,7 +54,9 @@ template <int kHeadDim_>
 struct FwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;  // query rows per CTA (4 warps x 16)
-  static constexpr int kBlockN = 64;  // keys per step
+  // keys per step: 64, or 32 at D = 256 (keeps S at 16 registers next to the 128 of O, and
+  // shared memory at 101 KiB instead of 165)
+  static constexpr int kBlockN = kHeadDim <= 128 ? 64 : 32;
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
   // 2 CTAs per SM: lets ptxas use up to 255 registers (without an explicit minimum it capped
@@ -62,33 +66,7 @@ struct FwdTraits {
   static constexpr int kTile = kBlockN * kStride;  // one K or V buffer, elements
   static constexpr int kSmemBytes = (kBlockM * kStride + 4 * kTile) * 2;
   static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of 16");
-  static_assert(kBlockM == kBlockN, "load_tile assumes equal tile heights");
 };
-
-// ---- tile loads ----------------------------------------------------------------------------
-
-// Async-copy rows [row0, row0 + 64) of a (rows, kHeadDim) global matrix with row stride
-// `stride` (elements) into a (64, kStride) shared tile; rows >= nrows are zero-filled.
-// Thread t copies 16-byte chunks t, t + 128, ...: 16 consecutive threads cover one 256-byte
-// row at D = 128 (8 threads at D = 64), so each warp reads whole rows, coalesced.
-template <typename T, int kHeadDim>
-__device__ __forceinline__ void load_tile(T* s, const T* g, int64_t stride, int64_t row0,
-                                          int64_t nrows, int tid) {
-  using Tr = FwdTraits<kHeadDim>;
-  constexpr int kChunksPerRow = kHeadDim / 8;
-  static_assert(Tr::kBlockN * kChunksPerRow % Tr::kThreads == 0, "whole copy rounds");
-  constexpr int kIters = Tr::kBlockN * kChunksPerRow / Tr::kThreads;
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int c = it * Tr::kThreads + tid;
-    const int r = c / kChunksPerRow;
-    const int col = (c % kChunksPerRow) * 8;
-    const int64_t gr = row0 + r;
-    const bool valid = gr < nrows;
-    const T* src = g + (valid ? gr : 0) * stride + col;  // a valid address even when unused
-    cp_async_16(smem_addr(s + r * Tr::kStride + col), src, valid);
-  }
-}
 
 // ---- the kernel ----------------------------------------------------------------------------
 // grid (num_m_blocks, H, B); blockIdx.x = 0 is the heaviest query tile of its head when causal.
@@ -143,8 +121,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
   }
 
   // prologue: Q and K tile 0 (one group)
-  load_tile<T, kHeadDim>(sQ, gQ, p.q_row_stride, m0, Sq, tid);
-  load_tile<T, kHeadDim>(sK, gK, p.k_row_stride, 0, Sk, tid);
+  load_rows<T, kHeadDim, kBlockM, Tr::kThreads>(sQ, gQ, p.q_row_stride, m0, Sq, tid);
+  load_rows<T, kHeadDim, kBlockN, Tr::kThreads>(sK, gK, p.k_row_stride, 0, Sk, tid);
   cp_async_commit();
 
   float acc_o[kDTiles][4];
@@ -167,7 +145,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
     const T* sVb = sV + buf * Tr::kTile;
 
     // V tile n -> its own group; it lands while S is computed
-    load_tile<T, kHeadDim>(sV + buf * Tr::kTile, gV, p.v_row_stride, n0, Sk, tid);
+    load_rows<T, kHeadDim, kBlockN, Tr::kThreads>(sV + buf * Tr::kTile, gV, p.v_row_stride, n0,
+                                                 Sk, tid);
     cp_async_commit();
     cp_async_wait<1>();  // everything but V tile n: Q and K tile n are here
     __syncthreads();
@@ -197,8 +176,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
     // K tile n + 1 -> the other buffer (last read in step n - 1, before this step's barrier).
     // An empty group on the last step keeps the wait counts uniform.
     if (n + 1 < n_tiles) {
-      load_tile<T, kHeadDim>(sK + (buf ^ 1) * Tr::kTile, gK, p.k_row_stride, n0 + kBlockN, Sk,
-                             tid);
+      load_rows<T, kHeadDim, kBlockN, Tr::kThreads>(sK + (buf ^ 1) * Tr::kTile, gK, p.k_row_stride,
+                                                    n0 + kBlockN, Sk, tid);
     }
     cp_async_commit();
 
@@ -292,7 +271,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
 }
 
 // ---- launcher ------------------------------------------------------------------------------
-// Instantiated in attention_fa2_hdim{32,64,96,128}.cu (one head dim per translation unit,
+// Instantiated in attention_fa2_hdim{32,64,96,128,256}.cu (one head dim per translation unit,
 // so a parallel build compiles them side by side); dispatched from attention_launch.h.
 // T = __half or __nv_bfloat16.
 template <typename T, int kHeadDim, bool kCausal>
@@ -311,6 +290,7 @@ cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
 // One head dim's four kernels (fp16 / bf16 x causal or not), for attention_fa2_hdim*.cu.
 #define ATTN_EXT_INSTANTIATE_FA2_FWD(D)                                                      \
   static_assert(FwdTraits<D>::kBlockM == kBlockM, "attention_launch.h's kBlockM is stale");  \
+  static_assert(FwdTraits<D>::kSmemBytes == fwd_smem_bytes(D), "fwd_smem_bytes is stale");    \
   template cudaError_t launch_fa2_fwd_impl<__half, D, false>(const AttentionParams&,         \
                                                              cudaStream_t);                 \
   template cudaError_t launch_fa2_fwd_impl<__half, D, true>(const AttentionParams&,          \

@@ -1,7 +1,7 @@
 // Host-side entry points of the CUDA attention kernels, shared by the ATen adapter
 // (attention.cu) and the translation units that instantiate them:
 //   attention_simple.cu        simple::launch_simple_fwd / launch_simple_bwd, every dtype
-//   attention_fa2_hdim{32,64,96,128}.cu   fa2::launch_fa2_fwd_impl<T, D, causal>, T = __half, bf16
+//   attention_fa2_hdim{32,64,96,128,256}.cu   fa2::launch_fa2_fwd_impl<T, D, causal>, T = __half, bf16
 //   attention_fa2_bwd_hdim64.cu / attention_fa2_bwd_hdim128.cu   fa2::launch_fa2_bwd_impl
 // Each returns the launch's error code; the caller checks it. No ATen types.
 #pragma once
@@ -47,8 +47,16 @@ inline bool fwd_fast_grid_ok(const AttentionParams& p) {
   return m_blocks <= 0x7fffffff && p.H <= 65535 && p.B <= 65535;
 }
 
-// Head dims with a fast forward kernel (attention_fa2_hdim{32,64,96,128}.cu).
-inline bool fwd_fast_head_dim(int64_t d) { return d == 32 || d == 64 || d == 96 || d == 128; }
+// Head dims with a fast forward kernel (attention_fa2_hdim{32,64,96,128,256}.cu).
+inline bool fwd_fast_head_dim(int64_t d) {
+  return d == 32 || d == 64 || d == 96 || d == 128 || d == 256;
+}
+
+// Dynamic shared memory of fa2_fwd_kernel (FwdTraits<D>::kSmemBytes; the instantiating .cu
+// files static_assert that they agree): the adapter compares it with the device's limit.
+constexpr int fwd_smem_bytes(int64_t head_dim) {
+  return static_cast<int>((64 + 4 * (head_dim <= 128 ? 64 : 32)) * (head_dim + 8) * 2);
+}
 
 template <typename T, int kHeadDim>
 cudaError_t launch_fa2_fwd_d(const AttentionParams& p, cudaStream_t stream) {
@@ -64,6 +72,7 @@ cudaError_t launch_fa2_fwd(const AttentionParams& p, cudaStream_t stream) {
     case 64: return launch_fa2_fwd_d<T, 64>(p, stream);
     case 96: return launch_fa2_fwd_d<T, 96>(p, stream);
     case 128: return launch_fa2_fwd_d<T, 128>(p, stream);
+    case 256: return launch_fa2_fwd_d<T, 256>(p, stream);
     default: return cudaErrorInvalidValue;  // fwd_fast_head_dim and this switch disagree
   }
 }

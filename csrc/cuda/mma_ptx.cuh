@@ -105,6 +105,27 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
   return y;
 }
 
+// Async-copy rows [row0, row0 + kRows) of a (nrows, kHeadDim) global matrix with row stride
+// `stride` (elements) into a (kRows, kHeadDim + 8) shared tile; rows >= nrows are zero-filled.
+// Consecutive threads copy consecutive 16-byte chunks of a row (coalesced).
+template <typename T, int kHeadDim, int kRows, int kThreads>
+__device__ __forceinline__ void load_rows(T* s, const T* g, int64_t stride, int64_t row0,
+                                          int64_t nrows, int tid) {
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kStride = kHeadDim + 8;
+  static_assert(kRows * kChunksPerRow % kThreads == 0, "whole copy rounds");
+#pragma unroll
+  for (int it = 0; it < kRows * kChunksPerRow / kThreads; ++it) {
+    const int c = it * kThreads + tid;
+    const int r = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * 8;
+    const int64_t gr = row0 + r;
+    const bool valid = gr < nrows;
+    const T* src = g + (valid ? gr : 0) * stride + col;  // a valid address even when unused
+    cp_async_16(smem_addr(s + r * kStride + col), src, valid);
+  }
+}
+
 // acc (16 x kNCols fp32, kNCols / 8 n8 tiles) += a (16 x 16, A fragments) * B, where B is the
 // 16 x kNCols block of a shared tile (row stride kStride elements) starting at `block`, with
 // the k dimension along the tile's rows ("row" layout, read with ldmatrix.trans: matrices
