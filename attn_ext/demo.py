@@ -181,7 +181,8 @@ def speed(device: str, seq: int, repeat: int, layers: int = 4, width: int = 256,
 # ---------------------------------------------------------------------------------------
 
 
-def pictures(out_dir: str, rev_models, kback_models, losses, kback_len: int, device: str) -> List[str]:
+def pictures(out_dir: str, rev_models, kback_models, losses, kback_len: int, device: str,
+             k_back: int) -> List[str]:
     try:
         import matplotlib
 
@@ -218,22 +219,32 @@ def pictures(out_dir: str, rev_models, kback_models, losses, kback_len: int, dev
     fig.colorbar(im, ax=ax)
     save(fig, "learned_pe_similarity.png")
 
-    # 3. attention maps of the trained causal RoPE model (K-back task)
+    # 3. attention maps of the trained causal RoPE model (K-back task), every layer and head;
+    # each title gives the head's mean weight on the key exactly k_back positions back
     model = kback_models["rope"]
     x = torch.randint(0, model.head.out_features, (1, kback_len), device=device)
-    attn = model.blocks[-1].attn
+    maps = []
     with torch.no_grad():
         h = model.tok(x)
-        for blk in model.blocks[:-1]:
+        for blk in model.blocks:
+            _, w = blk.attn(blk.ln1(h), need_weights=True)
+            maps.append(w[0].float().cpu())  # (H, S, S)
             h = blk(h)
-        _, w = attn(model.blocks[-1].ln1(h), need_weights=True)
-    w = w[0].float().cpu()  # (H, S, S)
-    fig, axes = plt.subplots(1, w.shape[0], figsize=(3.2 * w.shape[0], 3.2))
-    for hd, ax in enumerate(axes):
-        ax.imshow(w[hd].numpy(), cmap="magma", vmin=0, vmax=1)
-        ax.set(title=f"head {hd}", xlabel="key position", ylabel="query position" if hd == 0 else None)
-    fig.suptitle("Causal attention maps, last layer of the K-back RoPE model "
-                 "(lower triangular; bright = attended)")
+    n_layers, n_heads = len(maps), maps[0].shape[0]
+    fig, axes = plt.subplots(n_layers, n_heads, figsize=(3.0 * n_heads, 3.0 * n_layers),
+                             squeeze=False)
+    rows = torch.arange(k_back, kback_len)
+    for li, w in enumerate(maps):
+        for hd in range(n_heads):
+            ax = axes[li][hd]
+            ax.imshow(w[hd].numpy(), cmap="magma", vmin=0, vmax=1)
+            on_k = float(w[hd, rows, rows - k_back].mean())
+            ax.set_title(f"layer {li} head {hd}: {on_k:.2f} on i-{k_back}", fontsize=9)
+            ax.set(xlabel="key position" if li == n_layers - 1 else None,
+                   ylabel="query position" if hd == 0 else None)
+    fig.suptitle(f"Causal attention maps of the {k_back}-back RoPE model (lower triangular; "
+                 f"bright = attended)\na bright diagonal {k_back} below the main one is a head "
+                 f"that fetches the answer", fontsize=10)
     save(fig, "attention_maps.png")
 
     # 4. loss curves
@@ -369,7 +380,7 @@ def main(argv=None) -> dict:
     print(f"\n[4] TorchScript: saved the RoPE K-back model to {path}, reloaded it, max |diff| on "
           f"length-96 input = {diff:.1e}")
 
-    written = pictures(args.out, rev_models, kback_models, losses, 24, device)
+    written = pictures(args.out, rev_models, kback_models, losses, 24, device, K)
 
     # --- summary ---------------------------------------------------------------------------
     print("\n================ summary ================")
