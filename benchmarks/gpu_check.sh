@@ -55,9 +55,10 @@ grep -E '^(FAILED|ERROR)' "$OUT/test_attention_cuda.log" | head -20
 t0=$SECONDS
 if [ "$(left)" -gt 100 ]; then
   TB=$(( $(left) - 60 )); [ $TB -gt 150 ] && TB=150
+  # headline: bf16 causal D=128, S = 4k, 8k, 16k (the issue's targets)
   timeout $TB $PY benchmarks/bench_attention_cuda.py --json "$OUT/bench.json" \
     > "$OUT/bench.log" 2>&1
-  note "bench rc=$? in $(( SECONDS - t0 )) s (log bench.log)"
+  note "bench (headline) rc=$? in $(( SECONDS - t0 )) s (log bench.log)"
   if [ -f benchmarks/bench_attention.py ] && [ "$(left)" -gt 120 ]; then
     timeout 60 $PY benchmarks/bench_attention.py --device cuda > "$OUT/bench_attention.log" 2>&1
     note "bench_attention.py --device cuda rc=$? (log bench_attention.log)"
@@ -112,9 +113,21 @@ else
   note "compute-sanitizer not found"
 fi
 
+# ---- 5. the full benchmark matrix with whatever time is left --------------------------------
+# bf16/fp16 x causal/full x D 64/128 x S 512..16k; rows are printed as measured, so a timeout
+# keeps what was done (log bench_full.log)
+if [ "$(left)" -gt 45 ]; then
+  t0=$SECONDS
+  timeout $(( $(left) - 20 )) $PY benchmarks/bench_attention_cuda.py --full --reps 5 \
+    --json "$OUT/bench_full.json" > "$OUT/bench_full.log" 2>&1
+  note "bench --full rc=$? in $(( SECONDS - t0 )) s: $(grep -c ' TFLOP/s ' "$OUT/bench_full.log") rows (log bench_full.log)"
+else
+  note "bench --full skipped (budget)"
+fi
+
 # ---- summary (last) ------------------------------------------------------------------------
 printf '\n===== SUMMARY (%d s) =====\n' $SECONDS
 printf '%s\n' "${SUMMARY[@]}"
-[ -f "$OUT/bench.log" ] && sed -n '/^ *S  *B /,$p' "$OUT/bench.log"
+[ -f "$OUT/bench.log" ] && sed -n '/^dtype /,$p' "$OUT/bench.log"
 grep -E "^# " "$OUT/bench.log" 2>/dev/null
 exit 0

@@ -11,7 +11,9 @@ import sys
 
 import torch
 
-import attn_ext  # noqa: F401
+# run from a source checkout (gpu_check.sh builds in place, nothing is installed)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import attn_ext  # noqa: E402,F401
 
 fast_only = "--fast-only" in sys.argv
 op = torch.ops.attn_ext
