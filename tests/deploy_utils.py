@@ -64,3 +64,26 @@ def run_python(code: str, *args: str, with_package: bool = False, timeout: int =
                           timeout=timeout, cwd="/", env=env)
     assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
+
+
+def cmake_configure(build: str) -> None:
+    """Configure CMakeLists.txt against the installed torch's libtorch into `build` (shared by
+    test_cmake_build.py and test_deploy_cpp.py). A CUDA build of torch makes its CMake config
+    look for a complete CUDA toolkit (nvrtc, cuBLAS, ...); where that is missing the tests
+    skip with the reason instead of failing (CI uses the CPU wheel, where it always runs)."""
+    import shutil
+    import subprocess
+
+    import pytest
+    import torch
+
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    proc = subprocess.run(["cmake", "-S", ROOT, "-B", build, *gen,
+                           f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        out = proc.stdout + proc.stderr
+        if torch.version.cuda is not None and "CUDA" in out:
+            pytest.skip("torch is a CUDA build and its CMake config did not find a complete CUDA "
+                        "toolkit: " + " ".join(out.split("CMake Error")[-1].split())[:200])
+        raise AssertionError("cmake configure failed:\n" + out)

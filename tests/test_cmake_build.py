@@ -8,16 +8,15 @@ import sys
 import pytest
 import torch
 
+from deploy_utils import cmake_configure
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
 def test_cmake_builds_pure_cpp_op_library(tmp_path):
     build = os.path.join(ROOT, "build", "cmake-test")
-    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    subprocess.run(["cmake", "-S", ROOT, "-B", build, *gen,
-                    f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
-                   check=True, capture_output=True)
+    cmake_configure(build)
     proc = subprocess.run(["cmake", "--build", build, "--target", "attn_ext_ops"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from deploy_utils import JIT_DEPRECATION, ROOT, tiny_gpt
+from deploy_utils import JIT_DEPRECATION, ROOT, cmake_configure, tiny_gpt
 
 pytestmark = [
     pytest.mark.filterwarnings(JIT_DEPRECATION),
@@ -23,10 +23,7 @@ BUILD = os.path.join(ROOT, "build", "cmake-test")
 
 @pytest.fixture(scope="module")
 def run_model():
-    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    subprocess.run(["cmake", "-S", ROOT, "-B", BUILD, *gen,
-                    f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
-                   check=True, capture_output=True)
+    cmake_configure(BUILD)
     proc = subprocess.run(["cmake", "--build", BUILD, "--target", "run_model"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
