@@ -392,6 +392,19 @@ torch.library.register_autograd(
 # ---------------------------------------------------------------------------------------
 
 
+def _heads_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """3-D ``(B, S, D)`` q/k/v are the single-head form: free ``(B, S, 1, D)`` views.
+    Returns ``(q, k, v, squeeze)``; ``squeeze`` says the caller must drop the head dim again."""
+    if q.dim() != 3:
+        return q, k, v, False
+    if k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            "with 3-D q (B, Sq, D), k and v must be 3-D (B, Sk, D) / (B, Sk, Dv), got "
+            f"k shape {list(k.shape)} and v shape {list(v.shape)}"
+        )
+    return q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), True
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -433,14 +446,7 @@ def attention(
     for float64 inputs. Differentiable in q, k, v through ``out``; the gradient of ``lse`` is
     not propagated (treated as zero).
     """
-    squeeze = q.dim() == 3
-    if squeeze:
-        if k.dim() != 3 or v.dim() != 3:
-            raise ValueError(
-                "with 3-D q (B, Sq, D), k and v must be 3-D (B, Sk, D) / (B, Sk, Dv), got "
-                f"k shape {list(k.shape)} and v shape {list(v.shape)}"
-            )
-        q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
+    q, k, v, squeeze = _heads_4d(q, k, v)
     if return_lse:
         out, lse = _lib.attention_forward(q, k, v, causal, scale)
         return (out.squeeze(2), lse.squeeze(1)) if squeeze else (out, lse)
@@ -452,14 +458,7 @@ def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None
 ) -> torch.Tensor:
     """:func:`attention` with ``causal=True`` (bottom-right aligned mask; see there)."""
-    squeeze = q.dim() == 3
-    if squeeze:
-        if k.dim() != 3 or v.dim() != 3:
-            raise ValueError(
-                "with 3-D q (B, Sq, D), k and v must be 3-D (B, Sk, D) / (B, Sk, Dv), got "
-                f"k shape {list(k.shape)} and v shape {list(v.shape)}"
-            )
-        q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
+    q, k, v, squeeze = _heads_4d(q, k, v)
     out = _lib.causal_attention(q, k, v, scale)
     return out.squeeze(2) if squeeze else out
 

@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(256) fa2_bwd_delta_kernel(AttentionBwdParams b
                i * bp.dout_row_stride + h * bp.dout_head_stride;
   float acc = 0.f;
 #pragma unroll
-  for (int c = lane; c < kHeadDim; c += 32) acc += to_float(o[c]) * to_float(d[c]);
+  for (int c = lane; c < kHeadDim; c += 32) acc += to_acc(o[c]) * to_acc(d[c]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (lane == 0) delta[row] = acc;

@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "common/attention_params.h"
+#include "cuda/elem.cuh"  // AccOf, to_acc, from_acc
 #include "cuda/attention_launch.h"  // kMaxHeadDim, kWarps and the launcher declarations
 
 namespace attn_ext {
@@ -33,37 +34,6 @@ namespace simple {
 constexpr int kCols = kMaxHeadDim / 32;      // output columns per lane
 constexpr double kLog2e = 1.4426950408889634074;
 constexpr double kLn2 = 0.69314718055994530942;
-
-template <typename T>
-struct AccOf {
-  using type = float;
-};
-template <>
-struct AccOf<double> {
-  using type = double;
-};
-
-// Conversions that do not rely on __half / __nv_bfloat16 operators (torch builds with
-// __CUDA_NO_HALF_CONVERSIONS__ and friends).
-__device__ __forceinline__ float to_acc(float x) { return x; }
-__device__ __forceinline__ double to_acc(double x) { return x; }
-__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_acc(float x);
-template <>
-__device__ __forceinline__ float from_acc<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <typename T>
-__device__ __forceinline__ T from_acc(double x) {
-  return x;  // only T = double reaches here
-}
 
 __device__ __forceinline__ float exp2_acc(float x) { return exp2f(x); }
 __device__ __forceinline__ double exp2_acc(double x) { return exp2(x); }
@@ -102,6 +72,24 @@ __device__ __forceinline__ acc_t dot_row(const acc_t* a, const T* b, int64_t n) 
   return s0 + s1;
 }
 
+// acc[c] += sum_{jj < n} w_jj * rows[jj * row_stride + lane + 32 c] for the lane's columns
+// below ncols, where w_jj is lane jj's `w` (a chunk of up to 32 rows, one weight per lane).
+// The forward's o += p v and the backward's dq += ds k, dv += p dout, dk += ds q.
+template <typename T, typename acc_t>
+__device__ __forceinline__ void add_weighted_rows(acc_t (&acc)[kCols], acc_t w, const T* rows,
+                                                  int64_t row_stride, int64_t n, int64_t ncols,
+                                                  int lane) {
+  for (int jj = 0; jj < n; ++jj) {
+    const acc_t wb = __shfl_sync(0xffffffffu, w, jj);
+    const T* r = rows + jj * row_stride;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int64_t d = lane + 32 * c;
+      if (d < ncols) acc[c] += wb * to_acc(r[d]);
+    }
+  }
+}
+
 // Number of keys row i sees: keys [0, key_end(i)). May be <= 0 (the row sees nothing).
 __device__ __forceinline__ int64_t key_end(const AttentionParams& p, int64_t i) {
   if (!p.causal) return p.Sk;
@@ -136,15 +124,7 @@ __device__ __forceinline__ void attend_keys(const AttentionParams& p, const acc_
     for (int c = 0; c < kCols; ++c) o[c] *= corr;
     // pass 3: o += p_j * v_j, lane owns columns lane + 32 c
     const int64_t n = (kend - j0) < 32 ? (kend - j0) : 32;
-    for (int jj = 0; jj < n; ++jj) {
-      const acc_t pb = __shfl_sync(0xffffffffu, pj, jj);
-      const T* vr = v + (j0 + jj) * p.v_row_stride;
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const int64_t d = lane + 32 * c;
-        if (d < p.Dv) o[c] += pb * to_acc(vr[d]);
-      }
-    }
+    add_weighted_rows(o, pj, v + j0 * p.v_row_stride, p.v_row_stride, n, p.Dv, lane);
   }
 }
 
@@ -333,15 +313,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
       ds = pr * (dp - di);
     }
     const int64_t n = (kend - j0) < 32 ? (kend - j0) : 32;
-    for (int jj = 0; jj < n; ++jj) {
-      const acc_t dsb = __shfl_sync(0xffffffffu, ds, jj);
-      const T* kr = k + (j0 + jj) * p.k_row_stride;
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const int64_t d = lane + 32 * c;
-        if (d < p.D) dq[c] += dsb * to_acc(kr[d]);
-      }
-    }
+    add_weighted_rows(dq, ds, k + j0 * p.k_row_stride, p.k_row_stride, n, p.D, lane);
   }
   // dq (B, Sq, H, D) contiguous
   T* dqr = static_cast<T*>(bp.dq) + ((b * p.Sq + i) * p.H + h) * p.D;
@@ -402,18 +374,9 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
         ds = pr * (dp - delta_all[stat + i]);
       }
       const int64_t n = (p.Sq - i0) < 32 ? (p.Sq - i0) : 32;
-      for (int ii = 0; ii < n; ++ii) {
-        const acc_t pb = __shfl_sync(0xffffffffu, pr, ii);
-        const acc_t dsb = __shfl_sync(0xffffffffu, ds, ii);
-        const T* qr = q + (i0 + ii) * p.q_row_stride;
-        const T* gr = dout + (i0 + ii) * bp.dout_row_stride;
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          const int64_t d = lane + 32 * c;
-          if (d < p.Dv) dv[c] += pb * to_acc(gr[d]);
-          if (d < p.D) dk[c] += dsb * to_acc(qr[d]);
-        }
-      }
+      add_weighted_rows(dv, pr, dout + i0 * bp.dout_row_stride, bp.dout_row_stride, n, p.Dv,
+                        lane);
+      add_weighted_rows(dk, ds, q + i0 * p.q_row_stride, p.q_row_stride, n, p.D, lane);
     }
   }
   // dk (B, Sk, Hkv, D), dv (B, Sk, Hkv, Dv) contiguous

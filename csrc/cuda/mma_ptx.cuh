@@ -18,6 +18,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "cuda/elem.cuh"
+
 namespace attn_ext {
 namespace cuda {
 namespace fa2 {
@@ -89,10 +91,6 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
 }
-
-// 16-bit value -> float (torch builds with __CUDA_NO_HALF_CONVERSIONS__: no implicit casts)
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
   float y;

@@ -28,35 +28,10 @@
 #include <cstdint>
 
 #include "common/pos_enc_params.h"
+#include "cuda/elem.cuh"
 
 namespace attn_ext {
 namespace cuda {
-
-// Element <-> math type.
-template <typename T>
-struct RopeMath {
-  using acc = float;
-  __device__ static float to(T v) { return static_cast<float>(v); }
-  __device__ static T from(float v) { return static_cast<T>(v); }
-};
-template <>
-struct RopeMath<double> {
-  using acc = double;
-  __device__ static double to(double v) { return v; }
-  __device__ static double from(double v) { return v; }
-};
-template <>
-struct RopeMath<__half> {
-  using acc = float;
-  __device__ static float to(__half v) { return __half2float(v); }
-  __device__ static __half from(float v) { return __float2half_rn(v); }
-};
-template <>
-struct RopeMath<__nv_bfloat16> {
-  using acc = float;
-  __device__ static float to(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __device__ static __nv_bfloat16 from(float v) { return __float2bfloat16_rn(v); }
-};
 
 // N elements moved as one aligned unit (16 bytes for the vector path).
 template <typename T, int N, int Align>
@@ -68,8 +43,7 @@ constexpr int kAlignOf(int bytes) { return bytes >= 16 ? 16 : bytes; }
 
 template <typename T, typename TT, int V>
 __global__ void rope_kernel(RopeParams p, int units0, int units1, int uph0, int uph1) {
-  using M = RopeMath<T>;
-  using acc = typename M::acc;
+  using acc = typename AccOf<T>::type;
   using XPack = Pack<T, V, kAlignOf(V * int(sizeof(T)))>;
   using TPack = Pack<TT, V, kAlignOf(V * int(sizeof(TT)))>;
   int w = static_cast<int>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -120,11 +94,11 @@ __global__ void rope_kernel(RopeParams p, int units0, int units1, int uph0, int 
       }
 #pragma unroll
       for (int l = 0; l < V; ++l) {
-        const acc c = static_cast<acc>(RopeMath<TT>::to(cv.v[l]));
-        const acc sn = sign * static_cast<acc>(RopeMath<TT>::to(sv.v[l]));
-        const acc x1 = M::to(xx[2 * l]), x2 = M::to(xx[2 * l + 1]);
-        xx[2 * l] = M::from(x1 * c - x2 * sn);
-        xx[2 * l + 1] = M::from(x2 * c + x1 * sn);
+        const acc c = static_cast<acc>(to_acc(cv.v[l]));
+        const acc sn = sign * static_cast<acc>(to_acc(sv.v[l]));
+        const acc x1 = to_acc(xx[2 * l]), x2 = to_acc(xx[2 * l + 1]);
+        xx[2 * l] = from_acc<T>(x1 * c - x2 * sn);
+        xx[2 * l + 1] = from_acc<T>(x2 * c + x1 * sn);
       }
 #pragma unroll
       for (int l = 0; l < V; ++l) {
@@ -138,11 +112,11 @@ __global__ void rope_kernel(RopeParams p, int units0, int units1, int uph0, int 
       XPack x2p = *reinterpret_cast<const XPack*>(x + half + i0);
 #pragma unroll
       for (int l = 0; l < V; ++l) {
-        const acc c = static_cast<acc>(RopeMath<TT>::to(cv.v[l]));
-        const acc sn = sign * static_cast<acc>(RopeMath<TT>::to(sv.v[l]));
-        const acc x1 = M::to(x1p.v[l]), x2 = M::to(x2p.v[l]);
-        x1p.v[l] = M::from(x1 * c - x2 * sn);
-        x2p.v[l] = M::from(x2 * c + x1 * sn);
+        const acc c = static_cast<acc>(to_acc(cv.v[l]));
+        const acc sn = sign * static_cast<acc>(to_acc(sv.v[l]));
+        const acc x1 = to_acc(x1p.v[l]), x2 = to_acc(x2p.v[l]);
+        x1p.v[l] = from_acc<T>(x1 * c - x2 * sn);
+        x2p.v[l] = from_acc<T>(x2 * c + x1 * sn);
       }
       *reinterpret_cast<XPack*>(out + i0) = x1p;
       *reinterpret_cast<XPack*>(out + half + i0) = x2p;

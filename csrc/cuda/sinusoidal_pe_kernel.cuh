@@ -13,22 +13,14 @@
 #include <cstdint>
 
 #include "common/pos_enc_params.h"
+#include "cuda/elem.cuh"
 
 namespace attn_ext {
 namespace cuda {
 
-template <typename T>
-struct Acc {
-  using type = float;
-};
-template <>
-struct Acc<double> {
-  using type = double;
-};
-
 template <typename scalar_t>
 __global__ void sinusoidal_pe_kernel(SinusoidalParams p) {
-  using acc_t = typename Acc<scalar_t>::type;
+  using acc_t = typename AccOf<scalar_t>::type;
   const int64_t pairs = (p.D + 1) / 2;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= pairs) return;
