@@ -13,6 +13,7 @@ from .ops import sinusoidal_pe, sinusoidal_pe_, sinusoidal_table
 from .ops import rope, rope_, rope_qk, rope_cache, rope_inv_freq
 from .ops import attention, causal_attention
 from .ops import attention_weights
+from ._explain import explain
 from .modules import (
     KVCache,
     LearnedPositionalEmbedding,
@@ -35,6 +36,7 @@ __all__ = [
     "rope_cache",
     "rope_inv_freq",
     "attention_weights",
+    "explain",
     "KVCache",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
