@@ -25,12 +25,15 @@ gives the global position of each local token for RoPE / sinusoidal / learned po
 
 With equal chunks every (query chunk, key chunk) pair is fully visible (a ``causal=False``
 kernel call), the diagonal (a ``causal=True`` call, ``Sq == Sk`` so bottom-right is top-left)
-or invisible (skipped); :func:`block_call` is the one place that decides this from global
-positions. Masks and biases that depend on the distance *inside* an off-diagonal block
+or invisible (skipped). :func:`block_call` is the one place that maps a block's global
+positions to the kernel's arguments; it already derives the kernel ``window`` a global window
+needs, but the ops take no window yet, and a band off the diagonal of an unequal block would
+need a negative window edge. Masks and biases that depend on the distance inside a block
 (``window``, ``alibi_slopes``, ``rel_bias``) and ``dropout_p`` (whose keep bit depends on the
-global row and column) need kernels that take the global position of a block's first row and
-key; until the ops have those arguments, these keywords raise ``NotImplementedError``.
-``softcap`` is position-free but not yet an argument of the ops either.
+global row and column) need the attention ops to take the global position of a block's first
+query and key (an offset replacing ``Sk - Sq`` in ``d``); until then these keywords raise
+``NotImplementedError`` before any communication (so no rank is left waiting). ``softcap`` is
+position-free but not yet an argument of the ops either.
 
 Backends: gloo (CPU) is tested; NCCL (GPU) uses the same calls but is untested here.
 """
@@ -38,7 +41,7 @@ Backends: gloo (CPU) is tested; NCCL (GPU) uses the same calls but is untested h
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,6 +54,7 @@ __all__ = [
     "shard_positions",
     "chunk_ids",
     "block_call",
+    "BlockArgs",
     "ring_stats",
 ]
 
@@ -192,62 +196,105 @@ def shard_positions(
 # ---------------------------------------------------------------------------------------
 
 
-def block_call(q_start: int, sq: int, k_start: int, sk: int, causal: bool) -> Optional[bool]:
-    """The kernel call for one block: queries at global positions ``q_start .. q_start+sq-1``
-    against keys at ``k_start .. k_start+sk-1``.
+class BlockArgs(NamedTuple):
+    """The kernel arguments of one block, in the kernel's own (bottom-right) alignment:
+    ``causal`` and ``window = (left, right)`` (-1 unbounded; None = no window argument)."""
 
-    Returns None when no query sees any key (skip the block), otherwise the ``causal`` argument
-    of ``attention_forward``/``attention_backward`` that reproduces the global mask exactly
-    (query at global ``p`` sees key at global ``t`` iff ``t <= p`` when ``causal``).
-    The kernel aligns causal bottom-right (row ``i`` sees key ``j`` iff ``j <= i + sk - sq``),
-    which equals the global rule iff ``q_start - k_start == sk - sq``. A block cut partly
-    through the mask in any other way cannot be expressed with today's kernels and raises
-    (equal chunks never produce one).
+    causal: bool
+    window: Optional[Tuple[int, int]] = None
+
+
+FULL = BlockArgs(False, None)
+
+
+def block_call(
+    q_start: int, sq: int, k_start: int, sk: int, causal: bool, window: Optional[Tuple[int, int]] = None
+) -> Optional[BlockArgs]:
+    """The one rule that maps a block's global positions to the kernel's arguments.
+
+    The block: queries at global positions ``q_start .. q_start+sq-1`` against keys at
+    ``k_start .. k_start+sk-1``. Globally (DESIGN.md, with ``d = p_query - p_key``) a pair is
+    visible iff ``d >= 0`` when ``causal`` and ``-right <= d <= left`` for ``window``. The
+    kernel sees ``d_loc = i + (sk - sq) - j``, i.e. ``d = d_loc + delta`` with
+    ``delta = q_start - k_start - (sk - sq)``.
+
+    Returns None when no pair is visible (skip the block), :data:`FULL` when every pair is,
+    ``BlockArgs(True)`` when the global mask is exactly the kernel's causal mask (the diagonal
+    of equal chunks), and otherwise the kernel ``window`` (with ``causal`` for its lower edge)
+    that reproduces the global mask. A mask the kernel's arguments cannot express (a band that
+    needs a negative window edge) raises ``NotImplementedError``: that needs a position-offset
+    argument in the ops.
     """
     if sq <= 0 or sk <= 0:
         return None
-    if not causal:
-        return False
-    if q_start + sq - 1 < k_start:  # the last query precedes the first key: all future
+    left, right = window if window is not None else (-1, -1)
+    lo = 0 if causal else None  # visible iff lo <= d <= hi (None: unbounded)
+    if right >= 0:
+        lo = -right if lo is None else max(lo, -right)
+    hi = left if left >= 0 else None
+    d_min, d_max = q_start - (k_start + sk - 1), q_start + sq - 1 - k_start
+    if (lo is not None and d_max < lo) or (hi is not None and d_min > hi) or (
+            lo is not None and hi is not None and lo > hi):
         return None
-    if q_start >= k_start + sk - 1:  # the first query follows the last key: all visible
-        return False
-    if q_start - k_start == sk - sq:  # the global mask is the kernel's bottom-right mask
-        return True
-    raise NotImplementedError(
-        f"ring_attention: a causal block with queries at [{q_start}, {q_start + sq}) and keys at "
-        f"[{k_start}, {k_start + sk}) is partly masked off the diagonal; the attention ops need a "
-        "global position offset to compute it"
-    )
+    lo_cuts = lo is not None and lo > d_min
+    hi_cuts = hi is not None and hi < d_max
+    if not lo_cuts and not hi_cuts:
+        return FULL
+    delta = q_start - k_start - (sk - sq)
+    lo_loc = lo - delta if lo_cuts else None
+    hi_loc = hi - delta if hi_cuts else None
+    if (lo_loc is not None and lo_loc > 0) or (hi_loc is not None and hi_loc < 0):
+        raise NotImplementedError(
+            f"ring_attention: the block of queries [{q_start}, {q_start + sq}) and keys "
+            f"[{k_start}, {k_start + sk}) needs the band {lo} <= d <= {hi}, which the kernel's "
+            "causal/window arguments cannot express; the attention ops need a position offset")
+    if lo_loc == 0:
+        return BlockArgs(True, None if hi_loc is None else (hi_loc, -1))
+    return BlockArgs(False, (-1 if hi_loc is None else hi_loc, -1 if lo_loc is None else -lo_loc))
+
+
+def _kernel_forward(q, k, v, args: BlockArgs, scale):
+    """One block's ``attention_forward`` with the arguments :func:`block_call` chose."""
+    if args.window is not None:
+        raise NotImplementedError("ring_attention: window: the attention ops take no window argument yet")
+    return _ops.attention_forward(q, k, v, args.causal, scale)
+
+
+def _kernel_backward(dout, q, k, v, out, lse, args: BlockArgs, scale):
+    """One block's ``attention_backward`` (global out and lse) with :func:`block_call`'s arguments."""
+    if args.window is not None:
+        raise NotImplementedError("ring_attention: window: the attention ops take no window argument yet")
+    return _ops.attention_backward(dout, q, k, v, out, lse, args.causal, scale)
 
 
 def _step_calls(
-    q_ids: Sequence[int], k_ids: Sequence[int], c: int, causal: bool
-) -> List[Tuple[int, int, int, int, bool]]:
-    """Kernel calls of one ring step: ``(q_row0, q_row1, k_row0, k_row1, kernel_causal)`` in
+    q_ids: Sequence[int], k_ids: Sequence[int], c: int, causal: bool,
+    window: Optional[Tuple[int, int]] = None,
+) -> List[Tuple[int, int, int, int, BlockArgs]]:
+    """Kernel calls of one ring step: ``(q_row0, q_row1, k_row0, k_row1, BlockArgs)`` in
     local rows, for local query chunks ``q_ids`` against the key chunks ``k_ids`` here now
     (chunk ``g`` covers global positions ``[g*c, (g+1)*c)``). Fully visible chunk pairs that
     share a column (or a row) over all local chunks are joined into one call."""
     nq, nk = len(q_ids), len(k_ids)
-    kind = [[block_call(gq * c, c, gk * c, c, causal) for gk in k_ids] for gq in q_ids]
+    kind = [[block_call(gq * c, c, gk * c, c, causal, window) for gk in k_ids] for gq in q_ids]
     done = [[kind[a][b] is None for b in range(nk)] for a in range(nq)]
-    calls: List[Tuple[int, int, int, int, bool]] = []
-    if all(kind[a][b] is False for a in range(nq) for b in range(nk)):
-        return [(0, nq * c, 0, nk * c, False)]
+    calls: List[Tuple[int, int, int, int, BlockArgs]] = []
+    if all(kind[a][b] == FULL for a in range(nq) for b in range(nk)):
+        return [(0, nq * c, 0, nk * c, FULL)]
     for b in range(nk):  # a key chunk every local query chunk sees fully: one call
-        if nq > 1 and all(kind[a][b] is False for a in range(nq)):
-            calls.append((0, nq * c, b * c, (b + 1) * c, False))
+        if nq > 1 and all(kind[a][b] == FULL for a in range(nq)):
+            calls.append((0, nq * c, b * c, (b + 1) * c, FULL))
             for a in range(nq):
                 done[a][b] = True
     for a in range(nq):  # a query chunk that sees every key chunk fully: one call
-        if nk > 1 and all(kind[a][b] is False and not done[a][b] for b in range(nk)):
-            calls.append((a * c, (a + 1) * c, 0, nk * c, False))
+        if nk > 1 and all(kind[a][b] == FULL and not done[a][b] for b in range(nk)):
+            calls.append((a * c, (a + 1) * c, 0, nk * c, FULL))
             for b in range(nk):
                 done[a][b] = True
     for a in range(nq):
         for b in range(nk):
             if not done[a][b]:
-                calls.append((a * c, (a + 1) * c, b * c, (b + 1) * c, bool(kind[a][b])))
+                calls.append((a * c, (a + 1) * c, b * c, (b + 1) * c, kind[a][b]))
     return calls
 
 
@@ -341,7 +388,7 @@ def _ring_forward(q, k, v, group, causal, scale, layout):
         works = ring.start(kv, spare, _TAG_KV) if step + 1 < W else None
         k_cur, v_cur = _unpack(kv, k.shape, v.shape)
         for q0, q1, k0, k1, kc in _step_calls(q_ids, chunk_ids(src, W, layout), c, causal):
-            bo, bl = _ops.attention_forward(q[:, q0:q1], k_cur[:, k0:k1], v_cur[:, k0:k1], kc, scale)
+            bo, bl = _kernel_forward(q[:, q0:q1], k_cur[:, k0:k1], v_cur[:, k0:k1], kc, scale)
             _merge(out, lse, q0, q1, bo, bl)
         if works is not None:
             ring.wait(works)
@@ -370,7 +417,7 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, layout):
         local = torch.zeros(kv.numel(), dtype=acc, device=q.device)
         dk_loc, dv_loc = _unpack(local, k.shape, v.shape)
         for q0, q1, k0, k1, kc in _step_calls(q_ids, chunk_ids(src, W, layout), c, causal):
-            dq_b, dk_b, dv_b = _ops.attention_backward(
+            dq_b, dk_b, dv_b = _kernel_backward(
                 dout[:, q0:q1], q[:, q0:q1], k_cur[:, k0:k1], v_cur[:, k0:k1],
                 out[:, q0:q1], lse[:, :, q0:q1], kc, scale,
             )

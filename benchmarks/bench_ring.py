@@ -21,6 +21,7 @@ import argparse
 import datetime
 import os
 import platform
+import queue as queue_mod
 import statistics
 import subprocess
 import sys
@@ -146,8 +147,13 @@ def time_ring(args, world=2):
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
     procs = mp.start_processes(_rank, args=(world, store.port, args, queue), nprocs=world,
                                join=False, start_method="spawn")
-    result = queue.get(timeout=1800)
-    while not procs.join(timeout=600):
+    result = None
+    while result is None:  # a failed rank makes join() raise instead of leaving us waiting
+        try:
+            result = queue.get(timeout=1)
+        except queue_mod.Empty:
+            procs.join(timeout=0)
+    while not procs.join(timeout=60):
         pass
     return result
 

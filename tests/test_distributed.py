@@ -391,7 +391,8 @@ def test_step_calls_cover_the_mask_exactly(world, causal, layout):
             for q0, q1, k0, k1, kc in cp._step_calls(cp.chunk_ids(rank, world, layout),
                                                      cp.chunk_ids(src, world, layout), c, causal):
                 kernel_calls += 1
-                mask = reference.causal_mask(q1 - q0, k1 - k0) if kc else torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+                assert kc.window is None  # causal / full only: today's kernels
+                mask = _kernel_mask(q1 - q0, k1 - k0, kc)
                 qi, kj = q_pos[q0:q1], k_pos[k0:k1]
                 assert mask.any(), "a call with nothing visible should have been skipped"
                 covered[qi[:, None], kj[None, :]] += mask.int()
@@ -403,14 +404,75 @@ def test_step_calls_cover_the_mask_exactly(world, causal, layout):
             assert kernel_calls == world
 
 
+def _kernel_mask(sq, sk, args):
+    """The (sq, sk) mask the kernel applies for BlockArgs, by DESIGN.md's rule
+    (d = i + (sk - sq) - j; causal: d >= 0; window (left, right): -right <= d <= left)."""
+    i = torch.arange(sq)[:, None]
+    j = torch.arange(sk)[None, :]
+    d = i + (sk - sq) - j
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if args.causal:
+        keep &= d >= 0
+    if args.window is not None:
+        left, right = args.window
+        if left >= 0:
+            keep &= d <= left
+        if right >= 0:
+            keep &= d >= -right
+    return keep
+
+
+def _global_mask(q_start, sq, k_start, sk, causal, window):
+    d = (q_start + torch.arange(sq))[:, None] - (k_start + torch.arange(sk))[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        keep &= d >= 0
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            keep &= d <= left
+        if right >= 0:
+            keep &= d >= -right
+    return keep
+
+
 def test_block_call_rule():
-    assert cp.block_call(10, 5, 0, 5, causal=True) is False  # all in the past
+    F_, T_ = cp.FULL, cp.BlockArgs(True)
+    assert cp.block_call(10, 5, 0, 5, causal=True) == F_  # all in the past
     assert cp.block_call(0, 5, 10, 5, causal=True) is None  # all in the future
-    assert cp.block_call(5, 5, 5, 5, causal=True) is True  # the diagonal
-    assert cp.block_call(5, 5, 0, 10, causal=True) is True  # bottom-right aligned tail
-    assert cp.block_call(0, 5, 10, 5, causal=False) is False
-    with pytest.raises(NotImplementedError, match="partly masked"):
-        cp.block_call(2, 5, 0, 5, causal=True)
+    assert cp.block_call(5, 5, 5, 5, causal=True) == T_  # the diagonal
+    assert cp.block_call(5, 5, 0, 10, causal=True) == T_  # bottom-right aligned tail
+    assert cp.block_call(0, 5, 10, 5, causal=False) == F_
+    assert cp.block_call(2, 5, 0, 5, causal=True) == cp.BlockArgs(False, (-1, 2))  # needs a window
+
+
+def test_block_call_matches_the_global_mask():
+    """Whatever block_call returns reproduces the global causal/window mask exactly under the
+    kernel's own alignment (None: nothing visible); otherwise it raises (a band that needs a
+    negative window edge, i.e. a position offset the ops do not take yet)."""
+    import random
+
+    rng = random.Random(0)
+    checked = raised = 0
+    for _ in range(3000):
+        sq, sk = rng.randint(1, 6), rng.randint(1, 6)
+        q_start, k_start = rng.randint(0, 12), rng.randint(0, 12)
+        causal = rng.random() < 0.5
+        window = None if rng.random() < 0.3 else (rng.randint(-1, 6), rng.randint(-1, 6))
+        want = _global_mask(q_start, sq, k_start, sk, causal, window)
+        try:
+            args = cp.block_call(q_start, sq, k_start, sk, causal, window)
+        except NotImplementedError:
+            raised += 1
+            # causal alone is always expressible for chunk-aligned equal blocks (the ring's case)
+            assert not (window is None and sq == sk and (q_start - k_start) % sq == 0)
+            continue
+        got = torch.zeros(sq, sk, dtype=torch.bool) if args is None else _kernel_mask(sq, sk, args)
+        assert torch.equal(got, want), (q_start, sq, k_start, sk, causal, window, args)
+        if args is not None:
+            assert want.any()  # never a call for an invisible block
+        checked += 1
+    assert checked > 2000 and raised < checked
 
 
 def test_needs_a_process_group():
@@ -419,3 +481,34 @@ def test_needs_a_process_group():
     q = torch.randn(1, 4, 1, 8)
     with pytest.raises(RuntimeError, match="init_process_group"):
         cp.ring_attention(q, q, q)
+
+
+# ---------------------------------------------------------------------------------------
+# the documented example and the benchmark script, end to end (slow: they launch processes)
+# ---------------------------------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_example_runs_under_torchrun(tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", "ring_attention.py"), "--steps", "2"]
+    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "ring_attention (zigzag" in res.stdout and "step 1: context-parallel loss" in res.stdout
+
+
+@pytest.mark.slow
+def test_bench_ring_quick(tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_ring.py"), "--quick"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| True") or line.startswith("| False")]
+    assert len(rows) == 4, res.stdout
