@@ -92,7 +92,10 @@ def _rank_world(group) -> Tuple[int, int]:
             "attn_ext.distributed needs an initialised default process group "
             "(torch.distributed.init_process_group, e.g. under torchrun)"
         )
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of the group")
+    return rank, dist.get_world_size(group)
 
 
 def chunks_per_rank(layout: str) -> int:
