@@ -452,12 +452,15 @@ class _RingAttention(torch.autograd.Function):
         out, lse = _ring_forward(q, k, v, group, causal, scale, layout)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg = (group, causal, scale, layout)
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # dlse is None unless the lse was used
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dlse is not None and bool((dlse != 0).any()):
+            raise NotImplementedError(
+                "ring_attention: the gradient through the returned lse is not supported; use "
+                "lse.detach() (only out is differentiable)")
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
@@ -518,7 +521,8 @@ def ring_attention(
             attention ops to take a block's global position offset, or the keyword itself);
             passing one raises ``NotImplementedError`` naming it.
         return_lse: also return the global log-sum-exp ``(B, H, S_local)`` of each local row
-            (fp32; fp64 for fp64 inputs). Its gradient is not propagated.
+            (fp32; fp64 for fp64 inputs). A loss that depends on it raises in the backward
+            (its gradient is not implemented); use ``lse.detach()``.
 
     Returns ``out (B, S_local, H, Dv)`` contiguous, q's dtype (and ``lse``). Differentiable in
     q, k, v: the backward passes k/v round the ring again and sends dk/dv back.

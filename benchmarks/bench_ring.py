@@ -10,7 +10,8 @@ holding ``S / 2`` tokens (zigzag layout; causal and full attention). "fwd" runs 
 rank's time of one call (ranks start together after a barrier); the table shows medians over
 ``--repeats`` calls. "comm wait" is the share of a rank's time spent blocked waiting for a
 transfer (``ring_stats()['comm_wait_s']``), i.e. communication not hidden behind compute,
-averaged over the ranks.
+averaged over the ranks; "ring CPU/wall" is a rank's process CPU time over its wall time
+(well under 100% means the rank was waiting for a core: on a shared machine, for other work).
 
 Every ring output (and gradient) is validated against the single-process result before timing.
 """
@@ -121,20 +122,21 @@ def _rank(rank, world, port, args, queue):
                      for a, b in zip(grads, ref_grads)]
         if max(errs) > 1e-3:
             raise AssertionError(f"ring result differs from single-process: {errs}")
-        ts, waits = [], []
+        ts, waits, busy = [], [], []
         for _ in range(args.repeats):
             dist.barrier()
             cp.ring_stats(reset=True)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             run_once(ring, *local, causal, bwd)
-            t = time.perf_counter() - t0
+            t, c = time.perf_counter() - t0, time.process_time() - c0
             waits.append(cp.ring_stats()["comm_wait_s"] / t)
-            tt = torch.tensor([t, waits[-1]], dtype=torch.float64)
+            busy.append(c / t)
+            tt = torch.tensor([t], dtype=torch.float64)
             dist.all_reduce(tt, op=dist.ReduceOp.MAX)
             ts.append(tt[0].item())
-        w = torch.tensor([statistics.median(waits)], dtype=torch.float64)
+        w = torch.tensor([statistics.median(waits), statistics.median(busy)], dtype=torch.float64)
         dist.all_reduce(w)
-        result[(causal, bwd)] = (ts, w.item() / world, max(errs))
+        result[(causal, bwd)] = (ts, w[0].item() / world, max(errs), w[1].item() / world)
     if rank == 0:
         queue.put(result)
     dist.barrier()
@@ -184,15 +186,16 @@ def main():
     base2b = time_single(args, 2)
     print(f"# load average after: {load()}")
     print("| causal | mode | single 1 thr ms | single 2 thr ms | ring 2x1 thr ms | speed-up vs 1 thr | "
-          "vs 2 thr | comm wait share | max err vs single |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "vs 2 thr | comm wait share | ring CPU/wall | max err vs single |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for causal, bwd in MODES:
         s1 = statistics.median(base1[(causal, bwd)] + base1b[(causal, bwd)])
         s2 = statistics.median(base2[(causal, bwd)] + base2b[(causal, bwd)])
-        ts, wait, err = ring[(causal, bwd)]
+        ts, wait, err, busy = ring[(causal, bwd)]
         r = statistics.median(ts)
         print(f"| {causal} | {'fwd+bwd' if bwd else 'fwd'} | {s1 * 1e3:.1f} | {s2 * 1e3:.1f} | "
-              f"{r * 1e3:.1f} | {s1 / r:.2f}x | {s2 / r:.2f}x | {wait * 100:.1f}% | {err:.1e} |")
+              f"{r * 1e3:.1f} | {s1 / r:.2f}x | {s2 / r:.2f}x | {wait * 100:.1f}% | {busy * 100:.0f}% | "
+              f"{err:.1e} |")
 
 
 if __name__ == "__main__":

@@ -146,6 +146,13 @@ def _case_errors(rank, world):
                      ({"rel_bias": torch.zeros(2, 5)}, "rel_bias"), ({"softcap": 30.0}, "softcap"),
                      ({"dropout_p": 0.1}, "dropout_p")):
         _expect(NotImplementedError, name, cp.ring_attention, q, q, q, causal=True, **kw)
+    # the lse is returned but its gradient is refused, never silently dropped
+    qg = q.clone().requires_grad_()
+    out, lse = cp.ring_attention(qg, q, q, causal=True, return_lse=True)
+    _expect(NotImplementedError, "lse", (out.sum() + lse.sum()).backward)
+    out, lse = cp.ring_attention(qg, q, q, causal=True, return_lse=True)
+    (out.sum() + lse.detach().sum()).backward()
+    assert qg.grad is not None
     _expect(ValueError, "q must have 4 dims", cp.ring_attention, q[0], q, q)
     _expect(ValueError, "equal S_local", cp.ring_attention, q, q[:, :2], q[:, :2])
     _expect(ValueError, "multiple of 2", cp.ring_attention, q[:, :3], q[:, :3], q[:, :3])
@@ -531,3 +538,25 @@ def test_bench_ring_quick(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     rows = [line for line in res.stdout.splitlines() if line.startswith("| True") or line.startswith("| False")]
     assert len(rows) == 4, res.stdout
+
+
+def test_world_size_one_in_process(monkeypatch):
+    """A group of one rank: the ring is the plain kernel (and shard/unshard are identities)."""
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        q, k, v = _make_qkv(2, 6, 4, 2, 8, 8, torch.float64)
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = cp.ring_attention(qs, ks, vs, causal=True, return_lse=True)
+        out.sum().backward()
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        ref_out, ref_lse = attn_ext.attention(qf, kf, vf, causal=True, return_lse=True)
+        ref_out.sum().backward()
+        assert _maxdiff(out, ref_out) < 1e-13 and _maxdiff(lse, ref_lse) < 1e-13
+        for a, b in ((qs, qf), (ks, kf), (vs, vf)):
+            assert _maxdiff(a.grad, b.grad) < 1e-13
+        assert torch.equal(cp.unshard_sequence(cp.shard_sequence(q, 1), 1), q)
+    finally:
+        dist.destroy_process_group()
