@@ -243,10 +243,12 @@ class MultiHeadAttention(nn.Module):
     def _context_parallel_positions(self, x: Tensor, kv_cache: Optional[KVCache], need_weights: bool) -> Tensor:
         from .distributed import shard_positions
 
-        if kv_cache is not None or need_weights or self.cross_attention or (self.training and self.dropout > 0.0):
+        windowed = getattr(self, "window_left", -1) != -1 or getattr(self, "window_right", -1) != -1
+        if (kv_cache is not None or need_weights or self.cross_attention or windowed
+                or (self.training and self.dropout > 0.0)):
             raise NotImplementedError(
                 "context-parallel MultiHeadAttention supports self-attention without kv_cache, "
-                "need_weights or attention dropout")
+                "need_weights, a window or attention dropout")
         return shard_positions(x.size(1), self.context_parallel_group, self.context_parallel_layout, x.device)
 
     @torch.jit.unused

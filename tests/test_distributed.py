@@ -153,6 +153,12 @@ def _case_errors(rank, world):
     out, lse = cp.ring_attention(qg, q, q, causal=True, return_lse=True)
     (out.sum() + lse.detach().sum()).backward()
     assert qg.grad is not None
+    # a context-parallel layer refuses what the ring cannot do (before any communication)
+    mha = attn_ext.MultiHeadAttention(16, 2).double().set_context_parallel(dist.group.WORLD)
+    x = torch.randn(1, 4, 16, dtype=torch.float64)
+    _expect(NotImplementedError, "kv_cache", mha, x, None, mha.new_kv_cache(1, 8))
+    _expect(NotImplementedError, "need_weights", mha, x, None, None, True)
+    _expect(ValueError, "layout must be one of", mha.set_context_parallel, dist.group.WORLD, "x")
     _expect(ValueError, "q must have 4 dims", cp.ring_attention, q[0], q, q)
     _expect(ValueError, "equal S_local", cp.ring_attention, q, q[:, :2], q[:, :2])
     _expect(ValueError, "multiple of 2", cp.ring_attention, q[:, :3], q[:, :3], q[:, :3])
