@@ -23,6 +23,7 @@ from .modules import (
     TransformerBlock,
 )
 from . import models, reference
+from . import distributed  # noqa: F401  (context parallelism: attn_ext.distributed.ring_attention)
 
 __all__ = [
     "attention",

@@ -240,6 +240,40 @@ class MultiHeadAttention(nn.Module):
         if rotary is not None and rotary.rotary_dim > d:
             raise ValueError(f"rotary_dim {rotary.rotary_dim} must be <= head dim {d}")
         self.rotary = rotary
+        # Context parallelism (attn_ext.distributed): None, or the process group whose ranks
+        # hold shards of the sequence; set with set_context_parallel.
+        self.context_parallel_group = None
+        self.context_parallel_layout = "zigzag"
+
+    def set_context_parallel(self, group, layout: str = "zigzag") -> "MultiHeadAttention":
+        """Run attention as :func:`attn_ext.distributed.ring_attention` over ``group`` (None
+        switches it off): ``x`` is then this rank's shard (made by ``shard_sequence`` with
+        ``layout``) and RoPE uses the global positions of its tokens. Returns self."""
+        from .distributed import chunks_per_rank
+
+        chunks_per_rank(layout)  # validates the layout
+        self.context_parallel_group = group
+        self.context_parallel_layout = layout
+        return self
+
+    @torch.jit.unused
+    def _context_parallel_positions(self, x: Tensor, kv_cache: Optional[KVCache], need_weights: bool) -> Tensor:
+        from .distributed import shard_positions
+
+        windowed = getattr(self, "window_left", -1) != -1 or getattr(self, "window_right", -1) != -1
+        if (kv_cache is not None or need_weights or self.cross_attention or windowed
+                or (self.training and self.dropout > 0.0)):
+            raise NotImplementedError(
+                "context-parallel MultiHeadAttention supports self-attention without kv_cache, "
+                "need_weights, a window or attention dropout")
+        return shard_positions(x.size(1), self.context_parallel_group, self.context_parallel_layout, x.device)
+
+    @torch.jit.unused
+    def _ring_attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        from .distributed import ring_attention
+
+        return ring_attention(q, k, v, group=self.context_parallel_group, causal=self.causal,
+                              scale=self.scale, layout=self.context_parallel_layout)
 
     @classmethod
     def from_linears(
@@ -321,6 +355,8 @@ class MultiHeadAttention(nn.Module):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """The attention call of the fast path: ``(B, Sq, H, Dv)`` contiguous. (Benchmarks and
         the demo swap it per instance to time the same model on other attention code.)"""
+        if self.context_parallel_group is not None:
+            return self._ring_attend(q, k, v)
         return torch.ops.attn_ext.attention(q, k, v, self.causal, self.scale)
 
     def forward(
@@ -372,8 +408,11 @@ class MultiHeadAttention(nn.Module):
         rotary = self.rotary
         if self.qkv is not None:
             past = 0 if kv_cache is None else kv_cache.length
+            positions: Optional[Tensor] = None
+            if self.context_parallel_group is not None:
+                positions = self._context_parallel_positions(x, kv_cache, need_weights)
             if rotary is not None:
-                q, k = rotary(q, k, past)
+                q, k = rotary(q, k, past, positions)
             if kv_cache is not None:
                 k, v = kv_cache.update(k, v)  # (B, past + Sq, Hkv, D) views of the cache
         elif rotary is not None:  # cross-attention without a cache: positions from 0
