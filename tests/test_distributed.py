@@ -364,14 +364,26 @@ def run_spawned(world, names, deadline_s=SPAWN_DEADLINE_S):
     return {name: [res["results"].get(name, "not run") for res in per_rank] for name in names}
 
 
+def run_spawned_retry(world, names):
+    """run_spawned, once more when the spawn itself broke (a rank process died or raised
+    outside every case: seen once in ~20 runs on a heavily loaded 2-core machine, with a
+    truncated torch.multiprocessing error). A case that fails is reported, never retried; a
+    crash that repeats fails the test."""
+    try:
+        return run_spawned(world, names)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as first:
+        print(f"\nworld {world}: spawn broke ({type(first).__name__}: {first}); retrying once")
+        return run_spawned(world, names)
+
+
 @pytest.fixture(scope="module")
 def world2():
-    return run_spawned(2, W2_CASES)
+    return run_spawned_retry(2, W2_CASES)
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_spawned(4, W4_CASES)
+    return run_spawned_retry(4, W4_CASES)
 
 
 def _assert_ok(results, name):
@@ -391,7 +403,7 @@ def test_world4(world4, name):
 
 @pytest.mark.slow
 def test_world4_remaining_cases():
-    results = run_spawned(4, W4_SLOW_CASES, deadline_s=300)
+    results = run_spawned(4, W4_SLOW_CASES, deadline_s=300)  # slow-only; not retried
     for name in W4_SLOW_CASES:
         _assert_ok(results, name)
 
