@@ -479,7 +479,7 @@ def _attention_forward_fake(q, k, v, causal, scale=None):
 
 
 @torch.library.register_fake("attn_ext::attention_backward")
-def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None):
+def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None, deterministic=False):
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         torch.empty_like(k, memory_format=torch.contiguous_format),
@@ -502,7 +502,10 @@ def _attention_forward_backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     elif dout.stride(-1) != 1 and dout.shape[-1] > 1:
         dout = dout.contiguous()  # e.g. the expanded gradient of out.sum()
-    dq, dk, dv = _lib.attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+    # The stable ABI cannot query torch.are_deterministic_algorithms_enabled() from C++, so
+    # the choice travels as an argument (CUDA: no fp32-atomic dq under deterministic mode).
+    dq, dk, dv = _lib.attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale,
+                                         torch.are_deterministic_algorithms_enabled())
     return dq, dk, dv, None, None
 
 

@@ -10,12 +10,6 @@
 // on 8 pairs at a time with fp32 math (fp16/bf16 widened on load, rounded to nearest even on
 // store), scalar tail; a portable scalar loop elsewhere. float64 is computed in double.
 // The op is a pure stream (read x once, write out once), so the goal is memory bandwidth.
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <cstring>
 #include <type_traits>
@@ -30,7 +24,7 @@ namespace {
 template <typename T, typename TT>
 inline void rotate_row_scalar(const T* x, T* out, const TT* c, const TT* sn, int64_t i0,
                               int64_t half, bool interleaved, bool inverse) {
-  using acc_t = at::opmath_type<T>;
+  using acc_t = opmath_t<T>;
   const acc_t sg = inverse ? acc_t(-1) : acc_t(1);
   if (interleaved) {
     for (int64_t i = i0; i < half; ++i) {
@@ -139,7 +133,7 @@ void rope_kernel(const RopeParams& p) {
   const auto* cos_base = static_cast<const TT*>(p.cos);
   const auto* sin_base = static_cast<const TT*>(p.sin);
 
-  at::parallel_for(0, p.B * p.S, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, p.B * p.S, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / p.S, s = item % p.S;
       const int64_t pos = p.positions
@@ -184,18 +178,18 @@ void check_positions_in_range(const RopeParams& p) {
   for (int64_t b = 0; b < nb; ++b) {
     for (int64_t s = 0; s < p.S; ++s) {
       const int64_t v = p.positions[b * p.pos_batch_stride + s * p.pos_row_stride];
-      TORCH_CHECK(v >= 0 && v < p.S_max, "positions must lie in [0, cos.size(0) = ", p.S_max,
+      STD_TORCH_CHECK(v >= 0 && v < p.S_max, "positions must lie in [0, cos.size(0) = ", p.S_max,
                   "), got positions[", nb > 1 ? std::to_string(b) + ", " : std::string(), s,
                   "] = ", v);
     }
   }
 }
 
-void run(const at::Tensor& x, const at::Tensor& cos, RopeParams& p) {
+void run(const Tensor& x, const Tensor& cos, RopeParams& p) {
   check_positions_in_range(p);
   if (p.B * p.S == 0) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rope", [&] {
-    if (cos.scalar_type() == at::kFloat) {
+  ATTN_EXT_DISPATCH_FLOATING(x.scalar_type(), "rope", [&] {
+    if (cos.scalar_type() == dtype::kFloat) {
       rope_kernel<scalar_t, float>(p);
     } else {
       rope_kernel<scalar_t, scalar_t>(p);
@@ -203,36 +197,36 @@ void run(const at::Tensor& x, const at::Tensor& cos, RopeParams& p) {
   });
 }
 
-at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                    const std::optional<at::Tensor>& positions, int64_t offset, bool interleaved) {
+Tensor rope_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin,
+                    const OptTensor& positions, int64_t offset, bool interleaved) {
   return rope_out_of_place_with(run, x, cos, sin, positions, offset, interleaved, false);
 }
 
-at::Tensor rope_backward_cpu(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
-                             const std::optional<at::Tensor>& positions, int64_t offset,
+Tensor rope_backward_cpu(const Tensor& grad, const Tensor& cos, const Tensor& sin,
+                             const OptTensor& positions, int64_t offset,
                              bool interleaved) {
   return rope_out_of_place_with(run, grad, cos, sin, positions, offset, interleaved, true);
 }
 
-void rope_inplace_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                      const std::optional<at::Tensor>& positions, int64_t offset,
+void rope_inplace_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin,
+                      const OptTensor& positions, int64_t offset,
                       bool interleaved) {
   rope_inplace_with(run, x, cos, sin, positions, offset, interleaved);
 }
 
-void rope_qk_inplace_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                         const at::Tensor& sin, const std::optional<at::Tensor>& positions,
+void rope_qk_inplace_cpu(const Tensor& q, const Tensor& k, const Tensor& cos,
+                         const Tensor& sin, const OptTensor& positions,
                          int64_t offset, bool interleaved) {
   rope_qk_inplace_with(run, q, k, cos, sin, positions, offset, interleaved);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
-  m.impl("rope", &rope_cpu);
-  m.impl("rope_", &rope_inplace_cpu);
-  m.impl("rope_qk_", &rope_qk_inplace_cpu);
-  m.impl("_rope_backward", &rope_backward_cpu);
+STABLE_TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+  m.impl("rope", TORCH_BOX(&rope_cpu));
+  m.impl("rope_", TORCH_BOX(&rope_inplace_cpu));
+  m.impl("rope_qk_", TORCH_BOX(&rope_qk_inplace_cpu));
+  m.impl("_rope_backward", TORCH_BOX(&rope_backward_cpu));
 }
 
 }  // namespace attn_ext

@@ -10,8 +10,8 @@
 // for T = float, c10::Half (F16C), c10::BFloat16 (integer shifts).
 #pragma once
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <cstdlib>
 #include <cstring>
