@@ -30,6 +30,7 @@ Environment knobs
                           into build/asan/ (never over the normal attn_ext/_C*.so) and runs
                           tests against it. CPU only (CUDA sources are left out).
   MAX_JOBS=N              parallel compile jobs (ninja).
+  ATTN_EXT_PRINT_CUDA_PLAN=1  print the CUDA decision as JSON and exit (tests).
   TORCH_CUDA_ARCH_LIST    defaults to "8.0;9.0+PTX" when unset and no GPU is visible (+PTX:
                           newer GPUs JIT the sm_90 PTX instead of failing with "no kernel
                           image").
@@ -194,6 +195,13 @@ def _extensions():
     _write_build_info(with_cuda, reason, nvcc_version, arch_list)
     return exts
 
+
+if os.environ.get("ATTN_EXT_PRINT_CUDA_PLAN") == "1":  # for tests/test_build.py: decide, print, stop
+    import json
+
+    with_cuda, reason, root, nvcc_version = _cuda_plan()
+    print(json.dumps({"with_cuda": with_cuda, "reason": reason, "root": root, "nvcc": nvcc_version}))
+    sys.exit(0)
 
 setup(
     ext_modules=_extensions(),

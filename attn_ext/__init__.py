@@ -17,18 +17,15 @@ import torch  # noqa: F401  (loads libtorch, whose stable C shims _C calls)
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.attn_ext.*)
 
 
-def _load_cuda_kernels():
+def _load_cuda_kernels(BUILD=None):
     """Loads _C_cuda into a CUDA torch of the build's CUDA major; returns (loaded, reason)."""
-    try:
-        from ._build_info import BUILD
-    except ImportError:
-        return False, "no build record (attn_ext/_build_info.py); CUDA kernels not loaded"
+    if BUILD is None:
+        try:
+            from ._build_info import BUILD
+        except ImportError:
+            return False, "no build record (attn_ext/_build_info.py); CUDA kernels not loaded"
     if not BUILD.get("with_cuda"):
         return False, f"built without CUDA kernels: {BUILD.get('reason')}"
-    here = _os.path.dirname(_os.path.abspath(__file__))
-    libs = sorted(_glob.glob(_os.path.join(here, "_C_cuda*.so")))
-    if not libs:
-        return False, "built with CUDA kernels but attn_ext/_C_cuda*.so is missing"
     built = BUILD.get("cuda_version")
     running = torch.version.cuda
     if running is None:
@@ -37,9 +34,13 @@ def _load_cuda_kernels():
     if running.split(".")[0] != str(built).split(".")[0]:
         return False, (f"CUDA kernels not loaded: built for CUDA {built}, but torch "
                        f"{torch.__version__} uses CUDA {running} (major versions differ)")
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    libs = sorted(_glob.glob(_os.path.join(here, "_C_cuda*.so")))
+    if not libs:
+        return False, "built with CUDA kernels but attn_ext/_C_cuda*.so is missing"
     try:
         torch.ops.load_library(libs[0])
-    except OSError as e:  # e.g. the CUDA runtime library cannot be found
+    except Exception as e:  # noqa: BLE001  (e.g. no CUDA runtime): never break the import
         return False, f"CUDA kernels failed to load ({libs[0]}): {e}"
     return True, f"CUDA kernels loaded (built for CUDA {built}, torch uses CUDA {running})"
 
