@@ -192,7 +192,8 @@ def _extensions():
               f"TORCH_CUDA_ARCH_LIST={arch_list})")
     else:
         print(f"attn_ext: building the CPU ops only; CUDA kernels off: {reason}")
-    _write_build_info(with_cuda, reason, nvcc_version, arch_list)
+    if not SANITIZE:  # `make asan` builds elsewhere (build/asan): keep the real build's record
+        _write_build_info(with_cuda, reason, nvcc_version, arch_list)
     return exts
 
 

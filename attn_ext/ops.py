@@ -6,6 +6,7 @@ Schemas live in ``csrc/ops.cpp``; semantics in ``shared/DESIGN.md``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -485,6 +486,23 @@ def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None, determ
         torch.empty_like(k, memory_format=torch.contiguous_format),
         torch.empty_like(v, memory_format=torch.contiguous_format),
     )
+
+
+@contextlib.contextmanager
+def _simple_cuda_kernels():
+    """Inside the block every CUDA attention call uses the simple kernels (tests and benchmarks
+    compare them with the fast ones on the same inputs). Without the CUDA library loaded
+    there are no CUDA kernels to choose between, and the block runs unchanged."""
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(
+        "attn_ext::_set_cuda_attention_kernels", "CompositeExplicitAutograd"
+    ):
+        yield
+        return
+    prev = _lib._set_cuda_attention_kernels(1)
+    try:
+        yield
+    finally:
+        _lib._set_cuda_attention_kernels(prev)
 
 
 def _attention_forward_setup(ctx, inputs, output):

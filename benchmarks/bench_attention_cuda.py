@@ -3,7 +3,7 @@
 FlashAttention's benchmark setup: B * S = 16384 tokens, H * D = 2048 (so H = 2048 / D),
 S in {512, ..., 16384}; bf16 and fp16, causal and not, D in {64, 128}; forward and forward +
 backward. Columns: ours (the fast tensor-core kernels), ours with the simple kernels
-(ATTN_EXT_CUDA_ATTN=simple switches forward and backward; timed once, batch 0 only, while a
+(attn_ext.ops._simple_cuda_kernels() switches forward and backward; timed once, batch 0 only, while a
 call stays under --max-simple-seconds), and torch.nn.functional.scaled_dot_product_attention
 restricted to each backend (flash, efficient, cudnn) with torch.nn.attention.sdpa_kernel.
 Roofs measured first in the same run: device copy bandwidth (1 GiB) and a bf16 8192^3 matmul.
@@ -162,11 +162,8 @@ def bench_config(dt, D, causal, S, args, backends, sdpa_kernel, SDPBackend, F, s
         def simple_fb():
             attn_ext.attention(qg, kg, vg, causal=causal).backward(dout[:1])
 
-        os.environ["ATTN_EXT_CUDA_ATTN"] = "simple"
-        try:
+        with attn_ext.ops._simple_cuda_kernels():
             ms = cuda_time_ms(simple_fb, 1, warmup=0)
-        finally:
-            del os.environ["ATTN_EXT_CUDA_ATTN"]
         row("attn_ext(simple)", "fwd+bwd", ms, flops_fb / B, True, 0.0, b=1)
         simple_ok = ms * 1e-3 < args.max_simple_seconds
         del qg, kg, vg

@@ -25,8 +25,14 @@ std::string last_shim_error() {
   static const auto get_what = reinterpret_cast<GetWhat>(
       dlsym(RTLD_DEFAULT, "torch_exception_get_what_without_backtrace"));
   const char* what = get_what != nullptr ? get_what() : nullptr;
-  return what != nullptr && *what != '\0' ? std::string(what)
-                                           : std::string("(its message was printed to stderr)");
+  if (what == nullptr || *what == '\0') return "(its message was printed to stderr)";
+  // A Python kernel's error arrives as "RuntimeError: <message>\n\nAt:\n<Python frames>".
+  std::string msg(what);
+  const auto frames = msg.find("\n\nAt:\n");
+  if (frames != std::string::npos) msg.resize(frames);
+  const std::string prefix = "RuntimeError: ";
+  if (msg.rfind(prefix, 0) == 0) msg.erase(0, prefix.size());
+  return msg;
 }
 
 Tensor call_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,

@@ -102,5 +102,6 @@ if threads != 2:
     sys.exit("_parallel_threads did not see 2 threads")
 
 if len(sys.argv) > 1:
-    torch.save({"torch": torch.__version__, "build_info": info, "results": results}, sys.argv[1])
+    torch.save({"torch": str(torch.__version__), "build_info": json.loads(json.dumps(info, default=str)),
+                "results": results}, sys.argv[1])
 print("all ops ok")

@@ -45,6 +45,7 @@ def main():
     ap.add_argument("--build", default="2.13.0")
     ap.add_argument("--other", default="2.14.1")
     ap.add_argument("--work", default="/tmp/attn_ext_xv")
+    ap.add_argument("--reuse-wheel", action="store_true", help="keep a wheel already in WORK/dist")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
     env = dict(os.environ)
@@ -55,13 +56,15 @@ def main():
     shutil.rmtree(src, ignore_errors=True)
     clean_copy(src)
     dist = os.path.join(args.work, "dist")
-    shutil.rmtree(dist, ignore_errors=True)
-    with open(os.path.join(args.work, "constraints.txt"), "w") as f:
-        f.write(f"torch=={args.build}\n")
-    benv = dict(env, PIP_CONSTRAINT=os.path.join(args.work, "constraints.txt"))
-    secs = sh([py_a, "-m", "pip", "wheel", "--no-deps", "-w", dist, "."], cwd=src, env=benv)
+    if not (args.reuse_wheel and os.path.isdir(dist) and os.listdir(dist)):
+        shutil.rmtree(dist, ignore_errors=True)
+        with open(os.path.join(args.work, "constraints.txt"), "w") as f:
+            f.write(f"torch=={args.build}\n")
+        benv = dict(env, PIP_CONSTRAINT=os.path.join(args.work, "constraints.txt"))
+        secs = sh([py_a, "-m", "pip", "wheel", "--no-deps", "-w", dist, "."], cwd=src, env=benv)
+        print(f"built the wheel against torch {args.build} in {secs:.0f} s")
     wheel = [os.path.join(dist, n) for n in os.listdir(dist) if n.endswith(".whl")][0]
-    print(f"built {os.path.basename(wheel)} against torch {args.build} in {secs:.0f} s")
+    print(f"wheel: {os.path.basename(wheel)}")
 
     py_b = venv(os.path.join(args.work, f"torch-{args.other}"), args.other)
     smoke_dir = os.path.join(args.work, "run")

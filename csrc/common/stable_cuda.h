@@ -3,6 +3,8 @@
 // shim's CUDA entry points need).
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
@@ -12,6 +14,22 @@
 #include "common/stable.h"
 
 namespace attn_ext {
+
+// torch/headeronly element types -> the CUDA types the PyTorch-free kernels use (same bits).
+template <typename T>
+struct CudaElem {
+  using type = T;
+};
+template <>
+struct CudaElem<c10::Half> {
+  using type = __half;
+};
+template <>
+struct CudaElem<c10::BFloat16> {
+  using type = __nv_bfloat16;
+};
+template <typename T>
+using cuda_elem_t = typename CudaElem<T>::type;
 
 // RAII: makes t's device current for the adapter's body (c10::cuda::CUDAGuard).
 using DeviceGuard = torch::stable::accelerator::DeviceGuard;

@@ -1,4 +1,4 @@
-// attn_ext::attention_forward / attention_backward on CUDA: ATen adapter (checks shared with
+// attn_ext::attention_forward / attention_backward on CUDA: stable-ABI adapter (checks shared with
 // the CPU adapter, outputs, dtype and kernel dispatch, device guard, current stream). Device
 // code: attention_fwd_kernel.cuh (fast forward) and attention_simple_kernel.cuh (everything
 // else, and the backward).
@@ -19,8 +19,8 @@
 //        B, H <= 65535 (grid y/z).
 //   2. otherwise the simple kernel (simple::launch_simple_fwd): any dtype (fp32, fp64, fp16,
 //      bf16), any D, Dv <= 256, any strides with a contiguous last dim.
-// ATTN_EXT_CUDA_ATTN=simple in the environment (read at each call) skips 0 and 1: tests use
-// it to compare the kernels on the same inputs.
+// attn_ext::_set_cuda_attention_kernels(1) (attn_ext.ops._simple_cuda_kernels()) skips 0 and
+// 1 until it is set back to 0: tests use it to compare the kernels on the same inputs.
 // Head dims above 256 are rejected with an error naming the argument.
 // Backward dispatch:
 //   1. fast FA2-style tensor-core backward (fa2::launch_fa2_bwd, attention_bwd_kernel.cuh)
@@ -31,7 +31,7 @@
 //      (dk, dv are).
 //   2. otherwise the simple kernels (dQ per query row, then dK/dV per key row; no atomics,
 //      deterministic), any dtype and head dim <= 256.
-// ATTN_EXT_CUDA_ATTN=simple forces the simple kernels here too.
+// _set_cuda_attention_kernels(1) forces the simple kernels here too.
 
 #include <atomic>
 #include <cstdint>
@@ -82,9 +82,15 @@ bool aligned16(const Tensor& t) {
   return true;
 }
 
-bool force_simple() {
-  const char* env = std::getenv("ATTN_EXT_CUDA_ATTN");
-  return env != nullptr && std::strcmp(env, "simple") == 0;
+// 0: dispatch rules above; 1: simple kernels only (attn_ext::_set_cuda_attention_kernels).
+std::atomic<int> g_kernel_mode{0};
+
+bool force_simple() { return g_kernel_mode.load(std::memory_order_relaxed) == 1; }
+
+int64_t set_cuda_attention_kernels(int64_t mode) {
+  STD_TORCH_CHECK(mode == 0 || mode == 1,
+                  "mode must be 0 (automatic) or 1 (simple kernels only), got ", mode);
+  return g_kernel_mode.exchange(static_cast<int>(mode));
 }
 
 // Split-KV plan for the forward: n_split > 1 when the decode path applies (see the top).
@@ -246,6 +252,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_cuda(
 STABLE_TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
   m.impl("attention_forward", TORCH_BOX(&attention_forward_cuda));
   m.impl("attention_backward", TORCH_BOX(&attention_backward_cuda));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(attn_ext, CompositeExplicitAutograd, m) {
+  m.impl("_set_cuda_attention_kernels", TORCH_BOX(&set_cuda_attention_kernels));
 }
 
 }  // namespace attn_ext

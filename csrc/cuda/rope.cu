@@ -11,20 +11,6 @@
 namespace attn_ext {
 namespace {
 
-// torch/headeronly element types -> the CUDA types the PyTorch-free kernel uses (same bits).
-template <typename T>
-struct CudaElem {
-  using type = T;
-};
-template <>
-struct CudaElem<c10::Half> {
-  using type = __half;
-};
-template <>
-struct CudaElem<c10::BFloat16> {
-  using type = __nv_bfloat16;
-};
-
 void run_cuda(const Tensor& x, const Tensor& cos, const RopeParams& p) {
   if (p.B * p.S == 0) return;
   const DeviceGuard guard(x.get_device_index());

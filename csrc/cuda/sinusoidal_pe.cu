@@ -12,7 +12,7 @@ void run_cuda(const Tensor& x, const SinusoidalParams& p) {
   const DeviceGuard guard(x.get_device_index());
   cudaStream_t stream = current_cuda_stream(x.get_device_index());
   ATTN_EXT_DISPATCH_FLOATING(x.scalar_type(), "sinusoidal_pe_cuda", [&] {
-    ATTN_EXT_CUDA_CHECK(cuda::launch_sinusoidal_pe<scalar_t>(p, stream));
+    ATTN_EXT_CUDA_CHECK(cuda::launch_sinusoidal_pe<cuda_elem_t<scalar_t>>(p, stream));
   });
 }
 
