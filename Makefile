@@ -2,7 +2,9 @@
 PYTHON ?= python3
 PIP    ?= $(PYTHON) -m pip
 TORCH_PIN ?= torch==2.13.0
-export CUDA_HOME ?= /usr/local/cuda
+# No CUDA_HOME default here: setup.py looks for a real toolkit (CUDA_HOME if set, else
+# /usr/local/cuda, else nvcc on PATH) and builds the CUDA kernels only when its CUDA major
+# matches torch's; otherwise the CPU ops, with one line saying why.
 
 .PHONY: deps install build test test-all fuzz asan demo bench cuda-check cpp clean
 
@@ -14,7 +16,8 @@ deps:
 	@# bdist_wheel / PEP 660 editable builds without isolation need setuptools >= 70.1 (or wheel)
 	@$(PYTHON) -c "import setuptools.command.bdist_wheel" 2>/dev/null || $(PIP) install -q "setuptools>=70.1"
 
-# --no-build-isolation: build against the torch installed above, not a fresh one
+# --no-build-isolation: build against the torch installed above, not a fresh one (the fast
+# path; plain `pip install .` works too and downloads torch into pip's build env)
 install: deps
 	$(PIP) install -q --no-build-isolation -e .
 

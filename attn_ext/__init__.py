@@ -1,14 +1,71 @@
 """attn_ext: causal self-attention, stride-reading multi-head attention and positional
 encodings as fast CPU/CUDA ``torch.ops.attn_ext.*`` operators.
 
-Importing this package loads the compiled op library (``attn_ext._C``), which registers the
-ops with PyTorch's dispatcher, then registers their fake kernels and autograd formulas.
+Importing this package loads the compiled op library (``attn_ext._C``: the schemas and the
+CPU kernels), then the CUDA kernels (``attn_ext/_C_cuda*.so``) when they were built and this
+torch is a CUDA build of the same CUDA major version, then registers the fake kernels and
+autograd formulas. ``attn_ext.build_info()`` says what was built and whether (and why not)
+the CUDA kernels are loaded. Both libraries use only PyTorch's stable ABI (built for torch
+2.11 onward), so they load in any torch >= 2.11, not just the one they were built against.
 """
 
-import torch  # noqa: F401  (loads libc10/libtorch, which _C links against)
+import glob as _glob
+import os as _os
+
+import torch  # noqa: F401  (loads libtorch, whose stable C shims _C calls)
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.attn_ext.*)
-from . import ops as _ops  # noqa: F401  (fake kernels + autograd)
+
+
+def _load_cuda_kernels(BUILD=None):
+    """Loads _C_cuda into a CUDA torch of the build's CUDA major; returns (loaded, reason)."""
+    if BUILD is None:
+        try:
+            from ._build_info import BUILD
+        except ImportError:
+            return False, "no build record (attn_ext/_build_info.py); CUDA kernels not loaded"
+    if not BUILD.get("with_cuda"):
+        return False, f"built without CUDA kernels: {BUILD.get('reason')}"
+    built = BUILD.get("cuda_version")
+    running = torch.version.cuda
+    if running is None:
+        return False, (f"CUDA kernels (CUDA {built}) not loaded: torch {torch.__version__} "
+                       "is a CPU build")
+    if running.split(".")[0] != str(built).split(".")[0]:
+        return False, (f"CUDA kernels not loaded: built for CUDA {built}, but torch "
+                       f"{torch.__version__} uses CUDA {running} (major versions differ)")
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    libs = sorted(_glob.glob(_os.path.join(here, "_C_cuda*.so")))
+    if not libs:
+        return False, "built with CUDA kernels but attn_ext/_C_cuda*.so is missing"
+    try:
+        torch.ops.load_library(libs[0])
+    except Exception as e:  # noqa: BLE001  (e.g. no CUDA runtime): never break the import
+        return False, f"CUDA kernels failed to load ({libs[0]}): {e}"
+    return True, f"CUDA kernels loaded (built for CUDA {built}, torch uses CUDA {running})"
+
+
+_CUDA_LOADED, _CUDA_REASON = _load_cuda_kernels()
+
+
+def build_info() -> dict:
+    """What was compiled and what is loaded: the build torch, whether the CUDA kernels were
+    built and are loaded in this process, and why not."""
+    try:
+        from ._build_info import BUILD
+    except ImportError:
+        BUILD = {"reason": "unknown (no attn_ext/_build_info.py)"}
+    info = dict(BUILD)
+    info["built_with_torch"] = info.pop("torch_version", None)
+    info["running_torch"] = torch.__version__
+    info["running_torch_cuda"] = torch.version.cuda
+    info["cpu_library"] = _C.__file__
+    info["cuda_loaded"] = _CUDA_LOADED
+    info["cuda_status"] = _CUDA_REASON
+    return info
+
+
+from . import ops as _ops  # noqa: F401,E402  (fake kernels + autograd)
 from .ops import sinusoidal_pe, sinusoidal_pe_, sinusoidal_table
 from .ops import rope, rope_, rope_qk, rope_cache, rope_inv_freq
 from .ops import attention, causal_attention
@@ -47,6 +104,7 @@ __all__ = [
     "models",
     "reference",
     "library_path",
+    "build_info",
 ]
 
 __version__ = "0.1.0"

@@ -41,8 +41,21 @@ CUDA_SPLIT_MIN_SK = 512  # ... and Sk >= 512
 CUDA_SPLIT_WARPS_PER_SM = 16  # warps that fill one SM
 CUDA_SPLIT_MIN_CHUNK = 128  # keys per chunk, at least
 
-# csrc/cuda/attention.cu force_simple (tests use it to compare the kernels)
-FORCE_SIMPLE_ENV = "ATTN_EXT_CUDA_ATTN"
+# csrc/cuda/attention.cu force_simple(): the process mode set by the private op
+# attn_ext::_set_cuda_attention_kernels (1 = simple kernels only; attn_ext.ops._simple_cuda_kernels())
+FORCE_SIMPLE_OP = "_set_cuda_attention_kernels"
+FORCE_SIMPLE_WHY = "attn_ext.ops._simple_cuda_kernels() is active"
+
+
+def _cuda_kernel_mode() -> int:
+    """The CUDA attention kernel mode (0 automatic, 1 simple only); 0 without the CUDA library."""
+    name = f"attn_ext::{FORCE_SIMPLE_OP}"
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd"):
+        return 0
+    op = getattr(torch.ops.attn_ext, FORCE_SIMPLE_OP)
+    mode = op(1)  # set returns the previous mode; put it back
+    op(mode)
+    return mode
 
 
 def cuda_fwd_smem_bytes(head_dim: int) -> int:
@@ -196,7 +209,7 @@ def cuda_forward_choice(s: Shape, dtype: torch.dtype, aligned: bool, sms: int,
         reasons.append(f"its shared memory ({need} bytes at D = {s.D}) exceeds the device's "
                        f"opt-in limit ({smem_optin} bytes)")
     if force_simple:
-        reasons.append(f"{FORCE_SIMPLE_ENV}=simple is set")
+        reasons.append(FORCE_SIMPLE_WHY)
     if not reasons:
         return "cuda.fa2", (f"fp16/bf16, D = Dv = {s.D}, 16-byte aligned, shared memory "
                             f"{need} <= {smem_optin} bytes: FA2-style tensor-core kernel "
@@ -236,7 +249,7 @@ def cuda_backward_choice(s: Shape, dtype: torch.dtype, aligned: bool, smem_optin
         reasons.append(f"its shared memory ({need} bytes at D = {s.D}) exceeds the device's "
                        f"opt-in limit ({smem_optin} bytes)")
     if force_simple:
-        reasons.append(f"{FORCE_SIMPLE_ENV}=simple is set")
+        reasons.append(FORCE_SIMPLE_WHY)
     if not reasons:
         cond = "" if dout_aligned else " (if dout is 16-byte aligned too)"
         return "cuda.fa2", (f"fp16/bf16, D = Dv = {s.D}, aligned, shared memory {need} <= "
@@ -255,7 +268,7 @@ def _explain_cuda(s: Shape, q, k, v, dout) -> KernelChoice:
     props = torch.cuda.get_device_properties(q.device)
     sms = int(getattr(props, "multi_processor_count", 0))
     optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
-    force = os.environ.get(FORCE_SIMPLE_ENV) == "simple"
+    force = _cuda_kernel_mode() == 1
     aligned = aligned16(q) and aligned16(k) and aligned16(v)
     fwd, fwhy, fdet = cuda_forward_choice(s, q.dtype, aligned, sms, optin, force)
     bwd, bwhy, bdet = cuda_backward_choice(

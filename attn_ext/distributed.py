@@ -267,7 +267,8 @@ def _kernel_backward(dout, q, k, v, out, lse, args: BlockArgs, scale):
     """One block's ``attention_backward`` (global out and lse) with :func:`block_call`'s arguments."""
     if args.window is not None:
         raise NotImplementedError("ring_attention: window: the attention ops take no window argument yet")
-    return _ops.attention_backward(dout, q, k, v, out, lse, args.causal, scale)
+    return _ops.attention_backward(dout, q, k, v, out, lse, args.causal, scale,
+                                   torch.are_deterministic_algorithms_enabled())
 
 
 def _step_calls(

@@ -6,6 +6,7 @@ Schemas live in ``csrc/ops.cpp``; semantics in ``shared/DESIGN.md``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -486,12 +487,29 @@ def _attention_forward_fake(q, k, v, causal, scale=None):
 
 
 @torch.library.register_fake("attn_ext::attention_backward")
-def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None):
+def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None, deterministic=False):
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         torch.empty_like(k, memory_format=torch.contiguous_format),
         torch.empty_like(v, memory_format=torch.contiguous_format),
     )
+
+
+@contextlib.contextmanager
+def _simple_cuda_kernels():
+    """Inside the block every CUDA attention call uses the simple kernels (tests and benchmarks
+    compare them with the fast ones on the same inputs). Without the CUDA library loaded
+    there are no CUDA kernels to choose between, and the block runs unchanged."""
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(
+        "attn_ext::_set_cuda_attention_kernels", "CompositeExplicitAutograd"
+    ):
+        yield
+        return
+    prev = _lib._set_cuda_attention_kernels(1)
+    try:
+        yield
+    finally:
+        _lib._set_cuda_attention_kernels(prev)
 
 
 def _attention_forward_setup(ctx, inputs, output):
@@ -509,7 +527,10 @@ def _attention_forward_backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     elif dout.stride(-1) != 1 and dout.shape[-1] > 1:
         dout = dout.contiguous()  # e.g. the expanded gradient of out.sum()
-    dq, dk, dv = _lib.attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+    # The stable ABI cannot query torch.are_deterministic_algorithms_enabled() from C++, so
+    # the choice travels as an argument (CUDA: no fp32-atomic dq under deterministic mode).
+    dq, dk, dv = _lib.attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale,
+                                         torch.are_deterministic_algorithms_enabled())
     return dq, dk, dv, None, None
 
 

@@ -3,7 +3,7 @@
 FlashAttention's benchmark setup: B * S = 16384 tokens, H * D = 2048 (so H = 2048 / D),
 S in {512, ..., 16384}; bf16 and fp16, causal and not, D in {64, 128}; forward and forward +
 backward. Columns: ours (the fast tensor-core kernels), ours with the simple kernels
-(ATTN_EXT_CUDA_ATTN=simple switches forward and backward; timed once, batch 0 only, while a
+(attn_ext.ops._simple_cuda_kernels() switches forward and backward; timed once, batch 0 only, while a
 call stays under --max-simple-seconds), and torch.nn.functional.scaled_dot_product_attention
 restricted to each backend (flash, efficient, cudnn) with torch.nn.attention.sdpa_kernel.
 Roofs measured first in the same run: device copy bandwidth (1 GiB) and a bf16 8192^3 matmul.
@@ -197,11 +197,8 @@ def bench_config(dt, D, causal, S, args, backends, sdpa_kernel, SDPBackend, F, s
         def simple_fb():
             for t in (qg, kg, vg):
                 t.grad = None
-            os.environ["ATTN_EXT_CUDA_ATTN"] = "simple"  # read by the ops at each call
-            try:
+            with attn_ext.ops._simple_cuda_kernels():
                 attn_ext.attention(qg, kg, vg, causal=causal).backward(dout[:1])
-            finally:
-                del os.environ["ATTN_EXT_CUDA_ATTN"]
 
         add("attn_ext(simple)", "fwd+bwd", simple_fb, None, lambda: grads_err(qg.grad, kg.grad, vg.grad),
             flops_fb / B, reps=1, b=1)

@@ -36,12 +36,9 @@ for B, Sq, Sk, H, Hkv, D, Dv, dt in cases:
         grads = op.attention_backward(dout, q, k, v, out, lse, causal, None)  # fast for 16-bit
         assert all(torch.isfinite(g).all() for g in grads)
         if not fast_only:
-            os.environ["ATTN_EXT_CUDA_ATTN"] = "simple"
-            out2, _ = op.attention_forward(q, k, v, causal, None)
-            del os.environ["ATTN_EXT_CUDA_ATTN"]
-            os.environ["ATTN_EXT_CUDA_ATTN"] = "simple"
-            grads = op.attention_backward(dout, q, k, v, out, lse, causal, None)
-            del os.environ["ATTN_EXT_CUDA_ATTN"]
+            with attn_ext.ops._simple_cuda_kernels():
+                out2, _ = op.attention_forward(q, k, v, causal, None)
+                grads = op.attention_backward(dout, q, k, v, out, lse, causal, None)
             assert all(torch.isfinite(g).all() for g in grads)
         assert not torch.isnan(out).any()
 torch.cuda.synchronize()

@@ -1,44 +1,69 @@
 // attn_ext::attention and attn_ext::causal_attention: CompositeImplicitAutograd kernels that
-// call attn_ext::attention_forward through the dispatcher and return its out. Every backend
-// (CPU, CUDA, fake) and autograd (attention_forward's formula, registered in
-// attn_ext/ops.py) therefore come from attention_forward / attention_backward alone, and
-// TorchScript or C++ callers get a single-output op.
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
+// call attn_ext::attention_forward through the dispatcher (torch_call_dispatcher, the stable
+// ABI's boxed call) and return its out. Every backend (CPU, CUDA, fake) and autograd
+// (attention_forward's formula, registered in attn_ext/ops.py) therefore come from
+// attention_forward / attention_backward alone, and TorchScript or C++ callers get a
+// single-output op.
+#include <dlfcn.h>
 
+#include <array>
 #include <optional>
-#include <tuple>
+#include <stdexcept>
+#include <string>
+
+#include "common/stable.h"
 
 namespace attn_ext {
 namespace {
 
-at::Tensor call_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  bool causal, std::optional<double> scale) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("attn_ext::attention_forward", "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                    const at::Tensor&, bool,
-                                                    std::optional<double>)>();
-  return std::get<0>(op.call(q, k, v, causal, scale));
+// The message of the exception that made the last shim call fail. The shim that returns it
+// (torch_exception_get_what_without_backtrace) exists from torch 2.13 on; this library
+// targets 2.11, so it is looked up at run time and older torches get a pointer to stderr
+// (where the shim has printed the message) instead.
+std::string last_shim_error() {
+  using GetWhat = const char* (*)();
+  static const auto get_what = reinterpret_cast<GetWhat>(
+      dlsym(RTLD_DEFAULT, "torch_exception_get_what_without_backtrace"));
+  const char* what = get_what != nullptr ? get_what() : nullptr;
+  if (what == nullptr || *what == '\0') return "(its message was printed to stderr)";
+  // A Python kernel's error arrives as "RuntimeError: <message>\n\nAt:\n<Python frames>".
+  std::string msg(what);
+  const auto frames = msg.find("\n\nAt:\n");
+  if (frames != std::string::npos) msg.resize(frames);
+  const std::string prefix = "RuntimeError: ";
+  if (msg.rfind(prefix, 0) == 0) msg.erase(0, prefix.size());
+  return msg;
 }
 
-at::Tensor attention_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               bool causal, std::optional<double> scale) {
+Tensor call_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                              std::optional<double> scale) {
+  std::array<StableIValue, 5> stack{
+      torch::stable::detail::from(q), torch::stable::detail::from(k),
+      torch::stable::detail::from(v), torch::stable::detail::from(causal),
+      torch::stable::detail::from(scale)};
+  if (torch_call_dispatcher("attn_ext::attention_forward", "", stack.data(),
+                            TORCH_ABI_VERSION) != TORCH_SUCCESS) {
+    throw std::runtime_error(last_shim_error());
+  }
+  Tensor out = torch::stable::detail::to<Tensor>(stack[0]);
+  Tensor lse = torch::stable::detail::to<Tensor>(stack[1]);  // owned here, released on return
+  return out;
+}
+
+Tensor attention_composite(Tensor q, Tensor k, Tensor v, bool causal,
+                           std::optional<double> scale) {
   return call_attention_forward(q, k, v, causal, scale);
 }
 
-at::Tensor causal_attention_composite(const at::Tensor& q, const at::Tensor& k,
-                                      const at::Tensor& v, std::optional<double> scale) {
+Tensor causal_attention_composite(Tensor q, Tensor k, Tensor v, std::optional<double> scale) {
   return call_attention_forward(q, k, v, true, scale);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attn_ext, CompositeImplicitAutograd, m) {
-  m.impl("attention", &attention_composite);
-  m.impl("causal_attention", &causal_attention_composite);
+STABLE_TORCH_LIBRARY_IMPL(attn_ext, CompositeImplicitAutograd, m) {
+  m.impl("attention", TORCH_BOX(&attention_composite));
+  m.impl("causal_attention", TORCH_BOX(&causal_attention_composite));
 }
 
 }  // namespace attn_ext

@@ -1,9 +1,9 @@
 // Every attn_ext schema, once. Kernels live in csrc/cpu/<op>.cpp and csrc/cuda/<op>.cu
-// (TORCH_LIBRARY_IMPL per dispatch key); fake kernels and autograd are registered from
-// Python in attn_ext/ops.py. Semantics: ../shared/DESIGN.md.
-#include <torch/library.h>
+// (STABLE_TORCH_LIBRARY_IMPL per dispatch key); fake kernels and autograd are registered from
+// Python in attn_ext/ops.py. Semantics: ../shared/DESIGN.md. Stable ABI: common/stable.h.
+#include "common/stable.h"
 
-TORCH_LIBRARY(attn_ext, m) {
+STABLE_TORCH_LIBRARY(attn_ext, m) {
   // ---- positional encodings -------------------------------------------------------------
   // out = x + PE, PE(pos, 2i) = sin(pos / base^(2i/D)), PE(pos, 2i+1) = cos(...), computed on
   // the fly. x: (B, S, D) or (S, D); positions: int64 (S,) or (B, S); else pos = offset + s.
@@ -84,6 +84,10 @@ TORCH_LIBRARY(attn_ext, m) {
       ") -> (Tensor out, Tensor lse)");
   // Gradients of out with respect to q, k, v (contiguous, shapes and dtypes of q, k, v),
   // recomputing the probabilities from lse. dout: (B, Sq, H, Dv), last dim contiguous.
+  // deterministic=True selects bitwise-reproducible kernels (CUDA: the simple kernels instead
+  // of the fast one's fp32 atomics; the CPU backward is always deterministic). The stable ABI
+  // cannot read torch.are_deterministic_algorithms_enabled(), so the caller passes it: the
+  // Python autograd formula does; C++ / TorchScript callers pass it explicitly.
   m.def(
       "attention_backward("
       "    Tensor dout,"
@@ -93,7 +97,8 @@ TORCH_LIBRARY(attn_ext, m) {
       "    Tensor out,"
       "    Tensor lse,"
       "    bool causal,"
-      "    float? scale=None"
+      "    float? scale=None,"
+      "    bool deterministic=False"
       ") -> (Tensor dq, Tensor dk, Tensor dv)");
   // out of attention_forward. Composite (csrc/attention_composite.cpp): differentiable
   // through attention_forward's autograd formula, so a backend implements only
@@ -115,7 +120,12 @@ TORCH_LIBRARY(attn_ext, m) {
       ") -> Tensor");
 
   // ---- diagnostics ------------------------------------------------------------------------
-  // Runs an at::parallel_for over n items and returns how many distinct threads took part:
-  // proves the library was built with OpenMP (without -fopenmp it is always 1).
+  // Runs a torch::stable::parallel_for over n items and returns how many distinct threads took
+  // part: proves the kernels really run on torch's intra-op pool.
   m.def("_parallel_threads(int n) -> int");
+  // Which CUDA attention kernels later calls in this process use: 0 = the dispatch rules of
+  // csrc/cuda/attention.cu (fast where supported), 1 = the simple kernels only (tests and
+  // benchmarks compare the kernels on the same inputs). Returns the previous mode.
+  // Implemented by the CUDA library (attn_ext/_C_cuda): without it there is no kernel.
+  m.def("_set_cuda_attention_kernels(int mode) -> int");
 }

@@ -33,8 +33,16 @@ def _fresh_seed(request):
 
 def pytest_collection_modifyitems(config, items):
     """Slow cases: all run with ATTN_EXT_SLOW=1 (or `-m slow`); otherwise (CI) a fixed
-    sample of 1 in ATTN_EXT_SLOW_EVERY (default 8) runs, the rest are deselected."""
-    if os.environ.get("ATTN_EXT_SLOW") == "1" or "slow" in (config.getoption("-m") or ""):
+    sample of 1 in ATTN_EXT_SLOW_EVERY (default 8) runs, the rest are deselected.
+    Install cases (a fresh venv and a full build, minutes): only with ATTN_EXT_SLOW=1 or
+    `-m install` (.ci/run runs them explicitly), never in the sample."""
+    marks = config.getoption("-m") or ""
+    if os.environ.get("ATTN_EXT_SLOW") != "1" and "install" not in marks:
+        installs = [i for i in items if i.get_closest_marker("install") is not None]
+        if installs:
+            config.hook.pytest_deselected(items=installs)
+            items[:] = [i for i in items if i.get_closest_marker("install") is None]
+    if os.environ.get("ATTN_EXT_SLOW") == "1" or "slow" in marks:
         return
     every = int(os.environ.get("ATTN_EXT_SLOW_EVERY", "8"))
     keep, drop = [], []

@@ -3,11 +3,12 @@ forward (FA2-style, head dims 32, 64, 96, 128 and 256) against the simple CUDA k
 float64 reference, on the shapes where the two kernels differ most (tile boundaries, Sq != Sk,
 rows without keys, GQA, strided views), the fast FA2-style backward against the simple
 backward and float64 autograd, the dispatch rules (misaligned inputs, deterministic mode and
-ATTN_EXT_CUDA_ATTN=simple fall back to the simple kernels) and NaN propagation. The generic value / gradient tests of
+attn_ext.ops._simple_cuda_kernels() fall back to the simple kernels) and NaN propagation. The generic value / gradient tests of
 tests/test_attention.py also run on CUDA through the `device` fixture.
 
 Every test skips without a GPU; nothing queries the GPU at import time.
-ATTN_EXT_CUDA_ATTN=simple forces the simple kernels (read by the ops at each call).
+attn_ext.ops._simple_cuda_kernels() (the private op _set_cuda_attention_kernels) forces the
+simple kernels inside a block.
 """
 
 from __future__ import annotations
@@ -44,13 +45,21 @@ def fast_fwd_fits(D: int) -> bool:
     return limit is None or need <= limit
 
 
+@pytest.fixture
+def simple_kernels():
+    """Call it to force the simple CUDA kernels for the rest of the test (undone at the end)."""
+    previous = []
+    yield lambda: previous.append(torch.ops.attn_ext._set_cuda_attention_kernels(1))
+    for mode in reversed(previous):
+        torch.ops.attn_ext._set_cuda_attention_kernels(mode)
+
+
 def fwd(q, k, v, causal, scale=None):
     return torch.ops.attn_ext.attention_forward(q, k, v, causal, scale)
 
 
 def fwd_simple(monkeypatch, q, k, v, causal, scale=None):
-    with monkeypatch.context() as m:
-        m.setenv("ATTN_EXT_CUDA_ATTN", "simple")
+    with attn_ext.ops._simple_cuda_kernels():
         return fwd(q, k, v, causal, scale)
 
 
@@ -142,8 +151,7 @@ def test_fast_kernel_is_used_and_misaligned_falls_back(D, causal, cuda, monkeypa
     out_odd, lse_odd = fwd(q, k_odd, v, causal)
     check_fwd(out_odd, lse_odd, q, k_odd, v, causal, name="odd stride")
     # forcing the simple kernel
-    with monkeypatch.context() as m:
-        m.setenv("ATTN_EXT_CUDA_ATTN", "simple")
+    with attn_ext.ops._simple_cuda_kernels():
         names = kernel_names(lambda: fwd(q, k, v, causal))
     assert did_not_run(names, "fa2_fwd_kernel"), names
 
@@ -270,7 +278,9 @@ def test_backward_float64_tight(cuda):
 
 def test_backward_deterministic(cuda):
     """The fast backward accumulates dq with fp32 atomics (dk, dv are written once per CTA);
-    torch.use_deterministic_algorithms(True) selects the simple kernels, bitwise repeatable."""
+    deterministic=True selects the simple kernels, bitwise repeatable. The autograd formula
+    passes torch.are_deterministic_algorithms_enabled() as that argument (the stable ABI cannot
+    read the flag from C++), so torch.use_deterministic_algorithms(True) selects them too."""
     q = randn(2, 330, 4, 64, dtype=torch.bfloat16, device=cuda)
     k = randn(2, 330, 1, 64, dtype=torch.bfloat16, device=cuda)
     v = randn(2, 330, 1, 64, dtype=torch.bfloat16, device=cuda)
@@ -278,7 +288,8 @@ def test_backward_deterministic(cuda):
     out, lse = fwd(q, k, v, True)
 
     def bwd():
-        return torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, True, None)
+        return torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, True, None,
+                                                     torch.are_deterministic_algorithms_enabled())
 
     a, b = bwd(), bwd()
     assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])  # dk, dv: no atomics
@@ -289,6 +300,9 @@ def test_backward_deterministic(cuda):
         names = kernel_names(bwd)
         assert did_not_run(names, "fa2_bwd_kernel"), names
         c, d = bwd(), bwd()
+        qa = q.detach().clone().requires_grad_()
+        names = kernel_names(lambda: attn_ext.attention(qa, k, v, causal=True).backward(dout))
+        assert ran(names, "simple_bwd") and did_not_run(names, "fa2_bwd_kernel"), names
     finally:
         torch.use_deterministic_algorithms(prev)
     for x, y in zip(c, d):
@@ -399,8 +413,7 @@ def bwd(dout, q, k, v, out, lse, causal, scale=None):
 
 
 def bwd_simple(monkeypatch, *args):
-    with monkeypatch.context() as m:
-        m.setenv("ATTN_EXT_CUDA_ATTN", "simple")
+    with attn_ext.ops._simple_cuda_kernels():
         return bwd(*args)
 
 
@@ -463,7 +476,7 @@ def test_fast_backward_long_and_strided(dtype, causal, cuda):
 @pytest.mark.parametrize("D", [64, 128])
 def test_fast_backward_dispatch(D, cuda, monkeypatch):
     """bf16 with D in {64, 128} and 16-byte aligned rows -> fa2_bwd_kernel (where its shared
-    memory fits the device); a misaligned dout or ATTN_EXT_CUDA_ATTN=simple -> the simple
+    memory fits the device); a misaligned dout or _simple_cuda_kernels() -> the simple
     kernels; all give the same gradients."""
     if not fast_bwd_fits(D):
         pytest.skip(f"the fast backward's shared memory at D={D} exceeds this device's limit")
@@ -485,12 +498,12 @@ def test_fast_backward_dispatch(D, cuda, monkeypatch):
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "simple"])
-def test_nan_propagates_on_cuda(fast, cuda, monkeypatch):
+def test_nan_propagates_on_cuda(fast, cuda, simple_kernels):
     """A NaN in one query row makes exactly that row's output and lse NaN (not 0, not -inf),
     as on the CPU; a NaN in a key reaches the rows that see it."""
     q, k, v = [randn(1, 80, 2, 64, dtype=torch.bfloat16, device=cuda) for _ in range(3)]
     if not fast:
-        monkeypatch.setenv("ATTN_EXT_CUDA_ATTN", "simple")
+        simple_kernels()
     names = kernel_names(lambda: fwd(q, k, v, True))
     assert ran(names, "fa2_fwd_kernel" if fast else "simple_fwd_kernel"), names
     clean, clean_lse = fwd(q, k, v, True)

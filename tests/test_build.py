@@ -1,5 +1,6 @@
 """The build itself: OpenMP really on, the library loadable without the Python package."""
 
+import json
 import os
 import subprocess
 import sys
@@ -8,9 +9,12 @@ import torch
 
 import attn_ext
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def test_op_library_uses_openmp_threads():
-    # Without -fopenmp on compile and link, at::parallel_for silently runs on one thread.
+    # The kernels parallelise through torch::stable::parallel_for (torch's OpenMP pool); the
+    # probe counts the distinct threads that ran its chunks.
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -36,3 +40,86 @@ def test_load_library_in_a_fresh_process_without_the_package():
 def test_limited_api_build():
     # one .abi3 build serves every CPython >= 3.10
     assert os.path.basename(attn_ext.library_path()).endswith(".abi3.so")
+
+
+def test_stable_abi_only():
+    # The op library calls torch only through the stable C shims (aoti_torch_* / torch_*):
+    # no C++ symbol of c10 / ATen / torch, so one build loads in every torch >= 2.11.
+    nm = subprocess.run(["nm", "-D", "--undefined-only", attn_ext.library_path()],
+                        capture_output=True, text=True, check=True).stdout
+    names = [line.split()[-1] for line in nm.splitlines() if line.strip()]
+    cxx = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout
+    bad = [n for n in cxx.splitlines() if n.startswith(("c10::", "at::", "torch::", "caffe2::"))]
+    assert not bad, bad[:10]
+    assert "torch_parallel_for" in names  # the kernels run on torch's own pool
+    assert not any("omp_" in n or n.startswith("GOMP_") for n in names)  # no second OpenMP
+
+
+def test_build_info_says_what_was_built():
+    info = attn_ext.build_info()
+    assert info["torch_target_version"] == "0x020b000000000000"
+    assert info["running_torch"] == torch.__version__
+    assert info["cpu_library"] == attn_ext.library_path()
+    assert isinstance(info["reason"], str) and info["reason"]
+    if not info["with_cuda"]:
+        assert info["cuda_loaded"] is False
+        assert info["cuda_status"].startswith("built without CUDA kernels: ")
+
+
+def test_cuda_library_loads_only_into_a_matching_cuda_torch(monkeypatch):
+    built = {"with_cuda": True, "cuda_version": "13.0", "reason": "test"}
+    monkeypatch.setattr(torch.version, "cuda", None)
+    loaded, why = attn_ext._load_cuda_kernels(built)
+    assert not loaded and "is a CPU build" in why
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    loaded, why = attn_ext._load_cuda_kernels(built)
+    assert not loaded and "built for CUDA 13.0" in why and "major versions differ" in why
+    loaded, why = attn_ext._load_cuda_kernels({"with_cuda": False, "reason": "ATTN_EXT_CUDA=0"})
+    assert not loaded and why == "built without CUDA kernels: ATTN_EXT_CUDA=0"
+
+
+def _cuda_plan(tmp_path, torch_cuda, cuda_home, forced=None):
+    """setup.py's CUDA decision with torch.version.cuda faked to `torch_cuda`."""
+    code = ("import json, runpy, sys, torch; torch.version.cuda = json.loads(sys.argv[1]); "
+            "runpy.run_path('setup.py', run_name='__main__')")
+    env = dict(os.environ, ATTN_EXT_PRINT_CUDA_PLAN="1", CUDA_HOME=cuda_home)
+    env.pop("ATTN_EXT_CUDA", None)
+    if forced is not None:
+        env["ATTN_EXT_CUDA"] = forced
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(torch_cuda)], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    return proc
+
+
+def _fake_toolkit(tmp_path, release):
+    root = tmp_path / f"cuda-{release}"
+    (root / "bin").mkdir(parents=True)
+    (root / "include").mkdir()
+    (root / "include" / "cuda_runtime.h").write_text("// fake\n")
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.1'\n")
+    nvcc.chmod(0o755)
+    return str(root)
+
+
+def test_setup_builds_cuda_only_with_a_real_matching_toolkit(tmp_path):
+    def plan(*args, **kw):
+        proc = _cuda_plan(tmp_path, *args, **kw)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    p = plan(None, "/nonexistent")  # a CPU torch
+    assert not p["with_cuda"] and p["root"] is None and "is a CPU build" in p["reason"], p
+    # a CUDA torch without a toolkit (CUDA_HOME names a directory that does not exist)
+    p = plan("13.0", "/nonexistent/cuda")
+    assert not p["with_cuda"] and "no CUDA toolkit" in p["reason"], p
+    # a toolkit of another CUDA major
+    tk12 = _fake_toolkit(tmp_path, "12.4")
+    p = plan("13.0", tk12)
+    assert not p["with_cuda"] and "nvcc 12.4" in p["reason"] and "major versions differ" in p["reason"], p
+    # same major: CUDA kernels built, for that toolkit
+    p = plan("12.8", tk12)
+    assert p["with_cuda"] and p["root"] == tk12 and p["nvcc"] == "12.4", p
+    # forced without a toolkit: a clear failure, not a broken build
+    proc = _cuda_plan(tmp_path, "13.0", "/nonexistent/cuda", forced="1")
+    assert proc.returncode != 0 and "ATTN_EXT_CUDA=1 but no CUDA toolkit" in proc.stderr + proc.stdout

@@ -64,15 +64,16 @@ def test_cuda_constants_match_the_headers():
     assert m and int(m.group(2)) == X.CUDA_SPLIT_MIN_CHUNK == int(m.group(1)) + 1
     # the conditions explain restates, in the adapter's words
     fast_fwd = kc.block(cu, r"bool\s+use_fast_forward\s*\([^)]*\)\s*\{")
-    for cond in ("dt != at::kHalf && dt != at::kBFloat16", "p.D != p.Dv || !cuda::fa2::fwd_fast_head_dim(p.D)",
+    for cond in ("dt != dtype::kHalf && dt != dtype::kBFloat16", "p.D != p.Dv || !cuda::fa2::fwd_fast_head_dim(p.D)",
                  "!aligned16(q) || !aligned16(k) || !aligned16(v)", "fwd_fast_grid_ok(p)",
                  "fwd_smem_bytes(p.D) > max_smem_optin", "force_simple()"):
         assert cond in fast_fwd, cond
     fast_bwd = kc.block(cu, r"bool\s+use_fast_backward\s*\([^)]*\)\s*\{")
-    for cond in ("p.D != 64 && p.D != 128", "aligned16(dout)", "deterministicAlgorithms()",
+    for cond in ("p.D != 64 && p.D != 128", "aligned16(dout)", "if (deterministic) return false;",
                  "bwd_smem_bytes(p.D) > max_smem_optin", "force_simple()"):
         assert cond in fast_bwd, cond
-    assert f'std::getenv("{X.FORCE_SIMPLE_ENV}")' in cu
+    assert "bool force_simple() { return g_kernel_mode.load(std::memory_order_relaxed) == 1; }" in cu
+    assert f'm.impl("{X.FORCE_SIMPLE_OP}"' in cu
 
 
 # ---- CPU: the answer is what the kernel did ---------------------------------------------------
@@ -155,7 +156,7 @@ def test_cuda_forward_rules():
     path, why, det = fwd(shape(D=256), torch.bfloat16, True, sms=100, smem_optin=48 * 1024)
     assert path == "cuda.simple" and "101376 bytes at D = 256" in why and det["smem_needed"] == 101376
     path, why, _ = fwd(shape(), torch.bfloat16, True, force_simple=True, **H200)
-    assert path == "cuda.simple" and "ATTN_EXT_CUDA_ATTN=simple" in why
+    assert path == "cuda.simple" and "_simple_cuda_kernels() is active" in why
     # several reasons at once are all given
     path, why, _ = fwd(shape(D=80), torch.float32, False, **H200)
     assert why.count(";") == 2

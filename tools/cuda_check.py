@@ -35,6 +35,16 @@ def nvcc_path() -> str:
     return found
 
 
+def stable_abi_flags() -> list[str]:
+    """setup.py's -DTORCH_TARGET_VERSION (read from it, so the two cannot drift) and USE_CUDA
+    (the stable shim's CUDA entry points are declared only with it)."""
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        m = re.search(r'^TORCH_TARGET_VERSION = "(0x[0-9a-f]{16})"', f.read(), re.M)
+    if not m:
+        sys.exit("cuda_check: TORCH_TARGET_VERSION not found in setup.py")
+    return [f"-DTORCH_TARGET_VERSION={m.group(1)}", "-DUSE_CUDA"]
+
+
 def torch_flags() -> list[str]:
     import torch
     from torch.utils import cpp_extension
@@ -49,9 +59,6 @@ def torch_flags() -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags += [
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        "-DTORCH_API_INCLUDE_EXTENSION_H",
-        "-DTORCH_EXTENSION_NAME=_C",
-        "-DATTN_EXT_WITH_CUDA",
         "-DNDEBUG",
         # the same half/bfloat16 flags torch's CUDAExtension passes
         "-D__CUDA_NO_HALF_OPERATORS__",
@@ -59,7 +66,7 @@ def torch_flags() -> list[str]:
         "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
         "-D__CUDA_NO_HALF2_OPERATORS__",
     ]
-    return flags
+    return flags + stable_abi_flags()
 
 
 def compile_one(nvcc: str, src: str, archs: list[str], flags: list[str], outdir: str):

@@ -2,11 +2,9 @@
 // Every failure names the argument, what was expected and what was given (DESIGN.md, "Errors").
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
-
 #include <cmath>
 #include <optional>
+#include <vector>
 
 #include "common/attention_params.h"
 #include "common/checks.h"
@@ -14,7 +12,7 @@
 namespace attn_ext {
 
 // Last dim contiguous (stride 1); empty tensors (any strides) are accepted.
-inline void check_row_contiguous(const at::Tensor& t, const char* name) {
+inline void check_row_contiguous(const Tensor& t, const char* name) {
   if (t.numel() > 0) check_last_dim_contiguous(t, name);
 }
 
@@ -22,66 +20,66 @@ struct AttentionShape {
   int64_t B, Sq, Sk, H, Hkv, D, Dv;
 };
 
-inline AttentionShape check_attention_inputs(const at::Tensor& q, const at::Tensor& k,
-                                             const at::Tensor& v,
+inline AttentionShape check_attention_inputs(const Tensor& q, const Tensor& k,
+                                             const Tensor& v,
                                              const std::optional<double>& scale) {
   check_dim(q, "q", 4, "(B, Sq, H, D)");
   check_dim(k, "k", 4, "(B, Sk, Hkv, D)");
   check_dim(v, "v", 4, "(B, Sk, Hkv, Dv)");
   check_floating(q, "q");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "k must have the same dtype as q (",
+  STD_TORCH_CHECK(k.scalar_type() == q.scalar_type(), "k must have the same dtype as q (",
               q.scalar_type(), "), got ", k.scalar_type());
-  TORCH_CHECK(v.scalar_type() == q.scalar_type(), "v must have the same dtype as q (",
+  STD_TORCH_CHECK(v.scalar_type() == q.scalar_type(), "v must have the same dtype as q (",
               q.scalar_type(), "), got ", v.scalar_type());
   check_same_device(k, q, "k", "q");
   check_same_device(v, q, "v", "q");
   AttentionShape s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
-  TORCH_CHECK(k.size(0) == s.B, "k must have batch size B = ", s.B, " (from q), got shape ",
-              k.sizes());
-  TORCH_CHECK(v.size(0) == s.B, "v must have batch size B = ", s.B, " (from q), got shape ",
-              v.sizes());
-  TORCH_CHECK(k.size(3) == s.D, "k must have head dim D = ", s.D, " (from q), got shape ",
-              k.sizes());
-  TORCH_CHECK(v.size(1) == s.Sk, "v must have Sk = ", s.Sk, " keys (from k), got shape ",
-              v.sizes());
-  TORCH_CHECK(v.size(2) == s.Hkv, "v must have Hkv = ", s.Hkv, " heads (from k), got shape ",
-              v.sizes());
-  TORCH_CHECK((s.Hkv > 0 && s.H % s.Hkv == 0) || (s.Hkv == 0 && s.H == 0),
+  STD_TORCH_CHECK(k.size(0) == s.B, "k must have batch size B = ", s.B, " (from q), got shape ",
+              shape_of(k));
+  STD_TORCH_CHECK(v.size(0) == s.B, "v must have batch size B = ", s.B, " (from q), got shape ",
+              shape_of(v));
+  STD_TORCH_CHECK(k.size(3) == s.D, "k must have head dim D = ", s.D, " (from q), got shape ",
+              shape_of(k));
+  STD_TORCH_CHECK(v.size(1) == s.Sk, "v must have Sk = ", s.Sk, " keys (from k), got shape ",
+              shape_of(v));
+  STD_TORCH_CHECK(v.size(2) == s.Hkv, "v must have Hkv = ", s.Hkv, " heads (from k), got shape ",
+              shape_of(v));
+  STD_TORCH_CHECK((s.Hkv > 0 && s.H % s.Hkv == 0) || (s.Hkv == 0 && s.H == 0),
               "k's number of heads Hkv = ", s.Hkv, " must divide q's number of heads H = ", s.H,
-              " (GQA/MQA), got k shape ", k.sizes(), " and q shape ", q.sizes());
+              " (GQA/MQA), got k shape ", shape_of(k), " and q shape ", shape_of(q));
   check_row_contiguous(q, "q");
   check_row_contiguous(k, "k");
   check_row_contiguous(v, "v");
   if (scale.has_value()) {
-    TORCH_CHECK(std::isfinite(*scale), "scale must be finite, got ", *scale);
+    STD_TORCH_CHECK(std::isfinite(*scale), "scale must be finite, got ", *scale);
   }
   return s;
 }
 
 // The dtype of lse: float32, or float64 for float64 inputs (gradcheck needs its precision).
-inline at::ScalarType lse_dtype(at::ScalarType input) {
-  return input == at::kDouble ? at::kDouble : at::kFloat;
+inline ScalarType lse_dtype(ScalarType input) {
+  return input == dtype::kDouble ? dtype::kDouble : dtype::kFloat;
 }
 
-inline void check_attention_bwd_inputs(const at::Tensor& dout, const at::Tensor& out,
-                                       const at::Tensor& lse, const at::Tensor& q,
+inline void check_attention_bwd_inputs(const Tensor& dout, const Tensor& out,
+                                       const Tensor& lse, const Tensor& q,
                                        const AttentionShape& s) {
   check_dim(dout, "dout", 4, "(B, Sq, H, Dv)");
   check_dim(out, "out", 4, "(B, Sq, H, Dv)");
   check_dim(lse, "lse", 3, "(B, H, Sq)");
   const std::vector<int64_t> o_shape{s.B, s.Sq, s.H, s.Dv};
-  TORCH_CHECK(dout.sizes() == at::IntArrayRef(o_shape), "dout must have shape ",
-              at::IntArrayRef(o_shape), " (B, Sq, H, Dv), got ", dout.sizes());
-  TORCH_CHECK(out.sizes() == at::IntArrayRef(o_shape), "out must have shape ",
-              at::IntArrayRef(o_shape), " (B, Sq, H, Dv), got ", out.sizes());
+  STD_TORCH_CHECK(same_sizes(dout, o_shape), "dout must have shape ",
+              IntList{o_shape}, " (B, Sq, H, Dv), got ", shape_of(dout));
+  STD_TORCH_CHECK(same_sizes(out, o_shape), "out must have shape ",
+              IntList{o_shape}, " (B, Sq, H, Dv), got ", shape_of(out));
   const std::vector<int64_t> l_shape{s.B, s.H, s.Sq};
-  TORCH_CHECK(lse.sizes() == at::IntArrayRef(l_shape), "lse must have shape ",
-              at::IntArrayRef(l_shape), " (B, H, Sq), got ", lse.sizes());
-  TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "dout must have the same dtype as q (",
+  STD_TORCH_CHECK(same_sizes(lse, l_shape), "lse must have shape ",
+              IntList{l_shape}, " (B, H, Sq), got ", shape_of(lse));
+  STD_TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "dout must have the same dtype as q (",
               q.scalar_type(), "), got ", dout.scalar_type());
-  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out must have the same dtype as q (",
+  STD_TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out must have the same dtype as q (",
               q.scalar_type(), "), got ", out.scalar_type());
-  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), "lse must be ",
+  STD_TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), "lse must be ",
               lse_dtype(q.scalar_type()), " for ", q.scalar_type(), " inputs, got ",
               lse.scalar_type());
   check_same_device(dout, q, "dout", "q");
@@ -92,9 +90,9 @@ inline void check_attention_bwd_inputs(const at::Tensor& dout, const at::Tensor&
 }
 
 // Fills the forward params; out (B, Sq, H, Dv) and lse (B, H, Sq) are contiguous.
-inline AttentionParams make_attention_params(const at::Tensor& q, const at::Tensor& k,
-                                             const at::Tensor& v, const at::Tensor& out,
-                                             const at::Tensor& lse, const AttentionShape& s,
+inline AttentionParams make_attention_params(const Tensor& q, const Tensor& k,
+                                             const Tensor& v, const Tensor& out,
+                                             const Tensor& lse, const AttentionShape& s,
                                              bool causal, const std::optional<double>& scale) {
   AttentionParams p{};
   p.q = q.data_ptr();
@@ -129,11 +127,11 @@ inline AttentionParams make_attention_params(const at::Tensor& q, const at::Tens
 // Fills the backward params (forward params plus dout/out/lse/gradient pointers and strides)
 // in one place for the CPU and CUDA adapters. lse must be contiguous (B, H, Sq).
 inline AttentionBwdParams make_attention_bwd_params(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
-    const at::Tensor& dv, const AttentionShape& s, bool causal, std::optional<double> scale) {
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out, const Tensor& lse, const Tensor& dq, const Tensor& dk,
+    const Tensor& dv, const AttentionShape& s, bool causal, std::optional<double> scale) {
   AttentionBwdParams bp{};
-  bp.fwd = make_attention_params(q, k, v, at::Tensor(), at::Tensor(), s, causal, scale);
+  bp.fwd = make_attention_params(q, k, v, Tensor(), Tensor(), s, causal, scale);
   bp.dout = dout.data_ptr();
   bp.out = out.data_ptr();
   bp.lse = lse.data_ptr();

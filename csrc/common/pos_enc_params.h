@@ -1,5 +1,5 @@
 // Plain-data parameters of the positional-encoding kernels: pointers, sizes and explicit
-// strides (in elements), filled in one place by the ATen adapters and read by both the CPU
+// strides (in elements), filled in one place by the adapters and read by both the CPU
 // and CUDA kernels. No ATen types here.
 #pragma once
 

@@ -1,8 +1,7 @@
-// ATen-side argument checks and params filling for attn_ext::sinusoidal_pe(_), shared by the
+// Argument checks and params filling for attn_ext::sinusoidal_pe(_), shared by the
 // CPU and CUDA adapters.
 #pragma once
 
-#include <ATen/core/Tensor.h>
 
 #include <cmath>
 #include <optional>
@@ -12,18 +11,26 @@
 
 namespace attn_ext {
 
-inline void check_sinusoidal_rank(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 || x.dim() == 3,
-              "x must have 3 dims (B, S, D) or 2 dims (S, D), got shape ", x.sizes());
+// out = x + PE into a new contiguous tensor / x += PE (x must not overlap itself).
+inline Tensor sinusoidal_out_like(const Tensor& x) { return alloc(x, sizes_vec(x)); }
+
+inline void check_sinusoidal_inplace(const Tensor& x) {
+  check_last_dim_contiguous(x, "x (in place)");
+  check_no_internal_overlap(x, "x", "sinusoidal_pe_");
+}
+
+inline void check_sinusoidal_rank(const Tensor& x) {
+  STD_TORCH_CHECK(x.dim() == 2 || x.dim() == 3,
+              "x must have 3 dims (B, S, D) or 2 dims (S, D), got shape ", shape_of(x));
 }
 
 // Checks arguments and fills params for x -> out (out may be x itself).
-inline SinusoidalParams make_sinusoidal_params(const at::Tensor& x, const at::Tensor& out,
-                             const std::optional<at::Tensor>& positions, int64_t offset,
+inline SinusoidalParams make_sinusoidal_params(const Tensor& x, const Tensor& out,
+                             const OptTensor& positions, int64_t offset,
                              double base) {
   check_sinusoidal_rank(x);
   check_floating(x, "x");
-  TORCH_CHECK(std::isfinite(base) && base > 0.0, "base must be a positive finite number, got ",
+  STD_TORCH_CHECK(std::isfinite(base) && base > 0.0, "base must be a positive finite number, got ",
               base);
   const bool batched_x = x.dim() == 3;
   SinusoidalParams p{};
@@ -41,9 +48,9 @@ inline SinusoidalParams make_sinusoidal_params(const at::Tensor& x, const at::Te
   p.log_base = std::log(base);
   p.positions = nullptr;
   if (positions.has_value()) {
-    const at::Tensor& pos = *positions;
+    const Tensor& pos = *positions;
     const bool per_batch = check_positions(pos, x, p.B, p.S, batched_x);
-    p.positions = pos.data_ptr<int64_t>();
+    p.positions = static_cast<const int64_t*>(pos.data_ptr());
     p.pos_batch_stride = per_batch ? pos.stride(0) : 0;
     p.pos_row_stride = pos.stride(-1);
   }

@@ -21,10 +21,6 @@
 // dq: every worker accumulates into its own fp32 (B, H, Sq, Dp) buffer; a final pass sums the
 // buffers in worker order. Tasks are assigned to workers by a fixed greedy plan (not
 // dynamically), so the result is bitwise identical from run to run for a given thread count.
-#include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <vector>
 
@@ -89,7 +85,7 @@ void pack_query_blocks(const AttentionBwdParams& bp, const QueryPackLayout& L, a
   const acc_t qscale = static_cast<acc_t>(p.scale);
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const acc_t pos_inf = std::numeric_limits<acc_t>::infinity();
-  at::parallel_for(0, p.B * p.H * L.n_qb, 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, p.B * p.H * L.n_qb, 1, [&](int64_t begin, int64_t end) {
     AlignedVec<acc_t> tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1)));
     for (int64_t idx = begin; idx < end; ++idx) {  // idx = (b * H + h) * n_qb + qb
       const int64_t qb = idx % L.n_qb;
@@ -254,7 +250,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
 
   // Fixed greedy plan: tasks by decreasing cost (query rows that see the key tile), each to
   // the least loaded worker (ties: lowest index). Depends only on shapes and thread count.
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_tasks));
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(num_threads(), n_tasks));
   std::vector<std::vector<int64_t>> plan(static_cast<size_t>(workers));
   {
     std::vector<int64_t> order(static_cast<size_t>(n_tasks));
@@ -280,7 +276,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   // dq_w: (workers, B, H, Sq, Dp) partial sums, one slice per worker.
   const int64_t dq_size = p.B * p.H * p.Sq * Dp;
   AlignedVec<acc_t> dq_parts(static_cast<size_t>(workers * dq_size), acc_t(0));
-  at::parallel_for(0, workers, 1, [&](int64_t wbeg, int64_t wend) {
+  torch::stable::parallel_for(0, workers, 1, [&](int64_t wbeg, int64_t wend) {
     BwdScratch<acc_t> s(p.D, p.Dv);
     for (int64_t w = wbeg; w < wend; ++w) {
       for (int64_t t : plan[w]) {
@@ -296,7 +292,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   // dq (B, Sq, H, D) = scale * sum over workers (fixed order) of dq_w (B, H, Sq, Dp).
   auto* dq = static_cast<scalar_t*>(bp.dq);
   const acc_t scale = static_cast<acc_t>(p.scale);
-  at::parallel_for(0, p.B * p.H * p.Sq, 64, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, p.B * p.H * p.Sq, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {  // row = (b * H + h) * Sq + i
       const int64_t i = row % p.Sq;
       const int64_t h = (row / p.Sq) % p.H;
@@ -311,37 +307,41 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse_in, bool causal, std::optional<double> scale) {
+// deterministic: ignored, the CPU backward is always deterministic (fixed work plan, dq
+// partial sums reduced in a fixed order).
+std::tuple<Tensor, Tensor, Tensor> attention_backward_cpu(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out, const Tensor& lse_in, bool causal, std::optional<double> scale,
+    bool deterministic) {
+  (void)deterministic;
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_attention_bwd_inputs(dout, out, lse_in, q, s);
-  at::Tensor dq = at::empty({s.B, s.Sq, s.H, s.D}, q.options());
-  at::Tensor dk = at::empty({s.B, s.Sk, s.Hkv, s.D}, q.options());
-  at::Tensor dv = at::empty({s.B, s.Sk, s.Hkv, s.Dv}, q.options());
+  Tensor dq = alloc(q, {s.B, s.Sq, s.H, s.D});
+  Tensor dk = alloc(q, {s.B, s.Sk, s.Hkv, s.D});
+  Tensor dv = alloc(q, {s.B, s.Sk, s.Hkv, s.Dv});
   if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv};
   if (s.Sq == 0 || s.H == 0) {  // no query: no gradient reaches k or v
-    dk.zero_();
-    dv.zero_();
+    torch::stable::zero_(dk);
+    torch::stable::zero_(dv);
     return {dq, dk, dv};
   }
-  const at::Tensor lse = lse_in.contiguous();
+  const Tensor lse = torch::stable::contiguous(lse_in);
   AttentionBwdParams bp =
       make_attention_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, s, causal, scale);
   if (s.Sk == 0) {  // no key: every row is empty, dq = 0
-    dq.zero_();
+    torch::stable::zero_(dq);
     return {dq, dk, dv};
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_backward",
-                                  [&] { attention_bwd_kernel<scalar_t>(bp); });
+  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), "attention_backward",
+                             [&] { attention_bwd_kernel<scalar_t>(bp); });
   return {dq, dk, dv};
 }
 
 }  // namespace
 }  // namespace cpu_attn
 
-TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
-  m.impl("attention_backward", &cpu_attn::attention_backward_cpu);
+STABLE_TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+  m.impl("attention_backward", TORCH_BOX(&cpu_attn::attention_backward_cpu));
 }
 
 }  // namespace attn_ext

@@ -3,9 +3,7 @@
 // tiles, and a dynamically scheduled parallel loop.
 #pragma once
 
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include "common/stable.h"
 
 #include <algorithm>
 #include <atomic>
@@ -101,16 +99,16 @@ inline void load_rows_transposed(const scalar_t* src, int64_t row_stride, int64_
   }
 }
 
-// Runs task(t, scratch) for t in [0, n) on at::get_num_threads() workers that take tasks
+// Runs task(t, scratch) for t in [0, n) on num_threads() workers that take tasks
 // in order from a shared counter (dynamic scheduling: robust to uneven tasks and to a
 // noisy machine). Each worker builds one Scratch with make_scratch() and reuses it.
 // Every task's result must not depend on which worker ran it.
 template <typename MakeScratch, typename Task>
 void parallel_tasks(int64_t n, MakeScratch&& make_scratch, Task&& task) {
   if (n <= 0) return;
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(num_threads(), n));
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     (void)begin;
     (void)end;
     auto scratch = make_scratch();

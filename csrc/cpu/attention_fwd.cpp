@@ -21,10 +21,6 @@
 // with dynamic scheduling, most expensive (latest causal rows) first. When there are fewer
 // tiles than threads (decoding), the keys of each tile are split into chunks processed in
 // parallel and merged through their (m, l) (split-KV).
-#include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <vector>
 
@@ -255,7 +251,7 @@ void attention_fwd_kernel(const AttentionParams& p) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   const mk::Kernels<acc_t> kern = mk::kernels<acc_t>();
   const TilePlan plan = plan_tiles(p);
-  const int64_t workers = at::get_num_threads();
+  const int64_t workers = num_threads();
   auto make_scratch = [&] { return FwdScratch<acc_t>(p.D, p.Dv); };
 
   // Split-KV when there are fewer tiles than threads and enough keys to share.
@@ -320,24 +316,24 @@ void attention_fwd_kernel(const AttentionParams& p) {
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                         const at::Tensor& v, bool causal,
+std::tuple<Tensor, Tensor> attention_forward_cpu(const Tensor& q, const Tensor& k,
+                                                 const Tensor& v, bool causal,
                                                          std::optional<double> scale) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
-  at::Tensor out = at::empty({s.B, s.Sq, s.H, s.Dv}, q.options());
-  at::Tensor lse = at::empty({s.B, s.H, s.Sq}, q.options().dtype(lse_dtype(q.scalar_type())));
+  Tensor out = alloc(q, {s.B, s.Sq, s.H, s.Dv});
+  Tensor lse = alloc(q, {s.B, s.H, s.Sq}, lse_dtype(q.scalar_type()));
   if (s.B * s.H * s.Sq == 0) return {out, lse};
   const AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_forward",
-                                  [&] { attention_fwd_kernel<scalar_t>(p); });
+  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), "attention_forward",
+                             [&] { attention_fwd_kernel<scalar_t>(p); });
   return {out, lse};
 }
 
 }  // namespace
 }  // namespace cpu_attn
 
-TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
-  m.impl("attention_forward", &cpu_attn::attention_forward_cpu);
+STABLE_TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+  m.impl("attention_forward", TORCH_BOX(&cpu_attn::attention_forward_cpu));
 }
 
 }  // namespace attn_ext

@@ -107,7 +107,7 @@ void ds_generic(const T* p, T* ds, int64_t rows, int64_t cols, const T* d) {
 
 // ---- AVX2 implementations (attention_microkernels_avx2.cpp) --------------------------
 
-bool cpu_has_avx2_fma();  // AVX2 + FMA + F16C, checked once
+bool cpu_has_avx2_fma();  // AVX2 + FMA + F16C and not ATTN_EXT_CPU_SIMD=0 (cpu::simd_enabled)
 void gemm_avx2(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_row, int64_t a_col,
                const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate);
 void softmax_avx2(float* st, int64_t rows, int64_t cols, float* m, float* l, float* alpha);

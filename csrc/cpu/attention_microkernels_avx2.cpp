@@ -6,6 +6,7 @@
 // This file includes no ATen header on purpose: nothing inline from a shared header may be
 // compiled for AVX2 here and then picked by the linker for the generic code paths.
 #include "cpu/attention_microkernels.h"
+#include "cpu/cpu_features.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -18,11 +19,7 @@ namespace mk {
 
 #ifdef ATTN_HAVE_X86
 
-bool cpu_has_avx2_fma() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
-}
+bool cpu_has_avx2_fma() { return cpu::simd_enabled(); }  // honours ATTN_EXT_CPU_SIMD=0
 
 namespace {
 

@@ -5,17 +5,11 @@
 //   interleaved: out[2i] = x[2i] c_i - x[2i+1] s_i,  out[2i+1] = x[2i+1] c_i + x[2i] s_i
 //   c_i = cos[pos(b, s), i], s_i = +-sin[pos(b, s), i] (minus: _rope_backward, the inverse)
 //
-// Work split: at::parallel_for over the B*S (b, s) rows; one row does every head of q (and
+// Work split: torch::stable::parallel_for over the B*S (b, s) rows; one row does every head of q (and
 // k), so its cos/sin row is read from memory once and then stays in L1. Inner loop: AVX2+FMA
 // on 8 pairs at a time with fp32 math (fp16/bf16 widened on load, rounded to nearest even on
 // store), scalar tail; a portable scalar loop elsewhere. float64 is computed in double.
 // The op is a pure stream (read x once, write out once), so the goal is memory bandwidth.
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <cstring>
 #include <type_traits>
@@ -30,7 +24,7 @@ namespace {
 template <typename T, typename TT>
 inline void rotate_row_scalar(const T* x, T* out, const TT* c, const TT* sn, int64_t i0,
                               int64_t half, bool interleaved, bool inverse) {
-  using acc_t = at::opmath_type<T>;
+  using acc_t = opmath_t<T>;
   const acc_t sg = inverse ? acc_t(-1) : acc_t(1);
   if (interleaved) {
     for (int64_t i = i0; i < half; ++i) {
@@ -50,18 +44,8 @@ inline void rotate_row_scalar(const T* x, T* out, const TT* c, const TT* sn, int
 }
 
 #if ATTN_EXT_HAVE_AVX2_PATH
-template <typename T, bool kStream>
-ATTN_EXT_AVX2 inline void put(T* p, __m256 v) {
-  if constexpr (kStream) {
-    cpu::Avx2IO<T>::stream(p, v);
-  } else {
-    cpu::Avx2IO<T>::store(p, v);
-  }
-}
-
-// 8 pairs per step; returns the first pair index left for the scalar tail. kStream: out is
-// written with non-temporal stores (caller guarantees alignment).
-template <typename T, typename TT, bool kStream>
+// 8 pairs per step; returns the first pair index left for the scalar tail.
+template <typename T, typename TT>
 ATTN_EXT_AVX2 int64_t rotate_row_avx2(const T* x, T* out, const TT* c, const TT* sn,
                                       int64_t half, bool interleaved, bool inverse) {
   using IO = cpu::Avx2IO<T>;
@@ -84,11 +68,11 @@ ATTN_EXT_AVX2 int64_t rotate_row_avx2(const T* x, T* out, const TT* c, const TT*
       // swap within pairs: (x1, x2) -> (x2, x1); fmaddsub: even lanes a*b - c, odd a*b + c.
       const __m256 ya = _mm256_fmaddsub_ps(xa, c0, _mm256_mul_ps(_mm256_permute_ps(xa, 0xb1), s0));
       const __m256 yb = _mm256_fmaddsub_ps(xb, c1, _mm256_mul_ps(_mm256_permute_ps(xb, 0xb1), s1));
-      if constexpr (std::is_same_v<T, c10::BFloat16> && !kStream) {
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
         IO::store16(out + 2 * i, ya, yb);  // one pack + one 32-byte store for 16 outputs
       } else {
-        put<T, kStream>(out + 2 * i, ya);
-        put<T, kStream>(out + 2 * i + 8, yb);
+        IO::store(out + 2 * i, ya);
+        IO::store(out + 2 * i + 8, yb);
       }
     }
   } else {
@@ -96,8 +80,8 @@ ATTN_EXT_AVX2 int64_t rotate_row_avx2(const T* x, T* out, const TT* c, const TT*
       const __m256 cv = TIO::load(c + i);
       const __m256 sv = _mm256_xor_ps(TIO::load(sn + i), sign);
       const __m256 x1 = IO::load(x + i), x2 = IO::load(x + half + i);
-      put<T, kStream>(out + i, _mm256_fmsub_ps(x1, cv, _mm256_mul_ps(x2, sv)));
-      put<T, kStream>(out + half + i, _mm256_fmadd_ps(x2, cv, _mm256_mul_ps(x1, sv)));
+      IO::store(out + i, _mm256_fmsub_ps(x1, cv, _mm256_mul_ps(x2, sv)));
+      IO::store(out + half + i, _mm256_fmadd_ps(x2, cv, _mm256_mul_ps(x1, sv)));
     }
   }
   return i;
@@ -116,30 +100,10 @@ void rope_kernel(const RopeParams& p) {
   for (int t = 0; t < p.num_tensors; ++t) row_elems += p.t[t].H * p.t[t].D;
   // ~64 KB of x per chunk at least: enough to hide the per-chunk cost, fine enough to balance.
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems));
-  // Out of place into a large buffer: non-temporal stores skip the read-for-ownership of
-  // every output line (x is read once, out written once: 2 memory streams instead of 3).
-  // Needs every 8-lane store aligned: out rows, heads and the half offset.
-  bool stream = false;
-#if ATTN_EXT_HAVE_AVX2_PATH
-  if constexpr (kHasSimd<T, TT>) {
-    constexpr int64_t a = cpu::Avx2IO<T>::kStreamAlign;
-    int64_t out_bytes = 0;
-    for (int t = 0; t < p.num_tensors; ++t) out_bytes += p.B * p.S * p.t[t].H * p.t[t].D;
-    out_bytes *= sizeof(T);
-    stream = simd && out_bytes >= (int64_t(8) << 20) && cpu::use_nt_stores();
-    for (int t = 0; t < p.num_tensors && stream; ++t) {
-      const RopeTensorParams& tp = p.t[t];
-      const int64_t sz = sizeof(T);
-      stream = tp.out != tp.x && reinterpret_cast<uintptr_t>(tp.out) % a == 0 &&
-               (tp.out_batch_stride * sz) % a == 0 && (tp.out_row_stride * sz) % a == 0 &&
-               (tp.out_head_stride * sz) % a == 0 && (half * sz) % a == 0;
-    }
-  }
-#endif
   const auto* cos_base = static_cast<const TT*>(p.cos);
   const auto* sin_base = static_cast<const TT*>(p.sin);
 
-  at::parallel_for(0, p.B * p.S, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, p.B * p.S, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / p.S, s = item % p.S;
       const int64_t pos = p.positions
@@ -157,11 +121,7 @@ void rope_kernel(const RopeParams& p) {
           int64_t i0 = 0;
 #if ATTN_EXT_HAVE_AVX2_PATH
           if constexpr (kHasSimd<T, TT>) {
-            if (simd && stream) {
-              i0 = rotate_row_avx2<T, TT, true>(xh, oh, c, sn, half, p.interleaved, p.inverse);
-            } else if (simd) {
-              i0 = rotate_row_avx2<T, TT, false>(xh, oh, c, sn, half, p.interleaved, p.inverse);
-            }
+            if (simd) i0 = rotate_row_avx2<T, TT>(xh, oh, c, sn, half, p.interleaved, p.inverse);
           }
 #endif
           rotate_row_scalar<T, TT>(xh, oh, c, sn, i0, half, p.interleaved, p.inverse);
@@ -171,9 +131,6 @@ void rope_kernel(const RopeParams& p) {
         }
       }
     }
-#if ATTN_EXT_HAVE_AVX2_PATH
-    if (stream) _mm_sfence();  // order the non-temporal stores before the region ends
-#endif
   });
 }
 
@@ -184,18 +141,18 @@ void check_positions_in_range(const RopeParams& p) {
   for (int64_t b = 0; b < nb; ++b) {
     for (int64_t s = 0; s < p.S; ++s) {
       const int64_t v = p.positions[b * p.pos_batch_stride + s * p.pos_row_stride];
-      TORCH_CHECK(v >= 0 && v < p.S_max, "positions must lie in [0, cos.size(0) = ", p.S_max,
+      STD_TORCH_CHECK(v >= 0 && v < p.S_max, "positions must lie in [0, cos.size(0) = ", p.S_max,
                   "), got positions[", nb > 1 ? std::to_string(b) + ", " : std::string(), s,
                   "] = ", v);
     }
   }
 }
 
-void run(const at::Tensor& x, const at::Tensor& cos, RopeParams& p) {
+void run(const Tensor& x, const Tensor& cos, RopeParams& p) {
   check_positions_in_range(p);
   if (p.B * p.S == 0) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rope", [&] {
-    if (cos.scalar_type() == at::kFloat) {
+  ATTN_EXT_DISPATCH_FLOATING(x.scalar_type(), "rope", [&] {
+    if (cos.scalar_type() == dtype::kFloat) {
       rope_kernel<scalar_t, float>(p);
     } else {
       rope_kernel<scalar_t, scalar_t>(p);
@@ -203,36 +160,36 @@ void run(const at::Tensor& x, const at::Tensor& cos, RopeParams& p) {
   });
 }
 
-at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                    const std::optional<at::Tensor>& positions, int64_t offset, bool interleaved) {
+Tensor rope_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin,
+                    const OptTensor& positions, int64_t offset, bool interleaved) {
   return rope_out_of_place_with(run, x, cos, sin, positions, offset, interleaved, false);
 }
 
-at::Tensor rope_backward_cpu(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
-                             const std::optional<at::Tensor>& positions, int64_t offset,
+Tensor rope_backward_cpu(const Tensor& grad, const Tensor& cos, const Tensor& sin,
+                             const OptTensor& positions, int64_t offset,
                              bool interleaved) {
   return rope_out_of_place_with(run, grad, cos, sin, positions, offset, interleaved, true);
 }
 
-void rope_inplace_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                      const std::optional<at::Tensor>& positions, int64_t offset,
+void rope_inplace_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin,
+                      const OptTensor& positions, int64_t offset,
                       bool interleaved) {
   rope_inplace_with(run, x, cos, sin, positions, offset, interleaved);
 }
 
-void rope_qk_inplace_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                         const at::Tensor& sin, const std::optional<at::Tensor>& positions,
+void rope_qk_inplace_cpu(const Tensor& q, const Tensor& k, const Tensor& cos,
+                         const Tensor& sin, const OptTensor& positions,
                          int64_t offset, bool interleaved) {
   rope_qk_inplace_with(run, q, k, cos, sin, positions, offset, interleaved);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
-  m.impl("rope", &rope_cpu);
-  m.impl("rope_", &rope_inplace_cpu);
-  m.impl("rope_qk_", &rope_qk_inplace_cpu);
-  m.impl("_rope_backward", &rope_backward_cpu);
+STABLE_TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+  m.impl("rope", TORCH_BOX(&rope_cpu));
+  m.impl("rope_", TORCH_BOX(&rope_inplace_cpu));
+  m.impl("rope_qk_", TORCH_BOX(&rope_qk_inplace_cpu));
+  m.impl("_rope_backward", TORCH_BOX(&rope_backward_cpu));
 }
 
 }  // namespace attn_ext

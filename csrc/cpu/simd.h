@@ -10,11 +10,13 @@
 // for T = float, c10::Half (F16C), c10::BFloat16 (integer shifts).
 #pragma once
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <cstdlib>
 #include <cstring>
+
+#include "cpu/cpu_features.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define ATTN_EXT_HAVE_AVX2_PATH 1
@@ -27,30 +29,15 @@
 namespace attn_ext::cpu {
 
 // True when the CPU has AVX2, FMA and F16C, unless ATTN_EXT_CPU_SIMD=0 (for measuring the
-// portable path).
+// portable path): the one detector shared with the attention micro-kernels.
 inline bool use_avx2() {
 #if ATTN_EXT_HAVE_AVX2_PATH
-  static const bool ok = [] {
-    const char* env = std::getenv("ATTN_EXT_CPU_SIMD");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-  }();
-  return ok;
+  return simd_enabled();
 #else
   return false;
 #endif
 }
 
-// Non-temporal stores for large out-of-place outputs: opt-in with ATTN_EXT_NT_STORES=1 (read
-// on every call, so a benchmark can A/B both in one process). Measured on the 2-core EPYC
-// dev box: a win for fp32 with a reusing allocator, a loss for bf16 and with fresh pages
-// (benchmarks/RESULTS.md), so off by default.
-inline bool use_nt_stores() {
-  const char* env = std::getenv("ATTN_EXT_NT_STORES");
-  return env != nullptr && std::strcmp(env, "1") == 0;
-}
 
 #if ATTN_EXT_HAVE_AVX2_PATH
 
@@ -62,8 +49,6 @@ struct Avx2IO<float> {
   ATTN_EXT_AVX2 static inline __m256 load(const float* p) { return _mm256_loadu_ps(p); }
   ATTN_EXT_AVX2 static inline void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
   // Non-temporal store (p 32-byte aligned): bypasses the cache, no read-for-ownership.
-  ATTN_EXT_AVX2 static inline void stream(float* p, __m256 v) { _mm256_stream_ps(p, v); }
-  static constexpr int kStreamAlign = 32;
 };
 
 template <>
@@ -75,11 +60,6 @@ struct Avx2IO<c10::Half> {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
-  ATTN_EXT_AVX2 static inline void stream(c10::Half* p, __m256 v) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p),
-                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  static constexpr int kStreamAlign = 16;
 };
 
 template <>
@@ -94,10 +74,6 @@ struct Avx2IO<c10::BFloat16> {
   ATTN_EXT_AVX2 static inline void store(c10::BFloat16* p, __m256 v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), round(v));
   }
-  ATTN_EXT_AVX2 static inline void stream(c10::BFloat16* p, __m256 v) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p), round(v));
-  }
-  static constexpr int kStreamAlign = 16;
   // 16 floats -> 16 bf16 with one pack and one 32-byte store.
   ATTN_EXT_AVX2 static inline void store16(c10::BFloat16* p, __m256 lo, __m256 hi) {
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round32(lo), round32(hi)), 0xd8);

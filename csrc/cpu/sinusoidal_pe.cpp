@@ -13,12 +13,6 @@
 // r in [-pi/4, pi/4] come from short minimax polynomials (fp32-accurate) and the quadrant k
 // mod 4 swaps / negates them. The add x + PE is 8 lanes at a time. Together this keeps
 // the op a pure memory stream. float64 x and the portable path use libm.
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -179,7 +173,7 @@ ATTN_EXT_AVX2 int64_t add_row_avx2(const T* x, T* out, const float* pe, int64_t 
 
 template <typename scalar_t>
 void sinusoidal_kernel(const SinusoidalParams& p) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = opmath_t<scalar_t>;
   const int64_t B = p.B, S = p.S, D = p.D;
   const int64_t pairs = (D + 1) / 2;
   std::vector<double> inv_freq(pairs);
@@ -210,7 +204,7 @@ void sinusoidal_kernel(const SinusoidalParams& p) {
   constexpr bool kSimdType = ATTN_EXT_HAVE_AVX2_PATH && std::is_same_v<acc_t, float>;
   const bool simd = kSimdType && cpu::use_avx2();
 
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> pe(kRestart * D + 8);
     // Consecutive positions (offset + s): angle-addition steps between exact rows.
     const bool recur = simd && p.positions == nullptr;
@@ -292,32 +286,32 @@ void sinusoidal_kernel(const SinusoidalParams& p) {
   });
 }
 
-void run(const at::Tensor& x, const SinusoidalParams& p) {
+void run(const Tensor& x, const SinusoidalParams& p) {
   if (p.B * p.S * p.D == 0) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sinusoidal_pe",
-                                  [&] { sinusoidal_kernel<scalar_t>(p); });
+  ATTN_EXT_DISPATCH_FLOATING(x.scalar_type(), "sinusoidal_pe",
+                             [&] { sinusoidal_kernel<scalar_t>(p); });
 }
 
-at::Tensor sinusoidal_pe_cpu(const at::Tensor& x, const std::optional<at::Tensor>& positions,
+Tensor sinusoidal_pe_cpu(const Tensor& x, const OptTensor& positions,
                              int64_t offset, double base) {
   check_sinusoidal_rank(x);
-  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  Tensor out = sinusoidal_out_like(x);
   run(x, make_sinusoidal_params(x, out, positions, offset, base));
   return out;
 }
 
-void sinusoidal_pe_inplace_cpu(const at::Tensor& x, const std::optional<at::Tensor>& positions,
+void sinusoidal_pe_inplace_cpu(const Tensor& x, const OptTensor& positions,
                                int64_t offset, double base) {
   check_sinusoidal_rank(x);
-  check_last_dim_contiguous(x, "x (in place)");
+  check_sinusoidal_inplace(x);
   run(x, make_sinusoidal_params(x, x, positions, offset, base));
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
-  m.impl("sinusoidal_pe", &sinusoidal_pe_cpu);
-  m.impl("sinusoidal_pe_", &sinusoidal_pe_inplace_cpu);
+STABLE_TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+  m.impl("sinusoidal_pe", TORCH_BOX(&sinusoidal_pe_cpu));
+  m.impl("sinusoidal_pe_", TORCH_BOX(&sinusoidal_pe_inplace_cpu));
 }
 
 }  // namespace attn_ext

@@ -1,4 +1,4 @@
-// attn_ext::attention_forward / attention_backward on CUDA: ATen adapter (checks shared with
+// attn_ext::attention_forward / attention_backward on CUDA: stable-ABI adapter (checks shared with
 // the CPU adapter, outputs, dtype and kernel dispatch, device guard, current stream). Device
 // code: attention_fwd_kernel.cuh (fast forward) and attention_simple_kernel.cuh (everything
 // else, and the backward).
@@ -19,27 +19,19 @@
 //        B, H <= 65535 (grid y/z).
 //   2. otherwise the simple kernel (simple::launch_simple_fwd): any dtype (fp32, fp64, fp16,
 //      bf16), any D, Dv <= 256, any strides with a contiguous last dim.
-// ATTN_EXT_CUDA_ATTN=simple in the environment (read at each call) skips 0 and 1: tests use
-// it to compare the kernels on the same inputs.
+// attn_ext::_set_cuda_attention_kernels(1) (attn_ext.ops._simple_cuda_kernels()) skips 0 and
+// 1 until it is set back to 0: tests use it to compare the kernels on the same inputs.
 // Head dims above 256 are rejected with an error naming the argument.
 // Backward dispatch:
 //   1. fast FA2-style tensor-core backward (fa2::launch_fa2_bwd, attention_bwd_kernel.cuh)
 //      under the fast forward's conditions but D in {64, 128} only (dout also 16-byte aligned with
 //      strides multiples of 8) and when its shared memory fits the device (155 KiB at
-//      D = 128: not on sm_86 / sm_89 / sm_120), unless torch.use_deterministic_algorithms(True)
-//      is set: its dQ is accumulated with fp32 atomics, so its dq is not bitwise reproducible
+//      D = 128: not on sm_86 / sm_89 / sm_120), unless the op's deterministic argument is True
+//      (the Python autograd formula passes torch.are_deterministic_algorithms_enabled()): its dQ is accumulated with fp32 atomics, so its dq is not bitwise reproducible
 //      (dk, dv are).
 //   2. otherwise the simple kernels (dQ per query row, then dK/dV per key row; no atomics,
 //      deterministic), any dtype and head dim <= 256.
-// ATTN_EXT_CUDA_ATTN=simple forces the simple kernels here too.
-#include <ATen/Context.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+// _set_cuda_attention_kernels(1) forces the simple kernels here too.
 
 #include <atomic>
 #include <cstdint>
@@ -50,6 +42,7 @@
 #include <type_traits>
 
 #include "common/attention_checks.h"
+#include "common/stable_cuda.h"
 #include "cuda/attention_launch.h"
 
 namespace attn_ext {
@@ -58,30 +51,30 @@ namespace {
 // Calls f(T{}) with T the CUDA-side element type of `dtype` (the kernels use the CUDA types
 // __half / __nv_bfloat16, which have the same layout as c10::Half / c10::BFloat16).
 template <typename F>
-void dispatch_cuda_type(at::ScalarType dtype, const char* name, F&& f) {
+void dispatch_cuda_type(ScalarType dtype, const char* name, F&& f) {
   switch (dtype) {
-    case at::kFloat: f(float{}); break;
-    case at::kDouble: f(double{}); break;
-    case at::kHalf: f(__half{}); break;
-    case at::kBFloat16: f(__nv_bfloat16{}); break;
-    default: TORCH_CHECK(false, name, ": unsupported dtype ", dtype);
+    case dtype::kFloat: f(float{}); break;
+    case dtype::kDouble: f(double{}); break;
+    case dtype::kHalf: f(__half{}); break;
+    case dtype::kBFloat16: f(__nv_bfloat16{}); break;
+    default: STD_TORCH_CHECK(false, name, ": unsupported dtype ", dtype);
   }
 }
 
 void check_cuda_head_dims(const AttentionShape& s) {
-  TORCH_CHECK(s.D <= cuda::simple::kMaxHeadDim, "q and k head dim D must be <= ",
+  STD_TORCH_CHECK(s.D <= cuda::simple::kMaxHeadDim, "q and k head dim D must be <= ",
               cuda::simple::kMaxHeadDim, " on CUDA, got D = ", s.D);
-  TORCH_CHECK(s.Dv <= cuda::simple::kMaxHeadDim, "v head dim Dv must be <= ",
+  STD_TORCH_CHECK(s.Dv <= cuda::simple::kMaxHeadDim, "v head dim Dv must be <= ",
               cuda::simple::kMaxHeadDim, " on CUDA, got Dv = ", s.Dv);
 }
 
 void check_grid_rows(int64_t rows, const char* what) {
   const int64_t blocks = (rows + cuda::simple::kWarps - 1) / cuda::simple::kWarps;
-  TORCH_CHECK(blocks <= 0x7fffffff, "attention on CUDA: too many ", what, " rows (", rows,
+  STD_TORCH_CHECK(blocks <= 0x7fffffff, "attention on CUDA: too many ", what, " rows (", rows,
               ") for one launch");
 }
 
-bool aligned16(const at::Tensor& t) {
+bool aligned16(const Tensor& t) {
   if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
   for (int d = 0; d < 3; ++d) {
     if (t.stride(d) % 8 != 0) return false;
@@ -89,9 +82,15 @@ bool aligned16(const at::Tensor& t) {
   return true;
 }
 
-bool force_simple() {
-  const char* env = std::getenv("ATTN_EXT_CUDA_ATTN");
-  return env != nullptr && std::strcmp(env, "simple") == 0;
+// 0: dispatch rules above; 1: simple kernels only (attn_ext::_set_cuda_attention_kernels).
+std::atomic<int> g_kernel_mode{0};
+
+bool force_simple() { return g_kernel_mode.load(std::memory_order_relaxed) == 1; }
+
+int64_t set_cuda_attention_kernels(int64_t mode) {
+  STD_TORCH_CHECK(mode == 0 || mode == 1,
+                  "mode must be 0 (automatic) or 1 (simple kernels only), got ", mode);
+  return g_kernel_mode.exchange(static_cast<int>(mode));
 }
 
 // Split-KV plan for the forward: n_split > 1 when the decode path applies (see the top).
@@ -136,54 +135,53 @@ int max_smem_optin(int device) {
   return v;
 }
 
-bool use_fast_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+bool use_fast_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                       const AttentionParams& p) {
   const auto dt = q.scalar_type();
-  if (dt != at::kHalf && dt != at::kBFloat16) return false;
+  if (dt != dtype::kHalf && dt != dtype::kBFloat16) return false;
   if (p.D != p.Dv || !cuda::fa2::fwd_fast_head_dim(p.D)) return false;
   if (p.Sk <= 0 || p.Sq <= 0) return false;
   if (!aligned16(q) || !aligned16(k) || !aligned16(v)) return false;
   if (!cuda::fa2::fwd_fast_grid_ok(p)) return false;
-  if (cuda::fa2::fwd_smem_bytes(p.D) > max_smem_optin(q.device().index())) return false;
+  if (cuda::fa2::fwd_smem_bytes(p.D) > max_smem_optin(q.get_device_index())) return false;
   return !force_simple();
 }
 
-bool use_fast_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                       const at::Tensor& v, const AttentionParams& p) {
+bool use_fast_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                       const Tensor& v, const AttentionParams& p, bool deterministic) {
   const auto dt = q.scalar_type();
-  if (dt != at::kHalf && dt != at::kBFloat16) return false;
+  if (dt != dtype::kHalf && dt != dtype::kBFloat16) return false;
   if (p.D != p.Dv || (p.D != 64 && p.D != 128)) return false;
   if (p.Sk <= 0 || p.Sq <= 0) return false;
   if (!aligned16(q) || !aligned16(k) || !aligned16(v) || !aligned16(dout)) return false;
   if (!cuda::fa2::bwd_fast_grid_ok(p)) return false;
-  if (at::globalContext().deterministicAlgorithms()) return false;
+  if (deterministic) return false;
   // 155 KiB at D = 128: more than sm_86 / sm_89 / sm_120 allow per block
-  if (cuda::fa2::bwd_smem_bytes(p.D) > max_smem_optin(q.device().index())) return false;
+  if (cuda::fa2::bwd_smem_bytes(p.D) > max_smem_optin(q.get_device_index())) return false;
   return !force_simple();
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q,
-                                                          const at::Tensor& k,
-                                                          const at::Tensor& v, bool causal,
-                                                          std::optional<double> scale) {
+std::tuple<Tensor, Tensor> attention_forward_cuda(const Tensor& q, const Tensor& k,
+                                                  const Tensor& v, bool causal,
+                                                  std::optional<double> scale) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_cuda_head_dims(s);
-  at::Tensor out = at::empty({s.B, s.Sq, s.H, s.Dv}, q.options());
-  at::Tensor lse = at::empty({s.B, s.H, s.Sq}, q.options().dtype(lse_dtype(q.scalar_type())));
+  Tensor out = alloc(q, {s.B, s.Sq, s.H, s.Dv});
+  Tensor lse = alloc(q, {s.B, s.H, s.Sq}, lse_dtype(q.scalar_type()));
   if (s.B * s.H * s.Sq == 0) return {out, lse};
   check_grid_rows(s.B * s.H * s.Sq, "query");
-  const c10::cuda::CUDAGuard guard(q.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  const DeviceGuard guard(q.get_device_index());
+  cudaStream_t stream = current_cuda_stream(q.get_device_index());
   const AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
-  const SplitPlan split = plan_split(p, q.device().index());
+  const SplitPlan split = plan_split(p, q.get_device_index());
   if (split.n_split > 1) {
     const int64_t items = s.B * s.H * s.Sq * split.n_split;
     check_grid_rows(items, "query x key-chunk");
-    at::Tensor part_o = at::empty({items, s.Dv}, lse.options());
-    at::Tensor part_ml = at::empty({items, 2}, lse.options());
+    Tensor part_o = alloc(lse, {items, s.Dv});
+    Tensor part_ml = alloc(lse, {items, 2});
     dispatch_cuda_type(q.scalar_type(), "attention_forward", [&](auto tag) {
       using T = decltype(tag);
-      C10_CUDA_CHECK(cuda::simple::launch_simple_fwd_split<T>(
+      ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_fwd_split<T>(
           p, split.chunk, split.n_split, part_o.data_ptr(), part_ml.data_ptr(), stream));
     });
     return {out, lse};
@@ -193,66 +191,71 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q,
     using T = decltype(tag);
     if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
       if (fast) {
-        C10_CUDA_CHECK(cuda::fa2::launch_fa2_fwd<T>(p, stream));
+        ATTN_EXT_CUDA_CHECK(cuda::fa2::launch_fa2_fwd<T>(p, stream));
         return;
       }
     }
-    C10_CUDA_CHECK(cuda::simple::launch_simple_fwd<T>(p, stream));
+    ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_fwd<T>(p, stream));
   });
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse_in, bool causal, std::optional<double> scale) {
+std::tuple<Tensor, Tensor, Tensor> attention_backward_cuda(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out, const Tensor& lse_in, bool causal, std::optional<double> scale,
+    bool deterministic) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_attention_bwd_inputs(dout, out, lse_in, q, s);
   check_cuda_head_dims(s);
-  at::Tensor dq = at::empty({s.B, s.Sq, s.H, s.D}, q.options());
-  at::Tensor dk = at::empty({s.B, s.Sk, s.Hkv, s.D}, q.options());
-  at::Tensor dv = at::empty({s.B, s.Sk, s.Hkv, s.Dv}, q.options());
+  Tensor dq = alloc(q, {s.B, s.Sq, s.H, s.D});
+  Tensor dk = alloc(q, {s.B, s.Sk, s.Hkv, s.D});
+  Tensor dv = alloc(q, {s.B, s.Sk, s.Hkv, s.Dv});
   if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv};
-  const c10::cuda::CUDAGuard guard(q.device());
+  const DeviceGuard guard(q.get_device_index());
   if (s.Sq == 0 || s.H == 0) {  // no query: no gradient reaches k or v
-    dk.zero_();
-    dv.zero_();
+    torch::stable::zero_(dk);
+    torch::stable::zero_(dv);
     return {dq, dk, dv};
   }
   if (s.Sk == 0) {  // no key: every row is empty, dq = 0
-    dq.zero_();
+    torch::stable::zero_(dq);
     return {dq, dk, dv};
   }
   check_grid_rows(s.B * s.H * s.Sq, "query");
   check_grid_rows(s.B * s.Hkv * s.Sk, "key");
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  const at::Tensor lse = lse_in.contiguous();
+  cudaStream_t stream = current_cuda_stream(q.get_device_index());
+  const Tensor lse = torch::stable::contiguous(lse_in);
   // delta_i = rowsum(dO_i * O_i), (B, H, Sq) in the accumulation type (lse's dtype)
-  at::Tensor delta = at::empty({s.B, s.H, s.Sq}, lse.options());
+  Tensor delta = alloc(lse, {s.B, s.H, s.Sq});
   AttentionBwdParams bp =
       make_attention_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, s, causal, scale);
-  const bool fast = use_fast_backward(dout, q, k, v, bp.fwd);
-  at::Tensor dq_accum;
-  if (fast) dq_accum = at::zeros({s.B, s.Sq, s.H, s.D}, lse.options());  // fp32 atomics target
+  const bool fast = use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
+  Tensor dq_accum;
+  if (fast) dq_accum = alloc_zeros(lse, {s.B, s.Sq, s.H, s.D}, lse.scalar_type());  // fp32 atomics target
   dispatch_cuda_type(q.scalar_type(), "attention_backward", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
       if (fast) {
-        C10_CUDA_CHECK(cuda::fa2::launch_fa2_bwd<T>(bp, delta.data_ptr<float>(),
-                                                    dq_accum.data_ptr<float>(), stream));
+        ATTN_EXT_CUDA_CHECK(cuda::fa2::launch_fa2_bwd<T>(bp, static_cast<float*>(delta.data_ptr()),
+                                                    static_cast<float*>(dq_accum.data_ptr()), stream));
         return;
       }
     }
-    C10_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(bp, delta.data_ptr(), stream));
+    ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(bp, delta.data_ptr(), stream));
   });
-  if (fast) dq.copy_(dq_accum);
+  if (fast) torch::stable::copy_(dq, dq_accum);
   return {dq, dk, dv};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
-  m.impl("attention_forward", &attention_forward_cuda);
-  m.impl("attention_backward", &attention_backward_cuda);
+STABLE_TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
+  m.impl("attention_forward", TORCH_BOX(&attention_forward_cuda));
+  m.impl("attention_backward", TORCH_BOX(&attention_backward_cuda));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(attn_ext, CompositeExplicitAutograd, m) {
+  m.impl("_set_cuda_attention_kernels", TORCH_BOX(&set_cuda_attention_kernels));
 }
 
 }  // namespace attn_ext

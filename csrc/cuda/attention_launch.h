@@ -1,4 +1,4 @@
-// Host-side entry points of the CUDA attention kernels, shared by the ATen adapter
+// Host-side entry points of the CUDA attention kernels, shared by the stable-ABI adapter
 // (attention.cu) and the translation units that instantiate them:
 //   attention_simple.cu        simple::launch_simple_fwd / launch_simple_bwd, every dtype
 //   attention_fa2_hdim{32,64,96,128,256}.cu   fa2::launch_fa2_fwd_impl<T, D, causal>, T = __half, bf16

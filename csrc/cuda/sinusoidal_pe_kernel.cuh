@@ -1,4 +1,5 @@
-// Device code for attn_ext::sinusoidal_pe(_): pointers, strides and a stream, no ATen types.
+// Device code for attn_ext::sinusoidal_pe(_): pointers, strides and a stream, no ATen or c10
+// types (scalar_t = float, double, __half, __nv_bfloat16; conversions from cuda/elem.cuh).
 //
 //   out (B, S, D) = x (B, S, D) + PE(pos(b, s), :),  PE(pos, 2i) = sin(pos * w_i),
 //   PE(pos, 2i+1) = cos(pos * w_i),  w_i = base^(-2i/D)
@@ -46,10 +47,9 @@ __global__ void sinusoidal_pe_kernel(SinusoidalParams p) {
     }
     const scalar_t* xr = x + b * p.x_batch_stride + s * p.x_row_stride;
     scalar_t* orow = out + b * p.out_batch_stride + s * p.out_row_stride;
-    orow[col] = static_cast<scalar_t>(static_cast<acc_t>(xr[col * p.x_col_stride]) + sn);
+    orow[col] = from_acc<scalar_t>(to_acc(xr[col * p.x_col_stride]) + sn);
     if (has_cos) {
-      orow[col + 1] =
-          static_cast<scalar_t>(static_cast<acc_t>(xr[(col + 1) * p.x_col_stride]) + cs);
+      orow[col + 1] = from_acc<scalar_t>(to_acc(xr[(col + 1) * p.x_col_stride]) + cs);
     }
   }
 }

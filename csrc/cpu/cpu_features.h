@@ -1,0 +1,10 @@
+// The one CPU-feature switch of every CPU kernel (attention micro-kernels, RoPE, sinusoidal).
+#pragma once
+
+namespace attn_ext::cpu {
+
+// True when the CPU has AVX2, FMA and F16C and ATTN_EXT_CPU_SIMD=0 is not set (for measuring
+// and testing the portable paths). Decided once per process (csrc/cpu/cpu_features.cpp).
+bool simd_enabled();
+
+}  // namespace attn_ext::cpu
