@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import queue as queue_mod
 import statistics
-import subprocess
 import sys
 import time
 
@@ -39,25 +37,10 @@ if ROOT not in sys.path:
 import attn_ext  # noqa: E402
 from attn_ext import distributed as cp  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+from _env import print_env_header  # noqa: E402
+
 MODES = [(causal, bwd) for causal in (True, False) for bwd in (False, True)]
-
-
-def commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return sha + (" (+ uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def allocator_mode() -> str:
-    keys = [k for k in os.environ if k.startswith("MALLOC_")]
-    if not keys:
-        return "glibc default"
-    return "glibc " + " ".join(f"{k}={os.environ[k]}" for k in sorted(keys))
 
 
 def load() -> str:
@@ -173,8 +156,7 @@ def main():
         args.seq, args.heads, args.head_dim, args.repeats = 256, 2, 32, 2
     if args.seq % 4:
         raise SystemExit(f"--seq must be a multiple of 4 (2 ranks x 2 zigzag chunks), got {args.seq}")
-    print(f"# bench_ring: commit {commit()}, torch {torch.__version__}, {platform.machine()}, "
-          f"{os.cpu_count()} logical CPUs, allocator: {allocator_mode()}")
+    print_env_header("cpu")
     print(f"# shape (B, S, H, D) = ({args.batch}, {args.seq}, {args.heads}, {args.head_dim}) float32, "
           f"ring: 2 ranks x 1 thread (gloo, localhost, zigzag), single: 1 process x 1 and 2 threads; "
           f"medians of {args.repeats}")
