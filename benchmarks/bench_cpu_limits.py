@@ -1,0 +1,200 @@
+"""CPU attention against the machine's limits (issue 16): decode at memory speed, the native
+BSHD layout vs BHSD views, forward+backward vs SDPA, and the backward's peak extra memory at
+1 and 2 threads.
+
+    python benchmarks/bench_cpu_limits.py [--quick] [--repeats N] [--parts decode,layout,train,memory]
+
+Every row is validated first (ours vs SDPA on the same inputs), then the methods are timed
+interleaved (one call of each per round) and medians are printed, with the roofs measured in
+the same run: the read bandwidth of one pass over a tensor the size of the decode's K + V
+(`x.sum()`), and the rate of one fp32 2048^3 `torch.matmul`.
+
+Decode: q (B, 1, H, D), k/v (B, Sk, Hkv, D) contiguous (a KV cache in BSHD); SDPA reads the
+same memory through transpose(1, 2) views with enable_gqa. GB/s = bytes of K + V / time.
+Layout: causal prefill forward on BSHD-contiguous q/k/v (a Linear's output viewed as
+(B, S, H, D)) and on BHSD-contiguous tensors passed as transpose(1, 2) views; SDPA on its
+native BHSD. Memory: peak RSS growth (VmHWM, reset through /proc/self/clear_refs) of one
+attention_backward call in a fresh process; the returned gradients count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import attn_ext  # noqa: E402,F401
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+from _env import print_env_header  # noqa: E402
+
+DECODE = [  # (B, Sk, H, Hkv, D, dtype)
+    (1, 512, 32, 8, 128, torch.float32),
+    (1, 4096, 32, 8, 128, torch.float32),
+    (4, 2048, 32, 8, 128, torch.float32),
+    (16, 2048, 32, 8, 128, torch.float32),
+    (1, 8192, 32, 32, 128, torch.float32),
+    (1, 32768, 32, 8, 128, torch.float32),
+    (1, 4096, 32, 8, 128, torch.bfloat16),
+    (4, 2048, 32, 8, 128, torch.bfloat16),
+]
+LAYOUT = [(1, 16, 2048, 64), (1, 8, 4096, 128)]  # (B, H, S, D), causal fp32
+MEMORY = (1, 8, 8192, 128)
+
+
+def interleaved(fns, repeats):
+    for f in fns.values():
+        f()  # warm-up
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def gemm_gflops():
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    t = interleaved({"mm": lambda: a @ b}, 5)["mm"]
+    return 2 * 2048**3 / t / 1e9
+
+
+def part_decode(args):
+    print("\n## decode (Sq = 1)\n")
+    print("| B | Sk | H/Hkv | D | dtype | K+V MiB | read roof GB/s | ours ms | ours GB/s | % roof | SDPA ms | ours/SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    shapes = DECODE[:2] if args.quick else DECODE
+    for B, Sk, H, Hkv, D, dt in shapes:
+        if args.quick:
+            Sk = min(Sk, 1024)
+        q = torch.randn(B, 1, H, D, dtype=dt)
+        k = torch.randn(B, Sk, Hkv, D, dtype=dt)
+        v = torch.randn(B, Sk, Hkv, D, dtype=dt)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        ours = lambda: torch.ops.attn_ext.attention_forward(q, k, v, False, None)
+        sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        got = ours()[0].float()
+        want = sdpa().transpose(1, 2).float()
+        err = (got - want).abs().max().item()
+        assert err < (1e-4 if dt == torch.float32 else 2e-2), f"validation failed: {err}"
+        byts = 2 * k.numel() * k.element_size()
+        # the roof: one read pass over as many bytes as K + V (fp32 sum over bf16 is not a
+        # read pass at bf16 speed, so the roof is measured on fp32 data of the same bytes)
+        roof_x = torch.randn(byts // 4)
+        t = interleaved({"ours": ours, "sdpa": sdpa, "roof": lambda: roof_x.sum()}, args.repeats)
+        roof = byts / t["roof"] / 1e9
+        bw = byts / t["ours"] / 1e9
+        dname = "fp32" if dt == torch.float32 else "bf16"
+        print(f"| {B} | {Sk} | {H}/{Hkv} | {D} | {dname} | {byts / 2**20:.0f} | {roof:.1f} | "
+              f"{t['ours'] * 1e3:.2f} | {bw:.1f} | {100 * bw / roof:.0f} % | {t['sdpa'] * 1e3:.2f} | "
+              f"{t['sdpa'] / t['ours']:.2f} |")
+
+
+def part_layout(args):
+    print("\n## causal prefill forward fp32: BSHD vs BHSD views vs SDPA\n")
+    roof = gemm_gflops()
+    print(f"fp32 matmul 2048^3: {roof:.0f} GFLOP/s (same run)\n")
+    print("| B, H, S, D | ours BSHD ms | ours BHSD-view ms | BSHD / BHSD | SDPA (BHSD) ms | SDPA / ours BSHD | SDPA / ours BHSD | ours BSHD % roof |")
+    print("|---|---|---|---|---|---|---|---|")
+    for B, H, S, D in ([(1, 4, 512, 64)] if args.quick else LAYOUT):
+        qs, ks, vs = (torch.randn(B, S, H, D) for _ in range(3))
+        qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (qs, ks, vs))
+        a = lambda: torch.ops.attn_ext.attention(qs, ks, vs, True, None)
+        b = lambda: torch.ops.attn_ext.attention(qh.transpose(1, 2), kh.transpose(1, 2),
+                                                 vh.transpose(1, 2), True, None)
+        c = lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        assert (a() - c().transpose(1, 2)).abs().max().item() < 1e-4
+        assert (b() - c().transpose(1, 2)).abs().max().item() < 1e-4
+        t = interleaved({"bshd": a, "bhsd": b, "sdpa": c}, args.repeats)
+        fl = 2 * B * H * S * S * D
+        print(f"| {B}, {H}, {S}, {D} | {t['bshd'] * 1e3:.1f} | {t['bhsd'] * 1e3:.1f} | "
+              f"{t['bshd'] / t['bhsd']:.3f} | {t['sdpa'] * 1e3:.1f} | {t['sdpa'] / t['bshd']:.2f} | "
+              f"{t['sdpa'] / t['bhsd']:.2f} | {100 * fl / t['bshd'] / 1e9 / roof:.0f} % |")
+
+
+def part_train(args):
+    print("\n## causal forward + backward fp32 (BHSD memory, ours through transpose views)\n")
+    print("| B, H, S, D | ours ms | SDPA ms | SDPA / ours |")
+    print("|---|---|---|---|")
+    for B, H, S, D in ([(1, 4, 512, 64)] if args.quick else LAYOUT):
+        qh, kh, vh = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
+        do = torch.randn(B, H, S, D)
+
+        def ours():
+            o = torch.ops.attn_ext.attention(qh.transpose(1, 2), kh.transpose(1, 2),
+                                             vh.transpose(1, 2), True, None)
+            return torch.autograd.grad(o, (qh, kh, vh), do.transpose(1, 2))
+
+        def sdpa():
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+            return torch.autograd.grad(o, (qh, kh, vh), do)
+
+        for g1, g2 in zip(ours(), sdpa()):
+            assert (g1 - g2).abs().max().item() < 1e-3
+        t = interleaved({"ours": ours, "sdpa": sdpa}, max(2, args.repeats // 2))
+        print(f"| {B}, {H}, {S}, {D} | {t['ours'] * 1e3:.0f} | {t['sdpa'] * 1e3:.0f} | "
+              f"{t['sdpa'] / t['ours']:.2f} |")
+
+
+_MEM_CHILD = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+import attn_ext
+def status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+torch.set_num_threads(int(sys.argv[1]))
+B, S, H, D = (int(x) for x in sys.argv[3].split(","))
+q, k, v, dout = (torch.randn(B, S, H, D) for _ in range(4))
+out, lse = torch.ops.attn_ext.attention_forward(q, k, v, True, None)
+t = torch.randn(1, 8, 1, 8)
+torch.ops.attn_ext.attention_backward(t, t, t, t, t, torch.zeros(1, 1, 8), True, None)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets the peak (VmHWM) to the current RSS
+before = status_kib("VmRSS")
+grads = torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, True, None)
+print((status_kib("VmHWM") - before) / 1024.0)
+"""
+
+
+def part_memory(args):
+    shape = (1, 4, 2048, 64) if args.quick else MEMORY
+    B, H, S, D = shape
+    grads = 3 * B * S * H * D * 4 / 2**20
+    print(f"\n## backward peak extra memory, causal fp32 (B, H, S, D) = {shape}; the gradients are {grads:.0f} MiB\n")
+    print("| threads | peak extra MiB (VmHWM growth of the call) | minus the gradients |")
+    print("|---|---|---|")
+    for n in (1, 2):
+        out = subprocess.run([sys.executable, "-c", _MEM_CHILD, str(n), ROOT,
+                              ",".join(map(str, (B, S, H, D)))],
+                             capture_output=True, text=True, check=True).stdout
+        mib = float(out.strip().splitlines()[-1])
+        print(f"| {n} | {mib:.1f} | {mib - grads:.1f} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--parts", default="decode,layout,train,memory")
+    args = ap.parse_args()
+    if args.quick:
+        args.repeats = 2
+    print_env_header("cpu")
+    parts = {"decode": part_decode, "layout": part_layout, "train": part_train, "memory": part_memory}
+    for name in args.parts.split(","):
+        parts[name](args)
+
+
+if __name__ == "__main__":
+    main()
