@@ -11,7 +11,7 @@ from . import _C  # noqa: F401  (loads the library: registers torch.ops.attn_ext
 from . import ops as _ops  # noqa: F401  (fake kernels + autograd)
 from .ops import sinusoidal_pe, sinusoidal_pe_, sinusoidal_table
 from .ops import rope, rope_, rope_qk, rope_cache, rope_inv_freq
-from .ops import attention, causal_attention
+from .ops import attention, attention_varlen, causal_attention
 from .ops import attention_weights
 from .modules import (
     KVCache,
@@ -25,6 +25,7 @@ from . import models, reference
 
 __all__ = [
     "attention",
+    "attention_varlen",
     "causal_attention",
     "sinusoidal_pe",
     "sinusoidal_pe_",

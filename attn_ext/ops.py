@@ -405,15 +405,36 @@ def _heads_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), True
 
 
+def _window_args(window) -> tuple:
+    """``window=(left, right)`` -> the ops' ``(window_left, window_right)``; None = (-1, -1)."""
+    if window is None:
+        return -1, -1
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
+    ):
+        raise ValueError(f"window must be a pair of ints (left, right), got {window!r}")
+    left, right = int(window[0]), int(window[1])
+    if left < -1 or right < -1:
+        raise ValueError(
+            f"window must be (left, right) with each side >= 0, or -1 for unbounded, got {window!r}"
+        )
+    return left, right
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *,
     causal: bool = False,
     scale: Optional[float] = None,
+    window=None,
+    key_padding_mask: Optional[torch.Tensor] = None,
     return_lse: bool = False,
 ):
-    """``softmax(scale * q k^T [+ causal mask]) v`` without any ``(Sq, Sk)`` buffer.
+    """``softmax(scale * q k^T [+ mask]) v`` without any ``(Sq, Sk)`` buffer.
 
     Args:
         q: ``(B, Sq, H, D)`` queries, or ``(B, Sq, D)`` for a single head.
@@ -424,6 +445,11 @@ def attention(
             projection, ``x.transpose(1, 2)`` of a ``(B, H, S, D)`` tensor) but their last
             dim must be contiguous. dtypes: float32, float64, float16, bfloat16 (all three
             the same); fp16/bf16 accumulate in fp32.
+
+    Everything after ``v`` is keyword-only (``flash_attn_func``'s 4th positional argument is
+    ``dropout_p`` and SDPA's is ``attn_mask``: a positional ``causal`` would silently change
+    meaning in ported code).
+
         causal: mask the future, aligned to the bottom-right corner: row ``i`` sees key
             ``j`` iff ``j <= i + (Sk - Sq)``. For ``Sq == Sk`` this is the usual lower
             triangle; for ``Sq < Sk`` (decoding with a KV cache) the last query row sees
@@ -439,19 +465,68 @@ def attention(
             With ``Sq > Sk`` the first ``Sq - Sk`` rows see no key: their output is 0 and
             their lse ``-inf`` (never NaN).
         scale: score scale, default ``1 / sqrt(D)``.
+        window: ``(left, right)`` sliding window: with ``d = i + (Sk - Sq) - j``, row ``i``
+            sees key ``j`` iff ``-right <= d <= left``; ``-1`` leaves a side unbounded;
+            ``causal=True`` is ``right = 0``. Hugging Face's ``sliding_window=W`` (W keys
+            including the query itself) is ``window=(W - 1, 0)`` with ``causal=True``.
+        key_padding_mask: ``(B, Sk)`` bool, True where the key takes part (Hugging Face's
+            ``attention_mask == 1``). Any pattern (left or right padding); a row whose keys
+            are all masked gives output 0 and lse ``-inf``.
         return_lse: also return the log-sum-exp of each score row.
+
+    A key a row cannot see never affects that row (an inf/NaN in a masked key's k or v
+    leaves the row finite), forward and backward.
 
     Returns ``out (B, Sq, H, Dv)`` (contiguous, q's dtype; ``(B, Sq, Dv)`` for 3-D input), and
     with ``return_lse`` also ``lse (B, H, Sq)`` (``(B, Sq)`` for 3-D input), float32 — float64
-    for float64 inputs. Differentiable in q, k, v through ``out``; the gradient of ``lse`` is
-    not propagated (treated as zero).
+    for float64 inputs. Differentiable in q, k, v through ``out`` and ``lse`` (the lse
+    gradient folds into the backward's row term).
     """
     q, k, v, squeeze = _heads_4d(q, k, v)
-    if return_lse:
-        out, lse = _lib.attention_forward(q, k, v, causal, scale)
+    left, right = _window_args(window)
+    if return_lse or key_padding_mask is not None or (left, right) != (-1, -1):
+        out, lse = _lib.attention_forward(q, k, v, causal, scale, left, right, key_padding_mask)
+        if not return_lse:
+            return out.squeeze(2) if squeeze else out
         return (out.squeeze(2), lse.squeeze(1)) if squeeze else (out, lse)
     out = _lib.attention(q, k, v, causal, scale)
     return out.squeeze(2) if squeeze else out
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    window=None,
+    return_lse: bool = False,
+):
+    """:func:`attention` on packed sequences (FlashAttention's varlen convention).
+
+    Args:
+        q: ``(Tq, H, D)``, k: ``(Tk, Hkv, D)``, v: ``(Tk, Hkv, Dv)``: the sequences' rows one
+            after another (last dim contiguous, any other strides).
+        cu_seqlens_q, cu_seqlens_k: int32 ``(N + 1,)``, starting at 0, non-decreasing, ending
+            at ``Tq`` / ``Tk``: sequence ``b`` owns q rows ``[cu_seqlens_q[b], cu_seqlens_q[b+1])``
+            and k/v rows ``[cu_seqlens_k[b], cu_seqlens_k[b+1])``. Empty sequences are fine.
+        max_seqlen_q, max_seqlen_k: bounds on the sequences' lengths (checked on CPU).
+        causal, scale, window: as in :func:`attention`, per sequence, bottom-right aligned
+            to that sequence's own ``(Sq_b, Sk_b)``.
+
+    A row never sees another sequence's keys. Returns ``out (Tq, H, Dv)`` and with
+    ``return_lse`` also ``lse (H, Tq)``. Differentiable in q, k, v (through out and lse).
+    """
+    left, right = _window_args(window)
+    out, lse = _lib.attention_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, left, right
+    )
+    return (out, lse) if return_lse else out
 
 
 def causal_attention(
@@ -468,18 +543,23 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @torch.library.register_fake("attn_ext::attention_forward")
-def _attention_forward_fake(q, k, v, causal, scale=None):
+def _attention_forward_fake(q, k, v, causal, scale=None, window_left=-1, window_right=-1,
+                            key_padding_mask=None):
     torch._check(q.dim() == 4, lambda: f"q must have 4 dims (B, Sq, H, D), got shape {list(q.shape)}")
     torch._check(k.dim() == 4, lambda: f"k must have 4 dims (B, Sk, Hkv, D), got shape {list(k.shape)}")
     torch._check(v.dim() == 4, lambda: f"v must have 4 dims (B, Sk, Hkv, Dv), got shape {list(v.shape)}")
+    if key_padding_mask is not None:
+        torch._check(
+            key_padding_mask.dim() == 2,
+            lambda: f"key_padding_mask must have shape (B, Sk), got shape {list(key_padding_mask.shape)}",
+        )
     B, Sq, H, _ = q.shape
     out = q.new_empty((B, Sq, H, v.shape[3]))
     lse = q.new_empty((B, H, Sq), dtype=_lse_dtype(q.dtype))
     return out, lse
 
 
-@torch.library.register_fake("attn_ext::attention_backward")
-def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None):
+def _grads_like(q, k, v):
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         torch.empty_like(k, memory_format=torch.contiguous_format),
@@ -487,29 +567,88 @@ def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None):
     )
 
 
+@torch.library.register_fake("attn_ext::attention_backward")
+def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None, window_left=-1,
+                             window_right=-1, key_padding_mask=None, dlse=None):
+    return _grads_like(q, k, v)
+
+
+@torch.library.register_fake("attn_ext::attention_varlen_forward")
+def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, causal=False, scale=None, window_left=-1,
+                                   window_right=-1):
+    torch._check(q.dim() == 3, lambda: f"q must have 3 dims (Tq, H, D), got shape {list(q.shape)}")
+    torch._check(k.dim() == 3, lambda: f"k must have 3 dims (Tk, Hkv, D), got shape {list(k.shape)}")
+    torch._check(v.dim() == 3, lambda: f"v must have 3 dims (Tk, Hkv, Dv), got shape {list(v.shape)}")
+    Tq, H, _ = q.shape
+    out = q.new_empty((Tq, H, v.shape[2]))
+    lse = q.new_empty((H, Tq), dtype=_lse_dtype(q.dtype))
+    return out, lse
+
+
+@torch.library.register_fake("attn_ext::attention_varlen_backward")
+def _attention_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, causal=False, scale=None,
+                                    window_left=-1, window_right=-1, dlse=None):
+    return _grads_like(q, k, v)
+
+
+def _row_contiguous(g):
+    # Autograd may hand us an expanded gradient (e.g. of out.sum(): all strides 0).
+    return g.contiguous() if g.stride(-1) != 1 and g.shape[-1] > 1 else g
+
+
 def _attention_forward_setup(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, window_left, window_right, key_padding_mask = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
     ctx.causal = causal
     ctx.scale = scale
+    ctx.window = (window_left, window_right)
 
 
 def _attention_forward_backward(ctx, dout, dlse):
-    # Only out's gradient is propagated; lse's (dlse) is ignored (treated as zero).
-    q, k, v, out, lse = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    elif dout.stride(-1) != 1 and dout.shape[-1] > 1:
-        dout = dout.contiguous()  # e.g. the expanded gradient of out.sum()
-    dq, dk, dv = _lib.attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    # dlse (the gradient of lse) joins the row term of the backward: dS = P * (dP - (Di - dlse)).
+    q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else _row_contiguous(dout)
+    dq, dk, dv = _lib.attention_backward(
+        dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.window[0], ctx.window[1],
+        key_padding_mask, dlse,
+    )
+    return dq, dk, dv, None, None, None, None, None
 
 
 torch.library.register_autograd(
     "attn_ext::attention_forward",
     _attention_forward_backward,
     setup_context=_attention_forward_setup,
+)
+
+
+def _attention_varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.max_seqlen = (max_q, max_k)
+    ctx.causal = causal
+    ctx.scale = scale
+    ctx.window = (window_left, window_right)
+
+
+def _attention_varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else _row_contiguous(dout)
+    dq, dk, dv = _lib.attention_varlen_backward(
+        dout, q, k, v, out, lse, cu_q, cu_k, ctx.max_seqlen[0], ctx.max_seqlen[1], ctx.causal,
+        ctx.scale, ctx.window[0], ctx.window[1], dlse,
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "attn_ext::attention_varlen_forward",
+    _attention_varlen_backward,
+    setup_context=_attention_varlen_setup,
 )
 
 

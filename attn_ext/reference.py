@@ -29,17 +29,52 @@ def causal_mask(sq: int, sk: int, device=None) -> torch.Tensor:
     return j <= i + (sk - sq)
 
 
+def visibility_mask(
+    sq: int,
+    sk: int,
+    causal: bool = False,
+    window: Optional[Tuple[int, int]] = None,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    device=None,
+) -> torch.Tensor:
+    """True where query ``i`` may see key ``j`` (DESIGN.md, "Attention variants").
+
+    With ``d = i + (sk - sq) - j`` (the textbook's ``i - j``, bottom-right aligned):
+    causal keeps ``d >= 0``; ``window = (left, right)`` keeps ``-right <= d <= left`` (a side
+    of -1 is unbounded); ``key_padding_mask (B, sk)`` keeps the keys marked True.
+    Returns ``(sq, sk)``, or ``(B, 1, sq, sk)`` with a key padding mask.
+    """
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    d = i + (sk - sq) - j
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        keep = keep & (d >= 0)
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            keep = keep & (d <= left)
+        if right >= 0:
+            keep = keep & (d >= -right)
+    if key_padding_mask is not None:
+        keep = keep[None, None] & key_padding_mask[:, None, None, :].to(device)
+    return keep
+
+
 def attention_with_lse(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     causal: bool = False,
     scale: Optional[float] = None,
+    window: Optional[Tuple[int, int]] = None,
+    key_padding_mask: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T * scale [+ causal mask]) v, and the log-sum-exp of each score row.
+    """softmax(q k^T * scale [+ mask]) v, and the log-sum-exp of each score row.
 
-    Returns ``out (B, Sq, H, Dv)`` and ``lse (B, H, Sq)`` (in q's dtype). A row that sees no
-    key gives output 0 and lse -inf.
+    The mask is :func:`visibility_mask` (causal, window, key padding). Returns
+    ``out (B, Sq, H, Dv)`` and ``lse (B, H, Sq)`` (in q's dtype). A row that sees no key
+    gives output 0 and lse -inf.
     """
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -52,8 +87,9 @@ def attention_with_lse(
     # (B, H, S, D) for batched matrix products.
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     scores = (qh @ kh.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
-    if causal:
-        scores = scores.masked_fill(~causal_mask(Sq, Sk, q.device), float("-inf"))
+    if causal or window is not None or key_padding_mask is not None:
+        keep = visibility_mask(Sq, Sk, causal, window, key_padding_mask, q.device)
+        scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (B, H, Sq); -inf for an empty row
     # An empty row (every score -inf) has probabilities exp(-inf - 0) = 0, so its output is 0;
     # a NaN anywhere in a row still makes that row NaN.
@@ -63,9 +99,29 @@ def attention_with_lse(
     return out.transpose(1, 2), lse
 
 
-def attention(q, k, v, causal: bool = False, scale: Optional[float] = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) [+ causal mask]) v on ``(B, S, H, D)`` tensors."""
-    return attention_with_lse(q, k, v, causal, scale)[0]
+def attention(q, k, v, causal: bool = False, scale: Optional[float] = None, window=None,
+              key_padding_mask=None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) [+ mask]) v on ``(B, S, H, D)`` tensors."""
+    return attention_with_lse(q, k, v, causal, scale, window, key_padding_mask)[0]
+
+
+def attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False,
+                              scale: Optional[float] = None, window=None):
+    """Packed sequences: each sequence ``b`` (q rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``,
+    k/v rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``) attends on its own, one after another.
+    q ``(Tq, H, D)``, k ``(Tk, Hkv, D)``, v ``(Tk, Hkv, Dv)``; returns ``out (Tq, H, Dv)``
+    and ``lse (H, Tq)``."""
+    outs, lses = [], []
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        qb = q[cq[b]:cq[b + 1]][None]
+        kb, vb = k[ck[b]:ck[b + 1]][None], v[ck[b]:ck[b + 1]][None]
+        out, lse = attention_with_lse(qb, kb, vb, causal, scale, window)
+        outs.append(out[0])
+        lses.append(lse[0])
+    if not outs:
+        return q.new_zeros(0, q.shape[1], v.shape[2]), q.new_zeros(q.shape[1], 0)
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
 def attention_probs(q, k, causal: bool = False, scale: Optional[float] = None) -> torch.Tensor:

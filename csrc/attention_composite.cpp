@@ -18,10 +18,10 @@ at::Tensor call_attention_forward(const at::Tensor& q, const at::Tensor& k, cons
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("attn_ext::attention_forward", "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                    const at::Tensor&, bool,
-                                                    std::optional<double>)>();
-  return std::get<0>(op.call(q, k, v, causal, scale));
+          .typed<std::tuple<at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, bool,
+              std::optional<double>, int64_t, int64_t, const std::optional<at::Tensor>&)>();
+  return std::get<0>(op.call(q, k, v, causal, scale, -1, -1, std::nullopt));
 }
 
 at::Tensor attention_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -70,20 +70,30 @@ TORCH_LIBRARY(attn_ext, m) {
 
   // ---- attention ----------------------------------------------------------------------------
   // q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv): any strides, last dim contiguous.
-  // Hkv divides H (query head h reads kv head h / (H / Hkv)); scale defaults to 1/sqrt(D);
-  // causal: row i sees key j iff j <= i + (Sk - Sq) (bottom-right aligned). A row that sees
-  // no key gives out 0 and lse -inf.
+  // Hkv divides H (query head h reads kv head h / (H / Hkv)); scale defaults to 1/sqrt(D).
+  // Which keys row i sees (DESIGN.md "Attention variants", csrc/common/attention_mask.h),
+  // with d = i + (Sk - Sq) - j: causal -> d >= 0 (bottom-right aligned); window
+  // (window_left, window_right) -> -window_right <= d <= window_left, -1 = unbounded side;
+  // key_padding_mask (B, Sk) bool -> key j takes part iff key_padding_mask[b, j].
+  // A row that sees no key gives out 0 and lse -inf.
   // out (B, Sq, H, Dv) contiguous; lse (B, H, Sq) float32 (float64 for float64 inputs).
+  // The mask arguments were added after scale with defaults, so the original
+  // attention_forward(q, k, v, causal[, scale]) calls (TorchScript, C++) keep working.
   m.def(
       "attention_forward("
       "    Tensor q,"
       "    Tensor k,"
       "    Tensor v,"
       "    bool causal,"
-      "    float? scale=None"
+      "    float? scale=None,"
+      "    int window_left=-1,"
+      "    int window_right=-1,"
+      "    Tensor? key_padding_mask=None"
       ") -> (Tensor out, Tensor lse)");
-  // Gradients of out with respect to q, k, v (contiguous, shapes and dtypes of q, k, v),
-  // recomputing the probabilities from lse. dout: (B, Sq, H, Dv), last dim contiguous.
+  // Gradients of out (and of lse, through dlse) with respect to q, k, v (contiguous, shapes
+  // and dtypes of q, k, v), recomputing the probabilities from lse. dout: (B, Sq, H, Dv),
+  // last dim contiguous; dlse: lse's shape and dtype, None = zero. The mask arguments are
+  // the forward's.
   m.def(
       "attention_backward("
       "    Tensor dout,"
@@ -93,7 +103,48 @@ TORCH_LIBRARY(attn_ext, m) {
       "    Tensor out,"
       "    Tensor lse,"
       "    bool causal,"
-      "    float? scale=None"
+      "    float? scale=None,"
+      "    int window_left=-1,"
+      "    int window_right=-1,"
+      "    Tensor? key_padding_mask=None,"
+      "    Tensor? dlse=None"
+      ") -> (Tensor dq, Tensor dk, Tensor dv)");
+  // Packed sequences (FlashAttention's varlen convention): q (Tq, H, D), k (Tk, Hkv, D),
+  // v (Tk, Hkv, Dv); sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and
+  // [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k / v (int32 (N + 1,), from 0, non-decreasing,
+  // ending at Tq / Tk); max_seqlen_* bound every sequence's length. causal and window apply
+  // per sequence, bottom-right aligned to that sequence's lengths. out (Tq, H, Dv), lse (H, Tq).
+  m.def(
+      "attention_varlen_forward("
+      "    Tensor q,"
+      "    Tensor k,"
+      "    Tensor v,"
+      "    Tensor cu_seqlens_q,"
+      "    Tensor cu_seqlens_k,"
+      "    SymInt max_seqlen_q,"
+      "    SymInt max_seqlen_k,"
+      "    bool causal=False,"
+      "    float? scale=None,"
+      "    int window_left=-1,"
+      "    int window_right=-1"
+      ") -> (Tensor out, Tensor lse)");
+  m.def(
+      "attention_varlen_backward("
+      "    Tensor dout,"
+      "    Tensor q,"
+      "    Tensor k,"
+      "    Tensor v,"
+      "    Tensor out,"
+      "    Tensor lse,"
+      "    Tensor cu_seqlens_q,"
+      "    Tensor cu_seqlens_k,"
+      "    SymInt max_seqlen_q,"
+      "    SymInt max_seqlen_k,"
+      "    bool causal=False,"
+      "    float? scale=None,"
+      "    int window_left=-1,"
+      "    int window_right=-1,"
+      "    Tensor? dlse=None"
       ") -> (Tensor dq, Tensor dk, Tensor dv)");
   // out of attention_forward. Composite (csrc/attention_composite.cpp): differentiable
   // through attention_forward's autograd formula, so a backend implements only

@@ -24,11 +24,13 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <vector>
 
 #include "common/attention_checks.h"
+#include "common/attention_mask_checks.h"
 #include "cpu/attention_common.h"
 
 namespace attn_ext {
@@ -44,6 +46,7 @@ struct BwdScratch {
   AlignedVec<acc_t> dvt;   // (kBlockK, Dvp): dv accumulator
   AlignedVec<acc_t> st;    // (kBlockK, kBlockQ): scores, then P^T
   AlignedVec<acc_t> dpt;   // (kBlockK, kBlockQ): dP^T, then dS^T
+  std::vector<uint8_t> kvalid;  // (kBlockK): key padding of the task's keys (1 = takes part)
 
   BwdScratch(int64_t D, int64_t Dv)
       : Dp(round_up(D, 8)),
@@ -53,7 +56,8 @@ struct BwdScratch {
         dkt(static_cast<size_t>(kBlockK * Dp)),
         dvt(static_cast<size_t>(kBlockK * Dvp)),
         st(static_cast<size_t>(kBlockK * kBlockQ)),
-        dpt(static_cast<size_t>(kBlockK * kBlockQ)) {}
+        dpt(static_cast<size_t>(kBlockK * kBlockQ)),
+        kvalid(kBlockK, 1) {}
 };
 
 // Query-side operands of one (batch, head, query block of kBlockQ rows), packed once by a
@@ -64,9 +68,10 @@ struct BwdScratch {
 //   dot  (Dv, kBlockQ)   dout^T
 //   dor  (kBlockQ, Dvp)  dout rows
 //   lse  (kBlockQ)       lse; +inf for padding rows and rows that see no key (P = 0)
-//   di   (kBlockQ)       rowsum(dout * out)
+//   di   (kBlockQ)       rowsum(dout * out) - dlse
+//   fin  (1)             1 when the block's q and dout are all finite
 struct QueryPackLayout {
-  int64_t n_qb, qt, qr, dot, dor, lse, di, size;
+  int64_t n_qb, qt, qr, dot, dor, lse, di, fin, size;
   QueryPackLayout(int64_t Sq, int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp)
       : n_qb(ceil_div(Sq, kBlockQ)),
         qt(0),
@@ -75,7 +80,8 @@ struct QueryPackLayout {
         dor(dot + Dv * kBlockQ),
         lse(dor + kBlockQ * Dvp),
         di(lse + kBlockQ),
-        size(di + kBlockQ) {}
+        fin(di + kBlockQ),
+        size(fin + 8) {}
 };
 
 template <typename scalar_t, typename acc_t>
@@ -86,6 +92,8 @@ void pack_query_blocks(const AttentionBwdParams& bp, const QueryPackLayout& L, a
   const auto* dout = static_cast<const scalar_t*>(bp.dout);
   const auto* o = static_cast<const scalar_t*>(bp.out);
   const auto* lse = static_cast<const acc_t*>(bp.lse);
+  const auto* dlse = static_cast<const acc_t*>(bp.dlse);  // may be nullptr (zero)
+  const Visibility vis = p.visibility();
   const acc_t qscale = static_cast<acc_t>(p.scale);
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const acc_t pos_inf = std::numeric_limits<acc_t>::infinity();
@@ -95,13 +103,16 @@ void pack_query_blocks(const AttentionBwdParams& bp, const QueryPackLayout& L, a
       const int64_t qb = idx % L.n_qb;
       const int64_t h = (idx / L.n_qb) % p.H;
       const int64_t b = idx / (L.n_qb * p.H);
+      const SeqInfo sq = vis.seq(b);
       const int64_t i0 = qb * kBlockQ;
-      const int64_t nq = std::min(kBlockQ, p.Sq - i0);
+      const int64_t nq = std::max<int64_t>(0, std::min(kBlockQ, sq.Sq - i0));
       acc_t* blk = packs + idx * L.size;
       acc_t *qt = blk + L.qt, *qr = blk + L.qr, *dot = blk + L.dot, *dor = blk + L.dor;
-      const scalar_t* qh = q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride;
-      const scalar_t* dh = dout + b * bp.dout_batch_stride + h * bp.dout_head_stride + i0 * bp.dout_row_stride;
-      const scalar_t* oh = o + b * bp.o_batch_stride + h * bp.o_head_stride + i0 * bp.o_row_stride;
+      const int64_t r0 = sq.q0 + i0;  // first (packed) row of the block
+      const scalar_t* qh = q + b * p.q_batch_stride + h * p.q_head_stride + r0 * p.q_row_stride;
+      const scalar_t* dh = dout + b * bp.dout_batch_stride + h * bp.dout_head_stride + r0 * bp.dout_row_stride;
+      const scalar_t* oh = o + b * bp.o_batch_stride + h * bp.o_head_stride + r0 * bp.o_row_stride;
+      const int64_t stat = b * p.lse_batch_stride + h * p.lse_head_stride + r0;  // lse / dlse of row i0
       for (int64_t ii = 0; ii < nq; ++ii) {
         acc_t* qrow = qr + ii * Dp;
         convert_row(qh + ii * p.q_row_stride, D, qrow);
@@ -112,50 +123,66 @@ void pack_query_blocks(const AttentionBwdParams& bp, const QueryPackLayout& L, a
         convert_row(oh + ii * bp.o_row_stride, Dv, tmp.data());
         acc_t di = 0;
         for (int64_t d = 0; d < Dv; ++d) di += drow[d] * tmp[d];
-        blk[L.di + ii] = di;
-        const acc_t l = lse[(b * p.H + h) * p.Sq + i0 + ii];
+        // lse's gradient folds into the row term: dS = P * (dP - (Di - dlse_i))
+        blk[L.di + ii] = dlse != nullptr ? di - dlse[stat + ii] : di;
+        const acc_t l = lse[stat + ii];
         blk[L.lse + ii] = l == neg_inf ? pos_inf : l;
       }
       for (int64_t c = nq; c < kBlockQ; ++c) {
         blk[L.di + c] = 0;
         blk[L.lse + c] = pos_inf;
       }
+      // Whether the block's q and dout rows are all finite (then a hidden pair's 0 times them
+      // is 0, and the partial tiles may use the dense products).
+      blk[L.fin] = all_finite(qr, nq, D, Dp) && all_finite(dor, nq, Dv, Dvp) ? acc_t(1) : acc_t(0);
     }
   });
 }
 
 template <typename scalar_t, typename acc_t>
-void bwd_task(const AttentionBwdParams& bp, int64_t b, int64_t hkv, int64_t j0,
-              const QueryPackLayout& L, const acc_t* packs, const mk::Kernels<acc_t>& K,
-              BwdScratch<acc_t>& s, acc_t* dq_w) {
+void bwd_task(const AttentionBwdParams& bp, const Visibility& vis, int64_t b, int64_t hkv,
+              int64_t j0, const QueryPackLayout& L, const acc_t* packs,
+              const mk::Kernels<acc_t>& K, BwdScratch<acc_t>& s, acc_t* dq_w) {
   const AttentionParams& p = bp.fwd;
   const int64_t D = p.D, Dv = p.Dv, Dp = s.Dp, Dvp = s.Dvp;
-  const int64_t off = p.Sk - p.Sq;
-  const int64_t nk = std::min(kBlockK, p.Sk - j0);
+  const SeqInfo sq = vis.seq(b);
+  const int64_t nk = std::min(kBlockK, sq.Sk - j0);
+  if (nk <= 0) return;  // past the end of its packed sequence
   const int64_t group = p.H / p.Hkv;
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
 
-  load_rows(k + b * p.k_batch_stride + hkv * p.k_head_stride + j0 * p.k_row_stride,
+  load_rows(k + b * p.k_batch_stride + hkv * p.k_head_stride + (sq.k0 + j0) * p.k_row_stride,
             p.k_row_stride, nk, D, s.kb.data(), Dp);
-  load_rows(v + b * p.v_batch_stride + hkv * p.v_head_stride + j0 * p.v_row_stride,
+  load_rows(v + b * p.v_batch_stride + hkv * p.v_head_stride + (sq.k0 + j0) * p.v_row_stride,
             p.v_row_stride, nk, Dv, s.vb.data(), Dvp);
   std::fill(s.dkt.begin(), s.dkt.end(), acc_t(0));
   std::fill(s.dvt.begin(), s.dvt.end(), acc_t(0));
+  int64_t n_valid = nk;
+  if (vis.has_padding()) {
+    n_valid = 0;
+    for (int64_t r = 0; r < nk; ++r) n_valid += (s.kvalid[r] = vis.key_valid(b, j0 + r));
+  }
+  const bool k_finite = all_finite(s.kb.data(), nk, D, Dp);
 
-  // Query blocks from the one holding the first row that sees key j0 (j0 <= i + off).
-  const int64_t qb_first = p.causal ? std::max<int64_t>(0, j0 - off) / kBlockQ : 0;
+  // Query blocks holding the rows that see some key of the tile (the band's union).
+  const Range rows = vis.band_rows_of_keys(sq, j0, j0 + nk);
+  const int64_t qb_first = rows.lo / kBlockQ;
+  const int64_t qb_end = n_valid == 0 ? qb_first : ceil_div(rows.hi, kBlockQ);
   for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
-    for (int64_t qb = qb_first; qb < L.n_qb; ++qb) {
+    for (int64_t qb = qb_first; qb < qb_end; ++qb) {
       const int64_t i0 = qb * kBlockQ;
-      const int64_t nq = std::min(kBlockQ, p.Sq - i0);
+      const int64_t nq = std::min(kBlockQ, sq.Sq - i0);
+      TileKind kind = vis.classify(sq, i0, i0 + nq, j0, j0 + nk);
+      if (kind == TileKind::kInvisible) continue;
+      if (n_valid < nk) kind = TileKind::kPartial;
       const int64_t C = round_up(nq, 8);
       const acc_t* blk = packs + ((b * p.H + h) * L.n_qb + qb) * L.size;
       const acc_t *qt = blk + L.qt, *qr = blk + L.qr, *dot = blk + L.dot, *dor = blk + L.dor;
       acc_t* dqh = dq_w + ((b * p.H + h) * p.Sq + i0) * Dp;
-      if (!(p.causal && j0 + nk - 1 > i0 + off)) {
-        // Off the diagonal: every (key, query) pair of the tile is visible.
+      if (kind == TileKind::kFull) {
+        // Every (key, query) pair of the tile is visible.
         // pass 1: st (nk, C) = kb qt
         K.gemm(nk, C, D, s.kb.data(), Dp, 1, qt, kBlockQ, s.st.data(), C, false);
         // pass 2: P^T
@@ -172,71 +199,108 @@ void bwd_task(const AttentionBwdParams& bp, int64_t b, int64_t hkv, int64_t j0,
         K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kb.data(), Dp, dqh, Dp, true);
         continue;
       }
-      // Diagonal tile: key j0 + r is seen by columns c >= first(r) = j0 + r - off - i0, so
-      // the hidden triangle is skipped in 6-key / 6-query steps (pass 1, 3, 4, 6, 7); what
-      // pass 1 / 4 leave uncomputed is filled with -inf / 0 before the element-wise passes.
-      auto first = [&](int64_t r) { return std::clamp<int64_t>(j0 + r - off - i0, 0, C); };
+      // Partial tile: key j0 + r is seen by the columns [cols(r).lo, cols(r).hi) (band) if it
+      // is not padded. The hidden parts are skipped in 6-key / 6-query steps (pass 1, 3, 4,
+      // 6, 7); what pass 1 / 4 leave uncomputed is masked (-inf / 0) before the element-wise
+      // passes, and dS is 0 at every hidden pair.
+      auto cols = [&](int64_t r) {
+        if (vis.has_padding() && !s.kvalid[r]) return Range{0, 0};
+        const Range rr = vis.band_rows(sq, j0 + r);
+        return Range{std::clamp<int64_t>(rr.lo - i0, 0, nq), std::clamp<int64_t>(rr.hi - i0, 0, nq)};
+      };
+      // the columns some of keys [r0, r0 + rows) are seen by (band only: a superset)
+      auto panel = [&](int64_t r0, int64_t rows) {
+        const Range rr = vis.band_rows_of_keys(sq, j0 + r0, j0 + r0 + rows);
+        return Range{std::clamp<int64_t>(rr.lo - i0, 0, nq), std::clamp<int64_t>(rr.hi - i0, 0, nq)};
+      };
+      auto mask = [&](acc_t* t, acc_t hidden) {
+        for (int64_t r = 0; r < nk; ++r) {
+          const Range c = cols(r);
+          std::fill(t + r * C, t + r * C + c.lo, hidden);
+          std::fill(t + r * C + c.hi, t + (r + 1) * C, hidden);
+        }
+      };
       // pass 1: st = kb qt on the visible column panels, then mask
       for (int64_t r0 = 0; r0 < nk; r0 += 6) {
-        const int64_t rows = std::min<int64_t>(6, nk - r0), c8 = first(r0) / 8 * 8;
-        if (c8 < C) {
-          K.gemm(rows, C - c8, D, s.kb.data() + r0 * Dp, Dp, 1, qt + c8, kBlockQ,
+        const int64_t nr = std::min<int64_t>(6, nk - r0);
+        const Range pc = panel(r0, nr);
+        const int64_t c8 = pc.lo / 8 * 8, ce = std::min(C, round_up(pc.hi, 8));
+        if (c8 < ce) {
+          K.gemm(nr, ce - c8, D, s.kb.data() + r0 * Dp, Dp, 1, qt + c8, kBlockQ,
                  s.st.data() + r0 * C + c8, C, false);
         }
       }
-      for (int64_t r = 0; r < nk; ++r) {
-        std::fill(s.st.data() + r * C, s.st.data() + r * C + first(r), neg_inf);
-      }
-      // pass 2: P^T
+      mask(s.st.data(), neg_inf);
+      // pass 2: P^T (0 where hidden)
       K.exp_sub(s.st.data(), nk, C, blk + L.lse);
-      // pass 3: dvt += P^T dout over the queries that see each 6 keys
+      // pass 4: dP^T = v dout^T on the visible column panels, then 0 where hidden
       for (int64_t r0 = 0; r0 < nk; r0 += 6) {
-        const int64_t rows = std::min<int64_t>(6, nk - r0), c0 = std::min(first(r0), nq);
-        if (c0 < nq) {
-          K.gemm(rows, Dvp, nq - c0, s.st.data() + r0 * C + c0, C, 1, dor + c0 * Dvp, Dvp,
-                 s.dvt.data() + r0 * Dvp, Dvp, true);
-        }
-      }
-      // pass 4: dP^T = v dout^T on the visible column panels; zero elsewhere
-      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
-        const int64_t rows = std::min<int64_t>(6, nk - r0), c8 = first(r0) / 8 * 8;
-        if (c8 < C) {
-          K.gemm(rows, C - c8, Dv, s.vb.data() + r0 * Dvp, Dvp, 1, dot + c8, kBlockQ,
+        const int64_t nr = std::min<int64_t>(6, nk - r0);
+        const Range pc = panel(r0, nr);
+        const int64_t c8 = pc.lo / 8 * 8, ce = std::min(C, round_up(pc.hi, 8));
+        if (c8 < ce) {
+          K.gemm(nr, ce - c8, Dv, s.vb.data() + r0 * Dvp, Dvp, 1, dot + c8, kBlockQ,
                  s.dpt.data() + r0 * C + c8, C, false);
         }
-        for (int64_t r = r0; r < r0 + rows; ++r) {
-          std::fill(s.dpt.data() + r * C, s.dpt.data() + r * C + c8, acc_t(0));
+      }
+      mask(s.dpt.data(), acc_t(0));
+      // pass 5: dS^T = P^T * (dP^T - Di), then exactly 0 where hidden (Di may be non-finite)
+      K.ds(s.st.data(), s.dpt.data(), nk, C, blk + L.di);
+      mask(s.dpt.data(), acc_t(0));
+      if (!(k_finite && blk[L.fin] != acc_t(0))) {
+        // A non-finite k, q or dout: 0 (hidden pair) times it must not reach dk, dv or dq of
+        // the other side, so the products of pass 3, 6, 7 run over visible pairs only.
+        for (int64_t r = 0; r < nk; ++r) {
+          const Range c = cols(r);
+          for (int64_t cc = c.lo; cc < c.hi; ++cc) {
+            const acc_t pr = s.st[r * C + cc], ds = s.dpt[r * C + cc];
+            for (int64_t d = 0; d < Dv; ++d) s.dvt[r * Dvp + d] += pr * dor[cc * Dvp + d];
+            for (int64_t d = 0; d < D; ++d) s.dkt[r * Dp + d] += ds * qr[cc * Dp + d];
+            for (int64_t d = 0; d < D; ++d) dqh[cc * Dp + d] += ds * s.kb[r * Dp + d];
+          }
+        }
+        continue;
+      }
+      // pass 3: dvt += P^T dout over the queries that see each 6 keys
+      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+        const int64_t nr = std::min<int64_t>(6, nk - r0);
+        const Range pc = panel(r0, nr);
+        if (pc.lo < pc.hi) {
+          K.gemm(nr, Dvp, pc.hi - pc.lo, s.st.data() + r0 * C + pc.lo, C, 1, dor + pc.lo * Dvp,
+                 Dvp, s.dvt.data() + r0 * Dvp, Dvp, true);
         }
       }
-      // pass 5: dS^T = P^T * (dP^T - Di)  (0 where hidden: P = 0)
-      K.ds(s.st.data(), s.dpt.data(), nk, C, blk + L.di);
       // pass 6: dkt += dS^T q over the queries that see each 6 keys
       for (int64_t r0 = 0; r0 < nk; r0 += 6) {
-        const int64_t rows = std::min<int64_t>(6, nk - r0), c0 = std::min(first(r0), nq);
-        if (c0 < nq) {
-          K.gemm(rows, Dp, nq - c0, s.dpt.data() + r0 * C + c0, C, 1, qr + c0 * Dp, Dp,
+        const int64_t nr = std::min<int64_t>(6, nk - r0);
+        const Range pc = panel(r0, nr);
+        if (pc.lo < pc.hi) {
+          K.gemm(nr, Dp, pc.hi - pc.lo, s.dpt.data() + r0 * C + pc.lo, C, 1, qr + pc.lo * Dp, Dp,
                  s.dkt.data() + r0 * Dp, Dp, true);
         }
       }
-      // pass 7: dq_w rows += dS k over the keys each 6 queries see (j <= i + off)
+      // pass 7: dq_w rows += dS k over the keys each 6 queries see
       for (int64_t c0 = 0; c0 < nq; c0 += 6) {
         const int64_t mrows = std::min<int64_t>(6, nq - c0);
-        const int64_t kc = std::clamp<int64_t>(i0 + c0 + mrows + off - j0, 0, nk);
-        if (kc > 0) {
-          K.gemm(mrows, Dp, kc, s.dpt.data() + c0, 1, C, s.kb.data(), Dp, dqh + c0 * Dp, Dp, true);
+        const Range keys = vis.band_keys_of_rows(sq, i0 + c0, i0 + c0 + mrows);
+        const int64_t klo = std::clamp<int64_t>(keys.lo - j0, 0, nk);
+        const int64_t khi = std::clamp<int64_t>(keys.hi - j0, 0, nk);
+        if (khi > klo) {
+          K.gemm(mrows, Dp, khi - klo, s.dpt.data() + klo * C + c0, 1, C, s.kb.data() + klo * Dp,
+                 Dp, dqh + c0 * Dp, Dp, true);
         }
       }
     }
   }
 
-  // dk = scale * dkt, dv = dvt (contiguous (B, Sk, Hkv, D / Dv)).
+  // dk = scale * dkt, dv = dvt (contiguous (B, Sk, Hkv, D / Dv); packed: (Tk, Hkv, D / Dv)).
   auto* dk = static_cast<scalar_t*>(bp.dk);
   auto* dv = static_cast<scalar_t*>(bp.dv);
   const acc_t scale = static_cast<acc_t>(p.scale);
   for (int64_t r = 0; r < nk; ++r) {
-    const int64_t j = j0 + r;
-    scalar_t* dkr = dk + ((b * p.Sk + j) * p.Hkv + hkv) * D;
-    scalar_t* dvr = dv + ((b * p.Sk + j) * p.Hkv + hkv) * Dv;
+    const int64_t j = sq.k0 + j0 + r;
+    scalar_t* dkr = dk + b * bp.dk_batch_stride + (j * p.Hkv + hkv) * D;
+    scalar_t* dvr = dv + b * bp.dv_batch_stride + (j * p.Hkv + hkv) * Dv;
     for (int64_t d = 0; d < D; ++d) dkr[d] = static_cast<scalar_t>(s.dkt[r * Dp + d] * scale);
     for (int64_t d = 0; d < Dv; ++d) dvr[d] = static_cast<scalar_t>(s.dvt[r * Dvp + d]);
   }
@@ -250,7 +314,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const int64_t Dp = round_up(p.D, 8);
   const int64_t n_kb = ceil_div(p.Sk, kBlockK);
   const int64_t n_tasks = p.B * p.Hkv * n_kb;
-  const int64_t off = p.Sk - p.Sq;
+  const Visibility vis = p.visibility();
 
   // Fixed greedy plan: tasks by decreasing cost (query rows that see the key tile), each to
   // the least loaded worker (ties: lowest index). Depends only on shapes and thread count.
@@ -258,9 +322,12 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   std::vector<std::vector<int64_t>> plan(static_cast<size_t>(workers));
   {
     std::vector<int64_t> order(static_cast<size_t>(n_tasks));
-    auto cost = [&](int64_t t) {
+    auto cost = [&](int64_t t) {  // rows that see the key tile by the band
       const int64_t j0 = (t % n_kb) * kBlockK;
-      return p.causal ? p.Sq - std::clamp<int64_t>(j0 - off, 0, p.Sq) : p.Sq;
+      const SeqInfo sq = vis.seq(t / (n_kb * p.Hkv));
+      if (j0 >= sq.Sk) return int64_t(0);
+      const Range r = vis.band_rows_of_keys(sq, j0, std::min(sq.Sk, j0 + kBlockK));
+      return r.hi - r.lo;
     };
     for (int64_t t = 0; t < n_tasks; ++t) order[t] = t;
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
@@ -287,13 +354,14 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
         const int64_t kb = t % n_kb;
         const int64_t hkv = (t / n_kb) % p.Hkv;
         const int64_t b = t / (n_kb * p.Hkv);
-        bwd_task<scalar_t, acc_t>(bp, b, hkv, kb * kBlockK, L, packs.data(), kern, s,
+        bwd_task<scalar_t, acc_t>(bp, vis, b, hkv, kb * kBlockK, L, packs.data(), kern, s,
                                   dq_parts.data() + w * dq_size);
       }
     }
   });
 
   // dq (B, Sq, H, D) = scale * sum over workers (fixed order) of dq_w (B, H, Sq, Dp).
+  // (Packed: dq (Tq, H, D); rows past a sequence's end are no rows.)
   auto* dq = static_cast<scalar_t*>(bp.dq);
   const acc_t scale = static_cast<acc_t>(p.scale);
   at::parallel_for(0, p.B * p.H * p.Sq, 64, [&](int64_t begin, int64_t end) {
@@ -301,7 +369,9 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       const int64_t i = row % p.Sq;
       const int64_t h = (row / p.Sq) % p.H;
       const int64_t b = row / (p.Sq * p.H);
-      scalar_t* dst = dq + ((b * p.Sq + i) * p.H + h) * p.D;
+      const SeqInfo sq = vis.seq(b);
+      if (i >= sq.Sq) continue;
+      scalar_t* dst = dq + b * bp.dq_batch_stride + ((sq.q0 + i) * p.H + h) * p.D;
       for (int64_t d = 0; d < p.D; ++d) {
         acc_t sum = 0;
         for (int64_t w = 0; w < workers; ++w) sum += dq_parts[w * dq_size + row * Dp + d];
@@ -313,9 +383,12 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse_in, bool causal, std::optional<double> scale) {
+    const at::Tensor& out, const at::Tensor& lse_in, bool causal, std::optional<double> scale,
+    int64_t window_left, int64_t window_right, const std::optional<at::Tensor>& key_padding_mask,
+    const std::optional<at::Tensor>& dlse_in) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_attention_bwd_inputs(dout, out, lse_in, q, s);
+  if (dlse_in.has_value()) check_dlse(*dlse_in, lse_in);
   at::Tensor dq = at::empty({s.B, s.Sq, s.H, s.D}, q.options());
   at::Tensor dk = at::empty({s.B, s.Sk, s.Hkv, s.D}, q.options());
   at::Tensor dv = at::empty({s.B, s.Sk, s.Hkv, s.Dv}, q.options());
@@ -328,6 +401,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   const at::Tensor lse = lse_in.contiguous();
   AttentionBwdParams bp =
       make_attention_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, s, causal, scale);
+  fill_mask_params(bp.fwd, s, q, causal, window_left, window_right, key_padding_mask);
+  const at::Tensor dlse = dlse_in.has_value() ? dlse_in->contiguous() : at::Tensor();
+  if (dlse.defined()) bp.dlse = dlse.data_ptr();
   if (s.Sk == 0) {  // no key: every row is empty, dq = 0
     dq.zero_();
     return {dq, dk, dv};
@@ -337,11 +413,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   return {dq, dk, dv};
 }
 
+// Packed sequences (attention_varlen_forward's backward): dq (Tq, H, D), dk (Tk, Hkv, D),
+// dv (Tk, Hkv, Dv).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    std::optional<double> scale, int64_t window_left, int64_t window_right,
+    const std::optional<at::Tensor>& dlse_in) {
+  const AttentionShape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                               max_seqlen_k, scale);
+  const int64_t Tq = q.size(0), Tk = k.size(0);
+  check_dim(dout, "dout", 3, "(Tq, H, Dv)");
+  check_dim(out, "out", 3, "(Tq, H, Dv)");
+  check_dim(lse_in, "lse", 2, "(H, Tq)");
+  const AttentionShape s1{1, Tq, Tk, s.H, s.Hkv, s.D, s.Dv};
+  check_attention_bwd_inputs(dout.unsqueeze(0), out.unsqueeze(0), lse_in.unsqueeze(0), q, s1);
+  if (dlse_in.has_value()) check_dlse(*dlse_in, lse_in);
+  at::Tensor dq = at::empty({Tq, s.H, s.D}, q.options());
+  at::Tensor dk = at::zeros({Tk, s.Hkv, s.D}, q.options());
+  at::Tensor dv = at::zeros({Tk, s.Hkv, s.Dv}, q.options());
+  if (Tq == 0 || s.H == 0 || Tk == 0 || s.B == 0) {
+    dq.zero_();
+    return {dq, dk, dv};
+  }
+  const at::Tensor lse = lse_in.contiguous();
+  AttentionBwdParams bp = make_attention_bwd_params(
+      dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
+      lse, dq, dk, dv, s, causal, scale);
+  make_params_packed(bp.fwd, s, Tq, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
+  bp.dout_batch_stride = bp.o_batch_stride = 0;
+  bp.dq_batch_stride = bp.dk_batch_stride = bp.dv_batch_stride = 0;
+  const at::Tensor dlse = dlse_in.has_value() ? dlse_in->contiguous() : at::Tensor();
+  if (dlse.defined()) bp.dlse = dlse.data_ptr();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(),
+                                  "attention_varlen_backward",
+                                  [&] { attention_bwd_kernel<scalar_t>(bp); });
+  return {dq, dk, dv};
+}
+
 }  // namespace
 }  // namespace cpu_attn
 
 TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
   m.impl("attention_backward", &cpu_attn::attention_backward_cpu);
+  m.impl("attention_varlen_backward", &cpu_attn::attention_varlen_backward_cpu);
 }
 
 }  // namespace attn_ext

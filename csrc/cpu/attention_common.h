@@ -17,6 +17,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "common/attention_mask.h"
 #include "cpu/attention_microkernels.h"
 
 namespace attn_ext {
@@ -99,6 +100,18 @@ inline void load_rows_transposed(const scalar_t* src, int64_t row_stride, int64_
     convert_row(src + r * row_stride, cols, tmp);
     for (int64_t d = 0; d < cols; ++d) dst[d * ld + r] = tmp[d] * mul;
   }
+}
+
+// True when every value of the (rows, cols; ld) block is finite.
+template <typename acc_t>
+bool all_finite(const acc_t* x, int64_t rows, int64_t cols, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const acc_t* row = x + r * ld;
+    acc_t acc = 0;
+    for (int64_t c = 0; c < cols; ++c) acc += row[c] * acc_t(0);  // NaN iff some value is not finite
+    if (acc != acc) return false;
+  }
+  return true;
 }
 
 // Runs task(t, scratch) for t in [0, n) on at::get_num_threads() workers that take tasks

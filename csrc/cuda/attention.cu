@@ -81,6 +81,20 @@ void check_grid_rows(int64_t rows, const char* what) {
               ") for one launch");
 }
 
+// The CUDA kernels do not take the masks of issue 14 yet (window, key padding, packed
+// sequences) nor the lse gradient: refuse them clearly instead of ignoring them.
+void check_cuda_mask_unsupported(int64_t window_left, int64_t window_right,
+                                 const std::optional<at::Tensor>& key_padding_mask,
+                                 const std::optional<at::Tensor>& dlse) {
+  TORCH_CHECK(window_left == -1 && window_right == -1,
+              "attention on CUDA: window is not supported yet (CPU only), got (", window_left,
+              ", ", window_right, ")");
+  TORCH_CHECK(!key_padding_mask.has_value(),
+              "attention on CUDA: key_padding_mask is not supported yet (CPU only)");
+  TORCH_CHECK(!dlse.has_value(),
+              "attention_backward on CUDA: dlse (the lse gradient) is not supported yet (CPU only)");
+}
+
 bool aligned16(const at::Tensor& t) {
   if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
   for (int d = 0; d < 3; ++d) {
@@ -165,9 +179,12 @@ bool use_fast_backward(const at::Tensor& dout, const at::Tensor& q, const at::Te
 std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q,
                                                           const at::Tensor& k,
                                                           const at::Tensor& v, bool causal,
-                                                          std::optional<double> scale) {
+                                                          std::optional<double> scale,
+                                                          int64_t window_left, int64_t window_right,
+                                                          const std::optional<at::Tensor>& key_padding_mask) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_cuda_head_dims(s);
+  check_cuda_mask_unsupported(window_left, window_right, key_padding_mask, std::nullopt);
   at::Tensor out = at::empty({s.B, s.Sq, s.H, s.Dv}, q.options());
   at::Tensor lse = at::empty({s.B, s.H, s.Sq}, q.options().dtype(lse_dtype(q.scalar_type())));
   if (s.B * s.H * s.Sq == 0) return {out, lse};
@@ -204,10 +221,13 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse_in, bool causal, std::optional<double> scale) {
+    const at::Tensor& out, const at::Tensor& lse_in, bool causal, std::optional<double> scale,
+    int64_t window_left, int64_t window_right, const std::optional<at::Tensor>& key_padding_mask,
+    const std::optional<at::Tensor>& dlse) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_attention_bwd_inputs(dout, out, lse_in, q, s);
   check_cuda_head_dims(s);
+  check_cuda_mask_unsupported(window_left, window_right, key_padding_mask, dlse);
   at::Tensor dq = at::empty({s.B, s.Sq, s.H, s.D}, q.options());
   at::Tensor dk = at::empty({s.B, s.Sk, s.Hkv, s.D}, q.options());
   at::Tensor dv = at::empty({s.B, s.Sk, s.Hkv, s.Dv}, q.options());
