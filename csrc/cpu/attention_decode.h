@@ -24,6 +24,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -43,8 +45,18 @@ constexpr int64_t kDecodeKeys = 64;
 // Keys per chunk at least (a chunk's fixed costs: q packing, merge).
 constexpr int64_t kDecodeMinChunk = 256;
 
+// ATTN_EXT_CPU_DECODE=0 turns the decode kernel off (read once; for benchmarks that compare
+// it with the tiled kernel on the same shapes).
+inline bool decode_enabled() {
+  static const bool on = [] {
+    const char* env = std::getenv("ATTN_EXT_CPU_DECODE");
+    return !(env != nullptr && std::strcmp(env, "0") == 0);
+  }();
+  return on;
+}
+
 inline bool decode_supported(const AttentionParams& p, bool is_double) {
-  if (is_double || !cpu::use_avx2()) return false;
+  if (is_double || !cpu::use_avx2() || !decode_enabled()) return false;
   if (p.Hkv <= 0 || p.D <= 0 || p.D > 512 || p.Dv > 512) return false;
   return p.Sq * (p.H / p.Hkv) <= kDecodeCols;
 }
@@ -220,7 +232,7 @@ void attention_decode_kernel(const AttentionParams& p) {
   }
   // Chunks per (b, kv head): enough tasks for every thread (4 per thread for balance), each
   // at least kDecodeMinChunk keys.
-  const int64_t workers = std::max<int64_t>(1, num_threads());
+  const int64_t workers = std::max<int64_t>(1, at::get_num_threads());
   int64_t n_chunks = std::max<int64_t>(1, ceil_div(4 * workers, heads));
   n_chunks = std::min(n_chunks, std::max<int64_t>(1, max_keys / kDecodeMinChunk));
   const int64_t per_part = C * (Dvp + 2);

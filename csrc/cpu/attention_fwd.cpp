@@ -31,6 +31,7 @@
 #include "common/attention_checks.h"
 #include "common/attention_mask_checks.h"
 #include "cpu/attention_common.h"
+#include "cpu/attention_decode.h"
 
 namespace attn_ext {
 namespace cpu_attn {
@@ -291,6 +292,13 @@ void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, in
 template <typename scalar_t>
 void attention_fwd_kernel(const AttentionParams& p) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+  // Few query columns per kv head (decoding): the memory-bound kernel that reads K/V once.
+  if constexpr (!std::is_same_v<scalar_t, double>) {
+    if (decode_supported(p, false)) {
+      attention_decode_kernel<scalar_t>(p);
+      return;
+    }
+  }
   const mk::Kernels<acc_t> kern = mk::kernels<acc_t>();
   const TilePlan plan = plan_tiles(p);
   const Visibility vis = p.visibility();
