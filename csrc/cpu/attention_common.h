@@ -61,6 +61,15 @@ template <typename T>
 using AlignedVec = std::vector<T, CacheLineAllocator<T>>;
 inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
+// Whether a tile's rows (row_stride elements apart, cols used) may be read in place by the
+// inner products: yes when they are dense (a BHSD view) or their byte stride is not a
+// multiple of 1 KiB. Rows a multiple of 1-4 KiB apart (the BSHD layout of a Linear's output:
+// H * D * 4 bytes = 4 KiB for 16 heads of 64 fp32) map to a few L1 sets and evict each other
+// (64 sets of 64 bytes: 4 KiB apart = the same set), so such tiles are packed first.
+inline bool rows_read_in_place(int64_t row_stride, int64_t cols, size_t elem_size) {
+  return row_stride == cols || (row_stride * static_cast<int64_t>(elem_size)) % 1024 != 0;
+}
+
 // dst[0, n) = src[0, n) converted to acc_t (fp32 for fp32/bf16/fp16, fp64 for fp64).
 template <typename scalar_t, typename acc_t>
 inline void convert_row(const scalar_t* src, int64_t n, acc_t* dst) {

@@ -164,20 +164,21 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     }
     const bool partial = kind == TileKind::kPartial;
     // k and v rows in the accumulation type: read in place when they already are (k is only
-    // broadcast from, so any row stride works; v needs Dv % 8 == 0 to be a gemm B operand),
-    // else converted into kb / vb.
+    // broadcast from, so any row stride works; v needs Dv % 8 == 0 to be a gemm B operand)
+    // and the rows do not alias in the cache, else converted / packed into kb / vb.
     const acc_t* kt;
     const acc_t* vt;
     int64_t ldk, ldv;
-    if constexpr (std::is_same_v<scalar_t, acc_t>) {
-      kt = kh + j0 * p.k_row_stride;
+    if (std::is_same_v<scalar_t, acc_t> && rows_read_in_place(p.k_row_stride, D, sizeof(acc_t))) {
+      kt = reinterpret_cast<const acc_t*>(kh + j0 * p.k_row_stride);
       ldk = p.k_row_stride;
     } else {
       load_rows(kh + j0 * p.k_row_stride, p.k_row_stride, nk, D, s.kb.data(), Dp);
       kt = s.kb.data();
       ldk = Dp;
     }
-    if (std::is_same_v<scalar_t, acc_t> && Dv == Dvp) {
+    if (std::is_same_v<scalar_t, acc_t> && Dv == Dvp &&
+        rows_read_in_place(p.v_row_stride, Dv, sizeof(acc_t))) {
       vt = reinterpret_cast<const acc_t*>(vh + j0 * p.v_row_stride);
       ldv = p.v_row_stride;
     } else {
