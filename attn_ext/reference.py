@@ -289,3 +289,51 @@ class MultiHeadAttentionRef(nn.Module):
             k = rope(k, cos, sin, interleaved=interleaved)
         out = attention(q, k, v, causal=self.causal)  # (B, Sq, H, Dv)
         return self.w_o(out.reshape(B, Sq, self.h * self.dv))
+
+
+# ---------------------------------------------------------------------------------------
+# attention dropout: the counter-based keep bit (mirror of csrc/common/dropout_rng.h)
+# ---------------------------------------------------------------------------------------
+
+_U64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _mix64(z):
+    """SplitMix64's finaliser on a numpy uint64 array (arithmetic wraps mod 2**64)."""
+    import numpy as np
+
+    z = np.asarray(z, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def dropout_threshold(p: float) -> int:
+    """Drop a key iff its 16-bit field is below this: round(p * 2**16)."""
+    return min(max(int(math.floor(p * 65536.0 + 0.5)), 0), 65536)
+
+
+def dropout_keep_mask(seed: int, offset: int, batch: int, heads: int, rows, keys,
+                      p: float) -> torch.Tensor:
+    """Keep bits ``(batch, heads, len(rows), len(keys))`` of attention dropout.
+
+    ``rows`` / ``keys`` are the GLOBAL query / key positions (sequences of ints). Key ``j`` of
+    row ``(b, h, i)`` survives iff the 16-bit field ``j % 4`` of
+    ``mix(row_key ^ (j // 4) * golden)`` is at least ``round(p * 2**16)``, where
+    ``row_key = mix(mix(mix(mix(mix(seed) ^ offset) ^ b) ^ h) ^ i)`` and ``mix`` is
+    SplitMix64's finaliser: a pure function of (seed, offset, b, h, i, j).
+    """
+    import numpy as np
+
+    u = np.uint64
+    b = np.arange(batch, dtype=u)[:, None, None, None]
+    h = np.arange(heads, dtype=u)[None, :, None, None]
+    i = np.asarray(list(rows), dtype=u)[None, None, :, None]
+    j = np.asarray(list(keys), dtype=np.int64)[None, None, None, :]
+    r = _mix64(_mix64(np.asarray(seed & _U64, dtype=u)) ^ u(offset & _U64))
+    r = _mix64(_mix64(_mix64(r ^ b) ^ h) ^ i)
+    with np.errstate(over="ignore"):
+        w = _mix64(r ^ ((j >> 2).astype(u) * u(0x9E3779B97F4A7C15)))
+    field = (w >> (u(16) * (j & 3).astype(u))) & u(0xFFFF)
+    return torch.from_numpy(field >= u(dropout_threshold(p)))
