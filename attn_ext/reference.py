@@ -337,3 +337,49 @@ def dropout_keep_mask(seed: int, offset: int, batch: int, heads: int, rows, keys
         w = _mix64(r ^ ((j >> 2).astype(u) * u(0x9E3779B97F4A7C15)))
     field = (w >> (u(16) * (j & 3).astype(u))) & u(0xFFFF)
     return torch.from_numpy(field >= u(dropout_threshold(p)))
+
+
+# ---------------------------------------------------------------------------------------
+# score terms (DESIGN.md, "Attention variants"), applied to a full score matrix
+# ---------------------------------------------------------------------------------------
+
+
+def score_distance(sq: int, sk: int, device=None) -> torch.Tensor:
+    """``d[i, j] = i + (sk - sq) - j``: the textbook's ``i - j``, bottom-right aligned."""
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    return i + (sk - sq) - j
+
+
+def add_score_terms(scores: torch.Tensor, d: torch.Tensor, softcap: Optional[float] = None,
+                    alibi_slopes: Optional[torch.Tensor] = None,
+                    rel_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The score of DESIGN.md on ``scores = scale * q k^T`` of shape ``(B, H, Sq, Sk)``:
+
+        s = softcap * tanh(s / softcap)              if softcap
+        s += -alibi_slopes[h] * |d|                  if alibi_slopes ((H,) or (B, H))
+        s += rel_bias[h, M + clamp(d, -M, M)]        if rel_bias (H, 2M + 1)
+    """
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(scores.dtype)
+        slopes = slopes[None, :] if slopes.dim() == 1 else slopes  # (B or 1, H)
+        scores = scores - slopes[:, :, None, None] * d.abs().to(scores.dtype)
+    if rel_bias is not None:
+        M = (rel_bias.shape[-1] - 1) // 2
+        scores = scores + rel_bias.to(scores.dtype)[:, M + d.clamp(-M, M)]  # (H, Sq, Sk)
+    return scores
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: Optional[torch.Tensor] = None):
+    """Row softmax of ``(B, H, Sq, Sk)`` scores (-inf = invisible) whose denominator also holds
+    ``exp(sinks[h])`` when given. Returns ``(probs, lse)``; a row with no visible key and no
+    sink has probabilities 0 and lse -inf."""
+    if sinks is not None:
+        sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(scores, dim=-1)
+    lse_finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(scores - lse_finite[..., None]), lse
