@@ -345,3 +345,97 @@ class MultiHeadAttentionRef(nn.Module):
             k = rope(k, cos, sin, interleaved=interleaved)
         out = attention(q, k, v, causal=self.causal)  # (B, Sq, H, Dv)
         return self.w_o(out.reshape(B, Sq, self.h * self.dv))
+
+
+# ---------------------------------------------------------------------------------------
+# attention dropout: the counter-based keep bit (mirror of csrc/common/dropout_rng.h)
+# ---------------------------------------------------------------------------------------
+
+_U64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _mix64(z):
+    """SplitMix64's finaliser on a numpy uint64 array (arithmetic wraps mod 2**64)."""
+    import numpy as np
+
+    z = np.asarray(z, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def dropout_threshold(p: float) -> int:
+    """Drop a key iff its 16-bit field is below this: round(p * 2**16)."""
+    return min(max(int(math.floor(p * 65536.0 + 0.5)), 0), 65536)
+
+
+def dropout_keep_mask(seed: int, offset: int, batch: int, heads: int, rows, keys,
+                      p: float) -> torch.Tensor:
+    """Keep bits ``(batch, heads, len(rows), len(keys))`` of attention dropout.
+
+    ``rows`` / ``keys`` are the GLOBAL query / key positions (sequences of ints). Key ``j`` of
+    row ``(b, h, i)`` survives iff the 16-bit field ``j % 4`` of
+    ``mix(row_key ^ (j // 4) * golden)`` is at least ``round(p * 2**16)``, where
+    ``row_key = mix(mix(mix(mix(mix(seed) ^ offset) ^ b) ^ h) ^ i)`` and ``mix`` is
+    SplitMix64's finaliser: a pure function of (seed, offset, b, h, i, j).
+    """
+    import numpy as np
+
+    u = np.uint64
+    b = np.arange(batch, dtype=u)[:, None, None, None]
+    h = np.arange(heads, dtype=u)[None, :, None, None]
+    i = np.asarray(list(rows), dtype=u)[None, None, :, None]
+    j = np.asarray(list(keys), dtype=np.int64)[None, None, None, :]
+    r = _mix64(_mix64(np.asarray(seed & _U64, dtype=u)) ^ u(offset & _U64))
+    r = _mix64(_mix64(_mix64(r ^ b) ^ h) ^ i)
+    with np.errstate(over="ignore"):
+        w = _mix64(r ^ ((j >> 2).astype(u) * u(0x9E3779B97F4A7C15)))
+    field = (w >> (u(16) * (j & 3).astype(u))) & u(0xFFFF)
+    return torch.from_numpy(field >= u(dropout_threshold(p)))
+
+
+# ---------------------------------------------------------------------------------------
+# score terms (DESIGN.md, "Attention variants"), applied to a full score matrix
+# ---------------------------------------------------------------------------------------
+
+
+def score_distance(sq: int, sk: int, device=None) -> torch.Tensor:
+    """``d[i, j] = i + (sk - sq) - j``: the textbook's ``i - j``, bottom-right aligned."""
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    return i + (sk - sq) - j
+
+
+def add_score_terms(scores: torch.Tensor, d: torch.Tensor, softcap: Optional[float] = None,
+                    alibi_slopes: Optional[torch.Tensor] = None,
+                    rel_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The score of DESIGN.md on ``scores = scale * q k^T`` of shape ``(B, H, Sq, Sk)``:
+
+        s = softcap * tanh(s / softcap)              if softcap
+        s += -alibi_slopes[h] * |d|                  if alibi_slopes ((H,) or (B, H))
+        s += rel_bias[h, M + clamp(d, -M, M)]        if rel_bias (H, 2M + 1)
+    """
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(scores.dtype)
+        slopes = slopes[None, :] if slopes.dim() == 1 else slopes  # (B or 1, H)
+        scores = scores - slopes[:, :, None, None] * d.abs().to(scores.dtype)
+    if rel_bias is not None:
+        M = (rel_bias.shape[-1] - 1) // 2
+        scores = scores + rel_bias.to(scores.dtype)[:, M + d.clamp(-M, M)]  # (H, Sq, Sk)
+    return scores
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: Optional[torch.Tensor] = None):
+    """Row softmax of ``(B, H, Sq, Sk)`` scores (-inf = invisible) whose denominator also holds
+    ``exp(sinks[h])`` when given. Returns ``(probs, lse)``; a row with no visible key and no
+    sink has probabilities 0 and lse -inf."""
+    if sinks is not None:
+        sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(scores, dim=-1)
+    lse_finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(scores - lse_finite[..., None]), lse
