@@ -69,12 +69,23 @@ def attention_with_lse(
     scale: Optional[float] = None,
     window: Optional[Tuple[int, int]] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    rel_bias: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T * scale [+ mask]) v, and the log-sum-exp of each score row.
+    """softmax(score terms of q k^T * scale [+ mask]) v, and the log-sum-exp of each score row.
 
-    The mask is :func:`visibility_mask` (causal, window, key padding). Returns
-    ``out (B, Sq, H, Dv)`` and ``lse (B, H, Sq)`` (in q's dtype). A row that sees no key
-    gives output 0 and lse -inf.
+    The score is DESIGN.md's (:func:`add_score_terms`: softcap, then ALiBi and rel_bias at
+    distance ``d = i + (Sk - Sq) - j``), the mask :func:`visibility_mask` (causal, window, key
+    padding), the softmax :func:`softmax_with_sinks` (``sinks (H,)`` join every row's
+    denominator). With ``dropout_p > 0`` the probabilities are multiplied by
+    ``dropout_mask (B, H, Sq, Sk)`` (True = kept; :func:`dropout_keep_mask` gives the kernels'
+    bits) and divided by ``1 - dropout_p``; lse is that of the undropped scores.
+    Returns ``out (B, Sq, H, Dv)`` and ``lse (B, H, Sq)`` (in q's dtype). A row that sees no
+    key gives output 0 and lse -inf (its sink logit with sinks).
     """
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -87,36 +98,49 @@ def attention_with_lse(
     # (B, H, S, D) for batched matrix products.
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     scores = (qh @ kh.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
+    d = score_distance(Sq, Sk, q.device)
+    scores = add_score_terms(scores, d, softcap, alibi_slopes, rel_bias)
     if causal or window is not None or key_padding_mask is not None:
         keep = visibility_mask(Sq, Sk, causal, window, key_padding_mask, q.device)
         scores = scores.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # (B, H, Sq); -inf for an empty row
-    # An empty row (every score -inf) has probabilities exp(-inf - 0) = 0, so its output is 0;
-    # a NaN anywhere in a row still makes that row NaN.
-    lse_finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    probs = torch.exp(scores - lse_finite[..., None])
+    # An empty row (every score -inf) has probabilities exp(-inf - lse) = 0, so its output is
+    # 0; a NaN anywhere in a row still makes that row NaN.
+    probs, lse = softmax_with_sinks(scores, sinks)  # lse (B, H, Sq); -inf for an empty row
+    if dropout_p > 0:
+        probs = probs * dropout_mask.to(probs.device) / (1.0 - dropout_p)
     out = probs @ vh  # (B, H, Sq, Dv)
     return out.transpose(1, 2), lse
 
 
 def attention(q, k, v, causal: bool = False, scale: Optional[float] = None, window=None,
-              key_padding_mask=None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) [+ mask]) v on ``(B, S, H, D)`` tensors."""
-    return attention_with_lse(q, k, v, causal, scale, window, key_padding_mask)[0]
+              key_padding_mask=None, **terms) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) [+ terms, mask]) v on ``(B, S, H, D)`` tensors."""
+    return attention_with_lse(q, k, v, causal, scale, window, key_padding_mask, **terms)[0]
 
 
 def attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False,
-                              scale: Optional[float] = None, window=None):
+                              scale: Optional[float] = None, window=None, alibi_slopes=None,
+                              rel_bias=None, softcap=None, sinks=None, dropout_p: float = 0.0,
+                              dropout_seed: int = 0, dropout_offset: int = 0):
     """Packed sequences: each sequence ``b`` (q rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``,
     k/v rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``) attends on its own, one after another.
     q ``(Tq, H, D)``, k ``(Tk, Hkv, D)``, v ``(Tk, Hkv, Dv)``; returns ``out (Tq, H, Dv)``
-    and ``lse (H, Tq)``."""
+    and ``lse (H, Tq)``. Terms as :func:`attention_with_lse` (``alibi_slopes (N, H)`` gives
+    sequence b its row); dropout keep bits of sequence b at its local positions
+    (:func:`dropout_keep_mask` with batch index b)."""
     outs, lses = [], []
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    H = q.shape[1]
     for b in range(len(cq) - 1):
         qb = q[cq[b]:cq[b + 1]][None]
         kb, vb = k[ck[b]:ck[b + 1]][None], v[ck[b]:ck[b + 1]][None]
-        out, lse = attention_with_lse(qb, kb, vb, causal, scale, window)
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        mask = None
+        if dropout_p > 0:
+            mask = dropout_keep_mask(dropout_seed, dropout_offset, b + 1, H, range(cq[b + 1] - cq[b]),
+                                     range(ck[b + 1] - ck[b]), dropout_p)[b:b + 1]
+        out, lse = attention_with_lse(qb, kb, vb, causal, scale, window, None, slopes, rel_bias,
+                                      softcap, sinks, dropout_p, mask)
         outs.append(out[0])
         lses.append(lse[0])
     if not outs:

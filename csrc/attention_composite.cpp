@@ -20,8 +20,12 @@ at::Tensor call_attention_forward(const at::Tensor& q, const at::Tensor& k, cons
           .findSchemaOrThrow("attn_ext::attention_forward", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(
               const at::Tensor&, const at::Tensor&, const at::Tensor&, bool,
-              std::optional<double>, int64_t, int64_t, const std::optional<at::Tensor>&)>();
-  return std::get<0>(op.call(q, k, v, causal, scale, -1, -1, std::nullopt));
+              std::optional<double>, int64_t, int64_t, const std::optional<at::Tensor>&,
+              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+              std::optional<double>, const std::optional<at::Tensor>&, double, int64_t,
+              int64_t)>();
+  return std::get<0>(op.call(q, k, v, causal, scale, -1, -1, std::nullopt, std::nullopt,
+                             std::nullopt, std::nullopt, std::nullopt, 0.0, 0, 0));
 }
 
 at::Tensor attention_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

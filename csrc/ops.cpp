@@ -77,7 +77,13 @@ TORCH_LIBRARY(attn_ext, m) {
   // key_padding_mask (B, Sk) bool -> key j takes part iff key_padding_mask[b, j].
   // A row that sees no key gives out 0 and lse -inf.
   // out (B, Sq, H, Dv) contiguous; lse (B, H, Sq) float32 (float64 for float64 inputs).
-  // The mask arguments were added after scale with defaults, so the original
+  // Score terms (DESIGN.md, common/attention_mask.h ScoreTerms), float32 tables (float64 for
+  // float64 inputs): alibi_slopes (H,) or (B, H) -> s -= slope * |d|; rel_bias (H, 2M + 1) ->
+  // s += rel_bias[h, M + clamp(d, -M, M)]; softcap > 0 -> s = softcap * tanh(s / softcap)
+  // first; sinks (H,) -> exp(sinks[h]) joins every row's denominator (lse includes it);
+  // dropout_p in [0, 1) on the probabilities, keep bit from (dropout_seed, dropout_offset, b, h,
+  // i, j) (common/dropout_rng.h; the Python wrapper draws seed/offset from torch's generator).
+  // The mask and term arguments were added after scale with defaults, so the original
   // attention_forward(q, k, v, causal[, scale]) calls (TorchScript, C++) keep working.
   m.def(
       "attention_forward("
@@ -88,12 +94,21 @@ TORCH_LIBRARY(attn_ext, m) {
       "    float? scale=None,"
       "    int window_left=-1,"
       "    int window_right=-1,"
-      "    Tensor? key_padding_mask=None"
+      "    Tensor? key_padding_mask=None,"
+      "    Tensor? alibi_slopes=None,"
+      "    Tensor? rel_bias=None,"
+      "    float? softcap=None,"
+      "    Tensor? sinks=None,"
+      "    float dropout_p=0.0,"
+      "    int dropout_seed=0,"
+      "    int dropout_offset=0"
       ") -> (Tensor out, Tensor lse)");
   // Gradients of out (and of lse, through dlse) with respect to q, k, v (contiguous, shapes
   // and dtypes of q, k, v), recomputing the probabilities from lse. dout: (B, Sq, H, Dv),
-  // last dim contiguous; dlse: lse's shape and dtype, None = zero. The mask arguments are
-  // the forward's.
+  // last dim contiguous; dlse: lse's shape and dtype, None = zero. The mask and term arguments
+  // are the forward's (sinks need none: lse holds them; their gradient is
+  // exp(sink - lse) * (dlse - rowsum(dout * out)) summed over rows, computed by the caller).
+  // drel_bias: d rel_bias (H, 2M + 1), or an empty (0,) tensor without rel_bias.
   m.def(
       "attention_backward("
       "    Tensor dout,"
@@ -107,13 +122,20 @@ TORCH_LIBRARY(attn_ext, m) {
       "    int window_left=-1,"
       "    int window_right=-1,"
       "    Tensor? key_padding_mask=None,"
-      "    Tensor? dlse=None"
-      ") -> (Tensor dq, Tensor dk, Tensor dv)");
+      "    Tensor? dlse=None,"
+      "    Tensor? alibi_slopes=None,"
+      "    Tensor? rel_bias=None,"
+      "    float? softcap=None,"
+      "    float dropout_p=0.0,"
+      "    int dropout_seed=0,"
+      "    int dropout_offset=0"
+      ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor drel_bias)");
   // Packed sequences (FlashAttention's varlen convention): q (Tq, H, D), k (Tk, Hkv, D),
   // v (Tk, Hkv, Dv); sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and
   // [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k / v (int32 (N + 1,), from 0, non-decreasing,
   // ending at Tq / Tk); max_seqlen_* bound every sequence's length. causal and window apply
   // per sequence, bottom-right aligned to that sequence's lengths. out (Tq, H, Dv), lse (H, Tq).
+  // Terms as attention_forward's, per sequence (b = sequence; alibi_slopes (N, H) or (H,)).
   m.def(
       "attention_varlen_forward("
       "    Tensor q,"
@@ -126,7 +148,14 @@ TORCH_LIBRARY(attn_ext, m) {
       "    bool causal=False,"
       "    float? scale=None,"
       "    int window_left=-1,"
-      "    int window_right=-1"
+      "    int window_right=-1,"
+      "    Tensor? alibi_slopes=None,"
+      "    Tensor? rel_bias=None,"
+      "    float? softcap=None,"
+      "    Tensor? sinks=None,"
+      "    float dropout_p=0.0,"
+      "    int dropout_seed=0,"
+      "    int dropout_offset=0"
       ") -> (Tensor out, Tensor lse)");
   m.def(
       "attention_varlen_backward("
@@ -144,8 +173,14 @@ TORCH_LIBRARY(attn_ext, m) {
       "    float? scale=None,"
       "    int window_left=-1,"
       "    int window_right=-1,"
-      "    Tensor? dlse=None"
-      ") -> (Tensor dq, Tensor dk, Tensor dv)");
+      "    Tensor? dlse=None,"
+      "    Tensor? alibi_slopes=None,"
+      "    Tensor? rel_bias=None,"
+      "    float? softcap=None,"
+      "    float dropout_p=0.0,"
+      "    int dropout_seed=0,"
+      "    int dropout_offset=0"
+      ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor drel_bias)");
   // out of attention_forward. Composite (csrc/attention_composite.cpp): differentiable
   // through attention_forward's autograd formula, so a backend implements only
   // attention_forward / attention_backward.

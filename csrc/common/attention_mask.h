@@ -16,9 +16,11 @@
 //   classify(s, i0, i1, j0, j1)   kFull / kPartial / kInvisible for a (query, key) tile,
 //                           by the band; key padding then makes a full tile partial
 //   visible(s, b, i, j)     the per-(i, j) predicate (band and padding)
-// and the score terms of a visible pair come from ScoreTerms (today: only the scale).
+// and the score terms of a visible pair come from ScoreTerms (softcap, ALiBi, rel_bias, sinks,
+// dropout; below).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -144,17 +146,128 @@ struct Visibility {
   }
 };
 
-// Score terms of a visible pair (b, h, i, j): s = scale * q . k, then the terms of the next
-// issue (softcap, ALiBi, relative bias; DESIGN.md) are added here, in one place. Kernels
-// fold `scale` into q (a pure scale needs no per-element work) and call add() on the tile
-// only when active() is true; today no term exists, so active() is false.
+// Score terms of a visible pair (b, h, i, j) (DESIGN.md, "Attention variants"), in one place:
+//
+//   s = scale * q . k                                (kernels fold scale into q)
+//   s = softcap * tanh(s / softcap)                  if softcap > 0
+//   s += -alibi[b, h] * |d|                          if alibi
+//   s += rel_bias[h, M + clamp(d, -M, M)]            if rel_bias (H, 2M + 1)
+//
+// plus the two row-level terms: sinks[h] joins every row's softmax denominator (handled where
+// a kernel normalises, from sink(h)), and dropout with the keep bit of common/dropout_rng.h.
+// A kernel calls apply_row() on scores only when active(). Scores may be kept in other units
+// than the natural log (the CPU forward works in log2 units): `unit` multiplies every term.
+// The table pointers are of the accumulation type (float, or double for double inputs).
 struct ScoreTerms {
-  double scale;
-  ATTN_MASK_FN bool active() const { return false; }
-  // The score after the terms, given the scaled dot product s and d = i + off - j.
+  double scale = 1.0;
+  double softcap = 0.0;           // > 0: cap the scores
+  const void* alibi = nullptr;    // slope of (b, h) at alibi[b * alibi_batch_stride + h]
+  int64_t alibi_batch_stride = 0; // 0 for (H,) slopes
+  const void* rel_bias = nullptr; // (H, 2M + 1) contiguous
+  int64_t rel_max = 0;            // M
+  const void* sinks = nullptr;    // (H,)
+  double dropout_p = 0.0;         // drop probability in [0, 1)
+  uint64_t dropout_seed = 0, dropout_offset = 0;
+
+  ATTN_MASK_FN bool active() const {
+    return softcap > 0.0 || alibi != nullptr || rel_bias != nullptr;
+  }
+  ATTN_MASK_FN bool has_sinks() const { return sinks != nullptr; }
+  ATTN_MASK_FN bool has_dropout() const { return dropout_p > 0.0; }
+  // Nothing beyond the scale: the plain kernel applies.
+  ATTN_MASK_FN bool plain() const { return !active() && !has_sinks() && !has_dropout(); }
+
   template <typename T>
-  ATTN_MASK_FN T add(T s, int64_t /*b*/, int64_t /*h*/, int64_t /*d*/) const {
+  ATTN_MASK_FN T slope(int64_t b, int64_t h) const {
+    return static_cast<const T*>(alibi)[b * alibi_batch_stride + h];
+  }
+  template <typename T>
+  ATTN_MASK_FN T sink(int64_t h) const {
+    return static_cast<const T*>(sinks)[h];
+  }
+  ATTN_MASK_FN static int64_t clamp_d(int64_t d, int64_t M) {
+    return d < -M ? -M : (d > M ? M : d);
+  }
+
+  // The score after the terms (natural units), given the scaled dot product s and
+  // d = i + off - j: the per-element form of the rule (CUDA kernels, emulator).
+  template <typename T>
+  ATTN_MASK_FN T add(T s, int64_t b, int64_t h, int64_t d) const {
+    using std::tanh;
+    if (softcap > 0.0) s = static_cast<T>(softcap) * tanh(s / static_cast<T>(softcap));
+    if (alibi != nullptr) s -= slope<T>(b, h) * static_cast<T>(d < 0 ? -d : d);
+    if (rel_bias != nullptr) {
+      s += static_cast<const T*>(rel_bias)[h * (2 * rel_max + 1) + rel_max + clamp_d(d, rel_max)];
+    }
     return s;
+  }
+
+  // The terms on one key's run of consecutive query rows: x[c], c in [0, n), is the score
+  // (in units of `unit`) of query row i_first + c of head h against key j, and
+  // d0 = i_first + off - j, so column c has distance d0 + c. Softcap first (writing
+  // tanh(s / softcap) to th[c] when th is given: the backward's chain factor 1 - th^2), then
+  // ALiBi (linear in c on each side of d = 0) and rel_bias (a contiguous slice of the table
+  // between the two clamped ends): plain loops the compiler vectorises.
+  template <typename T>
+  inline void apply_row(T* x, int n, int64_t b, int64_t h, int64_t d0, T unit, T* th) const {
+    if (softcap > 0.0) {
+      const T cu = static_cast<T>(softcap) * unit, inv = T(1) / cu;
+      if (th != nullptr) {
+        for (int c = 0; c < n; ++c) {
+          const T t = std::tanh(x[c] * inv);
+          th[c] = t;
+          x[c] = cu * t;
+        }
+      } else {
+        for (int c = 0; c < n; ++c) x[c] = cu * std::tanh(x[c] * inv);
+      }
+    }
+    if (alibi != nullptr) {
+      const T su = slope<T>(b, h) * unit;
+      // d = d0 + c < 0 for c < cz: |d| = -(d0 + c); else |d| = d0 + c
+      const int cz = static_cast<int>(d0 >= 0 ? 0 : (-d0 < n ? -d0 : n));
+      const T base = su * static_cast<T>(d0);
+      for (int c = 0; c < cz; ++c) x[c] += base + su * static_cast<T>(c);
+      for (int c = cz; c < n; ++c) x[c] -= base + su * static_cast<T>(c);
+    }
+    if (rel_bias != nullptr) {
+      const int64_t M = rel_max;
+      const T* tab = static_cast<const T*>(rel_bias) + h * (2 * M + 1);
+      int ca, cb;
+      clamp_segments(d0, n, &ca, &cb);
+      const T lo = tab[0] * unit, hi = tab[2 * M] * unit;
+      for (int c = 0; c < ca; ++c) x[c] += lo;
+      const int64_t m0 = M + d0;  // column c reads tab[m0 + c] for c in [ca, cb)
+      for (int c = ca; c < cb; ++c) x[c] += tab[m0 + c] * unit;
+      for (int c = cb; c < n; ++c) x[c] += hi;
+    }
+  }
+
+  // d rel_bias of one key's run (as apply_row): db[M + clamp(d0 + c)] += ds[c], where ds is
+  // the gradient of the final score (after softcap) and db the head's (2M + 1) row.
+  template <typename T>
+  inline void rel_bias_grad_row(const T* ds, int n, int64_t d0, double* db) const {
+    const int64_t M = rel_max;
+    int ca, cb;
+    clamp_segments(d0, n, &ca, &cb);
+    double lo = 0, hi = 0;
+    for (int c = 0; c < ca; ++c) lo += ds[c];
+    const int64_t m0 = M + d0;
+    for (int c = ca; c < cb; ++c) db[m0 + c] += ds[c];
+    for (int c = cb; c < n; ++c) hi += ds[c];
+    db[0] += lo;
+    db[2 * M] += hi;
+  }
+
+ private:
+  // Columns [0, ca) have d0 + c < -M, [ca, cb) are in [-M, M], [cb, n) are > M.
+  ATTN_MASK_FN void clamp_segments(int64_t d0, int n, int* ca, int* cb) const {
+    const int64_t M = rel_max;
+    int64_t a = -M - d0, z = M - d0 + 1;
+    a = a < 0 ? 0 : (a > n ? n : a);
+    z = z < a ? a : (z > n ? n : z);
+    *ca = static_cast<int>(a);
+    *cb = static_cast<int>(z);
   }
 };
 

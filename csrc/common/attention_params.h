@@ -31,9 +31,14 @@ struct AttentionParams {
   double scale;  // softmax(scale * q k^T)
   bool causal;
   MaskParams mask;  // window / key padding / cu_seqlens; causal already folded in
+  ScoreTerms terms;  // softcap / ALiBi / rel_bias / sinks / dropout (terms.scale: see score_terms)
 
   ATTN_MASK_FN Visibility visibility() const { return Visibility{mask, Sq, Sk}; }
-  ATTN_MASK_FN ScoreTerms score_terms() const { return ScoreTerms{scale}; }
+  ATTN_MASK_FN ScoreTerms score_terms() const {
+    ScoreTerms t = terms;
+    t.scale = scale;
+    return t;
+  }
 };
 
 // Backward: dq (B, Sq, H, D), dk (B, Sk, Hkv, D), dv (B, Sk, Hkv, Dv), all contiguous, from
@@ -51,6 +56,7 @@ struct AttentionBwdParams {
   void* dq;  // (B, Sq, H, D) contiguous
   void* dk;  // (B, Sk, Hkv, D) contiguous
   void* dv;  // (B, Sk, Hkv, Dv) contiguous
+  void* drel_bias;  // (H, 2M + 1) contiguous, accumulation type; nullptr without rel_bias
 };
 
 }  // namespace attn_ext

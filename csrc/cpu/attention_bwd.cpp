@@ -19,6 +19,7 @@
 
 #include "common/attention_checks.h"
 #include "common/attention_mask_checks.h"
+#include "common/score_checks.h"
 #include "cpu/attention_common.h"
 
 namespace attn_ext {
@@ -36,8 +37,11 @@ struct BwdScratch {
   AlignedVec<acc_t> dqt;   // (kBlockQ, Dp): dq accumulator of the query block (unscaled)
   AlignedVec<acc_t> tmp;   // (max(D, Dv)): one converted row
   std::vector<uint8_t> kvalid;  // (kBlockK): key padding of the tile's keys (1 = takes part)
+  AlignedVec<acc_t> th;    // (kBlockK, kBlockQ): tanh(s / softcap) (softcap only)
+  AlignedVec<acc_t> pz;    // (kBlockK, kBlockQ): P^T * Z / (1 - p) (dropout only)
+  std::vector<uint64_t> rk, words;  // (kBlockQ): dropout row keys / words of the block's rows
 
-  BwdScratch(int64_t D, int64_t Dv, int64_t pack_size)
+  BwdScratch(int64_t D, int64_t Dv, int64_t pack_size, const ScoreTerms& terms)
       : Dp(round_up(D, 8)),
         Dvp(round_up(Dv, 8)),
         kb(static_cast<size_t>(kBlockK * Dp), acc_t(0)),
@@ -47,7 +51,11 @@ struct BwdScratch {
         blk(static_cast<size_t>(pack_size), acc_t(0)),
         dqt(static_cast<size_t>(kBlockQ * Dp)),
         tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1))),
-        kvalid(kBlockK, 1) {}
+        kvalid(kBlockK, 1),
+        th(terms.softcap > 0.0 ? static_cast<size_t>(kBlockK * kBlockQ) : 0),
+        pz(terms.has_dropout() ? static_cast<size_t>(kBlockK * kBlockQ) : 0),
+        rk(kBlockQ),
+        words(kBlockQ) {}
 };
 
 // Query-side operands of one (batch, head, query block of kBlockQ rows), packed into the
@@ -146,13 +154,60 @@ int64_t load_key_tile(const AttentionParams& p, const Visibility& vis, const Seq
 }
 
 // Gradient accumulators of one key tile: dk / dv rows (unscaled dk) at dkt + r * ldk and
-// dvt + r * ldv; nullptr when the pass computes dq only.
+// dvt + r * ldv; nullptr when the pass computes dq only. db: the work unit's partial
+// d rel_bias row (2M + 1) of the query head, nullptr when not accumulated here.
 template <typename acc_t>
 struct KeyAcc {
   acc_t* dkt;
   int64_t ldk;
   acc_t* dvt;
   int64_t ldv;
+  double* db;
+};
+
+// dS^T = Pz^T * dP^T - P^T * Di with dropout (Pz = P * Z / (1 - p); dv used Pz, and
+// dL/dP = dP * Z / (1 - p), while rowsum(dO * O) = Di stays the row term).
+template <typename acc_t>
+void ds_dropout(const acc_t* p, const acc_t* pz, acc_t* ds, int64_t rows, int64_t cols,
+                const acc_t* d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const acc_t* pr = p + r * cols;
+    const acc_t* zr = pz + r * cols;
+    acc_t* dr = ds + r * cols;
+    for (int64_t c = 0; c < cols; ++c) dr[c] = zr[c] * dr[c] - pr[c] * d[c];
+  }
+}
+
+// The score terms' part of the backward of one (query block, key tile) pair:
+//   terms():  the terms on the scores st (natural units), tanh(s / softcap) kept in th
+//   grad():   after dS^T of the final scores: d rel_bias (into db), then the softcap chain
+//             factor dS_raw = dS * (1 - th^2)
+template <typename acc_t>
+struct PairTerms {
+  const ScoreTerms& t;
+  const SeqInfo& sq;
+  int64_t b, h, i0, nq, j0, nk, C;
+
+  void terms(acc_t* st, acc_t* th) const {
+    for (int64_t r = 0; r < nk; ++r) {
+      t.apply_row<acc_t>(st + r * C, static_cast<int>(nq), b, h, i0 + sq.off - (j0 + r), acc_t(1),
+                         th != nullptr ? th + r * C : nullptr);
+    }
+  }
+  void grad(acc_t* ds, const acc_t* th, double* db) const {
+    if (db != nullptr) {
+      for (int64_t r = 0; r < nk; ++r) {
+        t.rel_bias_grad_row<acc_t>(ds + r * C, static_cast<int>(nq), i0 + sq.off - (j0 + r), db);
+      }
+    }
+    if (th != nullptr) {
+      for (int64_t r = 0; r < nk; ++r) {
+        acc_t* d = ds + r * C;
+        const acc_t* x = th + r * C;
+        for (int64_t c = 0; c < nq; ++c) d[c] *= acc_t(1) - x[c] * x[c];
+      }
+    }
+  }
 };
 
 // One (query block [i0, i0 + nq) of one head, key tile [j0, j0 + nk)) pair:
@@ -167,12 +222,22 @@ struct KeyAcc {
 //
 // The tile is classified by the visibility layer: full tiles run the dense products; partial
 // tiles skip their hidden parts in 6-key / 6-query steps and mask what is left.
+//
+// Score terms (common/attention_mask.h): after pass 1 the terms are added (softcap keeps
+// tanh in s.th); with dropout, pass 3 uses P * Z / (1 - p) (s.pz, the forward's keep bits) and
+// pass 5 dS = Pz * dP - P * Di; after pass 5 d rel_bias is accumulated and the softcap chain
+// factor applied (PairTerms).
 template <typename acc_t>
 void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq, int64_t b,
-              int64_t i0, int64_t nq, int64_t j0, int64_t nk, int64_t n_valid, bool k_finite,
-              const QueryPackLayout& L, const acc_t* blk, const KeyAcc<acc_t>& acc, acc_t* dqt,
-              const mk::Kernels<acc_t>& K, BwdScratch<acc_t>& s) {
+              int64_t h, int64_t i0, int64_t nq, int64_t j0, int64_t nk, int64_t n_valid,
+              bool k_finite, const QueryPackLayout& L, const acc_t* blk, const KeyAcc<acc_t>& acc,
+              acc_t* dqt, const mk::Kernels<acc_t>& K, BwdScratch<acc_t>& s) {
   const int64_t D = p.D, Dv = p.Dv, Dp = s.Dp, Dvp = s.Dvp;
+  const ScoreTerms terms = p.score_terms();
+  const bool with_terms = terms.active(), dropout = terms.has_dropout();
+  acc_t* const th = terms.softcap > 0.0 ? s.th.data() : nullptr;
+  const uint32_t thresh = dropout::threshold(terms.dropout_p);
+  const acc_t inv_keep = static_cast<acc_t>(1.0 / (1.0 - terms.dropout_p));
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   TileKind kind = vis.classify(sq, i0, i0 + nq, j0, j0 + nk);
   if (kind == TileKind::kInvisible || n_valid == 0) return;
@@ -182,13 +247,29 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   acc_t* const dkt = acc.dkt;
   acc_t* const dvt = acc.dvt;
   const int64_t ldk = acc.ldk, ldv = acc.ldv;
+  const PairTerms<acc_t> pt{terms, sq, b, h, i0, nq, j0, nk, C};
+  // P^T with dropout applied (what pass 3 multiplies dout by)
+  const acc_t* pv = dropout ? s.pz.data() : s.st.data();
+  auto pass5 = [&] {
+    if (dropout) {
+      ds_dropout(s.st.data(), s.pz.data(), s.dpt.data(), nk, C, blk + L.di);
+    } else {
+      K.ds(s.st.data(), s.dpt.data(), nk, C, blk + L.di);
+    }
+  };
   if (kind == TileKind::kFull) {
     // Every (key, query) pair of the tile is visible.
     K.gemm(nk, C, D, s.kb.data(), Dp, 1, qt, kBlockQ, s.st.data(), C, false);     // pass 1
+    if (with_terms) pt.terms(s.st.data(), th);
     K.exp_sub(s.st.data(), nk, C, blk + L.lse);                                      // pass 2
-    if (dvt != nullptr) K.gemm(nk, Dvp, nq, s.st.data(), C, 1, dor, Dvp, dvt, ldv, true);  // 3
+    if (dropout) {
+      dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, j0, s.rk.data(), s.words.data(), thresh,
+                   inv_keep);
+    }
+    if (dvt != nullptr) K.gemm(nk, Dvp, nq, pv, C, 1, dor, Dvp, dvt, ldv, true);      // pass 3
     K.gemm(nk, C, Dv, s.vb.data(), Dvp, 1, dot, kBlockQ, s.dpt.data(), C, false);   // pass 4
-    K.ds(s.st.data(), s.dpt.data(), nk, C, blk + L.di);                              // pass 5
+    pass5();                                                                          // pass 5
+    if (with_terms) pt.grad(s.dpt.data(), th, acc.db);
     if (dkt != nullptr) K.gemm(nk, Dp, nq, s.dpt.data(), C, 1, qr, Dp, dkt, ldk, true);    // 6
     if (dqt != nullptr) K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kb.data(), Dp, dqt, Dp, true);  // 7
     return;
@@ -224,9 +305,14 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
              s.st.data() + r0 * C + c8, C, false);
     }
   }
+  if (with_terms) pt.terms(s.st.data(), th);
   mask(s.st.data(), neg_inf);
   // pass 2: P^T (0 where hidden)
   K.exp_sub(s.st.data(), nk, C, blk + L.lse);
+  if (dropout) {
+    dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, j0, s.rk.data(), s.words.data(), thresh,
+                 inv_keep);
+  }
   // pass 4: dP^T = v dout^T on the visible column panels, then 0 where hidden
   for (int64_t r0 = 0; r0 < nk; r0 += 6) {
     const int64_t nr = std::min<int64_t>(6, nk - r0);
@@ -239,15 +325,19 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   }
   mask(s.dpt.data(), acc_t(0));
   // pass 5: dS^T = P^T * (dP^T - Di), then exactly 0 where hidden (Di may be non-finite)
-  K.ds(s.st.data(), s.dpt.data(), nk, C, blk + L.di);
+  pass5();
   mask(s.dpt.data(), acc_t(0));
+  if (with_terms) {
+    pt.grad(s.dpt.data(), th, acc.db);
+    if (th != nullptr) mask(s.dpt.data(), acc_t(0));  // th is not defined where hidden
+  }
   if (!(k_finite && blk[L.fin] != acc_t(0))) {
     // A non-finite k, q or dout: 0 (hidden pair) times it must not reach dk, dv or dq of the
     // other side, so the products of pass 3, 6, 7 run over visible pairs only.
     for (int64_t r = 0; r < nk; ++r) {
       const Range c = cols(r);
       for (int64_t cc = c.lo; cc < c.hi; ++cc) {
-        const acc_t pr = s.st[r * C + cc], ds = s.dpt[r * C + cc];
+        const acc_t pr = pv[r * C + cc], ds = s.dpt[r * C + cc];
         if (dvt != nullptr)
           for (int64_t d = 0; d < Dv; ++d) dvt[r * ldv + d] += pr * dor[cc * Dvp + d];
         if (dkt != nullptr)
@@ -264,7 +354,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     if (pc.lo >= pc.hi) continue;
     // pass 3: dvt += P^T dout over the queries that see each 6 keys
     if (dvt != nullptr) {
-      K.gemm(nr, Dvp, pc.hi - pc.lo, s.st.data() + r0 * C + pc.lo, C, 1, dor + pc.lo * Dvp, Dvp,
+      K.gemm(nr, Dvp, pc.hi - pc.lo, pv + r0 * C + pc.lo, C, 1, dor + pc.lo * Dvp, Dvp,
              dvt + r0 * ldv, ldv, true);
     }
     // pass 6: dkt += dS^T q over the queries that see each 6 keys
@@ -325,7 +415,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const int64_t n_kb = ceil_div(p.Sk, kBlockK);
   const Visibility vis = p.visibility();
   const QueryPackLayout L(p.D, p.Dv, Dp, Dvp);
-  auto make_scratch = [&] { return BwdScratch<acc_t>(p.D, p.Dv, L.size); };
+  const ScoreTerms terms = p.score_terms();
+  auto make_scratch = [&] { return BwdScratch<acc_t>(p.D, p.Dv, L.size, terms); };
 
   // dk / dv accumulators of (b, hkv): rows j at kacc(b, hkv) + j * ld.
   const bool in_place = std::is_same_v<scalar_t, acc_t> && p.D == Dp && p.Dv == Dvp;
@@ -337,15 +428,37 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       auto* dv = reinterpret_cast<acc_t*>(bp.dv);
       const int64_t j = sq.k0 + j0;
       return {dk + b * bp.dk_batch_stride + (j * p.Hkv + hkv) * p.D, p.Hkv * p.D,
-              dv + b * bp.dv_batch_stride + (j * p.Hkv + hkv) * p.Dv, p.Hkv * p.Dv};
+              dv + b * bp.dv_batch_stride + (j * p.Hkv + hkv) * p.Dv, p.Hkv * p.Dv, nullptr};
     }
     acc_t* base = kv_buf.data() + (b * p.Hkv + hkv) * p.Sk * (Dp + Dvp);
-    return {base + j0 * Dp, Dp, base + p.Sk * Dp + j0 * Dvp, Dvp};
+    return {base + j0 * Dp, Dp, base + p.Sk * Dp + j0 * Dvp, Dvp, nullptr};
   };
 
-  // Visits key tiles [kt0, kt1) that rows [i0, i0 + nq) see, for one packed query block.
-  auto visit = [&](BwdScratch<acc_t>& s, const SeqInfo& sq, int64_t b, int64_t hkv, int64_t i0,
-                   int64_t nq, int64_t kt0, int64_t kt1, bool want_kv, bool want_dq) {
+  // d rel_bias: each work unit that computes dk / dv (fused: (b, hkv); split phase 1:
+  // (b, hkv, chunk)) sums its pairs' dS into its own (group, 2M + 1) partial table; the
+  // tables are reduced in unit order at the end (deterministic for a given thread count).
+  const int64_t nbias = terms.rel_bias != nullptr ? 2 * terms.rel_max + 1 : 0;
+  const int64_t workers = std::max<int64_t>(1, static_cast<int64_t>(at::get_num_threads()));
+  const bool split = p.B * p.Hkv < workers && n_kb > 1;
+  const int64_t n_chunks = split ? std::min(n_kb, ceil_div(2 * workers, p.B * p.Hkv)) : 1;
+  std::vector<double> db_parts(static_cast<size_t>(p.B * p.Hkv * n_chunks * group * nbias), 0.0);
+  // partial row of query head h in the unit (b, hkv, chunk c)
+  auto db_row = [&](int64_t b, int64_t h, int64_t c) -> double* {
+    if (nbias == 0) return nullptr;
+    const int64_t hkv = h / group;
+    return db_parts.data() + (((b * p.Hkv + hkv) * n_chunks + c) * group + h % group) * nbias;
+  };
+
+  // Visits key tiles [kt0, kt1) that rows [i0, i0 + nq) of head h see, for one packed query
+  // block; db: the unit's d rel_bias row of head h (or nullptr).
+  auto visit = [&](BwdScratch<acc_t>& s, const SeqInfo& sq, int64_t b, int64_t h, int64_t i0,
+                   int64_t nq, int64_t kt0, int64_t kt1, bool want_kv, bool want_dq, double* db) {
+    const int64_t hkv = h / group;
+    if (terms.has_dropout()) {
+      for (int64_t c = 0; c < nq; ++c) {
+        s.rk[c] = dropout::row_key(terms.dropout_seed, terms.dropout_offset, b, h, i0 + c);
+      }
+    }
     const Range keys = vis.band_keys_of_rows(sq, i0, i0 + nq);
     const int64_t lo = std::max(kt0, keys.lo / kBlockK);
     const int64_t hi = std::min(kt1, ceil_div(keys.hi, kBlockK));
@@ -356,14 +469,13 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       if (vis.classify(sq, i0, i0 + nq, j0, j0 + nk) == TileKind::kInvisible) continue;
       bool k_finite = true;
       const int64_t n_valid = load_key_tile<scalar_t, acc_t>(p, vis, sq, b, hkv, j0, nk, s, &k_finite);
-      const KeyAcc<acc_t> acc = want_kv ? key_acc(b, hkv, sq, j0) : KeyAcc<acc_t>{nullptr, 0, nullptr, 0};
-      bwd_pair<acc_t>(p, vis, sq, b, i0, nq, j0, nk, n_valid, k_finite, L, s.blk.data(), acc,
+      KeyAcc<acc_t> acc = want_kv ? key_acc(b, hkv, sq, j0) : KeyAcc<acc_t>{nullptr, 0, nullptr, 0, nullptr};
+      acc.db = db;
+      bwd_pair<acc_t>(p, vis, sq, b, h, i0, nq, j0, nk, n_valid, k_finite, L, s.blk.data(), acc,
                       want_dq ? s.dqt.data() : nullptr, kern, s);
     }
   };
 
-  const int64_t workers = std::max<int64_t>(1, static_cast<int64_t>(at::get_num_threads()));
-  const bool split = p.B * p.Hkv < workers && n_kb > 1;
   if (!split) {
     parallel_tasks(p.B * p.Hkv, make_scratch, [&](int64_t t, BwdScratch<acc_t>& s) {
       const int64_t b = t / p.Hkv, hkv = t % p.Hkv;
@@ -373,14 +485,13 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
           const int64_t nq = std::min(kBlockQ, sq.Sq - i0);
           pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, nq, s.blk.data(), s.tmp.data());
           std::fill(s.dqt.begin(), s.dqt.begin() + nq * Dp, acc_t(0));
-          visit(s, sq, b, hkv, i0, nq, 0, n_kb, true, true);
+          visit(s, sq, b, h, i0, nq, 0, n_kb, true, true, db_row(b, h, 0));
           write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, nq, s.dqt.data(), Dp);
         }
       }
     });
   } else {
-    // phase 1: dk / dv by key chunks
-    const int64_t n_chunks = std::min(n_kb, ceil_div(2 * workers, p.B * p.Hkv));
+    // phase 1: dk / dv (and d rel_bias) by key chunks
     const int64_t per_chunk = ceil_div(n_kb, n_chunks);
     parallel_tasks(p.B * p.Hkv * n_chunks, make_scratch, [&](int64_t t, BwdScratch<acc_t>& s) {
       const int64_t c = t % n_chunks, bh = t / n_chunks;
@@ -394,7 +505,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
         for (int64_t i0 = rows.lo / kBlockQ * kBlockQ; i0 < rows.hi; i0 += kBlockQ) {
           const int64_t nq = std::min(kBlockQ, sq.Sq - i0);
           pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, nq, s.blk.data(), s.tmp.data());
-          visit(s, sq, b, hkv, i0, nq, kt0, kt1, true, false);
+          visit(s, sq, b, h, i0, nq, kt0, kt1, true, false, db_row(b, h, c));
         }
       }
     });
@@ -408,9 +519,23 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       if (nq <= 0) return;
       pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, nq, s.blk.data(), s.tmp.data());
       std::fill(s.dqt.begin(), s.dqt.begin() + nq * Dp, acc_t(0));
-      visit(s, sq, b, h / group, i0, nq, 0, n_kb, false, true);
+      visit(s, sq, b, h, i0, nq, 0, n_kb, false, true, nullptr);
       write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, nq, s.dqt.data(), Dp);
     });
+  }
+
+  // d rel_bias (H, 2M + 1) = the units' partial tables summed in unit order (b, chunk).
+  if (nbias > 0 && bp.drel_bias != nullptr) {
+    auto* drb = static_cast<acc_t*>(bp.drel_bias);
+    for (int64_t h = 0; h < p.H; ++h) {
+      for (int64_t x = 0; x < nbias; ++x) {
+        double sum = 0;
+        for (int64_t b = 0; b < p.B; ++b) {
+          for (int64_t c = 0; c < n_chunks; ++c) sum += db_row(b, h, c)[x];
+        }
+        drb[h * nbias + x] = static_cast<acc_t>(sum);
+      }
+    }
   }
 
   // dk = scale * dk accumulator, dv = dv accumulator.
@@ -433,46 +558,61 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+using BwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// d rel_bias output: zeros like rel_bias, or an empty (0,) tensor without it.
+at::Tensor make_drel_bias(const std::optional<at::Tensor>& rel_bias, const at::Tensor& q) {
+  if (!rel_bias.has_value()) return at::empty({0}, q.options().dtype(lse_dtype(q.scalar_type())));
+  return at::zeros(rel_bias->sizes(), rel_bias->options());
+}
+
+BwdResult attention_backward_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse_in, bool causal, std::optional<double> scale,
     int64_t window_left, int64_t window_right, const std::optional<at::Tensor>& key_padding_mask,
-    const std::optional<at::Tensor>& dlse_in) {
+    const std::optional<at::Tensor>& dlse_in, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& rel_bias, std::optional<double> softcap, double dropout_p,
+    int64_t dropout_seed, int64_t dropout_offset) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_attention_bwd_inputs(dout, out, lse_in, q, s);
   if (dlse_in.has_value()) check_dlse(*dlse_in, lse_in);
   at::Tensor dq = at::empty({s.B, s.Sq, s.H, s.D}, q.options());
   at::Tensor dk = at::zeros({s.B, s.Sk, s.Hkv, s.D}, q.options());  // accumulated in place
   at::Tensor dv = at::zeros({s.B, s.Sk, s.Hkv, s.Dv}, q.options());
-  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv};
-  if (s.Sq == 0 || s.H == 0) {  // no query: no gradient reaches k or v
-    dk.zero_();
-    dv.zero_();
-    return {dq, dk, dv};
-  }
   const at::Tensor lse = lse_in.contiguous();
   AttentionBwdParams bp =
       make_attention_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, s, causal, scale);
   fill_mask_params(bp.fwd, s, q, causal, window_left, window_right, key_padding_mask);
+  const std::optional<at::Tensor> no_sinks;
+  fill_score_terms(bp.fwd, {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed,
+                            dropout_offset}, q, s.B, s.H);
+  at::Tensor drel_bias = make_drel_bias(rel_bias, q);
+  if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
+  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv, drel_bias};
+  if (s.Sq == 0 || s.H == 0) {  // no query: no gradient reaches k or v
+    return {dq, dk, dv, drel_bias};
+  }
   const at::Tensor dlse = dlse_in.has_value() ? dlse_in->contiguous() : at::Tensor();
   if (dlse.defined()) bp.dlse = dlse.data_ptr();
   if (s.Sk == 0) {  // no key: every row is empty, dq = 0
     dq.zero_();
-    return {dq, dk, dv};
+    return {dq, dk, dv, drel_bias};
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_backward",
                                   [&] { attention_bwd_kernel<scalar_t>(bp); });
-  return {dq, dk, dv};
+  return {dq, dk, dv, drel_bias};
 }
 
 // Packed sequences (attention_varlen_forward's backward): dq (Tq, H, D), dk (Tk, Hkv, D),
-// dv (Tk, Hkv, Dv).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cpu(
+// dv (Tk, Hkv, Dv), d rel_bias.
+BwdResult attention_varlen_backward_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
     std::optional<double> scale, int64_t window_left, int64_t window_right,
-    const std::optional<at::Tensor>& dlse_in) {
+    const std::optional<at::Tensor>& dlse_in, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& rel_bias, std::optional<double> softcap, double dropout_p,
+    int64_t dropout_seed, int64_t dropout_offset) {
   const AttentionShape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                max_seqlen_k, scale);
   const int64_t Tq = q.size(0), Tk = k.size(0);
@@ -485,15 +625,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cpu(
   at::Tensor dq = at::empty({Tq, s.H, s.D}, q.options());
   at::Tensor dk = at::zeros({Tk, s.Hkv, s.D}, q.options());
   at::Tensor dv = at::zeros({Tk, s.Hkv, s.Dv}, q.options());
-  if (Tq == 0 || s.H == 0 || Tk == 0 || s.B == 0) {
-    dq.zero_();
-    return {dq, dk, dv};
-  }
   const at::Tensor lse = lse_in.contiguous();
   AttentionBwdParams bp = make_attention_bwd_params(
       dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
       lse, dq, dk, dv, s, causal, scale);
   make_params_packed(bp.fwd, s, Tq, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
+  const std::optional<at::Tensor> no_sinks;
+  fill_score_terms(bp.fwd, {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed,
+                            dropout_offset}, q, s.B, s.H);
+  at::Tensor drel_bias = make_drel_bias(rel_bias, q);
+  if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
+  if (Tq == 0 || s.H == 0 || Tk == 0 || s.B == 0) {
+    dq.zero_();
+    return {dq, dk, dv, drel_bias};
+  }
   bp.dout_batch_stride = bp.o_batch_stride = 0;
   bp.dq_batch_stride = bp.dk_batch_stride = bp.dv_batch_stride = 0;
   const at::Tensor dlse = dlse_in.has_value() ? dlse_in->contiguous() : at::Tensor();
@@ -501,7 +646,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cpu(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(),
                                   "attention_varlen_backward",
                                   [&] { attention_bwd_kernel<scalar_t>(bp); });
-  return {dq, dk, dv};
+  return {dq, dk, dv, drel_bias};
 }
 
 }  // namespace

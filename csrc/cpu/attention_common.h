@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "common/attention_mask.h"
+#include "common/dropout_rng.h"
 #include "cpu/attention_microkernels.h"
 
 namespace attn_ext {
@@ -121,6 +122,30 @@ bool all_finite(const acc_t* x, int64_t rows, int64_t cols, int64_t ld) {
     if (acc != acc) return false;
   }
   return true;
+}
+
+// Attention dropout on a transposed tile st (rows: keys j0 .. j0 + nk - 1, cols: queries;
+// leading dimension C): dst[r][c] = src[r][c] * inv_keep where key j0 + r of column c's row
+// survives (common/dropout_rng.h; rk[c] is that row's key), else 0; columns [cols, C) get 0.
+// One 64-bit word per (column, 4 keys), kept in words (cols) while r walks down the tile.
+// src may equal dst.
+template <typename acc_t>
+void dropout_tile(const acc_t* src, acc_t* dst, int64_t nk, int64_t C, int64_t cols, int64_t j0,
+                  const uint64_t* rk, uint64_t* words, uint32_t thresh, acc_t inv_keep) {
+  for (int64_t r = 0; r < nk; ++r) {
+    const int64_t j = j0 + r;
+    if (r == 0 || (j & 3) == 0) {
+      for (int64_t c = 0; c < cols; ++c) words[c] = dropout::word(rk[c], j);
+    }
+    const int shift = dropout::kBitsPerKey * static_cast<int>(j & 3);
+    const acc_t* s = src + r * C;
+    acc_t* d = dst + r * C;
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint32_t u = static_cast<uint32_t>(words[c] >> shift) & 0xffffu;
+      d[c] = u >= thresh ? s[c] * inv_keep : acc_t(0);
+    }
+    for (int64_t c = cols; c < C; ++c) d[c] = acc_t(0);
+  }
 }
 
 // Runs task(t, scratch) for t in [0, n) on at::get_num_threads() workers that take tasks

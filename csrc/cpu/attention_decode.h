@@ -57,6 +57,8 @@ inline bool decode_enabled() {
 
 inline bool decode_supported(const AttentionParams& p, bool is_double) {
   if (is_double || !cpu::use_avx2() || !decode_enabled()) return false;
+  // score terms, sinks and dropout (issue 15) are in the tiled kernel only
+  if (!p.score_terms().plain()) return false;
   if (p.Hkv <= 0 || p.D <= 0 || p.D > 512 || p.Dv > 512) return false;
   return p.Sq * (p.H / p.Hkv) <= kDecodeCols;
 }

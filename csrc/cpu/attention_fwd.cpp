@@ -30,6 +30,7 @@
 
 #include "common/attention_checks.h"
 #include "common/attention_mask_checks.h"
+#include "common/score_checks.h"
 #include "cpu/attention_common.h"
 #include "cpu/attention_decode.h"
 
@@ -99,6 +100,7 @@ struct FwdScratch {
   AlignedVec<acc_t> m, l, alpha;  // (kBlockQ): running max (log2 units), sum, rescale
   AlignedVec<acc_t> tmp;    // (max(D, Dv)): one converted row
   std::vector<uint8_t> kvalid;  // (kBlockK): key padding of the key tile (1 = takes part)
+  std::vector<uint64_t> rk, words;  // (kBlockQ): dropout row keys / words of the columns
 
   FwdScratch(int64_t D, int64_t Dv)
       : Dp(round_up(D, 8)),
@@ -112,7 +114,9 @@ struct FwdScratch {
         l(kBlockQ),
         alpha(kBlockQ),
         tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1))),
-        kvalid(kBlockK) {}
+        kvalid(kBlockK),
+        rk(kBlockQ),
+        words(kBlockQ) {}
 };
 
 // Runs the tile over keys [kbeg, kend): leaves the unnormalised output in s.o (cols, Dvp)
@@ -141,6 +145,19 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
       convert_row(qh + ii * p.q_row_stride, D, s.tmp.data());
       const int64_t c = hh * qt_.nq + ii;
       for (int64_t d = 0; d < D; ++d) s.qt[d * C + c] = s.tmp[d] * qscale;
+    }
+  }
+  // score terms and dropout (common/attention_mask.h): scores here are in log2 units
+  const ScoreTerms terms = p.score_terms();
+  const bool dropout = terms.has_dropout();
+  const uint32_t thresh = dropout::threshold(terms.dropout_p);
+  const acc_t inv_keep = static_cast<acc_t>(1.0 / (1.0 - terms.dropout_p));
+  if (dropout) {
+    for (int64_t hh = 0; hh < qt_.nh; ++hh) {
+      for (int64_t ii = 0; ii < qt_.nq; ++ii) {
+        s.rk[hh * qt_.nq + ii] = dropout::row_key(terms.dropout_seed, terms.dropout_offset,
+                                                  qt_.b, qt_.h0 + hh, qt_.i0 + ii);
+      }
     }
   }
   std::fill(s.m.begin(), s.m.begin() + C, -std::numeric_limits<acc_t>::infinity());
@@ -206,6 +223,16 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
         }
       }
     }
+    // terms: softcap, ALiBi, rel_bias on every key row's run of query rows of each head
+    if (terms.active()) {
+      for (int64_t r = 0; r < nk; ++r) {
+        const int64_t d0 = i0 + sq.off - (j0 + r);
+        for (int64_t hh = 0; hh < qt_.nh; ++hh) {
+          terms.apply_row<acc_t>(s.st.data() + r * C + hh * nq, static_cast<int>(nq), qt_.b,
+                                 qt_.h0 + hh, d0, static_cast<acc_t>(kLog2e), nullptr);
+        }
+      }
+    }
     // mask: -inf wherever the visibility layer says hidden (all that pass 1 skipped included)
     if (partial) {
       for (int64_t r = 0; r < nk; ++r) {
@@ -224,6 +251,11 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     }
     // pass 2: online softmax; st becomes the probabilities (relative to the new max)
     K.softmax(s.st.data(), nk, C, s.m.data(), s.l.data(), s.alpha.data());
+    // dropout on the probabilities (the sum l above is of the undropped ones)
+    if (dropout) {
+      dropout_tile(s.st.data(), s.st.data(), nk, C, cols, j0, s.rk.data(), s.words.data(),
+                   thresh, inv_keep);
+    }
     // pass 3: o = alpha * o + st^T vb
     for (int64_t c = 0; c < cols; ++c) {
       const acc_t a = s.alpha[c];
@@ -265,12 +297,37 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   return C;
 }
 
-// out / lse of the tile's columns from o (cols, Dvp), m, l.
+// out / lse of the tile's columns from o (cols, Dvp), m, l. With sinks, exp(sinks[h]) joins
+// each row's denominator (a row that sees no key: out 0, lse = its sink).
 template <typename scalar_t, typename acc_t>
 void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, int64_t Dvp,
                 const acc_t* m, const acc_t* l) {
   auto* out = static_cast<scalar_t*>(p.out);
   auto* lse = static_cast<acc_t*>(p.lse);
+  const ScoreTerms terms = p.score_terms();
+  if (terms.has_sinks()) {
+    for (int64_t hh = 0; hh < t.nh; ++hh) {
+      const int64_t h = t.h0 + hh;
+      const double sink2 = static_cast<double>(terms.sink<acc_t>(h)) * kLog2e;
+      for (int64_t ii = 0; ii < t.nq; ++ii) {
+        const int64_t c = hh * t.nq + ii;
+        const int64_t i = t.i0 + ii;
+        const bool seen = l[c] != acc_t(0);
+        const double mc = seen ? static_cast<double>(m[c]) : -std::numeric_limits<double>::infinity();
+        const double mm = std::max(mc, sink2);
+        const double wrow = seen ? std::exp2(mc - mm) : 0.0;  // weight of the keys' part
+        const double total = static_cast<double>(l[c]) * wrow + std::exp2(sink2 - mm);
+        const acc_t inv = static_cast<acc_t>(seen ? wrow / total : 0.0);
+        scalar_t* orow = out + t.b * p.out_batch_stride + (t.s.q0 + i) * p.out_row_stride +
+                         h * p.out_head_stride;
+        const acc_t* src = o + c * Dvp;
+        for (int64_t d = 0; d < p.Dv; ++d) orow[d] = static_cast<scalar_t>(src[d] * inv);
+        lse[t.b * p.lse_batch_stride + h * p.lse_head_stride + t.s.q0 + i] =
+            static_cast<acc_t>((mm + std::log2(total)) * kLn2);
+      }
+    }
+    return;
+  }
   for (int64_t hh = 0; hh < t.nh; ++hh) {
     const int64_t h = t.h0 + hh;
     for (int64_t ii = 0; ii < t.nq; ++ii) {
@@ -376,12 +433,20 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, co
                                                          const at::Tensor& v, bool causal,
                                                          std::optional<double> scale,
                                                          int64_t window_left, int64_t window_right,
-                                                         const std::optional<at::Tensor>& key_padding_mask) {
+                                                         const std::optional<at::Tensor>& key_padding_mask,
+                                                         const std::optional<at::Tensor>& alibi_slopes,
+                                                         const std::optional<at::Tensor>& rel_bias,
+                                                         std::optional<double> softcap,
+                                                         const std::optional<at::Tensor>& sinks,
+                                                         double dropout_p, int64_t dropout_seed,
+                                                         int64_t dropout_offset) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   at::Tensor out = at::empty({s.B, s.Sq, s.H, s.Dv}, q.options());
   at::Tensor lse = at::empty({s.B, s.H, s.Sq}, q.options().dtype(lse_dtype(q.scalar_type())));
   AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
   fill_mask_params(p, s, q, causal, window_left, window_right, key_padding_mask);
+  fill_score_terms(p, {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset},
+                   q, s.B, s.H);
   if (s.B * s.H * s.Sq == 0) return {out, lse};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_forward",
                                   [&] { attention_fwd_kernel<scalar_t>(p); });
@@ -393,7 +458,10 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, co
 std::tuple<at::Tensor, at::Tensor> attention_varlen_forward_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
-    std::optional<double> scale, int64_t window_left, int64_t window_right) {
+    std::optional<double> scale, int64_t window_left, int64_t window_right,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& rel_bias,
+    std::optional<double> softcap, const std::optional<at::Tensor>& sinks, double dropout_p,
+    int64_t dropout_seed, int64_t dropout_offset) {
   const AttentionShape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                max_seqlen_k, scale);
   const int64_t Tq = q.size(0);
@@ -402,6 +470,8 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_forward_cpu(
   AttentionParams p = make_attention_params(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                             out.unsqueeze(0), lse, s, causal, scale);
   make_params_packed(p, s, Tq, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
+  fill_score_terms(p, {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset},
+                   q, s.B, s.H);
   if (Tq * s.H == 0 || s.B == 0) return {out, lse};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(),
                                   "attention_varlen_forward",

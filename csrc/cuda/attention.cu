@@ -50,6 +50,7 @@
 #include <type_traits>
 
 #include "common/attention_checks.h"
+#include "common/score_checks.h"
 #include "cuda/attention_launch.h"
 
 namespace attn_ext {
@@ -93,6 +94,17 @@ void check_cuda_mask_unsupported(int64_t window_left, int64_t window_right,
               "attention on CUDA: key_padding_mask is not supported yet (CPU only)");
   TORCH_CHECK(!dlse.has_value(),
               "attention_backward on CUDA: dlse (the lse gradient) is not supported yet (CPU only)");
+}
+
+// Nor the score terms of issue 15 (alibi_slopes, rel_bias, softcap, sinks, dropout).
+void check_cuda_terms_unsupported(const ScoreArgs& a) {
+  const char* what = a.alibi_slopes.has_value() ? "alibi_slopes"
+                     : a.rel_bias.has_value()   ? "rel_bias"
+                     : a.softcap.has_value()    ? "softcap"
+                     : a.sinks.has_value()      ? "sinks"
+                                                : "dropout_p";
+  TORCH_CHECK(!score_terms_requested(a), "attention on CUDA: ", what,
+              " is not supported yet (CPU only)");
 }
 
 bool aligned16(const at::Tensor& t) {
@@ -181,10 +193,18 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q,
                                                           const at::Tensor& v, bool causal,
                                                           std::optional<double> scale,
                                                           int64_t window_left, int64_t window_right,
-                                                          const std::optional<at::Tensor>& key_padding_mask) {
+                                                          const std::optional<at::Tensor>& key_padding_mask,
+                                                          const std::optional<at::Tensor>& alibi_slopes,
+                                                          const std::optional<at::Tensor>& rel_bias,
+                                                          std::optional<double> softcap,
+                                                          const std::optional<at::Tensor>& sinks,
+                                                          double dropout_p, int64_t dropout_seed,
+                                                          int64_t dropout_offset) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_cuda_head_dims(s);
   check_cuda_mask_unsupported(window_left, window_right, key_padding_mask, std::nullopt);
+  check_cuda_terms_unsupported(
+      {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset});
   at::Tensor out = at::empty({s.B, s.Sq, s.H, s.Dv}, q.options());
   at::Tensor lse = at::empty({s.B, s.H, s.Sq}, q.options().dtype(lse_dtype(q.scalar_type())));
   if (s.B * s.H * s.Sq == 0) return {out, lse};
@@ -219,28 +239,34 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q,
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse_in, bool causal, std::optional<double> scale,
     int64_t window_left, int64_t window_right, const std::optional<at::Tensor>& key_padding_mask,
-    const std::optional<at::Tensor>& dlse) {
+    const std::optional<at::Tensor>& dlse, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& rel_bias, std::optional<double> softcap, double dropout_p,
+    int64_t dropout_seed, int64_t dropout_offset) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_attention_bwd_inputs(dout, out, lse_in, q, s);
   check_cuda_head_dims(s);
   check_cuda_mask_unsupported(window_left, window_right, key_padding_mask, dlse);
+  const std::optional<at::Tensor> no_sinks;
+  check_cuda_terms_unsupported(
+      {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed, dropout_offset});
+  const at::Tensor drel_bias = at::empty({0}, q.options().dtype(lse_dtype(q.scalar_type())));
   at::Tensor dq = at::empty({s.B, s.Sq, s.H, s.D}, q.options());
   at::Tensor dk = at::empty({s.B, s.Sk, s.Hkv, s.D}, q.options());
   at::Tensor dv = at::empty({s.B, s.Sk, s.Hkv, s.Dv}, q.options());
-  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv};
+  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv, drel_bias};
   const c10::cuda::CUDAGuard guard(q.device());
   if (s.Sq == 0 || s.H == 0) {  // no query: no gradient reaches k or v
     dk.zero_();
     dv.zero_();
-    return {dq, dk, dv};
+    return {dq, dk, dv, drel_bias};
   }
   if (s.Sk == 0) {  // no key: every row is empty, dq = 0
     dq.zero_();
-    return {dq, dk, dv};
+    return {dq, dk, dv, drel_bias};
   }
   check_grid_rows(s.B * s.H * s.Sq, "query");
   check_grid_rows(s.B * s.Hkv * s.Sk, "key");
@@ -265,7 +291,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     C10_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(bp, delta.data_ptr(), stream));
   });
   if (fast) dq.copy_(dq_accum);
-  return {dq, dk, dv};
+  return {dq, dk, dv, drel_bias};
 }
 
 }  // namespace
