@@ -162,10 +162,10 @@ def test_rel_bias_grad_partitions_and_determinism(threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        q = randn(1, 400, 2, 16, dtype=torch.float64, requires_grad=True)
-        k = randn(1, 400, 1, 16, dtype=torch.float64, requires_grad=True)
-        v = randn(1, 400, 1, 16, dtype=torch.float64, requires_grad=True)
-        rel = randn(2, 2 * 64 + 1, dtype=torch.float64, requires_grad=True)
+        q = randn(1, 400, 2, 16, dtype=torch.float64).requires_grad_()
+        k = randn(1, 400, 1, 16, dtype=torch.float64).requires_grad_()
+        v = randn(1, 400, 1, 16, dtype=torch.float64).requires_grad_()
+        rel = randn(2, 2 * 64 + 1, dtype=torch.float64).requires_grad_()
         dout = torch.randn(1, 400, 2, 16, dtype=torch.float64)
 
         def grads(fn):
@@ -191,11 +191,11 @@ def test_rel_bias_grad_partitions_and_determinism(threads):
 
 def test_gradcheck():
     B, Sq, Sk, H, Hkv, D = 1, 6, 9, 2, 1, 4
-    q = randn(B, Sq, H, D, dtype=torch.float64, requires_grad=True)
-    k = randn(B, Sk, Hkv, D, dtype=torch.float64, requires_grad=True)
-    v = randn(B, Sk, Hkv, D, dtype=torch.float64, requires_grad=True)
-    rel = randn(H, 2 * 3 + 1, dtype=torch.float64, requires_grad=True)
-    sinks = randn(H, dtype=torch.float64, requires_grad=True)
+    q = randn(B, Sq, H, D, dtype=torch.float64).requires_grad_()
+    k = randn(B, Sk, Hkv, D, dtype=torch.float64).requires_grad_()
+    v = randn(B, Sk, Hkv, D, dtype=torch.float64).requires_grad_()
+    rel = randn(H, 2 * 3 + 1, dtype=torch.float64).requires_grad_()
+    sinks = randn(H, dtype=torch.float64).requires_grad_()
     slopes = torch.tensor([0.25, 0.5])
 
     def f(q, k, v, rel, sinks):
@@ -206,8 +206,8 @@ def test_gradcheck():
     assert torch.autograd.gradcheck(f, (q, k, v, rel, sinks))
 
     cu = torch.tensor([0, 4, 6], dtype=torch.int32)
-    qv = randn(6, H, D, dtype=torch.float64, requires_grad=True)
-    kv = randn(6, Hkv, D, dtype=torch.float64, requires_grad=True)
+    qv = randn(6, H, D, dtype=torch.float64).requires_grad_()
+    kv = randn(6, Hkv, D, dtype=torch.float64).requires_grad_()
 
     def g(q, k, rel, sinks):
         return attn_ext.attention_varlen(q, k, k, cu, cu, 4, 4, causal=True, rel_bias=rel,
@@ -219,13 +219,13 @@ def test_gradcheck():
 def test_opcheck():
     B, Sq, Sk, H, Hkv, D = 2, 7, 11, 2, 1, 8
     q, k, v = randn(B, Sq, H, D), randn(B, Sk, Hkv, D), randn(B, Sk, Hkv, D)
-    rel = randn(H, 9, requires_grad=True)
-    sinks = randn(H, requires_grad=True)
+    rel = randn(H, 9).requires_grad_()
+    sinks = randn(H).requires_grad_()
     slopes = torch.rand(B, H)
     lib = torch.ops.attn_ext
     args = (q, k, v, True, None, -1, -1, None, slopes, rel, 3.0, sinks, 0.2, 123, 7)
     torch.library.opcheck(lib.attention_forward.default, args)
-    out, lse = lib.attention_forward(*args)
+    out, lse = (t.detach() for t in lib.attention_forward(*args))
     torch.library.opcheck(lib.attention_backward.default,
                           (torch.randn_like(out), q, k, v, out, lse, True, None, -1, -1, None,
                            torch.randn_like(lse), slopes, rel.detach(), 3.0, 0.2, 123, 7))
@@ -234,7 +234,7 @@ def test_opcheck():
     qv, kv, vv = q[0], k[0], v[0]
     vargs = (qv, kv, vv, cu, cuk, 4, 6, True, None, -1, -1, slopes, rel, 3.0, sinks, 0.2, 5, 9)
     torch.library.opcheck(lib.attention_varlen_forward.default, vargs)
-    out, lse = lib.attention_varlen_forward(*vargs)
+    out, lse = (t.detach() for t in lib.attention_varlen_forward(*vargs))
     torch.library.opcheck(lib.attention_varlen_backward.default,
                           (torch.randn_like(out), qv, kv, vv, out, lse, cu, cuk, 4, 6, True, None,
                            -1, -1, None, slopes, rel.detach(), 3.0, 0.2, 5, 9))
@@ -243,9 +243,9 @@ def test_opcheck():
 def test_sinks_row_without_keys():
     """A row that sees no key: out 0, lse = its sink logit, gradients through the sink only."""
     H = 3
-    q = randn(2, 8, H, 16, requires_grad=True)
-    k = randn(2, 5, H, 16, requires_grad=True)
-    sinks = randn(H, requires_grad=True)
+    q = randn(2, 8, H, 16).requires_grad_()
+    k = randn(2, 5, H, 16).requires_grad_()
+    sinks = randn(H).requires_grad_()
     kpm = torch.ones(2, 5, dtype=torch.bool)
     kpm[1] = False
     out, lse = attn_ext.attention(q, k, k, causal=True, key_padding_mask=kpm, sinks=sinks,
