@@ -13,6 +13,7 @@ from .ops import sinusoidal_pe, sinusoidal_pe_, sinusoidal_table
 from .ops import rope, rope_, rope_qk, rope_cache, rope_inv_freq
 from .ops import attention, attention_varlen, causal_attention
 from .ops import attention_weights
+from .position_bias import RelativePositionBias, alibi_slopes, t5_bucket
 from .modules import (
     KVCache,
     LearnedPositionalEmbedding,
@@ -36,6 +37,9 @@ __all__ = [
     "rope_cache",
     "rope_inv_freq",
     "attention_weights",
+    "RelativePositionBias",
+    "alibi_slopes",
+    "t5_bucket",
     "KVCache",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",

@@ -7,6 +7,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor, nn
 
+from .position_bias import RelativePositionBias
 from .modules import (
     KVCache,
     LearnedPositionalEmbedding,
@@ -15,7 +16,7 @@ from .modules import (
     TransformerBlock,
 )
 
-POSITIONAL = ("none", "learned", "sinusoidal", "rope")
+POSITIONAL = ("none", "learned", "sinusoidal", "rope", "relative", "alibi")
 
 
 class TinyGPT(nn.Module):
@@ -26,7 +27,10 @@ class TinyGPT(nn.Module):
         max_len: table size of learned positions (and the initial RoPE cache length).
         pos: positional information: "none", "learned" (absolute, cannot extrapolate past
             ``max_len``), "sinusoidal" (added to the embeddings, computed on the fly) or
-            "rope" (rotates q and k in every layer).
+            "rope" (rotates q and k in every layer), "relative" (a learnable bias b_{i-j} per
+            head and layer, :class:`attn_ext.RelativePositionBias` with one entry per distance
+            up to ``rel_max_distance``, default ``max_len``; farther distances share the last)
+            or "alibi" (ALiBi's fixed linear penalty -slope_h * |i - j|).
         causal: False makes it a bidirectional encoder (used by the demo's reversal task).
         num_kv_heads: grouped-query attention.
 
@@ -46,6 +50,7 @@ class TinyGPT(nn.Module):
         d_ff: Optional[int] = None,
         num_kv_heads: Optional[int] = None,
         dropout: float = 0.0,
+        rel_max_distance: Optional[int] = None,
     ):
         super().__init__()
         if pos not in POSITIONAL:
@@ -63,6 +68,10 @@ class TinyGPT(nn.Module):
                     d_model, num_heads, d_ff=d_ff, num_kv_heads=num_kv_heads, causal=causal,
                     dropout=dropout,
                     rotary=RotaryEmbedding(head_dim, max_seq_len=max_len) if pos == "rope" else None,
+                    rel_bias=RelativePositionBias(num_heads, rel_max_distance or max_len,
+                                                  bidirectional=not causal)
+                    if pos == "relative" else None,
+                    alibi=pos == "alibi",
                 )
                 for _ in range(num_layers)
             ]

@@ -20,10 +20,10 @@ import math
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .ops import attention_weights, rope_inv_freq
+from .position_bias import RelativePositionBias, alibi_slopes
 
 __all__ = [
     "KVCache",
@@ -33,6 +33,13 @@ __all__ = [
     "LearnedPositionalEmbedding",
     "TransformerBlock",
 ]
+
+
+def _dropout_seed_offset(device: torch.device) -> Tuple[int, int]:
+    """Seed and offset of one attention-dropout call from torch's generator of ``device``
+    (as ``attn_ext.attention`` draws them; TorchScript-clean)."""
+    r = torch.randint(0, 4611686018427387904, (2,), dtype=torch.int64, device=device)
+    return int(r[0].item()), int(r[1].item())
 
 
 class KVCache:
@@ -159,9 +166,13 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: key/value heads Hkv (divides H; default H; 1 = multi-query).
         causal: bottom-right causal mask (see :func:`attn_ext.attention`).
         bias: biases in the projections.
-        dropout: dropout on the attention probabilities in training. The kernels have no
-            dropout, so a training step with ``dropout > 0`` takes a slower path that forms
-            the probabilities explicitly; 0 (the default) keeps the fused kernel.
+        dropout: dropout on the attention probabilities in training, inside the kernel (keep
+            bits from a counter-based RNG seeded from torch's generator: no ``(S, S)`` buffer;
+            ``torch.manual_seed`` reproduces a step).
+        rel_bias: a :class:`attn_ext.RelativePositionBias` (the learnable ``b_{i-j}``, its
+            gradient computed inside the attention backward), or None.
+        alibi: add ALiBi's ``-slope_h * |i - j|`` (slopes of Press et al. for H heads).
+        softcap: cap the scores at ``softcap * tanh(s / softcap)`` (Gemma 2), or None.
         rotary: None, a rotary dim (int), or a :class:`RotaryEmbedding`.
         qk_dim, v_dim: per-head dims D and Dv (default ``d_model // num_heads``).
         cross_attention: queries from ``x``, keys/values from ``memory`` (separate q and kv
@@ -187,6 +198,9 @@ class MultiHeadAttention(nn.Module):
         v_dim: Optional[int] = None,
         cross_attention: bool = False,
         kv_dim: Optional[int] = None,
+        rel_bias: Optional[RelativePositionBias] = None,
+        alibi: bool = False,
+        softcap: Optional[float] = None,
     ):
         super().__init__()
         hkv = num_kv_heads if num_kv_heads is not None else num_heads
@@ -223,6 +237,14 @@ class MultiHeadAttention(nn.Module):
         if rotary is not None and rotary.rotary_dim > d:
             raise ValueError(f"rotary_dim {rotary.rotary_dim} must be <= head dim {d}")
         self.rotary = rotary
+        if rel_bias is not None and rel_bias.num_heads != num_heads:
+            raise ValueError(f"rel_bias has {rel_bias.num_heads} heads, the layer {num_heads}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
+        self.rel_bias = rel_bias
+        self.softcap: Optional[float] = None if softcap is None else float(softcap)
+        self.register_buffer("alibi_slopes", alibi_slopes(num_heads) if alibi else None,
+                             persistent=False)
 
     @classmethod
     def from_linears(
@@ -306,6 +328,28 @@ class MultiHeadAttention(nn.Module):
         the demo swap it per instance to time the same model on other attention code.)"""
         return torch.ops.attn_ext.attention(q, k, v, self.causal, self.scale)
 
+    def has_score_terms(self) -> bool:
+        return self.rel_bias is not None or self.alibi_slopes is not None or self.softcap is not None
+
+    def _rel_table(self, dtype: torch.dtype) -> Optional[Tensor]:
+        rb = self.rel_bias
+        if rb is None:
+            return None
+        want = torch.float64 if dtype == torch.float64 else torch.float32
+        return rb().to(want).contiguous()
+
+    def _attend_terms(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tuple[Tensor, Tensor]:
+        """attention_forward with the layer's score terms and in-kernel dropout."""
+        seed, offset = (0, 0)
+        if dropout_p > 0.0:
+            seed, offset = _dropout_seed_offset(q.device)
+        slopes = self.alibi_slopes
+        if slopes is not None:
+            slopes = slopes.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        return torch.ops.attn_ext.attention_forward(
+            q, k, v, self.causal, self.scale, -1, -1, None, slopes, self._rel_table(q.dtype),
+            self.softcap, None, dropout_p, seed, offset)
+
     def forward(
         self,
         x: Tensor,
@@ -343,16 +387,14 @@ class MultiHeadAttention(nn.Module):
             k, v = kv_cache.update(k, v)  # (B, past + Sk, Hkv, D) views of the cache
 
         weights: Optional[Tensor] = None
-        if self.training and self.dropout > 0.0:
-            probs = attention_weights(q, k, self.causal, self.scale)  # (B, H, Sq, Sk)
-            probs = F.dropout(probs, self.dropout, True)
-            vv = v.repeat_interleave(H // Hkv, dim=2).transpose(1, 2)  # (B, H, Sk, Dv)
-            out = (probs.to(v.dtype) @ vv).transpose(1, 2).contiguous()
-            if need_weights:
-                weights = probs
-        elif need_weights:
-            out, lse = torch.ops.attn_ext.attention_forward(q, k, v, self.causal, self.scale)
-            weights = attention_weights(q, k, self.causal, self.scale, lse)
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:
+            # (weights are the undropped probabilities)
+            out, lse = self._attend_terms(q, k, v, dropout_p)
+            weights = attention_weights(q, k, self.causal, self.scale, lse, self.alibi_slopes,
+                                        self._rel_table(q.dtype), self.softcap)
+        elif dropout_p > 0.0 or self.has_score_terms():
+            out = self._attend_terms(q, k, v, dropout_p)[0]
         else:
             out = self._attend(q, k, v)
         # out: (B, Sq, H, Dv) contiguous -> (B, Sq, H * Dv) for free
@@ -421,12 +463,16 @@ class TransformerBlock(nn.Module):
         rotary=None,
         norm_first: bool = True,
         bias: bool = True,
+        rel_bias: Optional[RelativePositionBias] = None,
+        alibi: bool = False,
+        softcap: Optional[float] = None,
     ):
         super().__init__()
         d_ff = d_ff or 4 * d_model
         self.norm_first = norm_first
         self.attn = MultiHeadAttention(d_model, num_heads, num_kv_heads, causal=causal, bias=bias,
-                                       dropout=dropout, rotary=rotary)
+                                       dropout=dropout, rotary=rotary, rel_bias=rel_bias,
+                                       alibi=alibi, softcap=softcap)
         self.ln1 = nn.LayerNorm(d_model)
         self.ln2 = nn.LayerNorm(d_model)
         self.ff = nn.Sequential(nn.Linear(d_model, d_ff, bias=bias), nn.GELU(),

@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from .reference import add_score_terms, score_distance
+
 _lib = torch.ops.attn_ext
 
 # ---------------------------------------------------------------------------------------
@@ -784,8 +786,12 @@ def attention_weights(
     causal: bool = False,
     scale: Optional[float] = None,
     lse: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    rel_bias: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """The ``(B, H, Sq, Sk)`` attention probabilities ``exp(scale * q k^T - lse)`` in float32.
+    """The ``(B, H, Sq, Sk)`` attention probabilities ``exp(scale * q k^T - lse)`` in float32
+    (with the score terms of :func:`attention` when given: softcap, ALiBi, rel_bias).
 
     For attention maps and plots, not for the fast path: it forms the full score matrix. Pass
     the ``lse`` returned by ``attention(..., return_lse=True)`` to reuse the forward's
@@ -800,6 +806,11 @@ def attention_weights(
     qf = q.transpose(1, 2).to(torch.float32 if q.dtype != torch.float64 else q.dtype)
     kf = k.transpose(1, 2).to(qf.dtype)
     scores = torch.matmul(qf, kf.transpose(-2, -1)) * s  # (B, H, Sq, Sk)
+    if softcap is not None or alibi_slopes is not None or rel_bias is not None:
+        d = score_distance(Sq, Sk, q.device)
+        scores = add_score_terms(
+            scores, d, softcap, None if alibi_slopes is None else alibi_slopes.to(scores.dtype),
+            None if rel_bias is None else rel_bias.to(scores.dtype))
     if causal:
         keep = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(Sk - Sq)
         scores = scores.masked_fill(~keep, float("-inf"))

@@ -424,7 +424,7 @@ def dropout_keep_mask(seed: int, offset: int, batch: int, heads: int, rows, keys
 # ---------------------------------------------------------------------------------------
 
 
-def score_distance(sq: int, sk: int, device=None) -> torch.Tensor:
+def score_distance(sq: int, sk: int, device: Optional[torch.device] = None) -> torch.Tensor:
     """``d[i, j] = i + (sk - sq) - j``: the textbook's ``i - j``, bottom-right aligned."""
     i = torch.arange(sq, device=device)[:, None]
     j = torch.arange(sk, device=device)[None, :]
