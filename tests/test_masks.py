@@ -428,3 +428,73 @@ def test_bad_dlse():
         torch.ops.attn_ext.attention_backward(out, q, q, q, out, lse, True, None, -1, -1, None, lse[0])
     with pytest.raises(RuntimeError, match="dlse must have lse's dtype"):
         torch.ops.attn_ext.attention_backward(out, q, q, q, out, lse, True, None, -1, -1, None, lse.double())
+
+
+# ---- modules ----------------------------------------------------------------------------
+
+
+def _mha_reference(layer, x, key_padding_mask, window):
+    B, S, _ = x.shape
+    H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    qkv = layer.qkv(x)
+    q = qkv[..., : H * D].view(B, S, H, D)
+    k = qkv[..., H * D : (H + Hkv) * D].view(B, S, Hkv, D)
+    v = qkv[..., (H + Hkv) * D :].view(B, S, Hkv, D)
+    out = reference.attention(q, k, v, layer.causal, layer.scale, window, key_padding_mask)
+    return layer.out_proj(out.reshape(B, S, H * D))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mha_key_padding_and_window(causal):
+    layer = attn_ext.MultiHeadAttention(32, 4, 2, causal=causal, window=(5, 0 if causal else 2)).double()
+    x = randn(3, 20, 32, dtype=torch.float64)
+    kpm = random_padding(3, 20, "random")
+    out, _ = layer(x, key_padding_mask=kpm)
+    assert max_err(out, _mha_reference(layer, x, kpm, layer_window(layer))) < 1e-12
+    scripted = torch.jit.script(layer)
+    assert max_err(scripted(x, None, None, False, kpm)[0], out) < 1e-12
+    with pytest.raises(ValueError, match="need_weights"):
+        layer(x, key_padding_mask=kpm, need_weights=True)
+
+
+def layer_window(layer):
+    return (layer.window_left, layer.window_right)
+
+
+@pytest.mark.parametrize("pos", ["rope", "learned", "sinusoidal"])
+def test_generate_left_padded_batch_equals_each_row_alone(pos):
+    from attn_ext.models import TinyGPT
+
+    model = TinyGPT(50, d_model=32, num_heads=4, num_layers=2, max_len=64, pos=pos,
+                    num_kv_heads=2).double().eval()
+    prompts = [torch.randint(0, 50, (n,)) for n in (3, 9, 1, 6)]
+    S = max(len(p) for p in prompts)
+    idx = torch.zeros(len(prompts), S, dtype=torch.long)
+    mask = torch.zeros(len(prompts), S, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        idx[b, S - len(p):] = p
+        mask[b, S - len(p):] = 1
+    out = model.generate(idx, 8, attention_mask=mask)
+    for b, p in enumerate(prompts):
+        alone = model.generate(p[None], 8)[0, len(p):]
+        assert torch.equal(out[b, S:], alone), f"row {b}"
+    # the same batch without a cache: the real tokens' logits are each row's own
+    logits = model(idx, attention_mask=mask)
+    for b, p in enumerate(prompts):
+        assert max_err(logits[b, S - len(p):], model(p[None])[0]) < 1e-10
+    with pytest.raises(ValueError, match="left-padded"):
+        model.generate(idx, 2, attention_mask=mask.flip(1))
+
+
+def test_kv_cache_per_row_lengths():
+    layer = attn_ext.MultiHeadAttention(16, 2)
+    cache = layer.new_kv_cache(3, 10)
+    cache.set_left_padding(torch.tensor([2, 0, 4]))
+    cache.update(randn(3, 5, 2, 8), randn(3, 5, 2, 8))
+    assert cache.lengths().tolist() == [3, 5, 1]
+    assert cache.key_padding_mask()[2].tolist() == [False] * 4 + [True]
+    assert cache.positions(2).tolist() == [[3, 4], [5, 6], [1, 2]]
+    with pytest.raises(RuntimeError, match="before the first update"):
+        cache.set_left_padding(torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"start must have shape \(B,\) = \(3,\)"):
+        layer.new_kv_cache(3, 10).set_left_padding(torch.zeros(2, dtype=torch.long))
