@@ -19,6 +19,19 @@ from .modules import (
 POSITIONAL = ("none", "learned", "sinusoidal", "rope", "relative", "alibi")
 
 
+def left_padding(attention_mask: Tensor) -> Tensor:
+    """``(B,)`` number of leading padding tokens of each row of a left-padded
+    ``attention_mask (B, S)`` (1 = real token); raises unless every row is 0...0 1...1."""
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must have shape (B, S), got {list(attention_mask.shape)}")
+    m = attention_mask.to(torch.bool)
+    start = m.size(1) - m.sum(1)
+    slots = torch.arange(m.size(1), device=m.device)
+    if not torch.equal(m, slots[None, :] >= start[:, None]):
+        raise ValueError("attention_mask must be left-padded: each row 0...0 1...1")
+    return start
+
+
 class TinyGPT(nn.Module):
     """A tiny decoder-only Transformer (pre-LN blocks, tied-free LM head).
 
@@ -34,8 +47,12 @@ class TinyGPT(nn.Module):
         causal: False makes it a bidirectional encoder (used by the demo's reversal task).
         num_kv_heads: grouped-query attention.
 
-    ``forward(idx (B, S) int64, caches=None) -> logits (B, S, vocab)``; with ``caches`` (from
-    :meth:`new_caches`) the tokens continue the cached sequence (incremental decoding).
+    ``forward(idx (B, S) int64, caches=None, attention_mask=None) -> logits (B, S, vocab)``;
+    with ``caches`` (from :meth:`new_caches`) the tokens continue the cached sequence
+    (incremental decoding). ``attention_mask (B, S)`` (1 = real token, 0 = padding, the
+    Hugging Face convention) describes a left-padded batch: padding keys are masked out and
+    positions count from each row's first real token. :meth:`generate` takes the same mask
+    and gives every row the tokens it gives alone.
     """
 
     def __init__(
@@ -82,23 +99,46 @@ class TinyGPT(nn.Module):
     def new_caches(self, batch: int, max_len: int) -> List[KVCache]:
         return [blk.attn.new_kv_cache(batch, max_len) for blk in self.blocks]
 
-    def forward(self, idx: Tensor, caches: Optional[List[KVCache]] = None) -> Tensor:
+    def forward(self, idx: Tensor, caches: Optional[List[KVCache]] = None,
+                attention_mask: Optional[Tensor] = None) -> Tensor:
         offset = 0 if caches is None else caches[0].length
+        positions: Optional[Tensor] = None
+        key_padding_mask: Optional[Tensor] = None
+        if caches is not None:
+            if attention_mask is not None:
+                if offset != 0:
+                    raise ValueError("attention_mask is only for the first (prefill) call with caches")
+                start = left_padding(attention_mask)
+                for c in caches:
+                    c.set_left_padding(start)
+            positions = caches[0].positions(idx.size(1))  # the blocks read the caches' masks
+        elif attention_mask is not None:
+            start = left_padding(attention_mask)
+            slots = torch.arange(idx.size(1), device=idx.device)
+            positions = (slots[None, :] - start[:, None]).clamp(min=0)
+            key_padding_mask = attention_mask.to(torch.bool)
         x = self.tok(idx)
         if self.learned is not None:
-            x = self.learned(x, offset)
+            x = self.learned(x, offset, positions)
         if self.sinusoidal is not None:
-            x = self.sinusoidal(x, offset)
+            x = self.sinusoidal(x, offset, positions)
         for i, blk in enumerate(self.blocks):
-            x = blk(x, None if caches is None else caches[i])
+            if caches is None:
+                x = blk(x, None, key_padding_mask)
+            else:
+                x = blk(x, caches[i])
         return self.head(self.ln_f(x))
 
     @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int) -> Tensor:
-        """Greedy decoding with a KV cache: one forward over the prompt, then one token per step."""
+    def generate(self, idx: Tensor, max_new_tokens: int,
+                 attention_mask: Optional[Tensor] = None) -> Tensor:
+        """Greedy decoding with a KV cache: one forward over the prompt, then one token per step.
+
+        ``attention_mask (B, S)``: a left-padded batch of prompts (1 = real token); each row
+        continues as it would alone."""
         B, S = idx.shape
         caches = self.new_caches(B, S + max_new_tokens)
-        logits = self(idx, caches)
+        logits = self(idx, caches, attention_mask)
         out = [idx]
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(max_new_tokens):

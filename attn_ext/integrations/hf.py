@@ -15,15 +15,22 @@ attention is done by the kernel itself (no ``repeat_kv``), and the output is ret
 
 What runs on attn_ext's kernel and what does not:
 
-- Causal (or bidirectional) attention without padding — prefill, and cached decoding with
-  ``DynamicCache`` — runs on the kernel. For those cases transformers' mask builder (the
-  same one ``"sdpa"`` uses) passes ``attention_mask=None``.
-- Any explicit attention mask (padding in a batch, chunked prefill on a filled cache,
-  sliding windows once the window is exceeded, custom 4-D masks, and every mask built under
-  ``torch.export``) falls back to transformers' own SDPA implementation, with a one-time
-  warning. Results stay correct; only the kernel differs.
+- Causal (or bidirectional) attention, prefill and cached decoding with ``DynamicCache``.
+- Padded batches: the mask builder registered under ``"attn_ext"`` (:func:`attn_ext_mask`)
+  hands the attention function the 2-D ``(B, Sk)`` padding mask, which reaches the kernel as
+  ``key_padding_mask`` (left padding for generation, right padding for training).
+- Sliding windows (Mistral-style ``config.sliding_window = W``): ``window=(W - 1, 0)``.
+- Packed training (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``: the
+  ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments) runs
+  :func:`attn_ext.attention_varlen`.
+- A mask that is none of these (a custom 4-D mask, packing given only through
+  ``position_ids``, a static cache's unfilled slots under a window) is detected by comparing
+  transformers' own mask with the pattern the kernel would apply; it falls back to
+  transformers' SDPA with a one-time warning. Results stay correct; only the kernel differs.
+  (The comparison forms transformers' boolean ``(B, 1, Sq, Sk)`` mask once per forward, as
+  ``"sdpa"`` does, whenever there is padding.)
 - ``dropout > 0`` (training with attention dropout), ``softcap`` and attention sinks
-  (``s_aux``) raise ``ValueError``: the kernel has none of them.
+  (``s_aux``) raise ``ValueError``: the kernel has none of them yet.
 - ``output_attentions=True`` returns ``None`` weights, as with ``"sdpa"``.
 """
 
@@ -38,9 +45,9 @@ import attn_ext  # noqa: F401  (registers torch.ops.attn_ext.*)
 
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
-__all__ = ["NAME", "attention_forward", "register"]
+__all__ = ["NAME", "attention_forward", "attn_ext_mask", "register"]
 
 NAME = "attn_ext"
 
@@ -79,14 +86,29 @@ def attention_forward(
     if kwargs.get("s_aux") is not None:
         raise ValueError("attn_implementation='attn_ext' does not support attention sinks (s_aux)")
 
-    if attention_mask is not None:
+    causal_default = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    sliding = kwargs.get("sliding_window")
+    window = (int(sliding) - 1, 0) if sliding is not None and causal_default else None
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None and query.shape[0] == 1:
+        # packed batch (DataCollatorWithFlattening): query (1, H, T, D), one row per token
+        out = attn_ext.attention_varlen(
+            _bshd(query)[0], _bshd(key)[0], _bshd(value)[0], cu_q.to(torch.int32),
+            cu_k.to(torch.int32), int(kwargs.get("max_length_q")), int(kwargs.get("max_length_k")),
+            causal=causal_default, scale=scaling, window=window,
+        )
+        return out[None], None
+
+    if attention_mask is not None and attention_mask.dim() != 2:
         global _warned_fallback
         if not _warned_fallback:
             _warned_fallback = True
             warnings.warn(
-                "attn_ext: an explicit attention mask (padding, chunked prefill, sliding window "
-                "or a custom mask) was given; these calls fall back to transformers' SDPA "
-                "attention. Only mask-free causal/bidirectional attention runs on attn_ext.",
+                "attn_ext: an attention mask the kernel cannot express (a custom 4-D mask, "
+                "packing through position_ids only, ...) was given; these calls fall back to "
+                "transformers' SDPA attention. Padding, packing (cu_seq_lens) and sliding "
+                "windows run on attn_ext.",
                 stacklevel=2,
             )
         return sdpa_attention_forward(
@@ -94,19 +116,71 @@ def attention_forward(
             dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs,
         )
 
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
     q_len, kv_len = query.shape[2], key.shape[2]
-    if is_causal and q_len > 1 and kv_len > q_len:
+    key_padding_mask = None
+    if attention_mask is not None:  # (B, n) padding mask from attn_ext_mask, n <= kv_len
+        key_padding_mask = attention_mask.to(torch.bool)
+        n = key_padding_mask.shape[1]
+        key, value = key[:, :, :n], value[:, :, :n]  # a static cache's unfilled slots
+    elif causal_default and q_len > 1 and kv_len > q_len:
         # transformers only omits the mask here for the prefill of an empty static cache,
         # whose keys past q_len are unfilled slots: its is_causal is top-left aligned, ours
         # bottom-right, so keep just the filled keys (then the two agree).
         key = key[:, :, :q_len]
         value = value[:, :, :q_len]
     # A single query row sees every key under our bottom-right causal mask anyway.
-    causal = bool(is_causal) and q_len > 1
-    out = torch.ops.attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal, scaling)
+    causal = causal_default and q_len > 1
+    if key_padding_mask is None and window is None:
+        out = torch.ops.attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal, scaling)
+    else:
+        out = attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal=causal_default,
+                                 scale=scaling, window=window, key_padding_mask=key_padding_mask)
     return out, None  # out: (B, Sq, H, Dv) contiguous
+
+
+def attn_ext_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: Optional[torch.Tensor] = None,
+    local_size: Optional[int] = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs,
+):
+    """transformers mask builder for ``"attn_ext"``: None when no mask is needed, the 2-D
+    ``(B, n)`` key padding mask when transformers' mask is exactly that padding on top of
+    the causal (or bidirectional) pattern and the sliding window ``local_size`` that the
+    attention function applies (bottom-right aligned), and transformers' full 4-D SDPA mask
+    otherwise (-> the attention function falls back to SDPA)."""
+    full = sdpa_mask(
+        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+        local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs,
+    )
+    if full is None or (attention_mask is not None and attention_mask.dim() != 2):
+        return full
+    # key j of the kernel is absolute position kv_offset + j; keys past the 2-D mask are
+    # unfilled cache slots, cut off by the attention function
+    if attention_mask is None:  # e.g. a sliding window longer than the prompt, no padding
+        pad = torch.ones(batch_size, kv_length, dtype=torch.bool, device=full.device)
+    else:
+        pad = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
+    n = pad.shape[1]
+    if n < q_length or not torch.equal(full[..., n:], torch.zeros_like(full[..., n:])):
+        return full
+    q_pos = torch.arange(q_length, device=pad.device)[:, None] + q_offset
+    k_pos = torch.arange(n, device=pad.device)[None, :] + kv_offset
+    if q_offset - kv_offset != n - q_length:  # the kernel aligns bottom-right
+        return full
+    band = k_pos <= q_pos
+    if local_size is not None:
+        band = band & (q_pos - k_pos < local_size)
+    for pattern in (band, torch.ones_like(band)):  # causal (with window), bidirectional
+        if torch.equal(full[..., :n], pattern[None, None] & pad[:, None, None, :]):
+            return pad if attention_mask is not None else None
+    return full
 
 
 def register(name: str = NAME) -> None:
@@ -115,9 +189,9 @@ def register(name: str = NAME) -> None:
     Done once with ``"attn_ext"`` when this module is imported."""
     AttentionInterface.register(name, attention_forward)
     # Without a mask builder registered under the same name transformers would pass no mask
-    # at all (and silently ignore padding); the SDPA builder gives None exactly when the
-    # pattern is plain causal, and a real mask (-> fallback above) otherwise.
-    AttentionMaskInterface.register(name, sdpa_mask)
+    # at all (and silently ignore padding); ours gives None for plain causal, the 2-D
+    # padding mask when that is all there is, and the full mask (-> SDPA fallback) otherwise.
+    AttentionMaskInterface.register(name, attn_ext_mask)
 
 
 register()

@@ -50,7 +50,7 @@
 #include <type_traits>
 
 #include "common/attention_checks.h"
-#include "common/score_checks.h"
+#include "common/attention_mask_checks.h"
 #include "cuda/attention_launch.h"
 
 namespace attn_ext {
@@ -82,21 +82,7 @@ void check_grid_rows(int64_t rows, const char* what) {
               ") for one launch");
 }
 
-// The CUDA kernels do not take the masks of issue 14 yet (window, key padding, packed
-// sequences) nor the lse gradient: refuse them clearly instead of ignoring them.
-void check_cuda_mask_unsupported(int64_t window_left, int64_t window_right,
-                                 const std::optional<at::Tensor>& key_padding_mask,
-                                 const std::optional<at::Tensor>& dlse) {
-  TORCH_CHECK(window_left == -1 && window_right == -1,
-              "attention on CUDA: window is not supported yet (CPU only), got (", window_left,
-              ", ", window_right, ")");
-  TORCH_CHECK(!key_padding_mask.has_value(),
-              "attention on CUDA: key_padding_mask is not supported yet (CPU only)");
-  TORCH_CHECK(!dlse.has_value(),
-              "attention_backward on CUDA: dlse (the lse gradient) is not supported yet (CPU only)");
-}
-
-// Nor the score terms of issue 15 (alibi_slopes, rel_bias, softcap, sinks, dropout).
+// The CUDA kernels do not take the score terms of issue 15 yet (alibi_slopes, rel_bias, softcap, sinks, dropout).
 void check_cuda_terms_unsupported(const ScoreArgs& a) {
   const char* what = a.alibi_slopes.has_value() ? "alibi_slopes"
                      : a.rel_bias.has_value()   ? "rel_bias"
@@ -202,7 +188,6 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q,
                                                           int64_t dropout_offset) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_cuda_head_dims(s);
-  check_cuda_mask_unsupported(window_left, window_right, key_padding_mask, std::nullopt);
   check_cuda_terms_unsupported(
       {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset});
   at::Tensor out = at::empty({s.B, s.Sq, s.H, s.Dv}, q.options());
@@ -211,7 +196,10 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q,
   check_grid_rows(s.B * s.H * s.Sq, "query");
   const c10::cuda::CUDAGuard guard(q.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  const AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
+  AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
+  fill_mask_params(p, s, q, causal, window_left, window_right, key_padding_mask);
+  // the fast kernel knows causal only; windows and padding run on the simple kernels
+  const bool masked = window_left != -1 || window_right != -1 || key_padding_mask.has_value();
   const SplitPlan split = plan_split(p, q.device().index());
   if (split.n_split > 1) {
     const int64_t items = s.B * s.H * s.Sq * split.n_split;
@@ -225,7 +213,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q,
     });
     return {out, lse};
   }
-  const bool fast = use_fast_forward(q, k, v, p);
+  const bool fast = !masked && use_fast_forward(q, k, v, p);
   dispatch_cuda_type(q.scalar_type(), "attention_forward", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
@@ -249,7 +237,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_attention_bwd_inputs(dout, out, lse_in, q, s);
   check_cuda_head_dims(s);
-  check_cuda_mask_unsupported(window_left, window_right, key_padding_mask, dlse);
+  if (dlse.has_value()) check_dlse(*dlse, lse_in);
   const std::optional<at::Tensor> no_sinks;
   check_cuda_terms_unsupported(
       {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed, dropout_offset});
@@ -276,7 +264,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   at::Tensor delta = at::empty({s.B, s.H, s.Sq}, lse.options());
   AttentionBwdParams bp =
       make_attention_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, s, causal, scale);
-  const bool fast = use_fast_backward(dout, q, k, v, bp.fwd);
+  fill_mask_params(bp.fwd, s, q, causal, window_left, window_right, key_padding_mask);
+  const at::Tensor dlse_c = dlse.has_value() ? dlse->contiguous() : at::Tensor();
+  if (dlse_c.defined()) bp.dlse = dlse_c.data_ptr();
+  // the fast backward knows causal only, without dlse: the rest runs on the simple kernels
+  const bool masked = window_left != -1 || window_right != -1 || key_padding_mask.has_value() ||
+                      dlse.has_value();
+  const bool fast = !masked && use_fast_backward(dout, q, k, v, bp.fwd);
   at::Tensor dq_accum;
   if (fast) dq_accum = at::zeros({s.B, s.Sq, s.H, s.D}, lse.options());  // fp32 atomics target
   dispatch_cuda_type(q.scalar_type(), "attention_backward", [&](auto tag) {
@@ -294,11 +288,92 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   return {dq, dk, dv, drel_bias};
 }
 
+// Packed sequences on the simple kernels (cu_seqlens are read on the device only: their
+// values are not checked here, which would need a host sync; the kernels read rows
+// [cu[b], cu[b + 1]) as given, so the caller must pass valid cu_seqlens and max_seqlen).
+std::tuple<at::Tensor, at::Tensor> attention_varlen_forward_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    std::optional<double> scale, int64_t window_left, int64_t window_right,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& rel_bias,
+    std::optional<double> softcap, const std::optional<at::Tensor>& sinks, double dropout_p,
+    int64_t dropout_seed, int64_t dropout_offset) {
+  const AttentionShape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                               max_seqlen_k, scale);
+  check_cuda_head_dims(s);
+  check_cuda_terms_unsupported(
+      {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset});
+  const int64_t Tq = q.size(0);
+  at::Tensor out = at::empty({Tq, s.H, s.Dv}, q.options());
+  at::Tensor lse = at::empty({s.H, Tq}, q.options().dtype(lse_dtype(q.scalar_type())));
+  if (Tq * s.H == 0 || s.B == 0) return {out, lse};
+  check_grid_rows(s.B * s.H * s.Sq, "query");
+  const c10::cuda::CUDAGuard guard(q.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  AttentionParams p = make_attention_params(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                            out.unsqueeze(0), lse, s, causal, scale);
+  make_params_packed(p, s, Tq, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
+  dispatch_cuda_type(q.scalar_type(), "attention_varlen_forward", [&](auto tag) {
+    using T = decltype(tag);
+    C10_CUDA_CHECK(cuda::simple::launch_simple_fwd<T>(p, stream));
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    std::optional<double> scale, int64_t window_left, int64_t window_right,
+    const std::optional<at::Tensor>& dlse, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& rel_bias, std::optional<double> softcap, double dropout_p,
+    int64_t dropout_seed, int64_t dropout_offset) {
+  const AttentionShape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                               max_seqlen_k, scale);
+  check_cuda_head_dims(s);
+  const std::optional<at::Tensor> no_sinks;
+  check_cuda_terms_unsupported(
+      {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed, dropout_offset});
+  const at::Tensor drel_bias = at::empty({0}, q.options().dtype(lse_dtype(q.scalar_type())));
+  const int64_t Tq = q.size(0), Tk = k.size(0);
+  check_dim(dout, "dout", 3, "(Tq, H, Dv)");
+  check_dim(out, "out", 3, "(Tq, H, Dv)");
+  check_dim(lse_in, "lse", 2, "(H, Tq)");
+  const AttentionShape s1{1, Tq, Tk, s.H, s.Hkv, s.D, s.Dv};
+  check_attention_bwd_inputs(dout.unsqueeze(0), out.unsqueeze(0), lse_in.unsqueeze(0), q, s1);
+  if (dlse.has_value()) check_dlse(*dlse, lse_in);
+  at::Tensor dq = at::zeros({Tq, s.H, s.D}, q.options());
+  at::Tensor dk = at::zeros({Tk, s.Hkv, s.D}, q.options());
+  at::Tensor dv = at::zeros({Tk, s.Hkv, s.Dv}, q.options());
+  if (Tq == 0 || s.H == 0 || Tk == 0 || s.B == 0) return {dq, dk, dv, drel_bias};
+  check_grid_rows(s.B * s.H * s.Sq, "query");
+  check_grid_rows(s.B * s.Hkv * s.Sk, "key");
+  const c10::cuda::CUDAGuard guard(q.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  const at::Tensor lse = lse_in.contiguous();
+  at::Tensor delta = at::empty({s.B, s.H, s.Sq}, lse.options());
+  AttentionBwdParams bp = make_attention_bwd_params(
+      dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse,
+      dq, dk, dv, s, causal, scale);
+  make_params_packed(bp.fwd, s, Tq, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
+  bp.dout_batch_stride = bp.o_batch_stride = 0;
+  bp.dq_batch_stride = bp.dk_batch_stride = bp.dv_batch_stride = 0;
+  const at::Tensor dlse_c = dlse.has_value() ? dlse->contiguous() : at::Tensor();
+  if (dlse_c.defined()) bp.dlse = dlse_c.data_ptr();
+  dispatch_cuda_type(q.scalar_type(), "attention_varlen_backward", [&](auto tag) {
+    using T = decltype(tag);
+    C10_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(bp, delta.data_ptr(), stream));
+  });
+  return {dq, dk, dv, drel_bias};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
   m.impl("attention_forward", &attention_forward_cuda);
   m.impl("attention_backward", &attention_backward_cuda);
+  m.impl("attention_varlen_forward", &attention_varlen_forward_cuda);
+  m.impl("attention_varlen_backward", &attention_varlen_backward_cuda);
 }
 
 }  // namespace attn_ext
