@@ -7,6 +7,8 @@ import warnings
 import pytest
 import torch
 
+import attn_ext
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
@@ -224,8 +226,14 @@ def test_inputs_are_passed_as_views_and_gqa_is_native(monkeypatch):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
 
 
-def test_dropout_is_refused():
+def test_dropout_runs_in_the_kernel():
+    """Attention dropout (training) runs on the kernel's dropout (issue 15): the same keep bits
+    as attn_ext.attention(dropout_p=) drawn from the same generator state."""
     q = torch.randn(1, 4, 3, 16).transpose(1, 2).transpose(1, 2)
     module = torch.nn.Module()
-    with pytest.raises(ValueError, match="dropout=0 only"):
-        attn_ext_hf.attention_forward(module, q, q, q, None, dropout=0.1)
+    torch.manual_seed(7)
+    out, _ = attn_ext_hf.attention_forward(module, q, q, q, None, dropout=0.1)
+    torch.manual_seed(7)
+    want = attn_ext.attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2),
+                              causal=True, dropout_p=0.1)
+    assert torch.equal(out, want)

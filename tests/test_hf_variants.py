@@ -61,3 +61,42 @@ def test_logits_match_eager_on_the_kernel(make_cfg, monkeypatch):
         got = ours(idx).logits
         want = ref(idx).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _t5_cfg():
+    return transformers.T5Config(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
+        dropout_rate=0.0,
+    )
+
+
+def test_t5_relative_bias_on_the_kernel(monkeypatch):
+    """T5 hands the hook its dense (1, H, Sq, Sk) position_bias; the hook passes its diagonals
+    to the kernel as rel_bias (no fallback, no eager formula): logits and the gradient of the
+    bucket embedding equal "eager"'s. (A padded T5 batch arrives with a 4-D boolean mask and
+    takes the eager formula inside the hook: correct, not on the kernel.)"""
+    cfg = _t5_cfg()
+
+    def build(impl):
+        torch.manual_seed(0)
+        return transformers.T5ForConditionalGeneration._from_config(cfg, attn_implementation=impl)
+
+    ours, ref = build("attn_ext"), build("eager")
+    _no_fallback(monkeypatch)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("attn_ext used the eager formula for T5's position_bias")
+    monkeypatch.setattr(attn_ext_hf, "_eager", refuse)
+    x = torch.randint(0, 100, (2, 13))
+    y = torch.randint(0, 100, (2, 9))
+    grads = []
+    for model in (ours, ref):
+        model.train()
+        out = model(input_ids=x, decoder_input_ids=y)
+        out.logits.square().mean().backward()
+        emb = model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+        dec = model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+        grads.append((out.logits.detach(), emb.grad.clone(), dec.grad.clone()))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -29,8 +29,15 @@ What runs on attn_ext's kernel and what does not:
   transformers' SDPA with a one-time warning. Results stay correct; only the kernel differs.
   (The comparison forms transformers' boolean ``(B, 1, Sq, Sk)`` mask once per forward, as
   ``"sdpa"`` does, whenever there is padding.)
-- ``dropout > 0`` (training with attention dropout), ``softcap`` and attention sinks
-  (``s_aux``) raise ``ValueError``: the kernel has none of them yet.
+- ``softcap`` (Gemma 2's ``attn_logit_softcapping``), attention sinks (GPT-OSS's ``s_aux``)
+  and attention dropout in training run on the kernel (its score terms, DESIGN.md).
+- T5's relative position bias: T5Attention computes a dense ``(1, H, Sq, Sk)``
+  ``position_bias`` (its bucketed b_{i-j} gathered per (i, j)) before calling the attention
+  function and passes it as a keyword. The hook reads its diagonals back into the kernel's
+  ``rel_bias (H, 2M + 1)`` table (a differentiable gather, so the gradient still reaches
+  T5's bucket embedding), checks that the dense tensor is exactly that table expanded (a
+  function of i - j alone), and otherwise falls back to the eager formula. The dense
+  tensor itself is T5's own (transformers builds it before the hook is called).
 - ``output_attentions=True`` returns ``None`` weights, as with ``"sdpa"``.
 """
 
@@ -60,6 +67,27 @@ def _bshd(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.size(-1) <= 1 else x.contiguous()
 
 
+def _rel_bias_table(position_bias: torch.Tensor, q_len: int, kv_len: int):
+    """The ``(H, 2M + 1)`` table (M = max(q_len, kv_len) - 1) whose entry ``M + d`` is
+    ``position_bias[0, h, i, j]`` at ``d = i + (kv_len - q_len) - j``, or None when the dense
+    ``(1, H, q_len, kv_len)`` bias is not such a table expanded."""
+    if position_bias.dim() != 4 or position_bias.shape[0] != 1 or tuple(position_bias.shape[2:]) != (q_len, kv_len):
+        return None
+    dev = position_bias.device
+    off = kv_len - q_len
+    M = max(q_len, kv_len, 1) - 1
+    d = torch.arange(-M, M + 1, device=dev)
+    # a representative (i, j) of each distance d: i - j = d - off
+    i = (d - off).clamp(min=0).clamp(max=q_len - 1)
+    j = (i + off - d).clamp(min=0, max=kv_len - 1)
+    table = position_bias[0][:, i, j]  # (H, 2M + 1)
+    ii = torch.arange(q_len, device=dev)[:, None]
+    jj = torch.arange(kv_len, device=dev)[None, :]
+    if not torch.equal(table.detach()[:, M + ii + off - jj], position_bias.detach()[0]):
+        return None
+    return table
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -76,15 +104,17 @@ def attention_forward(
     ``query (B, H, Sq, D)``, ``key (B, Hkv, Sk, D)``, ``value (B, Hkv, Sk, Dv)`` ->
     ``(out (B, Sq, H, Dv), None)``. See the module docstring for what falls back.
     """
-    if dropout != 0.0:
-        raise ValueError(
-            f"attn_implementation='attn_ext' supports dropout=0 only, got dropout={dropout} "
-            "(set config.attention_dropout=0, or call model.eval())"
-        )
-    if kwargs.get("softcap") is not None:
-        raise ValueError("attn_implementation='attn_ext' does not support softcap")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("attn_implementation='attn_ext' does not support attention sinks (s_aux)")
+    # score terms: Gemma 2's softcap, GPT-OSS's sinks (s_aux, (H,)), attention dropout
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    terms = dict(softcap=softcap, sinks=sinks, dropout_p=float(dropout))
+    position_bias = kwargs.get("position_bias")  # T5: dense (1, H, Sq, Sk)
+    if position_bias is not None and (
+        (attention_mask is not None and attention_mask.dim() != 2)
+        or kwargs.get("cu_seq_lens_q") is not None
+    ):
+        return _eager(module, query, key, value, attention_mask, dropout, scaling, position_bias)
+    plain = softcap is None and sinks is None and dropout == 0.0 and position_bias is None
 
     causal_default = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     sliding = kwargs.get("sliding_window")
@@ -96,7 +126,7 @@ def attention_forward(
         out = attn_ext.attention_varlen(
             _bshd(query)[0], _bshd(key)[0], _bshd(value)[0], cu_q.to(torch.int32),
             cu_k.to(torch.int32), int(kwargs.get("max_length_q")), int(kwargs.get("max_length_k")),
-            causal=causal_default, scale=scaling, window=window,
+            causal=causal_default, scale=scaling, window=window, **terms,
         )
         return out[None], None
 
@@ -128,14 +158,42 @@ def attention_forward(
         # bottom-right, so keep just the filled keys (then the two agree).
         key = key[:, :, :q_len]
         value = value[:, :, :q_len]
+    if position_bias is not None:
+        table = _rel_bias_table(position_bias[..., : key.shape[2]], q_len, key.shape[2])
+        if table is None:
+            return _eager(module, query, key, value, attention_mask, dropout, scaling, position_bias)
+        terms["rel_bias"] = table
     # A single query row sees every key under our bottom-right causal mask anyway.
     causal = causal_default and q_len > 1
-    if key_padding_mask is None and window is None:
+    if key_padding_mask is None and window is None and plain:
         out = torch.ops.attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal, scaling)
     else:
         out = attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal=causal_default,
-                                 scale=scaling, window=window, key_padding_mask=key_padding_mask)
+                                 scale=scaling, window=window, key_padding_mask=key_padding_mask,
+                                 **terms)
     return out, None  # out: (B, Sq, H, Dv) contiguous
+
+
+def _eager(module, query, key, value, attention_mask, dropout, scaling, position_bias):
+    """The textbook formula with T5's dense position_bias (a bias the kernel cannot take)."""
+    global _warned_fallback
+    if not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn("attn_ext: a position_bias that is not a function of i - j (or with a "
+                      "custom 4-D mask) falls back to the eager formula", stacklevel=3)
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    scale = 1.0 / query.shape[-1] ** 0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale + position_bias
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask
+    probs = torch.nn.functional.dropout(torch.softmax(scores.float(), dim=-1).to(query.dtype), dropout,
+                                        training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
 
 
 def attn_ext_mask(

@@ -51,6 +51,7 @@
 
 #include "common/attention_checks.h"
 #include "common/attention_mask_checks.h"
+#include "common/score_checks.h"
 #include "cuda/attention_launch.h"
 
 namespace attn_ext {
