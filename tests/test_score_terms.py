@@ -514,3 +514,21 @@ def test_tinygpt_positions(pos):
         loss.backward()
         opt.step()
     assert loss.item() < first
+
+
+def test_torch_compile_fullgraph():
+    """The terms keep attn_ext.attention traceable (tables cast in the wrapper, ops with
+    fake kernels and autograd): fullgraph torch.compile equals eager, gradients included."""
+    q = randn(1, 40, 2, 16).requires_grad_()
+    rel, sinks = randn(2, 9).requires_grad_(), randn(2).requires_grad_()
+    slopes = torch.tensor([0.1, 0.2])
+
+    def f(q, rel, sinks):
+        return attn_ext.attention(q, q, q, causal=True, rel_bias=rel, sinks=sinks, softcap=3.0,
+                                  alibi_slopes=slopes)
+
+    a, b = torch.compile(f, fullgraph=True)(q, rel, sinks), f(q, rel, sinks)
+    assert max_err(a, b) < 1e-6
+    for x, y in zip(torch.autograd.grad(a.sum(), (q, rel, sinks)),
+                    torch.autograd.grad(b.sum(), (q, rel, sinks))):
+        assert max_err(x, y) < 1e-5
