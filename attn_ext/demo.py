@@ -183,6 +183,29 @@ def speed(device: str, seq: int, repeat: int, layers: int = 4, width: int = 256,
 # ---------------------------------------------------------------------------------------
 
 
+def relative_bias_figure(plt, kback_model, rev_model, k_back: int):
+    """The learned b_{i-j} of every layer and head of the two relative-bias models against
+    distance d = i - j (the causal K-back model uses d >= 0 only)."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+    for ax, (task, model, causal) in zip(axes, (("K-back (causal)", kback_model, True),
+                                                ("reversal (bidirectional)", rev_model, False))):
+        for li, blk in enumerate(model.blocks):
+            table = blk.attn.rel_bias().detach().float().cpu()  # (H, 2M + 1)
+            M = (table.shape[1] - 1) // 2
+            d = torch.arange(-M, M + 1)
+            keep = d >= 0 if causal else torch.ones_like(d, dtype=torch.bool)
+            for hd in range(table.shape[0]):
+                ax.plot(d[keep].numpy(), table[hd, keep].numpy(), marker=".", markersize=3,
+                        linestyle="-" if li == 0 else "--", label=f"layer {li} head {hd}")
+        if causal:
+            ax.axvline(k_back, color="gray", linewidth=0.8)
+            ax.text(k_back + 0.3, ax.get_ylim()[1], f"d = {k_back}", va="top", fontsize=8)
+        ax.set(xlabel="distance d = i - j (query - key)", ylabel="learned bias b_d",
+               title=f"Relative position bias learned on {task}")
+        ax.legend(fontsize=6, ncol=2)
+    return fig
+
+
 def pictures(out_dir: str, rev_models, kback_models, losses, kback_len: int, device: str,
              k_back: int) -> List[str]:
     try:
@@ -250,24 +273,8 @@ def pictures(out_dir: str, rev_models, kback_models, losses, kback_len: int, dev
     save(fig, "attention_maps.png")
 
     # 4. the learned relative position bias b_{i-j} of every layer and head, against distance
-    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
-    for ax, (task, model, causal) in zip(axes, (("K-back (causal)", kback_models["relative"], True),
-                                                ("reversal (bidirectional)", rev_models["relative"], False))):
-        for li, blk in enumerate(model.blocks):
-            table = blk.attn.rel_bias().detach().float().cpu()  # (H, 2M + 1)
-            M = (table.shape[1] - 1) // 2
-            d = torch.arange(-M, M + 1)
-            keep = d >= 0 if causal else torch.ones_like(d, dtype=torch.bool)
-            for hd in range(table.shape[0]):
-                ax.plot(d[keep].numpy(), table[hd, keep].numpy(), marker=".", markersize=3,
-                        linestyle="-" if li == 0 else "--", label=f"layer {li} head {hd}")
-        if causal:
-            ax.axvline(k_back, color="gray", linewidth=0.8)
-            ax.text(k_back + 0.3, ax.get_ylim()[1], f"d = {k_back}", va="top", fontsize=8)
-        ax.set(xlabel="distance d = i - j (query - key)", ylabel="learned bias b_d",
-               title=f"Relative position bias learned on {task}")
-        ax.legend(fontsize=6, ncol=2)
-    save(fig, "relative_bias.png")
+    save(relative_bias_figure(plt, kback_models["relative"], rev_models["relative"], k_back),
+         "relative_bias.png")
 
     # 5. loss curves
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
