@@ -267,8 +267,10 @@ def _kernel_backward(dout, q, k, v, out, lse, args: BlockArgs, scale):
     """One block's ``attention_backward`` (global out and lse) with :func:`block_call`'s arguments."""
     if args.window is not None:
         raise NotImplementedError("ring_attention: window: the attention ops take no window argument yet")
-    return _ops.attention_backward(dout, q, k, v, out, lse, args.causal, scale,
-                                   torch.are_deterministic_algorithms_enabled())
+    dq, dk, dv, _ = _ops.attention_backward(  # the 4th output, d rel_bias, is empty here
+        dout, q, k, v, out, lse, args.causal, scale,
+        deterministic=torch.are_deterministic_algorithms_enabled())
+    return dq, dk, dv
 
 
 def _step_calls(
