@@ -12,8 +12,9 @@
 
 namespace attn_ext {
 
-// The score-term arguments of the forward / backward ops, as the schema passes them.
-struct ScoreArgs {
+// The score-term arguments of the forward / backward ops, as the schema passes them. Hidden
+// visibility like the torch::stable::Tensor it refers to (torch's hidden namespace).
+struct ATTN_EXT_HIDDEN ScoreArgs {
   const OptTensor& alibi_slopes;
   const OptTensor& rel_bias;
   std::optional<double> softcap;
