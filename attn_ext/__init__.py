@@ -68,9 +68,10 @@ def build_info() -> dict:
 from . import ops as _ops  # noqa: F401,E402  (fake kernels + autograd)
 from .ops import sinusoidal_pe, sinusoidal_pe_, sinusoidal_table
 from .ops import rope, rope_, rope_qk, rope_cache, rope_inv_freq
-from .ops import attention, causal_attention
+from .ops import attention, attention_varlen, causal_attention
 from .ops import attention_weights
 from ._explain import explain
+from .position_bias import RelativePositionBias, alibi_slopes, t5_bucket
 from .modules import (
     KVCache,
     LearnedPositionalEmbedding,
@@ -84,6 +85,7 @@ from . import distributed  # noqa: F401  (context parallelism: attn_ext.distribu
 
 __all__ = [
     "attention",
+    "attention_varlen",
     "causal_attention",
     "sinusoidal_pe",
     "sinusoidal_pe_",
@@ -95,6 +97,9 @@ __all__ = [
     "rope_inv_freq",
     "attention_weights",
     "explain",
+    "RelativePositionBias",
+    "alibi_slopes",
+    "t5_bucket",
     "KVCache",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",

@@ -122,6 +122,42 @@ def cpu_forward_plan(s: Shape, threads: int) -> dict:
             "heads_per_tile": heads, "n_split": max(n_split, 1)}
 
 
+CPU_DECODE_COLS = 16  # kDecodeCols (csrc/cpu/attention_decode.h): query columns per kv head
+CPU_DECODE_MIN_CHUNK = 256  # kDecodeMinChunk: keys per split-K chunk at least
+
+
+def cpu_simd_enabled() -> bool:
+    """csrc/cpu/cpu_features.cpp's detector: AVX2, FMA and F16C, unless ATTN_EXT_CPU_SIMD=0."""
+    if os.environ.get("ATTN_EXT_CPU_SIMD") == "0":
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return all(x in flags for x in ("avx2", "fma", "f16c"))
+
+
+def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int) -> Optional[dict]:
+    """csrc/cpu/attention_decode.h decode_supported and its split-K chunk count (the op's
+    masks and score terms are not arguments of explain(): plain attention), or None when the
+    tiled kernel runs."""
+    if dtype == torch.float64 or not cpu_simd_enabled():
+        return None
+    if os.environ.get("ATTN_EXT_CPU_DECODE") == "0":
+        return None
+    if s.Hkv <= 0 or s.D <= 0 or s.D > 512 or s.Dv > 512:
+        return None
+    group = s.H // s.Hkv
+    if s.Sq * group > CPU_DECODE_COLS:
+        return None
+    heads = s.B * s.Hkv
+    n_chunks = max(1, _ceil_div(4 * max(threads, 1), heads))
+    n_chunks = min(n_chunks, max(1, s.Sk // CPU_DECODE_MIN_CHUNK))  # every row's band: <= Sk keys
+    return {"threads": threads, "columns_per_kv_head": s.Sq * group, "kv_heads": heads,
+            "n_chunks": n_chunks}
+
+
 def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int) -> KernelChoice:
     acc = "float64" if dtype == torch.float64 else "float32"
     inner = ("portable loops" if dtype == torch.float64 else
@@ -131,7 +167,16 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int) -> KernelChoice:
                             "none", "nothing to differentiate", {"threads": threads})
     plan = cpu_forward_plan(s, threads)
     plan["accumulation"] = acc
-    if plan["n_split"] > 1:
+    decode = cpu_decode_plan(s, dtype, threads)
+    if decode is not None:
+        plan.update(decode)
+        fwd, why = "cpu.decode", (
+            f"Sq * (H / Hkv) = {decode['columns_per_kv_head']} <= {CPU_DECODE_COLS} query columns "
+            f"per kv head ({dtype} on an AVX2 CPU): K/V read once per (batch, kv head), keys "
+            f"cut into {decode['n_chunks']} chunk(s) per kv head (4 tasks per thread, at least "
+            f"{CPU_DECODE_MIN_CHUNK} keys each) merged in chunk order; float32 accumulation "
+            "(ATTN_EXT_CPU_DECODE=0 turns it off)")
+    elif plan["n_split"] > 1:
         fwd, why = "cpu.split_kv", (
             f"{plan['query_tiles']} query tile(s) < {threads} threads and Sk = {s.Sk} >= "
             f"{4 * CPU_BLOCK_K}: the keys of each tile are cut into {plan['n_split']} chunks "
@@ -143,8 +188,14 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int) -> KernelChoice:
         fwd, why = "cpu.tiled", (
             f"{reason}: one task per query tile of up to {CPU_BLOCK_Q} (head, row) columns, "
             f"key tiles of {CPU_BLOCK_K}; {acc} accumulation, {inner}")
-    bwd_why = (f"parallel over (batch, kv head, key tile of {CPU_BLOCK_K}); dq summed from "
-               "per-thread buffers in a fixed order (bitwise repeatable for a thread count)")
+    if s.B * s.Hkv >= threads or s.Sk <= CPU_BLOCK_K:
+        bwd_why = (f"fused per (batch, kv head) ({s.B * s.Hkv} unit(s), {threads} threads): each "
+                   f"unit walks its query blocks and key tiles of {CPU_BLOCK_K}, owning the dq, "
+                   "dk and dv it writes (bitwise repeatable for any thread count)")
+    else:
+        bwd_why = (f"FlashAttention-2 split ({s.B * s.Hkv} (batch, kv head) units < {threads} "
+                   "threads): dk/dv by key chunks, then dq by query blocks (bitwise repeatable "
+                   "for a thread count)")
     if s.Sq == 0 or s.Sk == 0:
         bwd_why = "no query or no key: the gradients are zeros, no kernel runs"
     return KernelChoice("cpu", fwd, why, "cpu.key_tiles" if s.Sq and s.Sk else "none",

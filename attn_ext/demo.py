@@ -3,7 +3,8 @@ matters, shown with small Transformers trained on attn_ext's kernels.
 
 1. Order matters. A bidirectional (non-causal) Transformer learns to reverse random token
    sequences, once each with no positional encoding, learned absolute positions, sinusoidal
-   encoding and RoPE. Without position information self-attention is permutation-equivariant:
+   encoding, RoPE, the textbook's learnable relative position bias b_{i-j} (fused into the
+   attention kernel, its gradient computed in the backward) and ALiBi. Without position information self-attention is permutation-equivariant:
    the output at a position depends only on that position's token and the set of tokens, so
    the no-PE model provably cannot reverse. Each sequence is framed by a start and an end
    marker (like BERT's [CLS] ... [SEP]). Reversal needs absolute slots (slot i takes the token
@@ -13,7 +14,8 @@ matters, shown with small Transformers trained on attn_ext's kernels.
    permutations of the tokens between them.
 2. Length extrapolation. A causal TinyGPT learns to predict the token K positions back,
    trained at one length and evaluated at longer ones. Learned absolute embeddings have no
-   rows past their table; RoPE depends only on relative position.
+   rows past their table; RoPE, the relative bias and ALiBi depend only on relative position.
+   A picture shows what the relative-bias model learned: b_{i-j} per head against distance.
 3. Speed: one training step on attn_ext vs the same model on the textbook attention and on
    PyTorch's SDPA; greedy decoding with the KV cache in tokens/s.
 4. Deployment: the trained RoPE model is exported with TorchScript and reloaded.
@@ -40,7 +42,7 @@ import attn_ext
 from attn_ext import reference as ref
 from attn_ext.models import TinyGPT
 
-VARIANTS = ("none", "learned", "sinusoidal", "rope")
+VARIANTS = ("none", "learned", "sinusoidal", "rope", "relative", "alibi")
 
 
 def _progress(iterable, desc: str, total: int):
@@ -181,6 +183,29 @@ def speed(device: str, seq: int, repeat: int, layers: int = 4, width: int = 256,
 # ---------------------------------------------------------------------------------------
 
 
+def relative_bias_figure(plt, kback_model, rev_model, k_back: int):
+    """The learned b_{i-j} of every layer and head of the two relative-bias models against
+    distance d = i - j (the causal K-back model uses d >= 0 only)."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+    for ax, (task, model, causal) in zip(axes, (("K-back (causal)", kback_model, True),
+                                                ("reversal (bidirectional)", rev_model, False))):
+        for li, blk in enumerate(model.blocks):
+            table = blk.attn.rel_bias().detach().float().cpu()  # (H, 2M + 1)
+            M = (table.shape[1] - 1) // 2
+            d = torch.arange(-M, M + 1)
+            keep = d >= 0 if causal else torch.ones_like(d, dtype=torch.bool)
+            for hd in range(table.shape[0]):
+                ax.plot(d[keep].numpy(), table[hd, keep].numpy(), marker=".", markersize=3,
+                        linestyle="-" if li == 0 else "--", label=f"layer {li} head {hd}")
+        if causal:
+            ax.axvline(k_back, color="gray", linewidth=0.8)
+            ax.text(k_back + 0.3, ax.get_ylim()[1], f"d = {k_back}", va="top", fontsize=8)
+        ax.set(xlabel="distance d = i - j (query - key)", ylabel="learned bias b_d",
+               title=f"Relative position bias learned on {task}")
+        ax.legend(fontsize=6, ncol=2)
+    return fig
+
+
 def pictures(out_dir: str, rev_models, kback_models, losses, kback_len: int, device: str,
              k_back: int) -> List[str]:
     try:
@@ -247,7 +272,11 @@ def pictures(out_dir: str, rev_models, kback_models, losses, kback_len: int, dev
                  f"that fetches the answer", fontsize=10)
     save(fig, "attention_maps.png")
 
-    # 4. loss curves
+    # 4. the learned relative position bias b_{i-j} of every layer and head, against distance
+    save(relative_bias_figure(plt, kback_models["relative"], rev_models["relative"], k_back),
+         "relative_bias.png")
+
+    # 5. loss curves
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for task, ax in zip(("reversal", "kback"), axes):
         for v in VARIANTS:
@@ -259,7 +288,7 @@ def pictures(out_dir: str, rev_models, kback_models, losses, kback_len: int, dev
         ax.legend()
     save(fig, "loss_curves.png")
 
-    # 5. RoPE: the score <R_m q, R_n k> depends only on m - n
+    # 6. RoPE: the score <R_m q, R_n k> depends only on m - n
     torch.manual_seed(1)
     d = 64
     cos, sin = attn_ext.rope_cache(256, d, dtype=torch.float64)

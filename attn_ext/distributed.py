@@ -27,13 +27,13 @@ With equal chunks every (query chunk, key chunk) pair is fully visible (a ``caus
 kernel call), the diagonal (a ``causal=True`` call, ``Sq == Sk`` so bottom-right is top-left)
 or invisible (skipped). :func:`block_call` is the one place that maps a block's global
 positions to the kernel's arguments; it already derives the kernel ``window`` a global window
-needs, but the ops take no window yet, and a band off the diagonal of an unequal block would
-need a negative window edge. Masks and biases that depend on the distance inside a block
+needs (the ops take ``window_left/right`` since issue 14, but the ring does not pass them yet:
+see below), and a band off the diagonal of an unequal block would need a negative window edge. Masks and biases that depend on the distance inside a block
 (``window``, ``alibi_slopes``, ``rel_bias``) and ``dropout_p`` (whose keep bit depends on the
 global row and column) need the attention ops to take the global position of a block's first
 query and key (an offset replacing ``Sk - Sq`` in ``d``); until then these keywords raise
 ``NotImplementedError`` before any communication (so no rank is left waiting). ``softcap`` is
-position-free but not yet an argument of the ops either.
+position-free (an argument of the ops since issue 15) but not yet passed through the ring.
 
 Backends: gloo (CPU) is tested; NCCL (GPU) uses the same calls but is untested here.
 """
@@ -259,16 +259,18 @@ def block_call(
 def _kernel_forward(q, k, v, args: BlockArgs, scale):
     """One block's ``attention_forward`` with the arguments :func:`block_call` chose."""
     if args.window is not None:
-        raise NotImplementedError("ring_attention: window: the attention ops take no window argument yet")
+        raise NotImplementedError("ring_attention: window: not passed through the ring yet")
     return _ops.attention_forward(q, k, v, args.causal, scale)
 
 
 def _kernel_backward(dout, q, k, v, out, lse, args: BlockArgs, scale):
     """One block's ``attention_backward`` (global out and lse) with :func:`block_call`'s arguments."""
     if args.window is not None:
-        raise NotImplementedError("ring_attention: window: the attention ops take no window argument yet")
-    return _ops.attention_backward(dout, q, k, v, out, lse, args.causal, scale,
-                                   torch.are_deterministic_algorithms_enabled())
+        raise NotImplementedError("ring_attention: window: not passed through the ring yet")
+    dq, dk, dv, _ = _ops.attention_backward(  # the 4th output, d rel_bias, is empty here
+        dout, q, k, v, out, lse, args.causal, scale,
+        deterministic=torch.are_deterministic_algorithms_enabled())
+    return dq, dk, dv
 
 
 def _step_calls(

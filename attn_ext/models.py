@@ -7,6 +7,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor, nn
 
+from .position_bias import RelativePositionBias
 from .modules import (
     KVCache,
     LearnedPositionalEmbedding,
@@ -15,7 +16,20 @@ from .modules import (
     TransformerBlock,
 )
 
-POSITIONAL = ("none", "learned", "sinusoidal", "rope")
+POSITIONAL = ("none", "learned", "sinusoidal", "rope", "relative", "alibi")
+
+
+def left_padding(attention_mask: Tensor) -> Tensor:
+    """``(B,)`` number of leading padding tokens of each row of a left-padded
+    ``attention_mask (B, S)`` (1 = real token); raises unless every row is 0...0 1...1."""
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must have shape (B, S), got {list(attention_mask.shape)}")
+    m = attention_mask.to(torch.bool)
+    start = m.size(1) - m.sum(1)
+    slots = torch.arange(m.size(1), device=m.device)
+    if not torch.equal(m, slots[None, :] >= start[:, None]):
+        raise ValueError("attention_mask must be left-padded: each row 0...0 1...1")
+    return start
 
 
 class TinyGPT(nn.Module):
@@ -26,7 +40,10 @@ class TinyGPT(nn.Module):
         max_len: table size of learned positions (and the initial RoPE cache length).
         pos: positional information: "none", "learned" (absolute, cannot extrapolate past
             ``max_len``), "sinusoidal" (added to the embeddings, computed on the fly) or
-            "rope" (rotates q and k in every layer).
+            "rope" (rotates q and k in every layer), "relative" (a learnable bias b_{i-j} per
+            head and layer, :class:`attn_ext.RelativePositionBias` with one entry per distance
+            up to ``rel_max_distance``, default ``max_len``; farther distances share the last)
+            or "alibi" (ALiBi's fixed linear penalty -slope_h * |i - j|).
         causal: False makes it a bidirectional encoder (used by the demo's reversal task).
         num_kv_heads: grouped-query attention.
         context_parallel_group, context_parallel_layout: run every layer's attention as
@@ -36,8 +53,12 @@ class TinyGPT(nn.Module):
             logits are this rank's rows. Gradients of the (replicated) parameters are partial
             per rank: sum them over the group (or wrap in DDP over it and scale the loss).
 
-    ``forward(idx (B, S) int64, caches=None) -> logits (B, S, vocab)``; with ``caches`` (from
-    :meth:`new_caches`) the tokens continue the cached sequence (incremental decoding).
+    ``forward(idx (B, S) int64, caches=None, attention_mask=None) -> logits (B, S, vocab)``;
+    with ``caches`` (from :meth:`new_caches`) the tokens continue the cached sequence
+    (incremental decoding). ``attention_mask (B, S)`` (1 = real token, 0 = padding, the
+    Hugging Face convention) describes a left-padded batch: padding keys are masked out and
+    positions count from each row's first real token. :meth:`generate` takes the same mask
+    and gives every row the tokens it gives alone.
     """
 
     def __init__(
@@ -54,6 +75,7 @@ class TinyGPT(nn.Module):
         dropout: float = 0.0,
         context_parallel_group=None,
         context_parallel_layout: str = "zigzag",
+        rel_max_distance: Optional[int] = None,
     ):
         super().__init__()
         if pos not in POSITIONAL:
@@ -71,6 +93,10 @@ class TinyGPT(nn.Module):
                     d_model, num_heads, d_ff=d_ff, num_kv_heads=num_kv_heads, causal=causal,
                     dropout=dropout,
                     rotary=RotaryEmbedding(head_dim, max_seq_len=max_len) if pos == "rope" else None,
+                    rel_bias=RelativePositionBias(num_heads, rel_max_distance or max_len,
+                                                  bidirectional=not causal)
+                    if pos == "relative" else None,
+                    alibi=pos == "alibi",
                 )
                 for _ in range(num_layers)
             ]
@@ -84,37 +110,64 @@ class TinyGPT(nn.Module):
                 blk.attn.set_context_parallel(context_parallel_group, context_parallel_layout)
 
     @torch.jit.unused
-    def _context_parallel_positions(self, idx: Tensor, has_caches: bool) -> Tensor:
+    def _context_parallel_positions(self, idx: Tensor, has_caches: bool,
+                                    has_attention_mask: bool = False) -> Tensor:
         from .distributed import shard_positions
 
         if has_caches:
             raise NotImplementedError("context-parallel TinyGPT does not decode with KV caches")
+        if has_attention_mask:
+            raise NotImplementedError("context-parallel TinyGPT does not take an attention_mask "
+                                      "(ring attention has no key padding yet)")
         return shard_positions(idx.size(1), self.context_parallel_group,
                                self.context_parallel_layout, idx.device)
 
     def new_caches(self, batch: int, max_len: int) -> List[KVCache]:
         return [blk.attn.new_kv_cache(batch, max_len) for blk in self.blocks]
 
-    def forward(self, idx: Tensor, caches: Optional[List[KVCache]] = None) -> Tensor:
+    def forward(self, idx: Tensor, caches: Optional[List[KVCache]] = None,
+                attention_mask: Optional[Tensor] = None) -> Tensor:
         offset = 0 if caches is None else caches[0].length
         positions: Optional[Tensor] = None
+        key_padding_mask: Optional[Tensor] = None
         if self.context_parallel_group is not None:
-            positions = self._context_parallel_positions(idx, caches is not None)
+            positions = self._context_parallel_positions(idx, caches is not None,
+                                                         attention_mask is not None)
+        elif caches is not None:
+            if attention_mask is not None:
+                if offset != 0:
+                    raise ValueError("attention_mask is only for the first (prefill) call with caches")
+                start = left_padding(attention_mask)
+                for c in caches:
+                    c.set_left_padding(start)
+            positions = caches[0].positions(idx.size(1))  # the blocks read the caches' masks
+        elif attention_mask is not None:
+            start = left_padding(attention_mask)
+            slots = torch.arange(idx.size(1), device=idx.device)
+            positions = (slots[None, :] - start[:, None]).clamp(min=0)
+            key_padding_mask = attention_mask.to(torch.bool)
         x = self.tok(idx)
         if self.learned is not None:
             x = self.learned(x, offset, positions)
         if self.sinusoidal is not None:
             x = self.sinusoidal(x, offset, positions)
         for i, blk in enumerate(self.blocks):
-            x = blk(x, None if caches is None else caches[i])
+            if caches is None:
+                x = blk(x, None, key_padding_mask)
+            else:
+                x = blk(x, caches[i])
         return self.head(self.ln_f(x))
 
     @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int) -> Tensor:
-        """Greedy decoding with a KV cache: one forward over the prompt, then one token per step."""
+    def generate(self, idx: Tensor, max_new_tokens: int,
+                 attention_mask: Optional[Tensor] = None) -> Tensor:
+        """Greedy decoding with a KV cache: one forward over the prompt, then one token per step.
+
+        ``attention_mask (B, S)``: a left-padded batch of prompts (1 = real token); each row
+        continues as it would alone."""
         B, S = idx.shape
         caches = self.new_caches(B, S + max_new_tokens)
-        logits = self(idx, caches)
+        logits = self(idx, caches, attention_mask)
         out = [idx]
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(max_new_tokens):

@@ -20,10 +20,10 @@ import math
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import _attention_probs, rope_inv_freq
+from .ops import _attention_probs, _window_args, rope_inv_freq
+from .position_bias import RelativePositionBias, alibi_slopes
 
 __all__ = [
     "KVCache",
@@ -35,19 +35,66 @@ __all__ = [
 ]
 
 
+def _dropout_seed_offset(device: torch.device) -> Tuple[int, int]:
+    """Seed and offset of one attention-dropout call from torch's generator of ``device``
+    (as ``attn_ext.attention`` draws them; TorchScript-clean)."""
+    r = torch.randint(0, 4611686018427387904, (2,), dtype=torch.int64, device=device)
+    return int(r[0].item()), int(r[1].item())
+
+
 class KVCache:
     """Preallocated keys and values of one attention layer for incremental decoding.
 
-    ``k``: ``(B, max_len, Hkv, D)``, ``v``: ``(B, max_len, Hkv, Dv)``; ``length`` tokens are
+    ``k``: ``(B, max_len, Hkv, D)``, ``v``: ``(B, max_len, Hkv, Dv)``; ``length`` slots are
     filled. :meth:`update` appends new keys/values and returns views of the filled part, which
     the attention kernels read through strides (no copy beyond writing the new tokens).
     Make one with :meth:`MultiHeadAttention.new_kv_cache`.
+
+    Per-row lengths (a batch of prompts of different lengths, prefilled and decoded together):
+    call :meth:`set_left_padding` with each row's number of padding slots before the first
+    update. Row ``b``'s tokens then occupy slots ``[start[b], length)``: the padding slots
+    are masked out of attention (:meth:`key_padding_mask`) and the tokens' positions
+    (:meth:`positions`) count from the row's first real token.
     """
 
     def __init__(self, k: Tensor, v: Tensor):
         self.k = k
         self.v = v
         self.length = 0
+        self.start = torch.jit.annotate(Optional[Tensor], None)  # (B,) int64 first real slot per row
+
+    def set_left_padding(self, start: Tensor) -> None:
+        """``start (B,)``: row ``b``'s first ``start[b]`` slots are padding (left padding)."""
+        if self.length != 0:
+            raise RuntimeError("KVCache.set_left_padding must come before the first update")
+        if start.dim() != 1 or start.size(0) != self.k.size(0):
+            raise ValueError(
+                f"start must have shape (B,) = ({self.k.size(0)},), got {list(start.shape)}"
+            )
+        self.start = start.to(device=self.k.device, dtype=torch.long)
+
+    def lengths(self) -> Tensor:
+        """``(B,)`` number of real tokens of each row."""
+        full = torch.full((self.k.size(0),), self.length, dtype=torch.long, device=self.k.device)
+        start = self.start
+        return full if start is None else full - start.clamp(max=self.length)
+
+    def key_padding_mask(self) -> Optional[Tensor]:
+        """``(B, length)`` bool, True at the real (non-padding) slots; None without padding."""
+        start = self.start
+        if start is None:
+            return None
+        slots = torch.arange(self.length, device=self.k.device)
+        return slots[None, :] >= start[:, None]
+
+    def positions(self, s: int) -> Optional[Tensor]:
+        """``(B, s)`` int64 positions of the next ``s`` tokens (0 at each row's first real
+        token; padding slots get 0); None without padding (positions are ``length + i``)."""
+        start = self.start
+        if start is None:
+            return None
+        slots = torch.arange(self.length, self.length + s, device=self.k.device)
+        return (slots[None, :] - start[:, None]).clamp(min=0)
 
     def update(self, k_new: Tensor, v_new: Tensor) -> Tuple[Tensor, Tensor]:
         s = k_new.size(1)
@@ -63,6 +110,7 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+        self.start = None
 
 
 class RotaryEmbedding(nn.Module):
@@ -168,14 +216,20 @@ class MultiHeadAttention(nn.Module):
             self-attention, False for ``cross_attention=True`` (every query sees the whole
             memory unless asked otherwise).
         bias: biases in the projections.
-        dropout: dropout on the attention probabilities in training. The kernels have no
-            dropout, so a training step with ``dropout > 0`` takes a slower path that forms
-            the probabilities explicitly; 0 (the default) keeps the fused kernel.
+        dropout: dropout on the attention probabilities in training, inside the kernel (keep
+            bits from a counter-based RNG seeded from torch's generator: no ``(S, S)`` buffer;
+            ``torch.manual_seed`` reproduces a step).
+        rel_bias: a :class:`attn_ext.RelativePositionBias` (the learnable ``b_{i-j}``, its
+            gradient computed inside the attention backward), or None.
+        alibi: add ALiBi's ``-slope_h * |i - j|`` (slopes of Press et al. for H heads).
+        softcap: cap the scores at ``softcap * tanh(s / softcap)`` (Gemma 2), or None.
         rotary: None, a rotary dim (int), or a :class:`RotaryEmbedding`.
         qk_dim, v_dim: per-head dims D and Dv (default ``d_model // num_heads``).
         cross_attention: queries from ``x``, keys/values from ``memory`` (separate q and kv
             projections instead of one fused QKV projection).
         kv_dim: width of ``memory`` for cross-attention (default ``d_model``).
+        window: ``(left, right)`` sliding window (see :func:`attn_ext.attention`); with
+            ``causal`` the usual local attention is ``(W - 1, 0)``.
 
     With a ``kv_cache``, self-attention appends each step's keys/values to it. Cross-attention
     fills the cache with the memory's keys/values once, on the first call (which must pass
@@ -183,7 +237,9 @@ class MultiHeadAttention(nn.Module):
     memory again (``kv_cache.reset()`` for a new memory). Cross-attention with both a
     ``kv_cache`` and ``rotary`` is refused (the cache cannot tell the queries' positions).
 
-    ``forward(x, memory=None, kv_cache=None, need_weights=False)`` returns
+    ``forward(x, memory=None, kv_cache=None, need_weights=False, key_padding_mask=None)``
+    (``key_padding_mask (B, Sk)`` bool, True = the key takes part; with a left-padded
+    :class:`KVCache` the cache's own mask and positions are used) returns
     ``(out (B, Sq, d_model), weights)`` where ``weights`` is the ``(B, H, Sq, Sk)`` attention
     probabilities when ``need_weights`` (computed from q, k and the kernel's log-sum-exp,
     so the fast path does not pay for it) and None otherwise.
@@ -202,10 +258,15 @@ class MultiHeadAttention(nn.Module):
         v_dim: Optional[int] = None,
         cross_attention: bool = False,
         kv_dim: Optional[int] = None,
+        window: Optional[Tuple[int, int]] = None,
+        rel_bias: Optional[RelativePositionBias] = None,
+        alibi: bool = False,
+        softcap: Optional[float] = None,
     ):
         super().__init__()
         if causal is None:
             causal = not cross_attention  # a decoder's memory is not in its future
+        self.window_left, self.window_right = _window_args(window)
         hkv = num_kv_heads if num_kv_heads is not None else num_heads
         if num_heads <= 0 or hkv <= 0 or num_heads % hkv:
             raise ValueError(f"num_kv_heads must divide num_heads, got num_heads={num_heads}, num_kv_heads={hkv}")
@@ -240,10 +301,19 @@ class MultiHeadAttention(nn.Module):
         if rotary is not None and rotary.rotary_dim > d:
             raise ValueError(f"rotary_dim {rotary.rotary_dim} must be <= head dim {d}")
         self.rotary = rotary
+        if rel_bias is not None and rel_bias.num_heads != num_heads:
+            raise ValueError(f"rel_bias has {rel_bias.num_heads} heads, the layer {num_heads}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
+        self.rel_bias = rel_bias
+        self.softcap: Optional[float] = None if softcap is None else float(softcap)
+        self.register_buffer("alibi_slopes", alibi_slopes(num_heads) if alibi else None,
+                             persistent=False)
         # Context parallelism (attn_ext.distributed): None, or the process group whose ranks
         # hold shards of the sequence; set with set_context_parallel.
         self.context_parallel_group = None
         self.context_parallel_layout = "zigzag"
+
 
     def set_context_parallel(self, group, layout: str = "zigzag") -> "MultiHeadAttention":
         """Run attention as :func:`attn_ext.distributed.ring_attention` over ``group`` (None
@@ -257,15 +327,18 @@ class MultiHeadAttention(nn.Module):
         return self
 
     @torch.jit.unused
-    def _context_parallel_positions(self, x: Tensor, kv_cache: Optional[KVCache], need_weights: bool) -> Tensor:
+    def _context_parallel_positions(self, x: Tensor, kv_cache: Optional[KVCache], need_weights: bool,
+                                    key_padding_mask: Optional[Tensor] = None) -> Tensor:
         from .distributed import shard_positions
 
-        windowed = getattr(self, "window_left", -1) != -1 or getattr(self, "window_right", -1) != -1
+        windowed = self.window_left != -1 or self.window_right != -1
         if (kv_cache is not None or need_weights or self.cross_attention or windowed
+                or key_padding_mask is not None or self.has_score_terms()
                 or (self.training and self.dropout > 0.0)):
             raise NotImplementedError(
                 "context-parallel MultiHeadAttention supports self-attention without kv_cache, "
-                "need_weights, a window or attention dropout")
+                "need_weights, a window, key_padding_mask, score terms (rel_bias, alibi, "
+                "softcap) or attention dropout")
         return shard_positions(x.size(1), self.context_parallel_group, self.context_parallel_layout, x.device)
 
     @torch.jit.unused
@@ -359,12 +432,38 @@ class MultiHeadAttention(nn.Module):
             return self._ring_attend(q, k, v)
         return torch.ops.attn_ext.attention(q, k, v, self.causal, self.scale)
 
+    def has_score_terms(self) -> bool:
+        return self.rel_bias is not None or self.alibi_slopes is not None or self.softcap is not None
+
+    def _rel_table(self, dtype: torch.dtype) -> Optional[Tensor]:
+        rb = self.rel_bias
+        if rb is None:
+            return None
+        want = torch.float64 if dtype == torch.float64 else torch.float32
+        return rb().to(want).contiguous()
+
+    def _attend_terms(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
+                      dropout_p: float) -> Tuple[Tensor, Tensor]:
+        """attention_forward with the layer's window, key padding, score terms and in-kernel
+        dropout: (out, lse)."""
+        seed, offset = (0, 0)
+        if dropout_p > 0.0:
+            seed, offset = _dropout_seed_offset(q.device)
+        slopes = self.alibi_slopes
+        if slopes is not None:
+            slopes = slopes.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        return torch.ops.attn_ext.attention_forward(
+            q, k, v, self.causal, self.scale, self.window_left, self.window_right,
+            key_padding_mask, slopes, self._rel_table(q.dtype),
+            self.softcap, None, dropout_p, seed, offset)
+
     def forward(
         self,
         x: Tensor,
         memory: Optional[Tensor] = None,
         kv_cache: Optional[KVCache] = None,
         need_weights: bool = False,
+        key_padding_mask: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         B, Sq = x.size(0), x.size(1)
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_dim
@@ -408,28 +507,38 @@ class MultiHeadAttention(nn.Module):
         rotary = self.rotary
         if self.qkv is not None:
             past = 0 if kv_cache is None else kv_cache.length
-            positions: Optional[Tensor] = None
+            # per-row positions of a left-padded cache (None: positions past + i)
+            positions = None if kv_cache is None else kv_cache.positions(Sq)
             if self.context_parallel_group is not None:
-                positions = self._context_parallel_positions(x, kv_cache, need_weights)
+                positions = self._context_parallel_positions(x, kv_cache, need_weights,
+                                                             key_padding_mask)
             if rotary is not None:
-                q, k = rotary(q, k, past, positions)
+                q, k = rotary(q, k, past if positions is None else 0, positions)
             if kv_cache is not None:
                 k, v = kv_cache.update(k, v)  # (B, past + Sq, Hkv, D) views of the cache
         elif rotary is not None:  # cross-attention without a cache: positions from 0
             q = rotary.rotate(q, 0)
             k = rotary.rotate(k, 0)
+        if kv_cache is not None:
+            cache_mask = kv_cache.key_padding_mask()
+            if cache_mask is not None:
+                key_padding_mask = cache_mask if key_padding_mask is None else key_padding_mask & cache_mask
+        masked = key_padding_mask is not None or self.window_left != -1 or self.window_right != -1
+        if masked and need_weights:
+            raise ValueError(
+                "MultiHeadAttention: need_weights is not supported together with "
+                "key_padding_mask / window yet"
+            )
 
         weights: Optional[Tensor] = None
-        if self.training and self.dropout > 0.0:
-            probs = _attention_probs(q, k, self.causal, self.scale, None)  # (B, H, Sq, Sk)
-            probs = F.dropout(probs, self.dropout, True)
-            vv = v.repeat_interleave(H // Hkv, dim=2).transpose(1, 2)  # (B, H, Sk, Dv)
-            out = (probs.to(v.dtype) @ vv).transpose(1, 2).contiguous()
-            if need_weights:
-                weights = probs
-        elif need_weights:
-            out, lse = torch.ops.attn_ext.attention_forward(q, k, v, self.causal, self.scale)
-            weights = _attention_probs(q, k, self.causal, self.scale, lse)
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:
+            # (weights are the undropped probabilities)
+            out, lse = self._attend_terms(q, k, v, key_padding_mask, dropout_p)
+            weights = _attention_probs(q, k, self.causal, self.scale, lse, self.alibi_slopes,
+                                       self._rel_table(q.dtype), self.softcap)
+        elif masked or dropout_p > 0.0 or self.has_score_terms():
+            out = self._attend_terms(q, k, v, key_padding_mask, dropout_p)[0]
         else:
             out = self._attend(q, k, v)
         # out: (B, Sq, H, Dv) contiguous -> (B, Sq, H * Dv) for free
@@ -484,7 +593,7 @@ class TransformerBlock(nn.Module):
 
     ``norm_first=True`` is pre-LN (GPT-2 and later: ``x + attn(LN(x))``, ``x + ff(LN(x))``);
     False is the original post-LN of Vaswani et al. (``LN(x + attn(x))``, ``LN(x + ff(x))``).
-    ``forward(x, kv_cache=None) -> (B, S, d_model)``.
+    ``forward(x, kv_cache=None, key_padding_mask=None) -> (B, S, d_model)``.
     """
 
     def __init__(
@@ -498,23 +607,29 @@ class TransformerBlock(nn.Module):
         rotary=None,
         norm_first: bool = True,
         bias: bool = True,
+        rel_bias: Optional[RelativePositionBias] = None,
+        alibi: bool = False,
+        softcap: Optional[float] = None,
+        window: Optional[Tuple[int, int]] = None,
     ):
         super().__init__()
         d_ff = d_ff or 4 * d_model
         self.norm_first = norm_first
         self.attn = MultiHeadAttention(d_model, num_heads, num_kv_heads, causal=causal, bias=bias,
-                                       dropout=dropout, rotary=rotary)
+                                       dropout=dropout, rotary=rotary, window=window,
+                                       rel_bias=rel_bias, alibi=alibi, softcap=softcap)
         self.ln1 = nn.LayerNorm(d_model)
         self.ln2 = nn.LayerNorm(d_model)
         self.ff = nn.Sequential(nn.Linear(d_model, d_ff, bias=bias), nn.GELU(),
                                 nn.Linear(d_ff, d_model, bias=bias))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, kv_cache: Optional[KVCache] = None) -> Tensor:
+    def forward(self, x: Tensor, kv_cache: Optional[KVCache] = None,
+                key_padding_mask: Optional[Tensor] = None) -> Tensor:
         if self.norm_first:
-            x = x + self.drop(self.attn(self.ln1(x), None, kv_cache)[0])
+            x = x + self.drop(self.attn(self.ln1(x), None, kv_cache, False, key_padding_mask)[0])
             x = x + self.drop(self.ff(self.ln2(x)))
         else:
-            x = self.ln1(x + self.drop(self.attn(x, None, kv_cache)[0]))
+            x = self.ln1(x + self.drop(self.attn(x, None, kv_cache, False, key_padding_mask)[0]))
             x = self.ln2(x + self.drop(self.ff(x)))
         return x

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from .reference import add_score_terms, score_distance
+
 _lib = torch.ops.attn_ext
 
 # ---------------------------------------------------------------------------------------
@@ -406,6 +408,67 @@ def _heads_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), True
 
 
+def _window_args(window) -> tuple:
+    """``window=(left, right)`` -> the ops' ``(window_left, window_right)``; None = (-1, -1)."""
+    if window is None:
+        return -1, -1
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
+    ):
+        raise ValueError(f"window must be a pair of ints (left, right), got {window!r}")
+    left, right = int(window[0]), int(window[1])
+    if left < -1 or right < -1:
+        raise ValueError(
+            f"window must be (left, right) with each side >= 0, or -1 for unbounded, got {window!r}"
+        )
+    return left, right
+
+
+def _dropout_seed_offset(device) -> tuple:
+    """``(seed, offset)`` of one dropout call, drawn from torch's generator of ``device`` (so
+    ``torch.manual_seed`` reproduces a run); the kernels' keep bits are a pure function of
+    them and the position (csrc/common/dropout_rng.h, reference.dropout_keep_mask)."""
+    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device).tolist()
+    return int(seed), int(offset)
+
+
+def _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
+    """Checks the score-term keywords and returns the ops' arguments
+    ``(alibi_slopes, rel_bias, softcap, sinks, dropout_p, seed, offset)``: tables cast to the
+    accumulation type (float32; float64 for float64 inputs; differentiable casts) and made
+    contiguous, dropout seed/offset drawn when ``dropout_p > 0``."""
+    acc = _lse_dtype(q.dtype)
+
+    def table(t, name, shape):
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            got = f"dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a floating-point tensor {shape}, got {got}")
+        return t.to(acc).contiguous()
+
+    alibi_slopes = table(alibi_slopes, "alibi_slopes", "(H,) or (B, H)")
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.detach()  # ALiBi slopes are fixed (no gradient)
+    rel_bias = table(rel_bias, "rel_bias", "(H, 2M + 1)")
+    sinks = table(sinks, "sinks", "(H,)")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
+            math.isfinite(softcap) and softcap > 0
+        ):
+            raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
+        softcap = float(softcap)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (
+        0.0 <= dropout_p < 1.0
+    ):
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    dropout_p = float(dropout_p)
+    seed, offset = _dropout_seed_offset(q.device) if dropout_p > 0 else (0, 0)
+    return alibi_slopes, rel_bias, softcap, sinks, dropout_p, seed, offset
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -413,9 +476,16 @@ def attention(
     *,
     causal: bool = False,
     scale: Optional[float] = None,
+    window=None,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    rel_bias: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
     return_lse: bool = False,
 ):
-    """``softmax(scale * q k^T [+ causal mask]) v`` without any ``(Sq, Sk)`` buffer.
+    """``softmax(scale * q k^T [+ mask]) v`` without any ``(Sq, Sk)`` buffer.
 
     Everything after ``v`` is keyword-only: ported code that passed a 4th positional
     argument (``dropout_p`` in ``flash_attn_func``, ``attn_mask`` in SDPA) fails loudly
@@ -431,6 +501,11 @@ def attention(
             projection, ``x.transpose(1, 2)`` of a ``(B, H, S, D)`` tensor) but their last
             dim must be contiguous. dtypes: float32, float64, float16, bfloat16 (all three
             the same); fp16/bf16 accumulate in fp32.
+
+    Everything after ``v`` is keyword-only (``flash_attn_func``'s 4th positional argument is
+    ``dropout_p`` and SDPA's is ``attn_mask``: a positional ``causal`` would silently change
+    meaning in ported code).
+
         causal: mask the future, aligned to the bottom-right corner: row ``i`` sees key
             ``j`` iff ``j <= i + (Sk - Sq)``. For ``Sq == Sk`` this is the usual lower
             triangle; for ``Sq < Sk`` (decoding with a KV cache) the last query row sees
@@ -446,19 +521,101 @@ def attention(
             With ``Sq > Sk`` the first ``Sq - Sk`` rows see no key: their output is 0 and
             their lse ``-inf`` (never NaN).
         scale: score scale, default ``1 / sqrt(D)``.
+        window: ``(left, right)`` sliding window: with ``d = i + (Sk - Sq) - j``, row ``i``
+            sees key ``j`` iff ``-right <= d <= left``; ``-1`` leaves a side unbounded;
+            ``causal=True`` is ``right = 0``. Hugging Face's ``sliding_window=W`` (W keys
+            including the query itself) is ``window=(W - 1, 0)`` with ``causal=True``.
+        key_padding_mask: ``(B, Sk)`` bool, True where the key takes part (Hugging Face's
+            ``attention_mask == 1``). Any pattern (left or right padding); a row whose keys
+            are all masked gives output 0 and lse ``-inf``.
+
+    Score terms (DESIGN.md, "Attention variants"), with the same ``d``; tables may be any
+    floating dtype (they are used in float32, float64 for float64 inputs):
+
+        softcap: ``s = softcap * tanh(s / softcap)`` on the scaled score, before the biases
+            and the mask (Gemma 2). Must be > 0.
+        alibi_slopes: ``(H,)`` or ``(B, H)``: ``s -= slope[b, h] * |d|`` (ALiBi, Press et al.;
+            :func:`attn_ext.alibi_slopes`). No gradient. The lse is exact (not shifted).
+        rel_bias: ``(H, 2M + 1)`` learnable relative position bias ``b_{i-j}``:
+            ``s += rel_bias[h, M + clamp(d, -M, M)]`` (:class:`attn_ext.RelativePositionBias`
+            builds it, T5 buckets included). Differentiable: its gradient is computed inside
+            the backward (no ``(Sq, Sk)`` buffer), deterministic for a given thread count.
+        sinks: ``(H,)`` attention-sink logits (GPT-OSS): ``exp(sinks[h])`` joins every row's
+            softmax denominator and outputs nothing; lse includes it, so a row that sees no
+            key has output 0 and lse ``sinks[h]``. Differentiable.
+        dropout_p: dropout on the probabilities (rescaled by ``1 / (1 - p)``), applied
+            whenever ``dropout_p > 0`` (pass 0 in eval). The keep bit of ``(b, h, i, j)`` is a
+            pure function of a seed/offset drawn from torch's generator of q's device and the
+            position: the backward sees the same mask, for any tiling and thread count, and
+            ``torch.manual_seed`` reproduces it.
         return_lse: also return the log-sum-exp of each score row.
+
+    A key a row cannot see never affects that row (an inf/NaN in a masked key's k or v
+    leaves the row finite), forward and backward.
 
     Returns ``out (B, Sq, H, Dv)`` (contiguous, q's dtype; ``(B, Sq, Dv)`` for 3-D input), and
     with ``return_lse`` also ``lse (B, H, Sq)`` (``(B, Sq)`` for 3-D input), float32 — float64
-    for float64 inputs. Differentiable in q, k, v through ``out``; the gradient of ``lse`` is
-    not propagated (treated as zero).
+    for float64 inputs. Differentiable in q, k, v through ``out`` and ``lse`` (the lse
+    gradient folds into the backward's row term).
     """
     q, k, v, squeeze = _heads_4d(q, k, v)
-    if return_lse:
-        out, lse = _lib.attention_forward(q, k, v, causal, scale)
+    left, right = _window_args(window)
+    terms = _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
+    plain = all(t is None for t in terms[:4]) and terms[4] == 0.0
+    if return_lse or key_padding_mask is not None or (left, right) != (-1, -1) or not plain:
+        out, lse = _lib.attention_forward(q, k, v, causal, scale, left, right, key_padding_mask,
+                                          *terms)
+        if not return_lse:
+            return out.squeeze(2) if squeeze else out
         return (out.squeeze(2), lse.squeeze(1)) if squeeze else (out, lse)
     out = _lib.attention(q, k, v, causal, scale)
     return out.squeeze(2) if squeeze else out
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    window=None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    rel_bias: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+):
+    """:func:`attention` on packed sequences (FlashAttention's varlen convention).
+
+    Args:
+        q: ``(Tq, H, D)``, k: ``(Tk, Hkv, D)``, v: ``(Tk, Hkv, Dv)``: the sequences' rows one
+            after another (last dim contiguous, any other strides).
+        cu_seqlens_q, cu_seqlens_k: int32 ``(N + 1,)``, starting at 0, non-decreasing, ending
+            at ``Tq`` / ``Tk``: sequence ``b`` owns q rows ``[cu_seqlens_q[b], cu_seqlens_q[b+1])``
+            and k/v rows ``[cu_seqlens_k[b], cu_seqlens_k[b+1])``. Empty sequences are fine.
+        max_seqlen_q, max_seqlen_k: bounds on the sequences' lengths (checked on CPU).
+        causal, scale, window: as in :func:`attention`, per sequence, bottom-right aligned
+            to that sequence's own ``(Sq_b, Sk_b)``.
+        alibi_slopes, rel_bias, softcap, sinks, dropout_p: as in :func:`attention`, per
+            sequence (``alibi_slopes`` may be ``(N, H)``: one row per sequence; dropout bits at
+            each sequence's own positions, batch index = sequence index).
+
+    A row never sees another sequence's keys. Returns ``out (Tq, H, Dv)`` and with
+    ``return_lse`` also ``lse (H, Tq)``. Differentiable in q, k, v (through out and lse).
+    """
+    left, right = _window_args(window)
+    terms = _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
+    out, lse = _lib.attention_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, left, right,
+        *terms
+    )
+    return (out, lse) if return_lse else out
 
 
 def causal_attention(
@@ -476,23 +633,85 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @torch.library.register_fake("attn_ext::attention_forward")
-def _attention_forward_fake(q, k, v, causal, scale=None):
+def _attention_forward_fake(q, k, v, causal, scale=None, window_left=-1, window_right=-1,
+                            key_padding_mask=None, alibi_slopes=None, rel_bias=None,
+                            softcap=None, sinks=None, dropout_p=0.0, dropout_seed=0,
+                            dropout_offset=0):
     torch._check(q.dim() == 4, lambda: f"q must have 4 dims (B, Sq, H, D), got shape {list(q.shape)}")
     torch._check(k.dim() == 4, lambda: f"k must have 4 dims (B, Sk, Hkv, D), got shape {list(k.shape)}")
     torch._check(v.dim() == 4, lambda: f"v must have 4 dims (B, Sk, Hkv, Dv), got shape {list(v.shape)}")
+    if key_padding_mask is not None:
+        torch._check(
+            key_padding_mask.dim() == 2,
+            lambda: f"key_padding_mask must have shape (B, Sk), got shape {list(key_padding_mask.shape)}",
+        )
     B, Sq, H, _ = q.shape
     out = q.new_empty((B, Sq, H, v.shape[3]))
     lse = q.new_empty((B, H, Sq), dtype=_lse_dtype(q.dtype))
     return out, lse
 
 
-@torch.library.register_fake("attn_ext::attention_backward")
-def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None, deterministic=False):
+def _grads_like(q, k, v, rel_bias):
+    drel_bias = (
+        q.new_empty((0,), dtype=_lse_dtype(q.dtype)) if rel_bias is None
+        else torch.empty_like(rel_bias, memory_format=torch.contiguous_format)
+    )
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         torch.empty_like(k, memory_format=torch.contiguous_format),
         torch.empty_like(v, memory_format=torch.contiguous_format),
+        drel_bias,
     )
+
+
+@torch.library.register_fake("attn_ext::attention_backward")
+def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None, window_left=-1,
+                             window_right=-1, key_padding_mask=None, dlse=None,
+                             alibi_slopes=None, rel_bias=None, softcap=None, dropout_p=0.0,
+                             dropout_seed=0, dropout_offset=0, deterministic=False):
+    return _grads_like(q, k, v, rel_bias)
+
+
+@torch.library.register_fake("attn_ext::attention_varlen_forward")
+def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, causal=False, scale=None, window_left=-1,
+                                   window_right=-1, alibi_slopes=None, rel_bias=None,
+                                   softcap=None, sinks=None, dropout_p=0.0, dropout_seed=0,
+                                   dropout_offset=0):
+    torch._check(q.dim() == 3, lambda: f"q must have 3 dims (Tq, H, D), got shape {list(q.shape)}")
+    torch._check(k.dim() == 3, lambda: f"k must have 3 dims (Tk, Hkv, D), got shape {list(k.shape)}")
+    torch._check(v.dim() == 3, lambda: f"v must have 3 dims (Tk, Hkv, Dv), got shape {list(v.shape)}")
+    Tq, H, _ = q.shape
+    out = q.new_empty((Tq, H, v.shape[2]))
+    lse = q.new_empty((H, Tq), dtype=_lse_dtype(q.dtype))
+    return out, lse
+
+
+@torch.library.register_fake("attn_ext::attention_varlen_backward")
+def _attention_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, causal=False, scale=None,
+                                    window_left=-1, window_right=-1, dlse=None,
+                                    alibi_slopes=None, rel_bias=None, softcap=None,
+                                    dropout_p=0.0, dropout_seed=0, dropout_offset=0,
+                                    deterministic=False):
+    return _grads_like(q, k, v, rel_bias)
+
+
+def _row_contiguous(g):
+    # Autograd may hand us an expanded gradient (e.g. of out.sum(): all strides 0).
+    return g.contiguous() if g.stride(-1) != 1 and g.shape[-1] > 1 else g
+
+
+def _sinks_grad(sinks, lse, out, dout, dlse, rows_dims, head_first):
+    """d sinks[h] = sum over rows of exp(sinks[h] - lse) * (dlse - rowsum(dout * out)): the
+    sink's probability times the row term of the softmax backward (from lse and out alone)."""
+    di = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (..., H) rows first
+    di = di.movedim(-1, head_first)  # lse's layout: (B, H, Sq) or (H, Tq)
+    g = -di if dlse is None else dlse - di
+    shape = [1] * lse.dim()
+    shape[head_first] = -1
+    p_sink = torch.exp(sinks.to(lse.dtype).view(shape) - lse)
+    return (p_sink * g).sum(dim=rows_dims).to(sinks.dtype)
 
 
 @contextlib.contextmanager
@@ -513,31 +732,74 @@ def _simple_cuda_kernels():
 
 
 def _attention_forward_setup(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    (q, k, v, causal, scale, window_left, window_right, key_padding_mask, alibi_slopes, rel_bias,
+     softcap, sinks, dropout_p, dropout_seed, dropout_offset) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, alibi_slopes, rel_bias, sinks)
     ctx.causal = causal
     ctx.scale = scale
+    ctx.window = (window_left, window_right)
+    ctx.terms = (softcap, dropout_p, dropout_seed, dropout_offset)
 
 
 def _attention_forward_backward(ctx, dout, dlse):
-    # Only out's gradient is propagated; lse's (dlse) is ignored (treated as zero).
-    q, k, v, out, lse = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    elif dout.stride(-1) != 1 and dout.shape[-1] > 1:
-        dout = dout.contiguous()  # e.g. the expanded gradient of out.sum()
-    # The stable ABI cannot query torch.are_deterministic_algorithms_enabled() from C++, so
-    # the choice travels as an argument (CUDA: no fp32-atomic dq under deterministic mode).
-    dq, dk, dv = _lib.attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale,
-                                         torch.are_deterministic_algorithms_enabled())
-    return dq, dk, dv, None, None
+    # dlse (the gradient of lse) joins the row term of the backward: dS = P * (dP - (Di - dlse)).
+    q, k, v, out, lse, key_padding_mask, alibi_slopes, rel_bias, sinks = ctx.saved_tensors
+    softcap, dropout_p, seed, offset = ctx.terms
+    dout = torch.zeros_like(out) if dout is None else _row_contiguous(dout)
+    dq, dk, dv, drel_bias = _lib.attention_backward(
+        dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.window[0], ctx.window[1],
+        key_padding_mask, dlse, alibi_slopes, rel_bias, softcap, dropout_p, seed, offset,
+        # The stable ABI cannot query torch.are_deterministic_algorithms_enabled() from C++,
+        # so the choice travels as an argument (CUDA: no fp32-atomic dq under deterministic mode).
+        torch.are_deterministic_algorithms_enabled(),
+    )
+    dsinks = None
+    if sinks is not None and ctx.needs_input_grad[11]:
+        dsinks = _sinks_grad(sinks, lse, out, dout, dlse, (0, 2), 1)
+    return (dq, dk, dv, None, None, None, None, None, None,
+            drel_bias if rel_bias is not None else None, None, dsinks, None, None, None)
 
 
 torch.library.register_autograd(
     "attn_ext::attention_forward",
     _attention_forward_backward,
     setup_context=_attention_forward_setup,
+)
+
+
+def _attention_varlen_setup(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, alibi_slopes,
+     rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, rel_bias, sinks)
+    ctx.max_seqlen = (max_q, max_k)
+    ctx.causal = causal
+    ctx.scale = scale
+    ctx.window = (window_left, window_right)
+    ctx.terms = (softcap, dropout_p, dropout_seed, dropout_offset)
+
+
+def _attention_varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, rel_bias, sinks = ctx.saved_tensors
+    softcap, dropout_p, seed, offset = ctx.terms
+    dout = torch.zeros_like(out) if dout is None else _row_contiguous(dout)
+    dq, dk, dv, drel_bias = _lib.attention_varlen_backward(
+        dout, q, k, v, out, lse, cu_q, cu_k, ctx.max_seqlen[0], ctx.max_seqlen[1], ctx.causal,
+        ctx.scale, ctx.window[0], ctx.window[1], dlse, alibi_slopes, rel_bias, softcap,
+        dropout_p, seed, offset, torch.are_deterministic_algorithms_enabled(),
+    )
+    dsinks = None
+    if sinks is not None and ctx.needs_input_grad[14]:
+        dsinks = _sinks_grad(sinks, lse, out, dout, dlse, (1,), 0)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, None,
+            drel_bias if rel_bias is not None else None, None, dsinks, None, None, None)
+
+
+torch.library.register_autograd(
+    "attn_ext::attention_varlen_forward",
+    _attention_varlen_backward,
+    setup_context=_attention_varlen_setup,
 )
 
 
@@ -579,9 +841,13 @@ def attention_weights(
     causal: bool = False,
     scale: Optional[float] = None,
     lse: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    rel_bias: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """The ``(B, H, Sq, Sk)`` attention probabilities ``exp(scale * q k^T - lse)`` in float32
-    (float64 for float64 input).
+    (float64 for float64 input), with the score terms of :func:`attention` when given: softcap,
+    ALiBi, rel_bias.
 
     For attention maps and plots, not for the fast path: it forms the full score matrix. Pass
     the ``lse`` returned by ``attention(..., return_lse=True)`` to reuse the forward's
@@ -614,12 +880,14 @@ def attention_weights(
             raise ValueError(f"lse must be on the same device as q ({q.device}), got {lse.device}")
         if not lse.is_floating_point():
             raise ValueError(f"lse must be a floating-point tensor, got {lse.dtype}")
-    probs = _attention_probs(q, k, causal, scale, lse)
+    probs = _attention_probs(q, k, causal, scale, lse, alibi_slopes, rel_bias, softcap)
     return probs.squeeze(1) if squeeze else probs
 
 
 def _attention_probs(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: Optional[float],
-                     lse: Optional[torch.Tensor]) -> torch.Tensor:
+                     lse: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor] = None,
+                     rel_bias: Optional[torch.Tensor] = None,
+                     softcap: Optional[float] = None) -> torch.Tensor:
     """The math of :func:`attention_weights` on checked 4-D input, written for TorchScript
     (positional arguments, no checks): the modules call it on their own q and k."""
     H, D = q.size(2), q.size(3)
@@ -630,6 +898,11 @@ def _attention_probs(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: Opti
     qf = q.transpose(1, 2).to(torch.float32 if q.dtype != torch.float64 else q.dtype)
     kf = k.transpose(1, 2).to(qf.dtype)
     scores = torch.matmul(qf, kf.transpose(-2, -1)) * s  # (B, H, Sq, Sk)
+    if softcap is not None or alibi_slopes is not None or rel_bias is not None:
+        d = score_distance(Sq, Sk, q.device)
+        scores = add_score_terms(
+            scores, d, softcap, None if alibi_slopes is None else alibi_slopes.to(scores.dtype),
+            None if rel_bias is None else rel_bias.to(scores.dtype))
     if causal:
         keep = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(Sk - Sq)
         scores = scores.masked_fill(~keep, float("-inf"))

@@ -29,17 +29,63 @@ def causal_mask(sq: int, sk: int, device=None) -> torch.Tensor:
     return j <= i + (sk - sq)
 
 
+def visibility_mask(
+    sq: int,
+    sk: int,
+    causal: bool = False,
+    window: Optional[Tuple[int, int]] = None,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    device=None,
+) -> torch.Tensor:
+    """True where query ``i`` may see key ``j`` (DESIGN.md, "Attention variants").
+
+    With ``d = i + (sk - sq) - j`` (the textbook's ``i - j``, bottom-right aligned):
+    causal keeps ``d >= 0``; ``window = (left, right)`` keeps ``-right <= d <= left`` (a side
+    of -1 is unbounded); ``key_padding_mask (B, sk)`` keeps the keys marked True.
+    Returns ``(sq, sk)``, or ``(B, 1, sq, sk)`` with a key padding mask.
+    """
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    d = i + (sk - sq) - j
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        keep = keep & (d >= 0)
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            keep = keep & (d <= left)
+        if right >= 0:
+            keep = keep & (d >= -right)
+    if key_padding_mask is not None:
+        keep = keep[None, None] & key_padding_mask[:, None, None, :].to(device)
+    return keep
+
+
 def attention_with_lse(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     causal: bool = False,
     scale: Optional[float] = None,
+    window: Optional[Tuple[int, int]] = None,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    rel_bias: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T * scale [+ causal mask]) v, and the log-sum-exp of each score row.
+    """softmax(score terms of q k^T * scale [+ mask]) v, and the log-sum-exp of each score row.
 
+    The score is DESIGN.md's (:func:`add_score_terms`: softcap, then ALiBi and rel_bias at
+    distance ``d = i + (Sk - Sq) - j``), the mask :func:`visibility_mask` (causal, window, key
+    padding), the softmax :func:`softmax_with_sinks` (``sinks (H,)`` join every row's
+    denominator). With ``dropout_p > 0`` the probabilities are multiplied by
+    ``dropout_mask (B, H, Sq, Sk)`` (True = kept; :func:`dropout_keep_mask` gives the kernels'
+    bits) and divided by ``1 - dropout_p``; lse is that of the undropped scores.
     Returns ``out (B, Sq, H, Dv)`` and ``lse (B, H, Sq)`` (in q's dtype). A row that sees no
-    key gives output 0 and lse -inf.
+    key gives output 0 and lse -inf (its sink logit with sinks).
     """
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -52,20 +98,54 @@ def attention_with_lse(
     # (B, H, S, D) for batched matrix products.
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     scores = (qh @ kh.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
-    if causal:
-        scores = scores.masked_fill(~causal_mask(Sq, Sk, q.device), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # (B, H, Sq); -inf for an empty row
-    # An empty row (every score -inf) has probabilities exp(-inf - 0) = 0, so its output is 0;
-    # a NaN anywhere in a row still makes that row NaN.
-    lse_finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    probs = torch.exp(scores - lse_finite[..., None])
+    d = score_distance(Sq, Sk, q.device)
+    scores = add_score_terms(scores, d, softcap, alibi_slopes, rel_bias)
+    if causal or window is not None or key_padding_mask is not None:
+        keep = visibility_mask(Sq, Sk, causal, window, key_padding_mask, q.device)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    # An empty row (every score -inf) has probabilities exp(-inf - lse) = 0, so its output is
+    # 0; a NaN anywhere in a row still makes that row NaN.
+    probs, lse = softmax_with_sinks(scores, sinks)  # lse (B, H, Sq); -inf for an empty row
+    if dropout_p > 0:
+        probs = probs * dropout_mask.to(probs.device) / (1.0 - dropout_p)
     out = probs @ vh  # (B, H, Sq, Dv)
     return out.transpose(1, 2), lse
 
 
-def attention(q, k, v, causal: bool = False, scale: Optional[float] = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) [+ causal mask]) v on ``(B, S, H, D)`` tensors."""
-    return attention_with_lse(q, k, v, causal, scale)[0]
+def attention(q, k, v, causal: bool = False, scale: Optional[float] = None, window=None,
+              key_padding_mask=None, **terms) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) [+ terms, mask]) v on ``(B, S, H, D)`` tensors."""
+    return attention_with_lse(q, k, v, causal, scale, window, key_padding_mask, **terms)[0]
+
+
+def attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False,
+                              scale: Optional[float] = None, window=None, alibi_slopes=None,
+                              rel_bias=None, softcap=None, sinks=None, dropout_p: float = 0.0,
+                              dropout_seed: int = 0, dropout_offset: int = 0):
+    """Packed sequences: each sequence ``b`` (q rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``,
+    k/v rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``) attends on its own, one after another.
+    q ``(Tq, H, D)``, k ``(Tk, Hkv, D)``, v ``(Tk, Hkv, Dv)``; returns ``out (Tq, H, Dv)``
+    and ``lse (H, Tq)``. Terms as :func:`attention_with_lse` (``alibi_slopes (N, H)`` gives
+    sequence b its row); dropout keep bits of sequence b at its local positions
+    (:func:`dropout_keep_mask` with batch index b)."""
+    outs, lses = [], []
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    H = q.shape[1]
+    for b in range(len(cq) - 1):
+        qb = q[cq[b]:cq[b + 1]][None]
+        kb, vb = k[ck[b]:ck[b + 1]][None], v[ck[b]:ck[b + 1]][None]
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        mask = None
+        if dropout_p > 0:
+            mask = dropout_keep_mask(dropout_seed, dropout_offset, b + 1, H, range(cq[b + 1] - cq[b]),
+                                     range(ck[b + 1] - ck[b]), dropout_p)[b:b + 1]
+        out, lse = attention_with_lse(qb, kb, vb, causal, scale, window, None, slopes, rel_bias,
+                                      softcap, sinks, dropout_p, mask)
+        outs.append(out[0])
+        lses.append(lse[0])
+    if not outs:
+        return q.new_zeros(0, q.shape[1], v.shape[2]), q.new_zeros(q.shape[1], 0)
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
 def attention_probs(q, k, causal: bool = False, scale: Optional[float] = None) -> torch.Tensor:
@@ -289,3 +369,97 @@ class MultiHeadAttentionRef(nn.Module):
             k = rope(k, cos, sin, interleaved=interleaved)
         out = attention(q, k, v, causal=self.causal)  # (B, Sq, H, Dv)
         return self.w_o(out.reshape(B, Sq, self.h * self.dv))
+
+
+# ---------------------------------------------------------------------------------------
+# attention dropout: the counter-based keep bit (mirror of csrc/common/dropout_rng.h)
+# ---------------------------------------------------------------------------------------
+
+_U64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _mix64(z):
+    """SplitMix64's finaliser on a numpy uint64 array (arithmetic wraps mod 2**64)."""
+    import numpy as np
+
+    z = np.asarray(z, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def dropout_threshold(p: float) -> int:
+    """Drop a key iff its 16-bit field is below this: round(p * 2**16)."""
+    return min(max(int(math.floor(p * 65536.0 + 0.5)), 0), 65536)
+
+
+def dropout_keep_mask(seed: int, offset: int, batch: int, heads: int, rows, keys,
+                      p: float) -> torch.Tensor:
+    """Keep bits ``(batch, heads, len(rows), len(keys))`` of attention dropout.
+
+    ``rows`` / ``keys`` are the GLOBAL query / key positions (sequences of ints). Key ``j`` of
+    row ``(b, h, i)`` survives iff the 16-bit field ``j % 4`` of
+    ``mix(row_key ^ (j // 4) * golden)`` is at least ``round(p * 2**16)``, where
+    ``row_key = mix(mix(mix(mix(mix(seed) ^ offset) ^ b) ^ h) ^ i)`` and ``mix`` is
+    SplitMix64's finaliser: a pure function of (seed, offset, b, h, i, j).
+    """
+    import numpy as np
+
+    u = np.uint64
+    b = np.arange(batch, dtype=u)[:, None, None, None]
+    h = np.arange(heads, dtype=u)[None, :, None, None]
+    i = np.asarray(list(rows), dtype=u)[None, None, :, None]
+    j = np.asarray(list(keys), dtype=np.int64)[None, None, None, :]
+    r = _mix64(_mix64(np.asarray(seed & _U64, dtype=u)) ^ u(offset & _U64))
+    r = _mix64(_mix64(_mix64(r ^ b) ^ h) ^ i)
+    with np.errstate(over="ignore"):
+        w = _mix64(r ^ ((j >> 2).astype(u) * u(0x9E3779B97F4A7C15)))
+    field = (w >> (u(16) * (j & 3).astype(u))) & u(0xFFFF)
+    return torch.from_numpy(field >= u(dropout_threshold(p)))
+
+
+# ---------------------------------------------------------------------------------------
+# score terms (DESIGN.md, "Attention variants"), applied to a full score matrix
+# ---------------------------------------------------------------------------------------
+
+
+def score_distance(sq: int, sk: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """``d[i, j] = i + (sk - sq) - j``: the textbook's ``i - j``, bottom-right aligned."""
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    return i + (sk - sq) - j
+
+
+def add_score_terms(scores: torch.Tensor, d: torch.Tensor, softcap: Optional[float] = None,
+                    alibi_slopes: Optional[torch.Tensor] = None,
+                    rel_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The score of DESIGN.md on ``scores = scale * q k^T`` of shape ``(B, H, Sq, Sk)``:
+
+        s = softcap * tanh(s / softcap)              if softcap
+        s += -alibi_slopes[h] * |d|                  if alibi_slopes ((H,) or (B, H))
+        s += rel_bias[h, M + clamp(d, -M, M)]        if rel_bias (H, 2M + 1)
+    """
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(scores.dtype)
+        slopes = slopes[None, :] if slopes.dim() == 1 else slopes  # (B or 1, H)
+        scores = scores - slopes[:, :, None, None] * d.abs().to(scores.dtype)
+    if rel_bias is not None:
+        M = (rel_bias.shape[-1] - 1) // 2
+        scores = scores + rel_bias.to(scores.dtype)[:, M + d.clamp(-M, M)]  # (H, Sq, Sk)
+    return scores
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: Optional[torch.Tensor] = None):
+    """Row softmax of ``(B, H, Sq, Sk)`` scores (-inf = invisible) whose denominator also holds
+    ``exp(sinks[h])`` when given. Returns ``(probs, lse)``; a row with no visible key and no
+    sink has probabilities 0 and lse -inf."""
+    if sinks is not None:
+        sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(scores, dim=-1)
+    lse_finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(scores - lse_finite[..., None]), lse

@@ -37,10 +37,25 @@ std::string last_shim_error() {
 
 Tensor call_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                               std::optional<double> scale) {
-  std::array<StableIValue, 5> stack{
-      torch::stable::detail::from(q), torch::stable::detail::from(k),
-      torch::stable::detail::from(v), torch::stable::detail::from(causal),
-      torch::stable::detail::from(scale)};
+  // torch_call_dispatcher takes the full stack: every argument of attention_forward's schema
+  // (csrc/ops.cpp), defaults included (no window, no key_padding_mask, no score terms, no
+  // dropout). The outputs come back in its first two slots.
+  using torch::stable::detail::from;
+  const OptTensor none = std::nullopt;
+  const std::optional<double> no_softcap = std::nullopt;
+  std::array<StableIValue, 15> stack{
+      from(q),         from(k),
+      from(v),         from(causal),
+      from(scale),     from(static_cast<int64_t>(-1)),  // window_left
+      from(static_cast<int64_t>(-1)),                   // window_right
+      from(none),                                       // key_padding_mask
+      from(none),                                       // alibi_slopes
+      from(none),                                       // rel_bias
+      from(no_softcap),                                 // softcap
+      from(none),                                       // sinks
+      from(0.0),                                        // dropout_p
+      from(static_cast<int64_t>(0)),                    // dropout_seed
+      from(static_cast<int64_t>(0))};                   // dropout_offset
   if (torch_call_dispatcher("attn_ext::attention_forward", "", stack.data(),
                             TORCH_ABI_VERSION) != TORCH_SUCCESS) {
     throw std::runtime_error(last_shim_error());

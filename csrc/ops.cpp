@@ -70,24 +70,50 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
 
   // ---- attention ----------------------------------------------------------------------------
   // q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv): any strides, last dim contiguous.
-  // Hkv divides H (query head h reads kv head h / (H / Hkv)); scale defaults to 1/sqrt(D);
-  // causal: row i sees key j iff j <= i + (Sk - Sq) (bottom-right aligned). A row that sees
-  // no key gives out 0 and lse -inf.
+  // Hkv divides H (query head h reads kv head h / (H / Hkv)); scale defaults to 1/sqrt(D).
+  // Which keys row i sees (DESIGN.md "Attention variants", csrc/common/attention_mask.h),
+  // with d = i + (Sk - Sq) - j: causal -> d >= 0 (bottom-right aligned); window
+  // (window_left, window_right) -> -window_right <= d <= window_left, -1 = unbounded side;
+  // key_padding_mask (B, Sk) bool -> key j takes part iff key_padding_mask[b, j].
+  // A row that sees no key gives out 0 and lse -inf.
   // out (B, Sq, H, Dv) contiguous; lse (B, H, Sq) float32 (float64 for float64 inputs).
+  // Score terms (DESIGN.md, common/attention_mask.h ScoreTerms), float32 tables (float64 for
+  // float64 inputs): alibi_slopes (H,) or (B, H) -> s -= slope * |d|; rel_bias (H, 2M + 1) ->
+  // s += rel_bias[h, M + clamp(d, -M, M)]; softcap > 0 -> s = softcap * tanh(s / softcap)
+  // first; sinks (H,) -> exp(sinks[h]) joins every row's denominator (lse includes it);
+  // dropout_p in [0, 1) on the probabilities, keep bit from (dropout_seed, dropout_offset, b, h,
+  // i, j) (common/dropout_rng.h; the Python wrapper draws seed/offset from torch's generator).
+  // The mask and term arguments were added after scale with defaults, so the original
+  // attention_forward(q, k, v, causal[, scale]) calls (TorchScript, C++) keep working.
   m.def(
       "attention_forward("
       "    Tensor q,"
       "    Tensor k,"
       "    Tensor v,"
       "    bool causal,"
-      "    float? scale=None"
+      "    float? scale=None,"
+      "    int window_left=-1,"
+      "    int window_right=-1,"
+      "    Tensor? key_padding_mask=None,"
+      "    Tensor? alibi_slopes=None,"
+      "    Tensor? rel_bias=None,"
+      "    float? softcap=None,"
+      "    Tensor? sinks=None,"
+      "    float dropout_p=0.0,"
+      "    int dropout_seed=0,"
+      "    int dropout_offset=0"
       ") -> (Tensor out, Tensor lse)");
-  // Gradients of out with respect to q, k, v (contiguous, shapes and dtypes of q, k, v),
-  // recomputing the probabilities from lse. dout: (B, Sq, H, Dv), last dim contiguous.
+  // Gradients of out (and of lse, through dlse) with respect to q, k, v (contiguous, shapes
+  // and dtypes of q, k, v), recomputing the probabilities from lse. dout: (B, Sq, H, Dv),
+  // last dim contiguous; dlse: lse's shape and dtype, None = zero. The mask and term arguments
+  // are the forward's (sinks need none: lse holds them; their gradient is
+  // exp(sink - lse) * (dlse - rowsum(dout * out)) summed over rows, computed by the caller).
+  // drel_bias: d rel_bias (H, 2M + 1), or an empty (0,) tensor without rel_bias.
   // deterministic=True selects bitwise-reproducible kernels (CUDA: the simple kernels instead
   // of the fast one's fp32 atomics; the CPU backward is always deterministic). The stable ABI
   // cannot read torch.are_deterministic_algorithms_enabled(), so the caller passes it: the
-  // Python autograd formula does; C++ / TorchScript callers pass it explicitly.
+  // Python autograd formula does; C++ / TorchScript callers pass it explicitly. It is the last
+  // argument of both backward schemas.
   m.def(
       "attention_backward("
       "    Tensor dout,"
@@ -98,8 +124,70 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
       "    Tensor lse,"
       "    bool causal,"
       "    float? scale=None,"
+      "    int window_left=-1,"
+      "    int window_right=-1,"
+      "    Tensor? key_padding_mask=None,"
+      "    Tensor? dlse=None,"
+      "    Tensor? alibi_slopes=None,"
+      "    Tensor? rel_bias=None,"
+      "    float? softcap=None,"
+      "    float dropout_p=0.0,"
+      "    int dropout_seed=0,"
+      "    int dropout_offset=0,"
       "    bool deterministic=False"
-      ") -> (Tensor dq, Tensor dk, Tensor dv)");
+      ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor drel_bias)");
+  // Packed sequences (FlashAttention's varlen convention): q (Tq, H, D), k (Tk, Hkv, D),
+  // v (Tk, Hkv, Dv); sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and
+  // [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k / v (int32 (N + 1,), from 0, non-decreasing,
+  // ending at Tq / Tk); max_seqlen_* bound every sequence's length. causal and window apply
+  // per sequence, bottom-right aligned to that sequence's lengths. out (Tq, H, Dv), lse (H, Tq).
+  // Terms as attention_forward's, per sequence (b = sequence; alibi_slopes (N, H) or (H,)).
+  m.def(
+      "attention_varlen_forward("
+      "    Tensor q,"
+      "    Tensor k,"
+      "    Tensor v,"
+      "    Tensor cu_seqlens_q,"
+      "    Tensor cu_seqlens_k,"
+      "    SymInt max_seqlen_q,"
+      "    SymInt max_seqlen_k,"
+      "    bool causal=False,"
+      "    float? scale=None,"
+      "    int window_left=-1,"
+      "    int window_right=-1,"
+      "    Tensor? alibi_slopes=None,"
+      "    Tensor? rel_bias=None,"
+      "    float? softcap=None,"
+      "    Tensor? sinks=None,"
+      "    float dropout_p=0.0,"
+      "    int dropout_seed=0,"
+      "    int dropout_offset=0"
+      ") -> (Tensor out, Tensor lse)");
+  m.def(
+      "attention_varlen_backward("
+      "    Tensor dout,"
+      "    Tensor q,"
+      "    Tensor k,"
+      "    Tensor v,"
+      "    Tensor out,"
+      "    Tensor lse,"
+      "    Tensor cu_seqlens_q,"
+      "    Tensor cu_seqlens_k,"
+      "    SymInt max_seqlen_q,"
+      "    SymInt max_seqlen_k,"
+      "    bool causal=False,"
+      "    float? scale=None,"
+      "    int window_left=-1,"
+      "    int window_right=-1,"
+      "    Tensor? dlse=None,"
+      "    Tensor? alibi_slopes=None,"
+      "    Tensor? rel_bias=None,"
+      "    float? softcap=None,"
+      "    float dropout_p=0.0,"
+      "    int dropout_seed=0,"
+      "    int dropout_offset=0,"
+      "    bool deterministic=False"
+      ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor drel_bias)");
   // out of attention_forward. Composite (csrc/attention_composite.cpp): differentiable
   // through attention_forward's autograd formula, so a backend implements only
   // attention_forward / attention_backward.

@@ -174,7 +174,12 @@ def test_decode_split_kv(B, Sq, H, device):
                 prev = torch.get_num_threads()
                 torch.set_num_threads(threads)
                 try:
-                    assert attn_ext.explain(q, k, v, causal=causal).forward == "cpu.split_kv"
+                    # float32 with few columns per kv head: the decode kernel's split-K
+                    # (csrc/cpu/attention_decode.h), else the tiled kernel's split-KV
+                    dec = attn_ext._explain.cpu_decode_plan(
+                        attn_ext._explain.Shape(B, Sq, 1500, H, 1, 64, 64), dtype, threads)
+                    want = "cpu.decode" if dec is not None else "cpu.split_kv"
+                    assert attn_ext.explain(q, k, v, causal=causal).forward == want
                     check(q, k, v, causal, grads=False)
                 finally:
                     torch.set_num_threads(prev)

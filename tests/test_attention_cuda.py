@@ -251,7 +251,7 @@ def test_backward(shape, dtype, causal, cuda):
     v = randn(B, Sk, Hkv, Dv, dtype=dtype, device=cuda)
     dout = randn(B, Sq, H, Dv, dtype=dtype, device=cuda)
     out, lse = fwd(q, k, v, causal)
-    dq, dk, dv = torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, causal, None)
+    dq, dk, dv, _ = torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, causal, None)
     _, *g64 = _grads(q, k, v, dout, causal, torch.float64)
     _, *glow = _grads(q, k, v, dout, causal, dtype)
     for name, ours, r64, rlow in zip(("dq", "dk", "dv"), (dq, dk, dv), g64, glow):
@@ -288,8 +288,9 @@ def test_backward_deterministic(cuda):
     out, lse = fwd(q, k, v, True)
 
     def bwd():
-        return torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, True, None,
-                                                     torch.are_deterministic_algorithms_enabled())
+        return torch.ops.attn_ext.attention_backward(
+            dout, q, k, v, out, lse, True, None,
+            deterministic=torch.are_deterministic_algorithms_enabled())
 
     a, b = bwd(), bwd()
     assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])  # dk, dv: no atomics
@@ -556,3 +557,79 @@ def test_explain_matches_the_profiled_kernel(case, cuda):
     choice = attn_ext.explain(q, k, v, causal=True, dout=dout)
     names = kernel_names(lambda: bwd(dout, q, k, v, out, lse, True))
     assert ran(names, "fa2_bwd_kernel" if choice.backward == "cuda.fa2" else "simple_bwd"), (str(choice), names)
+
+
+# ---- masks (issue 14), lse gradient and masked non-finite values (issue 18) ---------------
+
+
+def _masked_case(fn_ours, fn_ref, inputs, dtype):
+    """Values, lse and gradients (loss on out and lse) on CUDA vs the float64 CPU reference."""
+    ts = [t.to("cuda", dtype).requires_grad_() for t in inputs]
+    out, lse = fn_ours(*ts)
+    dout = torch.randn(out.shape, dtype=torch.float64)
+    dlse = torch.randn(lse.shape, dtype=torch.float64)
+    fin = lambda l: l.masked_fill(torch.isneginf(l), 0.0)  # noqa: E731
+    loss = (out.double().cpu() * dout).sum() + (fin(lse).double().cpu() * dlse).sum()
+    got = [out, lse] + list(torch.autograd.grad(loss, ts))
+    rs = [t.detach().double().requires_grad_() for t in inputs]
+    rout, rlse = fn_ref(*rs)
+    rloss = (rout * dout).sum() + (fin(rlse) * dlse).sum()
+    want = [rout, rlse] + list(torch.autograd.grad(rloss, rs))
+    lows = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    lout, llse = fn_ref(*lows)
+    lloss = (lout.double() * dout).sum() + (fin(llse).double() * dlse).sum()
+    low = [lout, llse] + list(torch.autograd.grad(lloss, lows))
+    for name, a, r, lo in zip(["out", "lse", "dq", "dk", "dv"], got, want, low):
+        assert_close_rule(a.detach().cpu(), r.detach(), lo.detach(), name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window,padded", [((30, 0), False), (None, True), ((40, 5), True)])
+def test_masks_on_cuda(dtype, window, padded, cuda):
+    B, Sq, Sk, H, Hkv, D = 2, 150, 170, 4, 2, 64
+    inputs = [randn(B, Sq, H, D), randn(B, Sk, Hkv, D), randn(B, Sk, Hkv, D)]
+    kpm = (torch.rand(B, Sk) > 0.3) if padded else None
+    _masked_case(
+        lambda q, k, v: attn_ext.attention(q, k, v, causal=True, window=window, return_lse=True,
+                                           key_padding_mask=None if kpm is None else kpm.cuda()),
+        lambda q, k, v: reference.attention_with_lse(q, k, v, True, None, window, kpm),
+        inputs, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_varlen_on_cuda(dtype, cuda):
+    cu_q = torch.tensor([0, 40, 40, 170], dtype=torch.int32)
+    cu_k = torch.tensor([0, 55, 60, 200], dtype=torch.int32)
+    inputs = [randn(170, 4, 64), randn(200, 2, 64), randn(200, 2, 64)]
+    _masked_case(
+        lambda q, k, v: attn_ext.attention_varlen(q, k, v, cu_q.cuda(), cu_k.cuda(), 130, 140,
+                                                  causal=True, window=(50, 0), return_lse=True),
+        lambda q, k, v: reference.attention_varlen_with_lse(q, k, v, cu_q, cu_k, True, None, (50, 0)),
+        inputs, dtype)
+
+
+@pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+@pytest.mark.parametrize("simple", [False, True])
+def test_masked_nonfinite_value_stays_out_issue18(dtype, simple, cuda, monkeypatch):
+    """causal, S = 80, v[0, 40] = inf: rows 0-39 (which cannot see key 40) stay finite and
+    equal the clean result, on the fast forward (the diagonal tile) and the simple kernel."""
+    q, k, v = [randn(1, 80, 2, 64, dtype=dtype, device="cuda") for _ in range(3)]
+    run = (lambda *a: fwd_simple(monkeypatch, *a)) if simple else fwd
+    clean = run(q, k, v, True)[0]
+    v[0, 40, 0, :] = float("inf")
+    k[0, 41, 1, 3] = float("nan")
+    out = run(q, k, v, True)[0]
+    assert torch.isfinite(out[0, :40]).all()
+    assert max_err(out[0, :40], clean[0, :40]) <= 2e-2
+    assert not torch.isfinite(out[0, 41:, 0]).all(-1).any()
+
+
+def test_lse_gradient_on_cuda(cuda):
+    q, k, v = [randn(1, 37, 2, 64, dtype=torch.float32, device="cuda").requires_grad_() for _ in range(3)]
+    out, lse = attn_ext.attention(q, k, v, causal=True, return_lse=True)
+    g = torch.autograd.grad(lse.sum() + out.sum(), (q, k, v))
+    rs = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    ro, rl = reference.attention_with_lse(*rs, True)
+    rg = torch.autograd.grad(rl.sum() + ro.sum(), rs)
+    for a, b in zip(g, rg):
+        assert max_err(a.cpu(), b) < 1e-4

@@ -107,3 +107,15 @@ def test_bench_mha_validates_forward_and_backward():
     layers["attn_ext"].qkv.weight.register_hook(lambda g: g * 1.1)  # wrong dW_qkv only
     with pytest.raises(AssertionError, match="attn_ext training dW_qkv disagrees"):
         mod.validate(layers, x, mask, torch.float32)
+
+
+def test_bench_score_terms_smoke(tmp_path):
+    """benchmarks/bench_score_terms.py with tiny sizes: every method validates (it exits
+    non-zero on a validation failure) and prints its rows with the run's header."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_score_terms.py"), "--quick",
+           "--no-flex", "--repeats", "1"]
+    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "torch " in res.stdout and "threads" in res.stdout
+    for name in ("ours alibi", "ours rel_bias", "ours dropout 0.1", "sdpa dense learnable rel"):
+        assert f"| {name} |" in res.stdout, res.stdout

@@ -22,5 +22,5 @@ def test_demo_quick(tmp_path):
     except ImportError:
         pytest.skip("matplotlib not installed: pictures not checked")
     for name in ("sinusoidal_pe.png", "learned_pe_similarity.png", "attention_maps.png",
-                 "loss_curves.png", "rope_relative.png"):
+                 "loss_curves.png", "rope_relative.png", "relative_bias.png"):
         assert (tmp_path / name).stat().st_size > 10_000, name

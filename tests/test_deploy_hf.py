@@ -7,9 +7,12 @@ import warnings
 import pytest
 import torch
 
+import attn_ext
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
+import attn_ext  # noqa: E402
 import attn_ext.integrations.hf as attn_ext_hf  # noqa: E402  (registers "attn_ext")
 
 
@@ -77,18 +80,126 @@ def test_cached_greedy_generation_matches_eager(models):
     assert torch.equal(got, want)
 
 
-def test_padding_mask_falls_back_to_sdpa_with_a_warning(models):
+def test_padded_batch_runs_on_the_kernel_and_matches_eager(models, monkeypatch):
     ours, ref = models
-    idx = torch.randint(0, 100, (2, 9))
+    idx = torch.randint(0, 100, (3, 9))
     mask = torch.ones_like(idx)
-    mask[1, :3] = 0  # left padding in the second row
+    mask[1, :3] = 0  # left padding
+    mask[2, 6:] = 0  # right padding
+    seen = []
+    real = attn_ext.attention
+
+    def spy(q, k, v, **kw):
+        seen.append(kw.get("key_padding_mask"))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(attn_ext, "attention", spy)
     attn_ext_hf._warned_fallback = False
-    with torch.no_grad(), pytest.warns(UserWarning, match="fall back to transformers' SDPA"):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
         got = ours(idx, attention_mask=mask).logits
     with torch.no_grad():
         want = ref(idx, attention_mask=mask).logits
-    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(got[1, 3:], want[1, 3:], rtol=1e-4, atol=1e-5)
+    assert len(seen) == 2 and all(torch.equal(m, mask.bool()) for m in seen)
+    real_tokens = mask.bool()
+    torch.testing.assert_close(got[real_tokens], want[real_tokens], rtol=1e-4, atol=1e-5)
+
+
+def test_left_padded_batched_greedy_generation_equals_eager(models):
+    ours, ref = models
+    idx = torch.randint(1, 100, (3, 8))
+    mask = torch.ones_like(idx)
+    mask[0, :5] = 0
+    mask[2, :2] = 0
+    idx[mask == 0] = 0
+    kw = dict(max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0, attention_mask=mask)
+    attn_ext_hf._warned_fallback = False
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = ours.generate(idx, **kw)
+    with torch.no_grad():
+        want = ref.generate(idx, **kw)
+    assert got.shape == (3, 18)
+    assert torch.equal(got, want)
+
+
+def test_custom_4d_mask_falls_back_to_sdpa_with_a_warning(models):
+    ours, ref = models
+    idx = torch.randint(0, 100, (1, 6))
+    keep = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    keep[..., 4, 1] = False  # not expressible as padding + causal + window
+    # additive float form, which eager and SDPA both read the same way
+    keep = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    attn_ext_hf._warned_fallback = False
+    with torch.no_grad(), pytest.warns(UserWarning, match="fall back to transformers' SDPA"):
+        got = ours(idx, attention_mask=keep).logits
+    with torch.no_grad():
+        want = ref(idx, attention_mask=keep).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _tiny_mistral(attn_implementation, seed=0):
+    cfg = transformers.MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=128, sliding_window=5,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation=attn_implementation, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def test_mistral_sliding_window_matches_eager(monkeypatch):
+    ours, ref = _tiny_mistral("attn_ext"), _tiny_mistral("eager")
+    idx = torch.randint(0, 100, (2, 17))  # the window (5) is much shorter than the prompt
+    mask = torch.ones_like(idx)
+    mask[1, :4] = 0
+    windows = []
+    real = attn_ext.attention
+
+    def spy(q, k, v, **kw):
+        windows.append(kw.get("window"))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(attn_ext, "attention", spy)
+    attn_ext_hf._warned_fallback = False
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = ours(idx).logits
+        got_pad = ours(idx, attention_mask=mask).logits
+    with torch.no_grad():
+        want = ref(idx).logits
+        want_pad = ref(idx, attention_mask=mask).logits
+    assert windows and all(w == (4, 0) for w in windows)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_pad[mask.bool()], want_pad[mask.bool()], rtol=1e-4, atol=1e-5)
+
+
+def test_packed_batch_matches_sequences_one_by_one(models, monkeypatch):
+    ours, _ = models
+    seqs = [torch.randint(0, 100, (n,)) for n in (5, 11, 3)]
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    batch = collator([{"input_ids": s.tolist()} for s in seqs])
+    calls = []
+    real = attn_ext.attention_varlen
+
+    def spy(*args, **kw):
+        calls.append(args[3])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(attn_ext, "attention_varlen", spy)
+    kwargs = {k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = ours(batch["input_ids"], position_ids=batch["position_ids"], **kwargs).logits[0]
+    assert len(calls) == 2  # one varlen call per layer
+    start = 0
+    with torch.no_grad():
+        for s in seqs:
+            alone = ours(s[None]).logits[0]
+            torch.testing.assert_close(got[start : start + len(s)], alone, rtol=1e-4, atol=1e-5)
+            start += len(s)
 
 
 def test_inputs_are_passed_as_views_and_gqa_is_native(monkeypatch):
@@ -115,8 +226,14 @@ def test_inputs_are_passed_as_views_and_gqa_is_native(monkeypatch):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
 
 
-def test_dropout_is_refused():
+def test_dropout_runs_in_the_kernel():
+    """Attention dropout (training) runs on the kernel's dropout (issue 15): the same keep bits
+    as attn_ext.attention(dropout_p=) drawn from the same generator state."""
     q = torch.randn(1, 4, 3, 16).transpose(1, 2).transpose(1, 2)
     module = torch.nn.Module()
-    with pytest.raises(ValueError, match="dropout=0 only"):
-        attn_ext_hf.attention_forward(module, q, q, q, None, dropout=0.1)
+    torch.manual_seed(7)
+    out, _ = attn_ext_hf.attention_forward(module, q, q, q, None, dropout=0.1)
+    torch.manual_seed(7)
+    want = attn_ext.attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2),
+                              causal=True, dropout_p=0.1)
+    assert torch.equal(out, want)

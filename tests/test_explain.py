@@ -93,12 +93,21 @@ def test_cpu_explain_matches_the_kernel(B, Sq, Sk, H, Hkv, threads):
         torch.set_num_threads(prev)
     assert choice.device == "cpu" and choice.details["threads"] == threads
     observed = cpu_split_kv_ran(q, k, v, True, threads)
-    assert (choice.forward == "cpu.split_kv") == observed, (str(choice), observed)
-    assert choice.forward in ("cpu.split_kv", "cpu.tiled") and choice.backward == "cpu.key_tiles"
+    if choice.forward == "cpu.decode":
+        # the decode kernel (csrc/cpu/attention_decode.h) splits the keys into a number of
+        # chunks that depends on the thread count: the result differs bitwise from the
+        # one-thread result exactly when the chunk counts differ
+        one = X.cpu_decode_plan(X.Shape(B, Sq, Sk, H, Hkv, 32, 32), torch.float32, 1)
+        assert (one["n_chunks"] != choice.details["n_chunks"]) == observed, (str(choice), observed)
+    else:
+        assert (choice.forward == "cpu.split_kv") == observed, (str(choice), observed)
+    assert choice.forward in ("cpu.split_kv", "cpu.tiled", "cpu.decode")
+    assert choice.backward == "cpu.key_tiles"
     assert str(choice).startswith("attn_ext on cpu:") and choice.forward in str(choice)
 
 
-def test_cpu_explain_reasons():
+def test_cpu_explain_reasons(monkeypatch):
+    monkeypatch.setenv("ATTN_EXT_CPU_DECODE", "0")  # the tiled kernel's reasons (decode: below)
     one = X._explain_cpu(shape(Sq=1, Sk=1500, H=1, Hkv=1), torch.float32, 4)
     assert one.forward == "cpu.split_kv" and "1 query tile(s) < 4 threads" in one.forward_reason
     assert one.details["n_split"] == 7  # min(ceil(8 / 1), 1500 // 192)
@@ -109,9 +118,23 @@ def test_cpu_explain_reasons():
     assert "float64 accumulation" in X._explain_cpu(shape(), torch.float64, 4).forward_reason
 
 
+def test_cpu_explain_decode_reasons(monkeypatch):
+    monkeypatch.delenv("ATTN_EXT_CPU_DECODE", raising=False)
+    monkeypatch.delenv("ATTN_EXT_CPU_SIMD", raising=False)
+    if not X.cpu_simd_enabled():
+        pytest.skip("no AVX2/FMA/F16C: the decode kernel does not run")
+    dec = X._explain_cpu(shape(B=1, Sq=1, Sk=1500, H=8, Hkv=2), torch.float32, 4)
+    assert dec.forward == "cpu.decode" and "Sq * (H / Hkv) = 4 <= 16" in dec.forward_reason
+    assert dec.details["n_chunks"] == 5  # min(ceil(16 / 2), 1500 // 256)
+    assert X._explain_cpu(shape(B=1, Sq=1, Sk=1500, H=8, Hkv=2), torch.float64, 4).forward != "cpu.decode"
+    assert X._explain_cpu(shape(B=1, Sq=3, Sk=1500, H=8, Hkv=1), torch.float32, 4).forward != "cpu.decode"
+    monkeypatch.setenv("ATTN_EXT_CPU_DECODE", "0")
+    assert X._explain_cpu(shape(B=1, Sq=1, Sk=1500, H=8, Hkv=2), torch.float32, 4).forward == "cpu.split_kv"
+
+
 def test_explain_3d_empty_and_errors():
     q, k, v = randn(2, 5, 16), randn(2, 7, 16), randn(2, 7, 16)
-    assert attn_ext.explain(q, k, v).forward == "cpu.tiled"
+    assert attn_ext.explain(q, k, v).forward == ("cpu.decode" if X.cpu_simd_enabled() else "cpu.tiled")
     empty = attn_ext.explain(q[:, :0], k, v)
     assert empty.forward == "none" and "no kernel" in empty.forward_reason
     q4, k4, v4 = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)

@@ -192,7 +192,7 @@ def test_dropout_training_path_is_the_same_attention_without_dropout_rate():
     layer.eval()
     y_eval = layer(x)[0]
     layer.train()
-    layer.dropout = 1e-12  # the explicit-probabilities path with (almost) no dropout
+    layer.dropout = 1e-12  # the in-kernel dropout path with (almost) no dropout
     torch.testing.assert_close(layer(x)[0], y_eval, rtol=1e-9, atol=1e-9)
 
 

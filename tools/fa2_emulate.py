@@ -88,16 +88,92 @@ def mma(d, a, b0, b1):
         d[l, 2:4] += C[g + 8, 2 * t: 2 * t + 2]
 
 
+# ---- the forward's tile rule (what the kernel's causal code computes), checked against
+# the visibility layer csrc/common/attention_mask.h by check_rule_against_header ----------
+
+
+def fwd_key_end(Sq, Sk, causal, m0, kBlockM):
+    """Keys [0, n_end) some row of the query tile at m0 sees (fa2_fwd_kernel's n_end)."""
+    if not causal:
+        return Sk
+    return min(min(m0 + kBlockM, Sq) + (Sk - Sq), Sk)
+
+
+def fwd_need_mask(Sq, Sk, causal, m0, n0, kBlockN):
+    """The key tile at n0 is masked (crosses the end of the keys or the causal diagonal)."""
+    return (n0 + kBlockN > Sk) or (causal and n0 + kBlockN - 1 > m0 + (Sk - Sq))
+
+
+def fwd_ok(Sq, Sk, causal, row, key):
+    """Row `row` sees key `key` (the masked tile's predicate); works on numpy arrays."""
+    return (key < Sk) & ((not causal) | (key <= row + (Sk - Sq)))
+
+
+def mask_probe():
+    """Path of tools/mask_probe (built from csrc/common/attention_mask.h with g++ on demand)."""
+    import subprocess
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    exe = os.path.join(tempfile.gettempdir(), f"attn_ext_mask_probe_{os.getuid()}_{os.getpid()}")
+    if not os.path.exists(exe):
+        subprocess.run(["g++", "-std=c++17", "-O1", "-I", os.path.join(root, "csrc"),
+                        os.path.join(root, "tools", "mask_probe.cpp"), "-o", exe], check=True)
+    return exe
+
+
+def ask_header(lines):
+    import subprocess
+
+    res = subprocess.run([mask_probe()], input="\n".join(lines) + "\n", capture_output=True,
+                         text=True, check=True)
+    return res.stdout.split("\n")
+
+
+def check_rule_against_header(Sq, Sk, D, causal) -> bool:
+    """The emulator's (= the fast forward's) key range, masked-tile decision and predicate
+    agree with the header on every query tile / key tile / (row, key) of the problem."""
+    kBlockM, kBlockN = 64, (64 if D <= 128 else 32)
+    right = 0 if causal else -1
+    lines, expect = [], []
+    for m0 in range(0, Sq, kBlockM):
+        i1 = min(m0 + kBlockM, Sq)
+        lines.append(f"keys {Sq} {Sk} -1 {right} {m0} {i1}")
+        expect.append(("keys", m0, max(fwd_key_end(Sq, Sk, causal, m0, kBlockM), 0)))
+        for n0 in range(0, Sk, kBlockN):
+            j1 = min(n0 + kBlockN, Sk)
+            lines.append(f"class {Sq} {Sk} -1 {right} {m0} {i1} {n0} {j1}")
+            expect.append(("class", m0, n0))
+            for row in range(m0, i1):
+                for key in range(n0, j1):
+                    lines.append(f"vis {Sq} {Sk} -1 {right} {row} {key}")
+                    expect.append(("vis", row, key))
+    answers = ask_header(lines)
+    ok = True
+    for (kind, a, b), ans in zip(expect, answers):
+        if kind == "keys":
+            hi = int(ans.split()[1])
+            ok &= hi == b or (b <= 0 and hi == 0)
+        elif kind == "class":
+            n0 = b
+            full = int(ans) == 2
+            in_range = n0 + kBlockN <= Sk and a + kBlockM <= Sq
+            if in_range:  # the tail tiles are masked for the end of the keys anyway
+                ok &= fwd_need_mask(Sq, Sk, causal, a, n0, kBlockN) == (not full)
+        else:
+            ok &= bool(fwd_ok(Sq, Sk, causal, a, b)) == (ans == "1")
+    print(f"rule vs attention_mask.h Sq={Sq:4d} Sk={Sk:4d} D={D:3d} causal={causal!s:5}: "
+          f"{'agree' if ok else 'DISAGREE'}")
+    return ok
+
+
 def fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse):
     """One CTA (query tile m_block) of fa2_fwd_kernel for one (b, h); q (Sq, D), k/v (Sk, D)."""
     c = fwd_constants(D)
     kBlockM, kBlockN, kStride = c["kBlockM"], c["kBlockN"], c["kStride"]
     kNTiles, kDTiles = c["kNTiles"], c["kDTiles"]
     m0 = m_block * kBlockM
-    diag = Sk - Sq
-    n_end = Sk
-    if causal:
-        n_end = min(min(m0 + kBlockM, Sq) + diag, Sk)
+    n_end = fwd_key_end(Sq, Sk, causal, m0, kBlockM)
     n_tiles = (n_end + kBlockN - 1) // kBlockN if n_end > 0 else 0
     if n_tiles == 0:
         for r in range(m0, min(m0 + kBlockM, Sq)):
@@ -134,13 +210,12 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse):
                     mma(s[2 * nn], a, bk[:, 0], bk[:, 1])
                     mma(s[2 * nn + 1], a, bk[:, 2], bk[:, 3])
             s *= scale_log2
-            need_mask = (n0 + kBlockN > Sk) or (causal and n0 + kBlockN - 1 > m0 + diag)
-            if need_mask:
+            if fwd_need_mask(Sq, Sk, causal, m0, n0, kBlockN):
                 for t in range(kNTiles):
                     for e in range(4):
                         key = n0 + t * 8 + (lane & 3) * 2 + (e & 1)
                         row = row_a if e < 2 else row_b
-                        ok = (key < Sk) & ((not causal) | (key <= row + diag))
+                        ok = fwd_ok(Sq, Sk, causal, row, key)
                         s[t, ~ok, e] = -np.inf
             for r in range(2):
                 mx = np.max(np.maximum(s[:, :, 2 * r], s[:, :, 2 * r + 1]), axis=0)  # (32,)
@@ -414,6 +489,9 @@ def main() -> int:
         bad += not check_fwd(rng, Sq, Sk, D, causal)
     for Sq, Sk, D, group, causal in BWD_CASES:
         bad += not check_bwd(rng, Sq, Sk, D, group, causal)
+    for Sq, Sk, D, causal in [(70, 130, 64, True), (130, 70, 64, True), (200, 200, 32, True),
+                              (100, 37, 128, False), (70, 100, 256, True), (5, 200, 64, True)]:
+        bad += not check_rule_against_header(Sq, Sk, D, causal)
     return 1 if bad else 0
 
 

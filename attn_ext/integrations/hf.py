@@ -15,15 +15,29 @@ attention is done by the kernel itself (no ``repeat_kv``), and the output is ret
 
 What runs on attn_ext's kernel and what does not:
 
-- Causal (or bidirectional) attention without padding — prefill, and cached decoding with
-  ``DynamicCache`` — runs on the kernel. For those cases transformers' mask builder (the
-  same one ``"sdpa"`` uses) passes ``attention_mask=None``.
-- Any explicit attention mask (padding in a batch, chunked prefill on a filled cache,
-  sliding windows once the window is exceeded, custom 4-D masks, and every mask built under
-  ``torch.export``) falls back to transformers' own SDPA implementation, with a one-time
-  warning. Results stay correct; only the kernel differs.
-- ``dropout > 0`` (training with attention dropout), ``softcap`` and attention sinks
-  (``s_aux``) raise ``ValueError``: the kernel has none of them.
+- Causal (or bidirectional) attention, prefill and cached decoding with ``DynamicCache``.
+- Padded batches: the mask builder registered under ``"attn_ext"`` (:func:`attn_ext_mask`)
+  hands the attention function the 2-D ``(B, Sk)`` padding mask, which reaches the kernel as
+  ``key_padding_mask`` (left padding for generation, right padding for training).
+- Sliding windows (Mistral-style ``config.sliding_window = W``): ``window=(W - 1, 0)``.
+- Packed training (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``: the
+  ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments) runs
+  :func:`attn_ext.attention_varlen`.
+- A mask that is none of these (a custom 4-D mask, packing given only through
+  ``position_ids``, a static cache's unfilled slots under a window) is detected by comparing
+  transformers' own mask with the pattern the kernel would apply; it falls back to
+  transformers' SDPA with a one-time warning. Results stay correct; only the kernel differs.
+  (The comparison forms transformers' boolean ``(B, 1, Sq, Sk)`` mask once per forward, as
+  ``"sdpa"`` does, whenever there is padding.)
+- ``softcap`` (Gemma 2's ``attn_logit_softcapping``), attention sinks (GPT-OSS's ``s_aux``)
+  and attention dropout in training run on the kernel (its score terms, DESIGN.md).
+- T5's relative position bias: T5Attention computes a dense ``(1, H, Sq, Sk)``
+  ``position_bias`` (its bucketed b_{i-j} gathered per (i, j)) before calling the attention
+  function and passes it as a keyword. The hook reads its diagonals back into the kernel's
+  ``rel_bias (H, 2M + 1)`` table (a differentiable gather, so the gradient still reaches
+  T5's bucket embedding), checks that the dense tensor is exactly that table expanded (a
+  function of i - j alone), and otherwise falls back to the eager formula. The dense
+  tensor itself is T5's own (transformers builds it before the hook is called).
 - ``output_attentions=True`` returns ``None`` weights, as with ``"sdpa"``.
 """
 
@@ -38,9 +52,9 @@ import attn_ext  # noqa: F401  (registers torch.ops.attn_ext.*)
 
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
-__all__ = ["NAME", "attention_forward", "register"]
+__all__ = ["NAME", "attention_forward", "attn_ext_mask", "register"]
 
 NAME = "attn_ext"
 
@@ -51,6 +65,27 @@ def _bshd(x: torch.Tensor) -> torch.Tensor:
     # (B, H, S, D) -> (B, S, H, D) view; the kernel only needs a contiguous last dim.
     x = x.transpose(1, 2)
     return x if x.stride(-1) == 1 or x.size(-1) <= 1 else x.contiguous()
+
+
+def _rel_bias_table(position_bias: torch.Tensor, q_len: int, kv_len: int):
+    """The ``(H, 2M + 1)`` table (M = max(q_len, kv_len) - 1) whose entry ``M + d`` is
+    ``position_bias[0, h, i, j]`` at ``d = i + (kv_len - q_len) - j``, or None when the dense
+    ``(1, H, q_len, kv_len)`` bias is not such a table expanded."""
+    if position_bias.dim() != 4 or position_bias.shape[0] != 1 or tuple(position_bias.shape[2:]) != (q_len, kv_len):
+        return None
+    dev = position_bias.device
+    off = kv_len - q_len
+    M = max(q_len, kv_len, 1) - 1
+    d = torch.arange(-M, M + 1, device=dev)
+    # a representative (i, j) of each distance d: i - j = d - off
+    i = (d - off).clamp(min=0).clamp(max=q_len - 1)
+    j = (i + off - d).clamp(min=0, max=kv_len - 1)
+    table = position_bias[0][:, i, j]  # (H, 2M + 1)
+    ii = torch.arange(q_len, device=dev)[:, None]
+    jj = torch.arange(kv_len, device=dev)[None, :]
+    if not torch.equal(table.detach()[:, M + ii + off - jj], position_bias.detach()[0]):
+        return None
+    return table
 
 
 def attention_forward(
@@ -69,24 +104,41 @@ def attention_forward(
     ``query (B, H, Sq, D)``, ``key (B, Hkv, Sk, D)``, ``value (B, Hkv, Sk, Dv)`` ->
     ``(out (B, Sq, H, Dv), None)``. See the module docstring for what falls back.
     """
-    if dropout != 0.0:
-        raise ValueError(
-            f"attn_implementation='attn_ext' supports dropout=0 only, got dropout={dropout} "
-            "(set config.attention_dropout=0, or call model.eval())"
-        )
-    if kwargs.get("softcap") is not None:
-        raise ValueError("attn_implementation='attn_ext' does not support softcap")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("attn_implementation='attn_ext' does not support attention sinks (s_aux)")
+    # score terms: Gemma 2's softcap, GPT-OSS's sinks (s_aux, (H,)), attention dropout
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    terms = dict(softcap=softcap, sinks=sinks, dropout_p=float(dropout))
+    position_bias = kwargs.get("position_bias")  # T5: dense (1, H, Sq, Sk)
+    if position_bias is not None and (
+        (attention_mask is not None and attention_mask.dim() != 2)
+        or kwargs.get("cu_seq_lens_q") is not None
+    ):
+        return _eager(module, query, key, value, attention_mask, dropout, scaling, position_bias)
+    plain = softcap is None and sinks is None and dropout == 0.0 and position_bias is None
 
-    if attention_mask is not None:
+    causal_default = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    sliding = kwargs.get("sliding_window")
+    window = (int(sliding) - 1, 0) if sliding is not None and causal_default else None
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None and query.shape[0] == 1:
+        # packed batch (DataCollatorWithFlattening): query (1, H, T, D), one row per token
+        out = attn_ext.attention_varlen(
+            _bshd(query)[0], _bshd(key)[0], _bshd(value)[0], cu_q.to(torch.int32),
+            cu_k.to(torch.int32), int(kwargs.get("max_length_q")), int(kwargs.get("max_length_k")),
+            causal=causal_default, scale=scaling, window=window, **terms,
+        )
+        return out[None], None
+
+    if attention_mask is not None and attention_mask.dim() != 2:
         global _warned_fallback
         if not _warned_fallback:
             _warned_fallback = True
             warnings.warn(
-                "attn_ext: an explicit attention mask (padding, chunked prefill, sliding window "
-                "or a custom mask) was given; these calls fall back to transformers' SDPA "
-                "attention. Only mask-free causal/bidirectional attention runs on attn_ext.",
+                "attn_ext: an attention mask the kernel cannot express (a custom 4-D mask, "
+                "packing through position_ids only, ...) was given; these calls fall back to "
+                "transformers' SDPA attention. Padding, packing (cu_seq_lens) and sliding "
+                "windows run on attn_ext.",
                 stacklevel=2,
             )
         return sdpa_attention_forward(
@@ -94,19 +146,99 @@ def attention_forward(
             dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs,
         )
 
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
     q_len, kv_len = query.shape[2], key.shape[2]
-    if is_causal and q_len > 1 and kv_len > q_len:
+    key_padding_mask = None
+    if attention_mask is not None:  # (B, n) padding mask from attn_ext_mask, n <= kv_len
+        key_padding_mask = attention_mask.to(torch.bool)
+        n = key_padding_mask.shape[1]
+        key, value = key[:, :, :n], value[:, :, :n]  # a static cache's unfilled slots
+    elif causal_default and q_len > 1 and kv_len > q_len:
         # transformers only omits the mask here for the prefill of an empty static cache,
         # whose keys past q_len are unfilled slots: its is_causal is top-left aligned, ours
         # bottom-right, so keep just the filled keys (then the two agree).
         key = key[:, :, :q_len]
         value = value[:, :, :q_len]
+    if position_bias is not None:
+        table = _rel_bias_table(position_bias[..., : key.shape[2]], q_len, key.shape[2])
+        if table is None:
+            return _eager(module, query, key, value, attention_mask, dropout, scaling, position_bias)
+        terms["rel_bias"] = table
     # A single query row sees every key under our bottom-right causal mask anyway.
-    causal = bool(is_causal) and q_len > 1
-    out = torch.ops.attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal, scaling)
+    causal = causal_default and q_len > 1
+    if key_padding_mask is None and window is None and plain:
+        out = torch.ops.attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal, scaling)
+    else:
+        out = attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal=causal_default,
+                                 scale=scaling, window=window, key_padding_mask=key_padding_mask,
+                                 **terms)
     return out, None  # out: (B, Sq, H, Dv) contiguous
+
+
+def _eager(module, query, key, value, attention_mask, dropout, scaling, position_bias):
+    """The textbook formula with T5's dense position_bias (a bias the kernel cannot take)."""
+    global _warned_fallback
+    if not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn("attn_ext: a position_bias that is not a function of i - j (or with a "
+                      "custom 4-D mask) falls back to the eager formula", stacklevel=3)
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    scale = 1.0 / query.shape[-1] ** 0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale + position_bias
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask
+    probs = torch.nn.functional.dropout(torch.softmax(scores.float(), dim=-1).to(query.dtype), dropout,
+                                        training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+
+
+def attn_ext_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: Optional[torch.Tensor] = None,
+    local_size: Optional[int] = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs,
+):
+    """transformers mask builder for ``"attn_ext"``: None when no mask is needed, the 2-D
+    ``(B, n)`` key padding mask when transformers' mask is exactly that padding on top of
+    the causal (or bidirectional) pattern and the sliding window ``local_size`` that the
+    attention function applies (bottom-right aligned), and transformers' full 4-D SDPA mask
+    otherwise (-> the attention function falls back to SDPA)."""
+    full = sdpa_mask(
+        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+        local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs,
+    )
+    if full is None or (attention_mask is not None and attention_mask.dim() != 2):
+        return full
+    # key j of the kernel is absolute position kv_offset + j; keys past the 2-D mask are
+    # unfilled cache slots, cut off by the attention function
+    if attention_mask is None:  # e.g. a sliding window longer than the prompt, no padding
+        pad = torch.ones(batch_size, kv_length, dtype=torch.bool, device=full.device)
+    else:
+        pad = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
+    n = pad.shape[1]
+    if n < q_length or not torch.equal(full[..., n:], torch.zeros_like(full[..., n:])):
+        return full
+    q_pos = torch.arange(q_length, device=pad.device)[:, None] + q_offset
+    k_pos = torch.arange(n, device=pad.device)[None, :] + kv_offset
+    if q_offset - kv_offset != n - q_length:  # the kernel aligns bottom-right
+        return full
+    band = k_pos <= q_pos
+    if local_size is not None:
+        band = band & (q_pos - k_pos < local_size)
+    for pattern in (band, torch.ones_like(band)):  # causal (with window), bidirectional
+        if torch.equal(full[..., :n], pattern[None, None] & pad[:, None, None, :]):
+            return pad if attention_mask is not None else None
+    return full
 
 
 def register(name: str = NAME) -> None:
@@ -115,9 +247,9 @@ def register(name: str = NAME) -> None:
     Done once with ``"attn_ext"`` when this module is imported."""
     AttentionInterface.register(name, attention_forward)
     # Without a mask builder registered under the same name transformers would pass no mask
-    # at all (and silently ignore padding); the SDPA builder gives None exactly when the
-    # pattern is plain causal, and a real mask (-> fallback above) otherwise.
-    AttentionMaskInterface.register(name, sdpa_mask)
+    # at all (and silently ignore padding); ours gives None for plain causal, the 2-D
+    # padding mask when that is all there is, and the full mask (-> SDPA fallback) otherwise.
+    AttentionMaskInterface.register(name, attn_ext_mask)
 
 
 register()

@@ -119,8 +119,11 @@ inline AttentionParams make_attention_params(const Tensor& q, const Tensor& k,
   p.out_batch_stride = s.Sq * s.H * s.Dv;
   p.out_row_stride = s.H * s.Dv;
   p.out_head_stride = s.Dv;
+  p.lse_batch_stride = s.H * s.Sq;
+  p.lse_head_stride = s.Sq;
   p.scale = scale.has_value() ? *scale : (s.D > 0 ? 1.0 / std::sqrt(static_cast<double>(s.D)) : 1.0);
   p.causal = causal;
+  p.mask.right = causal ? 0 : -1;  // window and padding: fill_mask_params (attention_mask_checks.h)
   return p;
 }
 
@@ -141,6 +144,10 @@ inline AttentionBwdParams make_attention_bwd_params(
   bp.o_batch_stride = out.stride(0);
   bp.o_row_stride = out.stride(1);
   bp.o_head_stride = out.stride(2);
+  bp.dlse = nullptr;
+  bp.dq_batch_stride = s.Sq * s.H * s.D;
+  bp.dk_batch_stride = s.Sk * s.Hkv * s.D;
+  bp.dv_batch_stride = s.Sk * s.Hkv * s.Dv;
   bp.dq = dq.data_ptr();
   bp.dk = dk.data_ptr();
   bp.dv = dv.data_ptr();

@@ -5,24 +5,40 @@
 
 #include <cstdint>
 
+#include "common/attention_mask.h"
+
 namespace attn_ext {
 
 // Forward:  out (B, Sq, H, Dv), lse (B, H, Sq) from
 //   q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv)   (last dims contiguous)
-// Query head h reads kv head h / (H / Hkv). Causal: row i sees key j iff j <= i + (Sk - Sq).
+// Query head h reads kv head h / (H / Hkv). Which keys a row sees: `mask` and
+// common/attention_mask.h (causal is folded into mask.right). Packed sequences (varlen):
+// q (Tq, H, D) etc. are passed with batch strides 0, B = number of sequences, Sq / Sk = the
+// longest sequence, and the mask's cu_seqlens give each sequence's rows.
 struct AttentionParams {
   const void* q;
   const void* k;
   const void* v;
   void* out;  // (B, Sq, H, Dv) contiguous
-  void* lse;  // (B, H, Sq) contiguous; float, or double for double inputs
+  void* lse;  // (B, H, Sq) (packed: (H, Tq)); float, or double for double inputs
   int64_t B, Sq, Sk, H, Hkv, D, Dv;
   int64_t q_batch_stride, q_row_stride, q_head_stride;
   int64_t k_batch_stride, k_row_stride, k_head_stride;
   int64_t v_batch_stride, v_row_stride, v_head_stride;
   int64_t out_batch_stride, out_row_stride, out_head_stride;
+  // lse[b * lse_batch_stride + h * lse_head_stride + q0 + i] (q0: the sequence's first row)
+  int64_t lse_batch_stride, lse_head_stride;
   double scale;  // softmax(scale * q k^T)
   bool causal;
+  MaskParams mask;  // window / key padding / cu_seqlens; causal already folded in
+  ScoreTerms terms;  // softcap / ALiBi / rel_bias / sinks / dropout (terms.scale: see score_terms)
+
+  ATTN_MASK_FN Visibility visibility() const { return Visibility{mask, Sq, Sk}; }
+  ATTN_MASK_FN ScoreTerms score_terms() const {
+    ScoreTerms t = terms;
+    t.scale = scale;
+    return t;
+  }
 };
 
 // Backward: dq (B, Sq, H, D), dk (B, Sk, Hkv, D), dv (B, Sk, Hkv, Dv), all contiguous, from
@@ -31,12 +47,16 @@ struct AttentionBwdParams {
   AttentionParams fwd;  // q, k, v, sizes, strides, scale, causal (fwd.out / fwd.lse unused)
   const void* dout;
   const void* out;
-  const void* lse;  // (B, H, Sq) contiguous, float (double for double inputs)
+  const void* lse;  // laid out as fwd.lse (fwd's lse strides), float (double for double inputs)
+  const void* dlse;  // gradient of lse, laid out as lse, or nullptr (zero)
   int64_t dout_batch_stride, dout_row_stride, dout_head_stride;
   int64_t o_batch_stride, o_row_stride, o_head_stride;
+  // Gradients are contiguous; batch strides are 0 when packed (rows then from cu_seqlens).
+  int64_t dq_batch_stride, dk_batch_stride, dv_batch_stride;
   void* dq;  // (B, Sq, H, D) contiguous
   void* dk;  // (B, Sk, Hkv, D) contiguous
   void* dv;  // (B, Sk, Hkv, Dv) contiguous
+  void* drel_bias;  // (H, 2M + 1) contiguous, accumulation type; nullptr without rel_bias
 };
 
 }  // namespace attn_ext

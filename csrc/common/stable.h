@@ -27,6 +27,14 @@
 #error "attn_ext is built against the stable ABI: compile with -DTORCH_TARGET_VERSION=0x020b000000000000"
 #endif
 
+// For attn_ext types that hold torch::stable::Tensor references (that type lives in torch's
+// hidden-visibility namespace; a default-visibility holder draws -Wattributes).
+#if defined(__GNUC__)
+#define ATTN_EXT_HIDDEN __attribute__((visibility("hidden")))
+#else
+#define ATTN_EXT_HIDDEN
+#endif
+
 namespace attn_ext {
 
 using Tensor = torch::stable::Tensor;

@@ -4,27 +4,17 @@
 //   P = exp(scale * q k^T - lse)  (masked entries 0),  Di = rowsum(dout * out)
 //   dv = P^T dout,  dP = dout v^T,  dS = P * (dP - Di),  dq = scale * dS k,  dk = scale * dS^T q
 //
-// Parallel over (batch, kv head, key tile): one task owns kBlockK keys of one kv head and
-// accumulates their dk and dv over every query head of the GQA group and every query tile
-// that sees them, so dk/dv need no atomics. For one (key tile, query head, query tile):
-//
-//   pass 1: st (nk, C) = kb qt               scores, transposed; diagonal mask
-//   pass 2: st = exp(st - lse)               probabilities P^T
-//   pass 3: dvt (nk, Dvp) += st dor          dor (nq, Dvp) = dout rows
-//   pass 4: dpt (nk, C) = vb dot             dot (Dv, C) = dout^T
-//   pass 5: dpt = st * (dpt - Di)            dS^T
-//   pass 6: dkt (nk, Dp) += dpt qr           qr (nq, Dp) = q rows
-//   pass 7: dq_w (nq, Dp) += dpt^T kb        into the worker's own dq buffer
-//
-// The query-side operands (q, q^T, dout, dout^T, lse, Di) are packed once per query block
-// by a parallel pre-pass (pass 0), costing (B * H * Sq) * (2 D + 2 Dv + 2) floats of workspace.
-// dq: every worker accumulates into its own fp32 (B, H, Sq, Dp) buffer; a final pass sums the
-// buffers in worker order. Tasks are assigned to workers by a fixed greedy plan (not
-// dynamically), so the result is bitwise identical from run to run for a given thread count.
+// Work units own the gradients they write (no per-worker copy of any gradient): see
+// attention_bwd_kernel for the two partitions (fused per (batch, kv head); split in the
+// FlashAttention-2 way when there are fewer of those than threads) and bwd_pair for the seven
+// passes of one (query block, key tile) pair. Bitwise identical from run to run for a given
+// thread count (fused: for any thread count).
 
 #include <vector>
 
 #include "common/attention_checks.h"
+#include "common/attention_mask_checks.h"
+#include "common/score_checks.h"
 #include "cpu/attention_common.h"
 
 namespace attn_ext {
@@ -34,307 +24,626 @@ namespace {
 template <typename acc_t>
 struct BwdScratch {
   int64_t Dp, Dvp;
-  AlignedVec<acc_t> kb;    // (kBlockK, Dp): k rows of the task
-  AlignedVec<acc_t> vb;    // (kBlockK, Dvp): v rows of the task
-  AlignedVec<acc_t> dkt;   // (kBlockK, Dp): dk accumulator (unscaled)
-  AlignedVec<acc_t> dvt;   // (kBlockK, Dvp): dv accumulator
+  AlignedVec<acc_t> kb;    // (kBlockK, Dp): k rows of the key tile
+  AlignedVec<acc_t> vb;    // (kBlockK, Dvp): v rows of the key tile
   AlignedVec<acc_t> st;    // (kBlockK, kBlockQ): scores, then P^T
   AlignedVec<acc_t> dpt;   // (kBlockK, kBlockQ): dP^T, then dS^T
+  AlignedVec<acc_t> blk;   // one packed query block (QueryPackLayout::size)
+  AlignedVec<acc_t> dqt;   // (kBlockQ, Dp): dq accumulator of the query block (unscaled)
+  AlignedVec<acc_t> tmp;   // (max(D, Dv)): one converted row
+  std::vector<uint8_t> kvalid;  // (kBlockK): key padding of the tile's keys (1 = takes part)
+  AlignedVec<acc_t> th;    // (kBlockK, kBlockQ): tanh(s / softcap) (softcap only)
+  AlignedVec<acc_t> pz;    // (kBlockK, kBlockQ): P^T * Z / (1 - p) (dropout only)
+  std::vector<uint64_t> rk, words;  // (kBlockQ): dropout row keys / words of the block's rows
 
-  BwdScratch(int64_t D, int64_t Dv)
+  BwdScratch(int64_t D, int64_t Dv, int64_t pack_size, const ScoreTerms& terms)
       : Dp(round_up(D, 8)),
         Dvp(round_up(Dv, 8)),
         kb(static_cast<size_t>(kBlockK * Dp), acc_t(0)),
         vb(static_cast<size_t>(kBlockK * Dvp), acc_t(0)),
-        dkt(static_cast<size_t>(kBlockK * Dp)),
-        dvt(static_cast<size_t>(kBlockK * Dvp)),
         st(static_cast<size_t>(kBlockK * kBlockQ)),
-        dpt(static_cast<size_t>(kBlockK * kBlockQ)) {}
+        dpt(static_cast<size_t>(kBlockK * kBlockQ)),
+        blk(static_cast<size_t>(pack_size), acc_t(0)),
+        dqt(static_cast<size_t>(kBlockQ * Dp)),
+        tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1))),
+        kvalid(kBlockK, 1),
+        th(terms.softcap > 0.0 ? static_cast<size_t>(kBlockK * kBlockQ) : 0),
+        pz(terms.has_dropout() ? static_cast<size_t>(kBlockK * kBlockQ) : 0),
+        rk(kBlockQ),
+        words(kBlockQ) {}
 };
 
-// Query-side operands of one (batch, head, query block of kBlockQ rows), packed once by a
-// parallel pre-pass and then read by every key tile task (instead of being re-packed per
-// key tile). One block, offsets in elements; padding rows/columns are zero:
+// Query-side operands of one (batch, head, query block of kBlockQ rows), packed into the
+// worker's scratch when the block is visited. Offsets in elements; padding rows/columns are
+// zero:
 //   qt   (D, kBlockQ)    scale * q^T (scores in natural-log units, like lse)
 //   qr   (kBlockQ, Dp)   q rows
 //   dot  (Dv, kBlockQ)   dout^T
 //   dor  (kBlockQ, Dvp)  dout rows
 //   lse  (kBlockQ)       lse; +inf for padding rows and rows that see no key (P = 0)
-//   di   (kBlockQ)       rowsum(dout * out)
+//   di   (kBlockQ)       rowsum(dout * out) - dlse
+//   fin  (1)             1 when the block's q and dout are all finite
 struct QueryPackLayout {
-  int64_t n_qb, qt, qr, dot, dor, lse, di, size;
-  QueryPackLayout(int64_t Sq, int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp)
-      : n_qb(ceil_div(Sq, kBlockQ)),
-        qt(0),
+  int64_t qt, qr, dot, dor, lse, di, fin, size;
+  QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp)
+      : qt(0),
         qr(qt + D * kBlockQ),
         dot(qr + kBlockQ * Dp),
         dor(dot + Dv * kBlockQ),
         lse(dor + kBlockQ * Dvp),
         di(lse + kBlockQ),
-        size(di + kBlockQ) {}
+        fin(di + kBlockQ),
+        size(fin + 8) {}
 };
 
+// Packs rows [i0, i0 + nq) of head h of sequence b into blk (layout L; blk starts zeroed and
+// only ever holds blocks of this shape, so padding stays zero).
 template <typename scalar_t, typename acc_t>
-void pack_query_blocks(const AttentionBwdParams& bp, const QueryPackLayout& L, acc_t* packs) {
+void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, const SeqInfo& sq,
+                      int64_t b, int64_t h, int64_t i0, int64_t nq, acc_t* blk, acc_t* tmp) {
   const AttentionParams& p = bp.fwd;
   const int64_t D = p.D, Dv = p.Dv, Dp = round_up(D, 8), Dvp = round_up(Dv, 8);
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* dout = static_cast<const scalar_t*>(bp.dout);
   const auto* o = static_cast<const scalar_t*>(bp.out);
   const auto* lse = static_cast<const acc_t*>(bp.lse);
+  const auto* dlse = static_cast<const acc_t*>(bp.dlse);  // may be nullptr (zero)
   const acc_t qscale = static_cast<acc_t>(p.scale);
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const acc_t pos_inf = std::numeric_limits<acc_t>::infinity();
-  torch::stable::parallel_for(0, p.B * p.H * L.n_qb, 1, [&](int64_t begin, int64_t end) {
-    AlignedVec<acc_t> tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1)));
-    for (int64_t idx = begin; idx < end; ++idx) {  // idx = (b * H + h) * n_qb + qb
-      const int64_t qb = idx % L.n_qb;
-      const int64_t h = (idx / L.n_qb) % p.H;
-      const int64_t b = idx / (L.n_qb * p.H);
-      const int64_t i0 = qb * kBlockQ;
-      const int64_t nq = std::min(kBlockQ, p.Sq - i0);
-      acc_t* blk = packs + idx * L.size;
-      acc_t *qt = blk + L.qt, *qr = blk + L.qr, *dot = blk + L.dot, *dor = blk + L.dor;
-      const scalar_t* qh = q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride;
-      const scalar_t* dh = dout + b * bp.dout_batch_stride + h * bp.dout_head_stride + i0 * bp.dout_row_stride;
-      const scalar_t* oh = o + b * bp.o_batch_stride + h * bp.o_head_stride + i0 * bp.o_row_stride;
-      for (int64_t ii = 0; ii < nq; ++ii) {
-        acc_t* qrow = qr + ii * Dp;
-        convert_row(qh + ii * p.q_row_stride, D, qrow);
-        for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + ii] = qrow[d] * qscale;
-        acc_t* drow = dor + ii * Dvp;
-        convert_row(dh + ii * bp.dout_row_stride, Dv, drow);
-        for (int64_t d = 0; d < Dv; ++d) dot[d * kBlockQ + ii] = drow[d];
-        convert_row(oh + ii * bp.o_row_stride, Dv, tmp.data());
-        acc_t di = 0;
-        for (int64_t d = 0; d < Dv; ++d) di += drow[d] * tmp[d];
-        blk[L.di + ii] = di;
-        const acc_t l = lse[(b * p.H + h) * p.Sq + i0 + ii];
-        blk[L.lse + ii] = l == neg_inf ? pos_inf : l;
-      }
-      for (int64_t c = nq; c < kBlockQ; ++c) {
-        blk[L.di + c] = 0;
-        blk[L.lse + c] = pos_inf;
-      }
-    }
-  });
+  acc_t *qt = blk + L.qt, *qr = blk + L.qr, *dot = blk + L.dot, *dor = blk + L.dor;
+  const int64_t r0 = sq.q0 + i0;  // first (packed) row of the block
+  const scalar_t* qh = q + b * p.q_batch_stride + h * p.q_head_stride + r0 * p.q_row_stride;
+  const scalar_t* dh = dout + b * bp.dout_batch_stride + h * bp.dout_head_stride + r0 * bp.dout_row_stride;
+  const scalar_t* oh = o + b * bp.o_batch_stride + h * bp.o_head_stride + r0 * bp.o_row_stride;
+  const int64_t stat = b * p.lse_batch_stride + h * p.lse_head_stride + r0;  // lse / dlse of row i0
+  for (int64_t ii = 0; ii < nq; ++ii) {
+    acc_t* qrow = qr + ii * Dp;
+    convert_row(qh + ii * p.q_row_stride, D, qrow);
+    for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + ii] = qrow[d] * qscale;
+    acc_t* drow = dor + ii * Dvp;
+    convert_row(dh + ii * bp.dout_row_stride, Dv, drow);
+    for (int64_t d = 0; d < Dv; ++d) dot[d * kBlockQ + ii] = drow[d];
+    convert_row(oh + ii * bp.o_row_stride, Dv, tmp);
+    acc_t di = 0;
+    for (int64_t d = 0; d < Dv; ++d) di += drow[d] * tmp[d];
+    // lse's gradient folds into the row term: dS = P * (dP - (Di - dlse_i))
+    blk[L.di + ii] = dlse != nullptr ? di - dlse[stat + ii] : di;
+    const acc_t l = lse[stat + ii];
+    blk[L.lse + ii] = l == neg_inf ? pos_inf : l;
+  }
+  // rows [nq, kBlockQ): a shorter block (the last of a sequence) after a full one left values
+  // there; make them padding again
+  for (int64_t ii = nq; ii < kBlockQ; ++ii) {
+    std::fill(qr + ii * Dp, qr + (ii + 1) * Dp, acc_t(0));
+    std::fill(dor + ii * Dvp, dor + (ii + 1) * Dvp, acc_t(0));
+    for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + ii] = 0;
+    for (int64_t d = 0; d < Dv; ++d) dot[d * kBlockQ + ii] = 0;
+    blk[L.di + ii] = 0;
+    blk[L.lse + ii] = pos_inf;
+  }
+  // Whether the block's q and dout rows are all finite (then a hidden pair's 0 times them is
+  // 0, and the partial tiles may use the dense products).
+  blk[L.fin] = all_finite(qr, nq, D, Dp) && all_finite(dor, nq, Dv, Dvp) ? acc_t(1) : acc_t(0);
 }
 
+// Loads key tile [j0, j0 + nk) of kv head hkv of sequence b into s.kb / s.vb / s.kvalid.
+// Returns the number of keys that take part (not padded); *k_finite: all of kb is finite.
 template <typename scalar_t, typename acc_t>
-void bwd_task(const AttentionBwdParams& bp, int64_t b, int64_t hkv, int64_t j0,
-              const QueryPackLayout& L, const acc_t* packs, const mk::Kernels<acc_t>& K,
-              BwdScratch<acc_t>& s, acc_t* dq_w) {
-  const AttentionParams& p = bp.fwd;
-  const int64_t D = p.D, Dv = p.Dv, Dp = s.Dp, Dvp = s.Dvp;
-  const int64_t off = p.Sk - p.Sq;
-  const int64_t nk = std::min(kBlockK, p.Sk - j0);
-  const int64_t group = p.H / p.Hkv;
+int64_t load_key_tile(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq,
+                      int64_t b, int64_t hkv, int64_t j0, int64_t nk, BwdScratch<acc_t>& s,
+                      bool* k_finite) {
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
-  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-
-  load_rows(k + b * p.k_batch_stride + hkv * p.k_head_stride + j0 * p.k_row_stride,
-            p.k_row_stride, nk, D, s.kb.data(), Dp);
-  load_rows(v + b * p.v_batch_stride + hkv * p.v_head_stride + j0 * p.v_row_stride,
-            p.v_row_stride, nk, Dv, s.vb.data(), Dvp);
-  std::fill(s.dkt.begin(), s.dkt.end(), acc_t(0));
-  std::fill(s.dvt.begin(), s.dvt.end(), acc_t(0));
-
-  // Query blocks from the one holding the first row that sees key j0 (j0 <= i + off).
-  const int64_t qb_first = p.causal ? std::max<int64_t>(0, j0 - off) / kBlockQ : 0;
-  for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
-    for (int64_t qb = qb_first; qb < L.n_qb; ++qb) {
-      const int64_t i0 = qb * kBlockQ;
-      const int64_t nq = std::min(kBlockQ, p.Sq - i0);
-      const int64_t C = round_up(nq, 8);
-      const acc_t* blk = packs + ((b * p.H + h) * L.n_qb + qb) * L.size;
-      const acc_t *qt = blk + L.qt, *qr = blk + L.qr, *dot = blk + L.dot, *dor = blk + L.dor;
-      acc_t* dqh = dq_w + ((b * p.H + h) * p.Sq + i0) * Dp;
-      if (!(p.causal && j0 + nk - 1 > i0 + off)) {
-        // Off the diagonal: every (key, query) pair of the tile is visible.
-        // pass 1: st (nk, C) = kb qt
-        K.gemm(nk, C, D, s.kb.data(), Dp, 1, qt, kBlockQ, s.st.data(), C, false);
-        // pass 2: P^T
-        K.exp_sub(s.st.data(), nk, C, blk + L.lse);
-        // pass 3: dvt += P^T dout
-        K.gemm(nk, Dvp, nq, s.st.data(), C, 1, dor, Dvp, s.dvt.data(), Dvp, true);
-        // pass 4: dP^T = v dout^T
-        K.gemm(nk, C, Dv, s.vb.data(), Dvp, 1, dot, kBlockQ, s.dpt.data(), C, false);
-        // pass 5: dS^T = P^T * (dP^T - Di)
-        K.ds(s.st.data(), s.dpt.data(), nk, C, blk + L.di);
-        // pass 6: dkt += dS^T q
-        K.gemm(nk, Dp, nq, s.dpt.data(), C, 1, qr, Dp, s.dkt.data(), Dp, true);
-        // pass 7: dq_w rows += dS k
-        K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kb.data(), Dp, dqh, Dp, true);
-        continue;
-      }
-      // Diagonal tile: key j0 + r is seen by columns c >= first(r) = j0 + r - off - i0, so
-      // the hidden triangle is skipped in 6-key / 6-query steps (pass 1, 3, 4, 6, 7); what
-      // pass 1 / 4 leave uncomputed is filled with -inf / 0 before the element-wise passes.
-      auto first = [&](int64_t r) { return std::clamp<int64_t>(j0 + r - off - i0, 0, C); };
-      // pass 1: st = kb qt on the visible column panels, then mask
-      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
-        const int64_t rows = std::min<int64_t>(6, nk - r0), c8 = first(r0) / 8 * 8;
-        if (c8 < C) {
-          K.gemm(rows, C - c8, D, s.kb.data() + r0 * Dp, Dp, 1, qt + c8, kBlockQ,
-                 s.st.data() + r0 * C + c8, C, false);
-        }
-      }
-      for (int64_t r = 0; r < nk; ++r) {
-        std::fill(s.st.data() + r * C, s.st.data() + r * C + first(r), neg_inf);
-      }
-      // pass 2: P^T
-      K.exp_sub(s.st.data(), nk, C, blk + L.lse);
-      // pass 3: dvt += P^T dout over the queries that see each 6 keys
-      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
-        const int64_t rows = std::min<int64_t>(6, nk - r0), c0 = std::min(first(r0), nq);
-        if (c0 < nq) {
-          K.gemm(rows, Dvp, nq - c0, s.st.data() + r0 * C + c0, C, 1, dor + c0 * Dvp, Dvp,
-                 s.dvt.data() + r0 * Dvp, Dvp, true);
-        }
-      }
-      // pass 4: dP^T = v dout^T on the visible column panels; zero elsewhere
-      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
-        const int64_t rows = std::min<int64_t>(6, nk - r0), c8 = first(r0) / 8 * 8;
-        if (c8 < C) {
-          K.gemm(rows, C - c8, Dv, s.vb.data() + r0 * Dvp, Dvp, 1, dot + c8, kBlockQ,
-                 s.dpt.data() + r0 * C + c8, C, false);
-        }
-        for (int64_t r = r0; r < r0 + rows; ++r) {
-          std::fill(s.dpt.data() + r * C, s.dpt.data() + r * C + c8, acc_t(0));
-        }
-      }
-      // pass 5: dS^T = P^T * (dP^T - Di)  (0 where hidden: P = 0)
-      K.ds(s.st.data(), s.dpt.data(), nk, C, blk + L.di);
-      // pass 6: dkt += dS^T q over the queries that see each 6 keys
-      for (int64_t r0 = 0; r0 < nk; r0 += 6) {
-        const int64_t rows = std::min<int64_t>(6, nk - r0), c0 = std::min(first(r0), nq);
-        if (c0 < nq) {
-          K.gemm(rows, Dp, nq - c0, s.dpt.data() + r0 * C + c0, C, 1, qr + c0 * Dp, Dp,
-                 s.dkt.data() + r0 * Dp, Dp, true);
-        }
-      }
-      // pass 7: dq_w rows += dS k over the keys each 6 queries see (j <= i + off)
-      for (int64_t c0 = 0; c0 < nq; c0 += 6) {
-        const int64_t mrows = std::min<int64_t>(6, nq - c0);
-        const int64_t kc = std::clamp<int64_t>(i0 + c0 + mrows + off - j0, 0, nk);
-        if (kc > 0) {
-          K.gemm(mrows, Dp, kc, s.dpt.data() + c0, 1, C, s.kb.data(), Dp, dqh + c0 * Dp, Dp, true);
-        }
-      }
-    }
+  load_rows(k + b * p.k_batch_stride + hkv * p.k_head_stride + (sq.k0 + j0) * p.k_row_stride,
+            p.k_row_stride, nk, p.D, s.kb.data(), s.Dp);
+  load_rows(v + b * p.v_batch_stride + hkv * p.v_head_stride + (sq.k0 + j0) * p.v_row_stride,
+            p.v_row_stride, nk, p.Dv, s.vb.data(), s.Dvp);
+  int64_t n_valid = nk;
+  if (vis.has_padding()) {
+    n_valid = 0;
+    for (int64_t r = 0; r < nk; ++r) n_valid += (s.kvalid[r] = vis.key_valid(b, j0 + r));
   }
+  *k_finite = all_finite(s.kb.data(), nk, p.D, s.Dp);
+  return n_valid;
+}
 
-  // dk = scale * dkt, dv = dvt (contiguous (B, Sk, Hkv, D / Dv)).
-  auto* dk = static_cast<scalar_t*>(bp.dk);
-  auto* dv = static_cast<scalar_t*>(bp.dv);
-  const acc_t scale = static_cast<acc_t>(p.scale);
-  for (int64_t r = 0; r < nk; ++r) {
-    const int64_t j = j0 + r;
-    scalar_t* dkr = dk + ((b * p.Sk + j) * p.Hkv + hkv) * D;
-    scalar_t* dvr = dv + ((b * p.Sk + j) * p.Hkv + hkv) * Dv;
-    for (int64_t d = 0; d < D; ++d) dkr[d] = static_cast<scalar_t>(s.dkt[r * Dp + d] * scale);
-    for (int64_t d = 0; d < Dv; ++d) dvr[d] = static_cast<scalar_t>(s.dvt[r * Dvp + d]);
+// Gradient accumulators of one key tile: dk / dv rows (unscaled dk) at dkt + r * ldk and
+// dvt + r * ldv; nullptr when the pass computes dq only. db: the work unit's partial
+// d rel_bias row (2M + 1) of the query head, nullptr when not accumulated here.
+template <typename acc_t>
+struct KeyAcc {
+  acc_t* dkt;
+  int64_t ldk;
+  acc_t* dvt;
+  int64_t ldv;
+  double* db;
+};
+
+// dS^T = Pz^T * dP^T - P^T * Di with dropout (Pz = P * Z / (1 - p); dv used Pz, and
+// dL/dP = dP * Z / (1 - p), while rowsum(dO * O) = Di stays the row term).
+template <typename acc_t>
+void ds_dropout(const acc_t* p, const acc_t* pz, acc_t* ds, int64_t rows, int64_t cols,
+                const acc_t* d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const acc_t* pr = p + r * cols;
+    const acc_t* zr = pz + r * cols;
+    acc_t* dr = ds + r * cols;
+    for (int64_t c = 0; c < cols; ++c) dr[c] = zr[c] * dr[c] - pr[c] * d[c];
   }
 }
 
+// The score terms' part of the backward of one (query block, key tile) pair:
+//   terms():  the terms on the scores st (natural units), tanh(s / softcap) kept in th
+//   grad():   after dS^T of the final scores: d rel_bias (into db), then the softcap chain
+//             factor dS_raw = dS * (1 - th^2)
+template <typename acc_t>
+struct PairTerms {
+  const ScoreTerms& t;
+  const SeqInfo& sq;
+  int64_t b, h, i0, nq, j0, nk, C;
+
+  void terms(acc_t* st, acc_t* th) const {
+    for (int64_t r = 0; r < nk; ++r) {
+      t.apply_row<acc_t>(st + r * C, static_cast<int>(nq), b, h, i0 + sq.off - (j0 + r), acc_t(1),
+                         th != nullptr ? th + r * C : nullptr);
+    }
+  }
+  void grad(acc_t* ds, const acc_t* th, double* db) const {
+    if (db != nullptr) {
+      for (int64_t r = 0; r < nk; ++r) {
+        t.rel_bias_grad_row<acc_t>(ds + r * C, static_cast<int>(nq), i0 + sq.off - (j0 + r), db);
+      }
+    }
+    if (th != nullptr) {
+      for (int64_t r = 0; r < nk; ++r) {
+        acc_t* d = ds + r * C;
+        const acc_t* x = th + r * C;
+        for (int64_t c = 0; c < nq; ++c) d[c] *= acc_t(1) - x[c] * x[c];
+      }
+    }
+  }
+};
+
+// One (query block [i0, i0 + nq) of one head, key tile [j0, j0 + nk)) pair:
+//
+//   pass 1: st (nk, C) = kb qt               scores, transposed
+//   pass 2: st = exp(st - lse)               probabilities P^T (0 where hidden)
+//   pass 3: dvt (nk, Dvp) += st dor          (when acc.dvt)
+//   pass 4: dpt (nk, C) = vb dot             dP^T
+//   pass 5: dpt = st * (dpt - Di)            dS^T (0 where hidden)
+//   pass 6: dkt (nk, Dp) += dpt qr           (when acc.dkt)
+//   pass 7: dqt (nq, Dp) += dpt^T kb         (when dqt)
+//
+// The tile is classified by the visibility layer: full tiles run the dense products; partial
+// tiles skip their hidden parts in 6-key / 6-query steps and mask what is left.
+//
+// Score terms (common/attention_mask.h): after pass 1 the terms are added (softcap keeps
+// tanh in s.th); with dropout, pass 3 uses P * Z / (1 - p) (s.pz, the forward's keep bits) and
+// pass 5 dS = Pz * dP - P * Di; after pass 5 d rel_bias is accumulated and the softcap chain
+// factor applied (PairTerms).
+template <typename acc_t>
+void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq, int64_t b,
+              int64_t h, int64_t i0, int64_t nq, int64_t j0, int64_t nk, int64_t n_valid,
+              bool k_finite, const QueryPackLayout& L, const acc_t* blk, const KeyAcc<acc_t>& acc,
+              acc_t* dqt, const mk::Kernels<acc_t>& K, BwdScratch<acc_t>& s) {
+  const int64_t D = p.D, Dv = p.Dv, Dp = s.Dp, Dvp = s.Dvp;
+  const ScoreTerms terms = p.score_terms();
+  const bool with_terms = terms.active(), dropout = terms.has_dropout();
+  acc_t* const th = terms.softcap > 0.0 ? s.th.data() : nullptr;
+  const uint32_t thresh = dropout::threshold(terms.dropout_p);
+  const acc_t inv_keep = static_cast<acc_t>(1.0 / (1.0 - terms.dropout_p));
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  TileKind kind = vis.classify(sq, i0, i0 + nq, j0, j0 + nk);
+  if (kind == TileKind::kInvisible || n_valid == 0) return;
+  if (n_valid < nk) kind = TileKind::kPartial;
+  const int64_t C = round_up(nq, 8);
+  const acc_t *qt = blk + L.qt, *qr = blk + L.qr, *dot = blk + L.dot, *dor = blk + L.dor;
+  acc_t* const dkt = acc.dkt;
+  acc_t* const dvt = acc.dvt;
+  const int64_t ldk = acc.ldk, ldv = acc.ldv;
+  const PairTerms<acc_t> pt{terms, sq, b, h, i0, nq, j0, nk, C};
+  // P^T with dropout applied (what pass 3 multiplies dout by)
+  const acc_t* pv = dropout ? s.pz.data() : s.st.data();
+  auto pass5 = [&] {
+    if (dropout) {
+      ds_dropout(s.st.data(), s.pz.data(), s.dpt.data(), nk, C, blk + L.di);
+    } else {
+      K.ds(s.st.data(), s.dpt.data(), nk, C, blk + L.di);
+    }
+  };
+  if (kind == TileKind::kFull) {
+    // Every (key, query) pair of the tile is visible.
+    K.gemm(nk, C, D, s.kb.data(), Dp, 1, qt, kBlockQ, s.st.data(), C, false);     // pass 1
+    if (with_terms) pt.terms(s.st.data(), th);
+    K.exp_sub(s.st.data(), nk, C, blk + L.lse);                                      // pass 2
+    if (dropout) {
+      dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, j0, s.rk.data(), s.words.data(), thresh,
+                   inv_keep);
+    }
+    if (dvt != nullptr) K.gemm(nk, Dvp, nq, pv, C, 1, dor, Dvp, dvt, ldv, true);      // pass 3
+    K.gemm(nk, C, Dv, s.vb.data(), Dvp, 1, dot, kBlockQ, s.dpt.data(), C, false);   // pass 4
+    pass5();                                                                          // pass 5
+    if (with_terms) pt.grad(s.dpt.data(), th, acc.db);
+    if (dkt != nullptr) K.gemm(nk, Dp, nq, s.dpt.data(), C, 1, qr, Dp, dkt, ldk, true);    // 6
+    if (dqt != nullptr) K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kb.data(), Dp, dqt, Dp, true);  // 7
+    return;
+  }
+  // Partial tile: key j0 + r is seen by the columns [cols(r).lo, cols(r).hi) (band) if it is
+  // not padded. The hidden parts are skipped in 6-key / 6-query steps (pass 1, 3, 4, 6, 7);
+  // what pass 1 / 4 leave uncomputed is masked (-inf / 0) before the element-wise passes, and
+  // dS is 0 at every hidden pair.
+  auto cols = [&](int64_t r) {
+    if (vis.has_padding() && !s.kvalid[r]) return Range{0, 0};
+    const Range rr = vis.band_rows(sq, j0 + r);
+    return Range{std::clamp<int64_t>(rr.lo - i0, 0, nq), std::clamp<int64_t>(rr.hi - i0, 0, nq)};
+  };
+  // the columns some of keys [r0, r0 + rows) are seen by (band only: a superset)
+  auto panel = [&](int64_t r0, int64_t rows) {
+    const Range rr = vis.band_rows_of_keys(sq, j0 + r0, j0 + r0 + rows);
+    return Range{std::clamp<int64_t>(rr.lo - i0, 0, nq), std::clamp<int64_t>(rr.hi - i0, 0, nq)};
+  };
+  auto mask = [&](acc_t* t, acc_t hidden) {
+    for (int64_t r = 0; r < nk; ++r) {
+      const Range c = cols(r);
+      std::fill(t + r * C, t + r * C + c.lo, hidden);
+      std::fill(t + r * C + c.hi, t + (r + 1) * C, hidden);
+    }
+  };
+  // pass 1: st = kb qt on the visible column panels, then mask
+  for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+    const int64_t nr = std::min<int64_t>(6, nk - r0);
+    const Range pc = panel(r0, nr);
+    const int64_t c8 = pc.lo / 8 * 8, ce = std::min(C, round_up(pc.hi, 8));
+    if (c8 < ce) {
+      K.gemm(nr, ce - c8, D, s.kb.data() + r0 * Dp, Dp, 1, qt + c8, kBlockQ,
+             s.st.data() + r0 * C + c8, C, false);
+    }
+  }
+  if (with_terms) pt.terms(s.st.data(), th);
+  mask(s.st.data(), neg_inf);
+  // pass 2: P^T (0 where hidden)
+  K.exp_sub(s.st.data(), nk, C, blk + L.lse);
+  if (dropout) {
+    dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, j0, s.rk.data(), s.words.data(), thresh,
+                 inv_keep);
+  }
+  // pass 4: dP^T = v dout^T on the visible column panels, then 0 where hidden
+  for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+    const int64_t nr = std::min<int64_t>(6, nk - r0);
+    const Range pc = panel(r0, nr);
+    const int64_t c8 = pc.lo / 8 * 8, ce = std::min(C, round_up(pc.hi, 8));
+    if (c8 < ce) {
+      K.gemm(nr, ce - c8, Dv, s.vb.data() + r0 * Dvp, Dvp, 1, dot + c8, kBlockQ,
+             s.dpt.data() + r0 * C + c8, C, false);
+    }
+  }
+  mask(s.dpt.data(), acc_t(0));
+  // pass 5: dS^T = P^T * (dP^T - Di), then exactly 0 where hidden (Di may be non-finite)
+  pass5();
+  mask(s.dpt.data(), acc_t(0));
+  if (with_terms) {
+    pt.grad(s.dpt.data(), th, acc.db);
+    if (th != nullptr) mask(s.dpt.data(), acc_t(0));  // th is not defined where hidden
+  }
+  if (!(k_finite && blk[L.fin] != acc_t(0))) {
+    // A non-finite k, q or dout: 0 (hidden pair) times it must not reach dk, dv or dq of the
+    // other side, so the products of pass 3, 6, 7 run over visible pairs only.
+    for (int64_t r = 0; r < nk; ++r) {
+      const Range c = cols(r);
+      for (int64_t cc = c.lo; cc < c.hi; ++cc) {
+        const acc_t pr = pv[r * C + cc], ds = s.dpt[r * C + cc];
+        if (dvt != nullptr)
+          for (int64_t d = 0; d < Dv; ++d) dvt[r * ldv + d] += pr * dor[cc * Dvp + d];
+        if (dkt != nullptr)
+          for (int64_t d = 0; d < D; ++d) dkt[r * ldk + d] += ds * qr[cc * Dp + d];
+        if (dqt != nullptr)
+          for (int64_t d = 0; d < D; ++d) dqt[cc * Dp + d] += ds * s.kb[r * Dp + d];
+      }
+    }
+    return;
+  }
+  for (int64_t r0 = 0; r0 < nk && (dvt != nullptr || dkt != nullptr); r0 += 6) {
+    const int64_t nr = std::min<int64_t>(6, nk - r0);
+    const Range pc = panel(r0, nr);
+    if (pc.lo >= pc.hi) continue;
+    // pass 3: dvt += P^T dout over the queries that see each 6 keys
+    if (dvt != nullptr) {
+      K.gemm(nr, Dvp, pc.hi - pc.lo, pv + r0 * C + pc.lo, C, 1, dor + pc.lo * Dvp, Dvp,
+             dvt + r0 * ldv, ldv, true);
+    }
+    // pass 6: dkt += dS^T q over the queries that see each 6 keys
+    if (dkt != nullptr) {
+      K.gemm(nr, Dp, pc.hi - pc.lo, s.dpt.data() + r0 * C + pc.lo, C, 1, qr + pc.lo * Dp, Dp,
+             dkt + r0 * ldk, ldk, true);
+    }
+  }
+  // pass 7: dqt rows += dS k over the keys each 6 queries see
+  for (int64_t c0 = 0; c0 < nq && dqt != nullptr; c0 += 6) {
+    const int64_t mrows = std::min<int64_t>(6, nq - c0);
+    const Range keys = vis.band_keys_of_rows(sq, i0 + c0, i0 + c0 + mrows);
+    const int64_t klo = std::clamp<int64_t>(keys.lo - j0, 0, nk);
+    const int64_t khi = std::clamp<int64_t>(keys.hi - j0, 0, nk);
+    if (khi > klo) {
+      K.gemm(mrows, Dp, khi - klo, s.dpt.data() + klo * C + c0, 1, C, s.kb.data() + klo * Dp, Dp,
+             dqt + c0 * Dp, Dp, true);
+    }
+  }
+}
+
+// dq rows [i0, i0 + nq) of head h of sequence b = scale * dqt.
+template <typename scalar_t, typename acc_t>
+void write_dq(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64_t h, int64_t i0,
+              int64_t nq, const acc_t* dqt, int64_t Dp) {
+  const AttentionParams& p = bp.fwd;
+  auto* dq = static_cast<scalar_t*>(bp.dq);
+  const acc_t scale = static_cast<acc_t>(p.scale);
+  for (int64_t ii = 0; ii < nq; ++ii) {
+    scalar_t* dst = dq + b * bp.dq_batch_stride + ((sq.q0 + i0 + ii) * p.H + h) * p.D;
+    for (int64_t d = 0; d < p.D; ++d) dst[d] = static_cast<scalar_t>(dqt[ii * Dp + d] * scale);
+  }
+}
+
+// The backward, parallel over work units that each own the gradients they write, so no
+// gradient has per-worker copies and the result does not depend on scheduling:
+//
+//   fused (B * Hkv >= threads): a unit is one (batch, kv head). For each query head of its
+//     GQA group and each query block: pack the block, visit every key tile the block sees
+//     (passes 1-7), accumulate dk / dv of the kv head in place and dq of the block in the
+//     worker's tile, then write dq. Every gradient element is summed in one fixed order.
+//   split (fewer (batch, kv head) pairs than threads, e.g. one long sequence of one head):
+//     the FlashAttention-2 way. Phase 1, units (batch, kv head, chunk of key tiles): dk / dv
+//     of the chunk (passes 1-6). Phase 2, units (batch, query head, query block): dq (passes
+//     1, 2, 4, 5, 7, the probabilities recomputed). More arithmetic, but work for every thread.
+//
+// Extra memory: dk / dv accumulate in the outputs when those are the accumulation type with
+// D, Dv multiples of 8; otherwise in one fp32 (B, Hkv, Sk, Dp + Dvp) buffer. Beyond that,
+// one query block, one key tile and one dq tile per worker: independent of the thread count.
 template <typename scalar_t>
 void attention_bwd_kernel(const AttentionBwdParams& bp) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   const AttentionParams& p = bp.fwd;
   const mk::Kernels<acc_t> kern = mk::kernels<acc_t>();
-  const int64_t Dp = round_up(p.D, 8);
+  const int64_t Dp = round_up(p.D, 8), Dvp = round_up(p.Dv, 8);
+  const int64_t group = p.H / p.Hkv;
+  const int64_t n_qb = ceil_div(p.Sq, kBlockQ);
   const int64_t n_kb = ceil_div(p.Sk, kBlockK);
-  const int64_t n_tasks = p.B * p.Hkv * n_kb;
-  const int64_t off = p.Sk - p.Sq;
+  const Visibility vis = p.visibility();
+  const QueryPackLayout L(p.D, p.Dv, Dp, Dvp);
+  const ScoreTerms terms = p.score_terms();
+  auto make_scratch = [&] { return BwdScratch<acc_t>(p.D, p.Dv, L.size, terms); };
 
-  // Fixed greedy plan: tasks by decreasing cost (query rows that see the key tile), each to
-  // the least loaded worker (ties: lowest index). Depends only on shapes and thread count.
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(num_threads(), n_tasks));
-  std::vector<std::vector<int64_t>> plan(static_cast<size_t>(workers));
-  {
-    std::vector<int64_t> order(static_cast<size_t>(n_tasks));
-    auto cost = [&](int64_t t) {
-      const int64_t j0 = (t % n_kb) * kBlockK;
-      return p.causal ? p.Sq - std::clamp<int64_t>(j0 - off, 0, p.Sq) : p.Sq;
-    };
-    for (int64_t t = 0; t < n_tasks; ++t) order[t] = t;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
-    std::vector<int64_t> load(static_cast<size_t>(workers), 0);
-    for (int64_t t : order) {
-      const auto w = std::min_element(load.begin(), load.end()) - load.begin();
-      plan[w].push_back(t);
-      load[w] += cost(t) + 1;
+  // dk / dv accumulators of (b, hkv): rows j at kacc(b, hkv) + j * ld.
+  const bool in_place = std::is_same_v<scalar_t, acc_t> && p.D == Dp && p.Dv == Dvp;
+  AlignedVec<acc_t> kv_buf;
+  if (!in_place) kv_buf.assign(static_cast<size_t>(p.B * p.Hkv * p.Sk * (Dp + Dvp)), acc_t(0));
+  auto key_acc = [&](int64_t b, int64_t hkv, const SeqInfo& sq, int64_t j0) -> KeyAcc<acc_t> {
+    if (in_place) {
+      auto* dk = reinterpret_cast<acc_t*>(bp.dk);
+      auto* dv = reinterpret_cast<acc_t*>(bp.dv);
+      const int64_t j = sq.k0 + j0;
+      return {dk + b * bp.dk_batch_stride + (j * p.Hkv + hkv) * p.D, p.Hkv * p.D,
+              dv + b * bp.dv_batch_stride + (j * p.Hkv + hkv) * p.Dv, p.Hkv * p.Dv, nullptr};
+    }
+    acc_t* base = kv_buf.data() + (b * p.Hkv + hkv) * p.Sk * (Dp + Dvp);
+    return {base + j0 * Dp, Dp, base + p.Sk * Dp + j0 * Dvp, Dvp, nullptr};
+  };
+
+  // d rel_bias: each work unit that computes dk / dv (fused: (b, hkv); split phase 1:
+  // (b, hkv, chunk)) sums its pairs' dS into its own (group, 2M + 1) partial table; the
+  // tables are reduced in unit order at the end (deterministic for a given thread count).
+  const int64_t nbias = terms.rel_bias != nullptr ? 2 * terms.rel_max + 1 : 0;
+  const int64_t workers = std::max<int64_t>(1, num_threads());
+  const bool split = p.B * p.Hkv < workers && n_kb > 1;
+  const int64_t n_chunks = split ? std::min(n_kb, ceil_div(2 * workers, p.B * p.Hkv)) : 1;
+  std::vector<double> db_parts(static_cast<size_t>(p.B * p.Hkv * n_chunks * group * nbias), 0.0);
+  // partial row of query head h in the unit (b, hkv, chunk c)
+  auto db_row = [&](int64_t b, int64_t h, int64_t c) -> double* {
+    if (nbias == 0) return nullptr;
+    const int64_t hkv = h / group;
+    return db_parts.data() + (((b * p.Hkv + hkv) * n_chunks + c) * group + h % group) * nbias;
+  };
+
+  // Visits key tiles [kt0, kt1) that rows [i0, i0 + nq) of head h see, for one packed query
+  // block; db: the unit's d rel_bias row of head h (or nullptr).
+  auto visit = [&](BwdScratch<acc_t>& s, const SeqInfo& sq, int64_t b, int64_t h, int64_t i0,
+                   int64_t nq, int64_t kt0, int64_t kt1, bool want_kv, bool want_dq, double* db) {
+    const int64_t hkv = h / group;
+    if (terms.has_dropout()) {
+      for (int64_t c = 0; c < nq; ++c) {
+        s.rk[c] = dropout::row_key(terms.dropout_seed, terms.dropout_offset, b, h, i0 + c);
+      }
+    }
+    const Range keys = vis.band_keys_of_rows(sq, i0, i0 + nq);
+    const int64_t lo = std::max(kt0, keys.lo / kBlockK);
+    const int64_t hi = std::min(kt1, ceil_div(keys.hi, kBlockK));
+    for (int64_t kt = lo; kt < hi; ++kt) {
+      const int64_t j0 = kt * kBlockK;
+      const int64_t nk = std::min(kBlockK, sq.Sk - j0);
+      if (nk <= 0) break;
+      if (vis.classify(sq, i0, i0 + nq, j0, j0 + nk) == TileKind::kInvisible) continue;
+      bool k_finite = true;
+      const int64_t n_valid = load_key_tile<scalar_t, acc_t>(p, vis, sq, b, hkv, j0, nk, s, &k_finite);
+      KeyAcc<acc_t> acc = want_kv ? key_acc(b, hkv, sq, j0) : KeyAcc<acc_t>{nullptr, 0, nullptr, 0, nullptr};
+      acc.db = db;
+      bwd_pair<acc_t>(p, vis, sq, b, h, i0, nq, j0, nk, n_valid, k_finite, L, s.blk.data(), acc,
+                      want_dq ? s.dqt.data() : nullptr, kern, s);
+    }
+  };
+
+  if (!split) {
+    parallel_tasks(p.B * p.Hkv, make_scratch, [&](int64_t t, BwdScratch<acc_t>& s) {
+      const int64_t b = t / p.Hkv, hkv = t % p.Hkv;
+      const SeqInfo sq = vis.seq(b);
+      for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
+        for (int64_t i0 = 0; i0 < sq.Sq; i0 += kBlockQ) {
+          const int64_t nq = std::min(kBlockQ, sq.Sq - i0);
+          pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, nq, s.blk.data(), s.tmp.data());
+          std::fill(s.dqt.begin(), s.dqt.begin() + nq * Dp, acc_t(0));
+          visit(s, sq, b, h, i0, nq, 0, n_kb, true, true, db_row(b, h, 0));
+          write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, nq, s.dqt.data(), Dp);
+        }
+      }
+    });
+  } else {
+    // phase 1: dk / dv (and d rel_bias) by key chunks
+    const int64_t per_chunk = ceil_div(n_kb, n_chunks);
+    parallel_tasks(p.B * p.Hkv * n_chunks, make_scratch, [&](int64_t t, BwdScratch<acc_t>& s) {
+      const int64_t c = t % n_chunks, bh = t / n_chunks;
+      const int64_t b = bh / p.Hkv, hkv = bh % p.Hkv;
+      const SeqInfo sq = vis.seq(b);
+      const int64_t kt0 = c * per_chunk, kt1 = std::min(n_kb, kt0 + per_chunk);
+      const int64_t j0 = kt0 * kBlockK, j1 = std::min(sq.Sk, kt1 * kBlockK);
+      if (j0 >= j1) return;
+      const Range rows = vis.band_rows_of_keys(sq, j0, j1);  // rows that see some key of it
+      for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
+        for (int64_t i0 = rows.lo / kBlockQ * kBlockQ; i0 < rows.hi; i0 += kBlockQ) {
+          const int64_t nq = std::min(kBlockQ, sq.Sq - i0);
+          pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, nq, s.blk.data(), s.tmp.data());
+          visit(s, sq, b, h, i0, nq, kt0, kt1, true, false, db_row(b, h, c));
+        }
+      }
+    });
+    // phase 2: dq by query blocks
+    parallel_tasks(p.B * p.H * n_qb, make_scratch, [&](int64_t t, BwdScratch<acc_t>& s) {
+      const int64_t qb = t % n_qb, bh = t / n_qb;
+      const int64_t b = bh / p.H, h = bh % p.H;
+      const SeqInfo sq = vis.seq(b);
+      const int64_t i0 = qb * kBlockQ;
+      const int64_t nq = std::min(kBlockQ, sq.Sq - i0);
+      if (nq <= 0) return;
+      pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, nq, s.blk.data(), s.tmp.data());
+      std::fill(s.dqt.begin(), s.dqt.begin() + nq * Dp, acc_t(0));
+      visit(s, sq, b, h, i0, nq, 0, n_kb, false, true, nullptr);
+      write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, nq, s.dqt.data(), Dp);
+    });
+  }
+
+  // d rel_bias (H, 2M + 1) = the units' partial tables summed in unit order (b, chunk).
+  if (nbias > 0 && bp.drel_bias != nullptr) {
+    auto* drb = static_cast<acc_t*>(bp.drel_bias);
+    for (int64_t h = 0; h < p.H; ++h) {
+      for (int64_t x = 0; x < nbias; ++x) {
+        double sum = 0;
+        for (int64_t b = 0; b < p.B; ++b) {
+          for (int64_t c = 0; c < n_chunks; ++c) sum += db_row(b, h, c)[x];
+        }
+        drb[h * nbias + x] = static_cast<acc_t>(sum);
+      }
     }
   }
 
-  // pass 0: pack the query-side operands once.
-  const QueryPackLayout L(p.Sq, p.D, p.Dv, Dp, round_up(p.Dv, 8));
-  AlignedVec<acc_t> packs(static_cast<size_t>(p.B * p.H * L.n_qb * L.size), acc_t(0));
-  pack_query_blocks<scalar_t, acc_t>(bp, L, packs.data());
-
-  // dq_w: (workers, B, H, Sq, Dp) partial sums, one slice per worker.
-  const int64_t dq_size = p.B * p.H * p.Sq * Dp;
-  AlignedVec<acc_t> dq_parts(static_cast<size_t>(workers * dq_size), acc_t(0));
-  torch::stable::parallel_for(0, workers, 1, [&](int64_t wbeg, int64_t wend) {
-    BwdScratch<acc_t> s(p.D, p.Dv);
-    for (int64_t w = wbeg; w < wend; ++w) {
-      for (int64_t t : plan[w]) {
-        const int64_t kb = t % n_kb;
-        const int64_t hkv = (t / n_kb) % p.Hkv;
-        const int64_t b = t / (n_kb * p.Hkv);
-        bwd_task<scalar_t, acc_t>(bp, b, hkv, kb * kBlockK, L, packs.data(), kern, s,
-                                  dq_parts.data() + w * dq_size);
-      }
-    }
-  });
-
-  // dq (B, Sq, H, D) = scale * sum over workers (fixed order) of dq_w (B, H, Sq, Dp).
-  auto* dq = static_cast<scalar_t*>(bp.dq);
+  // dk = scale * dk accumulator, dv = dv accumulator.
+  auto* dk = static_cast<scalar_t*>(bp.dk);
+  auto* dv = static_cast<scalar_t*>(bp.dv);
   const acc_t scale = static_cast<acc_t>(p.scale);
-  torch::stable::parallel_for(0, p.B * p.H * p.Sq, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {  // row = (b * H + h) * Sq + i
-      const int64_t i = row % p.Sq;
-      const int64_t h = (row / p.Sq) % p.H;
-      const int64_t b = row / (p.Sq * p.H);
-      scalar_t* dst = dq + ((b * p.Sq + i) * p.H + h) * p.D;
-      for (int64_t d = 0; d < p.D; ++d) {
-        acc_t sum = 0;
-        for (int64_t w = 0; w < workers; ++w) sum += dq_parts[w * dq_size + row * Dp + d];
-        dst[d] = static_cast<scalar_t>(sum * scale);
-      }
+  parallel_tasks(p.B * p.Hkv, [] { return 0; }, [&](int64_t t, int&) {
+    const int64_t b = t / p.Hkv, hkv = t % p.Hkv;
+    const SeqInfo sq = vis.seq(b);
+    const KeyAcc<acc_t> a = key_acc(b, hkv, sq, 0);
+    for (int64_t j = 0; j < sq.Sk; ++j) {
+      scalar_t* dkr = dk + b * bp.dk_batch_stride + ((sq.k0 + j) * p.Hkv + hkv) * p.D;
+      scalar_t* dvr = dv + b * bp.dv_batch_stride + ((sq.k0 + j) * p.Hkv + hkv) * p.Dv;
+      const acc_t* ks = a.dkt + j * a.ldk;
+      const acc_t* vs = a.dvt + j * a.ldv;
+      for (int64_t d = 0; d < p.D; ++d) dkr[d] = static_cast<scalar_t>(ks[d] * scale);
+      if (!in_place)
+        for (int64_t d = 0; d < p.Dv; ++d) dvr[d] = static_cast<scalar_t>(vs[d]);
     }
   });
 }
 
-// deterministic: ignored, the CPU backward is always deterministic (fixed work plan, dq
-// partial sums reduced in a fixed order).
-std::tuple<Tensor, Tensor, Tensor> attention_backward_cpu(
-    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-    const Tensor& out, const Tensor& lse_in, bool causal, std::optional<double> scale,
-    bool deterministic) {
+using BwdResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+// d rel_bias output: zeros like rel_bias, or an empty (0,) tensor without it.
+Tensor make_drel_bias(const OptTensor& rel_bias, const Tensor& q) {
+  if (!rel_bias.has_value()) return alloc(q, {0}, lse_dtype(q.scalar_type()));
+  return alloc_zeros(*rel_bias, sizes_vec(*rel_bias), rel_bias->scalar_type());
+}
+
+// deterministic: ignored, the CPU backward is always deterministic (work units own the
+// gradients they write; partial sums are reduced in a fixed order).
+BwdResult attention_backward_cpu(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse_in, bool causal, std::optional<double> scale, int64_t window_left,
+    int64_t window_right, const OptTensor& key_padding_mask, const OptTensor& dlse_in,
+    const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
+    double dropout_p, int64_t dropout_seed, int64_t dropout_offset, bool deterministic) {
   (void)deterministic;
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_attention_bwd_inputs(dout, out, lse_in, q, s);
+  if (dlse_in.has_value()) check_dlse(*dlse_in, lse_in);
   Tensor dq = alloc(q, {s.B, s.Sq, s.H, s.D});
-  Tensor dk = alloc(q, {s.B, s.Sk, s.Hkv, s.D});
-  Tensor dv = alloc(q, {s.B, s.Sk, s.Hkv, s.Dv});
-  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv};
-  if (s.Sq == 0 || s.H == 0) {  // no query: no gradient reaches k or v
-    torch::stable::zero_(dk);
-    torch::stable::zero_(dv);
-    return {dq, dk, dv};
-  }
+  Tensor dk = alloc_zeros(q, {s.B, s.Sk, s.Hkv, s.D}, q.scalar_type());  // accumulated in place
+  Tensor dv = alloc_zeros(q, {s.B, s.Sk, s.Hkv, s.Dv}, q.scalar_type());
   const Tensor lse = torch::stable::contiguous(lse_in);
   AttentionBwdParams bp =
       make_attention_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, s, causal, scale);
+  fill_mask_params(bp.fwd, s, q, causal, window_left, window_right, key_padding_mask);
+  const OptTensor no_sinks;
+  fill_score_terms(bp.fwd, {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed,
+                            dropout_offset}, q, s.B, s.H);
+  Tensor drel_bias = make_drel_bias(rel_bias, q);
+  if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
+  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv, drel_bias};
+  if (s.Sq == 0 || s.H == 0) {  // no query: no gradient reaches k or v
+    return {dq, dk, dv, drel_bias};
+  }
+  const Tensor dlse = dlse_in.has_value() ? torch::stable::contiguous(*dlse_in) : Tensor();
+  if (dlse.defined()) bp.dlse = dlse.data_ptr();
   if (s.Sk == 0) {  // no key: every row is empty, dq = 0
     torch::stable::zero_(dq);
-    return {dq, dk, dv};
+    return {dq, dk, dv, drel_bias};
   }
   ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), "attention_backward",
                              [&] { attention_bwd_kernel<scalar_t>(bp); });
-  return {dq, dk, dv};
+  return {dq, dk, dv, drel_bias};
+}
+
+// Packed sequences (attention_varlen_forward's backward): dq (Tq, H, D), dk (Tk, Hkv, D),
+// dv (Tk, Hkv, Dv), d rel_bias. deterministic: ignored, as above.
+BwdResult attention_varlen_backward_cpu(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse_in, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, std::optional<double> scale,
+    int64_t window_left, int64_t window_right, const OptTensor& dlse_in,
+    const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
+    double dropout_p, int64_t dropout_seed, int64_t dropout_offset, bool deterministic) {
+  (void)deterministic;
+  using torch::stable::unsqueeze;
+  const AttentionShape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                               max_seqlen_k, scale);
+  const int64_t Tq = q.size(0), Tk = k.size(0);
+  check_dim(dout, "dout", 3, "(Tq, H, Dv)");
+  check_dim(out, "out", 3, "(Tq, H, Dv)");
+  check_dim(lse_in, "lse", 2, "(H, Tq)");
+  const AttentionShape s1{1, Tq, Tk, s.H, s.Hkv, s.D, s.Dv};
+  check_attention_bwd_inputs(unsqueeze(dout, 0), unsqueeze(out, 0), unsqueeze(lse_in, 0), q, s1);
+  if (dlse_in.has_value()) check_dlse(*dlse_in, lse_in);
+  Tensor dq = alloc(q, {Tq, s.H, s.D});
+  Tensor dk = alloc_zeros(q, {Tk, s.Hkv, s.D}, q.scalar_type());
+  Tensor dv = alloc_zeros(q, {Tk, s.Hkv, s.Dv}, q.scalar_type());
+  const Tensor lse = torch::stable::contiguous(lse_in);
+  AttentionBwdParams bp = make_attention_bwd_params(
+      unsqueeze(dout, 0), unsqueeze(q, 0), unsqueeze(k, 0), unsqueeze(v, 0), unsqueeze(out, 0),
+      lse, dq, dk, dv, s, causal, scale);
+  make_params_packed(bp.fwd, s, Tq, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
+  const OptTensor no_sinks;
+  fill_score_terms(bp.fwd, {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed,
+                            dropout_offset}, q, s.B, s.H);
+  Tensor drel_bias = make_drel_bias(rel_bias, q);
+  if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
+  if (Tq == 0 || s.H == 0 || Tk == 0 || s.B == 0) {
+    torch::stable::zero_(dq);
+    return {dq, dk, dv, drel_bias};
+  }
+  bp.dout_batch_stride = bp.o_batch_stride = 0;
+  bp.dq_batch_stride = bp.dk_batch_stride = bp.dv_batch_stride = 0;
+  const Tensor dlse = dlse_in.has_value() ? torch::stable::contiguous(*dlse_in) : Tensor();
+  if (dlse.defined()) bp.dlse = dlse.data_ptr();
+  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), "attention_varlen_backward",
+                             [&] { attention_bwd_kernel<scalar_t>(bp); });
+  return {dq, dk, dv, drel_bias};
 }
 
 }  // namespace
@@ -342,6 +651,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_cpu(
 
 STABLE_TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
   m.impl("attention_backward", TORCH_BOX(&cpu_attn::attention_backward_cpu));
+  m.impl("attention_varlen_backward", TORCH_BOX(&cpu_attn::attention_varlen_backward_cpu));
 }
 
 }  // namespace attn_ext

@@ -15,6 +15,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "common/attention_mask.h"
+#include "common/dropout_rng.h"
 #include "cpu/attention_microkernels.h"
 
 namespace attn_ext {
@@ -58,6 +60,15 @@ template <typename T>
 using AlignedVec = std::vector<T, CacheLineAllocator<T>>;
 inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
+// Whether a tile's rows (row_stride elements apart, cols used) may be read in place by the
+// inner products: yes when they are dense (a BHSD view) or their byte stride is not a
+// multiple of 1 KiB. Rows a multiple of 1-4 KiB apart (the BSHD layout of a Linear's output:
+// H * D * 4 bytes = 4 KiB for 16 heads of 64 fp32) map to a few L1 sets and evict each other
+// (64 sets of 64 bytes: 4 KiB apart = the same set), so such tiles are packed first.
+inline bool rows_read_in_place(int64_t row_stride, int64_t cols, size_t elem_size) {
+  return row_stride == cols || (row_stride * static_cast<int64_t>(elem_size)) % 1024 != 0;
+}
+
 // dst[0, n) = src[0, n) converted to acc_t (fp32 for fp32/bf16/fp16, fp64 for fp64).
 template <typename scalar_t, typename acc_t>
 inline void convert_row(const scalar_t* src, int64_t n, acc_t* dst) {
@@ -96,6 +107,42 @@ inline void load_rows_transposed(const scalar_t* src, int64_t row_stride, int64_
   for (int64_t r = 0; r < rows; ++r) {
     convert_row(src + r * row_stride, cols, tmp);
     for (int64_t d = 0; d < cols; ++d) dst[d * ld + r] = tmp[d] * mul;
+  }
+}
+
+// True when every value of the (rows, cols; ld) block is finite.
+template <typename acc_t>
+bool all_finite(const acc_t* x, int64_t rows, int64_t cols, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const acc_t* row = x + r * ld;
+    acc_t acc = 0;
+    for (int64_t c = 0; c < cols; ++c) acc += row[c] * acc_t(0);  // NaN iff some value is not finite
+    if (acc != acc) return false;
+  }
+  return true;
+}
+
+// Attention dropout on a transposed tile st (rows: keys j0 .. j0 + nk - 1, cols: queries;
+// leading dimension C): dst[r][c] = src[r][c] * inv_keep where key j0 + r of column c's row
+// survives (common/dropout_rng.h; rk[c] is that row's key), else 0; columns [cols, C) get 0.
+// One 64-bit word per (column, 4 keys), kept in words (cols) while r walks down the tile.
+// src may equal dst.
+template <typename acc_t>
+void dropout_tile(const acc_t* src, acc_t* dst, int64_t nk, int64_t C, int64_t cols, int64_t j0,
+                  const uint64_t* rk, uint64_t* words, uint32_t thresh, acc_t inv_keep) {
+  for (int64_t r = 0; r < nk; ++r) {
+    const int64_t j = j0 + r;
+    if (r == 0 || (j & 3) == 0) {
+      for (int64_t c = 0; c < cols; ++c) words[c] = dropout::word(rk[c], j);
+    }
+    const int shift = dropout::kBitsPerKey * static_cast<int>(j & 3);
+    const acc_t* s = src + r * C;
+    acc_t* d = dst + r * C;
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint32_t u = static_cast<uint32_t>(words[c] >> shift) & 0xffffu;
+      d[c] = u >= thresh ? s[c] * inv_keep : acc_t(0);
+    }
+    for (int64_t c = cols; c < C; ++c) d[c] = acc_t(0);
   }
 }
 

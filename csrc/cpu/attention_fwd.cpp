@@ -25,15 +25,20 @@
 #include <vector>
 
 #include "common/attention_checks.h"
+#include "common/attention_mask_checks.h"
+#include "common/score_checks.h"
 #include "cpu/attention_common.h"
+#include "cpu/attention_decode.h"
 
 namespace attn_ext {
 namespace cpu_attn {
 namespace {
 
-// Columns of one query tile: column c = hh * nq + ii is query head h0 + hh, row i0 + ii.
+// Columns of one query tile: column c = hh * nq + ii is query head h0 + hh, row i0 + ii of
+// sequence b (local row index; packed sequences start at s.q0).
 struct QueryTile {
   int64_t b, hkv, h0, nh, i0, nq;
+  SeqInfo s;
   int64_t cols() const { return nh * nq; }
 };
 
@@ -53,8 +58,10 @@ TilePlan plan_tiles(const AttentionParams& p) {
 }
 
 // Tile index -> tile; the row block varies slowest and runs backwards, so the causal tiles
-// with the most keys are handed out first.
-QueryTile tile_at(const AttentionParams& p, const TilePlan& t, int64_t idx) {
+// with the most keys are handed out first. nq <= 0: the tile lies past its (packed)
+// sequence's end and does nothing.
+QueryTile tile_at(const AttentionParams& p, const Visibility& vis, const TilePlan& t,
+                  int64_t idx) {
   const int64_t per_row_block = p.B * p.Hkv * t.n_head_blocks;
   const int64_t rb = t.n_row_blocks - 1 - idx / per_row_block;
   int64_t rest = idx % per_row_block;
@@ -63,18 +70,19 @@ QueryTile tile_at(const AttentionParams& p, const TilePlan& t, int64_t idx) {
   QueryTile q{};
   q.hkv = rest % p.Hkv;
   q.b = rest / p.Hkv;
+  q.s = vis.seq(q.b);
   const int64_t group = p.H / p.Hkv;
   q.h0 = q.hkv * group + hb * t.heads_per_tile;
   q.nh = std::min(t.heads_per_tile, group - hb * t.heads_per_tile);
   q.i0 = rb * t.rows_per_tile;
-  q.nq = std::min(t.rows_per_tile, p.Sq - q.i0);
+  q.nq = std::max<int64_t>(0, std::min(t.rows_per_tile, q.s.Sq - q.i0));
   return q;
 }
 
-// Number of keys [0, kend) that some row of the tile can see.
-int64_t tile_key_end(const AttentionParams& p, const QueryTile& q) {
-  if (!p.causal) return p.Sk;
-  return std::clamp<int64_t>(q.i0 + q.nq + (p.Sk - p.Sq), 0, p.Sk);
+// Keys [lo, hi) that some row of the tile can see (the band's union; attention_mask.h).
+Range tile_keys(const Visibility& vis, const QueryTile& q) {
+  if (q.nq <= 0) return {0, 0};
+  return vis.band_keys_of_rows(q.s, q.i0, q.i0 + q.nq);
 }
 
 template <typename acc_t>
@@ -87,7 +95,8 @@ struct FwdScratch {
   AlignedVec<acc_t> o;      // (kBlockQ, Dvp): unnormalised output accumulator
   AlignedVec<acc_t> m, l, alpha;  // (kBlockQ): running max (log2 units), sum, rescale
   AlignedVec<acc_t> tmp;    // (max(D, Dv)): one converted row
-  std::vector<int64_t> qrow; // (kBlockQ): query row of each column (masking)
+  std::vector<uint8_t> kvalid;  // (kBlockK): key padding of the key tile (1 = takes part)
+  std::vector<uint64_t> rk, words;  // (kBlockQ): dropout row keys / words of the columns
 
   FwdScratch(int64_t D, int64_t Dv)
       : Dp(round_up(D, 8)),
@@ -101,60 +110,88 @@ struct FwdScratch {
         l(kBlockQ),
         alpha(kBlockQ),
         tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1))),
-        qrow(kBlockQ) {}
+        kvalid(kBlockK),
+        rk(kBlockQ),
+        words(kBlockQ) {}
 };
 
 // Runs the tile over keys [kbeg, kend): leaves the unnormalised output in s.o (cols, Dvp)
 // and the running max / sum in s.m / s.l (log2 units). Returns the padded column count.
+// Every key tile is classified by the visibility layer: invisible tiles are skipped, full
+// tiles run unmasked, partial tiles are masked (and their hidden parts skipped in 6-key /
+// 6-query steps when the tile holds one head).
 template <typename scalar_t, typename acc_t>
-int64_t run_tile(const AttentionParams& p, const QueryTile& qt_, int64_t kbeg, int64_t kend,
-                 const mk::Kernels<acc_t>& K, FwdScratch<acc_t>& s) {
+int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTile& qt_,
+                 int64_t kbeg, int64_t kend, const mk::Kernels<acc_t>& K, FwdScratch<acc_t>& s) {
   const int64_t D = p.D, Dv = p.Dv, Dp = s.Dp, Dvp = s.Dvp;
   const int64_t cols = qt_.cols();
   const int64_t C = round_up(cols, 8);
-  const int64_t off = p.Sk - p.Sq;  // causal: row i sees key j iff j <= i + off
+  const SeqInfo& sq = qt_.s;
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
 
   // qt (D, C) = scale * log2(e) * q^T; padding columns are zero.
-  const acc_t qscale = static_cast<acc_t>(p.scale * kLog2e);
+  const acc_t qscale = static_cast<acc_t>(p.score_terms().scale * kLog2e);
   std::fill(s.qt.begin(), s.qt.begin() + D * C, acc_t(0));
   for (int64_t hh = 0; hh < qt_.nh; ++hh) {
     const scalar_t* qh = q + qt_.b * p.q_batch_stride + (qt_.h0 + hh) * p.q_head_stride +
-                         qt_.i0 * p.q_row_stride;
+                         (sq.q0 + qt_.i0) * p.q_row_stride;
     for (int64_t ii = 0; ii < qt_.nq; ++ii) {
       convert_row(qh + ii * p.q_row_stride, D, s.tmp.data());
       const int64_t c = hh * qt_.nq + ii;
       for (int64_t d = 0; d < D; ++d) s.qt[d * C + c] = s.tmp[d] * qscale;
-      s.qrow[c] = qt_.i0 + ii;
     }
   }
-  for (int64_t c = cols; c < C; ++c) s.qrow[c] = std::numeric_limits<int64_t>::max() / 4;
+  // score terms and dropout (common/attention_mask.h): scores here are in log2 units
+  const ScoreTerms terms = p.score_terms();
+  const bool dropout = terms.has_dropout();
+  const uint32_t thresh = dropout::threshold(terms.dropout_p);
+  const acc_t inv_keep = static_cast<acc_t>(1.0 / (1.0 - terms.dropout_p));
+  if (dropout) {
+    for (int64_t hh = 0; hh < qt_.nh; ++hh) {
+      for (int64_t ii = 0; ii < qt_.nq; ++ii) {
+        s.rk[hh * qt_.nq + ii] = dropout::row_key(terms.dropout_seed, terms.dropout_offset,
+                                                  qt_.b, qt_.h0 + hh, qt_.i0 + ii);
+      }
+    }
+  }
   std::fill(s.m.begin(), s.m.begin() + C, -std::numeric_limits<acc_t>::infinity());
   std::fill(s.l.begin(), s.l.begin() + C, acc_t(0));
   std::fill(s.o.begin(), s.o.begin() + C * Dvp, acc_t(0));
 
-  const scalar_t* kh = k + qt_.b * p.k_batch_stride + qt_.hkv * p.k_head_stride;
-  const scalar_t* vh = v + qt_.b * p.v_batch_stride + qt_.hkv * p.v_head_stride;
-  const int64_t first_row = qt_.i0;  // smallest query row of the tile
+  const scalar_t* kh = k + qt_.b * p.k_batch_stride + qt_.hkv * p.k_head_stride + sq.k0 * p.k_row_stride;
+  const scalar_t* vh = v + qt_.b * p.v_batch_stride + qt_.hkv * p.v_head_stride + sq.k0 * p.v_row_stride;
+  const int64_t i0 = qt_.i0, nq = qt_.nq;
+  const bool one_head = qt_.nh == 1;
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   for (int64_t j0 = kbeg; j0 < kend; j0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, kend - j0);
+    TileKind kind = vis.classify(sq, i0, i0 + nq, j0, j0 + nk);
+    if (kind == TileKind::kInvisible) continue;
+    if (vis.has_padding()) {
+      int64_t n_valid = 0;
+      for (int64_t r = 0; r < nk; ++r) n_valid += (s.kvalid[r] = vis.key_valid(qt_.b, j0 + r));
+      if (n_valid == 0) continue;
+      if (n_valid < nk) kind = TileKind::kPartial;
+    }
+    const bool partial = kind == TileKind::kPartial;
     // k and v rows in the accumulation type: read in place when they already are (k is only
-    // broadcast from, so any row stride works; v needs Dv % 8 == 0 to be a gemm B operand),
-    // else converted into kb / vb.
+    // broadcast from, so any row stride works; v needs Dv % 8 == 0 to be a gemm B operand)
+    // and the rows do not alias in the cache, else converted / packed into kb / vb.
     const acc_t* kt;
     const acc_t* vt;
     int64_t ldk, ldv;
-    if constexpr (std::is_same_v<scalar_t, acc_t>) {
-      kt = kh + j0 * p.k_row_stride;
+    if (std::is_same_v<scalar_t, acc_t> && rows_read_in_place(p.k_row_stride, D, sizeof(acc_t))) {
+      kt = reinterpret_cast<const acc_t*>(kh + j0 * p.k_row_stride);
       ldk = p.k_row_stride;
     } else {
       load_rows(kh + j0 * p.k_row_stride, p.k_row_stride, nk, D, s.kb.data(), Dp);
       kt = s.kb.data();
       ldk = Dp;
     }
-    if (std::is_same_v<scalar_t, acc_t> && Dv == Dvp) {
+    if (std::is_same_v<scalar_t, acc_t> && Dv == Dvp &&
+        rows_read_in_place(p.v_row_stride, Dv, sizeof(acc_t))) {
       vt = reinterpret_cast<const acc_t*>(vh + j0 * p.v_row_stride);
       ldv = p.v_row_stride;
     } else {
@@ -162,42 +199,59 @@ int64_t run_tile(const AttentionParams& p, const QueryTile& qt_, int64_t kbeg, i
       vt = s.vb.data();
       ldv = Dvp;
     }
-    // Tile crossing the causal diagonal (some key hidden from some column). With one head
-    // per tile, column c is row first_row + c, so the hidden part is a triangle that pass 1
-    // and pass 3 skip in 6-key / 6-query steps; masking then fills it with -inf.
-    const bool diag = p.causal && j0 + nk - 1 > first_row + off;
-    const bool tri = diag && qt_.nh == 1;
-    const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-    // pass 1: st (nk, C) = k rows (nk, D) qt (D, C)
-    if (!tri) {
+    // Columns [a, b) of head block hh that see key j0 + r by the band.
+    auto key_cols = [&](int64_t r) {
+      const Range rows = vis.band_rows(sq, j0 + r);
+      return Range{std::clamp<int64_t>(rows.lo - i0, 0, nq), std::clamp<int64_t>(rows.hi - i0, 0, nq)};
+    };
+    // pass 1: st (nk, C) = k rows (nk, D) qt (D, C); one head: only the column panels some
+    // of each 6 keys' rows see
+    if (!(partial && one_head)) {
       K.gemm(nk, C, D, kt, ldk, 1, s.qt.data(), C, s.st.data(), C, false);
     } else {
       for (int64_t r0 = 0; r0 < nk; r0 += 6) {
-        // first column that sees key j0 + r0, rounded down to a whole vector
-        const int64_t c8 = std::clamp<int64_t>(j0 + r0 - off - first_row, 0, C) / 8 * 8;
-        if (c8 < C) {
-          K.gemm(std::min<int64_t>(6, nk - r0), C - c8, D, kt + r0 * ldk, ldk, 1,
-                 s.qt.data() + c8, C, s.st.data() + r0 * C + c8, C, false);
+        const int64_t rows = std::min<int64_t>(6, nk - r0);
+        const int64_t c8 = key_cols(r0).lo / 8 * 8;
+        const int64_t ce = std::min(C, round_up(key_cols(r0 + rows - 1).hi, 8));
+        if (c8 < ce) {
+          K.gemm(rows, ce - c8, D, kt + r0 * ldk, ldk, 1, s.qt.data() + c8, C,
+                 s.st.data() + r0 * C + c8, C, false);
         }
       }
     }
-    if (tri) {
-      for (int64_t r = std::max<int64_t>(0, first_row + off + 1 - j0); r < nk; ++r) {
-        const int64_t hidden = std::min(C, j0 + r - off - first_row);  // columns [0, hidden)
-        std::fill(s.st.data() + r * C, s.st.data() + r * C + hidden, neg_inf);
+    // terms: softcap, ALiBi, rel_bias on every key row's run of query rows of each head
+    if (terms.active()) {
+      for (int64_t r = 0; r < nk; ++r) {
+        const int64_t d0 = i0 + sq.off - (j0 + r);
+        for (int64_t hh = 0; hh < qt_.nh; ++hh) {
+          terms.apply_row<acc_t>(s.st.data() + r * C + hh * nq, static_cast<int>(nq), qt_.b,
+                                 qt_.h0 + hh, d0, static_cast<acc_t>(kLog2e), nullptr);
+        }
       }
-    } else if (diag) {
-      // Key j is hidden from column c when j > qrow[c] + off.
-      for (int64_t r = std::max<int64_t>(0, first_row + off + 1 - j0); r < nk; ++r) {
+    }
+    // mask: -inf wherever the visibility layer says hidden (all that pass 1 skipped included)
+    if (partial) {
+      for (int64_t r = 0; r < nk; ++r) {
         acc_t* row = s.st.data() + r * C;
-        const int64_t lim = j0 + r - off;  // columns with qrow < lim are masked
-        for (int64_t c = 0; c < C; ++c) {
-          if (s.qrow[c] < lim) row[c] = neg_inf;
+        std::fill(row + cols, row + C, neg_inf);  // padding columns
+        if (vis.has_padding() && !s.kvalid[r]) {
+          std::fill(row, row + C, neg_inf);
+          continue;
+        }
+        const Range kc = key_cols(r);
+        for (int64_t hh = 0; hh < qt_.nh; ++hh) {
+          std::fill(row + hh * nq, row + hh * nq + kc.lo, neg_inf);
+          std::fill(row + hh * nq + kc.hi, row + (hh + 1) * nq, neg_inf);
         }
       }
     }
     // pass 2: online softmax; st becomes the probabilities (relative to the new max)
     K.softmax(s.st.data(), nk, C, s.m.data(), s.l.data(), s.alpha.data());
+    // dropout on the probabilities (the sum l above is of the undropped ones)
+    if (dropout) {
+      dropout_tile(s.st.data(), s.st.data(), nk, C, cols, j0, s.rk.data(), s.words.data(),
+                   thresh, inv_keep);
+    }
     // pass 3: o = alpha * o + st^T vb
     for (int64_t c = 0; c < cols; ++c) {
       const acc_t a = s.alpha[c];
@@ -206,15 +260,32 @@ int64_t run_tile(const AttentionParams& p, const QueryTile& qt_, int64_t kbeg, i
         for (int64_t d = 0; d < Dvp; ++d) orow[d] *= a;
       }
     }
-    if (!tri) {
+    if (!partial) {
+      K.gemm(cols, Dvp, nk, s.st.data(), 1, C, vt, ldv, s.o.data(), Dvp, true);
+    } else if (!all_finite(vt, nk, Dv, ldv)) {
+      // A non-finite value in a hidden key's v must not reach the rows that cannot see it
+      // (0 * inf): sum over each column's visible keys only.
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t i = i0 + c % nq;
+        acc_t* orow = s.o.data() + c * Dvp;
+        for (int64_t r = 0; r < nk; ++r) {
+          if (!vis.visible(sq, qt_.b, i, j0 + r)) continue;
+          const acc_t w = s.st[r * C + c];
+          for (int64_t d = 0; d < Dv; ++d) orow[d] += w * vt[r * ldv + d];
+        }
+      }
+    } else if (!one_head) {
       K.gemm(cols, Dvp, nk, s.st.data(), 1, C, vt, ldv, s.o.data(), Dvp, true);
     } else {
+      // keys [klo, khi) seen by some of each 6 columns (rows i0 + c0 .. i0 + c0 + 5)
       for (int64_t c0 = 0; c0 < cols; c0 += 6) {
         const int64_t mrows = std::min<int64_t>(6, cols - c0);
-        // keys seen by the chunk's last column: j <= first_row + c0 + mrows - 1 + off
-        const int64_t kc = std::clamp<int64_t>(first_row + c0 + mrows + off - j0, 0, nk);
-        if (kc > 0) {
-          K.gemm(mrows, Dvp, kc, s.st.data() + c0, 1, C, vt, ldv, s.o.data() + c0 * Dvp, Dvp, true);
+        const Range keys = vis.band_keys_of_rows(sq, i0 + c0, i0 + c0 + mrows);
+        const int64_t klo = std::clamp<int64_t>(keys.lo - j0, 0, nk);
+        const int64_t khi = std::clamp<int64_t>(keys.hi - j0, 0, nk);
+        if (khi > klo) {
+          K.gemm(mrows, Dvp, khi - klo, s.st.data() + klo * C + c0, 1, C, vt + klo * ldv, ldv,
+                 s.o.data() + c0 * Dvp, Dvp, true);
         }
       }
     }
@@ -222,12 +293,37 @@ int64_t run_tile(const AttentionParams& p, const QueryTile& qt_, int64_t kbeg, i
   return C;
 }
 
-// out / lse of the tile's columns from o (cols, Dvp), m, l.
+// out / lse of the tile's columns from o (cols, Dvp), m, l. With sinks, exp(sinks[h]) joins
+// each row's denominator (a row that sees no key: out 0, lse = its sink).
 template <typename scalar_t, typename acc_t>
 void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, int64_t Dvp,
                 const acc_t* m, const acc_t* l) {
   auto* out = static_cast<scalar_t*>(p.out);
   auto* lse = static_cast<acc_t*>(p.lse);
+  const ScoreTerms terms = p.score_terms();
+  if (terms.has_sinks()) {
+    for (int64_t hh = 0; hh < t.nh; ++hh) {
+      const int64_t h = t.h0 + hh;
+      const double sink2 = static_cast<double>(terms.sink<acc_t>(h)) * kLog2e;
+      for (int64_t ii = 0; ii < t.nq; ++ii) {
+        const int64_t c = hh * t.nq + ii;
+        const int64_t i = t.i0 + ii;
+        const bool seen = l[c] != acc_t(0);
+        const double mc = seen ? static_cast<double>(m[c]) : -std::numeric_limits<double>::infinity();
+        const double mm = std::max(mc, sink2);
+        const double wrow = seen ? std::exp2(mc - mm) : 0.0;  // weight of the keys' part
+        const double total = static_cast<double>(l[c]) * wrow + std::exp2(sink2 - mm);
+        const acc_t inv = static_cast<acc_t>(seen ? wrow / total : 0.0);
+        scalar_t* orow = out + t.b * p.out_batch_stride + (t.s.q0 + i) * p.out_row_stride +
+                         h * p.out_head_stride;
+        const acc_t* src = o + c * Dvp;
+        for (int64_t d = 0; d < p.Dv; ++d) orow[d] = static_cast<scalar_t>(src[d] * inv);
+        lse[t.b * p.lse_batch_stride + h * p.lse_head_stride + t.s.q0 + i] =
+            static_cast<acc_t>((mm + std::log2(total)) * kLn2);
+      }
+    }
+    return;
+  }
   for (int64_t hh = 0; hh < t.nh; ++hh) {
     const int64_t h = t.h0 + hh;
     for (int64_t ii = 0; ii < t.nq; ++ii) {
@@ -236,10 +332,11 @@ void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, in
       // l == 0 exactly: the row sees no key; NaN (a NaN/inf input) stays NaN in out and lse.
       const bool seen = l[c] != acc_t(0);
       const acc_t inv = seen ? acc_t(1) / l[c] : acc_t(0);
-      scalar_t* orow = out + t.b * p.out_batch_stride + i * p.out_row_stride + h * p.out_head_stride;
+      scalar_t* orow = out + t.b * p.out_batch_stride + (t.s.q0 + i) * p.out_row_stride +
+                       h * p.out_head_stride;
       const acc_t* src = o + c * Dvp;
       for (int64_t d = 0; d < p.Dv; ++d) orow[d] = static_cast<scalar_t>(src[d] * inv);
-      lse[(t.b * p.H + h) * p.Sq + i] =
+      lse[t.b * p.lse_batch_stride + h * p.lse_head_stride + t.s.q0 + i] =
           seen ? static_cast<acc_t>((static_cast<double>(m[c]) + std::log2(static_cast<double>(l[c]))) * kLn2)
                : -std::numeric_limits<acc_t>::infinity();
     }
@@ -249,8 +346,16 @@ void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, in
 template <typename scalar_t>
 void attention_fwd_kernel(const AttentionParams& p) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+  // Few query columns per kv head (decoding): the memory-bound kernel that reads K/V once.
+  if constexpr (!std::is_same_v<scalar_t, double>) {
+    if (decode_supported(p, false)) {
+      attention_decode_kernel<scalar_t>(p);
+      return;
+    }
+  }
   const mk::Kernels<acc_t> kern = mk::kernels<acc_t>();
   const TilePlan plan = plan_tiles(p);
+  const Visibility vis = p.visibility();
   const int64_t workers = num_threads();
   auto make_scratch = [&] { return FwdScratch<acc_t>(p.D, p.Dv); };
 
@@ -261,8 +366,10 @@ void attention_fwd_kernel(const AttentionParams& p) {
   }
   if (n_split <= 1) {
     parallel_tasks(plan.n_tiles, make_scratch, [&](int64_t idx, FwdScratch<acc_t>& s) {
-      const QueryTile t = tile_at(p, plan, idx);
-      run_tile<scalar_t, acc_t>(p, t, 0, tile_key_end(p, t), kern, s);
+      const QueryTile t = tile_at(p, vis, plan, idx);
+      if (t.nq <= 0) return;
+      const Range keys = tile_keys(vis, t);
+      run_tile<scalar_t, acc_t>(p, vis, t, keys.lo, keys.hi, kern, s);
       write_tile<scalar_t, acc_t>(p, t, s.o.data(), s.Dvp, s.m.data(), s.l.data());
     });
     return;
@@ -274,13 +381,14 @@ void attention_fwd_kernel(const AttentionParams& p) {
   const int64_t per_part = kBlockQ * (Dvp + 2);  // o (kBlockQ, Dvp), m, l (kBlockQ)
   AlignedVec<acc_t> parts(static_cast<size_t>(plan.n_tiles * n_split * per_part));
   parallel_tasks(plan.n_tiles * n_split, make_scratch, [&](int64_t idx, FwdScratch<acc_t>& s) {
-    const QueryTile t = tile_at(p, plan, idx / n_split);
+    const QueryTile t = tile_at(p, vis, plan, idx / n_split);
+    if (t.nq <= 0) return;
     const int64_t chunk = idx % n_split;
-    const int64_t kend = tile_key_end(p, t);
-    const int64_t per_chunk = round_up(ceil_div(kend, n_split), kBlockK);
-    const int64_t kbeg = std::min(kend, chunk * per_chunk);
-    const int64_t kstop = std::min(kend, kbeg + per_chunk);
-    run_tile<scalar_t, acc_t>(p, t, kbeg, kstop, kern, s);
+    const Range keys = tile_keys(vis, t);
+    const int64_t per_chunk = round_up(ceil_div(keys.hi - keys.lo, n_split), kBlockK);
+    const int64_t kbeg = std::min(keys.hi, keys.lo + chunk * per_chunk);
+    const int64_t kstop = std::min(keys.hi, kbeg + per_chunk);
+    run_tile<scalar_t, acc_t>(p, vis, t, kbeg, kstop, kern, s);
     acc_t* dst = parts.data() + idx * per_part;
     const int64_t cols = t.cols();
     std::copy(s.o.begin(), s.o.begin() + cols * Dvp, dst);
@@ -289,7 +397,8 @@ void attention_fwd_kernel(const AttentionParams& p) {
   });
   parallel_tasks(plan.n_tiles, [&] { return AlignedVec<acc_t>(static_cast<size_t>(kBlockQ * (Dvp + 2))); },
                  [&](int64_t idx, AlignedVec<acc_t>& merged) {
-    const QueryTile t = tile_at(p, plan, idx);
+    const QueryTile t = tile_at(p, vis, plan, idx);
+    if (t.nq <= 0) return;
     const int64_t cols = t.cols();
     acc_t* o = merged.data();
     acc_t* m = o + kBlockQ * Dvp;
@@ -316,15 +425,45 @@ void attention_fwd_kernel(const AttentionParams& p) {
   });
 }
 
-std::tuple<Tensor, Tensor> attention_forward_cpu(const Tensor& q, const Tensor& k,
-                                                 const Tensor& v, bool causal,
-                                                         std::optional<double> scale) {
+std::tuple<Tensor, Tensor> attention_forward_cpu(
+    const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
+    int64_t window_left, int64_t window_right, const OptTensor& key_padding_mask,
+    const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
+    const OptTensor& sinks, double dropout_p, int64_t dropout_seed, int64_t dropout_offset) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   Tensor out = alloc(q, {s.B, s.Sq, s.H, s.Dv});
   Tensor lse = alloc(q, {s.B, s.H, s.Sq}, lse_dtype(q.scalar_type()));
+  AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
+  fill_mask_params(p, s, q, causal, window_left, window_right, key_padding_mask);
+  fill_score_terms(p, {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset},
+                   q, s.B, s.H);
   if (s.B * s.H * s.Sq == 0) return {out, lse};
-  const AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
   ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), "attention_forward",
+                             [&] { attention_fwd_kernel<scalar_t>(p); });
+  return {out, lse};
+}
+
+// Packed sequences: q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv) -> out (Tq, H, Dv),
+// lse (H, Tq).
+std::tuple<Tensor, Tensor> attention_varlen_forward_cpu(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
+    const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    std::optional<double> scale, int64_t window_left, int64_t window_right,
+    const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
+    const OptTensor& sinks, double dropout_p, int64_t dropout_seed, int64_t dropout_offset) {
+  const AttentionShape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                               max_seqlen_k, scale);
+  const int64_t Tq = q.size(0);
+  Tensor out = alloc(q, {Tq, s.H, s.Dv});
+  Tensor lse = alloc(q, {s.H, Tq}, lse_dtype(q.scalar_type()));
+  AttentionParams p = make_attention_params(
+      torch::stable::unsqueeze(q, 0), torch::stable::unsqueeze(k, 0),
+      torch::stable::unsqueeze(v, 0), torch::stable::unsqueeze(out, 0), lse, s, causal, scale);
+  make_params_packed(p, s, Tq, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
+  fill_score_terms(p, {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset},
+                   q, s.B, s.H);
+  if (Tq * s.H == 0 || s.B == 0) return {out, lse};
+  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), "attention_varlen_forward",
                              [&] { attention_fwd_kernel<scalar_t>(p); });
   return {out, lse};
 }
@@ -334,6 +473,7 @@ std::tuple<Tensor, Tensor> attention_forward_cpu(const Tensor& q, const Tensor& 
 
 STABLE_TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
   m.impl("attention_forward", TORCH_BOX(&cpu_attn::attention_forward_cpu));
+  m.impl("attention_varlen_forward", TORCH_BOX(&cpu_attn::attention_varlen_forward_cpu));
 }
 
 }  // namespace attn_ext

@@ -32,6 +32,9 @@
 //   2. otherwise the simple kernels (dQ per query row, then dK/dV per key row; no atomics,
 //      deterministic), any dtype and head dim <= 256.
 // _set_cuda_attention_kernels(1) forces the simple kernels here too.
+// Masks (window, key_padding_mask, packed sequences of attention_varlen_*) and dlse run on the
+// simple kernels (the fast ones know causal only); the score terms of issue 15 (alibi_slopes,
+// rel_bias, softcap, sinks, dropout) are refused on CUDA for now, naming the argument.
 
 #include <atomic>
 #include <cstdint>
@@ -42,6 +45,8 @@
 #include <type_traits>
 
 #include "common/attention_checks.h"
+#include "common/attention_mask_checks.h"
+#include "common/score_checks.h"
 #include "common/stable_cuda.h"
 #include "cuda/attention_launch.h"
 
@@ -72,6 +77,17 @@ void check_grid_rows(int64_t rows, const char* what) {
   const int64_t blocks = (rows + cuda::simple::kWarps - 1) / cuda::simple::kWarps;
   STD_TORCH_CHECK(blocks <= 0x7fffffff, "attention on CUDA: too many ", what, " rows (", rows,
               ") for one launch");
+}
+
+// The CUDA kernels do not take the score terms of issue 15 yet (alibi_slopes, rel_bias, softcap, sinks, dropout).
+void check_cuda_terms_unsupported(const ScoreArgs& a) {
+  const char* what = a.alibi_slopes.has_value() ? "alibi_slopes"
+                     : a.rel_bias.has_value()   ? "rel_bias"
+                     : a.softcap.has_value()    ? "softcap"
+                     : a.sinks.has_value()      ? "sinks"
+                                                : "dropout_p";
+  STD_TORCH_CHECK(!score_terms_requested(a), "attention on CUDA: ", what,
+                  " is not supported yet (CPU only)");
 }
 
 bool aligned16(const Tensor& t) {
@@ -161,18 +177,25 @@ bool use_fast_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
   return !force_simple();
 }
 
-std::tuple<Tensor, Tensor> attention_forward_cuda(const Tensor& q, const Tensor& k,
-                                                  const Tensor& v, bool causal,
-                                                  std::optional<double> scale) {
+std::tuple<Tensor, Tensor> attention_forward_cuda(
+    const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
+    int64_t window_left, int64_t window_right, const OptTensor& key_padding_mask,
+    const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
+    const OptTensor& sinks, double dropout_p, int64_t dropout_seed, int64_t dropout_offset) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_cuda_head_dims(s);
+  check_cuda_terms_unsupported(
+      {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset});
   Tensor out = alloc(q, {s.B, s.Sq, s.H, s.Dv});
   Tensor lse = alloc(q, {s.B, s.H, s.Sq}, lse_dtype(q.scalar_type()));
   if (s.B * s.H * s.Sq == 0) return {out, lse};
   check_grid_rows(s.B * s.H * s.Sq, "query");
   const DeviceGuard guard(q.get_device_index());
   cudaStream_t stream = current_cuda_stream(q.get_device_index());
-  const AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
+  AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
+  fill_mask_params(p, s, q, causal, window_left, window_right, key_padding_mask);
+  // the fast kernel knows causal only; windows and padding run on the simple kernels
+  const bool masked = window_left != -1 || window_right != -1 || key_padding_mask.has_value();
   const SplitPlan split = plan_split(p, q.get_device_index());
   if (split.n_split > 1) {
     const int64_t items = s.B * s.H * s.Sq * split.n_split;
@@ -186,7 +209,7 @@ std::tuple<Tensor, Tensor> attention_forward_cuda(const Tensor& q, const Tensor&
     });
     return {out, lse};
   }
-  const bool fast = use_fast_forward(q, k, v, p);
+  const bool fast = !masked && use_fast_forward(q, k, v, p);
   dispatch_cuda_type(q.scalar_type(), "attention_forward", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
@@ -200,26 +223,33 @@ std::tuple<Tensor, Tensor> attention_forward_cuda(const Tensor& q, const Tensor&
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> attention_backward_cuda(
-    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-    const Tensor& out, const Tensor& lse_in, bool causal, std::optional<double> scale,
-    bool deterministic) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse_in, bool causal, std::optional<double> scale, int64_t window_left,
+    int64_t window_right, const OptTensor& key_padding_mask, const OptTensor& dlse,
+    const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
+    double dropout_p, int64_t dropout_seed, int64_t dropout_offset, bool deterministic) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_attention_bwd_inputs(dout, out, lse_in, q, s);
   check_cuda_head_dims(s);
+  if (dlse.has_value()) check_dlse(*dlse, lse_in);
+  const OptTensor no_sinks;
+  check_cuda_terms_unsupported(
+      {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed, dropout_offset});
+  const Tensor drel_bias = alloc(q, {0}, lse_dtype(q.scalar_type()));
   Tensor dq = alloc(q, {s.B, s.Sq, s.H, s.D});
   Tensor dk = alloc(q, {s.B, s.Sk, s.Hkv, s.D});
   Tensor dv = alloc(q, {s.B, s.Sk, s.Hkv, s.Dv});
-  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv};
+  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv, drel_bias};
   const DeviceGuard guard(q.get_device_index());
   if (s.Sq == 0 || s.H == 0) {  // no query: no gradient reaches k or v
     torch::stable::zero_(dk);
     torch::stable::zero_(dv);
-    return {dq, dk, dv};
+    return {dq, dk, dv, drel_bias};
   }
   if (s.Sk == 0) {  // no key: every row is empty, dq = 0
     torch::stable::zero_(dq);
-    return {dq, dk, dv};
+    return {dq, dk, dv, drel_bias};
   }
   check_grid_rows(s.B * s.H * s.Sq, "query");
   check_grid_rows(s.B * s.Hkv * s.Sk, "key");
@@ -229,7 +259,13 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_cuda(
   Tensor delta = alloc(lse, {s.B, s.H, s.Sq});
   AttentionBwdParams bp =
       make_attention_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, s, causal, scale);
-  const bool fast = use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
+  fill_mask_params(bp.fwd, s, q, causal, window_left, window_right, key_padding_mask);
+  const Tensor dlse_c = dlse.has_value() ? torch::stable::contiguous(*dlse) : Tensor();
+  if (dlse_c.defined()) bp.dlse = dlse_c.data_ptr();
+  // the fast backward knows causal only, without dlse: the rest runs on the simple kernels
+  const bool masked = window_left != -1 || window_right != -1 || key_padding_mask.has_value() ||
+                      dlse.has_value();
+  const bool fast = !masked && use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
   Tensor dq_accum;
   if (fast) dq_accum = alloc_zeros(lse, {s.B, s.Sq, s.H, s.D}, lse.scalar_type());  // fp32 atomics target
   dispatch_cuda_type(q.scalar_type(), "attention_backward", [&](auto tag) {
@@ -244,7 +280,88 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_cuda(
     ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(bp, delta.data_ptr(), stream));
   });
   if (fast) torch::stable::copy_(dq, dq_accum);
-  return {dq, dk, dv};
+  return {dq, dk, dv, drel_bias};
+}
+
+// Packed sequences on the simple kernels (cu_seqlens are read on the device only: their
+// values are not checked here, which would need a host sync; the kernels read rows
+// [cu[b], cu[b + 1]) as given, so the caller must pass valid cu_seqlens and max_seqlen).
+std::tuple<Tensor, Tensor> attention_varlen_forward_cuda(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
+    const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    std::optional<double> scale, int64_t window_left, int64_t window_right,
+    const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
+    const OptTensor& sinks, double dropout_p, int64_t dropout_seed, int64_t dropout_offset) {
+  using torch::stable::unsqueeze;
+  const AttentionShape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                               max_seqlen_k, scale);
+  check_cuda_head_dims(s);
+  check_cuda_terms_unsupported(
+      {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset});
+  const int64_t Tq = q.size(0);
+  Tensor out = alloc(q, {Tq, s.H, s.Dv});
+  Tensor lse = alloc(q, {s.H, Tq}, lse_dtype(q.scalar_type()));
+  if (Tq * s.H == 0 || s.B == 0) return {out, lse};
+  check_grid_rows(s.B * s.H * s.Sq, "query");
+  const DeviceGuard guard(q.get_device_index());
+  cudaStream_t stream = current_cuda_stream(q.get_device_index());
+  AttentionParams p = make_attention_params(unsqueeze(q, 0), unsqueeze(k, 0), unsqueeze(v, 0),
+                                            unsqueeze(out, 0), lse, s, causal, scale);
+  make_params_packed(p, s, Tq, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
+  dispatch_cuda_type(q.scalar_type(), "attention_varlen_forward", [&](auto tag) {
+    using T = decltype(tag);
+    ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_fwd<T>(p, stream));
+  });
+  return {out, lse};
+}
+
+// deterministic: the simple kernels are always deterministic (no atomics).
+std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse_in, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, std::optional<double> scale,
+    int64_t window_left, int64_t window_right, const OptTensor& dlse,
+    const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
+    double dropout_p, int64_t dropout_seed, int64_t dropout_offset, bool deterministic) {
+  (void)deterministic;
+  using torch::stable::unsqueeze;
+  const AttentionShape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                               max_seqlen_k, scale);
+  check_cuda_head_dims(s);
+  const OptTensor no_sinks;
+  check_cuda_terms_unsupported(
+      {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed, dropout_offset});
+  const Tensor drel_bias = alloc(q, {0}, lse_dtype(q.scalar_type()));
+  const int64_t Tq = q.size(0), Tk = k.size(0);
+  check_dim(dout, "dout", 3, "(Tq, H, Dv)");
+  check_dim(out, "out", 3, "(Tq, H, Dv)");
+  check_dim(lse_in, "lse", 2, "(H, Tq)");
+  const AttentionShape s1{1, Tq, Tk, s.H, s.Hkv, s.D, s.Dv};
+  check_attention_bwd_inputs(unsqueeze(dout, 0), unsqueeze(out, 0), unsqueeze(lse_in, 0), q, s1);
+  if (dlse.has_value()) check_dlse(*dlse, lse_in);
+  Tensor dq = alloc_zeros(q, {Tq, s.H, s.D}, q.scalar_type());
+  Tensor dk = alloc_zeros(q, {Tk, s.Hkv, s.D}, q.scalar_type());
+  Tensor dv = alloc_zeros(q, {Tk, s.Hkv, s.Dv}, q.scalar_type());
+  if (Tq == 0 || s.H == 0 || Tk == 0 || s.B == 0) return {dq, dk, dv, drel_bias};
+  check_grid_rows(s.B * s.H * s.Sq, "query");
+  check_grid_rows(s.B * s.Hkv * s.Sk, "key");
+  const DeviceGuard guard(q.get_device_index());
+  cudaStream_t stream = current_cuda_stream(q.get_device_index());
+  const Tensor lse = torch::stable::contiguous(lse_in);
+  Tensor delta = alloc(lse, {s.B, s.H, s.Sq});
+  AttentionBwdParams bp = make_attention_bwd_params(
+      unsqueeze(dout, 0), unsqueeze(q, 0), unsqueeze(k, 0), unsqueeze(v, 0), unsqueeze(out, 0),
+      lse, dq, dk, dv, s, causal, scale);
+  make_params_packed(bp.fwd, s, Tq, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
+  bp.dout_batch_stride = bp.o_batch_stride = 0;
+  bp.dq_batch_stride = bp.dk_batch_stride = bp.dv_batch_stride = 0;
+  const Tensor dlse_c = dlse.has_value() ? torch::stable::contiguous(*dlse) : Tensor();
+  if (dlse_c.defined()) bp.dlse = dlse_c.data_ptr();
+  dispatch_cuda_type(q.scalar_type(), "attention_varlen_backward", [&](auto tag) {
+    using T = decltype(tag);
+    ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(bp, delta.data_ptr(), stream));
+  });
+  return {dq, dk, dv, drel_bias};
 }
 
 }  // namespace
@@ -252,6 +369,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_cuda(
 STABLE_TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
   m.impl("attention_forward", TORCH_BOX(&attention_forward_cuda));
   m.impl("attention_backward", TORCH_BOX(&attention_backward_cuda));
+  m.impl("attention_varlen_forward", TORCH_BOX(&attention_varlen_forward_cuda));
+  m.impl("attention_varlen_backward", TORCH_BOX(&attention_varlen_backward_cuda));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(attn_ext, CompositeExplicitAutograd, m) {

@@ -50,6 +50,15 @@ namespace attn_ext {
 namespace cuda {
 namespace fa2 {
 
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ __forceinline__ T zero_elem();
+template <>
+__device__ __forceinline__ __half zero_elem<__half>() { return __float2half(0.f); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 zero_elem<__nv_bfloat16>() { return __float2bfloat16(0.f); }
+
 template <int kHeadDim_>
 struct FwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
@@ -231,6 +240,59 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
 
     cp_async_wait<1>();  // V tile n (only the K tile n + 1 group may still be in flight)
     __syncthreads();
+
+    // A hidden key's P is 0, but 0 * (inf or NaN) in its V row would reach rows that cannot
+    // see it (issue 18). In a masked tile whose V holds a non-finite value (rare: only then
+    // is the extra barrier paid), each thread first adds p * v of the visible (row, key)
+    // pairs whose v is non-finite to its own columns exactly, then the non-finite values are
+    // zeroed in shared memory and the tile's P V runs as usual. (Without causal a masked
+    // tile only holds keys past Sk, zero-filled by the loads: nothing to do.)
+    if (kCausal && need_mask) {
+      bool bad = false;
+      for (int idx = tid; idx < kBlockN * kHeadDim; idx += Tr::kThreads) {
+        const float x = to_float(sVb[(idx / kHeadDim) * kStride + idx % kHeadDim]);
+        bad |= !isfinite(x);
+      }
+      if (__syncthreads_or(bad)) {
+#pragma unroll 1
+        for (int kk = 0; kk < kBlockN; ++kk) {
+          // P of key n0 + kk for rows a and b: element (kk % 2) (+2) of n8 tile kk / 8 on quad
+          // lane (kk % 8) / 2
+          float pa = 0.f, pb = 0.f;
+#pragma unroll
+          for (int t = 0; t < kNTiles; ++t) {
+            if (t == kk / 8) {
+              pa = (kk & 1) ? s[t][1] : s[t][0];
+              pb = (kk & 1) ? s[t][3] : s[t][2];
+            }
+          }
+          const int src = (lane & ~3) | ((kk & 7) >> 1);
+          pa = __shfl_sync(0xffffffffu, pa, src);
+          pb = __shfl_sync(0xffffffffu, pb, src);
+          const int64_t key = n0 + kk;
+          const bool ok_a = key < Sk && (!kCausal || key <= row_a + diag);
+          const bool ok_b = key < Sk && (!kCausal || key <= row_b + diag);
+          const T* vrow = sVb + kk * kStride + (lane & 3) * 2;
+#pragma unroll
+          for (int t = 0; t < kDTiles; ++t) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const float x = to_float(vrow[t * 8 + c]);
+              if (!isfinite(x)) {
+                if (ok_a) acc_o[t][c] += pa * x;
+                if (ok_b) acc_o[t][2 + c] += pb * x;
+              }
+            }
+          }
+        }
+        __syncthreads();
+        for (int idx = tid; idx < kBlockN * kHeadDim; idx += Tr::kThreads) {
+          T* x = sV + buf * Tr::kTile + (idx / kHeadDim) * kStride + idx % kHeadDim;
+          if (!isfinite(to_float(*x))) *x = zero_elem<T>();
+        }
+        __syncthreads();
+      }
+    }
 
     // pass 3: O += P V. A = P for keys [16kk, 16kk + 16): n8 score tiles 2kk and 2kk + 1 give
     //   a0 = (g, 2c..) = s[2kk][0,1], a1 = (g+8, ..) = s[2kk][2,3], a2 = s[2kk+1][0,1],

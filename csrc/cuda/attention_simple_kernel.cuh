@@ -5,7 +5,10 @@
 // Shapes (AttentionParams, common/attention_params.h):
 //   q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv)   last dim contiguous, any strides
 //   out (B, Sq, H, Dv) contiguous, lse (B, H, Sq) contiguous acc_t (float; double for double)
-// Query head h reads kv head h / (H / Hkv). Causal: row i sees key j iff j <= i + (Sk - Sq).
+// Query head h reads kv head h / (H / Hkv). Which keys a row sees (causal, window, key
+// padding, packed sequences): common/attention_mask.h, asked per row (key range) and per
+// (i, j) (predicate); a hidden pair's zero weight is never multiplied into a sum (live bits),
+// so a non-finite value at a hidden key never reaches the row.
 //
 // Scheme: one warp per output row (a query row in the forward and for dQ, a key row for
 // dK/dV), 4 warps per block. The warp's own row (q, or k and v) is staged in shared memory in
@@ -72,15 +75,17 @@ __device__ __forceinline__ acc_t dot_row(const acc_t* a, const T* b, int64_t n) 
   return s0 + s1;
 }
 
-// acc[c] += sum_{jj < n} w_jj * rows[jj * row_stride + lane + 32 c] for the lane's columns
-// below ncols, where w_jj is lane jj's `w` (a chunk of up to 32 rows, one weight per lane).
-// The forward's o += p v and the backward's dq += ds k, dv += p dout, dk += ds q.
+// acc[c] += sum_{jj < n, bit jj of live} w_jj * rows[jj * row_stride + lane + 32 c] for the
+// lane's columns below ncols, where w_jj is lane jj's `w` (a chunk of up to 32 rows, one
+// weight per lane). The forward's o += p v and the backward's dq += ds k, dv += p dout,
+// dk += ds q. Rows whose bit is clear (hidden pairs) are not read: 0 * inf would be NaN.
 template <typename T, typename acc_t>
 __device__ __forceinline__ void add_weighted_rows(acc_t (&acc)[kCols], acc_t w, const T* rows,
                                                   int64_t row_stride, int64_t n, int64_t ncols,
-                                                  int lane) {
+                                                  int lane, unsigned live = 0xffffffffu) {
   for (int jj = 0; jj < n; ++jj) {
     const acc_t wb = __shfl_sync(0xffffffffu, w, jj);
+    if (!((live >> jj) & 1u)) continue;  // uniform across the warp
     const T* r = rows + jj * row_stride;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
@@ -90,21 +95,18 @@ __device__ __forceinline__ void add_weighted_rows(acc_t (&acc)[kCols], acc_t w, 
   }
 }
 
-// Number of keys row i sees: keys [0, key_end(i)). May be <= 0 (the row sees nothing).
-__device__ __forceinline__ int64_t key_end(const AttentionParams& p, int64_t i) {
-  if (!p.causal) return p.Sk;
-  const int64_t e = i + (p.Sk - p.Sq) + 1;
-  return e < p.Sk ? e : p.Sk;
-}
-
 // ---- forward ------------------------------------------------------------------------------
-// attend_keys: one warp folds keys [kbeg, kend) of query row (b, h, i) into the unnormalised
-// output o (lane owns columns lane + 32 c), the running max m (base-2 scaled scores) and sum
-// l. q_s holds the row's q * scale * log2(e). With kbeg >= kend: m = -inf, l = 0, o = 0.
+// attend_keys: one warp folds keys [kbeg, kend) of query row i (local index) of sequence b,
+// head h, into the unnormalised output o (lane owns columns lane + 32 c), the running max m
+// (base-2 scaled scores) and sum l. q_s holds the row's q * scale * log2(e); k, v point at
+// the sequence's first key row. Hidden keys (attention_mask.h) are skipped. With no visible
+// key: m = -inf, l = 0, o = 0.
 template <typename T, typename acc_t>
-__device__ __forceinline__ void attend_keys(const AttentionParams& p, const acc_t* q_s,
-                                            const T* k, const T* v, int64_t kbeg, int64_t kend,
-                                            int lane, acc_t& m, acc_t& l, acc_t (&o)[kCols]) {
+__device__ __forceinline__ void attend_keys(const AttentionParams& p, const Visibility& vis,
+                                            const SeqInfo& sq, int64_t b, int64_t i,
+                                            const acc_t* q_s, const T* k, const T* v,
+                                            int64_t kbeg, int64_t kend, int lane, acc_t& m,
+                                            acc_t& l, acc_t (&o)[kCols]) {
   m = neg_inf<acc_t>();
   l = 0;
 #pragma unroll
@@ -112,28 +114,32 @@ __device__ __forceinline__ void attend_keys(const AttentionParams& p, const acc_
   for (int64_t j0 = kbeg; j0 < kend; j0 += 32) {
     // pass 1: lane computes the score of key j0 + lane
     const int64_t j = j0 + lane;
+    const bool live = j < kend && vis.visible(sq, b, i, j);
     acc_t s = neg_inf<acc_t>();
-    if (j < kend) s = dot_row(q_s, k + j * p.k_row_stride, p.D);
-    // pass 2: online softmax over the 32 scores (key j0 < kend, so m_new is finite)
+    if (live) s = dot_row(q_s, k + j * p.k_row_stride, p.D);
+    const unsigned live_bits = __ballot_sync(0xffffffffu, live);
+    if (live_bits == 0u) continue;  // every key of the chunk is hidden (padding)
+    // pass 2: online softmax over the 32 scores (some key is live, so m_new is finite or
+    // NaN, never -inf)
     const acc_t m_new = fmax(m, warp_max(s));
     const acc_t corr = exp2_acc(m - m_new);  // 0 on the first chunk (m = -inf)
-    const acc_t pj = exp2_acc(s - m_new);    // 0 for keys past kend
+    const acc_t pj = live ? exp2_acc(s - m_new) : acc_t(0);
     l = l * corr + warp_sum(pj);
     m = m_new;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) o[c] *= corr;
-    // pass 3: o += p_j * v_j, lane owns columns lane + 32 c
+    // pass 3: o += p_j * v_j over the live keys, lane owns columns lane + 32 c
     const int64_t n = (kend - j0) < 32 ? (kend - j0) : 32;
-    add_weighted_rows(o, pj, v + j0 * p.v_row_stride, p.v_row_stride, n, p.Dv, lane);
+    add_weighted_rows(o, pj, v + j0 * p.v_row_stride, p.v_row_stride, n, p.Dv, lane, live_bits);
   }
 }
 
 // Writes out = o / l and lse = ln(sum exp) of query row (b, h, i); l == 0: out 0, lse -inf.
 template <typename T, typename acc_t>
-__device__ __forceinline__ void write_row(const AttentionParams& p, int64_t b, int64_t h,
-                                          int64_t i, int lane, acc_t m, acc_t l,
+__device__ __forceinline__ void write_row(const AttentionParams& p, const SeqInfo& sq, int64_t b,
+                                          int64_t h, int64_t i, int lane, acc_t m, acc_t l,
                                           const acc_t (&o)[kCols]) {
-  T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + i * p.out_row_stride +
+  T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + (sq.q0 + i) * p.out_row_stride +
            h * p.out_head_stride;
   const bool empty = l == 0;  // no key seen: out 0, lse -inf (a NaN sum stays NaN)
   const acc_t inv = empty ? acc_t(0) : acc_t(1) / l;
@@ -144,21 +150,23 @@ __device__ __forceinline__ void write_row(const AttentionParams& p, int64_t b, i
   }
   if (lane == 0) {
     acc_t* lse = static_cast<acc_t*>(p.lse);
-    lse[(b * p.H + h) * p.Sq + i] =
+    lse[b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + i] =
         empty ? neg_inf<acc_t>() : (m + log2_acc(l)) * static_cast<acc_t>(kLn2);
   }
 }
 
 // Stages query row (b, h, i) * scale * log2(e) into q_s; returns the row's k and v bases.
 template <typename T, typename acc_t>
-__device__ __forceinline__ void stage_query(const AttentionParams& p, int64_t b, int64_t h,
-                                            int64_t i, int lane, acc_t* q_s, const T*& k,
-                                            const T*& v) {
+__device__ __forceinline__ void stage_query(const AttentionParams& p, const SeqInfo& sq, int64_t b,
+                                            int64_t h, int64_t i, int lane, acc_t* q_s,
+                                            const T*& k, const T*& v) {
   const int64_t hkv = h / (p.H / p.Hkv);
-  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + i * p.q_row_stride +
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + (sq.q0 + i) * p.q_row_stride +
                h * p.q_head_stride;
-  k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
-  v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride +
+      sq.k0 * p.k_row_stride;
+  v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride +
+      sq.k0 * p.v_row_stride;
   const acc_t qscale = static_cast<acc_t>(p.scale * kLog2e);
   for (int64_t d = lane; d < p.D; d += 32) q_s[d] = to_acc(q[d]) * qscale;
   __syncwarp();
@@ -175,11 +183,15 @@ __global__ void __launch_bounds__(kWarps * 32, 4) simple_fwd_kernel(AttentionPar
   const int64_t i = row % p.Sq;
   const int64_t bh = row / p.Sq;
   const int64_t h = bh % p.H, b = bh / p.H;
+  const Visibility vis = p.visibility();
+  const SeqInfo sq = vis.seq(b);
+  if (i >= sq.Sq) return;  // past the end of its packed sequence
   const T *k, *v;
-  stage_query<T, acc_t>(p, b, h, i, lane, q_s[warp], k, v);
+  stage_query<T, acc_t>(p, sq, b, h, i, lane, q_s[warp], k, v);
+  const Range keys = vis.band_keys(sq, i);
   acc_t m, l, o[kCols];
-  attend_keys<T, acc_t>(p, q_s[warp], k, v, 0, key_end(p, i), lane, m, l, o);
-  write_row<T, acc_t>(p, b, h, i, lane, m, l, o);
+  attend_keys<T, acc_t>(p, vis, sq, b, i, q_s[warp], k, v, keys.lo, keys.hi, lane, m, l, o);
+  write_row<T, acc_t>(p, sq, b, h, i, lane, m, l, o);
 }
 
 // ---- split-KV forward (decode: few query rows, many keys) -----------------------------------
@@ -202,13 +214,18 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   const int64_t i = row % p.Sq;
   const int64_t bh = row / p.Sq;
   const int64_t h = bh % p.H, b = bh / p.H;
+  const Visibility vis = p.visibility();
+  const SeqInfo sq = vis.seq(b);
+  if (i >= sq.Sq) return;
   const T *k, *v;
-  stage_query<T, acc_t>(p, b, h, i, lane, q_s[warp], k, v);
-  const int64_t kbeg = sp * chunk;
-  int64_t kend = key_end(p, i);
-  if (kend > kbeg + chunk) kend = kbeg + chunk;
+  stage_query<T, acc_t>(p, sq, b, h, i, lane, q_s[warp], k, v);
+  const Range keys = vis.band_keys(sq, i);
+  int64_t kbeg = sp * chunk;
+  int64_t kend = kbeg + chunk;
+  if (kbeg < keys.lo) kbeg = keys.lo;
+  if (kend > keys.hi) kend = keys.hi;
   acc_t m, l, o[kCols];
-  attend_keys<T, acc_t>(p, q_s[warp], k, v, kbeg, kend, lane, m, l, o);
+  attend_keys<T, acc_t>(p, vis, sq, b, i, q_s[warp], k, v, kbeg, kend, lane, m, l, o);
   acc_t* po = static_cast<acc_t*>(part_o_ptr) + item * p.Dv;
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
@@ -233,6 +250,8 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   const int64_t i = row % p.Sq;
   const int64_t bh = row / p.Sq;
   const int64_t h = bh % p.H, b = bh / p.H;
+  const SeqInfo sq = p.visibility().seq(b);
+  if (i >= sq.Sq) return;
   const acc_t* pml = static_cast<const acc_t*>(part_ml_ptr) + row * n_split * 2;
   const acc_t* po = static_cast<const acc_t*>(part_o_ptr) + row * n_split * p.Dv;
   acc_t mx = neg_inf<acc_t>();
@@ -253,7 +272,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
       }
     }
   }
-  write_row<T, acc_t>(p, b, h, i, lane, mx, l, o);
+  write_row<T, acc_t>(p, sq, b, h, i, lane, mx, l, o);
 }
 
 // ---- backward ------------------------------------------------------------------------------
@@ -278,15 +297,22 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   const int64_t bh = row / p.Sq;
   const int64_t h = bh % p.H, b = bh / p.H;
   const int64_t hkv = h / (p.H / p.Hkv);
+  const Visibility vis = p.visibility();
+  const SeqInfo sq = vis.seq(b);
+  if (i >= sq.Sq) return;  // past the end of its packed sequence
+  const int64_t gi = sq.q0 + i;  // the row in the (packed) tensors
 
-  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + i * p.q_row_stride +
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + gi * p.q_row_stride +
                h * p.q_head_stride;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride +
+               sq.k0 * p.k_row_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride +
+               sq.k0 * p.v_row_stride;
   const T* dout = static_cast<const T*>(bp.dout) + b * bp.dout_batch_stride +
-                  i * bp.dout_row_stride + h * bp.dout_head_stride;
-  const T* o = static_cast<const T*>(bp.out) + b * bp.o_batch_stride + i * bp.o_row_stride +
+                  gi * bp.dout_row_stride + h * bp.dout_head_stride;
+  const T* o = static_cast<const T*>(bp.out) + b * bp.o_batch_stride + gi * bp.o_row_stride +
                h * bp.o_head_stride;
+  const int64_t stat = b * p.lse_batch_stride + h * p.lse_head_stride + gi;  // lse / dlse
   const acc_t qscale = static_cast<acc_t>(p.scale * kLog2e);
   for (int64_t d = lane; d < p.D; d += 32) q_s[warp][d] = to_acc(q[d]) * qscale;
   acc_t di = 0;
@@ -296,27 +322,31 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
     di += g * to_acc(o[d]);
   }
   di = warp_sum(di);
+  // lse's gradient folds into the row term: dS = P * (dP - (delta - dlse))
+  if (bp.dlse != nullptr) di -= static_cast<const acc_t*>(bp.dlse)[stat];
   if (lane == 0) static_cast<acc_t*>(delta_ptr)[row] = di;  // row == (b*H + h)*Sq + i
   __syncwarp();
-  const acc_t lse2 = static_cast<const acc_t*>(bp.lse)[row] * static_cast<acc_t>(kLog2e);
+  const acc_t lse2 = static_cast<const acc_t*>(bp.lse)[stat] * static_cast<acc_t>(kLog2e);
 
-  const int64_t kend = key_end(p, i);
+  const Range keys = vis.band_keys(sq, i);
   acc_t dq[kCols];
 #pragma unroll
   for (int c = 0; c < kCols; ++c) dq[c] = 0;
-  for (int64_t j0 = 0; j0 < kend; j0 += 32) {
+  for (int64_t j0 = keys.lo; j0 < keys.hi; j0 += 32) {
     const int64_t j = j0 + lane;
+    const bool live = j < keys.hi && vis.visible(sq, b, i, j);
     acc_t ds = 0;
-    if (j < kend) {
+    if (live) {
       const acc_t pr = exp2_acc(dot_row(q_s[warp], k + j * p.k_row_stride, p.D) - lse2);
       const acc_t dp = dot_row(do_s[warp], v + j * p.v_row_stride, p.Dv);
       ds = pr * (dp - di);
     }
-    const int64_t n = (kend - j0) < 32 ? (kend - j0) : 32;
-    add_weighted_rows(dq, ds, k + j0 * p.k_row_stride, p.k_row_stride, n, p.D, lane);
+    const unsigned live_bits = __ballot_sync(0xffffffffu, live);
+    const int64_t n = (keys.hi - j0) < 32 ? (keys.hi - j0) : 32;
+    add_weighted_rows(dq, ds, k + j0 * p.k_row_stride, p.k_row_stride, n, p.D, lane, live_bits);
   }
-  // dq (B, Sq, H, D) contiguous
-  T* dqr = static_cast<T*>(bp.dq) + ((b * p.Sq + i) * p.H + h) * p.D;
+  // dq (B, Sq, H, D) contiguous (packed: (Tq, H, D))
+  T* dqr = static_cast<T*>(bp.dq) + b * bp.dq_batch_stride + (gi * p.H + h) * p.D;
   const acc_t scale = static_cast<acc_t>(p.scale);
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
@@ -339,19 +369,23 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   const int64_t bg = row / p.Sk;
   const int64_t hkv = bg % p.Hkv, b = bg / p.Hkv;
   const int64_t group = p.H / p.Hkv;
+  const Visibility vis = p.visibility();
+  const SeqInfo sq = vis.seq(b);
+  if (j >= sq.Sk) return;  // past the end of its packed sequence
+  const int64_t gj = sq.k0 + j;  // the row in the (packed) tensors
 
-  const T* kj = static_cast<const T*>(p.k) + b * p.k_batch_stride + j * p.k_row_stride +
+  const T* kj = static_cast<const T*>(p.k) + b * p.k_batch_stride + gj * p.k_row_stride +
                 hkv * p.k_head_stride;
-  const T* vj = static_cast<const T*>(p.v) + b * p.v_batch_stride + j * p.v_row_stride +
+  const T* vj = static_cast<const T*>(p.v) + b * p.v_batch_stride + gj * p.v_row_stride +
                 hkv * p.v_head_stride;
   const acc_t kscale = static_cast<acc_t>(p.scale * kLog2e);
   for (int64_t d = lane; d < p.D; d += 32) k_s[warp][d] = to_acc(kj[d]) * kscale;
   for (int64_t d = lane; d < p.Dv; d += 32) v_s[warp][d] = to_acc(vj[d]);
   __syncwarp();
 
-  // queries that see key j: i >= j - (Sk - Sq) when causal, all otherwise
-  int64_t istart = p.causal ? j - (p.Sk - p.Sq) : 0;
-  if (istart < 0) istart = 0;
+  // queries that see key j (none when the key is padding)
+  Range rows = vis.band_rows(sq, j);
+  if (!vis.key_valid(b, j)) rows.hi = rows.lo;
   const acc_t* lse_all = static_cast<const acc_t*>(bp.lse);
   const acc_t* delta_all = static_cast<const acc_t*>(delta_ptr);
 
@@ -360,28 +394,31 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   for (int c = 0; c < kCols; ++c) dk[c] = dv[c] = 0;
   for (int64_t hg = 0; hg < group; ++hg) {
     const int64_t h = hkv * group + hg;
-    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                 sq.q0 * p.q_row_stride;
     const T* dout = static_cast<const T*>(bp.dout) + b * bp.dout_batch_stride +
-                    h * bp.dout_head_stride;
-    const int64_t stat = (b * p.H + h) * p.Sq;  // lse / delta row base
-    for (int64_t i0 = istart; i0 < p.Sq; i0 += 32) {
+                    h * bp.dout_head_stride + sq.q0 * bp.dout_row_stride;
+    const int64_t stat = b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0;  // lse base
+    const int64_t dstat = (b * p.H + h) * p.Sq;  // delta (workspace) base
+    for (int64_t i0 = rows.lo; i0 < rows.hi; i0 += 32) {
       const int64_t i = i0 + lane;
+      const bool live = i < rows.hi;  // the band: row i sees key j
       acc_t pr = 0, ds = 0;
-      if (i < p.Sq) {
+      if (live) {
         const acc_t lse2 = lse_all[stat + i] * static_cast<acc_t>(kLog2e);
         pr = exp2_acc(dot_row(k_s[warp], q + i * p.q_row_stride, p.D) - lse2);
         const acc_t dp = dot_row(v_s[warp], dout + i * bp.dout_row_stride, p.Dv);
-        ds = pr * (dp - delta_all[stat + i]);
+        ds = pr * (dp - delta_all[dstat + i]);
       }
-      const int64_t n = (p.Sq - i0) < 32 ? (p.Sq - i0) : 32;
+      const int64_t n = (rows.hi - i0) < 32 ? (rows.hi - i0) : 32;
       add_weighted_rows(dv, pr, dout + i0 * bp.dout_row_stride, bp.dout_row_stride, n, p.Dv,
                         lane);
       add_weighted_rows(dk, ds, q + i0 * p.q_row_stride, p.q_row_stride, n, p.D, lane);
     }
   }
-  // dk (B, Sk, Hkv, D), dv (B, Sk, Hkv, Dv) contiguous
-  T* dkr = static_cast<T*>(bp.dk) + ((b * p.Sk + j) * p.Hkv + hkv) * p.D;
-  T* dvr = static_cast<T*>(bp.dv) + ((b * p.Sk + j) * p.Hkv + hkv) * p.Dv;
+  // dk (B, Sk, Hkv, D), dv (B, Sk, Hkv, Dv) contiguous (packed: (Tk, Hkv, D / Dv))
+  T* dkr = static_cast<T*>(bp.dk) + b * bp.dk_batch_stride + (gj * p.Hkv + hkv) * p.D;
+  T* dvr = static_cast<T*>(bp.dv) + b * bp.dv_batch_stride + (gj * p.Hkv + hkv) * p.Dv;
   const acc_t scale = static_cast<acc_t>(p.scale);
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {

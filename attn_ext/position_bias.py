@@ -1,0 +1,120 @@
+"""Relative position biases that live inside attention (DESIGN.md, "Attention variants").
+
+The kernels take one table ``rel_bias (H, 2M + 1)``: the score of query row ``i`` and key
+``j`` gains ``rel_bias[h, M + clamp(d, -M, M)]`` with ``d = i + (Sk - Sq) - j`` (the
+textbook's ``i - j``, bottom-right aligned). Everything here only *builds* that table, with
+ordinary differentiable PyTorch, so its gradient reaches whatever parameters it came from:
+
+- :class:`RelativePositionBias` owns a learnable ``b_{i-j}`` per head, either one entry per
+  distance (Shaw et al.; distances past ``max_distance`` share the last entry) or T5's
+  log-spaced buckets (Raffel et al., ``num_buckets=32, max_distance=128`` there), expanded
+  into the table by a gather.
+- :func:`alibi_slopes` gives ALiBi's per-head slopes (Press et al.), for ``alibi_slopes=``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+
+def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None) -> Tensor:
+    """ALiBi's head slopes: the geometric sequence ``2^(-8/n), 2^(-16/n), ...`` for ``n`` a
+    power of two; otherwise the ``2^floor(log2 H)`` sequence followed by every other slope of
+    the next power's sequence (the paper's recipe). Returns ``(num_heads,)``."""
+    if num_heads <= 0:
+        raise ValueError(f"num_heads must be positive, got {num_heads}")
+
+    def geometric(n: int):
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (k + 1) for k in range(n)]
+
+    m = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = geometric(m)
+    if m < num_heads:
+        slopes += geometric(2 * m)[0::2][: num_heads - m]
+    return torch.tensor(slopes, dtype=dtype, device=device)
+
+
+def t5_bucket(distance: Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> Tensor:
+    """T5's bucket of each query-minus-key distance ``d = i - j`` (int64 tensor).
+
+    Bidirectional: half the buckets are for keys before the query (``d >= 0``), half for keys
+    after it. Within a half, the first ``num_buckets / 2`` distances have a bucket each and
+    the rest are spaced logarithmically up to ``max_distance``; farther distances share the
+    last bucket. Unidirectional: keys after the query share distance 0's bucket.
+    """
+    n = distance
+    ret = torch.zeros_like(n)
+    if bidirectional:
+        num_buckets //= 2
+        ret = ret + (n < 0).long() * num_buckets
+        n = n.abs()
+    else:
+        n = n.clamp(min=0)
+    max_exact = num_buckets // 2
+    is_small = n < max_exact
+    # log-spaced for max_exact <= n < max_distance (n is at least 1 where it is used)
+    large = max_exact + (
+        torch.log(n.clamp(min=1).double() / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).long()
+    large = large.clamp(max=num_buckets - 1)
+    return ret + torch.where(is_small, n, large)
+
+
+class RelativePositionBias(nn.Module):
+    """The textbook's learnable relative position bias ``b_{i-j}``, one per head.
+
+    ``forward()`` returns the ``(num_heads, 2 * max_distance + 1)`` table that
+    ``attn_ext.attention(..., rel_bias=table)`` reads; column ``max_distance + d`` holds the
+    bias of distance ``d = i - j`` (distances past ``max_distance`` clamp to it).
+
+    Args:
+        num_heads: H.
+        max_distance: M, the farthest distance with its own table column.
+        bidirectional: keys after the query (``d < 0``) get their own biases; otherwise they
+            share distance 0's (a causal model never sees them).
+        num_buckets: None for one learnable entry per distance; an int for T5's log-bucketed
+            form (``num_buckets`` learnable entries per head, expanded by a gather, so the
+            gradient reaches the buckets). T5 uses 32 buckets and max distance 128.
+    """
+
+    def __init__(self, num_heads: int, max_distance: int = 128, bidirectional: bool = False,
+                 num_buckets: Optional[int] = None):
+        super().__init__()
+        if num_heads <= 0:
+            raise ValueError(f"num_heads must be positive, got {num_heads}")
+        if max_distance <= 0:
+            raise ValueError(f"max_distance must be positive, got {max_distance}")
+        if num_buckets is not None and (num_buckets < 2 or (bidirectional and num_buckets < 4)):
+            raise ValueError(f"num_buckets must be >= 2 (>= 4 bidirectional), got {num_buckets}")
+        self.num_heads = num_heads
+        self.max_distance = max_distance
+        self.bidirectional = bidirectional
+        self.num_buckets = num_buckets
+        d = torch.arange(-max_distance, max_distance + 1)
+        if num_buckets is not None:
+            self.weight = nn.Parameter(torch.zeros(num_heads, num_buckets))
+            index = t5_bucket(d, bidirectional, num_buckets, max_distance)
+        else:
+            # one entry per distance: 2M + 1 entries, or M + 1 when keys after the query share
+            # distance 0's entry
+            width = 2 * max_distance + 1 if bidirectional else max_distance + 1
+            self.weight = nn.Parameter(torch.zeros(num_heads, width))
+            index = d + max_distance if bidirectional else d.clamp(min=0)
+        self.register_buffer("index", index, persistent=False)
+
+    def forward(self) -> Tensor:
+        """The ``(H, 2M + 1)`` table (differentiable in ``weight``)."""
+        return self.weight[:, self.index]
+
+    def extra_repr(self) -> str:
+        kind = f"num_buckets={self.num_buckets}" if self.num_buckets is not None else "per distance"
+        return (f"num_heads={self.num_heads}, max_distance={self.max_distance}, "
+                f"bidirectional={self.bidirectional}, {kind}")

@@ -1,0 +1,274 @@
+// The one visibility and score rule of every attention kernel (CPU forward/backward, CUDA
+// simple / split-KV / fast kernels, and tools/fa2_emulate.py through tools/mask_probe.cpp).
+// Host and device; no ATen types. DESIGN.md, "Attention variants":
+//
+//   off = Sk - Sq  (of the row's own sequence),  d = i + off - j
+//   row i sees key j  iff  -right <= d <= left           (window; -1 = unbounded side;
+//                                                          causal is right = 0)
+//                      and key_padding_mask[b, j]        (when given; True = valid)
+//
+// The band part (causal / window) makes the keys a row sees one contiguous range, and the
+// rows a key is seen by one contiguous range, both non-decreasing in i (resp. j): that is
+// what lets kernels skip whole tiles. Padding is a per-key flag on top. A kernel asks:
+//   seq(b)                  the sequence's first packed q/k rows and lengths (varlen)
+//   band_keys(s, i)         [lo, hi): keys row i can see by the band
+//   band_rows(s, j)         [lo, hi): rows that see key j by the band
+//   classify(s, i0, i1, j0, j1)   kFull / kPartial / kInvisible for a (query, key) tile,
+//                           by the band; key padding then makes a full tile partial
+//   visible(s, b, i, j)     the per-(i, j) predicate (band and padding)
+// and the score terms of a visible pair come from ScoreTerms (softcap, ALiBi, rel_bias, sinks,
+// dropout; below).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define ATTN_MASK_FN __host__ __device__ __forceinline__
+#else
+#define ATTN_MASK_FN inline
+#endif
+
+namespace attn_ext {
+
+// Mask part of the attention params (filled by fill_mask_params in attention_checks.h).
+struct MaskParams {
+  // Window (left, right) with causal folded in (causal: right = min(right, 0)); -1 = unbounded.
+  int64_t left = -1;
+  int64_t right = -1;
+  // key_padding_mask (B, Sk) bool as bytes, nullptr when absent. 1 = the key takes part.
+  const uint8_t* key_padding = nullptr;
+  int64_t kpm_batch_stride = 0, kpm_key_stride = 0;
+  // Packed sequences: cu_seqlens_q / cu_seqlens_k int32 (B + 1,), nullptr when not packed.
+  // Then B is the number of sequences, Sq / Sk of the params are max_seqlen_q / max_seqlen_k,
+  // the batch strides are 0 and sequence b owns packed rows [cu[b], cu[b + 1]).
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+};
+
+enum class TileKind : int { kInvisible = 0, kPartial = 1, kFull = 2 };
+
+// One sequence of the batch (or of the packed batch).
+struct SeqInfo {
+  int64_t q0, k0;  // first packed row (0 when not packed: rows are addressed per batch)
+  int64_t Sq, Sk;  // its lengths
+  int64_t off;     // Sk - Sq: bottom-right alignment
+};
+
+struct Range {
+  int64_t lo, hi;  // [lo, hi), lo <= hi
+};
+
+struct Visibility {
+  MaskParams m;
+  int64_t Sq, Sk;  // the params' lengths (max lengths when packed)
+
+  ATTN_MASK_FN bool packed() const { return m.cu_seqlens_q != nullptr; }
+  ATTN_MASK_FN bool has_padding() const { return m.key_padding != nullptr; }
+  // True when every (i, j) of the sequence is visible (no band, no padding): kernels may
+  // then skip the mask entirely.
+  ATTN_MASK_FN bool dense() const { return m.left < 0 && m.right < 0 && !has_padding(); }
+
+  ATTN_MASK_FN SeqInfo seq(int64_t b) const {
+    SeqInfo s;
+    if (packed()) {
+      s.q0 = m.cu_seqlens_q[b];
+      s.k0 = m.cu_seqlens_k[b];
+      s.Sq = m.cu_seqlens_q[b + 1] - s.q0;
+      s.Sk = m.cu_seqlens_k[b + 1] - s.k0;
+    } else {
+      s.q0 = 0;
+      s.k0 = 0;
+      s.Sq = Sq;
+      s.Sk = Sk;
+    }
+    s.off = s.Sk - s.Sq;
+    return s;
+  }
+
+  // Keys [lo, hi) that row i sees by the band: j >= i + off - left, j <= i + off + right.
+  ATTN_MASK_FN Range band_keys(const SeqInfo& s, int64_t i) const {
+    int64_t lo = 0, hi = s.Sk;
+    if (m.left >= 0 && i + s.off - m.left > lo) lo = i + s.off - m.left;
+    if (m.right >= 0 && i + s.off + m.right + 1 < hi) hi = i + s.off + m.right + 1;
+    if (lo > s.Sk) lo = s.Sk;
+    if (hi < lo) hi = lo;
+    return {lo, hi};
+  }
+
+  // Rows [lo, hi) that see key j by the band: i >= j - off - right, i <= j - off + left.
+  ATTN_MASK_FN Range band_rows(const SeqInfo& s, int64_t j) const {
+    int64_t lo = 0, hi = s.Sq;
+    if (m.right >= 0 && j - s.off - m.right > lo) lo = j - s.off - m.right;
+    if (m.left >= 0 && j - s.off + m.left + 1 < hi) hi = j - s.off + m.left + 1;
+    if (lo > s.Sq) lo = s.Sq;
+    if (hi < lo) hi = lo;
+    return {lo, hi};
+  }
+
+  // Keys some row of [i0, i1) sees by the band (i0 < i1): both ends are non-decreasing in i.
+  ATTN_MASK_FN Range band_keys_of_rows(const SeqInfo& s, int64_t i0, int64_t i1) const {
+    const Range a = band_keys(s, i0), z = band_keys(s, i1 - 1);
+    return {a.lo, z.hi > a.lo ? z.hi : a.lo};
+  }
+  // Rows that see some key of [j0, j1) by the band (j0 < j1).
+  ATTN_MASK_FN Range band_rows_of_keys(const SeqInfo& s, int64_t j0, int64_t j1) const {
+    const Range a = band_rows(s, j0), z = band_rows(s, j1 - 1);
+    return {a.lo, z.hi > a.lo ? z.hi : a.lo};
+  }
+
+  // The (rows [i0, i1), keys [j0, j1)) tile by the band: kFull when every row sees every key,
+  // kInvisible when no row sees any key, else kPartial. (Padding is the caller's second step:
+  // a full tile with a padded key is partial, a tile whose keys are all padded is invisible.)
+  ATTN_MASK_FN TileKind classify(const SeqInfo& s, int64_t i0, int64_t i1, int64_t j0,
+                                 int64_t j1) const {
+    if (i0 >= i1 || j0 >= j1) return TileKind::kInvisible;
+    const Range keys = band_keys_of_rows(s, i0, i1);
+    if (keys.hi <= j0 || keys.lo >= j1) return TileKind::kInvisible;
+    const Range first = band_keys(s, i0), last = band_keys(s, i1 - 1);
+    // every row's range covers [j0, j1): the latest lo and the earliest hi bound it
+    if (last.lo <= j0 && first.hi >= j1) return TileKind::kFull;
+    return TileKind::kPartial;
+  }
+
+  ATTN_MASK_FN bool key_valid(int64_t b, int64_t j) const {
+    return m.key_padding == nullptr ||
+           m.key_padding[b * m.kpm_batch_stride + j * m.kpm_key_stride] != 0;
+  }
+
+  // The predicate: row i of sequence b (local indices) sees key j.
+  ATTN_MASK_FN bool visible(const SeqInfo& s, int64_t b, int64_t i, int64_t j) const {
+    const int64_t d = i + s.off - j;
+    if (m.right >= 0 && d < -m.right) return false;
+    if (m.left >= 0 && d > m.left) return false;
+    if (j < 0 || j >= s.Sk) return false;
+    return key_valid(b, j);
+  }
+};
+
+// Score terms of a visible pair (b, h, i, j) (DESIGN.md, "Attention variants"), in one place:
+//
+//   s = scale * q . k                                (kernels fold scale into q)
+//   s = softcap * tanh(s / softcap)                  if softcap > 0
+//   s += -alibi[b, h] * |d|                          if alibi
+//   s += rel_bias[h, M + clamp(d, -M, M)]            if rel_bias (H, 2M + 1)
+//
+// plus the two row-level terms: sinks[h] joins every row's softmax denominator (handled where
+// a kernel normalises, from sink(h)), and dropout with the keep bit of common/dropout_rng.h.
+// A kernel calls apply_row() on scores only when active(). Scores may be kept in other units
+// than the natural log (the CPU forward works in log2 units): `unit` multiplies every term.
+// The table pointers are of the accumulation type (float, or double for double inputs).
+struct ScoreTerms {
+  double scale = 1.0;
+  double softcap = 0.0;           // > 0: cap the scores
+  const void* alibi = nullptr;    // slope of (b, h) at alibi[b * alibi_batch_stride + h]
+  int64_t alibi_batch_stride = 0; // 0 for (H,) slopes
+  const void* rel_bias = nullptr; // (H, 2M + 1) contiguous
+  int64_t rel_max = 0;            // M
+  const void* sinks = nullptr;    // (H,)
+  double dropout_p = 0.0;         // drop probability in [0, 1)
+  uint64_t dropout_seed = 0, dropout_offset = 0;
+
+  ATTN_MASK_FN bool active() const {
+    return softcap > 0.0 || alibi != nullptr || rel_bias != nullptr;
+  }
+  ATTN_MASK_FN bool has_sinks() const { return sinks != nullptr; }
+  ATTN_MASK_FN bool has_dropout() const { return dropout_p > 0.0; }
+  // Nothing beyond the scale: the plain kernel applies.
+  ATTN_MASK_FN bool plain() const { return !active() && !has_sinks() && !has_dropout(); }
+
+  template <typename T>
+  ATTN_MASK_FN T slope(int64_t b, int64_t h) const {
+    return static_cast<const T*>(alibi)[b * alibi_batch_stride + h];
+  }
+  template <typename T>
+  ATTN_MASK_FN T sink(int64_t h) const {
+    return static_cast<const T*>(sinks)[h];
+  }
+  ATTN_MASK_FN static int64_t clamp_d(int64_t d, int64_t M) {
+    return d < -M ? -M : (d > M ? M : d);
+  }
+
+  // The score after the terms (natural units), given the scaled dot product s and
+  // d = i + off - j: the per-element form of the rule (CUDA kernels, emulator).
+  template <typename T>
+  ATTN_MASK_FN T add(T s, int64_t b, int64_t h, int64_t d) const {
+    using std::tanh;
+    if (softcap > 0.0) s = static_cast<T>(softcap) * tanh(s / static_cast<T>(softcap));
+    if (alibi != nullptr) s -= slope<T>(b, h) * static_cast<T>(d < 0 ? -d : d);
+    if (rel_bias != nullptr) {
+      s += static_cast<const T*>(rel_bias)[h * (2 * rel_max + 1) + rel_max + clamp_d(d, rel_max)];
+    }
+    return s;
+  }
+
+  // The terms on one key's run of consecutive query rows: x[c], c in [0, n), is the score
+  // (in units of `unit`) of query row i_first + c of head h against key j, and
+  // d0 = i_first + off - j, so column c has distance d0 + c. Softcap first (writing
+  // tanh(s / softcap) to th[c] when th is given: the backward's chain factor 1 - th^2), then
+  // ALiBi (linear in c on each side of d = 0) and rel_bias (a contiguous slice of the table
+  // between the two clamped ends): plain loops the compiler vectorises.
+  template <typename T>
+  inline void apply_row(T* x, int n, int64_t b, int64_t h, int64_t d0, T unit, T* th) const {
+    if (softcap > 0.0) {
+      const T cu = static_cast<T>(softcap) * unit, inv = T(1) / cu;
+      if (th != nullptr) {
+        for (int c = 0; c < n; ++c) {
+          const T t = std::tanh(x[c] * inv);
+          th[c] = t;
+          x[c] = cu * t;
+        }
+      } else {
+        for (int c = 0; c < n; ++c) x[c] = cu * std::tanh(x[c] * inv);
+      }
+    }
+    if (alibi != nullptr) {
+      const T su = slope<T>(b, h) * unit;
+      // d = d0 + c < 0 for c < cz: |d| = -(d0 + c); else |d| = d0 + c
+      const int cz = static_cast<int>(d0 >= 0 ? 0 : (-d0 < n ? -d0 : n));
+      const T base = su * static_cast<T>(d0);
+      for (int c = 0; c < cz; ++c) x[c] += base + su * static_cast<T>(c);
+      for (int c = cz; c < n; ++c) x[c] -= base + su * static_cast<T>(c);
+    }
+    if (rel_bias != nullptr) {
+      const int64_t M = rel_max;
+      const T* tab = static_cast<const T*>(rel_bias) + h * (2 * M + 1);
+      int ca, cb;
+      clamp_segments(d0, n, &ca, &cb);
+      const T lo = tab[0] * unit, hi = tab[2 * M] * unit;
+      for (int c = 0; c < ca; ++c) x[c] += lo;
+      const int64_t m0 = M + d0;  // column c reads tab[m0 + c] for c in [ca, cb)
+      for (int c = ca; c < cb; ++c) x[c] += tab[m0 + c] * unit;
+      for (int c = cb; c < n; ++c) x[c] += hi;
+    }
+  }
+
+  // d rel_bias of one key's run (as apply_row): db[M + clamp(d0 + c)] += ds[c], where ds is
+  // the gradient of the final score (after softcap) and db the head's (2M + 1) row.
+  template <typename T>
+  inline void rel_bias_grad_row(const T* ds, int n, int64_t d0, double* db) const {
+    const int64_t M = rel_max;
+    int ca, cb;
+    clamp_segments(d0, n, &ca, &cb);
+    double lo = 0, hi = 0;
+    for (int c = 0; c < ca; ++c) lo += ds[c];
+    const int64_t m0 = M + d0;
+    for (int c = ca; c < cb; ++c) db[m0 + c] += ds[c];
+    for (int c = cb; c < n; ++c) hi += ds[c];
+    db[0] += lo;
+    db[2 * M] += hi;
+  }
+
+ private:
+  // Columns [0, ca) have d0 + c < -M, [ca, cb) are in [-M, M], [cb, n) are > M.
+  ATTN_MASK_FN void clamp_segments(int64_t d0, int n, int* ca, int* cb) const {
+    const int64_t M = rel_max;
+    int64_t a = -M - d0, z = M - d0 + 1;
+    a = a < 0 ? 0 : (a > n ? n : a);
+    z = z < a ? a : (z > n ? n : z);
+    *ca = static_cast<int>(a);
+    *cb = static_cast<int>(z);
+  }
+};
+
+}  // namespace attn_ext

@@ -1,0 +1,124 @@
+// Tensor-facing (stable ABI) half of the masks: input checks of window / key_padding_mask / cu_seqlens and
+// the filling of AttentionParams::mask, shared by the CPU and CUDA adapters. The rule
+// itself is PyTorch-free, in common/attention_mask.h. Every failure names the argument.
+#pragma once
+
+#include <optional>
+
+#include "common/attention_checks.h"
+#include "common/attention_mask.h"
+
+namespace attn_ext {
+
+inline void check_window(int64_t left, int64_t right) {
+  STD_TORCH_CHECK(left >= -1 && right >= -1,
+              "window must be (left, right) with each side >= 0, or -1 for unbounded, got (",
+              left, ", ", right, ")");
+}
+
+inline void check_key_padding_mask(const Tensor& kpm, const Tensor& q,
+                                   const AttentionShape& s) {
+  STD_TORCH_CHECK(kpm.scalar_type() == ScalarType::Bool,
+              "key_padding_mask must be bool (B, Sk), True = the key takes part, got dtype ",
+              kpm.scalar_type());
+  check_same_device(kpm, q, "key_padding_mask", "q");
+  STD_TORCH_CHECK(kpm.dim() == 2 && kpm.size(0) == s.B && kpm.size(1) == s.Sk,
+              "key_padding_mask must have shape (B, Sk) = (", s.B, ", ", s.Sk, "), got shape ",
+              shape_of(kpm));
+}
+
+// Window, causal (right = 0) and key padding of a (batched) problem into p.mask.
+inline void fill_mask_params(AttentionParams& p, const AttentionShape& s, const Tensor& q,
+                             bool causal, int64_t window_left, int64_t window_right,
+                             const OptTensor& key_padding_mask) {
+  check_window(window_left, window_right);
+  p.mask.left = window_left;
+  p.mask.right = causal ? 0 : window_right;
+  if (key_padding_mask.has_value()) {
+    const Tensor& kpm = *key_padding_mask;
+    check_key_padding_mask(kpm, q, s);
+    p.mask.key_padding = reinterpret_cast<const uint8_t*>(kpm.data_ptr());
+    p.mask.kpm_batch_stride = kpm.stride(0);
+    p.mask.kpm_key_stride = kpm.stride(1);
+  }
+}
+
+// dlse: the gradient of the forward's lse, same shape and dtype.
+inline void check_dlse(const Tensor& dlse, const Tensor& lse) {
+  STD_TORCH_CHECK(same_sizes(dlse, sizes_vec(lse)), "dlse must have lse's shape ", shape_of(lse),
+                  ", got ", shape_of(dlse));
+  STD_TORCH_CHECK(dlse.scalar_type() == lse.scalar_type(), "dlse must have lse's dtype ",
+              lse.scalar_type(), ", got ", dlse.scalar_type());
+  check_same_device(dlse, lse, "dlse", "lse");
+}
+
+// ---- packed sequences (attention_varlen_*) -------------------------------------------------
+
+inline void check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q,
+                             int64_t total, int64_t max_seqlen, const char* max_name) {
+  STD_TORCH_CHECK(cu.scalar_type() == ScalarType::Int, name, " must be int32 (N + 1,), got dtype ",
+              cu.scalar_type());
+  STD_TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, name,
+              " must have shape (N + 1,) with N >= 0 sequences, got shape ", shape_of(cu));
+  check_same_device(cu, q, name, "q");
+  STD_TORCH_CHECK(cu.is_contiguous(), name, " must be contiguous, got strides ", strides_of(cu));
+  STD_TORCH_CHECK(max_seqlen >= 0, max_name, " must be >= 0, got ", max_seqlen);
+  if (!cu.is_cpu()) return;  // on CUDA the values are not read on the host (no sync)
+  const int32_t* c = static_cast<const int32_t*>(cu.data_ptr());
+  const int64_t n = cu.size(0) - 1;
+  STD_TORCH_CHECK(c[0] == 0, name, " must start at 0, got ", name, "[0] = ", c[0]);
+  for (int64_t b = 0; b < n; ++b) {
+    STD_TORCH_CHECK(c[b + 1] >= c[b], name, " must be non-decreasing, got ", name, "[", b, "] = ",
+                c[b], " > ", name, "[", b + 1, "] = ", c[b + 1]);
+    STD_TORCH_CHECK(c[b + 1] - c[b] <= max_seqlen, max_name, " = ", max_seqlen,
+                " is smaller than sequence ", b, " of ", name, " (length ", c[b + 1] - c[b], ")");
+  }
+  STD_TORCH_CHECK(c[n] == total, name, " must end at the number of packed rows ", total, ", got ",
+              name, "[", n, "] = ", c[n]);
+}
+
+// q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv). Returns the shape with B = N sequences,
+// Sq = max_seqlen_q, Sk = max_seqlen_k.
+inline AttentionShape check_varlen_inputs(const Tensor& q, const Tensor& k,
+                                          const Tensor& v, const Tensor& cu_seqlens_q,
+                                          const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                          int64_t max_seqlen_k,
+                                          const std::optional<double>& scale) {
+  check_dim(q, "q", 3, "(Tq, H, D)");
+  check_dim(k, "k", 3, "(Tk, Hkv, D)");
+  check_dim(v, "v", 3, "(Tk, Hkv, Dv)");
+  STD_TORCH_CHECK(v.size(0) == k.size(0), "v must have Tk = ", k.size(0),
+              " packed rows (from k), got shape ", shape_of(v));
+  // dtypes, devices, heads, head dims, strides: the batched checks on (1, T, H, D) views
+  AttentionShape s = check_attention_inputs(torch::stable::unsqueeze(q, 0), torch::stable::unsqueeze(k, 0),
+                                                torch::stable::unsqueeze(v, 0), scale);
+  check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q, q.size(0), max_seqlen_q, "max_seqlen_q");
+  check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q, k.size(0), max_seqlen_k, "max_seqlen_k");
+  STD_TORCH_CHECK(cu_seqlens_k.size(0) == cu_seqlens_q.size(0),
+              "cu_seqlens_k must have as many sequences as cu_seqlens_q (", cu_seqlens_q.size(0),
+              " entries), got ", cu_seqlens_k.size(0));
+  s.B = cu_seqlens_q.size(0) - 1;
+  s.Sq = max_seqlen_q;
+  s.Sk = max_seqlen_k;
+  return s;
+}
+
+// Turns params filled from (1, T, ...) views into packed ones: batch strides 0, per-sequence
+// rows from cu_seqlens, lse (H, Tq).
+inline void make_params_packed(AttentionParams& p, const AttentionShape& s, int64_t Tq,
+                               const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                               bool causal, int64_t window_left, int64_t window_right) {
+  check_window(window_left, window_right);
+  p.B = s.B;
+  p.Sq = s.Sq;
+  p.Sk = s.Sk;
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.out_batch_stride = 0;
+  p.lse_batch_stride = 0;
+  p.lse_head_stride = Tq;
+  p.mask.left = window_left;
+  p.mask.right = causal ? 0 : window_right;
+  p.mask.cu_seqlens_q = static_cast<const int32_t*>(cu_seqlens_q.data_ptr());
+  p.mask.cu_seqlens_k = static_cast<const int32_t*>(cu_seqlens_k.data_ptr());
+}
+
+}  // namespace attn_ext

@@ -1,0 +1,87 @@
+// Tensor-facing (stable ABI) half of the score terms (issue 15): input checks of alibi_slopes / rel_bias /
+// softcap / sinks / dropout and the filling of AttentionParams::terms, shared by the CPU
+// adapters (the CUDA adapter refuses the terms through score_terms_requested). The rule itself
+// is PyTorch-free, in common/attention_mask.h (ScoreTerms). Every failure names the argument.
+#pragma once
+
+#include <cmath>
+#include <optional>
+
+#include "common/attention_checks.h"
+#include "common/attention_mask.h"
+
+namespace attn_ext {
+
+// The score-term arguments of the forward / backward ops, as the schema passes them. Hidden
+// visibility like the torch::stable::Tensor it refers to (torch's hidden namespace).
+struct ATTN_EXT_HIDDEN ScoreArgs {
+  const OptTensor& alibi_slopes;
+  const OptTensor& rel_bias;
+  std::optional<double> softcap;
+  const OptTensor& sinks;  // forward only (the backward reads lse)
+  double dropout_p;
+  int64_t dropout_seed;
+  int64_t dropout_offset;
+};
+
+// True when any term (or dropout) is asked for.
+inline bool score_terms_requested(const ScoreArgs& a) {
+  return a.alibi_slopes.has_value() || a.rel_bias.has_value() || a.softcap.has_value() ||
+         a.sinks.has_value() || a.dropout_p != 0.0;
+}
+
+// A float table of the accumulation type (float32; float64 for float64 inputs), contiguous,
+// on q's device.
+inline void check_term_tensor(const Tensor& t, const char* name, const char* shape,
+                              const Tensor& q) {
+  const ScalarType want = lse_dtype(q.scalar_type());
+  STD_TORCH_CHECK(t.scalar_type() == want, name, " must be ", want, " ", shape, " for ",
+              q.scalar_type(), " inputs, got dtype ", t.scalar_type());
+  check_same_device(t, q, name, "q");
+  STD_TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", strides_of(t));
+}
+
+// Checks the arguments and fills p.terms. B is the batch size (number of sequences when
+// packed), H the number of query heads.
+inline void fill_score_terms(AttentionParams& p, const ScoreArgs& a, const Tensor& q,
+                             int64_t B, int64_t H) {
+  ScoreTerms& t = p.terms;
+  if (a.softcap.has_value()) {
+    STD_TORCH_CHECK(std::isfinite(*a.softcap) && *a.softcap > 0.0,
+                "softcap must be a finite number > 0 (or None), got ", *a.softcap);
+    t.softcap = *a.softcap;
+  }
+  if (a.alibi_slopes.has_value()) {
+    const Tensor& s = *a.alibi_slopes;
+    check_term_tensor(s, "alibi_slopes", "(H,) or (B, H)", q);
+    const bool per_head = s.dim() == 1 && s.size(0) == H;
+    const bool per_batch = s.dim() == 2 && s.size(0) == B && s.size(1) == H;
+    STD_TORCH_CHECK(per_head || per_batch, "alibi_slopes must have shape (H,) = (", H,
+                ",) or (B, H) = (", B, ", ", H, "), got shape ", shape_of(s));
+    t.alibi = s.data_ptr();
+    t.alibi_batch_stride = per_batch ? H : 0;
+  }
+  if (a.rel_bias.has_value()) {
+    const Tensor& r = *a.rel_bias;
+    check_term_tensor(r, "rel_bias", "(H, 2M + 1)", q);
+    STD_TORCH_CHECK(r.dim() == 2 && r.size(0) == H && r.size(1) % 2 == 1,
+                "rel_bias must have shape (H, 2M + 1) with H = ", H,
+                " and an odd number of distances, got shape ", shape_of(r));
+    t.rel_bias = r.data_ptr();
+    t.rel_max = (r.size(1) - 1) / 2;
+  }
+  if (a.sinks.has_value()) {
+    const Tensor& s = *a.sinks;
+    check_term_tensor(s, "sinks", "(H,)", q);
+    STD_TORCH_CHECK(s.dim() == 1 && s.size(0) == H, "sinks must have shape (H,) = (", H,
+                ",), got shape ", shape_of(s));
+    t.sinks = s.data_ptr();
+  }
+  STD_TORCH_CHECK(std::isfinite(a.dropout_p) && a.dropout_p >= 0.0 && a.dropout_p < 1.0,
+              "dropout_p must be in [0, 1), got ", a.dropout_p);
+  t.dropout_p = a.dropout_p;
+  t.dropout_seed = static_cast<uint64_t>(a.dropout_seed);
+  t.dropout_offset = static_cast<uint64_t>(a.dropout_offset);
+}
+
+}  // namespace attn_ext

@@ -1,0 +1,127 @@
+"""The CPU decode kernel (csrc/cpu/attention_decode.h: few query columns per kv head, K/V
+read once, split-K): values and lse against the float64 reference, with GQA/MHA, Sq 1-4,
+masks (causal, window, key padding incl. all-padded rows), packed sequences, fp16/bf16,
+hidden non-finite keys, NaN queries and thread-count independence."""
+
+import pytest
+import torch
+
+import attn_ext
+from attn_ext import reference
+
+
+
+
+def _inputs(B, Sq, Sk, H, Hkv, D, Dv, dtype):
+    q = torch.randn(B, Sq, H, D, dtype=dtype)
+    k = torch.randn(B, Sk, Hkv, D, dtype=dtype)
+    v = torch.randn(B, Sk, Hkv, Dv, dtype=dtype)
+    return q, k, v
+
+
+def _check(out, lse, q, k, v, **kw):
+    ro, rl = reference.attention_with_lse(q.double(), k.double(), v.double(), **kw)
+    if q.dtype == torch.float32:
+        tol = 2e-5
+    else:  # 2x the reference's own error in the low precision, plus a floor
+        lo, _ = reference.attention_with_lse(q, k, v, **kw)
+        tol = 2 * (lo.double() - ro).abs().max().item() + 1e-3
+    torch.testing.assert_close(out.double(), ro, rtol=0, atol=tol)
+    torch.testing.assert_close(lse.double(), rl.to(torch.float64), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("B,Sq,Sk,H,Hkv,D,Dv", [
+    (1, 1, 4096, 32, 8, 128, 128),   # GQA 4: 4 columns per kv head
+    (3, 1, 1000, 8, 8, 64, 64),      # MHA: 1 column
+    (2, 4, 777, 8, 2, 59, 111),      # 16 columns, odd dims
+    (1, 2, 300, 16, 1, 32, 32),      # MQA: 32 columns -> tiled kernel, still correct
+    (2, 1, 5, 4, 2, 16, 16),         # fewer keys than one block
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_matches_reference(B, Sq, Sk, H, Hkv, D, Dv, dtype):
+    q, k, v = _inputs(B, Sq, Sk, H, Hkv, D, Dv, dtype)
+    for causal in (False, True):
+        out, lse = attn_ext.attention(q, k, v, causal=causal, return_lse=True)
+        _check(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("window", [(0, 0), (7, 0), (100, -1), (63, 5)])
+def test_decode_window(window):
+    q, k, v = _inputs(2, 3, 500, 8, 2, 64, 64, torch.float32)
+    out, lse = attn_ext.attention(q, k, v, causal=False, window=window, return_lse=True)
+    _check(out, lse, q, k, v, window=window)
+
+
+def test_decode_left_padded_batch_and_empty_rows():
+    B, Sk = 4, 700
+    q, k, v = _inputs(B, 1, Sk, 8, 2, 64, 64, torch.float32)
+    kpm = torch.ones(B, Sk, dtype=torch.bool)
+    kpm[0, :300] = False                       # left padding
+    kpm[1, 650:] = False                       # right padding
+    kpm[2] = torch.rand(Sk) < 0.3              # scattered
+    kpm[3] = False                             # a row that sees nothing
+    # garbage in the padded slots must not matter, even inf / nan
+    k[0, :300] = float("inf")
+    v[0, :300] = float("nan")
+    out, lse = attn_ext.attention(q, k, v, key_padding_mask=kpm, return_lse=True)
+    keep = kpm.clone()
+    k2, v2 = k.clone(), v.clone()
+    k2[~keep] = 0
+    v2[~keep] = 0
+    _check(out[:3], lse[:3], q[:3], k2[:3], v2[:3], key_padding_mask=kpm[:3])
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    assert torch.isneginf(lse[3]).all()
+
+
+def test_decode_hidden_nonfinite_key_does_not_leak():
+    # causal, Sq = 3: the last keys are hidden from the first rows; inf there must stay out
+    q, k, v = _inputs(1, 3, 200, 4, 2, 32, 32, torch.float32)
+    v[0, 199] = float("inf")
+    k[0, 198] = float("nan")
+    out, _ = attn_ext.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.isfinite(out[0, 0]).all()           # row 0 sees keys <= 197
+    assert torch.isnan(out[0, 1:]).all()             # rows 1, 2 see the NaN key
+
+
+def test_decode_nan_query_row_is_nan():
+    q, k, v = _inputs(1, 1, 600, 4, 2, 32, 32, torch.float32)
+    q[0, 0, 1] = float("nan")
+    out, lse = attn_ext.attention(q, k, v, return_lse=True)
+    assert torch.isnan(out[0, 0, 1]).all() and torch.isnan(lse[0, 1]).all()
+    assert torch.isfinite(out[0, 0, [0, 2, 3]]).all()
+
+
+def test_decode_packed_sequences():
+    lens_q, lens_k = [1, 2, 1, 0], [900, 37, 0, 5]
+    H, Hkv, D = 8, 2, 64
+    cq = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+    ck = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cq[-1]), H, D)
+    k = torch.randn(int(ck[-1]), Hkv, D)
+    v = torch.randn(int(ck[-1]), Hkv, D)
+    out, lse = attn_ext.attention_varlen(q, k, v, cq, ck, max(lens_q), max(lens_k), causal=True,
+                                         return_lse=True)
+    ro, rl = reference.attention_varlen_with_lse(q.double(), k.double(), v.double(), cq, ck,
+                                                 causal=True)
+    torch.testing.assert_close(out.double(), ro, rtol=0, atol=2e-5)
+    torch.testing.assert_close(lse.double(), rl, rtol=0, atol=1e-4)
+
+
+def test_decode_thread_count_independent():
+    q, k, v = _inputs(1, 1, 5000, 16, 4, 64, 64, torch.float32)
+    old = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 16):
+            torch.set_num_threads(n)
+            results.append(attn_ext.attention(q, k, v, return_lse=True))
+        for out, lse in results[1:]:
+            torch.testing.assert_close(out, results[0][0], rtol=0, atol=1e-6)
+            torch.testing.assert_close(lse, results[0][1], rtol=0, atol=1e-6)
+        # repeated runs at a fixed thread count are bitwise equal (fixed chunking, ordered
+        # merge)
+        torch.set_num_threads(2)
+        again = attn_ext.attention(q, k, v, return_lse=True)
+        assert torch.equal(again[0], results[1][0]) and torch.equal(again[1], results[1][1])
+    finally:
+        torch.set_num_threads(old)

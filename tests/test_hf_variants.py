@@ -1,0 +1,102 @@
+"""Hugging Face models whose attention has score terms (issue 15): Gemma 2 (softcap +
+alternating sliding window) and GPT-OSS (attention sinks + sliding window) through
+attn_implementation="attn_ext" give the logits of transformers' "eager" attention, on the
+kernel (no SDPA fallback). Tiny random models, no downloads."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import attn_ext.integrations.hf as attn_ext_hf  # noqa: E402  (registers "attn_ext")
+
+
+def _no_fallback(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("attn_ext fell back to transformers' SDPA")
+    monkeypatch.setattr(attn_ext_hf, "sdpa_attention_forward", refuse)
+
+
+def _build(cfg, impl, seed=0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl,
+                                                          dtype=torch.float32)
+    return model.eval()
+
+
+def _gemma2_cfg():
+    return transformers.Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=100, max_position_embeddings=128,
+        sliding_window=4, attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
+        query_pre_attn_scalar=16,
+    )
+
+
+def _gpt_oss_cfg():
+    return transformers.GptOssConfig(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=100, max_position_embeddings=128,
+        num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
+    )
+
+
+@pytest.mark.parametrize("make_cfg", [_gemma2_cfg, _gpt_oss_cfg], ids=["gemma2", "gpt_oss"])
+def test_logits_match_eager_on_the_kernel(make_cfg, monkeypatch):
+    cfg = make_cfg()
+    assert "sliding_attention" in cfg.layer_types  # the window is smaller than the prompt
+    ours, ref = _build(cfg, "attn_ext"), _build(cfg, "eager")
+    if isinstance(cfg, transformers.GptOssConfig):
+        with torch.no_grad():  # random, clearly non-zero sinks
+            for layer in ours.model.layers:
+                layer.self_attn.sinks.normal_(0, 2, generator=torch.Generator().manual_seed(1))
+            for layer_o, layer_r in zip(ours.model.layers, ref.model.layers):
+                layer_r.self_attn.sinks.copy_(layer_o.self_attn.sinks)
+    idx = torch.randint(0, 100, (2, 13))
+    _no_fallback(monkeypatch)
+    with torch.no_grad():
+        got = ours(idx).logits
+        want = ref(idx).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _t5_cfg():
+    return transformers.T5Config(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
+        dropout_rate=0.0,
+    )
+
+
+def test_t5_relative_bias_on_the_kernel(monkeypatch):
+    """T5 hands the hook its dense (1, H, Sq, Sk) position_bias; the hook passes its diagonals
+    to the kernel as rel_bias (no fallback, no eager formula): logits and the gradient of the
+    bucket embedding equal "eager"'s. (A padded T5 batch arrives with a 4-D boolean mask and
+    takes the eager formula inside the hook: correct, not on the kernel.)"""
+    cfg = _t5_cfg()
+
+    def build(impl):
+        torch.manual_seed(0)
+        return transformers.T5ForConditionalGeneration._from_config(cfg, attn_implementation=impl)
+
+    ours, ref = build("attn_ext"), build("eager")
+    _no_fallback(monkeypatch)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("attn_ext used the eager formula for T5's position_bias")
+    monkeypatch.setattr(attn_ext_hf, "_eager", refuse)
+    x = torch.randint(0, 100, (2, 13))
+    y = torch.randint(0, 100, (2, 9))
+    grads = []
+    for model in (ours, ref):
+        model.train()
+        out = model(input_ids=x, decoder_input_ids=y)
+        out.logits.square().mean().backward()
+        emb = model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+        dec = model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+        grads.append((out.logits.detach(), emb.grad.clone(), dec.grad.clone()))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,96 @@
+"""Builders of the rel_bias table and ALiBi slopes (attn_ext/position_bias.py)."""
+
+import math
+
+import pytest
+import torch
+
+from attn_ext.position_bias import RelativePositionBias, alibi_slopes, t5_bucket
+
+
+def test_alibi_slopes_power_of_two_and_not():
+    # Press et al.: for 8 heads the slopes are 1/2, 1/4, ..., 1/256.
+    assert torch.allclose(alibi_slopes(8), torch.tensor([2.0 ** -(k + 1) for k in range(8)]))
+    # 12 heads: the 8-head sequence, then every other slope of the 16-head sequence.
+    s16 = [2.0 ** (-(k + 1) / 2) for k in range(16)]
+    expect = [2.0 ** -(k + 1) for k in range(8)] + s16[0::2][:4]
+    assert torch.allclose(alibi_slopes(12), torch.tensor(expect))
+    with pytest.raises(ValueError, match="num_heads"):
+        alibi_slopes(0)
+
+
+def _t5_bucket_textbook(i, j, bidirectional, num_buckets, max_distance):
+    # T5 (Raffel et al.), written per pair from the paper's description.
+    n = i - j
+    ret = 0
+    if bidirectional:
+        num_buckets //= 2
+        if n < 0:
+            ret += num_buckets
+        n = abs(n)
+    else:
+        n = max(n, 0)
+    max_exact = num_buckets // 2
+    if n < max_exact:
+        return ret + n
+    val = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact)
+                          * (num_buckets - max_exact))
+    return ret + min(val, num_buckets - 1)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_t5_bucket_matches_the_definition(bidirectional):
+    d = torch.arange(-300, 301)
+    got = t5_bucket(d, bidirectional, 32, 128)
+    want = torch.tensor([_t5_bucket_textbook(int(x), 0, bidirectional, 32, 128) for x in d])
+    assert torch.equal(got, want)
+
+
+def test_t5_bucket_matches_transformers():
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    rel = torch.arange(-200, 201)  # memory - query = j - i = -d
+    for bidirectional in (False, True):
+        hf = t5.T5Attention._relative_position_bucket(rel, bidirectional=bidirectional,
+                                                      num_buckets=32, max_distance=128)
+        assert torch.equal(t5_bucket(-rel, bidirectional, 32, 128), hf)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_per_distance_table_and_gradient(bidirectional):
+    torch.manual_seed(0)
+    m = RelativePositionBias(3, max_distance=5, bidirectional=bidirectional)
+    with torch.no_grad():
+        m.weight.normal_()
+    t = m()
+    assert t.shape == (3, 11)
+    for d in range(-5, 6):
+        src = d + 5 if bidirectional else max(d, 0)
+        assert torch.equal(t[:, 5 + d], m.weight[:, src])
+    t.sum().backward()
+    # every entry of the table lands on one weight: the gradient counts how many columns use it
+    counts = torch.bincount(m.index, minlength=m.weight.shape[1]).float()
+    assert torch.equal(m.weight.grad, counts.expand(3, -1))
+
+
+def test_bucketed_table_gradient_reaches_the_buckets():
+    m = RelativePositionBias(2, max_distance=128, bidirectional=True, num_buckets=32)
+    t = m()
+    assert t.shape == (2, 257)
+    w = torch.randn(2, 257)
+    (t * w).sum().backward()
+    expect = torch.zeros(2, 32).index_add_(1, m.index, w)
+    assert torch.allclose(m.weight.grad, expect)
+    # every bucket is used by some distance but the 'after the query, distance 0' one (T5
+    # puts d = 0 in the first half, so bucket 16 is empty by construction)
+    used = torch.bincount(m.index, minlength=32) > 0
+    assert used.sum() == 31 and not used[16]
+    assert torch.equal(m.weight.grad != 0, used.expand(2, -1))
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(ValueError, match="num_heads"):
+        RelativePositionBias(0, 4)
+    with pytest.raises(ValueError, match="max_distance"):
+        RelativePositionBias(2, 0)
+    with pytest.raises(ValueError, match="num_buckets"):
+        RelativePositionBias(2, 8, bidirectional=True, num_buckets=2)
