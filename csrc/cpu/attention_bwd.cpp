@@ -4,6 +4,11 @@
 //   P = exp(scale * q k^T - lse)  (masked entries 0),  Di = rowsum(dout * out)
 //   dv = P^T dout,  dP = dout v^T,  dS = P * (dP - Di),  dq = scale * dS k,  dk = scale * dS^T q
 //
+// Masks (causal, window, key padding, packed sequences) come from common/attention_mask.h:
+// each (key tile, query tile) is classified invisible (skipped) / full / partial (masked,
+// hidden pairs' P and dS exactly 0, and products over visible pairs only when an operand is
+// non-finite). dlse (the lse gradient) enters through Di: dS = P * (dP - (Di - dlse)).
+//
 // Parallel over (batch, kv head, key tile): one task owns kBlockK keys of one kv head and
 // accumulates their dk and dv over every query head of the GQA group and every query tile
 // that sees them, so dk/dv need no atomics. For one (key tile, query head, query tile):
