@@ -511,6 +511,16 @@ def test_fuzz_masks(case):
         return
     ref_low = _mask_ref(q, k, v, c, kpm, cu_q, cu_k, c["dtype"], dout)
     for name, a, r64, rlow in zip(names, ours, ref64, ref_low):
+        if name in ("dq", "dk") and max_err(rlow, r64) == 0:
+            # Rows that see one key only (Sk = 1, window (0, 0), padding): P = 1 and dq = dk
+            # = 0 exactly, which the reference reaches by exact cancellation (the rule
+            # degenerates); ours forms dP and rowsum(dout * out) in other orders. Allow their
+            # rounding, as test_fuzz_attention does for Sk = 1.
+            mags = [float(t.abs().max()) if t.numel() else 0.0 for t in (dout, v, q, k)]
+            bound = (torch.finfo(c["dtype"]).eps * c["Dv"] * mags[0] * mags[1]
+                     * max(mags[2], mags[3]) * c["D"] ** -0.5)
+            assert max_err(a, r64) <= bound + FLOOR[c["dtype"]], name
+            continue
         # fp32 gradients: factor 4, as in test_fuzz_attention (the KNOWN note there)
         factor = 4.0 if (c["dtype"] == torch.float32 and name in ("dq", "dk", "dv")) else 2.0
         _close_rule_small(a, r64, rlow, name, factor)
