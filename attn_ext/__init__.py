@@ -13,6 +13,7 @@ from .ops import sinusoidal_pe, sinusoidal_pe_, sinusoidal_table
 from .ops import rope, rope_, rope_qk, rope_cache, rope_inv_freq
 from .ops import attention, attention_varlen, causal_attention
 from .ops import attention_weights
+from ._explain import explain
 from .modules import (
     KVCache,
     LearnedPositionalEmbedding,
@@ -22,6 +23,7 @@ from .modules import (
     TransformerBlock,
 )
 from . import models, reference
+from . import distributed  # noqa: F401  (context parallelism: attn_ext.distributed.ring_attention)
 
 __all__ = [
     "attention",
@@ -36,6 +38,7 @@ __all__ = [
     "rope_cache",
     "rope_inv_freq",
     "attention_weights",
+    "explain",
     "KVCache",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",

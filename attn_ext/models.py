@@ -42,6 +42,12 @@ class TinyGPT(nn.Module):
             "rope" (rotates q and k in every layer).
         causal: False makes it a bidirectional encoder (used by the demo's reversal task).
         num_kv_heads: grouped-query attention.
+        context_parallel_group, context_parallel_layout: run every layer's attention as
+            ring attention over this process group (see :mod:`attn_ext.distributed`): ``idx``
+            is then this rank's shard of each sequence (``shard_sequence(idx, 1, group,
+            layout)``), positions (RoPE, learned, sinusoidal) are the global ones, and the
+            logits are this rank's rows. Gradients of the (replicated) parameters are partial
+            per rank: sum them over the group (or wrap in DDP over it and scale the loss).
 
     ``forward(idx (B, S) int64, caches=None, attention_mask=None) -> logits (B, S, vocab)``;
     with ``caches`` (from :meth:`new_caches`) the tokens continue the cached sequence
@@ -63,6 +69,8 @@ class TinyGPT(nn.Module):
         d_ff: Optional[int] = None,
         num_kv_heads: Optional[int] = None,
         dropout: float = 0.0,
+        context_parallel_group=None,
+        context_parallel_layout: str = "zigzag",
     ):
         super().__init__()
         if pos not in POSITIONAL:
@@ -86,6 +94,20 @@ class TinyGPT(nn.Module):
         )
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.context_parallel_group = context_parallel_group
+        self.context_parallel_layout = context_parallel_layout
+        if context_parallel_group is not None:
+            for blk in self.blocks:
+                blk.attn.set_context_parallel(context_parallel_group, context_parallel_layout)
+
+    @torch.jit.unused
+    def _context_parallel_positions(self, idx: Tensor, has_caches: bool) -> Tensor:
+        from .distributed import shard_positions
+
+        if has_caches:
+            raise NotImplementedError("context-parallel TinyGPT does not decode with KV caches")
+        return shard_positions(idx.size(1), self.context_parallel_group,
+                               self.context_parallel_layout, idx.device)
 
     def new_caches(self, batch: int, max_len: int) -> List[KVCache]:
         return [blk.attn.new_kv_cache(batch, max_len) for blk in self.blocks]
@@ -95,7 +117,11 @@ class TinyGPT(nn.Module):
         offset = 0 if caches is None else caches[0].length
         positions: Optional[Tensor] = None
         key_padding_mask: Optional[Tensor] = None
-        if caches is not None:
+        if self.context_parallel_group is not None:
+            if attention_mask is not None:
+                raise NotImplementedError("context-parallel TinyGPT does not take attention_mask")
+            positions = self._context_parallel_positions(idx, caches is not None)
+        elif caches is not None:
             if attention_mask is not None:
                 if offset != 0:
                     raise ValueError("attention_mask is only for the first (prefill) call with caches")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import _window_args, attention_weights, rope_inv_freq
+from .ops import _attention_probs, _window_args, rope_inv_freq
 
 __all__ = [
     "KVCache",
@@ -119,6 +119,11 @@ class RotaryEmbedding(nn.Module):
 
     The frequencies are kept as a Python list of floats (not a buffer), so ``model.half()``
     cannot degrade them; tables are built in float64 and stored in float32.
+
+    Calls never read tensor values on the host (no GPU synchronisation): with ``offset`` the
+    tables grow to ``offset + S``; with a ``positions`` tensor every position must be below
+    the table length (``max_seq_len``, or what the tables grew to; ``tables(n)`` grows them
+    to ``n``), checked by the op (an error on CPU, a device assert on CUDA).
     """
 
     def __init__(
@@ -164,10 +169,12 @@ class RotaryEmbedding(nn.Module):
         return self.cos, self.sin
 
     def _tables_for(self, x: Tensor, offset: int, positions: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        if positions is None:
-            needed = offset + x.size(1)
-        else:
-            needed = int(positions.max().item()) + 1 if positions.numel() > 0 else 0
+        # Sizes only: reading positions' values (positions.max().item()) would synchronise
+        # with the GPU on every call. With a positions tensor the tables cover at least
+        # max_seq_len (or what they have grown to) and the S rows of x; a position past them
+        # raises on CPU and device-asserts on CUDA (the op's range check), and
+        # tables(n) grows them ahead of time.
+        needed = offset + x.size(1) if positions is None else x.size(1)
         return self.tables(needed, x.dtype)
 
     def rotate(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
@@ -198,7 +205,9 @@ class MultiHeadAttention(nn.Module):
         d_model: model width.
         num_heads: query heads H.
         num_kv_heads: key/value heads Hkv (divides H; default H; 1 = multi-query).
-        causal: bottom-right causal mask (see :func:`attn_ext.attention`).
+        causal: bottom-right causal mask (see :func:`attn_ext.attention`). Default: True for
+            self-attention, False for ``cross_attention=True`` (every query sees the whole
+            memory unless asked otherwise).
         bias: biases in the projections.
         dropout: dropout on the attention probabilities in training. The kernels have no
             dropout, so a training step with ``dropout > 0`` takes a slower path that forms
@@ -210,6 +219,12 @@ class MultiHeadAttention(nn.Module):
         kv_dim: width of ``memory`` for cross-attention (default ``d_model``).
         window: ``(left, right)`` sliding window (see :func:`attn_ext.attention`); with
             ``causal`` the usual local attention is ``(W - 1, 0)``.
+
+    With a ``kv_cache``, self-attention appends each step's keys/values to it. Cross-attention
+    fills the cache with the memory's keys/values once, on the first call (which must pass
+    ``memory``); later steps pass ``memory=None`` and read them back without projecting the
+    memory again (``kv_cache.reset()`` for a new memory). Cross-attention with both a
+    ``kv_cache`` and ``rotary`` is refused (the cache cannot tell the queries' positions).
 
     ``forward(x, memory=None, kv_cache=None, need_weights=False, key_padding_mask=None)``
     (``key_padding_mask (B, Sk)`` bool, True = the key takes part; with a left-padded
@@ -224,7 +239,7 @@ class MultiHeadAttention(nn.Module):
         d_model: int,
         num_heads: int,
         num_kv_heads: Optional[int] = None,
-        causal: bool = True,
+        causal: Optional[bool] = None,
         bias: bool = True,
         dropout: float = 0.0,
         rotary=None,
@@ -236,6 +251,8 @@ class MultiHeadAttention(nn.Module):
     ):
         super().__init__()
         self.window_left, self.window_right = _window_args(window)
+        if causal is None:
+            causal = not cross_attention  # a decoder's memory is not in its future
         hkv = num_kv_heads if num_kv_heads is not None else num_heads
         if num_heads <= 0 or hkv <= 0 or num_heads % hkv:
             raise ValueError(f"num_kv_heads must divide num_heads, got num_heads={num_heads}, num_kv_heads={hkv}")
@@ -270,6 +287,40 @@ class MultiHeadAttention(nn.Module):
         if rotary is not None and rotary.rotary_dim > d:
             raise ValueError(f"rotary_dim {rotary.rotary_dim} must be <= head dim {d}")
         self.rotary = rotary
+        # Context parallelism (attn_ext.distributed): None, or the process group whose ranks
+        # hold shards of the sequence; set with set_context_parallel.
+        self.context_parallel_group = None
+        self.context_parallel_layout = "zigzag"
+
+    def set_context_parallel(self, group, layout: str = "zigzag") -> "MultiHeadAttention":
+        """Run attention as :func:`attn_ext.distributed.ring_attention` over ``group`` (None
+        switches it off): ``x`` is then this rank's shard (made by ``shard_sequence`` with
+        ``layout``) and RoPE uses the global positions of its tokens. Returns self."""
+        from .distributed import chunks_per_rank
+
+        chunks_per_rank(layout)  # validates the layout
+        self.context_parallel_group = group
+        self.context_parallel_layout = layout
+        return self
+
+    @torch.jit.unused
+    def _context_parallel_positions(self, x: Tensor, kv_cache: Optional[KVCache], need_weights: bool) -> Tensor:
+        from .distributed import shard_positions
+
+        windowed = getattr(self, "window_left", -1) != -1 or getattr(self, "window_right", -1) != -1
+        if (kv_cache is not None or need_weights or self.cross_attention or windowed
+                or (self.training and self.dropout > 0.0)):
+            raise NotImplementedError(
+                "context-parallel MultiHeadAttention supports self-attention without kv_cache, "
+                "need_weights, a window or attention dropout")
+        return shard_positions(x.size(1), self.context_parallel_group, self.context_parallel_layout, x.device)
+
+    @torch.jit.unused
+    def _ring_attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        from .distributed import ring_attention
+
+        return ring_attention(q, k, v, group=self.context_parallel_group, causal=self.causal,
+                              scale=self.scale, layout=self.context_parallel_layout)
 
     @classmethod
     def from_linears(
@@ -351,6 +402,8 @@ class MultiHeadAttention(nn.Module):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """The attention call of the fast path: ``(B, Sq, H, Dv)`` contiguous. (Benchmarks and
         the demo swap it per instance to time the same model on other attention code.)"""
+        if self.context_parallel_group is not None:
+            return self._ring_attend(q, k, v)
         return torch.ops.attn_ext.attention(q, k, v, self.causal, self.scale)
 
     def _attend_masked(self, q: Tensor, k: Tensor, v: Tensor,
@@ -379,25 +432,49 @@ class MultiHeadAttention(nn.Module):
             v = qkv[:, :, self.q_size + self.k_size :].view(B, Sq, Hkv, Dv)
         else:
             assert self.q_proj is not None and self.kv_proj is not None
-            src = x if memory is None else memory
-            Sk = src.size(1)
             q = self.q_proj(x).view(B, Sq, H, D)
-            kv = self.kv_proj(src)  # (B, Sk, Hkv * (D + Dv))
-            k = kv[:, :, : self.k_size].view(B, Sk, Hkv, D)
-            v = kv[:, :, self.k_size :].view(B, Sk, Hkv, Dv)
+            if kv_cache is not None and self.rotary is not None:
+                raise ValueError(
+                    "cross-attention with both rotary and kv_cache is not supported: the cache "
+                    "holds the memory, so it cannot tell the decoder position of the queries")
+            if kv_cache is not None and kv_cache.length > 0:
+                # Later decoding steps: the memory's keys/values were computed on the first
+                # call and live in the cache; nothing is projected or appended again.
+                if memory is not None:
+                    raise ValueError(
+                        "cross-attention kv_cache already holds the memory's keys/values "
+                        f"({kv_cache.length} positions, computed on the first call): pass "
+                        "memory=None on later steps, or kv_cache.reset() for a new memory")
+                k = kv_cache.k[:, : kv_cache.length]
+                v = kv_cache.v[:, : kv_cache.length]
+            else:
+                if kv_cache is not None and memory is None:
+                    raise ValueError(
+                        "cross-attention with kv_cache: the first call must pass memory (its "
+                        "keys/values are computed once and kept in the cache)")
+                src = x if memory is None else memory
+                Sk = src.size(1)
+                kv = self.kv_proj(src)  # (B, Sk, Hkv * (D + Dv))
+                k = kv[:, :, : self.k_size].view(B, Sk, Hkv, D)
+                v = kv[:, :, self.k_size :].view(B, Sk, Hkv, Dv)
+                if kv_cache is not None:
+                    k, v = kv_cache.update(k, v)  # the memory, stored once
 
-        past = 0 if kv_cache is None else kv_cache.length
-        # per-row positions of a left-padded cache (None: positions past + i)
-        positions = None if kv_cache is None else kv_cache.positions(Sq)
         rotary = self.rotary
-        if rotary is not None:
-            if self.qkv is not None:
+        if self.qkv is not None:
+            past = 0 if kv_cache is None else kv_cache.length
+            # per-row positions of a left-padded cache (None: positions past + i)
+            positions: Optional[Tensor] = None if kv_cache is None else kv_cache.positions(Sq)
+            if self.context_parallel_group is not None:
+                positions = self._context_parallel_positions(x, kv_cache, need_weights)
+            if rotary is not None:
                 q, k = rotary(q, k, past if positions is None else 0, positions)
-            else:  # cross-attention: queries continue the decoder positions, keys start at 0
-                q = rotary.rotate(q, past if positions is None else 0, positions)
-                k = rotary.rotate(k, 0)
+            if kv_cache is not None:
+                k, v = kv_cache.update(k, v)  # (B, past + Sq, Hkv, D) views of the cache
+        elif rotary is not None:  # cross-attention without a cache: positions from 0
+            q = rotary.rotate(q, 0)
+            k = rotary.rotate(k, 0)
         if kv_cache is not None:
-            k, v = kv_cache.update(k, v)  # (B, past + Sk, Hkv, D) views of the cache
             cache_mask = kv_cache.key_padding_mask()
             if cache_mask is not None:
                 key_padding_mask = cache_mask if key_padding_mask is None else key_padding_mask & cache_mask
@@ -410,7 +487,7 @@ class MultiHeadAttention(nn.Module):
 
         weights: Optional[Tensor] = None
         if self.training and self.dropout > 0.0:
-            probs = attention_weights(q, k, self.causal, self.scale)  # (B, H, Sq, Sk)
+            probs = _attention_probs(q, k, self.causal, self.scale, None)  # (B, H, Sq, Sk)
             probs = F.dropout(probs, self.dropout, True)
             vv = v.repeat_interleave(H // Hkv, dim=2).transpose(1, 2)  # (B, H, Sk, Dv)
             out = (probs.to(v.dtype) @ vv).transpose(1, 2).contiguous()
@@ -418,7 +495,7 @@ class MultiHeadAttention(nn.Module):
                 weights = probs
         elif need_weights:
             out, lse = torch.ops.attn_ext.attention_forward(q, k, v, self.causal, self.scale)
-            weights = attention_weights(q, k, self.causal, self.scale, lse)
+            weights = _attention_probs(q, k, self.causal, self.scale, lse)
         elif masked:
             out = self._attend_masked(q, k, v, key_padding_mask)
         else:

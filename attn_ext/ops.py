@@ -436,6 +436,11 @@ def attention(
 ):
     """``softmax(scale * q k^T [+ mask]) v`` without any ``(Sq, Sk)`` buffer.
 
+    Everything after ``v`` is keyword-only: ported code that passed a 4th positional
+    argument (``dropout_p`` in ``flash_attn_func``, ``attn_mask`` in SDPA) fails loudly
+    instead of silently meaning ``causal``. (``torch.ops.attn_ext.attention(q, k, v, causal,
+    scale)`` keeps its positional schema for TorchScript.)
+
     Args:
         q: ``(B, Sq, H, D)`` queries, or ``(B, Sq, D)`` for a single head.
         k: ``(B, Sk, Hkv, D)`` keys (``(B, Sk, D)`` with 3-D q). ``Hkv`` must divide ``H``:
@@ -445,10 +450,6 @@ def attention(
             projection, ``x.transpose(1, 2)`` of a ``(B, H, S, D)`` tensor) but their last
             dim must be contiguous. dtypes: float32, float64, float16, bfloat16 (all three
             the same); fp16/bf16 accumulate in fp32.
-
-    Everything after ``v`` is keyword-only (``flash_attn_func``'s 4th positional argument is
-    ``dropout_p`` and SDPA's is ``attn_mask``: a positional ``causal`` would silently change
-    meaning in ported code).
 
         causal: mask the future, aligned to the bottom-right corner: row ``i`` sees key
             ``j`` iff ``j <= i + (Sk - Sq)``. For ``Sq == Sk`` this is the usual lower
@@ -530,9 +531,10 @@ def attention_varlen(
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None
 ) -> torch.Tensor:
-    """:func:`attention` with ``causal=True`` (bottom-right aligned mask; see there)."""
+    """:func:`attention` with ``causal=True`` (bottom-right aligned mask; see there);
+    ``scale`` is keyword-only."""
     q, k, v, squeeze = _heads_4d(q, k, v)
     out = _lib.causal_attention(q, k, v, scale)
     return out.squeeze(2) if squeeze else out
@@ -657,24 +659,86 @@ torch.library.register_autograd(
 # ---------------------------------------------------------------------------------------
 
 
+def _check_weights_inputs(q: torch.Tensor, k: torch.Tensor, scale: Optional[float]) -> None:
+    """The input checks of the attention ops (csrc/common/attention_checks.h) for the
+    4-D ``(B, S, H, D)`` q and k of :func:`attention_weights`."""
+    if q.dim() != 4:
+        raise ValueError(f"q must have 4 dims (B, Sq, H, D) or 3 dims (B, Sq, D), got shape {list(q.shape)}")
+    if k.dim() != 4:
+        raise ValueError(f"k must have 4 dims (B, Sk, Hkv, D), got shape {list(k.shape)}")
+    if q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        raise ValueError(f"q must be float32, float64, float16 or bfloat16, got {q.dtype}")
+    if k.dtype != q.dtype:
+        raise ValueError(f"k must have the same dtype as q ({q.dtype}), got {k.dtype}")
+    if k.device != q.device:
+        raise ValueError(f"k must be on the same device as q ({q.device}), got {k.device}")
+    B, _, H, D = q.shape
+    if k.size(0) != B:
+        raise ValueError(f"k must have batch size B = {B} (from q), got shape {list(k.shape)}")
+    if k.size(3) != D:
+        raise ValueError(f"k must have head dim D = {D} (from q), got shape {list(k.shape)}")
+    Hkv = k.size(2)
+    if not ((Hkv > 0 and H % Hkv == 0) or (Hkv == 0 and H == 0)):
+        raise ValueError(f"k's number of heads Hkv = {Hkv} must divide q's number of heads H = {H} "
+                         f"(GQA/MQA), got k shape {list(k.shape)} and q shape {list(q.shape)}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+
+
 def attention_weights(
     q: torch.Tensor,
     k: torch.Tensor,
+    *,
     causal: bool = False,
     scale: Optional[float] = None,
     lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The ``(B, H, Sq, Sk)`` attention probabilities ``exp(scale * q k^T - lse)`` in float32.
+    """The ``(B, H, Sq, Sk)`` attention probabilities ``exp(scale * q k^T - lse)`` in float32
+    (float64 for float64 input).
 
     For attention maps and plots, not for the fast path: it forms the full score matrix. Pass
     the ``lse`` returned by ``attention(..., return_lse=True)`` to reuse the forward's
     normaliser (rows then sum to 1 up to rounding); without it the normaliser is computed
-    here. Rows that see no key are 0. q ``(B, Sq, H, D)``, k ``(B, Sk, Hkv, D)``.
+    here. q ``(B, Sq, H, D)``, k ``(B, Sk, Hkv, D)``, lse ``(B, H, Sq)``; or the single-head
+    3-D form of :func:`attention`: q ``(B, Sq, D)``, k ``(B, Sk, D)``, lse ``(B, Sq)``, giving
+    ``(B, Sq, Sk)``. Everything after ``k`` is keyword-only.
+
+    Rows that see no key (causal with ``Sq > Sk``) are 0, as in :func:`attention`. A NaN or
+    infinite input is not hidden: it shows in the rows it reaches.
     """
+    squeeze = q.dim() == 3
+    if squeeze:
+        if k.dim() != 3:
+            raise ValueError(f"with 3-D q (B, Sq, D), k must be 3-D (B, Sk, D), got shape {list(k.shape)}")
+        q, k = q.unsqueeze(2), k.unsqueeze(2)
+        if lse is not None:
+            if lse.dim() != 2:
+                raise ValueError(f"with 3-D q, lse must have 2 dims (B, Sq), got shape {list(lse.shape)}")
+            lse = lse.unsqueeze(1)
+    _check_weights_inputs(q, k, scale)
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.size(1), k.size(2)
+    if lse is not None:
+        if tuple(lse.shape) != (B, H, Sq):
+            want = [B, Sq] if squeeze else [B, H, Sq]
+            got = list(lse.shape)[:1] + list(lse.shape)[2:] if squeeze else list(lse.shape)
+            raise ValueError(f"lse must have shape {want} {'(B, Sq)' if squeeze else '(B, H, Sq)'}, got {got}")
+        if lse.device != q.device:
+            raise ValueError(f"lse must be on the same device as q ({q.device}), got {lse.device}")
+        if not lse.is_floating_point():
+            raise ValueError(f"lse must be a floating-point tensor, got {lse.dtype}")
+    probs = _attention_probs(q, k, causal, scale, lse)
+    return probs.squeeze(1) if squeeze else probs
+
+
+def _attention_probs(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: Optional[float],
+                     lse: Optional[torch.Tensor]) -> torch.Tensor:
+    """The math of :func:`attention_weights` on checked 4-D input, written for TorchScript
+    (positional arguments, no checks): the modules call it on their own q and k."""
     H, D = q.size(2), q.size(3)
     Sq, Sk, Hkv = q.size(1), k.size(1), k.size(2)
     s = scale if scale is not None else 1.0 / math.sqrt(D)
-    if Hkv != H:
+    if Hkv != H and Hkv > 0:
         k = k.repeat_interleave(H // Hkv, dim=2)
     qf = q.transpose(1, 2).to(torch.float32 if q.dtype != torch.float64 else q.dtype)
     kf = k.transpose(1, 2).to(qf.dtype)
@@ -683,6 +747,10 @@ def attention_weights(
         keep = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(Sk - Sq)
         scores = scores.masked_fill(~keep, float("-inf"))
     if lse is None:
-        lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.to(scores.dtype).unsqueeze(-1))
-    return torch.nan_to_num(probs, nan=0.0)
+        norm = torch.logsumexp(scores, dim=-1)
+    else:
+        norm = lse.to(scores.dtype)
+    # A row that sees no key has lse = -inf and every score -inf: exp(-inf - 0) = 0 gives
+    # its zero row without touching NaN anywhere else.
+    norm = torch.where(torch.isneginf(norm), torch.zeros_like(norm), norm)
+    return torch.exp(scores - norm.unsqueeze(-1))

@@ -42,6 +42,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import attn_ext  # noqa: E402
 from attn_ext import reference  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+from _env import print_env_header  # noqa: E402
 
 SHAPES = [(1, 8, 512, 64), (1, 8, 1024, 64), (1, 16, 2048, 64), (1, 8, 4096, 128), (4, 12, 1024, 64)]
 QUICK_SHAPES = [(1, 4, 256, 64)]
@@ -275,6 +277,7 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     ap.add_argument("--no-memory", action="store_true", help="skip the S=16384/32768 memory runs")
     args = ap.parse_args()
+    print_env_header(args.device)
     print(f"# {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}  "
           f"device {args.device}  threads {torch.get_num_threads()}  {platform.processor() or platform.machine()}"
           f"  load {os.getloadavg()}", flush=True)

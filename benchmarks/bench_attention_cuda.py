@@ -8,7 +8,9 @@ call stays under --max-simple-seconds), and torch.nn.functional.scaled_dot_produ
 restricted to each backend (flash, efficient, cudnn) with torch.nn.attention.sdpa_kernel.
 Roofs measured first in the same run: device copy bandwidth (1 GiB) and a bf16 8192^3 matmul.
 
-Times are medians of CUDA-event-timed repetitions after warm-up. TFLOP/s count attention as
+Every variant of a configuration is validated first (one call each), then the valid ones
+are timed interleaved: each round runs one call of every variant in turn, and the
+reported time is each variant's median over the rounds (CUDA events), after warm-up. TFLOP/s count attention as
 4 * B * S^2 * H * D forward (half of it when causal) and 2.5x that for the backward, so
 forward + backward = 3.5x the forward. "vs best" = our TFLOP/s / the fastest valid SDPA
 backend's for the same configuration and pass (> 1: we are faster). Every variant is
@@ -35,6 +37,8 @@ import torch
 
 # run from a source checkout (gpu_check.sh builds in place, nothing is installed)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+from _env import print_env_header  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,26 +46,48 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = "cuda"  # --device cpu: a smoke test of this script's logic on a machine without a GPU
 
 
-def cuda_time_ms(fn, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    if DEVICE == "cpu":
-        import time
+def _time_once(fn, ctx=None) -> float:
+    """One call of fn in ms (CUDA events on the GPU, perf_counter on the CPU smoke test);
+    ctx (e.g. an sdpa_kernel backend choice) is entered outside the timed region."""
+    import contextlib
 
-        for _ in range(reps):
+    with ctx() if ctx is not None else contextlib.nullcontext():
+        if DEVICE == "cpu":
+            import time
+
             t0 = time.perf_counter()
             fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    for _ in range(reps):
+            return (time.perf_counter() - t0) * 1e3
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        return start.elapsed_time(end)
+
+
+def cuda_time_ms(fn, reps: int, warmup: int = 2) -> float:
+    """Median of reps timed calls of one function after warmup calls (used for the roofs)."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(_time_once(fn) for _ in range(reps))
+
+
+def interleaved_ms(variants, reps: int, warmup: int = 2) -> list:
+    """Median ms of each variant, timed interleaved: every round runs one call of each
+    variant in turn, so a clock or thermal drift during the run spreads over all of them
+    instead of favouring whichever ran first. variants: dicts with fn, ctx (or None) and
+    reps (a variant with fewer reps, e.g. the slow simple kernels, is timed in the first
+    rounds only). Returns one median per variant."""
+    for v in variants:
+        for _ in range(min(warmup, v["reps"])):
+            _time_once(v["fn"], v["ctx"])
+    times = [[] for _ in variants]
+    for r in range(max((v["reps"] for v in variants), default=0)):
+        for v, t in zip(variants, times):
+            if r < v["reps"]:
+                t.append(_time_once(v["fn"], v["ctx"]))
+    return [statistics.median(t) if t else float("nan") for t in times]
 
 
 def matmul_roof(n: int = 8192, reps: int = 10) -> float:
@@ -85,7 +111,9 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bench_config(dt, D, causal, S, args, backends, sdpa_kernel, SDPBackend, F, simple_ok):
-    """All rows of one (dtype, D, causal, S) configuration; returns (rows, simple_ok)."""
+    """All rows of one (dtype, D, causal, S) configuration; returns (rows, simple_ok).
+    Pass 1 validates every variant (one call each against the fp32 math reference);
+    pass 2 times the valid ones interleaved (interleaved_ms)."""
     import attn_ext
 
     B = max(1, args.tokens // S)
@@ -95,15 +123,6 @@ def bench_config(dt, D, causal, S, args, backends, sdpa_kernel, SDPBackend, F, s
     base = dict(dtype=str(dt).replace("torch.", ""), D=D, causal=causal, S=S, B=B, H=H)
     q, k, v, dout = (torch.randn(B, S, H, D, device=DEVICE, dtype=dt) for _ in range(4))
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D) views for SDPA
-    rows = []
-
-    def row(impl, pass_, ms, flops, valid, err, b=B):
-        tflops = flops / ms / 1e9 if ms == ms else float("nan")  # ms is NaN when unavailable
-        r = dict(base, B=b, impl=impl, pass_=pass_, ms=ms, tflops=tflops, valid=valid, err=err)
-        rows.append(r)
-        print(f"  {r['dtype']:<8} D={D:<3} {'causal' if causal else 'full':<6} S={S:<5} B={b:<3} "
-              f"{impl:<18} {pass_:<7} {ms:9.3f} ms {r['tflops']:7.1f} TFLOP/s  valid={valid} "
-              f"{err if not valid else ''}", flush=True)
 
     # fp32 math reference on a slice: the first 512 queries of batch 0 (exact for those rows:
     # for causal, with the keys cut to 512 too; for full attention, against every key), and
@@ -121,73 +140,104 @@ def bench_config(dt, D, causal, S, args, backends, sdpa_kernel, SDPBackend, F, s
     ref_dkv = (kr.grad.transpose(1, 2), vr.grad.transpose(1, 2)) if kcut == S and cut == S else None
     del qr, kr, vr
 
-    # ours, forward
-    def ours_fwd():
-        return torch.ops.attn_ext.attention_forward(q, k, v, causal, None)
+    variants = []  # impl, pass_, fn, ctx, reps, flops, b, valid, err
 
-    out, _ = ours_fwd()
-    e = rel_err(out[:1, :512], ref[:, :512])
-    row("attn_ext", "fwd", cuda_time_ms(ours_fwd, args.reps), flops_fwd, e < 2e-2, e)
-
-    # SDPA backends, forward
-    for name, be in backends.items():
+    def add(impl, pass_, fn, ctx, check, flops, reps=args.reps, b=B):
+        """Validate: one call of fn (under ctx), then check() -> error."""
         try:
-            with sdpa_kernel(be):
-                f = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)  # noqa: E731
-                o = f()
-                ms = cuda_time_ms(f, args.reps)
-            e = rel_err(o.transpose(1, 2)[:1, :512], ref[:, :512])
-            row(f"sdpa-{name}", "fwd", ms, flops_fwd, e < 2e-2, e)
+            if ctx is not None:
+                with ctx():
+                    fn()
+            else:
+                fn()
+            e = check()
+            valid, err = e < 2e-2, e
         except Exception as ex:  # backend unavailable for this configuration
-            row(f"sdpa-{name}", "fwd", float("nan"), flops_fwd, False, str(ex).splitlines()[0][:60])
+            valid, err, fn = False, str(ex).splitlines()[0][:60], None
+        variants.append(dict(impl=impl, pass_=pass_, fn=fn, ctx=ctx, reps=reps if fn else 0,
+                             flops=flops, b=b, valid=valid, err=err))
 
-    # ours, forward + backward
+    def dq_err(grad_q):
+        return rel_err(grad_q[:1, :512], ref_dq[:, :512])
+
+    def grads_err(qg, kg, vg):
+        errs = [dq_err(qg)]
+        if ref_dkv is not None:
+            errs += [rel_err(g[:1], r) for g, r in zip((kg, vg), ref_dkv)]
+        return max(errs)
+
+    # forward: ours (fast kernels) and each SDPA backend
+    fwd_out = {}
+
+    def ours_fwd():
+        fwd_out["ours"] = torch.ops.attn_ext.attention_forward(q, k, v, causal, None)[0]
+
+    add("attn_ext", "fwd", ours_fwd, None, lambda: rel_err(fwd_out["ours"][:1, :512], ref[:, :512]),
+        flops_fwd)
+    for name, be in backends.items():
+        def sdpa_fwd(name=name):
+            fwd_out[name] = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+        add(f"sdpa-{name}", "fwd", sdpa_fwd, lambda be=be: sdpa_kernel(be),
+            lambda name=name: rel_err(fwd_out[name].transpose(1, 2)[:1, :512], ref[:, :512]), flops_fwd)
+
+    # forward + backward: ours, ours with the simple kernels (batch 0, one timed call while a
+    # call stays under --max-simple-seconds), each SDPA backend
     qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
     def ours_fb():
+        for t in (qf, kf, vf):
+            t.grad = None
         attn_ext.attention(qf, kf, vf, causal=causal).backward(dout)
 
-    ours_fb()
-    errs = [rel_err(qf.grad[:1, :512], ref_dq[:, :512])]
-    if ref_dkv is not None:
-        errs += [rel_err(g[:1], r) for g, r in zip((kf.grad, vf.grad), ref_dkv)]
-    e = max(errs)
-    row("attn_ext", "fwd+bwd", cuda_time_ms(ours_fb, args.reps), flops_fb, e < 2e-2, e)
-    del qf, kf, vf
-
-    # ours with the simple kernels, once, batch 0
+    add("attn_ext", "fwd+bwd", ours_fb, None, lambda: grads_err(qf.grad, kf.grad, vf.grad), flops_fb)
     if simple_ok:
         qg, kg, vg = (t[:1].detach().clone().requires_grad_() for t in (q, k, v))
 
         def simple_fb():
-            attn_ext.attention(qg, kg, vg, causal=causal).backward(dout[:1])
+            for t in (qg, kg, vg):
+                t.grad = None
+            os.environ["ATTN_EXT_CUDA_ATTN"] = "simple"  # read by the ops at each call
+            try:
+                attn_ext.attention(qg, kg, vg, causal=causal).backward(dout[:1])
+            finally:
+                del os.environ["ATTN_EXT_CUDA_ATTN"]
 
-        os.environ["ATTN_EXT_CUDA_ATTN"] = "simple"
-        try:
-            ms = cuda_time_ms(simple_fb, 1, warmup=0)
-        finally:
-            del os.environ["ATTN_EXT_CUDA_ATTN"]
-        row("attn_ext(simple)", "fwd+bwd", ms, flops_fb / B, True, 0.0, b=1)
-        simple_ok = ms * 1e-3 < args.max_simple_seconds
-        del qg, kg, vg
-
-    # SDPA backends, forward + backward (validated by the same dq slice)
+        add("attn_ext(simple)", "fwd+bwd", simple_fb, None, lambda: grads_err(qg.grad, kg.grad, vg.grad),
+            flops_fb / B, reps=1, b=1)
+    sdpa_inputs = {}
     for name, be in backends.items():
         qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
-        try:
-            with sdpa_kernel(be):
-                def f():
-                    F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).backward(
-                        dout.transpose(1, 2))
-                f()
-                e = rel_err(qs.grad.transpose(1, 2)[:1, :512], ref_dq[:, :512])  # one call so far
-                ms = cuda_time_ms(f, args.reps)
-            row(f"sdpa-{name}", "fwd+bwd", ms, flops_fb, e < 2e-2, e)
-        except Exception as ex:
-            row(f"sdpa-{name}", "fwd+bwd", float("nan"), flops_fb, False, str(ex).splitlines()[0][:60])
-        del qs, ks, vs
-    del q, k, v, qt, kt, vt, dout, out
-    torch.cuda.empty_cache()
+        sdpa_inputs[name] = (qs, ks, vs)
+
+        def sdpa_fb(qs=qs, ks=ks, vs=vs):
+            for t in (qs, ks, vs):
+                t.grad = None
+            F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).backward(dout.transpose(1, 2))
+
+        add(f"sdpa-{name}", "fwd+bwd", sdpa_fb, lambda be=be: sdpa_kernel(be),
+            lambda qs=qs, ks=ks, vs=vs: grads_err(*(t.grad.transpose(1, 2) for t in (qs, ks, vs))),
+            flops_fb)
+
+    # pass 2: interleaved timing of every variant that ran
+    timed = [v_ for v_ in variants if v_["fn"] is not None]
+    for v_, ms in zip(timed, interleaved_ms(timed, args.reps)):
+        v_["ms"] = ms
+    rows = []
+    for v_ in variants:
+        ms = v_.get("ms", float("nan"))
+        tflops = v_["flops"] / ms / 1e9 if ms == ms else float("nan")  # NaN when unavailable
+        r = dict(base, B=v_["b"], impl=v_["impl"], pass_=v_["pass_"], ms=ms, tflops=tflops,
+                 valid=v_["valid"], err=v_["err"])
+        rows.append(r)
+        print(f"  {r['dtype']:<8} D={D:<3} {'causal' if causal else 'full':<6} S={S:<5} B={r['B']:<3} "
+              f"{r['impl']:<18} {r['pass_']:<7} {ms:9.3f} ms {tflops:7.1f} TFLOP/s  valid={r['valid']} "
+              f"{r['err'] if not r['valid'] else ''}", flush=True)
+        if v_["impl"] == "attn_ext(simple)" and ms == ms:
+            simple_ok = ms * 1e-3 < args.max_simple_seconds
+    del q, k, v, qt, kt, vt, dout, fwd_out, qf, kf, vf, sdpa_inputs, variants, timed
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return rows, simple_ok
 
 
@@ -222,6 +272,7 @@ def main() -> int:
 
     torch.manual_seed(0)
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke test)"
+    print_env_header(DEVICE)
     print(f"# {name}  torch {torch.__version__}  cuda {torch.version.cuda}")
     roof = matmul_roof() if DEVICE == "cuda" else matmul_roof(256, 1)
     bw = copy_roof() if DEVICE == "cuda" else copy_roof(1 << 20, 1)

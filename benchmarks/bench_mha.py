@@ -6,12 +6,15 @@ reference attention and on SDPA) and torch.nn.MultiheadAttention, same process, 
 All layers are causal self-attention with the same weights. "fwd" runs under
 torch.no_grad() in eval mode (inference; nn.MultiheadAttention takes its fast path there);
 "fwd+bwd" is one training step's forward and backward w.r.t. the input and weights.
-Times are medians of interleaved repeats; ratios are baseline time / attn_ext time.
+Times are medians of interleaved repeats; ratios are baseline time / attn_ext time. Before
+timing, every layer's eval forward and training forward + backward (output, input and weight
+gradients) are checked against the textbook layer in float64.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import platform
@@ -27,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import attn_ext  # noqa: E402
 from attn_ext import reference as ref  # noqa: E402
 from attn_ext.modules import MultiHeadAttention  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+from _env import print_env_header  # noqa: E402
 
 
 class TextbookSDPA(ref.MultiHeadAttentionRef):
@@ -69,21 +74,53 @@ def call(name, layer, x, mask):
     return layer(x)
 
 
+def _weight_grads(name, m):
+    """(W_qkv grad, W_out grad) in the fused layout [W_q; W_k; W_v] whatever the layer."""
+    if name == "attn_ext":
+        return m.qkv.weight.grad, m.out_proj.weight.grad
+    if name == "nn.MultiheadAttention":
+        return m.in_proj_weight.grad, m.out_proj.weight.grad
+    return torch.cat([m.w_q.weight.grad, m.w_k.weight.grad, m.w_v.weight.grad]), m.w_o.weight.grad
+
+
+def validate(layers, x, mask, dtype):
+    """Before anything is timed, every layer must give the textbook's numbers (computed in
+    float64 from the same weights): the eval forward (the "fwd" mode, nn.MultiheadAttention's
+    fast path included) and the training forward + backward (the "fwd+bwd" mode: the output,
+    the input gradient and the QKV / output weight gradients)."""
+    ref64 = copy.deepcopy(layers["textbook+ref"]).double().train()
+    x64 = x.detach().double().requires_grad_()
+    dout = torch.randn(x.shape, dtype=torch.float64)
+    want = ref64(x64)
+    want.backward(dout)
+    want_grads = {"out": want.detach(), "dx": x64.grad, **dict(zip(("dW_qkv", "dW_out"), _weight_grads("textbook+ref", ref64)))}
+    tol = 2e-3 if dtype == torch.float32 else 8e-2  # relative to the largest reference entry
+
+    def check(name, what, got, ref):
+        err = (got.double() - ref).abs().max().item()
+        bound = tol * max(1.0, ref.abs().max().item())
+        assert err <= bound, f"{name} {what} disagrees with the float64 textbook: {err:.3e} > {bound:.3e}"
+
+    for name, m in layers.items():
+        m.eval()
+        with torch.no_grad():
+            check(name, "eval forward", call(name, m, x, mask), want_grads["out"])
+        m.train()
+        xi = x.detach().requires_grad_()
+        out = call(name, m, xi, mask)
+        out.backward(dout.to(dtype))
+        got = {"out": out.detach(), "dx": xi.grad, **dict(zip(("dW_qkv", "dW_out"), _weight_grads(name, m)))}
+        for what, ref in want_grads.items():
+            check(name, f"training {what}", got[what], ref)
+        m.zero_grad(set_to_none=True)
+
+
 def bench_shape(B, S, d_model, heads, kv_heads, dtype, repeats, modes):
     torch.manual_seed(0)
     layers = build(d_model, heads, kv_heads, dtype)
     x = torch.randn(B, S, d_model, dtype=dtype)
     mask = nn.Transformer.generate_square_subsequent_mask(S, dtype=dtype)
-    # validate before timing
-    with torch.no_grad():
-        for m in layers.values():
-            m.eval()
-        want = call("textbook+SDPA", layers["textbook+SDPA"], x, mask).float()
-        for name, m in layers.items():
-            got = call(name, m, x, mask).float()
-            err = (got - want).abs().max().item()
-            tol = 2e-3 if dtype == torch.float32 else 6e-2
-            assert err < tol * max(1.0, want.abs().max().item()), f"{name} disagrees: {err}"
+    validate(layers, x, mask, dtype)  # fwd and fwd+bwd, before timing
     rows = []
     for mode in modes:
         names = list(layers)
@@ -131,6 +168,7 @@ def main():
         shapes = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes.split(";")]
     else:
         shapes = [(4, 1024, 768, 12, 12), (4, 1024, 768, 12, 4)]
+    print_env_header("cpu")
     print(f"# bench_mha: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}, glibc allocator "
           f"(MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'default')}), "

@@ -26,9 +26,7 @@ MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ raised so freed memory is reused
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -45,6 +43,8 @@ if ROOT not in sys.path:
 
 import attn_ext  # noqa: E402
 from attn_ext import reference as R  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+from _env import print_env_header  # noqa: E402
 
 
 def allocator_mode() -> str:
@@ -53,19 +53,6 @@ def allocator_mode() -> str:
     if any(k in os.environ for k in REUSE_ENV):
         return "glibc custom (" + " ".join(f"{k}={os.environ[k]}" for k in REUSE_ENV if k in os.environ) + ")"
     return "glibc default (large blocks mmap'd fresh per allocation)"
-
-
-def machine() -> str:
-    model = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}"
 
 
 def load() -> str:
@@ -221,16 +208,11 @@ def main():
     else:
         qk_shape, x_shape = (4, 2048, 32, 128), (8, 2048, 1024)
 
-    cmd = "python benchmarks/bench_pos_enc.py " + " ".join(sys.argv[1:])
     print(f"## Positional encodings ({args.device.upper()})\n")
-    print(f"- command: `{cmd}`" + (" (re-executed with the reuse env)" if args.reuse else ""))
-    print(f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}")
-    print(f"- machine: {machine()}")
-    if args.device == "cuda":
-        print(f"- GPU: {torch.cuda.get_device_name()}")
-    print(f"- torch {torch.__version__}, threads: {torch.get_num_threads()}, "
-          f"SIMD path: {'off (ATTN_EXT_CPU_SIMD=0)' if os.environ.get('ATTN_EXT_CPU_SIMD') == '0' else 'auto'}")
-    print(f"- allocator mode: {allocator_mode()}")
+    print_env_header(args.device, prefix="- ")  # commit, torch, threads, allocator, machine, ...
+    if args.reuse:
+        print("- (re-executed with the reuse env)")
+    print(f"- SIMD path: {'off (ATTN_EXT_CPU_SIMD=0)' if os.environ.get('ATTN_EXT_CPU_SIMD') == '0' else 'auto'}")
     print(f"- rounds: {rounds}, interleaved; medians. load average before: {load()}")
 
     results = {}

@@ -4,6 +4,8 @@
 # Builds attn_ext from source in place (nothing downloaded), runs the CUDA tests, the
 # compute-sanitizer checks (if the tool is there) and the attention benchmark, writes the logs
 # under $OUT (default ./gpu_out) and prints a short summary table LAST.
+# The benchmarks print the git commit they measure (benchmarks/_env.py); a copy of the tree
+# without .git prints "unknown" unless ATTN_EXT_COMMIT=<sha> is set in the environment.
 # Budget: GPU_CHECK_BUDGET seconds (default 480) for everything; steps that would start too
 # late are skipped and say so.
 set -u

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import attn_ext  # noqa: E402,F401
 from attn_ext.modules import MultiHeadAttention  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+from _env import print_env_header  # noqa: E402
 
 
 def med(fn, n=7):
@@ -38,6 +40,7 @@ def main():
     torch.manual_seed(0)
     m = MultiHeadAttention(d, H, causal=True).eval()
     x = torch.randn(B, S, d)
+    print_env_header("cpu")
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, shape {(B, S, d, H)}, "
           f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'default')}")
     with torch.no_grad():

@@ -10,6 +10,7 @@ import torch
 
 import attn_ext
 from attn_ext import reference
+from tests.profiling import cpu_split_kv_ran, kernel_names, ran
 from tests.utils import FLOOR, assert_close_rule, max_err, randn
 
 LOW = [torch.float32, torch.bfloat16, torch.float16]
@@ -161,10 +162,36 @@ def test_custom_scale(device):
 
 @pytest.mark.parametrize("B,Sq,H", [(1, 1, 1), (1, 1, 8), (2, 3, 2)])
 def test_decode_split_kv(B, Sq, H, device):
-    """Few query tiles and many keys: the keys are split across threads and merged."""
+    """Few query tiles and many keys: the keys are split across threads and merged. The
+    values are checked with the split path on (asserted: on CPU observed as a result that
+    differs bitwise from the unsplit one-thread result, on CUDA from the profiled kernels)."""
+    threads = 4  # more threads than this shape has query tiles, also on a 2-core machine
     for dtype in (torch.float64, torch.float32):
-        check(*make_qkv(B, Sq, 1500, H, 1, 64, 64, dtype, device), causal=True, grads=False)
-        check(*make_qkv(B, Sq, 1500, H, 1, 64, 64, dtype, device), causal=False, grads=False)
+        for causal in (True, False):
+            q, k, v = make_qkv(B, Sq, 1500, H, 1, 64, 64, dtype, device)
+            if device == "cpu":
+                assert cpu_split_kv_ran(q, k, v, causal, threads), "the split-KV path did not run"
+                prev = torch.get_num_threads()
+                torch.set_num_threads(threads)
+                try:
+                    assert attn_ext.explain(q, k, v, causal=causal).forward == "cpu.split_kv"
+                    check(q, k, v, causal, grads=False)
+                finally:
+                    torch.set_num_threads(prev)
+            else:
+                names = kernel_names(lambda: torch.ops.attn_ext.attention_forward(q, k, v, causal, None))
+                assert ran(names, "simple_fwd_split_kernel"), names
+                check(q, k, v, causal, grads=False)
+
+
+def test_cpu_tiled_result_is_thread_count_invariant():
+    """What cpu_split_kv_ran relies on: without a split (many query tiles, or few keys) the
+    forward is bitwise the same for every thread count."""
+    for shape in [(2, 200, 1500, 4, 2), (1, 1, 300, 1, 1)]:  # many tiles / too few keys
+        B, Sq, Sk, H, Hkv = shape
+        q, k, v = make_qkv(B, Sq, Sk, H, Hkv, 64, 64, torch.float32, "cpu")
+        for threads in (2, 4):
+            assert not cpu_split_kv_ran(q, k, v, True, threads), (shape, threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

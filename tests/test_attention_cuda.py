@@ -17,6 +17,7 @@ import torch
 
 import attn_ext  # noqa: F401  (registers the ops)
 from attn_ext import reference
+from tests.profiling import did_not_run, kernel_names, ran
 from tests.utils import assert_close_rule, max_err, randn
 
 pytestmark = pytest.mark.cuda
@@ -51,34 +52,6 @@ def fwd_simple(monkeypatch, q, k, v, causal, scale=None):
     with monkeypatch.context() as m:
         m.setenv("ATTN_EXT_CUDA_ATTN", "simple")
         return fwd(q, k, v, causal, scale)
-
-
-def kernel_names(fn):
-    """Names of the CUDA kernels fn() launched (torch profiler); None when the profiler
-    recorded no attn_ext kernel at all (then the dispatch checks pass vacuously, with a
-    warning, and the value checks around them still run)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = {e.key for e in prof.key_averages()}
-    if not any("attn_ext" in n for n in names):
-        import warnings
-
-        warnings.warn(f"profiler recorded no attn_ext kernel ({sorted(names)[:5]}); "
-                      "kernel-dispatch checks are skipped")
-        return None
-    return names
-
-
-def ran(names, kernel: str) -> bool:
-    """kernel_names() contains `kernel` (True when the profiler recorded nothing)."""
-    return names is None or any(kernel in n for n in names)
-
-
-def did_not_run(names, kernel: str) -> bool:
-    return names is None or not any(kernel in n for n in names)
 
 
 def ref64(q, k, v, causal, scale=None):
@@ -276,7 +249,7 @@ def test_backward(shape, dtype, causal, cuda):
     for name, ours, r64, rlow in zip(("dq", "dk", "dv"), (dq, dk, dv), g64, glow):
         assert ours.dtype == dtype and ours.is_contiguous()
         assert torch.isfinite(ours).all(), f"{name}: not finite"
-        assert_close_rule(ours, r64, rlow, name=name, factor=3.0)
+        assert_close_rule(ours, r64, rlow, name=name, factor=2.0)
 
 
 def test_backward_float64_tight(cuda):
@@ -331,17 +304,53 @@ def test_autograd_through_wrapper(cuda):
 
 
 def test_current_stream_and_no_sync(cuda):
-    """The op runs on the current stream: results on a side stream are correct once that
-    stream is synchronised."""
+    """The ops run on the current stream and never synchronise with the host:
+    forward and backward (fast and split-KV paths) on a side stream under
+    torch.cuda.set_sync_debug_mode("error") (a host sync inside an op raises), then captured
+    into a CUDA graph on a side stream (a launch on the default stream, or a sync, breaks the
+    capture). The graph's replay gives the eager results."""
     q = randn(1, 300, 2, 128, dtype=torch.bfloat16, device=cuda)
     k = randn(1, 300, 2, 128, dtype=torch.bfloat16, device=cuda)
     v = randn(1, 300, 2, 128, dtype=torch.bfloat16, device=cuda)
+    dout = randn(1, 300, 2, 128, dtype=torch.bfloat16, device=cuda)
+    qd = randn(1, 1, 2, 128, dtype=torch.bfloat16, device=cuda)  # decode: split-KV
+    kd = randn(1, 4096, 1, 128, dtype=torch.bfloat16, device=cuda)
+    vd = randn(1, 4096, 1, 128, dtype=torch.bfloat16, device=cuda)
+
+    def step():
+        out, lse = fwd(q, k, v, True)
+        grads = bwd(dout, q, k, v, out, lse, True)
+        dec = fwd(qd, kd, vd, True)
+        return (out, lse, *grads, *dec)
+
+    want = step()  # eager, default stream
+    torch.cuda.synchronize()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        out, lse = fwd(q, k, v, True)
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(s):
+            side = step()  # also the warm-up before capture
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
     s.synchronize()
-    check_fwd(out, lse, q, k, v, True, name="side stream")
+    # (torch.cuda.graph synchronises the device on entry, so it runs outside "error" mode;
+    # inside the capture a sync or a default-stream launch is itself an error)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    check_fwd(side[0], side[1], q, k, v, True, name="side stream")
+    check_fwd(side[5], side[6], qd, kd, vd, True, name="side stream decode")
+    names = ("out", "lse", "dq", "dk", "dv", "decode out", "decode lse")
+    for name, a, b, c in zip(names, want, side, captured):
+        if name == "dq":  # the fast backward adds dq with fp32 atomics: order may differ
+            assert max_err(a, b) <= 2.0 ** -5 and max_err(a, c) <= 2.0 ** -5, name
+        else:
+            assert torch.equal(a, b), f"{name}: side stream differs from the default stream"
+            assert torch.equal(a, c), f"{name}: graph replay differs from the eager result"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -401,8 +410,8 @@ def bwd_simple(monkeypatch, *args):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_fast_backward_vs_simple_vs_reference(shape, dtype, D, causal, cuda, monkeypatch):
     """The FA2-style backward (key tiles of 128, query tiles of 64, GQA walk, rows without
-    keys) against float64 autograd through the reference (the tolerance rule, 3x like the
-    simple backward) and against the simple backward on the same inputs."""
+    keys) against float64 autograd through the reference (the tolerance rule of DESIGN.md,
+    2x) and against the simple backward on the same inputs."""
     B, Sq, Sk, H, Hkv = shape
     q = randn(B, Sq, H, D, dtype=dtype, device=cuda)
     k = randn(B, Sk, Hkv, D, dtype=dtype, device=cuda)
@@ -421,8 +430,8 @@ def test_fast_backward_vs_simple_vs_reference(shape, dtype, D, causal, cuda, mon
     for name, ours, s_, r64, rlow in zip(("dq", "dk", "dv"), grads, simple, g64, glow):
         assert ours.dtype == dtype and ours.is_contiguous() and ours.shape == r64.shape
         assert torch.isfinite(ours).all(), f"{name}: not finite"
-        assert_close_rule(ours, r64, rlow, name=f"fast {name}", factor=3.0)
-        assert_close_rule(s_, r64, rlow, name=f"simple {name}", factor=3.0)
+        assert_close_rule(ours, r64, rlow, name=f"fast {name}", factor=2.0)
+        assert_close_rule(s_, r64, rlow, name=f"simple {name}", factor=2.0)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -448,7 +457,7 @@ def test_fast_backward_long_and_strided(dtype, causal, cuda):
 
     for name, ours, r64, rlow in zip(("dq", "dk", "dv"), grads, ref_grads(torch.float64),
                                      ref_grads(dtype)):
-        assert_close_rule(ours, r64, rlow, name=name, factor=3.0)
+        assert_close_rule(ours, r64, rlow, name=name, factor=2.0)
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -497,6 +506,43 @@ def test_nan_propagates_on_cuda(fast, cuda, monkeypatch):
     out = fwd(q, kb, v, True)[0]
     assert torch.isnan(out[0, 40:, 0]).all()
     assert torch.isfinite(out[0, :40, 0]).all() and torch.isfinite(out[0, :, 1]).all()
+
+
+# ---- attn_ext.explain agrees with the kernels that run -----------------------------------------
+
+_EXPLAINED_KERNEL = {"cuda.fa2": "fa2_fwd_kernel", "cuda.simple": "simple_fwd_kernel",
+                     "cuda.split_kv": "simple_fwd_split_kernel"}
+
+
+@pytest.mark.parametrize("case", ["fast", "fp32", "odd_dim", "misaligned", "decode"])
+def test_explain_matches_the_profiled_kernel(case, cuda):
+    D, dtype, Sq, Sk = 64, torch.bfloat16, 150, 150
+    if case == "fp32":
+        dtype = torch.float32
+    if case == "odd_dim":
+        D = 80
+    if case == "decode":
+        Sq, Sk = 1, 4096
+    q = randn(1, Sq, 2, D, dtype=dtype, device=cuda)
+    k = randn(1, Sk, 2, D, dtype=dtype, device=cuda)
+    v = randn(1, Sk, 2, D, dtype=dtype, device=cuda)
+    if case == "misaligned":
+        q = torch.empty(q.numel() + 1, dtype=dtype, device=cuda)[1:].view_as(q).copy_(q)
+    choice = attn_ext.explain(q, k, v, causal=True)
+    names = kernel_names(lambda: fwd(q, k, v, True))
+    want = _EXPLAINED_KERNEL[choice.forward]
+    assert ran(names, want), (str(choice), names)
+    for other in set(_EXPLAINED_KERNEL.values()) - {want}:
+        assert did_not_run(names, other), (str(choice), names)
+    if case == "fast" and fast_fwd_fits(D):
+        assert choice.forward == "cuda.fa2", str(choice)
+    if case in ("fp32", "odd_dim", "misaligned"):
+        assert choice.forward == "cuda.simple", str(choice)
+    dout = torch.randn_like(fwd(q, k, v, True)[0])
+    out, lse = fwd(q, k, v, True)
+    choice = attn_ext.explain(q, k, v, causal=True, dout=dout)
+    names = kernel_names(lambda: bwd(dout, q, k, v, out, lse, True))
+    assert ran(names, "fa2_bwd_kernel" if choice.backward == "cuda.fa2" else "simple_bwd"), (str(choice), names)
 
 
 # ---- masks (issue 14), lse gradient and masked non-finite values (issue 18) ---------------

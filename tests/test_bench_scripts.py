@@ -25,3 +25,85 @@ def test_bench_attention_cuda_smoke_on_cpu(tmp_path):
     assert len(ours) == 4  # (causal, full) x (fwd, fwd+bwd)
     assert all(r["valid"] for r in ours), ours
     assert any(r["impl"] == "sdpa-flash" and r["valid"] for r in rows)
+    assert res.stdout.startswith("# commit: "), res.stdout[:300]  # the environment comes first
+    for key in ("# torch: ", "# threads: ", "# allocator: "):
+        assert key in res.stdout.split("\n\n")[0], key
+
+
+# ---- every benchmark says what it measured ----------------------------------------------------
+
+import ast  # noqa: E402
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+BENCH = os.path.join(ROOT, "benchmarks")
+NOT_BENCHMARKS = {"_env.py", "gpu_sanitize_case.py"}  # the helper; a compute-sanitizer case
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name.replace(".py", "_under_test"), os.path.join(BENCH, name))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_benchmark_prints_the_environment_header():
+    scripts = sorted(f for f in os.listdir(BENCH) if f.endswith(".py") and f not in NOT_BENCHMARKS)
+    assert len(scripts) >= 5, scripts
+    for f in scripts:
+        tree = ast.parse(open(os.path.join(BENCH, f)).read())
+        main = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+        assert main, f"{f}: no main()"
+        calls = [n for n in ast.walk(main[0]) if isinstance(n, ast.Call)
+                 and getattr(n.func, "id", None) == "print_env_header"]
+        assert calls, f"{f}: main() does not call _env.print_env_header"
+
+
+def test_env_header_fields():
+    import io
+    import subprocess
+
+    env = _load("_env.py")
+    buf = io.StringIO()
+    info = env.print_env_header("cpu", file=buf)
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert info["commit"].startswith(head.stdout.strip()), info["commit"]
+    assert info["torch"].startswith(torch.__version__)
+    assert info["threads"].startswith(f"{torch.get_num_threads()} intra-op")
+    assert "malloc" in info["allocator"] or "preloaded" in info["allocator"]
+    assert buf.getvalue().splitlines()[0] == f"# commit: {info['commit']}"
+
+
+def test_env_allocator_mode_reports_the_knobs(monkeypatch):
+    env = _load("_env.py")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4294967296")
+    assert "MALLOC_MMAP_THRESHOLD_=4294967296" in env.allocator_mode("cpu")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert "expandable_segments:True" in env.allocator_mode("cuda")
+
+
+def test_bench_attention_cuda_times_interleaved():
+    mod = _load("bench_attention_cuda.py")
+    mod.DEVICE = "cpu"
+    order = []
+    variants = [dict(fn=lambda n=n: order.append(n), ctx=None, reps=r) for n, r in (("a", 3), ("b", 3), ("c", 1))]
+    meds = mod.interleaved_ms(variants, 3, warmup=1)
+    assert order == ["a", "b", "c"] + ["a", "b", "c", "a", "b", "a", "b"]  # warm-up, then rounds
+    assert len(meds) == 3 and all(m >= 0 for m in meds)
+
+
+def test_bench_mha_validates_forward_and_backward():
+    """bench_mha's validation before timing checks the training backward too: a layer whose
+    forward is right but whose gradient is wrong is refused."""
+    mod = _load("bench_mha.py")
+    torch.manual_seed(0)
+    layers = mod.build(32, 4, 2, torch.float32)
+    x = torch.randn(2, 16, 32)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(16)
+    mod.validate(layers, x, mask, torch.float32)  # all right
+    layers["attn_ext"].qkv.weight.register_hook(lambda g: g * 1.1)  # wrong dW_qkv only
+    with pytest.raises(AssertionError, match="attn_ext training dW_qkv disagrees"):
+        mod.validate(layers, x, mask, torch.float32)

@@ -242,11 +242,66 @@ def test_sinusoidal_strided_offsets_past_2_31():
     assert_close_rule(x.clone(), ref64, ref_low)
 
 
+def available_memory_bytes(meminfo="/proc/meminfo", cgroup_root="/sys/fs/cgroup"):
+    """Memory this process can still allocate: /proc/meminfo's MemAvailable, capped by the
+    cgroup's limit minus its usage (a container's limit is not in /proc/meminfo). None when
+    neither can be read (not Linux)."""
+    avail = None
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for limit_file, usage_file in (("memory.max", "memory.current"),  # cgroup v2
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            with open(os.path.join(cgroup_root, limit_file)) as f:
+                limit = f.read().strip()
+            with open(os.path.join(cgroup_root, usage_file)) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max" / a huge number: no limit
+            room = max(int(limit) - usage, 0)
+            avail = room if avail is None else min(avail, room)
+    return avail
+
+
+def require_memory(nbytes, **where):
+    """Skip (with the numbers) unless ``nbytes`` can be allocated without risking the OOM
+    killer, which would end the whole test run instead of this test."""
+    avail = available_memory_bytes(**where)
+    if avail is None:
+        pytest.skip(f"needs {nbytes / 2**30:.1f} GiB; available memory unknown")
+    if avail < nbytes:
+        pytest.skip(f"needs {nbytes / 2**30:.1f} GiB, only {avail / 2**30:.1f} GiB available")
+
+
+def test_require_memory_skips_on_a_small_machine(tmp_path):
+    """The guard of the dense test below: a 2 GiB machine (fake /proc/meminfo), or a 3 GiB
+    cgroup limit on a big one, skips it with the reason instead of letting it run."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  4194304 kB\nMemAvailable:  2097152 kB\n")
+    with pytest.raises(pytest.skip.Exception, match=r"needs 5.0 GiB, only 2.0 GiB available"):
+        require_memory(5 * 2**30, meminfo=str(meminfo), cgroup_root=str(tmp_path / "none"))
+    meminfo.write_text("MemAvailable:  67108864 kB\n")  # 64 GiB free on the host ...
+    (tmp_path / "memory.max").write_text(str(4 * 2**30))  # ... but a 4 GiB container
+    (tmp_path / "memory.current").write_text(str(2**30))
+    assert available_memory_bytes(str(meminfo), str(tmp_path)) == 3 * 2**30
+    with pytest.raises(pytest.skip.Exception, match=r"only 3.0 GiB available"):
+        require_memory(5 * 2**30, meminfo=str(meminfo), cgroup_root=str(tmp_path))
+    (tmp_path / "memory.max").write_text("max")
+    require_memory(5 * 2**30, meminfo=str(meminfo), cgroup_root=str(tmp_path))  # no skip
+
+
 def test_rope_dense_more_than_2_31_elements():
     """In-place RoPE over a dense bfloat16 (1, S, H, D) tensor of more than 2^31 elements
     (4.3 GB): rows far into the tensor (element offsets > 2^31) match the reference and
-    the untouched channels keep their values."""
+    the untouched channels keep their values. Skipped where that memory is not available."""
     S, H, D = 16400, 1024, 128  # 2_149_580_800 elements > 2^31
+    require_memory(S * H * D * 2 + 2**30)  # the tensor + 1 GiB for everything else
     try:
         x = torch.empty(1, S, H, D, dtype=torch.bfloat16)
     except RuntimeError as e:  # pragma: no cover

@@ -14,19 +14,45 @@ The PTX semantics emulated (PTX ISA, "Matrix fragments for mma.m16n8k16" and "ld
 The emulation mirrors the kernel's code line by line (same names) in float64, so it checks
 indexing, not rounding. Compare its output with a plain softmax(QK^T)V.
 
+The kernels' tile constants (FwdTraits / BwdTraits and the kernels' constexpr locals), their
+ldmatrix lane maps (lrow, lcol, krow, kcol, g, c2) and the head dims the kernels are built for
+are read from the headers (tools/kernel_constants.py), not retyped: an edit of the kernel is
+an edit of what is emulated, and the cases below cover exactly the built head dims.
+
   python tools/fa2_emulate.py        # a few shapes, prints max errors, exit 1 on mismatch
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
 
 import numpy as np
 
-G = np.arange(32) // 4  # quad row of each lane
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernel_constants as kc  # noqa: E402
+
+G = np.arange(32) // 4  # quad row of each lane (the mma C fragment map)
 T4 = np.arange(32) % 4  # column pair of each lane
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_constants(D: int) -> dict:
+    """FwdTraits<D> and fa2_fwd_kernel's constexpr locals, from attention_fwd_kernel.cuh."""
+    return kc.kernel_locals(kc.FWD, "fa2_fwd_kernel", kc.traits(kc.FWD, "FwdTraits", D))
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_constants(D: int) -> dict:
+    """BwdTraits<D> and fa2_bwd_kernel's constexpr locals, from attention_bwd_kernel.cuh."""
+    return kc.kernel_locals(kc.BWD, "fa2_bwd_kernel", kc.traits(kc.BWD, "BwdTraits", D))
+
+
+LANE = np.arange(32)
+FWD_LANES = kc.lane_maps(kc.FWD, "fa2_fwd_kernel", ["lrow", "lcol", "krow", "kcol"], LANE)
+BWD_LANES = kc.lane_maps(kc.BWD, "fa2_bwd_kernel", ["lrow", "lcol", "krow", "kcol", "g", "c2"], LANE)
 
 
 def ldmatrix_x4(smem, addr_rc, trans=False):
@@ -143,10 +169,9 @@ def check_rule_against_header(Sq, Sk, D, causal) -> bool:
 
 def fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse):
     """One CTA (query tile m_block) of fa2_fwd_kernel for one (b, h); q (Sq, D), k/v (Sk, D)."""
-    kBlockM = 64
-    kBlockN = 64 if D <= 128 else 32  # FwdTraits::kBlockN
-    kStride = D + 8
-    kNTiles, kDTiles = kBlockN // 8, D // 8
+    c = fwd_constants(D)
+    kBlockM, kBlockN, kStride = c["kBlockM"], c["kBlockN"], c["kStride"]
+    kNTiles, kDTiles = c["kNTiles"], c["kDTiles"]
     m0 = m_block * kBlockM
     n_end = fwd_key_end(Sq, Sk, causal, m0, kBlockM)
     n_tiles = (n_end + kBlockN - 1) // kBlockN if n_end > 0 else 0
@@ -172,10 +197,7 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse):
         row_sum = np.zeros((2, 32))
         row_a = m0 + warp * 16 + G
         row_b = row_a + 8
-        lrow = (lane & 7) + ((lane >> 3) & 1) * 8
-        lcol = (lane >> 4) * 8
-        krow = (lane & 7) + (lane >> 4) * 8
-        kcol = ((lane >> 3) & 1) * 8
+        lrow, lcol, krow, kcol = (FWD_LANES[n] for n in ("lrow", "lcol", "krow", "kcol"))
         for n in range(n_tiles):
             n0 = n * kBlockN
             sKb = load_tile(k, n0, Sk, kBlockN)
@@ -240,11 +262,11 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, causal, scale, n_block, dq_a
     """One CTA (key tile n_block, one kv head) of fa2_bwd_kernel. q, do: (group, Sq, D) (the
     query heads of the kv head); k, v: (Sk, D); lse, delta: (group, Sq); dq_acc: (group, Sq, D)
     accumulated; dk, dv: (Sk, D) written for this tile's keys."""
-    kBlockM, kBlockN, kWarps = 64, 128, 8
-    kStride, kDsStride = D + 8, kBlockM + 8
-    kQSub, kSubTiles, kDTiles = 32, 4, D // 8
-    kDqCols = D // (kWarps // (kBlockM // 16))
-    kDqChunk = 32 if kDqCols % 32 == 0 else kDqCols  # the kernel requires D in {64, 128}
+    c = bwd_constants(D)
+    kBlockM, kBlockN, kWarps = c["kBlockM"], c["kBlockN"], c["kWarps"]
+    kStride, kDsStride = c["kStride"], c["kDsStride"]
+    kQSub, kSubTiles, kDTiles = c["kQSub"], c["kSubTiles"], c["kDTiles"]
+    kDqCols, kDqChunk = c["kDqCols"], c["kDqChunk"]
     group = q.shape[0]
     n0 = n_block * kBlockN
     diag = Sk - Sq
@@ -266,12 +288,8 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, causal, scale, n_block, dq_a
     sV = load_rows(v, n0, Sk, kBlockN)
     log2e = 1.0 / math.log(2.0)
     scale_log2 = scale * log2e
-    lane = np.arange(32)
-    lrow = (lane & 7) + ((lane >> 3) & 1) * 8
-    lcol = (lane >> 4) * 8
-    krow = (lane & 7) + (lane >> 4) * 8
-    kcol = ((lane >> 3) & 1) * 8
-    g_, c2 = lane >> 2, (lane & 3) * 2
+    lrow, lcol, krow, kcol = (BWD_LANES[n] for n in ("lrow", "lcol", "krow", "kcol"))
+    g_, c2 = BWD_LANES["g"], BWD_LANES["c2"]
     acc_dk = np.zeros((kWarps, kDTiles, 32, 4))
     acc_dv = np.zeros((kWarps, kDTiles, 32, 4))
     for st in range(steps):
@@ -406,7 +424,8 @@ def check_bwd(rng, Sq, Sk, D, group, causal) -> bool:
     dq = np.zeros_like(q)
     dk = np.full_like(k, np.nan)
     dv = np.full_like(v, np.nan)
-    for n_block in range((Sk + 127) // 128):
+    kBlockN = bwd_constants(D)["kBlockN"]
+    for n_block in range((Sk + kBlockN - 1) // kBlockN):
         fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, causal, scale, n_block, dq, dk, dv)
     errs = [np.abs(a - b).max() if not np.isnan(a).any() else np.inf
             for a, b in ((dq, r_dq), (dk, r_dk), (dv, r_dv))]
@@ -432,31 +451,43 @@ def reference(q, k, v, causal, scale):
     return out, lse
 
 
+# (Sq, Sk, D, causal): tile-aligned, ragged, Sq > Sk (rows without keys), one key; every
+# head dim a fast forward kernel is built for (fwd_fast_head_dim), and no other.
+FWD_CASES = [(64, 64, 64, False), (70, 130, 64, True), (130, 70, 32, True),
+             (5, 200, 32, True), (100, 37, 128, False), (65, 1, 32, True),
+             (90, 150, 96, True), (70, 100, 256, True)]
+# (Sq, Sk, D, group, causal): likewise for the fast backward (launch_fa2_bwd), with GQA.
+BWD_CASES = [(64, 128, 64, 1, False), (70, 130, 64, 2, True),
+             (130, 70, 64, 1, True), (100, 37, 128, 1, False),
+             (5, 200, 64, 1, True), (65, 1, 64, 1, True),
+             (140, 150, 128, 2, True)]
+
+
+def check_fwd(rng, Sq, Sk, D, causal) -> bool:
+    q, k, v = (rng.standard_normal((n, D)) for n in (Sq, Sk, Sk))
+    scale = 1 / math.sqrt(D)
+    out = np.full((Sq, D), np.nan)
+    lse = np.full(Sq, np.nan)
+    kBlockM = fwd_constants(D)["kBlockM"]
+    for m_block in range((Sq + kBlockM - 1) // kBlockM):
+        fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse)
+    r_out, r_lse = reference(q, k, v, causal, scale)
+    e_out = np.nanmax(np.abs(out - r_out)) if not np.isnan(out).any() else np.inf
+    same_inf = np.array_equal(np.isinf(lse), np.isinf(r_lse))
+    fin = np.isfinite(r_lse)
+    e_lse = np.abs(lse[fin] - r_lse[fin]).max() if fin.any() else 0.0
+    ok = e_out < 1e-9 and same_inf and e_lse < 1e-9 and not np.isnan(lse).any()
+    print(f"Sq={Sq:4d} Sk={Sk:4d} D={D:3d} causal={causal!s:5}: out err {e_out:.2e}, "
+          f"lse err {e_lse:.2e}, -inf rows match {same_inf}  {'ok' if ok else 'MISMATCH'}")
+    return ok
+
+
 def main() -> int:
     rng = np.random.default_rng(0)
     bad = 0
-    for Sq, Sk, D, causal in [(64, 64, 64, False), (70, 130, 64, True), (130, 70, 16, True),
-                              (5, 200, 32, True), (100, 37, 128, False), (65, 1, 16, True),
-                              (90, 150, 96, True), (70, 100, 256, True)]:
-        q, k, v = (rng.standard_normal((n, D)) for n in (Sq, Sk, Sk))
-        scale = 1 / math.sqrt(D)
-        out = np.full((Sq, D), np.nan)
-        lse = np.full(Sq, np.nan)
-        for m_block in range((Sq + 63) // 64):
-            fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse)
-        r_out, r_lse = reference(q, k, v, causal, scale)
-        e_out = np.nanmax(np.abs(out - r_out)) if not np.isnan(out).any() else np.inf
-        same_inf = np.array_equal(np.isinf(lse), np.isinf(r_lse))
-        fin = np.isfinite(r_lse)
-        e_lse = np.abs(lse[fin] - r_lse[fin]).max() if fin.any() else 0.0
-        ok = e_out < 1e-9 and same_inf and e_lse < 1e-9 and not np.isnan(lse).any()
-        bad += not ok
-        print(f"Sq={Sq:4d} Sk={Sk:4d} D={D:3d} causal={causal!s:5}: out err {e_out:.2e}, "
-              f"lse err {e_lse:.2e}, -inf rows match {same_inf}  {'ok' if ok else 'MISMATCH'}")
-    for Sq, Sk, D, group, causal in [(64, 128, 64, 1, False), (70, 130, 64, 2, True),
-                                     (130, 70, 64, 1, True), (100, 37, 128, 1, False),
-                                     (5, 200, 64, 1, True), (65, 1, 64, 1, True),
-                                     (140, 150, 128, 2, True)]:
+    for Sq, Sk, D, causal in FWD_CASES:
+        bad += not check_fwd(rng, Sq, Sk, D, causal)
+    for Sq, Sk, D, group, causal in BWD_CASES:
         bad += not check_bwd(rng, Sq, Sk, D, group, causal)
     for Sq, Sk, D, causal in [(70, 130, 64, True), (130, 70, 64, True), (200, 200, 32, True),
                               (100, 37, 128, False), (70, 100, 256, True), (5, 200, 64, True)]:

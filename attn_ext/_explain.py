@@ -1,0 +1,330 @@
+"""``attn_ext.explain(q, k, v, ...)``: which attention kernel a call will run, and why.
+
+The rules below restate the kernels' dispatch in Python, so they can be read without the C++:
+
+- CPU forward (csrc/cpu/attention_fwd.cpp ``attention_fwd_kernel``): query tiles of up to
+  ``kBlockQ`` (head, row) columns; split-KV (the keys of each tile cut into chunks run in
+  parallel and merged) when there are fewer tiles than threads and ``Sk >= 4 * kBlockK``,
+  else the plain tiled kernel. CPU backward (attention_bwd.cpp): one path, parallel over key
+  tiles.
+- CUDA forward (csrc/cuda/attention.cu ``plan_split`` / ``use_fast_forward``): split-KV decode,
+  else the fast FA2-style tensor-core kernel, else the simple kernel; CUDA backward
+  (``use_fast_backward``): the fast FA2-style kernel, else the simple kernels.
+
+The constants are copies of the kernels' (the headers are not installed with the package);
+tests/test_explain.py reads them from csrc/ and fails when the two disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Optional
+
+import torch
+
+# csrc/cpu/attention_common.h
+CPU_BLOCK_Q = 96  # kBlockQ: score columns (head, query row) per query tile
+CPU_BLOCK_K = 96  # kBlockK: keys per key tile
+
+# csrc/cuda/attention_launch.h
+CUDA_SIMPLE_MAX_HEAD_DIM = 256  # simple::kMaxHeadDim
+CUDA_FA2_BLOCK_M = 64  # fa2::kBlockM: query rows per CTA of the fast forward
+CUDA_FWD_FAST_HEAD_DIMS = (32, 64, 96, 128, 256)  # fa2::fwd_fast_head_dim
+CUDA_BWD_FAST_HEAD_DIMS = (64, 128)  # fa2::launch_fa2_bwd
+CUDA_BWD_BLOCK_N = 128  # keys per CTA of the fast backward (bwd_fast_grid_ok)
+
+# csrc/cuda/attention.cu plan_split
+CUDA_SPLIT_MAX_SQ = 16  # split-KV only for Sq <= 16 ...
+CUDA_SPLIT_MIN_SK = 512  # ... and Sk >= 512
+CUDA_SPLIT_WARPS_PER_SM = 16  # warps that fill one SM
+CUDA_SPLIT_MIN_CHUNK = 128  # keys per chunk, at least
+
+# csrc/cuda/attention.cu force_simple (tests use it to compare the kernels)
+FORCE_SIMPLE_ENV = "ATTN_EXT_CUDA_ATTN"
+
+
+def cuda_fwd_smem_bytes(head_dim: int) -> int:
+    """fa2::fwd_smem_bytes: dynamic shared memory of the fast forward kernel."""
+    return (64 + 4 * (64 if head_dim <= 128 else 32)) * (head_dim + 8) * 2
+
+
+def cuda_bwd_smem_bytes(head_dim: int) -> int:
+    """fa2::bwd_smem_bytes: dynamic shared memory of the fast backward kernel."""
+    return ((2 * 128 + 4 * 64) * (head_dim + 8) + 128 * (64 + 8)) * 2 + 4 * 64 * 4
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    B: int
+    Sq: int
+    Sk: int
+    H: int
+    Hkv: int
+    D: int
+    Dv: int
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """What :func:`explain` found. ``forward`` / ``backward`` name the path:
+
+    ``"cpu.tiled"``, ``"cpu.split_kv"``, ``"cpu.key_tiles"`` (the CPU backward),
+    ``"cuda.split_kv"``, ``"cuda.fa2"``, ``"cuda.simple"``, or ``"none"`` (empty input: no
+    kernel runs). ``details`` holds the numbers the choice was made from (tiles, threads,
+    n_split, shared memory, ...). ``str()`` gives a readable summary."""
+
+    device: str
+    forward: str
+    forward_reason: str
+    backward: str
+    backward_reason: str
+    details: dict
+
+    def __str__(self) -> str:
+        return (f"attn_ext on {self.device}:\n"
+                f"  forward:  {self.forward} - {self.forward_reason}\n"
+                f"  backward: {self.backward} - {self.backward_reason}")
+
+
+# ---- CPU ---------------------------------------------------------------------------------
+
+
+def cpu_forward_plan(s: Shape, threads: int) -> dict:
+    """The CPU forward's tile plan and split decision (attention_fwd.cpp plan_tiles and
+    attention_fwd_kernel), for ``threads`` = at::get_num_threads()."""
+    group = s.H // s.Hkv
+    rows = max(1, min(s.Sq, CPU_BLOCK_Q))
+    heads = max(1, min(group, CPU_BLOCK_Q // rows))
+    n_tiles = s.B * s.Hkv * _ceil_div(group, heads) * _ceil_div(s.Sq, rows)
+    n_split = 1
+    if n_tiles < threads and s.Sk >= 4 * CPU_BLOCK_K:
+        n_split = min(_ceil_div(2 * threads, n_tiles), s.Sk // (2 * CPU_BLOCK_K))
+    return {"threads": threads, "query_tiles": n_tiles, "rows_per_tile": rows,
+            "heads_per_tile": heads, "n_split": max(n_split, 1)}
+
+
+def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int) -> KernelChoice:
+    acc = "float64" if dtype == torch.float64 else "float32"
+    inner = ("portable loops" if dtype == torch.float64 else
+             "AVX2/FMA microkernels when the CPU has AVX2+FMA+F16C, else portable loops")
+    if s.B * s.H * s.Sq == 0:
+        return KernelChoice("cpu", "none", "empty output (B * H * Sq = 0): no kernel runs",
+                            "none", "nothing to differentiate", {"threads": threads})
+    plan = cpu_forward_plan(s, threads)
+    plan["accumulation"] = acc
+    if plan["n_split"] > 1:
+        fwd, why = "cpu.split_kv", (
+            f"{plan['query_tiles']} query tile(s) < {threads} threads and Sk = {s.Sk} >= "
+            f"{4 * CPU_BLOCK_K}: the keys of each tile are cut into {plan['n_split']} chunks "
+            f"run in parallel and merged through their (max, sum); {acc} accumulation, {inner}")
+    else:
+        reason = (f"{plan['query_tiles']} query tile(s) >= {threads} threads"
+                  if plan["query_tiles"] >= threads else
+                  f"Sk = {s.Sk} < {4 * CPU_BLOCK_K}, too few keys to split")
+        fwd, why = "cpu.tiled", (
+            f"{reason}: one task per query tile of up to {CPU_BLOCK_Q} (head, row) columns, "
+            f"key tiles of {CPU_BLOCK_K}; {acc} accumulation, {inner}")
+    bwd_why = (f"parallel over (batch, kv head, key tile of {CPU_BLOCK_K}); dq summed from "
+               "per-thread buffers in a fixed order (bitwise repeatable for a thread count)")
+    if s.Sq == 0 or s.Sk == 0:
+        bwd_why = "no query or no key: the gradients are zeros, no kernel runs"
+    return KernelChoice("cpu", fwd, why, "cpu.key_tiles" if s.Sq and s.Sk else "none",
+                        bwd_why, plan)
+
+
+# ---- CUDA --------------------------------------------------------------------------------
+
+
+def aligned16(t: torch.Tensor) -> bool:
+    """attention.cu aligned16: data pointer 16-byte aligned and the batch/row/head strides
+    multiples of 8 elements (what the fast kernels' 16-byte loads need)."""
+    return t.data_ptr() % 16 == 0 and all(t.stride(d) % 8 == 0 for d in range(3))
+
+
+def cuda_split_plan(s: Shape, sms: int, force_simple: bool = False) -> dict:
+    """attention.cu plan_split: ``n_split > 1`` when the split-KV decode path runs."""
+    plan = {"n_split": 1, "chunk": 0, "sms": sms}
+    if s.Sq > CUDA_SPLIT_MAX_SQ or s.Sk < CUDA_SPLIT_MIN_SK or force_simple or sms <= 0:
+        return plan
+    rows = s.B * s.H * s.Sq
+    target = sms * CUDA_SPLIT_WARPS_PER_SM
+    if rows * 4 >= target:
+        return plan
+    n = min(_ceil_div(target, rows), _ceil_div(s.Sk, CUDA_SPLIT_MIN_CHUNK))
+    if n < 2:
+        return plan
+    chunk = _ceil_div(s.Sk, n)
+    plan.update(n_split=_ceil_div(s.Sk, chunk), chunk=chunk)
+    return plan
+
+
+def cuda_forward_choice(s: Shape, dtype: torch.dtype, aligned: bool, sms: int,
+                        smem_optin: int, force_simple: bool = False):
+    """(path, reason, details) of the CUDA forward (attention.cu attention_forward_cuda).
+    ``aligned``: aligned16() of q, k and v; ``smem_optin``: the device's opt-in shared
+    memory per block (0 if unknown)."""
+    split = cuda_split_plan(s, sms, force_simple)
+    if split["n_split"] > 1:
+        return "cuda.split_kv", (
+            f"decode shape (Sq = {s.Sq} <= {CUDA_SPLIT_MAX_SQ}, Sk = {s.Sk} >= "
+            f"{CUDA_SPLIT_MIN_SK}) whose {s.B * s.H * s.Sq} rows fill under a quarter of "
+            f"{sms} SMs x {CUDA_SPLIT_WARPS_PER_SM} warps: keys cut into {split['n_split']} "
+            f"chunks of {split['chunk']}, one warp per (row, chunk), then merged"), split
+    need = cuda_fwd_smem_bytes(s.D)
+    details = dict(split, smem_needed=need, smem_optin=smem_optin)
+    reasons = []
+    if dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"dtype {str(dtype).replace('torch.', '')} (the fast kernel is fp16/bf16 only)")
+    if s.D != s.Dv:
+        reasons.append(f"D = {s.D} != Dv = {s.Dv}")
+    elif s.D not in CUDA_FWD_FAST_HEAD_DIMS:
+        reasons.append(f"head dim {s.D} not in {list(CUDA_FWD_FAST_HEAD_DIMS)}")
+    if s.Sk <= 0 or s.Sq <= 0:
+        reasons.append("no key or no query")
+    if not aligned:
+        reasons.append("q, k or v not 16-byte aligned or a batch/row/head stride not a "
+                       "multiple of 8 elements")
+    if not (_ceil_div(s.Sq, CUDA_FA2_BLOCK_M) <= 0x7FFFFFFF and s.H <= 65535 and s.B <= 65535):
+        reasons.append(f"grid too large (B = {s.B}, H = {s.H} must be <= 65535)")
+    if s.D == s.Dv and s.D in CUDA_FWD_FAST_HEAD_DIMS and need > smem_optin:
+        reasons.append(f"its shared memory ({need} bytes at D = {s.D}) exceeds the device's "
+                       f"opt-in limit ({smem_optin} bytes)")
+    if force_simple:
+        reasons.append(f"{FORCE_SIMPLE_ENV}=simple is set")
+    if not reasons:
+        return "cuda.fa2", (f"fp16/bf16, D = Dv = {s.D}, 16-byte aligned, shared memory "
+                            f"{need} <= {smem_optin} bytes: FA2-style tensor-core kernel "
+                            f"(query tiles of {CUDA_FA2_BLOCK_M})"), details
+    return "cuda.simple", "simple kernel (one warp per query row) because " + "; ".join(reasons), details
+
+
+def cuda_backward_choice(s: Shape, dtype: torch.dtype, aligned: bool, smem_optin: int,
+                         deterministic: bool, force_simple: bool = False,
+                         dout_aligned: Optional[bool] = None):
+    """(path, reason, details) of the CUDA backward (attention.cu use_fast_backward).
+    ``dout_aligned`` None: dout not known yet (the gradient that autograd hands in, usually
+    contiguous and aligned)."""
+    need = cuda_bwd_smem_bytes(s.D)
+    details = {"smem_needed": need, "smem_optin": smem_optin, "deterministic": deterministic}
+    reasons = []
+    if dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"dtype {str(dtype).replace('torch.', '')} (the fast backward is fp16/bf16 only)")
+    if s.D != s.Dv:
+        reasons.append(f"D = {s.D} != Dv = {s.Dv}")
+    elif s.D not in CUDA_BWD_FAST_HEAD_DIMS:
+        reasons.append(f"head dim {s.D} not in {list(CUDA_BWD_FAST_HEAD_DIMS)}")
+    if s.Sk <= 0 or s.Sq <= 0:
+        reasons.append("no key or no query")
+    if not aligned:
+        reasons.append("q, k or v not 16-byte aligned or a stride not a multiple of 8 elements")
+    if dout_aligned is False:
+        reasons.append("dout not 16-byte aligned or a stride not a multiple of 8 elements")
+    steps = (s.H // max(s.Hkv, 1)) * _ceil_div(s.Sq, 64)
+    if not (steps <= 0x7FFFFFFF and s.Hkv <= 65535 and s.B <= 65535
+            and _ceil_div(s.Sk, CUDA_BWD_BLOCK_N) <= 0x7FFFFFFF):
+        reasons.append("grid too large")
+    if deterministic:
+        reasons.append("torch.use_deterministic_algorithms(True) (the fast backward adds dq "
+                       "with fp32 atomics)")
+    if s.D == s.Dv and s.D in CUDA_BWD_FAST_HEAD_DIMS and need > smem_optin:
+        reasons.append(f"its shared memory ({need} bytes at D = {s.D}) exceeds the device's "
+                       f"opt-in limit ({smem_optin} bytes)")
+    if force_simple:
+        reasons.append(f"{FORCE_SIMPLE_ENV}=simple is set")
+    if not reasons:
+        cond = "" if dout_aligned else " (if dout is 16-byte aligned too)"
+        return "cuda.fa2", (f"fp16/bf16, D = Dv = {s.D}, aligned, shared memory {need} <= "
+                            f"{smem_optin} bytes: FA2-style tensor-core backward{cond}"), details
+    return ("cuda.simple", "simple kernels (dq per query row, then dk/dv per key row; "
+            "deterministic) because " + "; ".join(reasons), details)
+
+
+def _explain_cuda(s: Shape, q, k, v, dout) -> KernelChoice:
+    if s.D > CUDA_SIMPLE_MAX_HEAD_DIM or s.Dv > CUDA_SIMPLE_MAX_HEAD_DIM:
+        raise ValueError(f"head dims must be <= {CUDA_SIMPLE_MAX_HEAD_DIM} on CUDA, got "
+                         f"D = {s.D}, Dv = {s.Dv} (the call would fail)")
+    if s.B * s.H * s.Sq == 0:
+        return KernelChoice(str(q.device), "none", "empty output (B * H * Sq = 0): no kernel runs",
+                            "none", "nothing to differentiate", {})
+    props = torch.cuda.get_device_properties(q.device)
+    sms = int(getattr(props, "multi_processor_count", 0))
+    optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+    force = os.environ.get(FORCE_SIMPLE_ENV) == "simple"
+    aligned = aligned16(q) and aligned16(k) and aligned16(v)
+    fwd, fwhy, fdet = cuda_forward_choice(s, q.dtype, aligned, sms, optin, force)
+    bwd, bwhy, bdet = cuda_backward_choice(
+        s, q.dtype, aligned, optin, torch.are_deterministic_algorithms_enabled(), force,
+        None if dout is None else aligned16(dout))
+    if s.Sk == 0:
+        bwd, bwhy = "none", "no key: dq is zeros, no kernel runs"
+    details = dict(fdet, backward=bdet)
+    return KernelChoice(str(q.device), fwd, fwhy, bwd, bwhy, details)
+
+
+# ---- entry point -------------------------------------------------------------------------
+
+
+def _check(q, k, v):
+    for name, t, dims in (("q", q, "(B, Sq, H, D)"), ("k", k, "(B, Sk, Hkv, D)"),
+                          ("v", v, "(B, Sk, Hkv, Dv)")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims {dims}, got shape {list(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} must have the same dtype as q ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+    if q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        raise ValueError(f"q must be float32, float64, float16 or bfloat16, got {q.dtype}")
+    B, Sq, H, D = q.shape
+    _, Sk, Hkv, Dk = k.shape
+    if k.size(0) != B or v.size(0) != B:
+        raise ValueError(f"k and v must have batch size B = {B} (from q), got shapes "
+                         f"{list(k.shape)} and {list(v.shape)}")
+    if Dk != D:
+        raise ValueError(f"k must have head dim D = {D} (from q), got shape {list(k.shape)}")
+    if v.size(1) != Sk or v.size(2) != Hkv:
+        raise ValueError(f"v must have Sk = {Sk} keys and Hkv = {Hkv} heads (from k), got shape {list(v.shape)}")
+    if not ((Hkv > 0 and H % Hkv == 0) or (Hkv == 0 and H == 0)):
+        raise ValueError(f"k's number of heads Hkv = {Hkv} must divide q's number of heads H = {H}")
+    return Shape(B, Sq, Sk, H, Hkv, D, v.size(3))
+
+
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+            scale: Optional[float] = None, dout: Optional[torch.Tensor] = None) -> KernelChoice:
+    """Say which kernel ``attn_ext.attention(q, k, v, causal=..., scale=...)`` will run for
+    these tensors, and why (the forward and, for training, the backward).
+
+    Runs no kernel and reads no tensor values: only shapes, dtypes, strides, data pointers,
+    the thread count (CPU), the device's properties and torch's deterministic flag (CUDA).
+    ``dout``: the output gradient, when known (its alignment matters on CUDA). The answer
+    holds for the current settings (``torch.set_num_threads``,
+    ``torch.use_deterministic_algorithms``) at the time of the call. ``print()`` it::
+
+        >>> print(attn_ext.explain(q, k, v, causal=True))
+        attn_ext on cuda:0:
+          forward:  cuda.simple - simple kernel (one warp per query row) because dtype float32 ...
+    """
+    if q.dim() == 3 and k.dim() == 3 and v.dim() == 3:
+        q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
+        if dout is not None and dout.dim() == 3:
+            dout = dout.unsqueeze(2)
+    s = _check(q, k, v)
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.size(-1) > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {list(t.stride())}")
+    if q.device.type == "cuda":
+        return _explain_cuda(s, q, k, v, dout)
+    if q.device.type == "cpu":
+        return _explain_cpu(s, q.dtype, torch.get_num_threads())
+    raise ValueError(f"attn_ext has kernels for cpu and cuda, got q on {q.device}")

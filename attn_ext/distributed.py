@@ -1,0 +1,548 @@
+"""Context parallelism on ``torch.distributed``: ring attention over a sequence split across ranks.
+
+Each rank of a process group holds a slice (a *shard*) of every sequence: queries, keys and
+values ``(B, S_local, H, D)``. :func:`ring_attention` passes the key/value blocks round the ring
+(rank ``r`` sends to ``r + 1`` and receives from ``r - 1``) with ``torch.distributed``
+point-to-point ops, each transfer overlapped with the attention of the block already here,
+and merges the partial results of the blocks through their log-sum-exp in fp32 (fp64 for fp64
+inputs)::
+
+    lse = logaddexp(lse_a, lse_b),   out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
+
+The backward runs the ring again: ``dq`` accumulates where q lives, while each key/value
+block's ``dk``/``dv`` accumulator travels round the ring with it and arrives home after one
+more hop. Every block's gradient comes from ``attention_backward`` given the *merged* (global)
+``out`` and ``lse``, so the probabilities it recomputes are the global ones.
+
+Layouts (``shard_sequence``): a sequence of length ``S`` is cut into equal chunks.
+
+- ``"contiguous"``: ``W`` chunks, rank ``r`` holds chunk ``r``.
+- ``"zigzag"`` (default): ``2W`` chunks, rank ``r`` holds chunks ``r`` and ``2W - 1 - r``, so
+  every rank does the same causal work (the early chunk sees few keys, the late one many).
+
+Positions are global: the causal mask compares global positions, and :func:`shard_positions`
+gives the global position of each local token for RoPE / sinusoidal / learned positions.
+
+With equal chunks every (query chunk, key chunk) pair is fully visible (a ``causal=False``
+kernel call), the diagonal (a ``causal=True`` call, ``Sq == Sk`` so bottom-right is top-left)
+or invisible (skipped). :func:`block_call` is the one place that maps a block's global
+positions to the kernel's arguments; it already derives the kernel ``window`` a global window
+needs, but the ops take no window yet, and a band off the diagonal of an unequal block would
+need a negative window edge. Masks and biases that depend on the distance inside a block
+(``window``, ``alibi_slopes``, ``rel_bias``) and ``dropout_p`` (whose keep bit depends on the
+global row and column) need the attention ops to take the global position of a block's first
+query and key (an offset replacing ``Sk - Sq`` in ``d``); until then these keywords raise
+``NotImplementedError`` before any communication (so no rank is left waiting). ``softcap`` is
+position-free but not yet an argument of the ops either.
+
+Backends: gloo (CPU) is tested; NCCL (GPU) uses the same calls but is untested here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "LAYOUTS",
+    "ring_attention",
+    "shard_sequence",
+    "unshard_sequence",
+    "shard_positions",
+    "chunk_ids",
+    "block_call",
+    "BlockArgs",
+    "ring_stats",
+]
+
+LAYOUTS = ("zigzag", "contiguous")
+
+_ops = torch.ops.attn_ext
+
+# Time spent blocked in communication waits (seconds), and counts, since the last reset.
+_STATS: Dict[str, float] = {"comm_wait_s": 0.0, "messages": 0, "bytes_sent": 0}
+
+
+def ring_stats(reset: bool = False) -> Dict[str, float]:
+    """Counters of this process's ring communication since the last reset: ``comm_wait_s``
+    (seconds spent blocked waiting for a transfer to finish, i.e. communication *not* hidden
+    behind compute), ``messages`` and ``bytes_sent``. ``reset=True`` zeroes them after reading."""
+    out = dict(_STATS)
+    if reset:
+        _STATS.update(comm_wait_s=0.0, messages=0, bytes_sent=0)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# layouts and positions
+# ---------------------------------------------------------------------------------------
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _rank_world(group) -> Tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "attn_ext.distributed needs an initialised default process group "
+            "(torch.distributed.init_process_group, e.g. under torchrun)"
+        )
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of the group")
+    return rank, dist.get_world_size(group)
+
+
+def chunks_per_rank(layout: str) -> int:
+    """How many equal chunks of the sequence one rank holds (1 contiguous, 2 zigzag)."""
+    _check_layout(layout)
+    return 2 if layout == "zigzag" else 1
+
+
+def chunk_ids(rank: int, world: int, layout: str) -> List[int]:
+    """Global chunk indices held by ``rank`` of ``world``, in their local order."""
+    _check_layout(layout)
+    if layout == "zigzag":
+        return [rank, 2 * world - 1 - rank]
+    return [rank]
+
+
+def shard_sequence(x: torch.Tensor, dim: int = 1, group=None, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's shard of the full sequence ``x`` along ``dim`` (every rank passes the same
+    full ``x``). ``x.size(dim)`` must be a multiple of ``W`` (contiguous) or ``2W`` (zigzag).
+    Contiguous returns a view; zigzag a new tensor (two chunks joined). Differentiable."""
+    rank, world = _rank_world(group)
+    return _shard(x, dim, rank, world, layout)
+
+
+def _shard(x: torch.Tensor, dim: int, rank: int, world: int, layout: str) -> torch.Tensor:
+    n = world * chunks_per_rank(layout)
+    dim = dim % x.dim() if x.dim() else dim
+    S = x.size(dim)
+    if S % n:
+        raise ValueError(
+            f"shard_sequence: the sequence length x.size({dim}) = {S} must be a multiple of "
+            f"{n} (world size {world}, layout {layout!r}: {n} equal chunks)"
+        )
+    c = S // n
+    parts = [x.narrow(dim, g * c, c) for g in chunk_ids(rank, world, layout)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+class _Unshard(torch.autograd.Function):
+    """all_gather of the shards, reordered into the full sequence. Backward: every rank's
+    gradient of the full tensor is summed (all_reduce) and each rank keeps its own shard's part
+    (the adjoint of all_gather, written with all_reduce because gloo has no reduce_scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, layout):
+        rank, world = _rank_world(group)
+        ctx.dim, ctx.group, ctx.layout, ctx.rank, ctx.world = dim, group, layout, rank, world
+        xc = x.contiguous()
+        gathered = [torch.empty_like(xc) for _ in range(world)]
+        dist.all_gather(gathered, xc, group=group)
+        n_local = chunks_per_rank(layout)
+        c = x.size(dim) // n_local
+        chunks: List[Optional[torch.Tensor]] = [None] * (world * n_local)
+        for r, xr in enumerate(gathered):
+            for a, g in enumerate(chunk_ids(r, world, layout)):
+                chunks[g] = xr.narrow(dim, a * c, c)
+        return torch.cat(chunks, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return _shard(grad, ctx.dim, ctx.rank, ctx.world, ctx.layout), None, None, None
+
+
+def unshard_sequence(x: torch.Tensor, dim: int = 1, group=None, layout: str = "zigzag") -> torch.Tensor:
+    """The full sequence from every rank's shard (an all_gather, then the chunks in global
+    order): the inverse of :func:`shard_sequence`. Every rank gets the full tensor.
+    Differentiable (the gradient of the full tensor is summed over ranks)."""
+    _check_layout(layout)
+    dim = dim % x.dim()
+    _, world = _rank_world(group)
+    if x.size(dim) % chunks_per_rank(layout):
+        raise ValueError(
+            f"unshard_sequence: a zigzag shard has two equal chunks, so x.size({dim}) must be "
+            f"even, got {x.size(dim)}"
+        )
+    if world == 1:
+        return x
+    return _Unshard.apply(x, dim, group, layout)
+
+
+def shard_positions(
+    local_len: int, group=None, layout: str = "zigzag", device: Optional[torch.device] = None
+) -> torch.Tensor:
+    """Global position (int64 ``(local_len,)``) of each token of this rank's shard: the
+    ``positions`` argument of ``rope`` / ``sinusoidal_pe`` / learned embeddings, so that every
+    token is encoded exactly as in the unsharded sequence of length ``local_len * W``."""
+    rank, world = _rank_world(group)
+    n = chunks_per_rank(layout)
+    if local_len % n:
+        raise ValueError(f"a zigzag shard has two equal chunks, so local_len must be even, got {local_len}")
+    c = local_len // n
+    return torch.cat(
+        [torch.arange(g * c, (g + 1) * c, dtype=torch.int64, device=device) for g in chunk_ids(rank, world, layout)]
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# the per-block rule: global positions -> kernel arguments
+# ---------------------------------------------------------------------------------------
+
+
+class BlockArgs(NamedTuple):
+    """The kernel arguments of one block, in the kernel's own (bottom-right) alignment:
+    ``causal`` and ``window = (left, right)`` (-1 unbounded; None = no window argument)."""
+
+    causal: bool
+    window: Optional[Tuple[int, int]] = None
+
+
+FULL = BlockArgs(False, None)
+
+
+def block_call(
+    q_start: int, sq: int, k_start: int, sk: int, causal: bool, window: Optional[Tuple[int, int]] = None
+) -> Optional[BlockArgs]:
+    """The one rule that maps a block's global positions to the kernel's arguments.
+
+    The block: queries at global positions ``q_start .. q_start+sq-1`` against keys at
+    ``k_start .. k_start+sk-1``. Globally (DESIGN.md, with ``d = p_query - p_key``) a pair is
+    visible iff ``d >= 0`` when ``causal`` and ``-right <= d <= left`` for ``window``. The
+    kernel sees ``d_loc = i + (sk - sq) - j``, i.e. ``d = d_loc + delta`` with
+    ``delta = q_start - k_start - (sk - sq)``.
+
+    Returns None when no pair is visible (skip the block), :data:`FULL` when every pair is,
+    ``BlockArgs(True)`` when the global mask is exactly the kernel's causal mask (the diagonal
+    of equal chunks), and otherwise the kernel ``window`` (with ``causal`` for its lower edge)
+    that reproduces the global mask. A mask the kernel's arguments cannot express (a band that
+    needs a negative window edge) raises ``NotImplementedError``: that needs a position-offset
+    argument in the ops.
+    """
+    if sq <= 0 or sk <= 0:
+        return None
+    left, right = window if window is not None else (-1, -1)
+    lo = 0 if causal else None  # visible iff lo <= d <= hi (None: unbounded)
+    if right >= 0:
+        lo = -right if lo is None else max(lo, -right)
+    hi = left if left >= 0 else None
+    d_min, d_max = q_start - (k_start + sk - 1), q_start + sq - 1 - k_start
+    if (lo is not None and d_max < lo) or (hi is not None and d_min > hi) or (
+            lo is not None and hi is not None and lo > hi):
+        return None
+    lo_cuts = lo is not None and lo > d_min
+    hi_cuts = hi is not None and hi < d_max
+    if not lo_cuts and not hi_cuts:
+        return FULL
+    delta = q_start - k_start - (sk - sq)
+    lo_loc = lo - delta if lo_cuts else None
+    hi_loc = hi - delta if hi_cuts else None
+    if (lo_loc is not None and lo_loc > 0) or (hi_loc is not None and hi_loc < 0):
+        raise NotImplementedError(
+            f"ring_attention: the block of queries [{q_start}, {q_start + sq}) and keys "
+            f"[{k_start}, {k_start + sk}) needs the band {lo} <= d <= {hi}, which the kernel's "
+            "causal/window arguments cannot express; the attention ops need a position offset")
+    if lo_loc == 0:
+        return BlockArgs(True, None if hi_loc is None else (hi_loc, -1))
+    return BlockArgs(False, (-1 if hi_loc is None else hi_loc, -1 if lo_loc is None else -lo_loc))
+
+
+def _kernel_forward(q, k, v, args: BlockArgs, scale):
+    """One block's ``attention_forward`` with the arguments :func:`block_call` chose."""
+    if args.window is not None:
+        raise NotImplementedError("ring_attention: window: the attention ops take no window argument yet")
+    return _ops.attention_forward(q, k, v, args.causal, scale)
+
+
+def _kernel_backward(dout, q, k, v, out, lse, args: BlockArgs, scale):
+    """One block's ``attention_backward`` (global out and lse) with :func:`block_call`'s arguments."""
+    if args.window is not None:
+        raise NotImplementedError("ring_attention: window: the attention ops take no window argument yet")
+    return _ops.attention_backward(dout, q, k, v, out, lse, args.causal, scale)
+
+
+def _step_calls(
+    q_ids: Sequence[int], k_ids: Sequence[int], c: int, causal: bool,
+    window: Optional[Tuple[int, int]] = None,
+) -> List[Tuple[int, int, int, int, BlockArgs]]:
+    """Kernel calls of one ring step: ``(q_row0, q_row1, k_row0, k_row1, BlockArgs)`` in
+    local rows, for local query chunks ``q_ids`` against the key chunks ``k_ids`` here now
+    (chunk ``g`` covers global positions ``[g*c, (g+1)*c)``). Fully visible chunk pairs that
+    share a column (or a row) over all local chunks are joined into one call."""
+    nq, nk = len(q_ids), len(k_ids)
+    kind = [[block_call(gq * c, c, gk * c, c, causal, window) for gk in k_ids] for gq in q_ids]
+    done = [[kind[a][b] is None for b in range(nk)] for a in range(nq)]
+    calls: List[Tuple[int, int, int, int, BlockArgs]] = []
+    if all(kind[a][b] == FULL for a in range(nq) for b in range(nk)):
+        return [(0, nq * c, 0, nk * c, FULL)]
+    for b in range(nk):  # a key chunk every local query chunk sees fully: one call
+        if nq > 1 and all(kind[a][b] == FULL for a in range(nq)):
+            calls.append((0, nq * c, b * c, (b + 1) * c, FULL))
+            for a in range(nq):
+                done[a][b] = True
+    for a in range(nq):  # a query chunk that sees every key chunk fully: one call
+        if nk > 1 and all(kind[a][b] == FULL and not done[a][b] for b in range(nk)):
+            calls.append((a * c, (a + 1) * c, 0, nk * c, FULL))
+            for b in range(nk):
+                done[a][b] = True
+    for a in range(nq):
+        for b in range(nk):
+            if not done[a][b]:
+                calls.append((a * c, (a + 1) * c, b * c, (b + 1) * c, kind[a][b]))
+    return calls
+
+
+# ---------------------------------------------------------------------------------------
+# the ring
+# ---------------------------------------------------------------------------------------
+
+_TAG_KV, _TAG_DKV = 0, 1
+
+
+class _Ring:
+    """Point-to-point exchange with the ring neighbours: send to ``rank + 1``, receive from
+    ``rank - 1`` (group ranks; ``P2POp`` takes global ranks)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank, self.world = _rank_world(group)
+        to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        self.next = to_global((self.rank + 1) % self.world)
+        self.prev = to_global((self.rank - 1) % self.world)
+
+    def start(self, send: torch.Tensor, recv: torch.Tensor, tag: int):
+        ops = [
+            dist.P2POp(dist.isend, send, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ]
+        _STATS["messages"] += 1
+        _STATS["bytes_sent"] += send.numel() * send.element_size()
+        return dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(works) -> None:
+        t0 = time.perf_counter()
+        for w in works:
+            w.wait()
+        _STATS["comm_wait_s"] += time.perf_counter() - t0
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """One flat contiguous buffer holding k then v (one message per ring step)."""
+    buf = torch.empty(k.numel() + v.numel(), dtype=dtype or k.dtype, device=k.device)
+    buf[: k.numel()].view(k.shape).copy_(k)
+    buf[k.numel():].view(v.shape).copy_(v)
+    return buf
+
+
+def _unpack(buf: torch.Tensor, k_shape, v_shape) -> Tuple[torch.Tensor, torch.Tensor]:
+    nk = 1
+    for s in k_shape:
+        nk *= s
+    return buf[:nk].view(k_shape), buf[nk:].view(v_shape)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, r0: int, r1: int, blk_out, blk_lse) -> None:
+    """Fold a block's ``(blk_out (B, n, H, Dv), blk_lse (B, H, n))`` into rows ``r0:r1`` of the
+    running ``out (B, S, H, Dv)`` / ``lse (B, H, S)`` (accumulation dtype), in place."""
+    o = out[:, r0:r1]
+    l_old = lse[:, :, r0:r1]
+    blk_lse = blk_lse.to(lse.dtype)
+    l_new = torch.logaddexp(l_old, blk_lse)
+    # A row that has seen no key yet has lse -inf on both sides: its weights must be 0, not NaN.
+    base = torch.where(torch.isneginf(l_new), torch.zeros_like(l_new), l_new)
+    w_old = torch.exp(l_old - base).transpose(1, 2).unsqueeze(-1)  # (B, n, H, 1)
+    w_blk = torch.exp(blk_lse - base).transpose(1, 2).unsqueeze(-1)
+    o.mul_(w_old).add_(blk_out.to(o.dtype) * w_blk)
+    l_old.copy_(l_new)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.size(-1) <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _ring_forward(q, k, v, group, causal, scale, layout):
+    ring = _Ring(group)
+    W, r = ring.world, ring.rank
+    B, S, H, _ = q.shape
+    n = chunks_per_rank(layout)
+    c = S // n
+    acc = _acc_dtype(q.dtype)
+    out = torch.zeros(B, S, H, v.size(-1), dtype=acc, device=q.device)
+    lse = torch.full((B, H, S), float("-inf"), dtype=acc, device=q.device)
+    q_ids = chunk_ids(r, W, layout)
+    kv = _pack(k, v)
+    spare = torch.empty_like(kv) if W > 1 else None
+    for step in range(W):
+        src = (r - step) % W
+        works = ring.start(kv, spare, _TAG_KV) if step + 1 < W else None
+        k_cur, v_cur = _unpack(kv, k.shape, v.shape)
+        for q0, q1, k0, k1, kc in _step_calls(q_ids, chunk_ids(src, W, layout), c, causal):
+            bo, bl = _kernel_forward(q[:, q0:q1], k_cur[:, k0:k1], v_cur[:, k0:k1], kc, scale)
+            _merge(out, lse, q0, q1, bo, bl)
+        if works is not None:
+            ring.wait(works)
+            kv, spare = spare, kv
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, layout):
+    ring = _Ring(group)
+    W, r = ring.world, ring.rank
+    S = q.size(1)
+    n = chunks_per_rank(layout)
+    c = S // n
+    acc = _acc_dtype(q.dtype)
+    dout = _last_dim_contiguous(dout)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    q_ids = chunk_ids(r, W, layout)
+    kv = _pack(k, v)
+    spare = torch.empty_like(kv) if W > 1 else None
+    dkv = None  # accumulator of the block here now; travels round the ring with it
+    dkv_works, dkv_recv = None, None
+    for step in range(W):
+        src = (r - step) % W
+        works = ring.start(kv, spare, _TAG_KV) if step + 1 < W else None
+        k_cur, v_cur = _unpack(kv, k.shape, v.shape)
+        local = torch.zeros(kv.numel(), dtype=acc, device=q.device)
+        dk_loc, dv_loc = _unpack(local, k.shape, v.shape)
+        for q0, q1, k0, k1, kc in _step_calls(q_ids, chunk_ids(src, W, layout), c, causal):
+            dq_b, dk_b, dv_b = _kernel_backward(
+                dout[:, q0:q1], q[:, q0:q1], k_cur[:, k0:k1], v_cur[:, k0:k1],
+                out[:, q0:q1], lse[:, :, q0:q1], kc, scale,
+            )
+            dq[:, q0:q1] += dq_b
+            dk_loc[:, k0:k1] += dk_b
+            dv_loc[:, k0:k1] += dv_b
+        if dkv_works is not None:  # the accumulator of this block, from the previous rank
+            ring.wait(dkv_works)
+            dkv = dkv_recv
+            dkv += local
+        else:
+            dkv = local
+        if W > 1:  # pass it on (after the last step this sends each block's total home)
+            dkv_recv = torch.empty_like(dkv)
+            dkv_works = ring.start(dkv, dkv_recv, _TAG_DKV)
+        if works is not None:
+            ring.wait(works)
+            kv, spare = spare, kv
+    if dkv_works is not None:
+        ring.wait(dkv_works)
+        dkv = dkv_recv
+    dk, dv = _unpack(dkv, k.shape, v.shape)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, layout):
+        out, lse = _ring_forward(q, k, v, group, causal, scale, layout)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = (group, causal, scale, layout)
+        ctx.set_materialize_grads(False)  # dlse is None unless the lse was used
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dlse is not None and bool((dlse != 0).any()):
+            raise NotImplementedError(
+                "ring_attention: the gradient through the returned lse is not supported; use "
+                "lse.detach() (only out is differentiable)")
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.cfg)
+        return dq, dk, dv, None, None, None, None
+
+
+def _check_inputs(q, k, v, S_local_multiple: int, layout: str) -> None:
+    for name, t, dims in (("q", q, "(B, S_local, H, D)"), ("k", k, "(B, S_local, Hkv, D)"),
+                          ("v", v, "(B, S_local, Hkv, Dv)")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"ring_attention: {name} must be a Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"ring_attention: {name} must have 4 dims {dims}, got shape {list(t.shape)}")
+    if k.size(1) != q.size(1) or v.size(1) != q.size(1):
+        raise ValueError(
+            "ring_attention: q, k and v must be shards of the same sequence (equal S_local), got "
+            f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}"
+        )
+    if q.size(1) % S_local_multiple:
+        raise ValueError(
+            f"ring_attention: a {layout!r} shard holds {S_local_multiple} equal chunks, so S_local "
+            f"must be a multiple of {S_local_multiple}, got q shape {list(q.shape)}"
+        )
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    layout: str = "zigzag",
+    window=None,
+    alibi_slopes=None,
+    rel_bias=None,
+    softcap=None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+):
+    """Attention over a sequence sharded across the ranks of ``group``; every rank calls it
+    with its own shard, and gets its own rows of ``attn_ext.attention(q_full, k_full, v_full)``.
+
+    Args:
+        q: ``(B, S_local, H, D)`` this rank's queries (any strides, last dim contiguous).
+        k, v: ``(B, S_local, Hkv, D)`` / ``(B, S_local, Hkv, Dv)`` this rank's keys and values
+            (GQA: ``Hkv`` divides ``H``). All ranks' shards have the same shape.
+        group: the process group of the ring (default: the world). Its ranks hold the shards
+            in the order of ``layout`` (see :func:`shard_sequence`).
+        causal: query at global position ``p`` sees key ``t`` iff ``t <= p`` (the unsharded
+            sequence's lower triangle); blocks entirely in the future are skipped.
+        scale: default ``1 / sqrt(D)``.
+        layout: ``"zigzag"`` (rank r holds chunks r and 2W-1-r; balanced causal work) or
+            ``"contiguous"`` (rank r holds chunk r). Must match how the shards were made.
+        window, alibi_slopes, rel_bias, softcap, dropout_p: not supported yet (they need the
+            attention ops to take a block's global position offset, or the keyword itself);
+            passing one raises ``NotImplementedError`` naming it.
+        return_lse: also return the global log-sum-exp ``(B, H, S_local)`` of each local row
+            (fp32; fp64 for fp64 inputs). A loss that depends on it raises in the backward
+            (its gradient is not implemented); use ``lse.detach()``.
+
+    Returns ``out (B, S_local, H, Dv)`` contiguous, q's dtype (and ``lse``). Differentiable in
+    q, k, v: the backward passes k/v round the ring again and sends dk/dv back.
+    """
+    unsupported = {
+        "window": window is not None and tuple(window) != (-1, -1),
+        "alibi_slopes": alibi_slopes is not None,
+        "rel_bias": rel_bias is not None,
+        "softcap": softcap is not None and softcap != 0,
+        "dropout_p": dropout_p != 0.0,
+    }
+    for name, given in unsupported.items():
+        if given:
+            raise NotImplementedError(
+                f"ring_attention: {name} is not supported yet: the attention ops have no argument "
+                "for a block's global position offset"
+                + (" (nor a softcap argument)" if name == "softcap" else "")
+                + "; only causal, scale and GQA are available"
+            )
+    _check_layout(layout)
+    _check_inputs(q, k, v, chunks_per_rank(layout), layout)
+    out, lse = _RingAttention.apply(q, k, v, group, bool(causal), scale, layout)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,138 @@
+"""What every benchmark prints first: the code measured (git commit of this checkout, dirty or
+not), torch, thread counts and the allocator mode, plus the machine, load and command line,
+so a number in RESULTS.md can be tied to the code and the settings that produced it.
+
+    from _env import print_env_header   # (benchmarks/ is on sys.path for its scripts)
+    print_env_header()                  # "# key: value" lines
+    print_env_header(prefix="- ")       # markdown bullets
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from typing import Dict, List, Optional, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# glibc malloc knobs that change whether large blocks are mapped fresh per allocation
+GLIBC_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "MALLOC_TOP_PAD_")
+PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
+
+def git_commit(root: str = ROOT) -> str:
+    """Short commit of the checkout the benchmark runs from, '+dirty' when tracked files
+    differ from it; ATTN_EXT_COMMIT overrides (a copy without .git)."""
+    env = os.environ.get("ATTN_EXT_COMMIT")
+    if env:
+        return f"{env} (from ATTN_EXT_COMMIT)"
+    try:
+        sha = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return "unknown (not a git checkout)"
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        branch = subprocess.run(["git", "-C", root, "rev-parse", "--abbrev-ref", "HEAD"],
+                                capture_output=True, text=True, timeout=10)
+        out = sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+        if branch.returncode == 0 and branch.stdout.strip() not in ("", "HEAD"):
+            out += f" (branch {branch.stdout.strip()})"
+        return out
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (git not available)"
+
+
+def allocator_mode(device: str = "cpu") -> str:
+    """The host allocator (a preloaded jemalloc/tcmalloc/mimalloc, or glibc with its knobs)
+    and, for CUDA, PyTorch's caching-allocator configuration."""
+    preloaded = []
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+        preloaded = [a for a in PRELOADED_ALLOCATORS if f"lib{a}" in maps]
+    except OSError:
+        pass
+    if preloaded:
+        host = f"{', '.join(preloaded)} (preloaded)"
+    else:
+        knobs = [f"{k}={os.environ[k]}" for k in GLIBC_KNOBS if k in os.environ]
+        host = ("glibc malloc, " + " ".join(knobs)) if knobs else \
+            "glibc malloc default (blocks above the mmap threshold are mapped fresh per allocation)"
+    if device == "cuda":
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+        host += f"; CUDA caching allocator {conf if conf else 'default config'}"
+    return host
+
+
+def threads() -> str:
+    import torch
+
+    env = [f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ]
+    return (f"{torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op"
+            + (f" ({' '.join(env)})" if env else "") + f"; {os.cpu_count()} logical CPUs")
+
+
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {platform.system()} {platform.release()}"
+
+
+def load() -> str:
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def describe(device: str = "cpu") -> List[Tuple[str, str]]:
+    """(key, value) pairs of the run's environment, in print order."""
+    import torch
+
+    tv = torch.__version__ + (f", CUDA {torch.version.cuda}" if torch.version.cuda else "")
+    rows = [
+        ("commit", git_commit()),
+        ("torch", tv),
+        ("threads", threads()),
+        ("allocator", allocator_mode(device)),
+        ("machine", machine()),
+    ]
+    if device == "cuda" and torch.cuda.is_available():
+        rows.append(("gpu", torch.cuda.get_device_name()))
+    try:
+        import attn_ext
+
+        rows.append(("attn_ext", attn_ext.library_path()))
+    except Exception as e:  # noqa: BLE001 (the benchmark will fail on its own; say why here)
+        rows.append(("attn_ext", f"not importable: {e}"))
+    rows += [
+        ("date", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")),
+        ("load average", load()),
+        ("command", " ".join([os.path.relpath(sys.argv[0], ROOT) if sys.argv[0] else "python"] + sys.argv[1:])),
+    ]
+    return rows
+
+
+def print_env_header(device: str = "cpu", prefix: str = "# ", file=None) -> Dict[str, str]:
+    """Print describe() as ``prefix key: value`` lines (flushed) and return it as a dict."""
+    rows = describe(device)
+    out = file or sys.stdout
+    for k, v in rows:
+        print(f"{prefix}{k}: {v}", file=out)
+    out.flush()
+    return dict(rows)
+
+
+if __name__ == "__main__":
+    print_env_header(sys.argv[1] if len(sys.argv) > 1 else "cpu")

@@ -1,0 +1,246 @@
+"""API traps of issue 18: cross-attention defaults and cached cross-attention (item 3),
+keyword-only arguments (item 5), RotaryEmbedding without host syncs and attention_weights'
+checks (item 6)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import attn_ext
+from attn_ext import MultiHeadAttention, RotaryEmbedding
+from attn_ext import reference as R
+from tests.utils import randn
+
+f64 = torch.float64
+
+
+# ---- item 3: cross-attention --------------------------------------------------------------
+
+
+def test_cross_attention_is_not_causal_by_default():
+    assert MultiHeadAttention(16, 2, cross_attention=True).causal is False
+    assert MultiHeadAttention(16, 2).causal is True  # self-attention: causal by default
+    assert MultiHeadAttention(16, 2, cross_attention=True, causal=True).causal is True
+    assert MultiHeadAttention(16, 2, causal=False).causal is False
+
+
+def test_cross_attention_default_sees_the_whole_memory():
+    """Every query row attends to every memory position: equal to the textbook without mask."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2, cross_attention=True).double().eval()
+    x, mem = torch.randn(2, 5, 16, dtype=f64), torch.randn(2, 9, 16, dtype=f64)
+    q = layer.q_proj(x).view(2, 5, 2, 8)
+    kv = layer.kv_proj(mem)
+    k, v = kv[..., :16].view(2, 9, 2, 8), kv[..., 16:].view(2, 9, 2, 8)
+    want = layer.out_proj(R.attention(q, k, v, causal=False).reshape(2, 5, 16))
+    torch.testing.assert_close(layer(x, mem)[0], want, rtol=1e-10, atol=1e-10)
+
+
+class _CountCalls:
+    def __init__(self, module):
+        self.n = 0
+        module.register_forward_hook(self._hook)
+
+    def _hook(self, *args):
+        self.n += 1
+
+
+def test_cached_cross_attention_computes_memory_once():
+    """Decoding step by step with a cross-attention cache gives the uncached result at every
+    step; the memory is projected once and the cache does not grow."""
+    torch.manual_seed(1)
+    B, Sm, d = 2, 7, 16
+    layer = MultiHeadAttention(d, 4, 2, cross_attention=True).double().eval()
+    mem = torch.randn(B, Sm, d, dtype=f64)
+    xs = [torch.randn(B, 1 + (t == 0), d, dtype=f64) for t in range(5)]  # a 2-token first step
+    with torch.no_grad():
+        want = [layer(x, mem)[0] for x in xs]
+    counter = _CountCalls(layer.kv_proj)
+    cache = layer.new_kv_cache(B, Sm)
+    with torch.no_grad():
+        for t, x in enumerate(xs):
+            out = layer(x, mem if t == 0 else None, cache)[0]
+            torch.testing.assert_close(out, want[t], rtol=1e-10, atol=1e-10)
+            assert cache.length == Sm
+    assert counter.n == 1
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_cross_attention_layer_scripts():
+    layer = MultiHeadAttention(16, 2, cross_attention=True).double().eval()
+    x, mem = torch.randn(1, 3, 16, dtype=f64), torch.randn(1, 5, 16, dtype=f64)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.jit.script(layer)(x, mem)[0], layer(x, mem)[0])
+
+
+def test_cached_cross_attention_misuse_is_refused():
+    B, Sm, d = 1, 4, 16
+    layer = MultiHeadAttention(d, 2, cross_attention=True).eval()
+    mem, x = randn(B, Sm, d), randn(B, 1, d)
+    cache = layer.new_kv_cache(B, Sm)
+    with pytest.raises(ValueError, match="first call must pass memory"):
+        layer(x, None, cache)
+    layer(x, mem, cache)
+    with pytest.raises(ValueError, match=r"already holds the memory's keys/values \(4 positions"):
+        layer(x, mem, cache)
+    cache.reset()
+    layer(x, mem, cache)  # a new memory after reset
+    rot = MultiHeadAttention(d, 2, cross_attention=True, rotary=4).eval()
+    with pytest.raises(ValueError, match="cross-attention with both rotary and kv_cache"):
+        rot(x, mem, rot.new_kv_cache(B, Sm))
+
+
+# ---- item 5: keyword-only arguments -------------------------------------------------------
+
+
+def _qkv(dtype=torch.float32):
+    return randn(1, 5, 2, 8, dtype=dtype), randn(1, 6, 2, 8, dtype=dtype), randn(1, 6, 2, 8, dtype=dtype)
+
+
+@pytest.mark.parametrize("fn,first_kw", [(attn_ext.attention, 3), (attn_ext.causal_attention, 3),
+                                         (attn_ext.attention_weights, 2), (attn_ext.explain, 3)])
+def test_everything_after_the_tensors_is_keyword_only(fn, first_kw):
+    params = list(inspect.signature(fn).parameters.values())
+    assert len(params) > first_kw
+    assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in params[:first_kw])
+    assert all(p.kind == p.KEYWORD_ONLY for p in params[first_kw:]), params
+
+
+def test_positional_flags_are_refused():
+    """flash_attn_func's 4th positional argument is dropout_p, SDPA's is attn_mask: code
+    ported from them must fail loudly instead of meaning causal."""
+    q, k, v = _qkv()
+    with pytest.raises(TypeError):
+        attn_ext.attention(q, k, v, True)
+    with pytest.raises(TypeError):
+        attn_ext.attention(q, k, v, 0.0)  # dropout_p as in flash_attn_func
+    with pytest.raises(TypeError):
+        attn_ext.causal_attention(q, k, v, 0.3)
+    with pytest.raises(TypeError):
+        attn_ext.attention_weights(q, k, True)
+    # the torch.ops schemas keep their positional arguments (TorchScript users call them)
+    a = torch.ops.attn_ext.attention(q, k, v, True, 0.3)
+    torch.testing.assert_close(a, attn_ext.attention(q, k, v, causal=True, scale=0.3), rtol=0, atol=0)
+    b = torch.ops.attn_ext.causal_attention(q, k, v, 0.3)
+    torch.testing.assert_close(b, attn_ext.causal_attention(q, k, v, scale=0.3), rtol=0, atol=0)
+
+
+# ---- item 6: RotaryEmbedding without host syncs --------------------------------------------
+
+
+class _RecordTensorCalls(TorchFunctionMode):
+    """Records the torch functions / Tensor methods called (by name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+HOST_READS = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy"}
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_rotary_positions_read_no_tensor_value(grad):
+    """RotaryEmbedding with a positions tensor reads no tensor value on the host (on CUDA
+    that would be a device synchronisation per call): no .item(), int(), bool(), ..."""
+    rot = RotaryEmbedding(8, max_seq_len=64)
+    q, k = randn(2, 5, 2, 8), randn(2, 5, 1, 8)
+    pos = torch.tensor([[3, 9, 0, 41, 7], [1, 2, 3, 4, 5]])
+    ref_q = R.rope(q.double(), *[t.double() for t in rot.tables(64)], pos)
+    if grad:
+        q.requires_grad_()
+        k.requires_grad_()
+    with _RecordTensorCalls() as rec:
+        q2, k2 = rot(q, k, positions=pos)
+        x2 = rot.rotate(k, positions=pos)
+    assert not HOST_READS & set(rec.names), sorted(HOST_READS & set(rec.names))
+    torch.testing.assert_close(q2.double(), ref_q, rtol=0, atol=1e-5)
+    torch.testing.assert_close(x2, k2, rtol=0, atol=0)
+
+
+def test_rotary_positions_past_the_table():
+    """Past the table (max_seq_len or what it grew to): the op's clear range error on CPU;
+    tables(n) grows it ahead of time."""
+    rot = RotaryEmbedding(8, max_seq_len=16)
+    q, k = randn(1, 3, 2, 8), randn(1, 3, 2, 8)
+    pos = torch.tensor([0, 5, 40])
+    with pytest.raises(RuntimeError, match=r"positions must lie in \[0, cos.size\(0\) = 16\), got positions\[2\] = 40"):
+        rot(q.clone(), k.clone(), positions=pos)
+    rot.tables(41)
+    q2, _ = rot(q.clone(), k.clone(), positions=pos)
+    cos, sin = R.rope_cache(41, 8)
+    torch.testing.assert_close(q2.double(), R.rope(q.double(), cos, sin, pos), rtol=0, atol=1e-5)
+
+
+# ---- item 6: attention_weights --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_weights_matches_reference_and_lse(causal):
+    q, k, v = randn(2, 7, 4, 8, dtype=f64), randn(2, 5, 2, 8, dtype=f64), randn(2, 5, 2, 8, dtype=f64)
+    w = attn_ext.attention_weights(q, k, causal=causal, scale=0.4)
+    torch.testing.assert_close(w, R.attention_probs(q, k, causal, 0.4), rtol=1e-12, atol=1e-12)
+    _, lse = attn_ext.attention(q, k, v, causal=causal, scale=0.4, return_lse=True)
+    w2 = attn_ext.attention_weights(q, k, causal=causal, scale=0.4, lse=lse)
+    torch.testing.assert_close(w2, w, rtol=1e-12, atol=1e-12)
+    if causal:  # Sq > Sk: the first two rows see no key -> 0, not NaN
+        assert torch.all(w[:, :, :2] == 0) and torch.isfinite(w).all()
+
+
+def test_attention_weights_accepts_3d_like_attention():
+    q, k, v = randn(2, 6, 8), randn(2, 9, 8), randn(2, 9, 8)
+    out, lse = attn_ext.attention(q, k, v, causal=True, return_lse=True)  # 3-D: one head
+    w = attn_ext.attention_weights(q, k, causal=True, lse=lse)
+    assert w.shape == (2, 6, 9)
+    w4 = attn_ext.attention_weights(q.unsqueeze(2), k.unsqueeze(2), causal=True)
+    torch.testing.assert_close(w, w4[:, 0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close((w @ v).to(out.dtype), out, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_weights_does_not_hide_nan():
+    q, k = randn(1, 4, 2, 8), randn(1, 4, 2, 8)
+    q[0, 2, 1, 3] = float("nan")
+    w = attn_ext.attention_weights(q, k, causal=True)
+    assert torch.isnan(w[0, 1, 2]).all()  # the row the NaN reaches
+    mask = torch.ones_like(w, dtype=torch.bool)
+    mask[0, 1, 2] = False
+    assert torch.isfinite(w[mask]).all()
+    k[0, 1, 0, 0] = float("inf")
+    w = attn_ext.attention_weights(randn(1, 4, 2, 8), k, causal=True)
+    assert not torch.isfinite(w[0, 0, 1:]).all()  # rows that see key 1 of head 0
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda q, k: (q[0, 0], k), r"q must have 4 dims \(B, Sq, H, D\) or 3 dims \(B, Sq, D\), got shape \[2, 8\]"),
+    (lambda q, k: (q, k[0]), r"k must have 4 dims \(B, Sk, Hkv, D\), got shape \[6, 2, 8\]"),
+    (lambda q, k: (q[..., 0, :], k), r"with 3-D q \(B, Sq, D\), k must be 3-D"),
+    (lambda q, k: (q, k.double()), r"k must have the same dtype as q \(torch.float32\), got torch.float64"),
+    (lambda q, k: (q, torch.cat([k, k])), r"k must have batch size B = 1 \(from q\)"),
+    (lambda q, k: (q, k[..., :4]), r"k must have head dim D = 8 \(from q\)"),
+    (lambda q, k: (q, torch.cat([k, k[:, :, :1]], 2)), r"Hkv = 3 must divide q's number of heads H = 2"),
+    (lambda q, k: (q.int(), k.int()), r"q must be float32, float64, float16 or bfloat16, got torch.int32"),
+])
+def test_attention_weights_input_errors(make, match):
+    q, k, _ = _qkv()
+    with pytest.raises(ValueError, match=match):
+        attn_ext.attention_weights(*make(q, k))
+
+
+def test_attention_weights_lse_and_scale_errors():
+    q, k, _ = _qkv()
+    with pytest.raises(ValueError, match=r"lse must have shape \[1, 2, 5\] \(B, H, Sq\), got \[1, 5\]"):
+        attn_ext.attention_weights(q, k, lse=torch.zeros(1, 5))
+    with pytest.raises(ValueError, match=r"with 3-D q, lse must have 2 dims \(B, Sq\)"):
+        attn_ext.attention_weights(q[:, :, 0], k[:, :, 0], lse=torch.zeros(1, 1, 5))
+    with pytest.raises(ValueError, match=r"lse must have shape \[1, 5\] \(B, Sq\), got \[1, 4\]"):
+        attn_ext.attention_weights(q[:, :, 0], k[:, :, 0], lse=torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="scale must be finite, got nan"):
+        attn_ext.attention_weights(q, k, scale=float("nan"))

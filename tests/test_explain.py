@@ -1,0 +1,189 @@
+"""attn_ext.explain(q, k, v, ...): the kernel a call will use and why.
+
+CPU: its split-KV / tiled answer is checked against what the kernel observably did
+(tests/profiling.cpu_split_kv_ran). CUDA: the rules are pure functions of shapes, dtype,
+alignment and device properties, checked here on CPU with made-up device properties; the
+constants they use are read from the C++ sources (tools/kernel_constants.py) and must agree.
+tests/test_attention_cuda.py compares explain with the profiled kernels on a GPU."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+import attn_ext
+from attn_ext import _explain as X
+from tests.profiling import cpu_split_kv_ran
+from tests.utils import randn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import kernel_constants as kc  # noqa: E402
+
+H200 = dict(sms=132, smem_optin=227 * 1024)
+RTX4090 = dict(sms=128, smem_optin=99 * 1024)  # sm_89: 99 KiB opt-in per block
+
+
+def shape(B=1, Sq=128, Sk=128, H=4, Hkv=4, D=64, Dv=None):
+    return X.Shape(B, Sq, Sk, H, Hkv, D, D if Dv is None else Dv)
+
+
+# ---- the constants are the kernels' ---------------------------------------------------------
+
+
+def test_cpu_constants_match_the_header():
+    c = kc.cpu_constants()
+    assert (c["kBlockQ"], c["kBlockK"]) == (X.CPU_BLOCK_Q, X.CPU_BLOCK_K)
+    # the split rule's shape in attention_fwd_kernel
+    src = kc.source("csrc/cpu/attention_fwd.cpp")
+    assert "if (plan.n_tiles < workers && p.Sk >= 4 * kBlockK)" in src
+    assert "n_split = std::min(ceil_div(2 * workers, plan.n_tiles), p.Sk / (2 * kBlockK));" in src
+
+
+def test_cuda_constants_match_the_headers():
+    c = kc.launch_constants()
+    assert c["simple.kMaxHeadDim"] == X.CUDA_SIMPLE_MAX_HEAD_DIM
+    assert c["fa2.kBlockM"] == X.CUDA_FA2_BLOCK_M
+    assert kc.fwd_fast_head_dims() == X.CUDA_FWD_FAST_HEAD_DIMS
+    assert kc.bwd_fast_head_dims() == X.CUDA_BWD_FAST_HEAD_DIMS
+    fwd, bwd = kc.launch_function("fwd_smem_bytes"), kc.launch_function("bwd_smem_bytes")
+    for d in range(8, 257, 8):
+        assert X.cuda_fwd_smem_bytes(d) == kc.evaluate(fwd, {"head_dim": d}), d
+        assert X.cuda_bwd_smem_bytes(d) == kc.evaluate(bwd, {"head_dim": d}), d
+    cu = kc.source("csrc/cuda/attention.cu")
+    split = kc.block(cu, r"SplitPlan\s+plan_split\s*\([^)]*\)\s*\{")
+    m = re.search(r"p\.Sq\s*>\s*(\d+)\s*\|\|\s*p\.Sk\s*<\s*(\d+)", split)
+    assert m and (int(m.group(1)), int(m.group(2))) == (X.CUDA_SPLIT_MAX_SQ, X.CUDA_SPLIT_MIN_SK)
+    assert re.search(r"static_cast<int64_t>\(sms\)\s*\*\s*(\d+)", split).group(1) == str(X.CUDA_SPLIT_WARPS_PER_SM)
+    assert "rows * 4 >= target" in split
+    m = re.search(r"\(p\.Sk \+ (\d+)\) / (\d+)", split)
+    assert m and int(m.group(2)) == X.CUDA_SPLIT_MIN_CHUNK == int(m.group(1)) + 1
+    # the conditions explain restates, in the adapter's words
+    fast_fwd = kc.block(cu, r"bool\s+use_fast_forward\s*\([^)]*\)\s*\{")
+    for cond in ("dt != at::kHalf && dt != at::kBFloat16", "p.D != p.Dv || !cuda::fa2::fwd_fast_head_dim(p.D)",
+                 "!aligned16(q) || !aligned16(k) || !aligned16(v)", "fwd_fast_grid_ok(p)",
+                 "fwd_smem_bytes(p.D) > max_smem_optin", "force_simple()"):
+        assert cond in fast_fwd, cond
+    fast_bwd = kc.block(cu, r"bool\s+use_fast_backward\s*\([^)]*\)\s*\{")
+    for cond in ("p.D != 64 && p.D != 128", "aligned16(dout)", "deterministicAlgorithms()",
+                 "bwd_smem_bytes(p.D) > max_smem_optin", "force_simple()"):
+        assert cond in fast_bwd, cond
+    assert f'std::getenv("{X.FORCE_SIMPLE_ENV}")' in cu
+
+
+# ---- CPU: the answer is what the kernel did ---------------------------------------------------
+
+
+@pytest.mark.parametrize("B,Sq,Sk,H,Hkv", [(1, 1, 1500, 1, 1), (1, 1, 1500, 8, 1), (2, 3, 1500, 2, 1),
+                                           (1, 4, 700, 8, 2), (1, 1, 383, 1, 1), (1, 1, 384, 1, 1),
+                                           (2, 100, 1500, 4, 4), (1, 200, 2000, 1, 1)])
+@pytest.mark.parametrize("threads", [2, 4])
+def test_cpu_explain_matches_the_kernel(B, Sq, Sk, H, Hkv, threads):
+    q, k, v = randn(B, Sq, H, 32), randn(B, Sk, Hkv, 32), randn(B, Sk, Hkv, 32)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        choice = attn_ext.explain(q, k, v, causal=True)
+    finally:
+        torch.set_num_threads(prev)
+    assert choice.device == "cpu" and choice.details["threads"] == threads
+    observed = cpu_split_kv_ran(q, k, v, True, threads)
+    assert (choice.forward == "cpu.split_kv") == observed, (str(choice), observed)
+    assert choice.forward in ("cpu.split_kv", "cpu.tiled") and choice.backward == "cpu.key_tiles"
+    assert str(choice).startswith("attn_ext on cpu:") and choice.forward in str(choice)
+
+
+def test_cpu_explain_reasons():
+    one = X._explain_cpu(shape(Sq=1, Sk=1500, H=1, Hkv=1), torch.float32, 4)
+    assert one.forward == "cpu.split_kv" and "1 query tile(s) < 4 threads" in one.forward_reason
+    assert one.details["n_split"] == 7  # min(ceil(8 / 1), 1500 // 192)
+    few_keys = X._explain_cpu(shape(Sq=1, Sk=100, H=1, Hkv=1), torch.float32, 4)
+    assert few_keys.forward == "cpu.tiled" and "Sk = 100 < 384" in few_keys.forward_reason
+    many = X._explain_cpu(shape(B=4, Sq=500), torch.bfloat16, 4)
+    assert many.forward == "cpu.tiled" and ">= 4 threads" in many.forward_reason
+    assert "float64 accumulation" in X._explain_cpu(shape(), torch.float64, 4).forward_reason
+
+
+def test_explain_3d_empty_and_errors():
+    q, k, v = randn(2, 5, 16), randn(2, 7, 16), randn(2, 7, 16)
+    assert attn_ext.explain(q, k, v).forward == "cpu.tiled"
+    empty = attn_ext.explain(q[:, :0], k, v)
+    assert empty.forward == "none" and "no kernel" in empty.forward_reason
+    q4, k4, v4 = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
+    with pytest.raises(ValueError, match=r"q must have 4 dims \(B, Sq, H, D\), got shape \[2, 5\]"):
+        attn_ext.explain(q4[:, :, 0, 0], k4, v4)
+    with pytest.raises(ValueError, match=r"k must have the same dtype as q"):
+        attn_ext.explain(q4, k4.double(), v4)
+    with pytest.raises(ValueError, match=r"k must have head dim D = 16 \(from q\)"):
+        attn_ext.explain(q4, k4[..., :8], v4)
+    with pytest.raises(ValueError, match=r"v must have Sk = 7 keys"):
+        attn_ext.explain(q4, k4, v4[:, :3])
+    with pytest.raises(ValueError, match=r"q's last dim must be contiguous"):
+        attn_ext.explain(randn(2, 5, 1, 32)[..., ::2], k4, v4)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        attn_ext.explain(q4, k4, v4, scale=float("inf"))
+    with pytest.raises(TypeError):
+        attn_ext.explain(q4, k4, v4, True)  # keyword-only
+
+
+# ---- CUDA rules, on made-up devices -----------------------------------------------------------
+
+
+def test_aligned16():
+    x = torch.empty(2, 5, 4, 64, dtype=torch.bfloat16)
+    assert X.aligned16(x) == (x.data_ptr() % 16 == 0)
+    assert not X.aligned16(torch.empty(2 * 5 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 5, 4, 64))
+    assert not X.aligned16(torch.empty(2, 5, 4, 68, dtype=torch.bfloat16)[..., :64])  # head stride 68
+
+
+def test_cuda_forward_rules():
+    fwd = X.cuda_forward_choice
+    path, why, _ = fwd(shape(D=128), torch.bfloat16, True, **H200)
+    assert path == "cuda.fa2" and "tensor-core" in why
+    path, why, _ = fwd(shape(D=128), torch.float32, True, **H200)
+    assert path == "cuda.simple" and "dtype float32" in why
+    path, why, _ = fwd(shape(D=80), torch.float16, True, **H200)
+    assert path == "cuda.simple" and "head dim 80 not in [32, 64, 96, 128, 256]" in why
+    path, why, _ = fwd(shape(D=64, Dv=128), torch.float16, True, **H200)
+    assert path == "cuda.simple" and "D = 64 != Dv = 128" in why
+    path, why, _ = fwd(shape(), torch.float16, False, **H200)
+    assert path == "cuda.simple" and "16-byte aligned" in why
+    path, why, det = fwd(shape(D=256), torch.bfloat16, True, sms=100, smem_optin=48 * 1024)
+    assert path == "cuda.simple" and "101376 bytes at D = 256" in why and det["smem_needed"] == 101376
+    path, why, _ = fwd(shape(), torch.bfloat16, True, force_simple=True, **H200)
+    assert path == "cuda.simple" and "ATTN_EXT_CUDA_ATTN=simple" in why
+    # several reasons at once are all given
+    path, why, _ = fwd(shape(D=80), torch.float32, False, **H200)
+    assert why.count(";") == 2
+
+
+def test_cuda_split_rules():
+    fwd = X.cuda_forward_choice
+    path, why, det = fwd(shape(Sq=1, Sk=4096, H=4, Hkv=1, D=128), torch.bfloat16, True, **H200)
+    # rows 4, target 132 * 16 = 2112: n = min(528, 32) = 32 chunks of 128
+    assert path == "cuda.split_kv" and (det["n_split"], det["chunk"]) == (32, 128), why
+    assert X.cuda_split_plan(shape(Sq=17, Sk=4096), 132)["n_split"] == 1  # Sq > 16
+    assert X.cuda_split_plan(shape(Sq=1, Sk=511), 132)["n_split"] == 1  # Sk < 512
+    assert X.cuda_split_plan(shape(B=8, Sq=16, Sk=4096, H=8), 132)["n_split"] == 1  # 1024 rows fill it
+    assert X.cuda_split_plan(shape(Sq=1, Sk=4096), 132, force_simple=True)["n_split"] == 1
+    # any dtype and head dim take the split path
+    assert fwd(shape(Sq=2, Sk=1500, D=59), torch.float32, False, **H200)[0] == "cuda.split_kv"
+
+
+def test_cuda_backward_rules():
+    bwd = X.cuda_backward_choice
+    path, why, _ = bwd(shape(D=128), torch.bfloat16, True, H200["smem_optin"], False)
+    assert path == "cuda.fa2" and "if dout is 16-byte aligned too" in why
+    assert bwd(shape(D=128), torch.bfloat16, True, H200["smem_optin"], False, dout_aligned=True)[0] == "cuda.fa2"
+    path, why, _ = bwd(shape(D=128), torch.bfloat16, True, RTX4090["smem_optin"], False)
+    assert path == "cuda.simple" and "158720 bytes at D = 128" in why
+    path, why, _ = bwd(shape(D=64), torch.bfloat16, True, H200["smem_optin"], True)
+    assert path == "cuda.simple" and "use_deterministic_algorithms" in why
+    path, why, _ = bwd(shape(D=96), torch.bfloat16, True, H200["smem_optin"], False)
+    assert path == "cuda.simple" and "head dim 96 not in [64, 128]" in why
+    path, why, _ = bwd(shape(D=64), torch.bfloat16, True, H200["smem_optin"], False, dout_aligned=False)
+    assert path == "cuda.simple" and "dout not 16-byte aligned" in why
