@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -31,26 +29,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
 import attn_ext  # noqa: E402
+from _env import print_env_header  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def allocator_mode() -> str:
-    keys = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD")
-    set_ = {k: os.environ[k] for k in keys if k in os.environ}
-    return "glibc default" if not set_ else "custom (" + " ".join(f"{k}={v}" for k, v in set_.items()) + ")"
 
 
 def timed(fns: dict, repeats: int) -> dict:
@@ -123,10 +106,9 @@ def main():
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cases = args.cases.split(",")
-    print(f"# bench_masks: commit {commit()}, torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads, allocator {allocator_mode()}, {platform.processor() or platform.machine()}, "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} (a shared machine: "
-          f"timings are noisy), medians of {args.repeats} interleaved rounds, float32")
+    print_env_header("cpu")  # commit, torch, threads, allocator, machine, load
+    print(f"# bench_masks: medians of {args.repeats} interleaved rounds, float32 (on a shared "
+          f"machine timings are noisy: see the load above)")
     print("| case | mode | attn_ext ms | baseline | baseline ms | ratio |")
     print("|---|---|---|---|---|---|")
     rows = []

@@ -173,6 +173,10 @@ def main():
         args.seq, args.heads, args.head_dim, args.repeats = 256, 2, 32, 2
     if args.seq % 4:
         raise SystemExit(f"--seq must be a multiple of 4 (2 ranks x 2 zigzag chunks), got {args.seq}")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+    from _env import print_env_header
+
+    print_env_header("cpu")
     print(f"# bench_ring: commit {commit()}, torch {torch.__version__}, {platform.machine()}, "
           f"{os.cpu_count()} logical CPUs, allocator: {allocator_mode()}")
     print(f"# shape (B, S, H, D) = ({args.batch}, {args.seq}, {args.heads}, {args.head_dim}) float32, "
