@@ -502,10 +502,6 @@ def attention(
             dim must be contiguous. dtypes: float32, float64, float16, bfloat16 (all three
             the same); fp16/bf16 accumulate in fp32.
 
-    Everything after ``v`` is keyword-only (``flash_attn_func``'s 4th positional argument is
-    ``dropout_p`` and SDPA's is ``attn_mask``: a positional ``causal`` would silently change
-    meaning in ported code).
-
         causal: mask the future, aligned to the bottom-right corner: row ``i`` sees key
             ``j`` iff ``j <= i + (Sk - Sq)``. For ``Sq == Sk`` this is the usual lower
             triangle; for ``Sq < Sk`` (decoding with a KV cache) the last query row sees

@@ -1,7 +1,12 @@
 // attn_ext::attention_forward on CPU: flash-style tiled attention with an online softmax.
 //
-//   out (B, Sq, H, Dv) = softmax(scale * q k^T [+ causal mask]) v,  lse (B, H, Sq)
+//   out (B, Sq, H, Dv) = softmax(scale * q k^T [+ mask]) v,  lse (B, H, Sq)
 //   q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv): any strides but the last dim
+//   (packed sequences: q (Tq, H, D) ... with per-sequence rows from cu_seqlens)
+//
+// Which keys a row sees (causal, window, key padding, packed sequences) comes from the
+// visibility layer, common/attention_mask.h: a tile's key range, each key tile's class
+// (invisible: skipped; full: unmasked; partial: masked) and the per-(i, j) predicate.
 //
 // Work is split into query tiles: up to kBlockQ score columns, each a (query head, query
 // row) pair of one kv head. Normally a tile is up to 96 consecutive rows of one head; when
@@ -9,10 +14,10 @@
 // so each k/v tile loaded serves all of them. For one tile:
 //
 //   qt (D, C)   = scale * log2(e) * q^T   (packed once; C = columns rounded up to 8)
-//   for each key tile of up to kBlockK keys the tile can see (fully masked tiles skipped):
+//   for each key tile of up to kBlockK keys the tile can see (invisible tiles skipped):
 //     kb (nk, Dp), vb (nk, Dvp)  = k, v rows converted to the accumulation type
 //     pass 1: st (nk, C) = kb qt                  scores, transposed, in log2 units
-//             mask (only tiles crossing the causal diagonal)
+//             mask (only partial tiles)
 //     pass 2: online softmax on st's columns      (running max m, sum l, rescale alpha)
 //     pass 3: o (C, Dvp) = alpha * o + st^T vb
 //   out = o / l, lse = (m + log2 l) * ln 2
