@@ -151,10 +151,10 @@ def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int) -> Optional[dict
     group = s.H // s.Hkv
     if s.Sq * group > CPU_DECODE_COLS:
         return None
-    heads = s.B * s.Hkv
-    n_chunks = max(1, _ceil_div(4 * max(threads, 1), heads))
+    # work units (sequence, key chunk), each covering every kv head
+    n_chunks = max(1, _ceil_div(4 * max(threads, 1), max(s.B, 1)))
     n_chunks = min(n_chunks, max(1, s.Sk // CPU_DECODE_MIN_CHUNK))  # every row's band: <= Sk keys
-    return {"threads": threads, "columns_per_kv_head": s.Sq * group, "kv_heads": heads,
+    return {"threads": threads, "columns_per_kv_head": s.Sq * group, "kv_heads": s.B * s.Hkv,
             "n_chunks": n_chunks}
 
 
@@ -172,9 +172,10 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int) -> KernelChoice:
         plan.update(decode)
         fwd, why = "cpu.decode", (
             f"Sq * (H / Hkv) = {decode['columns_per_kv_head']} <= {CPU_DECODE_COLS} query columns "
-            f"per kv head ({dtype} on an AVX2 CPU): K/V read once per (batch, kv head), keys "
-            f"cut into {decode['n_chunks']} chunk(s) per kv head (4 tasks per thread, at least "
-            f"{CPU_DECODE_MIN_CHUNK} keys each) merged in chunk order; float32 accumulation "
+            f"per kv head ({dtype} on an AVX2 CPU): K/V read once, in memory order, by units of "
+            f"(sequence, key chunk) covering every kv head; {decode['n_chunks']} chunk(s) per "
+            f"sequence (4 units per thread, at least {CPU_DECODE_MIN_CHUNK} keys each) merged in "
+            "chunk order; float32 accumulation "
             "(ATTN_EXT_CPU_DECODE=0 turns it off)")
     elif plan["n_split"] > 1:
         fwd, why = "cpu.split_kv", (

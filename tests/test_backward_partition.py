@@ -33,7 +33,7 @@ def _with_threads(n, f):
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("threads", [1, 3, 16])  # 16 > B * Hkv: the split partition
+@pytest.mark.parametrize("threads", [1, 3, 16, 64])  # 16, 64 > B * Hkv: the split partition
 @pytest.mark.parametrize("case", ["causal_gqa", "window_padding", "full_dv"])
 def test_backward_partitions_match_reference(threads, case):
     B, Sq, Sk, H, Hkv, D, Dv = 2, 200, 230, 4, 2, 24, 24
@@ -79,7 +79,7 @@ def test_varlen_backward_partitions(threads):
         assert (a - r).abs().max().item() < 1e-9, name
 
 
-@pytest.mark.parametrize("threads", [2, 16])
+@pytest.mark.parametrize("threads", [2, 16, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_bitwise_reproducible(threads, dtype):
     q = torch.randn(1, 300, 4, 32, dtype=dtype)

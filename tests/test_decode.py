@@ -112,7 +112,7 @@ def test_decode_thread_count_independent():
     old = torch.get_num_threads()
     try:
         results = []
-        for n in (1, 2, 16):
+        for n in (1, 2, 16, 64):
             torch.set_num_threads(n)
             results.append(attn_ext.attention(q, k, v, return_lse=True))
         for out, lse in results[1:]:

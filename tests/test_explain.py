@@ -125,7 +125,7 @@ def test_cpu_explain_decode_reasons(monkeypatch):
         pytest.skip("no AVX2/FMA/F16C: the decode kernel does not run")
     dec = X._explain_cpu(shape(B=1, Sq=1, Sk=1500, H=8, Hkv=2), torch.float32, 4)
     assert dec.forward == "cpu.decode" and "Sq * (H / Hkv) = 4 <= 16" in dec.forward_reason
-    assert dec.details["n_chunks"] == 5  # min(ceil(16 / 2), 1500 // 256)
+    assert dec.details["n_chunks"] == 5  # min(ceil(4 threads * 4 / B = 1), 1500 // 256)
     assert X._explain_cpu(shape(B=1, Sq=1, Sk=1500, H=8, Hkv=2), torch.float64, 4).forward != "cpu.decode"
     assert X._explain_cpu(shape(B=1, Sq=3, Sk=1500, H=8, Hkv=1), torch.float32, 4).forward != "cpu.decode"
     monkeypatch.setenv("ATTN_EXT_CPU_DECODE", "0")

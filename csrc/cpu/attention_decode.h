@@ -1,23 +1,27 @@
 // Decode attention on CPU: few query rows per kv head (Sq * H / Hkv <= kDecodeCols), long
 // key sequences. The work is memory-bound (each K/V element is used by only a handful of
-// query columns), so the kernel is organised around reading K and V exactly once:
+// query columns), so the kernel is organised around reading K and V exactly once, in memory
+// order:
 //
-//   columns  c = hh * Sq + ii: query head hkv * group + hh, row ii (all rows of every query
-//            head of one kv head: GQA's heads share one read of each K/V row)
-//   tasks    (b, hkv, key chunk): the keys a (b, hkv) sees are split into chunks so that
-//            there are >= 4 tasks per thread (split-K); each chunk keeps its own running
-//            (max, sum, unnormalised output) and a final pass merges the chunks
-//   per block of kDecodeKeys keys:
-//     pack    kb (nk, Dp), vb (nk, Dvp) fp32: one sequential read of each K/V row (rows of
-//             a BSHD cache lie H * D elements apart, often a multiple of 4 KiB, which would
-//             alias in L1 if read in place by the inner loops); the next block is prefetched
-//     scores  s (C, nk) = qs (C, Dp) kb^T in log2 units (8 keys x 1 column register tiles)
-//     mask    hidden (c, j) -> -inf (visibility layer), whole-hidden keys skipped in PV
-//     softmax online per column: m, l, o rescale
-//     PV      o (C, Dvp) += p (C, nk) vb (d-chunk outer, columns in registers)
+//   columns  c = hh * Sq + ii of kv head hkv: query head hkv * group + hh, row ii (every
+//            query head of a kv head shares one read of each K/V row: GQA)
+//   units    (sequence, key chunk), covering every kv head: in a BSHD cache the rows of all
+//            heads lie next to each other, so a unit streams one contiguous range (pages and
+//            hardware prefetch streams used once, in order). The keys of a sequence are
+//            split into chunks so that there are >= 4 units per thread (split-K); each
+//            (unit, kv head) keeps its running (max, sum, unnormalised output) and a final
+//            pass merges the chunks in order.
+//   per block of nb keys (the block of every kv head in ~256 KiB):
+//     pack    kb (Hkv, nb, Dp), vb (Hkv, nb, Dvp) fp32, row by row in memory order
+//     per kv head:
+//       scores  s (C, nb) = qs (C, Dp) kb^T in log2 units (8 keys x 1 column register tiles)
+//       mask    hidden (c, j) -> -inf (visibility layer, decided once per block)
+//       softmax online per column: m, l, o rescale
+//       PV      o (C, Dvp) += p (C, nb) vb (d-chunk outer, columns in registers); keys hidden
+//               from some columns take a scalar path that skips hidden pairs
 //
-// Extra memory: per thread one block of K/V and the column state; the chunk partials are
-// (tasks, C, Dvp + 2) floats. ATen-free; AVX2+FMA(+F16C) only: callers check
+// Extra memory: per thread one block of K/V and q; the chunk partials are
+// (B, chunks, Hkv, C, Dvp + 2) floats. ATen-free; AVX2+FMA(+F16C) only: callers check
 // decode_supported() and otherwise take the tiled kernel.
 #pragma once
 
@@ -40,8 +44,9 @@ namespace cpu_attn {
 // Query columns per kv head the decode kernel takes (group * Sq): 8 columns per register
 // pass of the PV product, two passes at most.
 constexpr int64_t kDecodeCols = 16;
-// Keys per block: 64 keys of K and V at D = 128 fp32 are 64 KiB, in L2 and half in L1.
-constexpr int64_t kDecodeKeys = 64;
+// Keys per block: a unit reads the block for every kv head (rows lie next to each other in a
+// BSHD cache): 32 keys x 8 kv heads x D = 128 fp32 of K and V are 256 KiB, in L2.
+constexpr int64_t kDecodeKeys = 32;
 // Keys per chunk at least (a chunk's fixed costs: q packing, merge).
 constexpr int64_t kDecodeMinChunk = 256;
 
@@ -54,6 +59,8 @@ inline bool decode_enabled() {
   }();
   return on;
 }
+
+inline int64_t decode_threads() { return num_threads(); }
 
 inline bool decode_supported(const AttentionParams& p, bool is_double) {
   if (is_double || !cpu::use_avx2() || !decode_enabled()) return false;
@@ -85,15 +92,6 @@ ATTN_EXT_AVX2 inline void pack_row(const scalar_t* src, int64_t n, float* dst) {
   for (; d + 8 <= n; d += 8) _mm256_storeu_ps(dst + d, cpu::Avx2IO<scalar_t>::load(src + d));
   for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
   for (; d % 8 != 0; ++d) dst[d] = 0.f;
-}
-
-template <typename scalar_t>
-inline void prefetch_rows(const scalar_t* base, int64_t stride, int64_t rows, int64_t n) {
-  const int64_t bytes = n * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t r = 0; r < rows; ++r) {
-    const char* row = reinterpret_cast<const char*>(base + r * stride);
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-  }
 }
 
 // s[c * ld + r] = qs[c] . kb[r] for r in [0, nk) (nk a multiple of 8 after padding rows).
@@ -158,21 +156,19 @@ ATTN_EXT_AVX2 inline void pv(const float* p, int64_t ld, int64_t C, const float*
 
 struct DecodeScratch {
   int64_t Dp, Dvp;
-  AlignedVec<float> qs;   // (C, Dp): scale * log2(e) * q of every column
-  AlignedVec<float> kb;   // (kDecodeKeys, Dp)
-  AlignedVec<float> vb;   // (kDecodeKeys, Dvp)
+  AlignedVec<float> qs;   // (Hkv, C, Dp): scale * log2(e) * q of every column of every kv head
+  AlignedVec<float> kb;   // (Hkv, kDecodeKeys, Dp): the block's k rows of every kv head
+  AlignedVec<float> vb;   // (Hkv, kDecodeKeys, Dvp)
   AlignedVec<float> s;    // (C, kDecodeKeys): scores, then probabilities
-  AlignedVec<float> o;    // (C, Dvp)
-  AlignedVec<float> m, l; // (C)
   std::vector<uint8_t> use;  // (kDecodeKeys): key seen by some column
-  DecodeScratch(int64_t D, int64_t Dv)
+  std::vector<uint8_t> seen; // (C, kDecodeKeys): column c sees key r (band and padding)
+  DecodeScratch(int64_t Hkv, int64_t D, int64_t Dv)
       : Dp(round_up(D, 8)), Dvp(round_up(Dv, 8)),
-        qs(static_cast<size_t>(kDecodeCols * Dp)),
-        kb(static_cast<size_t>(kDecodeKeys * Dp), 0.f),
-        vb(static_cast<size_t>(kDecodeKeys * Dvp), 0.f),
+        qs(static_cast<size_t>(Hkv * kDecodeCols * Dp)),
+        kb(static_cast<size_t>(Hkv * kDecodeKeys * Dp), 0.f),
+        vb(static_cast<size_t>(Hkv * kDecodeKeys * Dvp), 0.f),
         s(static_cast<size_t>(kDecodeCols * kDecodeKeys)),
-        o(static_cast<size_t>(kDecodeCols * Dvp)),
-        m(kDecodeCols), l(kDecodeCols), use(kDecodeKeys) {}
+        use(kDecodeKeys), seen(static_cast<size_t>(kDecodeCols * kDecodeKeys)) {}
 };
 
 // Online softmax of the block's scores s (C, nk) in place (log2 units; -inf hidden).
@@ -211,16 +207,19 @@ ATTN_EXT_AVX2 inline void block_softmax(float* s, int64_t C, int64_t nk, float* 
 
 }  // namespace decode_detail
 
-// out / lse of every (b, h, i) from keys read once per (b, kv head). decode_supported(p).
+// out / lse of every (b, h, i) from keys read once. Work units are (sequence, key chunk) and
+// cover every kv head: a BSHD cache holds the rows of all heads next to each other, so a unit
+// streams one contiguous range of memory (pages and prefetch streams used once, in order).
+// decode_supported(p).
 template <typename scalar_t>
 void attention_decode_kernel(const AttentionParams& p) {
   using namespace decode_detail;
   const Visibility vis = p.visibility();
   const int64_t group = p.H / p.Hkv;
   const int64_t Dp = round_up(p.D, 8), Dvp = round_up(p.Dv, 8);
-  const int64_t C = p.Sq * group;  // columns per (b, kv head); may be < Sq * group for a
-                                   // shorter packed sequence (unused columns hidden)
-  const int64_t heads = p.B * p.Hkv;
+  const int64_t C = p.Sq * group;  // columns per kv head (hh * Sq + ii); rows past a shorter
+                                   // packed sequence are hidden
+  const int64_t Hkv = p.Hkv;
 
   // Keys some row of sequence b sees by the band (the same for every kv head).
   auto seq_keys = [&](const SeqInfo& s) -> Range {
@@ -232,13 +231,16 @@ void attention_decode_kernel(const AttentionParams& p) {
     const Range r = seq_keys(vis.seq(b));
     max_keys = std::max(max_keys, r.hi - r.lo);
   }
-  // Chunks per (b, kv head): enough tasks for every thread (4 per thread for balance), each
-  // at least kDecodeMinChunk keys.
-  const int64_t workers = std::max<int64_t>(1, num_threads());
-  int64_t n_chunks = std::max<int64_t>(1, ceil_div(4 * workers, heads));
+  // Chunks per sequence: 4 units per thread (balance), each at least kDecodeMinChunk keys.
+  const int64_t workers = std::max<int64_t>(1, decode_threads());
+  int64_t n_chunks = std::max<int64_t>(1, ceil_div(4 * workers, p.B));
   n_chunks = std::min(n_chunks, std::max<int64_t>(1, max_keys / kDecodeMinChunk));
+  // partial state of (b, chunk, hkv): o (C, Dvp), m (C), l (C)
   const int64_t per_part = C * (Dvp + 2);
-  std::vector<float> parts(static_cast<size_t>(heads * n_chunks * per_part));
+  std::vector<float> parts(static_cast<size_t>(p.B * n_chunks * Hkv * per_part));
+  auto part_of = [&](int64_t b, int64_t chunk, int64_t hkv) {
+    return parts.data() + ((b * n_chunks + chunk) * Hkv + hkv) * per_part;
+  };
 
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* k = static_cast<const scalar_t*>(p.k);
@@ -246,17 +248,16 @@ void attention_decode_kernel(const AttentionParams& p) {
   const float qscale = static_cast<float>(p.score_terms().scale * kLog2e);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  parallel_tasks(heads * n_chunks, [&] { return DecodeScratch(p.D, p.Dv); },
+  parallel_tasks(p.B * n_chunks, [&] { return DecodeScratch(Hkv, p.D, p.Dv); },
                  [&](int64_t task, DecodeScratch& w) {
-    const int64_t chunk = task % n_chunks, bh = task / n_chunks;
-    const int64_t b = bh / p.Hkv, hkv = bh % p.Hkv;
+    const int64_t chunk = task % n_chunks, b = task / n_chunks;
     const SeqInfo sq = vis.seq(b);
-    float* part = parts.data() + task * per_part;
-    float* pm = part + C * Dvp;
-    float* pl = pm + C;
-    std::fill(part, part + C * Dvp, 0.f);
-    std::fill(pm, pm + C, neg_inf);
-    std::fill(pl, pl + C, 0.f);
+    for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+      float* part = part_of(b, chunk, hkv);
+      std::fill(part, part + C * Dvp, 0.f);
+      std::fill(part + C * Dvp, part + C * Dvp + C, neg_inf);
+      std::fill(part + C * Dvp + C, part + per_part, 0.f);
+    }
     const Range keys = seq_keys(sq);
     const int64_t per_chunk = round_up(ceil_div(keys.hi - keys.lo, n_chunks), 8);
     const int64_t kbeg = std::min(keys.hi, keys.lo + chunk * per_chunk);
@@ -264,18 +265,18 @@ void attention_decode_kernel(const AttentionParams& p) {
     if (kbeg >= kend) return;
     const int64_t nq = sq.Sq;  // rows of this sequence (<= p.Sq)
 
-    // qs: column c = hh * Sq + ii (rows past the sequence stay zero and hidden)
-    std::fill(w.qs.begin(), w.qs.begin() + C * Dp, 0.f);
-    for (int64_t hh = 0; hh < group; ++hh) {
-      const int64_t h = hkv * group + hh;
+    // qs: kv head hkv, column c = hh * Sq + ii (rows past the sequence stay zero and hidden)
+    std::fill(w.qs.begin(), w.qs.begin() + Hkv * C * Dp, 0.f);
+    for (int64_t h = 0; h < p.H; ++h) {
+      const int64_t hkv = h / group, hh = h % group;
       for (int64_t ii = 0; ii < nq; ++ii) {
         const scalar_t* src = q + b * p.q_batch_stride + (sq.q0 + ii) * p.q_row_stride + h * p.q_head_stride;
-        float* dst = w.qs.data() + (hh * p.Sq + ii) * Dp;
+        float* dst = w.qs.data() + (hkv * C + hh * p.Sq + ii) * Dp;
         pack_row(src, p.D, dst);
         for (int64_t d = 0; d < p.D; ++d) dst[d] *= qscale;
       }
     }
-    // per column: the band's key range (rows past the sequence see nothing)
+    // per column: the band's key range (the same for every kv head)
     Range ck[kDecodeCols];
     bool band_full = true;  // every column sees all of [kbeg, kend) by the band
     for (int64_t c = 0; c < C; ++c) {
@@ -283,81 +284,89 @@ void attention_decode_kernel(const AttentionParams& p) {
       ck[c] = ii < nq ? vis.band_keys(sq, ii) : Range{0, 0};
       band_full = band_full && ck[c].lo <= kbeg && ck[c].hi >= kend;
     }
-    std::fill(w.o.begin(), w.o.begin() + C * Dvp, 0.f);
-    std::fill(w.m.begin(), w.m.begin() + C, neg_inf);
-    std::fill(w.l.begin(), w.l.begin() + C, 0.f);
 
-    const scalar_t* kh = k + b * p.k_batch_stride + hkv * p.k_head_stride + sq.k0 * p.k_row_stride;
-    const scalar_t* vh = v + b * p.v_batch_stride + hkv * p.v_head_stride + sq.k0 * p.v_row_stride;
-    for (int64_t j0 = kbeg; j0 < kend; j0 += kDecodeKeys) {
-      const int64_t nk = std::min(kDecodeKeys, kend - j0);
+    // keys per block: the block of every kv head in ~256 KiB of fp32 (L2), 8..kDecodeKeys
+    const int64_t nb = std::clamp<int64_t>((int64_t(256) << 10) / (4 * Hkv * (Dp + Dvp)) / 8 * 8,
+                                           8, kDecodeKeys);
+    const scalar_t* kseq = k + b * p.k_batch_stride + sq.k0 * p.k_row_stride;
+    const scalar_t* vseq = v + b * p.v_batch_stride + sq.k0 * p.v_row_stride;
+    for (int64_t j0 = kbeg; j0 < kend; j0 += nb) {
+      const int64_t nk = std::min(nb, kend - j0);
       const int64_t nk8 = round_up(nk, 8);
-      if (j0 + kDecodeKeys < kend) {
-        const int64_t nn = std::min(kDecodeKeys, kend - j0 - kDecodeKeys);
-        prefetch_rows(kh + (j0 + kDecodeKeys) * p.k_row_stride, p.k_row_stride, nn, p.D);
-        prefetch_rows(vh + (j0 + kDecodeKeys) * p.v_row_stride, p.v_row_stride, nn, p.Dv);
-      }
-      // which keys take part at all (padding), and whether the block needs masking
+      // which keys take part (padding) and which column sees which key: the same for every
+      // kv head, decided once per block
       int64_t n_use = 0;
       for (int64_t r = 0; r < nk; ++r) n_use += (w.use[r] = vis.key_valid(b, j0 + r) ? 1 : 0);
       if (n_use == 0) continue;
-      bool masked = n_use < nk;
-      for (int64_t r = 0; r < nk; ++r) {
-        if (!w.use[r]) continue;
-        pack_row(kh + (j0 + r) * p.k_row_stride, p.D, w.kb.data() + r * Dp);
-        pack_row(vh + (j0 + r) * p.v_row_stride, p.Dv, w.vb.data() + r * Dvp);
-      }
-      for (int64_t r = nk; r < nk8; ++r) std::fill(w.kb.data() + r * Dp, w.kb.data() + (r + 1) * Dp, 0.f);
-      scores(w.qs.data(), C, Dp, w.kb.data(), nk8, w.s.data(), kDecodeKeys);
-      if (masked || !band_full) {
+      const bool masked = n_use < nk || !band_full;
+      bool edge = false;  // a key seen by some columns and hidden from others
+      if (masked) {
         for (int64_t r = 0; r < nk; ++r) {
           const int64_t j = j0 + r;
-          bool any = false;
+          int64_t n_seen = 0;
           for (int64_t c = 0; c < C; ++c) {
-            const bool vis_c = w.use[r] && j >= ck[c].lo && j < ck[c].hi;
-            if (!vis_c) w.s[c * kDecodeKeys + r] = neg_inf;
-            any = any || vis_c;
+            const bool sc = w.use[r] && j >= ck[c].lo && j < ck[c].hi;
+            w.seen[c * kDecodeKeys + r] = sc ? 1 : 0;
+            n_seen += sc;
           }
-          w.use[r] = any ? 1 : 0;
+          w.use[r] = n_seen > 0 ? 1 : 0;
+          edge = edge || (n_seen > 0 && n_seen < C);
         }
       }
-      block_softmax(w.s.data(), C, nk, w.m.data(), w.l.data(), w.o.data(), Dvp);
-      // A key hidden from some columns but seen by others has p = 0 exactly in the hidden
-      // columns; a non-finite v there would give 0 * inf. Such keys (only at the band's
-      // edges) go through the scalar path, which skips hidden (c, j).
-      bool edge = false;
-      if (!band_full) {
-        for (int64_t r = 0; r < nk && !edge; ++r) {
-          if (!w.use[r]) continue;
+      // the block's rows of every kv head, row by row: one pass over a contiguous range of a
+      // BSHD cache (k first, then v)
+      for (int64_t r = 0; r < nk; ++r) {
+        if (!w.use[r]) continue;
+        for (int64_t hkv = 0; hkv < Hkv; ++hkv)
+          pack_row(kseq + (j0 + r) * p.k_row_stride + hkv * p.k_head_stride, p.D,
+                   w.kb.data() + (hkv * kDecodeKeys + r) * Dp);
+      }
+      for (int64_t r = 0; r < nk; ++r) {
+        if (!w.use[r]) continue;
+        for (int64_t hkv = 0; hkv < Hkv; ++hkv)
+          pack_row(vseq + (j0 + r) * p.v_row_stride + hkv * p.v_head_stride, p.Dv,
+                   w.vb.data() + (hkv * kDecodeKeys + r) * Dvp);
+      }
+      for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+        float* part = part_of(b, chunk, hkv);
+        float *o = part, *m = part + C * Dvp, *l = m + C;
+        float* kbh = w.kb.data() + hkv * kDecodeKeys * Dp;
+        const float* vbh = w.vb.data() + hkv * kDecodeKeys * Dvp;
+        for (int64_t r = 0; r < nk8; ++r) {  // hidden and padding rows: zero (finite scores)
+          if (r < nk && w.use[r]) continue;
+          std::fill(kbh + r * Dp, kbh + (r + 1) * Dp, 0.f);
+        }
+        scores(w.qs.data() + hkv * C * Dp, C, Dp, kbh, nk8, w.s.data(), kDecodeKeys);
+        if (masked) {
           for (int64_t c = 0; c < C; ++c)
-            if (!(j0 + r >= ck[c].lo && j0 + r < ck[c].hi)) { edge = true; break; }
+            for (int64_t r = 0; r < nk; ++r)
+              if (!w.seen[c * kDecodeKeys + r]) w.s[c * kDecodeKeys + r] = neg_inf;
         }
-      }
-      if (!edge) {
-        pv(w.s.data(), kDecodeKeys, C, w.vb.data(), Dvp, w.use.data(), nk, w.o.data());
-      } else {
-        for (int64_t c = 0; c < C; ++c) {
-          float* oc = w.o.data() + c * Dvp;
-          for (int64_t r = 0; r < nk; ++r) {
-            const int64_t j = j0 + r;
-            if (!w.use[r] || j < ck[c].lo || j >= ck[c].hi) continue;
-            const float pr = w.s[c * kDecodeKeys + r];
-            const float* vr = w.vb.data() + r * Dvp;
-            for (int64_t d = 0; d < Dvp; ++d) oc[d] += pr * vr[d];
+        block_softmax(w.s.data(), C, nk, m, l, o, Dvp);
+        // Hidden (c, r) have p = 0 exactly; a non-finite v there would give 0 * inf. Such keys
+        // (only at the band's edges) go through the scalar path, which skips hidden pairs.
+        if (!edge) {
+          pv(w.s.data(), kDecodeKeys, C, vbh, Dvp, w.use.data(), nk, o);
+        } else {
+          for (int64_t c = 0; c < C; ++c) {
+            float* oc = o + c * Dvp;
+            for (int64_t r = 0; r < nk; ++r) {
+              if (!w.seen[c * kDecodeKeys + r]) continue;
+              const float pr = w.s[c * kDecodeKeys + r];
+              const float* vr = vbh + r * Dvp;
+              for (int64_t d = 0; d < Dvp; ++d) oc[d] += pr * vr[d];
+            }
           }
         }
       }
     }
-    std::copy(w.o.begin(), w.o.begin() + C * Dvp, part);
-    std::copy(w.m.begin(), w.m.begin() + C, pm);
-    std::copy(w.l.begin(), w.l.begin() + C, pl);
   });
 
   // merge the chunks of each (b, kv head) column, in chunk order (deterministic)
   auto* out = static_cast<scalar_t*>(p.out);
   auto* lse = static_cast<float*>(p.lse);
-  parallel_tasks(heads, [] { return 0; }, [&](int64_t bh, int&) {
-    const int64_t b = bh / p.Hkv, hkv = bh % p.Hkv;
+  parallel_tasks(p.B * Hkv, [] { return 0; }, [&](int64_t bh, int&) {
+    const int64_t b = bh / Hkv, hkv = bh % Hkv;
     const SeqInfo sq = vis.seq(b);
     std::vector<float> acc(static_cast<size_t>(Dvp));
     for (int64_t c = 0; c < C; ++c) {
@@ -365,15 +374,12 @@ void attention_decode_kernel(const AttentionParams& p) {
       if (ii >= sq.Sq) continue;
       const int64_t h = hkv * group + hh;
       float mx = neg_inf;
-      for (int64_t ch = 0; ch < n_chunks; ++ch) {
-        const float* part = parts.data() + (bh * n_chunks + ch) * per_part;
-        mx = std::max(mx, part[C * Dvp + c]);
-      }
+      for (int64_t ch = 0; ch < n_chunks; ++ch) mx = std::max(mx, part_of(b, ch, hkv)[C * Dvp + c]);
       std::fill(acc.begin(), acc.end(), 0.f);
       float l = 0.f;
       if (mx != neg_inf) {
         for (int64_t ch = 0; ch < n_chunks; ++ch) {
-          const float* part = parts.data() + (bh * n_chunks + ch) * per_part;
+          const float* part = part_of(b, ch, hkv);
           const float pmc = part[C * Dvp + c];
           if (pmc == neg_inf) continue;
           const float a = std::exp2(pmc - mx);
@@ -384,8 +390,8 @@ void attention_decode_kernel(const AttentionParams& p) {
       } else {
         // nothing seen, or a NaN max: NaN (from a NaN input) must stay NaN
         for (int64_t ch = 0; ch < n_chunks; ++ch) {
-          const float* part = parts.data() + (bh * n_chunks + ch) * per_part;
-          if (std::isnan(part[C * Dvp + c])) mx = part[C * Dvp + c];
+          const float pmc = part_of(b, ch, hkv)[C * Dvp + c];
+          if (std::isnan(pmc)) mx = pmc;
         }
       }
       // l == 0: the row sees no key (out 0, lse -inf); NaN stays NaN.
