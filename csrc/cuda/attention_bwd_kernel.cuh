@@ -13,7 +13,7 @@
 //   2. fa2_bwd_kernel: one CTA per (key tile of kBlockN = 128 keys, kv head, batch); 8 warps,
 //      warp w owns keys [16 w, 16 w + 16) of the tile. K and V are loaded once; the CTA walks
 //      every query head of its kv-head group (GQA) and, for each, the query tiles of
-//      kBlockM = 64 rows that see some key of the tile (causal: rows i >= n0 - (Sk - Sq)).
+//      kBlockM = 64 rows that see some key of the tile (causal: rows i >= n0 - diag).
 //      Q, dO, lse and delta tiles are double-buffered (cp.async prefetch of the next tile).
 //      Per query tile, all in the transposed ("key-major") orientation so that every product
 //      whose M dimension is keys keeps its left operand in registers:
@@ -122,7 +122,9 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kBlockN;
   const int64_t Sq = p.Sq, Sk = p.Sk, H = p.H, D = kHeadDim;
   const int group = static_cast<int>(H / p.Hkv);
-  const int64_t diag = Sk - Sq;  // causal: row i sees key j iff j <= i + diag
+  // causal: row i sees key j iff j <= i + diag (the visibility layer's bottom-right offset;
+  // this kernel runs unmasked, unpacked problems only, where every sequence has it)
+  const int64_t diag = p.visibility().seq(b).off;
 
   // query tiles [m_begin, m_end) see some key of this tile
   int64_t m_begin = 0;

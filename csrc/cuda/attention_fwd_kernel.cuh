@@ -99,7 +99,9 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
   const int64_t m_block = kCausal ? static_cast<int64_t>(gridDim.x) - 1 - blockIdx.x : blockIdx.x;
   const int64_t m0 = m_block * kBlockM;
   const int64_t Sq = p.Sq, Sk = p.Sk;
-  const int64_t diag = Sk - Sq;  // causal: row i sees key j iff j <= i + diag
+  // causal: row i sees key j iff j <= i + diag (the visibility layer's bottom-right offset;
+  // this kernel runs unmasked, unpacked problems only, where every sequence has it)
+  const int64_t diag = p.visibility().seq(b).off;
 
   // keys [0, n_end) are seen by at least one row of this tile
   int64_t n_end = Sk;
