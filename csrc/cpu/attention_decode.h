@@ -171,36 +171,57 @@ struct DecodeScratch {
         use(kDecodeKeys), seen(static_cast<size_t>(kDecodeCols * kDecodeKeys)) {}
 };
 
-// Online softmax of the block's scores s (C, nk) in place (log2 units; -inf hidden).
+// Online softmax of the block's scores s (C, nk; row stride kDecodeKeys) in place, log2
+// units, -inf hidden; vectorised over the keys (exp2 from simd.h). A NaN score (a NaN input
+// the column sees) makes the column NaN for good.
 ATTN_EXT_AVX2 inline void block_softmax(float* s, int64_t C, int64_t nk, float* m, float* l,
                                         float* o, int64_t Dvp) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t nk8 = round_up(nk, 8);
   for (int64_t c = 0; c < C; ++c) {
     float* sc = s + c * kDecodeKeys;
-    float mx = m[c];
-    for (int64_t r = 0; r < nk; ++r) mx = std::max(mx, sc[r]);
-    if (mx == -std::numeric_limits<float>::infinity()) {
-      // nothing seen yet, unless a score is NaN (a NaN input): then the row is NaN
-      bool nan = false;
-      for (int64_t r = 0; r < nk; ++r) {
-        nan = nan || std::isnan(sc[r]);
-        sc[r] = 0.f;
-      }
-      if (nan) m[c] = l[c] = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t r = nk; r < nk8; ++r) sc[r] = neg_inf;  // the tail of the last vector
+    if (std::isnan(m[c])) {  // NaN already: stays NaN, nothing more to add
+      std::fill(sc, sc + nk8, 0.f);
+      continue;
+    }
+    __m256 vmx = _mm256_set1_ps(m[c]);
+    __m256 vnan = _mm256_setzero_ps();
+    for (int64_t r = 0; r < nk8; r += 8) {
+      const __m256 x = _mm256_loadu_ps(sc + r);
+      vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      vmx = _mm256_max_ps(vmx, x);
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    const float mx = _mm_cvtss_f32(h);
+    if (_mm256_movemask_ps(vnan) != 0) {
+      m[c] = l[c] = std::numeric_limits<float>::quiet_NaN();
+      std::fill(sc, sc + nk8, 0.f);
+      continue;
+    }
+    if (mx == neg_inf) {  // nothing seen yet
+      std::fill(sc, sc + nk8, 0.f);
       continue;
     }
     const float alpha = std::exp2(m[c] - mx);  // m[c] = -inf -> 0
-    float sum = 0.f;
-    for (int64_t r = 0; r < nk; ++r) {
-      const float e = std::exp2(sc[r] - mx);  // -inf -> 0
-      sc[r] = e;
-      sum += e;
+    const __m256 vm = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t r = 0; r < nk8; r += 8) {
+      const __m256 e = cpu::exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(sc + r), vm));  // -inf -> 0
+      _mm256_storeu_ps(sc + r, e);
+      vsum = _mm256_add_ps(vsum, e);
     }
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
     if (alpha != 1.f) {
       float* oc = o + c * Dvp;
       const __m256 a = _mm256_set1_ps(alpha);
       for (int64_t d = 0; d < Dvp; d += 8) _mm256_storeu_ps(oc + d, _mm256_mul_ps(a, _mm256_loadu_ps(oc + d)));
     }
-    l[c] = l[c] * alpha + sum;
+    l[c] = l[c] * alpha + _mm_cvtss_f32(t);
     m[c] = mx;
   }
 }

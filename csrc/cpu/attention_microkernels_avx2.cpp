@@ -7,6 +7,7 @@
 // compiled for AVX2 here and then picked by the linker for the generic code paths.
 #include "cpu/attention_microkernels.h"
 #include "cpu/cpu_features.h"
+#include "cpu/simd.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -23,28 +24,7 @@ bool cpu_has_avx2_fma() { return cpu::simd_enabled(); }  // honours ATTN_EXT_CPU
 
 namespace {
 
-// 2^x for x <= 0 (any x works up to 127): x = n + f, n = round(x), |f| <= 1/2;
-// 2^f by its degree-7 Taylor polynomial (relative error < 1e-8), 2^n through the exponent
-// bits. x < -126 (including -inf) gives exactly 0, so masked scores vanish.
-ATTN_AVX2 inline __m256 exp2_ps(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-126.0f);
-  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  // (max/min return their second operand for NaN: x goes second so NaN stays NaN.)
-  x = _mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(lo, x));
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
+using cpu::exp2_ps;  // csrc/cpu/simd.h
 
 // Register-blocked tile C (MR, 8 * NV) of gemm_avx2: MR * NV accumulators stay in ymm
 // registers across the whole K loop (6 x 16 = 12 accumulators + 2 B vectors + 1 broadcast
