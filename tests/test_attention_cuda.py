@@ -13,6 +13,9 @@ simple kernels inside a block.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -20,6 +23,15 @@ import attn_ext  # noqa: F401  (registers the ops)
 from attn_ext import reference
 from tests.profiling import did_not_run, kernel_names, ran
 from tests.utils import assert_close_rule, max_err, randn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import kernel_constants as kc  # noqa: E402  (the kernels' constants, read from the headers)
+
+
+def smem_bytes(name: str, D: int) -> int:
+    """attention_launch.h's fwd_smem_bytes / bwd_smem_bytes at head dim D, evaluated from the
+    header itself (the launch code calls the same function), so tests cannot drift from it."""
+    return kc.evaluate(kc.launch_function(name), {"head_dim": D})
 
 pytestmark = pytest.mark.cuda
 
@@ -40,7 +52,7 @@ def _smem_optin() -> int | None:
 
 def fast_fwd_fits(D: int) -> bool:
     """The fast forward's shared memory (attention_launch.h fwd_smem_bytes) fits this device."""
-    need = (64 + 4 * (64 if D <= 128 else 32)) * (D + 8) * 2
+    need = smem_bytes("fwd_smem_bytes", D)
     limit = _smem_optin()
     return limit is None or need <= limit
 
@@ -404,7 +416,7 @@ def test_split_kv_rows_without_keys(cuda):
 def fast_bwd_fits(D: int) -> bool:
     """The fast backward's shared memory (csrc/cuda/attention_launch.h bwd_smem_bytes) fits
     this device's opt-in limit (155 KiB at D = 128: not on sm_86 / sm_89 / sm_120)."""
-    need = ((2 * 128 + 4 * 64) * (D + 8) + 128 * 72) * 2 + 4 * 64 * 4
+    need = smem_bytes("bwd_smem_bytes", D)
     limit = _smem_optin()
     return limit is None or need <= limit
 
