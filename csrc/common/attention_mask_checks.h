@@ -121,4 +121,44 @@ inline void make_params_packed(AttentionParams& p, const AttentionShape& s, int6
   p.mask.cu_seqlens_k = static_cast<const int32_t*>(cu_seqlens_k.data_ptr());
 }
 
+// The backward of packed sequences: checks of dout (Tq, H, Dv), out, lse (H, Tq) and dlse on
+// top of check_varlen_inputs. Returns the shape (B = N sequences, Sq / Sk = max lengths).
+inline AttentionShape check_varlen_bwd_inputs(const Tensor& dout, const Tensor& q,
+                                              const Tensor& k, const Tensor& v, const Tensor& out,
+                                              const Tensor& lse, const Tensor& cu_seqlens_q,
+                                              const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                              int64_t max_seqlen_k,
+                                              const std::optional<double>& scale,
+                                              const OptTensor& dlse) {
+  using torch::stable::unsqueeze;
+  const AttentionShape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                               max_seqlen_k, scale);
+  check_dim(dout, "dout", 3, "(Tq, H, Dv)");
+  check_dim(out, "out", 3, "(Tq, H, Dv)");
+  check_dim(lse, "lse", 2, "(H, Tq)");
+  const AttentionShape s1{1, q.size(0), k.size(0), s.H, s.Hkv, s.D, s.Dv};
+  check_attention_bwd_inputs(unsqueeze(dout, 0), unsqueeze(out, 0), unsqueeze(lse, 0), q, s1);
+  if (dlse.has_value()) check_dlse(*dlse, lse);
+  return s;
+}
+
+// Backward params of packed sequences (lse and dlse contiguous, dlse may be undefined): the
+// batched params of (1, T, ...) views made packed, every batch stride 0.
+inline AttentionBwdParams make_varlen_bwd_params(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, const Tensor& dlse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+    const AttentionShape& s, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k, bool causal,
+    const std::optional<double>& scale, int64_t window_left, int64_t window_right) {
+  using torch::stable::unsqueeze;
+  AttentionBwdParams bp = make_attention_bwd_params(
+      unsqueeze(dout, 0), unsqueeze(q, 0), unsqueeze(k, 0), unsqueeze(v, 0), unsqueeze(out, 0),
+      lse, dq, dk, dv, s, causal, scale);
+  make_params_packed(bp.fwd, s, q.size(0), cu_seqlens_q, cu_seqlens_k, causal, window_left,
+                     window_right);
+  bp.dout_batch_stride = bp.o_batch_stride = 0;
+  bp.dq_batch_stride = bp.dk_batch_stride = bp.dv_batch_stride = 0;
+  if (dlse.defined()) bp.dlse = dlse.data_ptr();
+  return bp;
+}
+
 }  // namespace attn_ext

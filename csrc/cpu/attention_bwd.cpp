@@ -610,24 +610,18 @@ BwdResult attention_varlen_backward_cpu(
     const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
     double dropout_p, int64_t dropout_seed, int64_t dropout_offset, bool deterministic) {
   (void)deterministic;
-  using torch::stable::unsqueeze;
-  const AttentionShape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                               max_seqlen_k, scale);
+  const AttentionShape s = check_varlen_bwd_inputs(dout, q, k, v, out, lse_in, cu_seqlens_q,
+                                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   scale, dlse_in);
   const int64_t Tq = q.size(0), Tk = k.size(0);
-  check_dim(dout, "dout", 3, "(Tq, H, Dv)");
-  check_dim(out, "out", 3, "(Tq, H, Dv)");
-  check_dim(lse_in, "lse", 2, "(H, Tq)");
-  const AttentionShape s1{1, Tq, Tk, s.H, s.Hkv, s.D, s.Dv};
-  check_attention_bwd_inputs(unsqueeze(dout, 0), unsqueeze(out, 0), unsqueeze(lse_in, 0), q, s1);
-  if (dlse_in.has_value()) check_dlse(*dlse_in, lse_in);
   Tensor dq = alloc(q, {Tq, s.H, s.D});
   Tensor dk = alloc_zeros(q, {Tk, s.Hkv, s.D}, q.scalar_type());
   Tensor dv = alloc_zeros(q, {Tk, s.Hkv, s.Dv}, q.scalar_type());
   const Tensor lse = torch::stable::contiguous(lse_in);
-  AttentionBwdParams bp = make_attention_bwd_params(
-      unsqueeze(dout, 0), unsqueeze(q, 0), unsqueeze(k, 0), unsqueeze(v, 0), unsqueeze(out, 0),
-      lse, dq, dk, dv, s, causal, scale);
-  make_params_packed(bp.fwd, s, Tq, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
+  const Tensor dlse = dlse_in.has_value() ? torch::stable::contiguous(*dlse_in) : Tensor();
+  AttentionBwdParams bp = make_varlen_bwd_params(dout, q, k, v, out, lse, dlse, dq, dk, dv, s,
+                                                 cu_seqlens_q, cu_seqlens_k, causal, scale,
+                                                 window_left, window_right);
   const OptTensor no_sinks;
   fill_score_terms(bp.fwd, {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed,
                             dropout_offset}, q, s.B, s.H);
@@ -637,10 +631,6 @@ BwdResult attention_varlen_backward_cpu(
     torch::stable::zero_(dq);
     return {dq, dk, dv, drel_bias};
   }
-  bp.dout_batch_stride = bp.o_batch_stride = 0;
-  bp.dq_batch_stride = bp.dk_batch_stride = bp.dv_batch_stride = 0;
-  const Tensor dlse = dlse_in.has_value() ? torch::stable::contiguous(*dlse_in) : Tensor();
-  if (dlse.defined()) bp.dlse = dlse.data_ptr();
   ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), "attention_varlen_backward",
                              [&] { attention_bwd_kernel<scalar_t>(bp); });
   return {dq, dk, dv, drel_bias};

@@ -324,21 +324,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
     const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
     double dropout_p, int64_t dropout_seed, int64_t dropout_offset, bool deterministic) {
   (void)deterministic;
-  using torch::stable::unsqueeze;
-  const AttentionShape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                               max_seqlen_k, scale);
+  const AttentionShape s = check_varlen_bwd_inputs(dout, q, k, v, out, lse_in, cu_seqlens_q,
+                                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   scale, dlse);
   check_cuda_head_dims(s);
   const OptTensor no_sinks;
   check_cuda_terms_unsupported(
       {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed, dropout_offset});
   const Tensor drel_bias = alloc(q, {0}, lse_dtype(q.scalar_type()));
   const int64_t Tq = q.size(0), Tk = k.size(0);
-  check_dim(dout, "dout", 3, "(Tq, H, Dv)");
-  check_dim(out, "out", 3, "(Tq, H, Dv)");
-  check_dim(lse_in, "lse", 2, "(H, Tq)");
-  const AttentionShape s1{1, Tq, Tk, s.H, s.Hkv, s.D, s.Dv};
-  check_attention_bwd_inputs(unsqueeze(dout, 0), unsqueeze(out, 0), unsqueeze(lse_in, 0), q, s1);
-  if (dlse.has_value()) check_dlse(*dlse, lse_in);
   Tensor dq = alloc_zeros(q, {Tq, s.H, s.D}, q.scalar_type());
   Tensor dk = alloc_zeros(q, {Tk, s.Hkv, s.D}, q.scalar_type());
   Tensor dv = alloc_zeros(q, {Tk, s.Hkv, s.Dv}, q.scalar_type());
@@ -349,14 +343,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
   cudaStream_t stream = current_cuda_stream(q.get_device_index());
   const Tensor lse = torch::stable::contiguous(lse_in);
   Tensor delta = alloc(lse, {s.B, s.H, s.Sq});
-  AttentionBwdParams bp = make_attention_bwd_params(
-      unsqueeze(dout, 0), unsqueeze(q, 0), unsqueeze(k, 0), unsqueeze(v, 0), unsqueeze(out, 0),
-      lse, dq, dk, dv, s, causal, scale);
-  make_params_packed(bp.fwd, s, Tq, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
-  bp.dout_batch_stride = bp.o_batch_stride = 0;
-  bp.dq_batch_stride = bp.dk_batch_stride = bp.dv_batch_stride = 0;
   const Tensor dlse_c = dlse.has_value() ? torch::stable::contiguous(*dlse) : Tensor();
-  if (dlse_c.defined()) bp.dlse = dlse_c.data_ptr();
+  AttentionBwdParams bp = make_varlen_bwd_params(dout, q, k, v, out, lse, dlse_c, dq, dk, dv, s,
+                                                 cu_seqlens_q, cu_seqlens_k, causal, scale,
+                                                 window_left, window_right);
   dispatch_cuda_type(q.scalar_type(), "attention_varlen_backward", [&](auto tag) {
     using T = decltype(tag);
     ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(bp, delta.data_ptr(), stream));
