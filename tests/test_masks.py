@@ -10,46 +10,18 @@ import torch
 
 import attn_ext
 from attn_ext import reference
-from tests.test_attention import assert_close_low  # the suite's float32 floor, explained there
+from tests.reference_checks import check_against_reference as _check
 from tests.utils import max_err, randn
 
 LOW = [torch.float32, torch.bfloat16, torch.float16]
-NAMES = ["out", "lse", "dq", "dk", "dv"]
 
 
 def _finite_lse(lse):
     return lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
-def _run(fn, inputs, dtype, dout, dlse):
-    """(out, lse, dq, dk, dv) of fn on inputs cast to dtype; the loss uses out AND lse."""
-    ts = [t.detach().to(dtype).requires_grad_() for t in inputs]
-    out, lse = fn(*ts)
-    loss = (out.double() * dout).sum() + (_finite_lse(lse).double() * dlse).sum()
-    grads = torch.autograd.grad(loss, ts, allow_unused=True)
-    return [out.detach(), lse.detach()] + [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, ts)]
-
-
 def check_against_reference(ours_fn, ref_fn, q, k, v):
-    dtype = q.dtype
-    with torch.no_grad():
-        out0, lse0 = ours_fn(q, k, v)
-    dout = torch.randn(out0.shape, dtype=torch.float64)
-    dlse = torch.randn(lse0.shape, dtype=torch.float64)
-    ours = _run(ours_fn, (q, k, v), dtype, dout, dlse)
-    ref64 = _run(ref_fn, (q, k, v), torch.float64, dout, dlse)
-    assert ours[0].dtype == dtype and ours[0].is_contiguous()
-    # rows that see no key: out 0, lse -inf, exactly where the reference says so
-    assert torch.equal(torch.isneginf(ours[1]), torch.isneginf(ref64[1]))
-    for name, a, r in zip(NAMES, ours, ref64):
-        ok = ~torch.isnan(a) if name == "lse" else torch.isfinite(a)
-        assert ok.all(), f"{name}: non-finite value"
-        if dtype == torch.float64:
-            assert max_err(a, r) < 1e-9, f"{name}: {max_err(a, r):.3e}"
-    if dtype != torch.float64:
-        ref_low = _run(ref_fn, (q, k, v), dtype, dout, dlse)
-        for name, a, r, rl in zip(NAMES, ours, ref64, ref_low):
-            assert_close_low(a, r, rl, name)
+    _check(ours_fn, ref_fn, [q, k, v], ["dq", "dk", "dv"])
 
 
 def random_padding(B, Sk, kind):
