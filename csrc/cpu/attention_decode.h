@@ -154,19 +154,26 @@ ATTN_EXT_AVX2 inline void pv(const float* p, int64_t ld, int64_t C, const float*
   }
 }
 
+// Keys per block: the block of every kv head in ~256 KiB of fp32 (L2), 8..kDecodeKeys.
+inline int64_t block_keys(int64_t Hkv, int64_t Dp, int64_t Dvp) {
+  return std::clamp<int64_t>((int64_t(256) << 10) / (4 * Hkv * (Dp + Dvp)) / 8 * 8, 8, kDecodeKeys);
+}
+
 struct DecodeScratch {
   int64_t Dp, Dvp;
   AlignedVec<float> qs;   // (Hkv, C, Dp): scale * log2(e) * q of every column of every kv head
-  AlignedVec<float> kb;   // (Hkv, kDecodeKeys, Dp): the block's k rows of every kv head
-  AlignedVec<float> vb;   // (Hkv, kDecodeKeys, Dvp)
+  int64_t nb;             // keys per block (block_keys)
+  AlignedVec<float> kb;   // (Hkv, nb, Dp): the block's k rows of every kv head
+  AlignedVec<float> vb;   // (Hkv, nb, Dvp)
   AlignedVec<float> s;    // (C, kDecodeKeys): scores, then probabilities
   std::vector<uint8_t> use;  // (kDecodeKeys): key seen by some column
   std::vector<uint8_t> seen; // (C, kDecodeKeys): column c sees key r (band and padding)
   DecodeScratch(int64_t Hkv, int64_t D, int64_t Dv)
       : Dp(round_up(D, 8)), Dvp(round_up(Dv, 8)),
         qs(static_cast<size_t>(Hkv * kDecodeCols * Dp)),
-        kb(static_cast<size_t>(Hkv * kDecodeKeys * Dp), 0.f),
-        vb(static_cast<size_t>(Hkv * kDecodeKeys * Dvp), 0.f),
+        nb(block_keys(Hkv, Dp, Dvp)),
+        kb(static_cast<size_t>(Hkv * nb * Dp), 0.f),
+        vb(static_cast<size_t>(Hkv * nb * Dvp), 0.f),
         s(static_cast<size_t>(kDecodeCols * kDecodeKeys)),
         use(kDecodeKeys), seen(static_cast<size_t>(kDecodeCols * kDecodeKeys)) {}
 };
@@ -306,9 +313,7 @@ void attention_decode_kernel(const AttentionParams& p) {
       band_full = band_full && ck[c].lo <= kbeg && ck[c].hi >= kend;
     }
 
-    // keys per block: the block of every kv head in ~256 KiB of fp32 (L2), 8..kDecodeKeys
-    const int64_t nb = std::clamp<int64_t>((int64_t(256) << 10) / (4 * Hkv * (Dp + Dvp)) / 8 * 8,
-                                           8, kDecodeKeys);
+    const int64_t nb = w.nb;
     const scalar_t* kseq = k + b * p.k_batch_stride + sq.k0 * p.k_row_stride;
     const scalar_t* vseq = v + b * p.v_batch_stride + sq.k0 * p.v_row_stride;
     for (int64_t j0 = kbeg; j0 < kend; j0 += nb) {
@@ -340,19 +345,19 @@ void attention_decode_kernel(const AttentionParams& p) {
         if (!w.use[r]) continue;
         for (int64_t hkv = 0; hkv < Hkv; ++hkv)
           pack_row(kseq + (j0 + r) * p.k_row_stride + hkv * p.k_head_stride, p.D,
-                   w.kb.data() + (hkv * kDecodeKeys + r) * Dp);
+                   w.kb.data() + (hkv * nb + r) * Dp);
       }
       for (int64_t r = 0; r < nk; ++r) {
         if (!w.use[r]) continue;
         for (int64_t hkv = 0; hkv < Hkv; ++hkv)
           pack_row(vseq + (j0 + r) * p.v_row_stride + hkv * p.v_head_stride, p.Dv,
-                   w.vb.data() + (hkv * kDecodeKeys + r) * Dvp);
+                   w.vb.data() + (hkv * nb + r) * Dvp);
       }
       for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
         float* part = part_of(b, chunk, hkv);
         float *o = part, *m = part + C * Dvp, *l = m + C;
-        float* kbh = w.kb.data() + hkv * kDecodeKeys * Dp;
-        const float* vbh = w.vb.data() + hkv * kDecodeKeys * Dvp;
+        float* kbh = w.kb.data() + hkv * nb * Dp;
+        const float* vbh = w.vb.data() + hkv * nb * Dvp;
         for (int64_t r = 0; r < nk8; ++r) {  // hidden and padding rows: zero (finite scores)
           if (r < nk && w.use[r]) continue;
           std::fill(kbh + r * Dp, kbh + (r + 1) * Dp, 0.f);
