@@ -156,7 +156,7 @@ struct Visibility {
 // plus the two row-level terms: sinks[h] joins every row's softmax denominator (handled where
 // a kernel normalises, from sink(h)), and dropout with the keep bit of common/dropout_rng.h.
 // A kernel calls apply_row() on scores only when active(). Scores may be kept in other units
-// than the natural log (the CPU forward works in log2 units): `unit` multiplies every term.
+// than the natural log (e.g. log2 units): `unit` multiplies every term.
 // The table pointers are of the accumulation type (float, or double for double inputs).
 struct ScoreTerms {
   double scale = 1.0;

@@ -16,6 +16,7 @@
 #include "common/attention_mask_checks.h"
 #include "common/score_checks.h"
 #include "cpu/attention_common.h"
+#include "cpu/attention_decode.h"
 
 namespace attn_ext {
 namespace cpu_attn {
@@ -31,12 +32,14 @@ struct BwdScratch {
   AlignedVec<acc_t> blk;   // one packed query block (QueryPackLayout::size)
   AlignedVec<acc_t> dqt;   // (kBlockQ, Dp): dq accumulator of the query block (unscaled)
   AlignedVec<acc_t> tmp;   // (max(D, Dv)): one converted row
+  AlignedVec<acc_t> di;    // (kBlockQ): row term of a block whose keys are one tile
+  AlignedVec<acc_t> sc;    // (kBlockQ, kBlockK): scores in the decode kernel's layout (decode order)
   std::vector<uint8_t> kvalid;  // (kBlockK): key padding of the tile's keys (1 = takes part)
   AlignedVec<acc_t> th;    // (kBlockK, kBlockQ): tanh(s / softcap) (softcap only)
   AlignedVec<acc_t> pz;    // (kBlockK, kBlockQ): P^T * Z / (1 - p) (dropout only)
   std::vector<uint64_t> rk, words;  // (kBlockQ): dropout row keys / words of the block's rows
 
-  BwdScratch(int64_t D, int64_t Dv, int64_t pack_size, const ScoreTerms& terms)
+  BwdScratch(int64_t D, int64_t Dv, int64_t pack_size, const ScoreTerms& terms, bool decode_order)
       : Dp(round_up(D, 8)),
         Dvp(round_up(Dv, 8)),
         kb(static_cast<size_t>(kBlockK * Dp), acc_t(0)),
@@ -46,6 +49,8 @@ struct BwdScratch {
         blk(static_cast<size_t>(pack_size), acc_t(0)),
         dqt(static_cast<size_t>(kBlockQ * Dp)),
         tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1))),
+        di(kBlockQ),
+        sc(decode_order ? static_cast<size_t>(kBlockQ * kBlockK) : 0),
         kvalid(kBlockK, 1),
         th(terms.softcap > 0.0 ? static_cast<size_t>(kBlockK * kBlockQ) : 0),
         pz(terms.has_dropout() ? static_cast<size_t>(kBlockK * kBlockQ) : 0),
@@ -56,31 +61,41 @@ struct BwdScratch {
 // Query-side operands of one (batch, head, query block of kBlockQ rows), packed into the
 // worker's scratch when the block is visited. Offsets in elements; padding rows/columns are
 // zero:
-//   qt   (D, kBlockQ)    scale * q^T (scores in natural-log units, like lse)
+//   qt   (D, kBlockQ)    scale * q^T (the forward's scores, bitwise; natural-log units, like lse)
 //   qr   (kBlockQ, Dp)   q rows
+//   qs   (kBlockQ, Dp)   scale * q rows (the decode kernel's operand; see decode_order)
 //   dot  (Dv, kBlockQ)   dout^T
 //   dor  (kBlockQ, Dvp)  dout rows
 //   lse  (kBlockQ)       lse; +inf for padding rows and rows that see no key (P = 0)
 //   di   (kBlockQ)       rowsum(dout * out) - dlse
+//   dlse (kBlockQ)       dlse (the row term of blocks that sum Di from their one key tile)
 //   fin  (1)             1 when the block's q and dout are all finite
+//
+// P = exp(s - lse) must reproduce the forward's probabilities, whose rounding the forward's
+// out and lse carry: the scores s are the forward's own (same scale folded into q, same FMA
+// order), in the units lse is stored in, so in a row whose probability sits on one key
+// lse == s there and P = 1 as in the forward (issue 18 item 8).
 struct QueryPackLayout {
-  int64_t qt, qr, dot, dor, lse, di, fin, size;
+  int64_t qt, qr, qs, dot, dor, lse, di, dlse, fin, size;
   QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp)
       : qt(0),
         qr(qt + D * kBlockQ),
-        dot(qr + kBlockQ * Dp),
+        qs(qr + kBlockQ * Dp),
+        dot(qs + kBlockQ * Dp),
         dor(dot + Dv * kBlockQ),
         lse(dor + kBlockQ * Dvp),
         di(lse + kBlockQ),
-        fin(di + kBlockQ),
+        dlse(di + kBlockQ),
+        fin(dlse + kBlockQ),
         size(fin + 8) {}
 };
 
 // Packs rows [i0, i0 + nq) of head h of sequence b into blk (layout L; blk starts zeroed and
-// only ever holds blocks of this shape, so padding stays zero).
+// only ever holds blocks of this shape, so padding stays zero). fused_dp: the dP gemm uses FMA.
 template <typename scalar_t, typename acc_t>
 void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, const SeqInfo& sq,
-                      int64_t b, int64_t h, int64_t i0, int64_t nq, acc_t* blk, acc_t* tmp) {
+                      int64_t b, int64_t h, int64_t i0, int64_t nq, acc_t* blk, acc_t* tmp,
+                      bool fused_dp) {
   const AttentionParams& p = bp.fwd;
   const int64_t D = p.D, Dv = p.Dv, Dp = round_up(D, 8), Dvp = round_up(Dv, 8);
   const auto* q = static_cast<const scalar_t*>(p.q);
@@ -88,7 +103,8 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
   const auto* o = static_cast<const scalar_t*>(bp.out);
   const auto* lse = static_cast<const acc_t*>(bp.lse);
   const auto* dlse = static_cast<const acc_t*>(bp.dlse);  // may be nullptr (zero)
-  const acc_t qscale = static_cast<acc_t>(p.scale);
+  // the forward's scale of q (attention_fwd.cpp / attention_decode.h)
+  const acc_t qscale = static_cast<acc_t>(p.score_terms().scale);
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const acc_t pos_inf = std::numeric_limits<acc_t>::infinity();
   acc_t *qt = blk + L.qt, *qr = blk + L.qr, *dot = blk + L.dot, *dor = blk + L.dor;
@@ -101,14 +117,24 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     acc_t* qrow = qr + ii * Dp;
     convert_row(qh + ii * p.q_row_stride, D, qrow);
     for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + ii] = qrow[d] * qscale;
+    for (int64_t d = 0; d < D; ++d) blk[L.qs + ii * Dp + d] = qrow[d] * qscale;
     acc_t* drow = dor + ii * Dvp;
     convert_row(dh + ii * bp.dout_row_stride, Dv, drow);
     for (int64_t d = 0; d < Dv; ++d) dot[d * kBlockQ + ii] = drow[d];
     convert_row(oh + ii * bp.o_row_stride, Dv, tmp);
+    // Di in the order (and with the rounding) of the dP gemm's chain over d, so that where
+    // out equals one key's v (a row whose probability sits on that key) Di equals its dP
+    // bitwise and dS = P * (dP - Di) is 0 there, as in the textbook.
     acc_t di = 0;
-    for (int64_t d = 0; d < Dv; ++d) di += drow[d] * tmp[d];
+    if (fused_dp) {
+      for (int64_t d = 0; d < Dv; ++d) di = std::fma(tmp[d], drow[d], di);
+    } else {
+      for (int64_t d = 0; d < Dv; ++d) di += tmp[d] * drow[d];
+    }
     // lse's gradient folds into the row term: dS = P * (dP - (Di - dlse_i))
-    blk[L.di + ii] = dlse != nullptr ? di - dlse[stat + ii] : di;
+    const acc_t dl = dlse != nullptr ? dlse[stat + ii] : acc_t(0);
+    blk[L.di + ii] = dlse != nullptr ? di - dl : di;
+    blk[L.dlse + ii] = dl;
     const acc_t l = lse[stat + ii];
     blk[L.lse + ii] = l == neg_inf ? pos_inf : l;
   }
@@ -116,10 +142,12 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
   // there; make them padding again
   for (int64_t ii = nq; ii < kBlockQ; ++ii) {
     std::fill(qr + ii * Dp, qr + (ii + 1) * Dp, acc_t(0));
+    std::fill(blk + L.qs + ii * Dp, blk + L.qs + (ii + 1) * Dp, acc_t(0));
     std::fill(dor + ii * Dvp, dor + (ii + 1) * Dvp, acc_t(0));
     for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + ii] = 0;
     for (int64_t d = 0; d < Dv; ++d) dot[d * kBlockQ + ii] = 0;
     blk[L.di + ii] = 0;
+    blk[L.dlse + ii] = 0;
     blk[L.lse + ii] = pos_inf;
   }
   // Whether the block's q and dout rows are all finite (then a hidden pair's 0 times them is
@@ -211,7 +239,7 @@ struct PairTerms {
 //   pass 2: st = exp(st - lse)               probabilities P^T (0 where hidden)
 //   pass 3: dvt (nk, Dvp) += st dor          (when acc.dvt)
 //   pass 4: dpt (nk, C) = vb dot             dP^T
-//   pass 5: dpt = st * (dpt - Di)            dS^T (0 where hidden)
+//   pass 5: dpt = st * (dpt - Di)            dS^T (0 where hidden; Di: see pass5 below)
 //   pass 6: dkt (nk, Dp) += dpt qr           (when acc.dkt)
 //   pass 7: dqt (nq, Dp) += dpt^T kb         (when dqt)
 //
@@ -225,8 +253,10 @@ struct PairTerms {
 template <typename acc_t>
 void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq, int64_t b,
               int64_t h, int64_t i0, int64_t nq, int64_t j0, int64_t nk, int64_t n_valid,
-              bool k_finite, const QueryPackLayout& L, const acc_t* blk, const KeyAcc<acc_t>& acc,
-              acc_t* dqt, const mk::Kernels<acc_t>& K, BwdScratch<acc_t>& s) {
+              bool k_finite, bool one_tile, bool decode_order, const QueryPackLayout& L,
+              const acc_t* blk,
+              const KeyAcc<acc_t>& acc, acc_t* dqt, const mk::Kernels<acc_t>& K,
+              BwdScratch<acc_t>& s) {
   const int64_t D = p.D, Dv = p.Dv, Dp = s.Dp, Dvp = s.Dvp;
   const ScoreTerms terms = p.score_terms();
   const bool with_terms = terms.active(), dropout = terms.has_dropout();
@@ -245,18 +275,53 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   const PairTerms<acc_t> pt{terms, sq, b, h, i0, nq, j0, nk, C};
   // P^T with dropout applied (what pass 3 multiplies dout by)
   const acc_t* pv = dropout ? s.pz.data() : s.st.data();
+  // pass 1 where the forward was the decode kernel: its scores function (its summation
+  // order), all of the tile (partial tiles are masked after)
+  auto pass1_decode = [&] {
+#if ATTN_EXT_HAVE_AVX2_PATH
+    if constexpr (std::is_same_v<acc_t, float>) {
+      decode_detail::scores(blk + L.qs, nq, Dp, s.kb.data(), round_up(nk, 8), s.sc.data(), kBlockK);
+      for (int64_t r = 0; r < nk; ++r) {
+        acc_t* row = s.st.data() + r * C;
+        for (int64_t c = 0; c < nq; ++c) row[c] = s.sc[c * kBlockK + r];
+        std::fill(row + nq, row + C, acc_t(0));
+      }
+    }
+#endif
+  };
   auto pass5 = [&] {
+    const acc_t* di = blk + L.di;
+    if (one_tile) {
+      // The block's rows see keys of this tile only: their row term is sum_j P_j dP_j from
+      // the tile itself (the textbook's form, = rowsum(dout * out) in exact arithmetic). It
+      // takes dP and P with their rounding, so dP_j - Di cancels it (a row whose
+      // probability sits on one key gets dS = 0 there, not the rounding of two separately
+      // formed dot products; issue 18 item 8).
+      acc_t* d = s.di.data();
+      std::fill(d, d + C, acc_t(0));
+      for (int64_t r = 0; r < nk; ++r) {
+        const acc_t* pr = pv + r * C;
+        const acc_t* gr = s.dpt.data() + r * C;
+        for (int64_t c = 0; c < C; ++c) d[c] += pr[c] * gr[c];
+      }
+      for (int64_t c = 0; c < C; ++c) d[c] -= blk[L.dlse + c];
+      di = d;
+    }
     if (dropout) {
-      ds_dropout(s.st.data(), s.pz.data(), s.dpt.data(), nk, C, blk + L.di);
+      ds_dropout(s.st.data(), s.pz.data(), s.dpt.data(), nk, C, di);
     } else {
-      K.ds(s.st.data(), s.dpt.data(), nk, C, blk + L.di);
+      K.ds(s.st.data(), s.dpt.data(), nk, C, di);
     }
   };
   if (kind == TileKind::kFull) {
     // Every (key, query) pair of the tile is visible.
-    K.gemm(nk, C, D, s.kb.data(), Dp, 1, qt, kBlockQ, s.st.data(), C, false);     // pass 1
+    if (decode_order) {
+      pass1_decode();                                                                 // pass 1
+    } else {
+      K.gemm(nk, C, D, s.kb.data(), Dp, 1, qt, kBlockQ, s.st.data(), C, false);       // pass 1
+    }
     if (with_terms) pt.terms(s.st.data(), th);
-    K.exp_sub(s.st.data(), nk, C, blk + L.lse);                                      // pass 2
+    K.exp_sub(s.st.data(), nk, C, blk + L.lse);                       // pass 2
     if (dropout) {
       dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, j0, s.rk.data(), s.words.data(), thresh,
                    inv_keep);
@@ -291,7 +356,8 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     }
   };
   // pass 1: st = kb qt on the visible column panels, then mask
-  for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+  if (decode_order) pass1_decode();
+  for (int64_t r0 = 0; r0 < nk && !decode_order; r0 += 6) {
     const int64_t nr = std::min<int64_t>(6, nk - r0);
     const Range pc = panel(r0, nr);
     const int64_t c8 = pc.lo / 8 * 8, ce = std::min(C, round_up(pc.hi, 8));
@@ -404,6 +470,9 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   const AttentionParams& p = bp.fwd;
   const mk::Kernels<acc_t> kern = mk::kernels<acc_t>();
+  // whether the gemm forming dP multiplies and adds in one rounding (the AVX2 FMA kernel)
+  bool fused_dp = false;
+  if constexpr (std::is_same_v<acc_t, float>) fused_dp = kern.gemm == &mk::gemm_avx2;
   const int64_t Dp = round_up(p.D, 8), Dvp = round_up(p.Dv, 8);
   const int64_t group = p.H / p.Hkv;
   const int64_t n_qb = ceil_div(p.Sq, kBlockQ);
@@ -411,7 +480,10 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const Visibility vis = p.visibility();
   const QueryPackLayout L(p.D, p.Dv, Dp, Dvp);
   const ScoreTerms terms = p.score_terms();
-  auto make_scratch = [&] { return BwdScratch<acc_t>(p.D, p.Dv, L.size, terms); };
+  // The forward of these shapes was the decode kernel (attention_decode.h): the scores are
+  // recomputed in its summation order, so that P = exp(s - lse) meets the forward's bits.
+  const bool decode_order = decode_supported(p, std::is_same_v<acc_t, double>);
+  auto make_scratch = [&] { return BwdScratch<acc_t>(p.D, p.Dv, L.size, terms, decode_order); };
 
   // dk / dv accumulators of (b, hkv): rows j at kacc(b, hkv) + j * ld.
   const bool in_place = std::is_same_v<scalar_t, acc_t> && p.D == Dp && p.Dv == Dvp;
@@ -455,6 +527,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       }
     }
     const Range keys = vis.band_keys_of_rows(sq, i0, i0 + nq);
+    // the block sees keys of one tile only: its row term comes from that tile (pass 5)
+    const bool one_tile = ceil_div(keys.hi, kBlockK) - keys.lo / kBlockK == 1;
     const int64_t lo = std::max(kt0, keys.lo / kBlockK);
     const int64_t hi = std::min(kt1, ceil_div(keys.hi, kBlockK));
     for (int64_t kt = lo; kt < hi; ++kt) {
@@ -466,7 +540,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       const int64_t n_valid = load_key_tile<scalar_t, acc_t>(p, vis, sq, b, hkv, j0, nk, s, &k_finite);
       KeyAcc<acc_t> acc = want_kv ? key_acc(b, hkv, sq, j0) : KeyAcc<acc_t>{nullptr, 0, nullptr, 0, nullptr};
       acc.db = db;
-      bwd_pair<acc_t>(p, vis, sq, b, h, i0, nq, j0, nk, n_valid, k_finite, L, s.blk.data(), acc,
+      bwd_pair<acc_t>(p, vis, sq, b, h, i0, nq, j0, nk, n_valid, k_finite, one_tile, decode_order, L,
+                      s.blk.data(), acc,
                       want_dq ? s.dqt.data() : nullptr, kern, s);
     }
   };
@@ -478,7 +553,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
         for (int64_t i0 = 0; i0 < sq.Sq; i0 += kBlockQ) {
           const int64_t nq = std::min(kBlockQ, sq.Sq - i0);
-          pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, nq, s.blk.data(), s.tmp.data());
+          pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, nq, s.blk.data(), s.tmp.data(),
+                                            fused_dp);
           std::fill(s.dqt.begin(), s.dqt.begin() + nq * Dp, acc_t(0));
           visit(s, sq, b, h, i0, nq, 0, n_kb, true, true, db_row(b, h, 0));
           write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, nq, s.dqt.data(), Dp);
@@ -499,7 +575,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
         for (int64_t i0 = rows.lo / kBlockQ * kBlockQ; i0 < rows.hi; i0 += kBlockQ) {
           const int64_t nq = std::min(kBlockQ, sq.Sq - i0);
-          pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, nq, s.blk.data(), s.tmp.data());
+          pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, nq, s.blk.data(), s.tmp.data(),
+                                            fused_dp);
           visit(s, sq, b, h, i0, nq, kt0, kt1, true, false, db_row(b, h, c));
         }
       }
@@ -512,7 +589,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       const int64_t i0 = qb * kBlockQ;
       const int64_t nq = std::min(kBlockQ, sq.Sq - i0);
       if (nq <= 0) return;
-      pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, nq, s.blk.data(), s.tmp.data());
+      pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, nq, s.blk.data(), s.tmp.data(),
+                                            fused_dp);
       std::fill(s.dqt.begin(), s.dqt.begin() + nq * Dp, acc_t(0));
       visit(s, sq, b, h, i0, nq, 0, n_kb, false, true, nullptr);
       write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, nq, s.dqt.data(), Dp);

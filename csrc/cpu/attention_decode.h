@@ -14,7 +14,8 @@
 //   per block of nb keys (the block of every kv head in ~256 KiB):
 //     pack    kb (Hkv, nb, Dp), vb (Hkv, nb, Dvp) fp32, row by row in memory order
 //     per kv head:
-//       scores  s (C, nb) = qs (C, Dp) kb^T in log2 units (8 keys x 1 column register tiles)
+//       scores  s (C, nb) = qs (C, Dp) kb^T (8 keys x 1 column register tiles; the backward
+//               takes its scores from the same function)
 //       mask    hidden (c, j) -> -inf (visibility layer, decided once per block)
 //       softmax online per column: m, l, o rescale
 //       PV      o (C, Dvp) += p (C, nb) vb (d-chunk outer, columns in registers); keys hidden
@@ -64,8 +65,10 @@ inline int64_t decode_threads() { return num_threads(); }
 
 inline bool decode_supported(const AttentionParams& p, bool is_double) {
   if (is_double || !cpu::use_avx2() || !decode_enabled()) return false;
-  // score terms, sinks and dropout (issue 15) are in the tiled kernel only
-  if (!p.score_terms().plain()) return false;
+  // score terms and dropout (issue 15) are in the tiled kernel only; sinks are not a
+  // condition (the backward, which is not told the sinks, asks this too: attention_bwd.cpp)
+  const ScoreTerms terms = p.score_terms();
+  if (terms.active() || terms.has_dropout()) return false;
   if (p.Hkv <= 0 || p.D <= 0 || p.D > 512 || p.Dv > 512) return false;
   return p.Sq * (p.H / p.Hkv) <= kDecodeCols;
 }
@@ -95,6 +98,8 @@ ATTN_EXT_AVX2 inline void pack_row(const scalar_t* src, int64_t n, float* dst) {
 }
 
 // s[c * ld + r] = qs[c] . kb[r] for r in [0, nk) (nk a multiple of 8 after padding rows).
+// The backward (attention_bwd.cpp) computes its scores with this function too wherever the
+// forward is this kernel (decode_supported): it recomputes P = exp(s - lse) from the same bits.
 ATTN_EXT_AVX2 inline void scores(const float* qs, int64_t C, int64_t Dp, const float* kb,
                                  int64_t nk8, float* s, int64_t ld) {
   for (int64_t c = 0; c < C; ++c) {
@@ -161,7 +166,7 @@ inline int64_t block_keys(int64_t Hkv, int64_t Dp, int64_t Dvp) {
 
 struct DecodeScratch {
   int64_t Dp, Dvp;
-  AlignedVec<float> qs;   // (Hkv, C, Dp): scale * log2(e) * q of every column of every kv head
+  AlignedVec<float> qs;   // (Hkv, C, Dp): scale * q of every column of every kv head
   int64_t nb;             // keys per block (block_keys)
   AlignedVec<float> kb;   // (Hkv, nb, Dp): the block's k rows of every kv head
   AlignedVec<float> vb;   // (Hkv, nb, Dvp)
@@ -178,8 +183,9 @@ struct DecodeScratch {
         use(kDecodeKeys), seen(static_cast<size_t>(kDecodeCols * kDecodeKeys)) {}
 };
 
-// Online softmax of the block's scores s (C, nk; row stride kDecodeKeys) in place, log2
-// units, -inf hidden; vectorised over the keys (exp2 from simd.h). A NaN score (a NaN input
+// Online softmax of the block's scores s (C, nk; row stride kDecodeKeys) in place, natural
+// units as the tiled kernels (exp(x) = exp2(x * log2 e) after the difference), -inf hidden;
+// vectorised over the keys (exp2 from simd.h). A NaN score (a NaN input
 // the column sees) makes the column NaN for good.
 ATTN_EXT_AVX2 inline void block_softmax(float* s, int64_t C, int64_t nk, float* m, float* l,
                                         float* o, int64_t Dvp) {
@@ -212,11 +218,12 @@ ATTN_EXT_AVX2 inline void block_softmax(float* s, int64_t C, int64_t nk, float* 
       std::fill(sc, sc + nk8, 0.f);
       continue;
     }
-    const float alpha = std::exp2(m[c] - mx);  // m[c] = -inf -> 0
+    const float alpha = std::exp(m[c] - mx);  // m[c] = -inf -> 0
     const __m256 vm = _mm256_set1_ps(mx);
+    const __m256 log2e = _mm256_set1_ps(1.4426950408889634f);
     __m256 vsum = _mm256_setzero_ps();
     for (int64_t r = 0; r < nk8; r += 8) {
-      const __m256 e = cpu::exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(sc + r), vm));  // -inf -> 0
+      const __m256 e = cpu::exp2_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(sc + r), vm), log2e));  // -inf -> 0
       _mm256_storeu_ps(sc + r, e);
       vsum = _mm256_add_ps(vsum, e);
     }
@@ -273,7 +280,7 @@ void attention_decode_kernel(const AttentionParams& p) {
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
-  const float qscale = static_cast<float>(p.score_terms().scale * kLog2e);
+  const float qscale = static_cast<float>(p.score_terms().scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   parallel_tasks(p.B * n_chunks, [&] { return DecodeScratch(Hkv, p.D, p.Dv); },
@@ -408,7 +415,7 @@ void attention_decode_kernel(const AttentionParams& p) {
           const float* part = part_of(b, ch, hkv);
           const float pmc = part[C * Dvp + c];
           if (pmc == neg_inf) continue;
-          const float a = std::exp2(pmc - mx);
+          const float a = std::exp(pmc - mx);
           l += a * part[C * Dvp + C + c];
           const float* oc = part + c * Dvp;
           for (int64_t d = 0; d < p.Dv; ++d) acc[d] += a * oc[d];
@@ -422,12 +429,21 @@ void attention_decode_kernel(const AttentionParams& p) {
       }
       // l == 0: the row sees no key (out 0, lse -inf); NaN stays NaN.
       const bool seen = l != 0.f || std::isnan(mx);
-      const float inv = seen ? 1.f / l : 0.f;
+      float inv = seen ? 1.f / l : 0.f;
+      double lse_c = seen ? static_cast<double>(mx) + std::log(static_cast<double>(l))
+                          : -std::numeric_limits<double>::infinity();
+      if (p.terms.has_sinks()) {  // exp(sinks[h]) joins the denominator (as write_tile)
+        const double sink = static_cast<double>(p.terms.sink<float>(h));
+        const double mc = seen ? static_cast<double>(mx) : -std::numeric_limits<double>::infinity();
+        const double mm = std::max(mc, sink);
+        const double wrow = seen ? std::exp(mc - mm) : 0.0;
+        const double total = static_cast<double>(l) * wrow + std::exp(sink - mm);
+        inv = static_cast<float>(seen ? wrow / total : 0.0);
+        lse_c = mm + std::log(total);
+      }
       scalar_t* orow = out + b * p.out_batch_stride + (sq.q0 + ii) * p.out_row_stride + h * p.out_head_stride;
       for (int64_t d = 0; d < p.Dv; ++d) orow[d] = static_cast<scalar_t>(acc[d] * inv);
-      lse[b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + ii] =
-          seen ? static_cast<float>((static_cast<double>(mx) + std::log2(static_cast<double>(l))) * kLn2)
-               : neg_inf;
+      lse[b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + ii] = static_cast<float>(lse_c);
     }
   });
 }

@@ -13,14 +13,19 @@
 // Sq is short (decoding) it takes the rows of several query heads sharing a kv head (GQA),
 // so each k/v tile loaded serves all of them. For one tile:
 //
-//   qt (D, C)   = scale * log2(e) * q^T   (packed once; C = columns rounded up to 8)
+//   qt (D, C)   = scale * q^T             (packed once; C = columns rounded up to 8)
 //   for each key tile of up to kBlockK keys the tile can see (invisible tiles skipped):
 //     kb (nk, Dp), vb (nk, Dvp)  = k, v rows converted to the accumulation type
-//     pass 1: st (nk, C) = kb qt                  scores, transposed, in log2 units
+//     pass 1: st (nk, C) = kb qt                  scores, transposed
 //             mask (only partial tiles)
 //     pass 2: online softmax on st's columns      (running max m, sum l, rescale alpha)
 //     pass 3: o (C, Dvp) = alpha * o + st^T vb
-//   out = o / l, lse = (m + log2 l) * ln 2
+//   out = o / l, lse = m + log l
+//
+// Scores, m and lse are in natural-log units (exp(x) = exp2(x * log2 e) after the difference
+// x = s - m, which is exact near the maximum): the backward recomputes P = exp(s - lse) from
+// the same scores (same scale folded into q, same FMA order) and the same units, so its
+// probabilities are the forward's up to the rounding of lse (issue 18 item 8).
 //
 // No (Sq, Sk) buffer exists: the extra memory is O(threads * tile). Tiles run in parallel
 // with dynamic scheduling, most expensive (latest causal rows) first. When there are fewer
@@ -98,7 +103,7 @@ struct FwdScratch {
   AlignedVec<acc_t> kb;     // (kBlockK, Dp): k rows, zero-padded columns
   AlignedVec<acc_t> vb;     // (kBlockK, Dvp): v rows, zero-padded columns
   AlignedVec<acc_t> o;      // (kBlockQ, Dvp): unnormalised output accumulator
-  AlignedVec<acc_t> m, l, alpha;  // (kBlockQ): running max (log2 units), sum, rescale
+  AlignedVec<acc_t> m, l, alpha;  // (kBlockQ): running max, sum, rescale
   AlignedVec<acc_t> tmp;    // (max(D, Dv)): one converted row
   std::vector<uint8_t> kvalid;  // (kBlockK): key padding of the key tile (1 = takes part)
   std::vector<uint64_t> rk, words;  // (kBlockQ): dropout row keys / words of the columns
@@ -121,7 +126,7 @@ struct FwdScratch {
 };
 
 // Runs the tile over keys [kbeg, kend): leaves the unnormalised output in s.o (cols, Dvp)
-// and the running max / sum in s.m / s.l (log2 units). Returns the padded column count.
+// and the running max / sum in s.m / s.l. Returns the padded column count.
 // Every key tile is classified by the visibility layer: invisible tiles are skipped, full
 // tiles run unmasked, partial tiles are masked (and their hidden parts skipped in 6-key /
 // 6-query steps when the tile holds one head).
@@ -136,8 +141,8 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
 
-  // qt (D, C) = scale * log2(e) * q^T; padding columns are zero.
-  const acc_t qscale = static_cast<acc_t>(p.score_terms().scale * kLog2e);
+  // qt (D, C) = scale * q^T; padding columns are zero.
+  const acc_t qscale = static_cast<acc_t>(p.score_terms().scale);
   std::fill(s.qt.begin(), s.qt.begin() + D * C, acc_t(0));
   for (int64_t hh = 0; hh < qt_.nh; ++hh) {
     const scalar_t* qh = q + qt_.b * p.q_batch_stride + (qt_.h0 + hh) * p.q_head_stride +
@@ -148,7 +153,7 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
       for (int64_t d = 0; d < D; ++d) s.qt[d * C + c] = s.tmp[d] * qscale;
     }
   }
-  // score terms and dropout (common/attention_mask.h): scores here are in log2 units
+  // score terms and dropout (common/attention_mask.h)
   const ScoreTerms terms = p.score_terms();
   const bool dropout = terms.has_dropout();
   const uint32_t thresh = dropout::threshold(terms.dropout_p);
@@ -230,7 +235,7 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
         const int64_t d0 = i0 + sq.off - (j0 + r);
         for (int64_t hh = 0; hh < qt_.nh; ++hh) {
           terms.apply_row<acc_t>(s.st.data() + r * C + hh * nq, static_cast<int>(nq), qt_.b,
-                                 qt_.h0 + hh, d0, static_cast<acc_t>(kLog2e), nullptr);
+                                 qt_.h0 + hh, d0, acc_t(1), nullptr);
         }
       }
     }
@@ -309,22 +314,22 @@ void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, in
   if (terms.has_sinks()) {
     for (int64_t hh = 0; hh < t.nh; ++hh) {
       const int64_t h = t.h0 + hh;
-      const double sink2 = static_cast<double>(terms.sink<acc_t>(h)) * kLog2e;
+      const double sink = static_cast<double>(terms.sink<acc_t>(h));
       for (int64_t ii = 0; ii < t.nq; ++ii) {
         const int64_t c = hh * t.nq + ii;
         const int64_t i = t.i0 + ii;
         const bool seen = l[c] != acc_t(0);
         const double mc = seen ? static_cast<double>(m[c]) : -std::numeric_limits<double>::infinity();
-        const double mm = std::max(mc, sink2);
-        const double wrow = seen ? std::exp2(mc - mm) : 0.0;  // weight of the keys' part
-        const double total = static_cast<double>(l[c]) * wrow + std::exp2(sink2 - mm);
+        const double mm = std::max(mc, sink);
+        const double wrow = seen ? std::exp(mc - mm) : 0.0;  // weight of the keys' part
+        const double total = static_cast<double>(l[c]) * wrow + std::exp(sink - mm);
         const acc_t inv = static_cast<acc_t>(seen ? wrow / total : 0.0);
         scalar_t* orow = out + t.b * p.out_batch_stride + (t.s.q0 + i) * p.out_row_stride +
                          h * p.out_head_stride;
         const acc_t* src = o + c * Dvp;
         for (int64_t d = 0; d < p.Dv; ++d) orow[d] = static_cast<scalar_t>(src[d] * inv);
         lse[t.b * p.lse_batch_stride + h * p.lse_head_stride + t.s.q0 + i] =
-            static_cast<acc_t>((mm + std::log2(total)) * kLn2);
+            static_cast<acc_t>(mm + std::log(total));
       }
     }
     return;
@@ -342,7 +347,7 @@ void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, in
       const acc_t* src = o + c * Dvp;
       for (int64_t d = 0; d < p.Dv; ++d) orow[d] = static_cast<scalar_t>(src[d] * inv);
       lse[t.b * p.lse_batch_stride + h * p.lse_head_stride + t.s.q0 + i] =
-          seen ? static_cast<acc_t>((static_cast<double>(m[c]) + std::log2(static_cast<double>(l[c]))) * kLn2)
+          seen ? static_cast<acc_t>(static_cast<double>(m[c]) + std::log(static_cast<double>(l[c])))
                : -std::numeric_limits<acc_t>::infinity();
     }
   }
@@ -421,7 +426,7 @@ void attention_fwd_kernel(const AttentionParams& p) {
         const acc_t* part = parts.data() + (idx * n_split + sp) * per_part;
         const acc_t ms = part[kBlockQ * Dvp + c];
         if (ms == neg_inf) continue;  // the chunk saw no key of this row
-        const acc_t w = std::exp2(ms - mx);
+        const acc_t w = std::exp(ms - mx);
         l[c] += w * part[kBlockQ * Dvp + kBlockQ + c];
         for (int64_t d = 0; d < Dvp; ++d) o[c * Dvp + d] += w * part[c * Dvp + d];
       }

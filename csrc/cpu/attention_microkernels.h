@@ -31,10 +31,12 @@ using GemmFn = void (*)(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_r
                         bool accumulate);
 
 // Online-softmax update of one transposed score tile st (rows keys, cols queries; scores
-// already in log2 units, masked entries -inf). Per column c:
+// in natural-log units, masked entries -inf). Per column c:
 //   m' = max(m[c], max_r st[r][c]);  mu = (m' == -inf ? 0 : m')
-//   alpha[c] = exp2(m[c] - mu);  st[r][c] = exp2(st[r][c] - mu);  l[c] = l[c] * alpha[c] + sum_r st[r][c]
-// cols must be a multiple of 8.
+//   alpha[c] = exp(m[c] - mu);  st[r][c] = exp(st[r][c] - mu);  l[c] = l[c] * alpha[c] + sum_r st[r][c]
+// with exp(x) = exp2(x * log2(e)): the difference is taken first, so it is exact near the
+// maximum (the key of the maximum gets exactly 1) and the backward's exp(s - lse) from the
+// same scores meets the same numbers. cols must be a multiple of 8.
 template <typename T>
 using SoftmaxFn = void (*)(T* st, int64_t rows, int64_t cols, T* m, T* l, T* alpha);
 
@@ -78,10 +80,10 @@ void softmax_generic(T* st, int64_t rows, int64_t cols, T* m, T* l, T* alpha) {
     T mx = m[c];
     for (int64_t r = 0; r < rows; ++r) mx = std::max(mx, st[r * cols + c]);
     const T mu = mx == kNegInf ? T(0) : mx;
-    alpha[c] = std::exp2(m[c] - mu);
+    alpha[c] = std::exp(m[c] - mu);
     T sum = 0;
     for (int64_t r = 0; r < rows; ++r) {
-      const T p = std::exp2(st[r * cols + c] - mu);
+      const T p = std::exp(st[r * cols + c] - mu);
       st[r * cols + c] = p;
       sum += p;
     }

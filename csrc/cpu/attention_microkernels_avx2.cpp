@@ -94,6 +94,7 @@ ATTN_AVX2 void gemm_avx2(int64_t M, int64_t N, int64_t K, const float* A, int64_
 ATTN_AVX2 void softmax_avx2(float* st, int64_t rows, int64_t cols, float* m, float* l,
                             float* alpha) {
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 log2e = _mm256_set1_ps(1.4426950408889634f);
   for (int64_t c = 0; c < cols; c += 8) {
     // pass 1: running max of the 8 columns
     const __m256 m_old = _mm256_loadu_ps(m + c);
@@ -106,15 +107,15 @@ ATTN_AVX2 void softmax_avx2(float* st, int64_t rows, int64_t cols, float* m, flo
     if (r < rows) mx0 = _mm256_max_ps(mx0, _mm256_loadu_ps(st + r * cols + c));
     const __m256 mx = _mm256_max_ps(mx0, mx1);
     const __m256 mu = _mm256_andnot_ps(_mm256_cmp_ps(mx, neg_inf, _CMP_EQ_OQ), mx);
-    const __m256 a = exp2_ps(_mm256_sub_ps(m_old, mu));
+    const __m256 a = exp2_ps(_mm256_mul_ps(_mm256_sub_ps(m_old, mu), log2e));
     // pass 2: probabilities in place and their column sums
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     r = 0;
     for (; r + 2 <= rows; r += 2) {
       float* p0 = st + r * cols + c;
       float* p1 = p0 + cols;
-      const __m256 e0 = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(p0), mu));
-      const __m256 e1 = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(p1), mu));
+      const __m256 e0 = exp2_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(p0), mu), log2e));
+      const __m256 e1 = exp2_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(p1), mu), log2e));
       _mm256_storeu_ps(p0, e0);
       _mm256_storeu_ps(p1, e1);
       s0 = _mm256_add_ps(s0, e0);
@@ -122,7 +123,7 @@ ATTN_AVX2 void softmax_avx2(float* st, int64_t rows, int64_t cols, float* m, flo
     }
     if (r < rows) {
       float* p0 = st + r * cols + c;
-      const __m256 e0 = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(p0), mu));
+      const __m256 e0 = exp2_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(p0), mu), log2e));
       _mm256_storeu_ps(p0, e0);
       s0 = _mm256_add_ps(s0, e0);
     }
