@@ -212,10 +212,7 @@ struct PairTerms {
   int64_t b, h, i0, nq, j0, nk, C;
 
   void terms(acc_t* st, acc_t* th) const {
-    for (int64_t r = 0; r < nk; ++r) {
-      t.apply_row<acc_t>(st + r * C, static_cast<int>(nq), b, h, i0 + sq.off - (j0 + r), acc_t(1),
-                         th != nullptr ? th + r * C : nullptr);
-    }
+    apply_score_terms<acc_t>(t, st, nk, C, nq, 1, b, h, i0 + sq.off - j0, th);  // as the forward
   }
   void grad(acc_t* ds, const acc_t* th, double* db) const {
     if (db != nullptr) {

@@ -122,6 +122,35 @@ bool all_finite(const acc_t* x, int64_t rows, int64_t cols, int64_t ld) {
   return true;
 }
 
+// The score terms (softcap, ALiBi, rel_bias: ScoreTerms in common/attention_mask.h) on a
+// transposed tile st (nk key rows j0 .. j0 + nk - 1, leading dimension C) whose columns are
+// nh runs of nq query rows (column hh * nq + ii: head h0 + hh, row i0 + ii), scores in
+// natural units; d00 = i0 + off - j0. th (st's layout) receives tanh(s / softcap) when given.
+// The forward and the backward both call this, so their scores round alike. ALiBi and
+// rel_bias alone go through mk::bias_rows (vectorised, one call per head); with softcap the
+// per-row rule ScoreTerms::apply_row.
+template <typename acc_t>
+void apply_score_terms(const ScoreTerms& t, acc_t* st, int64_t nk, int64_t C, int64_t nq,
+                       int64_t nh, int64_t b, int64_t h0, int64_t d00, acc_t* th) {
+  if (t.softcap > 0.0) {
+    for (int64_t r = 0; r < nk; ++r) {
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        t.apply_row<acc_t>(st + r * C + hh * nq, static_cast<int>(nq), b, h0 + hh, d00 - r,
+                           acc_t(1), th != nullptr ? th + r * C + hh * nq : nullptr);
+      }
+    }
+    return;
+  }
+  const int64_t M = t.rel_max;
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const int64_t h = h0 + hh;
+    const acc_t slope = t.alibi != nullptr ? t.slope<acc_t>(b, h) : acc_t(0);
+    const acc_t* tab =
+        t.rel_bias != nullptr ? static_cast<const acc_t*>(t.rel_bias) + h * (2 * M + 1) : nullptr;
+    mk::bias_rows<acc_t>(st + hh * nq, nk, nq, C, d00, slope, tab, M);
+  }
+}
+
 // Attention dropout on a transposed tile st (rows: keys j0 .. j0 + nk - 1, cols: queries;
 // leading dimension C): dst[r][c] = src[r][c] * inv_keep where key j0 + r of column c's row
 // survives (common/dropout_rng.h; rk[c] is that row's key), else 0; columns [cols, C) get 0.

@@ -231,13 +231,8 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     }
     // terms: softcap, ALiBi, rel_bias on every key row's run of query rows of each head
     if (terms.active()) {
-      for (int64_t r = 0; r < nk; ++r) {
-        const int64_t d0 = i0 + sq.off - (j0 + r);
-        for (int64_t hh = 0; hh < qt_.nh; ++hh) {
-          terms.apply_row<acc_t>(s.st.data() + r * C + hh * nq, static_cast<int>(nq), qt_.b,
-                                 qt_.h0 + hh, d0, acc_t(1), nullptr);
-        }
-      }
+      apply_score_terms<acc_t>(terms, s.st.data(), nk, C, nq, qt_.nh, qt_.b, qt_.h0,
+                               i0 + sq.off - j0, nullptr);
     }
     // mask: -inf wherever the visibility layer says hidden (all that pass 1 skipped included)
     if (partial) {

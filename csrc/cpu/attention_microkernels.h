@@ -107,6 +107,34 @@ void ds_generic(const T* p, T* ds, int64_t rows, int64_t cols, const T* d) {
   }
 }
 
+// ALiBi and rel_bias (common/attention_mask.h, ScoreTerms) on `rows` key rows of a transposed
+// score tile: row r holds the scores of key j = j_first + r against n consecutive query rows
+// (x = st + r * ld, columns [0, n)), with d = d0 - r + c the distance of column c.
+//   x[c] -= slope * |d|                 (slope != 0; natural units)
+//   x[c] += tab[M + clamp(d, -M, M)]    (tab != nullptr: the head's (2M + 1) row)
+// One definition for the forward and the backward (they must round the same way: the backward
+// recomputes P = exp(s - lse) from these scores); columns past n are left alone.
+template <typename T>
+void bias_rows_generic(T* st, int64_t rows, int64_t n, int64_t ld, int64_t d0, T slope,
+                       const T* tab, int64_t M) {
+  for (int64_t r = 0; r < rows; ++r) {
+    T* x = st + r * ld;
+    const int64_t dr = d0 - r;
+    if (slope != T(0)) {
+      for (int64_t c = 0; c < n; ++c) {
+        const int64_t d = dr + c;
+        x[c] -= slope * static_cast<T>(d < 0 ? -d : d);
+      }
+    }
+    if (tab != nullptr) {
+      for (int64_t c = 0; c < n; ++c) {
+        const int64_t d = dr + c;
+        x[c] += tab[M + (d < -M ? -M : (d > M ? M : d))];
+      }
+    }
+  }
+}
+
 // ---- AVX2 implementations (attention_microkernels_avx2.cpp) --------------------------
 
 bool cpu_has_avx2_fma();  // AVX2 + FMA + F16C and not ATTN_EXT_CPU_SIMD=0 (cpu::simd_enabled)
@@ -115,9 +143,20 @@ void gemm_avx2(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_row, i
 void softmax_avx2(float* st, int64_t rows, int64_t cols, float* m, float* l, float* alpha);
 void exp_sub_avx2(float* st, int64_t rows, int64_t cols, const float* sub);
 void ds_avx2(const float* p, float* ds, int64_t rows, int64_t cols, const float* d);
+void bias_rows_avx2(float* st, int64_t rows, int64_t n, int64_t ld, int64_t d0, float slope,
+                    const float* tab, int64_t M);
 // n bfloat16 / float16 values (raw bits) to float.
 void bf16_to_float_avx2(const uint16_t* src, int64_t n, float* dst);
 void half_to_float_avx2(const uint16_t* src, int64_t n, float* dst);
+
+template <typename T>
+inline void bias_rows(T* st, int64_t rows, int64_t n, int64_t ld, int64_t d0, T slope,
+                      const T* tab, int64_t M) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (cpu_has_avx2_fma()) return bias_rows_avx2(st, rows, n, ld, d0, slope, tab, M);
+  }
+  bias_rows_generic<T>(st, rows, n, ld, d0, slope, tab, M);
+}
 
 template <typename T>
 inline Kernels<T> kernels() {

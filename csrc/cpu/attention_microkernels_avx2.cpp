@@ -6,6 +6,8 @@
 // This file includes no ATen header on purpose: nothing inline from a shared header may be
 // compiled for AVX2 here and then picked by the linker for the generic code paths.
 #include "cpu/attention_microkernels.h"
+
+#include <cstdlib>
 #include "cpu/cpu_features.h"
 #include "cpu/simd.h"
 
@@ -156,6 +158,50 @@ ATTN_AVX2 void ds_avx2(const float* p, float* ds, int64_t rows, int64_t cols, co
   }
 }
 
+// bias_rows_generic's rule (attention_microkernels.h), 8 columns at a time: ALiBi as one
+// fused x - slope * |d| (the scalar tail uses std::fma, the same single rounding, so a pair
+// gets the same bits whichever lane or tail it falls in), rel_bias as plain adds of the
+// table's slice.
+ATTN_AVX2 void bias_rows_avx2(float* st, int64_t rows, int64_t n, int64_t ld, int64_t d0,
+                              float slope, const float* tab, int64_t M) {
+  const int64_t dmax = std::max<int64_t>(std::abs(d0) + rows + n, 0);
+  const bool int32_ok = dmax < (int64_t(1) << 30);
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 vs = _mm256_set1_ps(slope);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = st + r * ld;
+    const int64_t dr = d0 - r;
+    if (slope != 0.f) {
+      int64_t c = 0;
+      if (int32_ok) {
+        for (; c + 8 <= n; c += 8) {
+          const __m256i d = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(dr + c)), iota);
+          const __m256 ad = _mm256_cvtepi32_ps(_mm256_abs_epi32(d));
+          _mm256_storeu_ps(x + c, _mm256_fnmadd_ps(vs, ad, _mm256_loadu_ps(x + c)));
+        }
+      }
+      for (; c < n; ++c) {
+        const int64_t d = dr + c;
+        x[c] = std::fma(-slope, static_cast<float>(d < 0 ? -d : d), x[c]);
+      }
+    }
+    if (tab != nullptr) {
+      // columns [0, ca): d < -M; [ca, cb): the slice tab[M + dr + c]; [cb, n): d > M
+      const int64_t ca = std::clamp<int64_t>(-M - dr, 0, n);
+      const int64_t cb = std::clamp<int64_t>(M - dr + 1, ca, n);
+      const float lo = tab[0], hi = tab[2 * M];
+      int64_t c = 0;
+      for (; c + 8 <= ca; c += 8) _mm256_storeu_ps(x + c, _mm256_add_ps(_mm256_loadu_ps(x + c), _mm256_set1_ps(lo)));
+      for (; c < ca; ++c) x[c] += lo;
+      const float* t = tab + M + dr;  // column c reads t[c]
+      for (; c + 8 <= cb; c += 8) _mm256_storeu_ps(x + c, _mm256_add_ps(_mm256_loadu_ps(x + c), _mm256_loadu_ps(t + c)));
+      for (; c < cb; ++c) x[c] += t[c];
+      for (; c + 8 <= n; c += 8) _mm256_storeu_ps(x + c, _mm256_add_ps(_mm256_loadu_ps(x + c), _mm256_set1_ps(hi)));
+      for (; c < n; ++c) x[c] += hi;
+    }
+  }
+}
+
 ATTN_AVX2 void bf16_to_float_avx2(const uint16_t* src, int64_t n, float* dst) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -190,6 +236,7 @@ void gemm_avx2(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const 
 void softmax_avx2(float*, int64_t, int64_t, float*, float*, float*) {}
 void exp_sub_avx2(float*, int64_t, int64_t, const float*) {}
 void ds_avx2(const float*, float*, int64_t, int64_t, const float*) {}
+void bias_rows_avx2(float*, int64_t, int64_t, int64_t, int64_t, float, const float*, int64_t) {}
 void bf16_to_float_avx2(const uint16_t*, int64_t, float*) {}
 void half_to_float_avx2(const uint16_t*, int64_t, float*) {}
 
