@@ -167,6 +167,13 @@ void dropout_tile(const acc_t* src, acc_t* dst, int64_t nk, int64_t C, int64_t c
     const int shift = dropout::kBitsPerKey * static_cast<int>(j & 3);
     const acc_t* s = src + r * C;
     acc_t* d = dst + r * C;
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (mk::cpu_has_avx2_fma()) {  // the same rule, 8 columns at a time
+        mk::dropout_row_avx2(s, d, cols, words, shift, thresh, inv_keep);
+        for (int64_t c = cols; c < C; ++c) d[c] = acc_t(0);
+        continue;
+      }
+    }
     for (int64_t c = 0; c < cols; ++c) {
       const uint32_t u = static_cast<uint32_t>(words[c] >> shift) & 0xffffu;
       d[c] = u >= thresh ? s[c] * inv_keep : acc_t(0);

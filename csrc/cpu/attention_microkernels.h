@@ -145,6 +145,10 @@ void exp_sub_avx2(float* st, int64_t rows, int64_t cols, const float* sub);
 void ds_avx2(const float* p, float* ds, int64_t rows, int64_t cols, const float* d);
 void bias_rows_avx2(float* st, int64_t rows, int64_t n, int64_t ld, int64_t d0, float slope,
                     const float* tab, int64_t M);
+// One key row of attention dropout (cpu_attn::dropout_tile): for c in [0, n),
+// dst[c] = ((words[c] >> shift) & 0xffff) >= thresh ? src[c] * inv_keep : 0.
+void dropout_row_avx2(const float* src, float* dst, int64_t n, const uint64_t* words, int shift,
+                      uint32_t thresh, float inv_keep);
 // n bfloat16 / float16 values (raw bits) to float.
 void bf16_to_float_avx2(const uint16_t* src, int64_t n, float* dst);
 void half_to_float_avx2(const uint16_t* src, int64_t n, float* dst);

@@ -202,6 +202,31 @@ ATTN_AVX2 void bias_rows_avx2(float* st, int64_t rows, int64_t n, int64_t ld, in
   }
 }
 
+ATTN_AVX2 void dropout_row_avx2(const float* src, float* dst, int64_t n, const uint64_t* words,
+                                int shift, uint32_t thresh, float inv_keep) {
+  const __m128i count = _mm_cvtsi32_si128(shift);
+  const __m256i lo16 = _mm256_set1_epi32(0xffff);
+  // u >= thresh  <=>  u > thresh - 1 (u < 2^16, thresh <= 2^16: no overflow)
+  const __m256i tm1 = _mm256_set1_epi32(static_cast<int32_t>(thresh) - 1);
+  // the interleaved 32-bit halves of two 4-word vectors back in column order
+  const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256 vinv = _mm256_set1_ps(inv_keep);
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const __m256i w0 = _mm256_srl_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + c)), count);
+    const __m256i w1 = _mm256_srl_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + c + 4)), count);
+    // 32-bit lanes: c, c+4, c+1, c+5, ... (low halves of w0 and w1 interleaved)
+    const __m256i both = _mm256_blend_epi32(w0, _mm256_slli_epi64(w1, 32), 0xaa);
+    const __m256i u = _mm256_and_si256(_mm256_permutevar8x32_epi32(both, order), lo16);
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(u, tm1));
+    _mm256_storeu_ps(dst + c, _mm256_and_ps(keep, _mm256_mul_ps(_mm256_loadu_ps(src + c), vinv)));
+  }
+  for (; c < n; ++c) {
+    const uint32_t u = static_cast<uint32_t>(words[c] >> shift) & 0xffffu;
+    dst[c] = u >= thresh ? src[c] * inv_keep : 0.f;
+  }
+}
+
 ATTN_AVX2 void bf16_to_float_avx2(const uint16_t* src, int64_t n, float* dst) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -237,6 +262,7 @@ void softmax_avx2(float*, int64_t, int64_t, float*, float*, float*) {}
 void exp_sub_avx2(float*, int64_t, int64_t, const float*) {}
 void ds_avx2(const float*, float*, int64_t, int64_t, const float*) {}
 void bias_rows_avx2(float*, int64_t, int64_t, int64_t, int64_t, float, const float*, int64_t) {}
+void dropout_row_avx2(const float*, float*, int64_t, const uint64_t*, int, uint32_t, float) {}
 void bf16_to_float_avx2(const uint16_t*, int64_t, float*) {}
 void half_to_float_avx2(const uint16_t*, int64_t, float*) {}
 
