@@ -32,9 +32,6 @@ pytest.importorskip("hypothesis")  # the GPU machine has no hypothesis; CI insta
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
 import attn_ext
 from attn_ext import reference as R
 from tests.utils import FLOOR, assert_close_rule, max_err
@@ -151,25 +148,6 @@ def _attention_ref(q, k, v, dout, causal, scale, dtype, grads):
     return res
 
 
-def _sdpa_math_grads(q, k, v, dout, causal, scale):
-    """dq, dk, dv of torch's SDPA (math backend) in q's dtype: the textbook in PyTorch's own
-    order (bottom-right causal mask passed explicitly: SDPA's is_causal is top-left)."""
-    group = q.shape[2] // k.shape[2]
-    q, k, v = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    kk, vv = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    mask = R.causal_mask(q.shape[1], k.shape[1]) if causal else None
-    with sdpa_kernel([SDPBackend.MATH]):
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2),
-                                             vv.transpose(1, 2), attn_mask=mask, scale=scale)
-    out.transpose(1, 2).backward(dout)
-    return [q.grad, k.grad, v.grad]
-
-
-def _worse_of(a, b, ref64):
-    """Whichever of two low-precision results is further from ref64 (the baseline of the rule)."""
-    return a if max_err(a, ref64) >= max_err(b, ref64) else b
-
-
 def _check_f64(name, ours, ref):
     """float64: the two float64 computations agree to ~1e-9 relative to the magnitude."""
     assert ours.shape == ref.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
@@ -233,7 +211,6 @@ def test_fuzz_attention(case, device):
             _check_f64(name, a, r)
         return
     ref_low = _attention_ref(*cpu, dout.cpu(), c["causal"], c["scale"], c["dtype"], c["grads"])
-    ref_low2 = _sdpa_math_grads(*cpu, dout.cpu(), c["causal"], c["scale"]) if c["grads"] else []
     for name, a, r64, rlow in zip(names, ours, ref64, ref_low):
         if c["Sk"] == 1 and name in ("dq", "dk"):
             # One key: P = 1, so dq = dk = 0 exactly, and the low-precision reference hits
@@ -246,18 +223,18 @@ def test_fuzz_attention(case, device):
                      * max(mags[2], mags[3]) * s)
             assert max_err(a, r64) <= bound + FLOOR[c["dtype"]], name
             continue
-        # fp32 gradients (issue 18 item 8, tools/fp32_grad_study.py): they used to need 4x,
-        # and more on tiny shapes (Sq 1-2, Sk 2-3), because the backward's P = exp(s - lse)
-        # differed from the forward's (other units, and for the decode kernel another FMA
-        # order) and its row term was rounded apart from dP. Fixed in the kernels
-        # (tests/test_fp32_grad_accuracy.py). What is left on tiny shapes is the spread of
-        # the rule itself: two fp32 orders of the same textbook (reference.py, SDPA math)
-        # differ by up to ~8x there, so the gradients' low-precision error is the larger
-        # of the two orders' ("PyTorch's own error"), as FlashAttention's tests take a
-        # reordered reference.
-        if name in ("dq", "dk", "dv"):
-            rlow = _worse_of(rlow, ref_low2[names.index(name) - 2], r64)
-        _close_rule_small(a, r64, rlow, name)
+        # fp32 gradients (issue 18 item 8, tools/fp32_grad_study.py; TESTING.md). dv: 2x. It
+        # used to need 4x and more on tiny shapes (Sq 1-2, Sk 2-3) because the backward's
+        # P = exp(s - lse) was not the forward's (other units; for the decode kernel another
+        # summation order); fixed in the kernels (tests/test_fp32_grad_accuracy.py).
+        # dq / dk: 4x. In rows whose probability sits almost all on one key their true values
+        # are tiny, and the FlashAttention row term Di = rowsum(dout * out) keeps an error of
+        # the size of dP's rounding there, which the textbook's sum_j P_j dP_j cancels.
+        # PyTorch's own CPU flash kernel has the same error (SDPA flash over 2x the fp32
+        # textbook's error in 61 of 1903 such draws); the row term cannot be the textbook's:
+        # out and lse may be those of a longer sequence (ring attention).
+        factor = 4.0 if (c["dtype"] == torch.float32 and name in ("dq", "dk")) else 2.0
+        _close_rule_small(a, r64, rlow, name, factor)
     # causal_attention / attention are the same numbers as attention_forward's out.
     if c["causal"]:
         same = attn_ext.causal_attention(q, k, v, scale=c["scale"])
@@ -551,4 +528,6 @@ def test_fuzz_masks(case):
                      * max(mags[2], mags[3]) * c["D"] ** -0.5)
             assert max_err(a, r64) <= bound + FLOOR[c["dtype"]], name
             continue
-        _close_rule_small(a, r64, rlow, name)
+        # fp32 dq / dk: factor 4, as in test_fuzz_attention (the note there)
+        factor = 4.0 if (c["dtype"] == torch.float32 and name in ("dq", "dk")) else 2.0
+        _close_rule_small(a, r64, rlow, name, factor)

@@ -32,7 +32,6 @@ struct BwdScratch {
   AlignedVec<acc_t> blk;   // one packed query block (QueryPackLayout::size)
   AlignedVec<acc_t> dqt;   // (kBlockQ, Dp): dq accumulator of the query block (unscaled)
   AlignedVec<acc_t> tmp;   // (max(D, Dv)): one converted row
-  AlignedVec<acc_t> di;    // (kBlockQ): row term of a block whose keys are one tile
   AlignedVec<acc_t> sc;    // (kBlockQ, kBlockK): scores in the decode kernel's layout (decode order)
   std::vector<uint8_t> kvalid;  // (kBlockK): key padding of the tile's keys (1 = takes part)
   AlignedVec<acc_t> th;    // (kBlockK, kBlockQ): tanh(s / softcap) (softcap only)
@@ -49,7 +48,6 @@ struct BwdScratch {
         blk(static_cast<size_t>(pack_size), acc_t(0)),
         dqt(static_cast<size_t>(kBlockQ * Dp)),
         tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1))),
-        di(kBlockQ),
         sc(decode_order ? static_cast<size_t>(kBlockQ * kBlockK) : 0),
         kvalid(kBlockK, 1),
         th(terms.softcap > 0.0 ? static_cast<size_t>(kBlockK * kBlockQ) : 0),
@@ -68,7 +66,6 @@ struct BwdScratch {
 //   dor  (kBlockQ, Dvp)  dout rows
 //   lse  (kBlockQ)       lse; +inf for padding rows and rows that see no key (P = 0)
 //   di   (kBlockQ)       rowsum(dout * out) - dlse
-//   dlse (kBlockQ)       dlse (the row term of blocks that sum Di from their one key tile)
 //   fin  (1)             1 when the block's q and dout are all finite
 //
 // P = exp(s - lse) must reproduce the forward's probabilities, whose rounding the forward's
@@ -76,7 +73,7 @@ struct BwdScratch {
 // order), in the units lse is stored in, so in a row whose probability sits on one key
 // lse == s there and P = 1 as in the forward (issue 18 item 8).
 struct QueryPackLayout {
-  int64_t qt, qr, qs, dot, dor, lse, di, dlse, fin, size;
+  int64_t qt, qr, qs, dot, dor, lse, di, fin, size;
   QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp)
       : qt(0),
         qr(qt + D * kBlockQ),
@@ -85,8 +82,7 @@ struct QueryPackLayout {
         dor(dot + Dv * kBlockQ),
         lse(dor + kBlockQ * Dvp),
         di(lse + kBlockQ),
-        dlse(di + kBlockQ),
-        fin(dlse + kBlockQ),
+        fin(di + kBlockQ),
         size(fin + 8) {}
 };
 
@@ -132,9 +128,7 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
       for (int64_t d = 0; d < Dv; ++d) di += tmp[d] * drow[d];
     }
     // lse's gradient folds into the row term: dS = P * (dP - (Di - dlse_i))
-    const acc_t dl = dlse != nullptr ? dlse[stat + ii] : acc_t(0);
-    blk[L.di + ii] = dlse != nullptr ? di - dl : di;
-    blk[L.dlse + ii] = dl;
+    blk[L.di + ii] = dlse != nullptr ? di - dlse[stat + ii] : di;
     const acc_t l = lse[stat + ii];
     blk[L.lse + ii] = l == neg_inf ? pos_inf : l;
   }
@@ -147,7 +141,6 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + ii] = 0;
     for (int64_t d = 0; d < Dv; ++d) dot[d * kBlockQ + ii] = 0;
     blk[L.di + ii] = 0;
-    blk[L.dlse + ii] = 0;
     blk[L.lse + ii] = pos_inf;
   }
   // Whether the block's q and dout rows are all finite (then a hidden pair's 0 times them is
@@ -236,7 +229,7 @@ struct PairTerms {
 //   pass 2: st = exp(st - lse)               probabilities P^T (0 where hidden)
 //   pass 3: dvt (nk, Dvp) += st dor          (when acc.dvt)
 //   pass 4: dpt (nk, C) = vb dot             dP^T
-//   pass 5: dpt = st * (dpt - Di)            dS^T (0 where hidden; Di: see pass5 below)
+//   pass 5: dpt = st * (dpt - Di)            dS^T (0 where hidden)
 //   pass 6: dkt (nk, Dp) += dpt qr           (when acc.dkt)
 //   pass 7: dqt (nq, Dp) += dpt^T kb         (when dqt)
 //
@@ -250,7 +243,7 @@ struct PairTerms {
 template <typename acc_t>
 void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq, int64_t b,
               int64_t h, int64_t i0, int64_t nq, int64_t j0, int64_t nk, int64_t n_valid,
-              bool k_finite, bool one_tile, bool decode_order, const QueryPackLayout& L,
+              bool k_finite, bool decode_order, const QueryPackLayout& L,
               const acc_t* blk,
               const KeyAcc<acc_t>& acc, acc_t* dqt, const mk::Kernels<acc_t>& K,
               BwdScratch<acc_t>& s) {
@@ -287,23 +280,10 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
 #endif
   };
   auto pass5 = [&] {
+    // Di = rowsum(dout * out) - dlse from the pack, never sum_j P_j dP_j over this call's
+    // keys: out and lse may be those of a longer sequence (ring attention passes the merged
+    // ones), and then only rowsum(dout * out) is the row term.
     const acc_t* di = blk + L.di;
-    if (one_tile) {
-      // The block's rows see keys of this tile only: their row term is sum_j P_j dP_j from
-      // the tile itself (the textbook's form, = rowsum(dout * out) in exact arithmetic). It
-      // takes dP and P with their rounding, so dP_j - Di cancels it (a row whose
-      // probability sits on one key gets dS = 0 there, not the rounding of two separately
-      // formed dot products; issue 18 item 8).
-      acc_t* d = s.di.data();
-      std::fill(d, d + C, acc_t(0));
-      for (int64_t r = 0; r < nk; ++r) {
-        const acc_t* pr = pv + r * C;
-        const acc_t* gr = s.dpt.data() + r * C;
-        for (int64_t c = 0; c < C; ++c) d[c] += pr[c] * gr[c];
-      }
-      for (int64_t c = 0; c < C; ++c) d[c] -= blk[L.dlse + c];
-      di = d;
-    }
     if (dropout) {
       ds_dropout(s.st.data(), s.pz.data(), s.dpt.data(), nk, C, di);
     } else {
@@ -524,8 +504,6 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       }
     }
     const Range keys = vis.band_keys_of_rows(sq, i0, i0 + nq);
-    // the block sees keys of one tile only: its row term comes from that tile (pass 5)
-    const bool one_tile = ceil_div(keys.hi, kBlockK) - keys.lo / kBlockK == 1;
     const int64_t lo = std::max(kt0, keys.lo / kBlockK);
     const int64_t hi = std::min(kt1, ceil_div(keys.hi, kBlockK));
     for (int64_t kt = lo; kt < hi; ++kt) {
@@ -537,7 +515,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       const int64_t n_valid = load_key_tile<scalar_t, acc_t>(p, vis, sq, b, hkv, j0, nk, s, &k_finite);
       KeyAcc<acc_t> acc = want_kv ? key_acc(b, hkv, sq, j0) : KeyAcc<acc_t>{nullptr, 0, nullptr, 0, nullptr};
       acc.db = db;
-      bwd_pair<acc_t>(p, vis, sq, b, h, i0, nq, j0, nk, n_valid, k_finite, one_tile, decode_order, L,
+      bwd_pair<acc_t>(p, vis, sq, b, h, i0, nq, j0, nk, n_valid, k_finite, decode_order, L,
                       s.blk.data(), acc,
                       want_dq ? s.dqt.data() : nullptr, kern, s);
     }
