@@ -190,11 +190,17 @@ struct ScoreTerms {
   }
 
   // The score after the terms (natural units), given the scaled dot product s and
-  // d = i + off - j: the per-element form of the rule (CUDA kernels, emulator).
+  // d = i + off - j: the per-element form of the rule (CUDA kernels, emulator). With softcap,
+  // tanh(s / softcap) is also written to *th when th is given (the backward's chain factor
+  // 1 - th^2, as apply_row).
   template <typename T>
-  ATTN_MASK_FN T add(T s, int64_t b, int64_t h, int64_t d) const {
+  ATTN_MASK_FN T add(T s, int64_t b, int64_t h, int64_t d, T* th = nullptr) const {
     using std::tanh;
-    if (softcap > 0.0) s = static_cast<T>(softcap) * tanh(s / static_cast<T>(softcap));
+    if (softcap > 0.0) {
+      const T t = tanh(s / static_cast<T>(softcap));
+      if (th != nullptr) *th = t;
+      s = static_cast<T>(softcap) * t;
+    }
     if (alibi != nullptr) s -= slope<T>(b, h) * static_cast<T>(d < 0 ? -d : d);
     if (rel_bias != nullptr) {
       s += static_cast<const T*>(rel_bias)[h * (2 * rel_max + 1) + rel_max + clamp_d(d, rel_max)];

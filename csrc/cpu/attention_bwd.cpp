@@ -555,12 +555,6 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
 
 using BwdResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
-// d rel_bias output: zeros like rel_bias, or an empty (0,) tensor without it.
-Tensor make_drel_bias(const OptTensor& rel_bias, const Tensor& q) {
-  if (!rel_bias.has_value()) return alloc(q, {0}, lse_dtype(q.scalar_type()));
-  return alloc_zeros(*rel_bias, sizes_vec(*rel_bias), rel_bias->scalar_type());
-}
-
 // deterministic: ignored, the CPU backward is always deterministic (work units own the
 // gradients they write; partial sums are reduced in a fixed order).
 BwdResult attention_backward_cpu(

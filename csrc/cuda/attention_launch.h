@@ -31,8 +31,11 @@ template <typename T>
 cudaError_t launch_simple_fwd_split(const AttentionParams& p, int64_t chunk, int n_split,
                                     void* part_o, void* part_ml, cudaStream_t stream);
 // delta: (B, H, Sq) workspace of the accumulation type (float; double for double).
+// drel_diag: (B, H, Sq + Sk - 1) double workspace when bp.drel_bias is set (rel_bias given;
+// d rel_bias by a fixed-order reduction, deterministic), else nullptr.
 template <typename T>
-cudaError_t launch_simple_bwd(const AttentionBwdParams& bp, void* delta, cudaStream_t stream);
+cudaError_t launch_simple_bwd(const AttentionBwdParams& bp, void* delta, void* drel_diag,
+                              cudaStream_t stream);
 }  // namespace simple
 
 namespace fa2 {
