@@ -11,10 +11,11 @@ The rules below restate the kernels' dispatch in Python, so they can be read wit
   else the fast FA2-style tensor-core kernel, else the simple kernel; CUDA backward
   (``use_fast_backward``): the fast FA2-style kernel, else the simple kernels.
 - Score terms (``alibi_slopes``, ``rel_bias``, ``softcap``, ``sinks``, ``dropout_p > 0``; issue
-  15): the fast CUDA kernels have none of them (``use_fast_forward`` / ``use_fast_backward``
-  return false unless ``ScoreTerms::plain()``), so a call with any runs split-KV or the simple
-  kernel forward and the simple kernels backward (sinks reach the backward only through lse:
-  they do not change its choice). The CPU decode kernel has none either (``decode_supported``).
+  15): split-KV and the simple kernels take all of them; the fast CUDA forward takes all but
+  dropout (``use_fast_forward``: ``has_dropout()``); the fast backward none
+  (``use_fast_backward``: unless ``ScoreTerms::plain()``; sinks reach the backward only
+  through lse and do not change its choice). The CPU decode kernel has none
+  (``decode_supported``).
 
 The constants are copies of the kernels' (the headers are not installed with the package);
 tests/test_explain.py reads them from csrc/ and fails when the two disagree.
@@ -243,7 +244,7 @@ def cuda_forward_choice(s: Shape, dtype: torch.dtype, aligned: bool, sms: int,
     """(path, reason, details) of the CUDA forward (attention.cu attention_forward_cuda).
     ``aligned``: aligned16() of q, k and v; ``smem_optin``: the device's opt-in shared
     memory per block (0 if unknown); ``terms``: the names of the call's score terms (the
-    split-KV path takes them, the fast kernel does not)."""
+    split-KV path takes them all, the fast kernel all but dropout)."""
     split = cuda_split_plan(s, sms, force_simple)
     if split["n_split"] > 1:
         return "cuda.split_kv", (
@@ -267,17 +268,18 @@ def cuda_forward_choice(s: Shape, dtype: torch.dtype, aligned: bool, sms: int,
                        "multiple of 8 elements")
     if not (_ceil_div(s.Sq, CUDA_FA2_BLOCK_M) <= 0x7FFFFFFF and s.H <= 65535 and s.B <= 65535):
         reasons.append(f"grid too large (B = {s.B}, H = {s.H} must be <= 65535)")
-    if terms:
-        reasons.append(_terms_reason(terms, "kernel"))
+    if "dropout_p" in terms:
+        reasons.append("dropout_p (the fast kernel has no dropout)")
     if s.D == s.Dv and s.D in CUDA_FWD_FAST_HEAD_DIMS and need > smem_optin:
         reasons.append(f"its shared memory ({need} bytes at D = {s.D}) exceeds the device's "
                        f"opt-in limit ({smem_optin} bytes)")
     if force_simple:
         reasons.append(FORCE_SIMPLE_WHY)
     if not reasons:
+        with_terms = f", with the score terms {', '.join(terms)}" if terms else ""
         return "cuda.fa2", (f"fp16/bf16, D = Dv = {s.D}, 16-byte aligned, shared memory "
                             f"{need} <= {smem_optin} bytes: FA2-style tensor-core kernel "
-                            f"(query tiles of {CUDA_FA2_BLOCK_M})"), details
+                            f"(query tiles of {CUDA_FA2_BLOCK_M}){with_terms}"), details
     return "cuda.simple", "simple kernel (one warp per query row) because " + "; ".join(reasons), details
 
 
@@ -395,8 +397,8 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     """Say which kernel ``attn_ext.attention(q, k, v, causal=..., scale=..., <score terms>)``
     will run for these tensors, and why (the forward and, for training, the backward).
     The score terms (``alibi_slopes``, ``rel_bias``, ``softcap``, ``sinks``, ``dropout_p``)
-    count only by being given: any of them rules out the fast CUDA kernels and the CPU
-    decode kernel.
+    count only by being given: on CUDA dropout rules out the fast forward and any term but
+    sinks the fast backward; any term rules out the CPU decode kernel.
 
     Runs no kernel and reads no tensor values: only shapes, dtypes, strides, data pointers,
     the thread count (CPU), the device's properties and torch's deterministic flag (CUDA).

@@ -649,7 +649,8 @@ def test_lse_gradient_on_cuda(cuda):
 
 # ---- score terms on CUDA (issue 15): softcap, ALiBi, rel_bias, sinks, dropout ---------------
 # The simple kernels (and the split-KV decode path) take every term through ScoreTerms /
-# dropout_rng.h; the fast kernels have none, so a call with a term must run the simple ones.
+# dropout_rng.h; the fast forward takes all but dropout (its kTerms instances), the fast
+# backward none (a call with a term but sinks runs the simple backward).
 # Values, lse and every gradient (d rel_bias, d sinks included) against the float64 CPU
 # reference (tests/reference_checks.check_against_reference: float64 to 1e-9, low precision
 # by DESIGN.md's rule); dropout's keep bits equal the CPU kernel's and reference.py's bit for
@@ -859,7 +860,7 @@ class TestScoreTermsCuda:
 
         names = kernel_names(grads)
         assert ran(names, "simple_bwd_drel_diag_kernel") and ran(names, "simple_bwd_drel_reduce_kernel"), names
-        assert did_not_run(names, "fa2_bwd_kernel") and did_not_run(names, "fa2_fwd_kernel"), names
+        assert did_not_run(names, "fa2_bwd_kernel"), names
         a, b = grads(), grads()
         for x, y in zip(a, b):
             assert torch.equal(x, y)
@@ -1009,9 +1010,12 @@ class TestScoreTermsCuda:
         assert ran(names, want), (str(choice), names)
         for other in set(_EXPLAINED_KERNEL.values()) - {want}:
             assert did_not_run(names, other), (str(choice), names)
-        assert choice.forward == ("cuda.split_kv" if case == "softcap_decode" else "cuda.simple"), str(choice)
-        if choice.forward == "cuda.simple":
-            assert "score terms" in choice.forward_reason, str(choice)
+        if case == "softcap_decode":
+            assert choice.forward == "cuda.split_kv", str(choice)
+        elif case == "dropout":
+            assert choice.forward == "cuda.simple" and "dropout_p" in choice.forward_reason, str(choice)
+        elif fast_fwd_fits(D):
+            assert choice.forward == "cuda.fa2" and "with the score terms" in choice.forward_reason, str(choice)
         # backward: the simple kernels with any term but sinks (those reach it through lse)
         qg = q.detach().clone().requires_grad_()
         out = attn_ext.attention(qg, k, v, causal=True, **kw)
@@ -1025,3 +1029,52 @@ class TestScoreTermsCuda:
             assert ran(names, "simple_bwd") and did_not_run(names, "fa2_bwd_kernel"), (str(choice), names)
             if case != "sinks":
                 assert "score terms" in choice.backward_reason, str(choice)
+
+    @pytest.mark.parametrize("causal", [False, True])
+    @pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
+    @pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+    @pytest.mark.parametrize("kind", ["rel+alibi+softcap+sinks", "alibi_batch", "sinks"])
+    def test_fast_forward_terms(self, kind, dtype, D, causal, cuda):
+        """The fast forward's kTerms instances (ScoreTerms::add on the score fragment, sinks in
+        the epilogue) against the simple kernel and the float64 reference: ragged tiles,
+        Sq > Sk (causal rows without keys, a whole query tile among them: out 0, lse = the
+        sink), GQA, (B, H) slopes."""
+        if not fast_fwd_fits(D):
+            pytest.skip(f"the fast forward's shared memory at D={D} exceeds this device's limit")
+        B, Sq, Sk, H, Hkv = 2, 200, 97, 4, 2  # causal: query tile 0 sees no key at all
+        alibi, rel, cap, sinks = _term_tables(kind, B, H, M=40)
+        q = randn(B, Sq, H, D, dtype=dtype, device=cuda)
+        k, v = randn(B, Sk, Hkv, D, dtype=dtype, device=cuda), randn(B, Sk, Hkv, D, dtype=dtype, device=cuda)
+        kw = dict(alibi_slopes=None if alibi is None else alibi.cuda(), softcap=cap,
+                  rel_bias=None if rel is None else rel.float().cuda(),
+                  sinks=None if sinks is None else sinks.float().cuda())
+
+        def run():
+            return attn_ext.attention(q, k, v, causal=causal, return_lse=True, **kw)
+
+        names = kernel_names(run)
+        assert ran(names, "fa2_fwd_kernel") and did_not_run(names, "simple_fwd"), names
+        out, lse = run()
+        with attn_ext.ops._simple_cuda_kernels():
+            out_s, lse_s = run()
+
+        def ref(dt):
+            a = None if alibi is None else alibi.to(dt)
+            return reference.attention_with_lse(
+                q.cpu().to(dt), k.cpu().to(dt), v.cpu().to(dt), causal, None, None, None, a,
+                None if rel is None else rel.to(dt), cap, None if sinks is None else sinks.to(dt))
+
+        r_out, r_lse = ref(torch.float64)
+        low_out, _ = ref(dtype)
+        assert_close_rule(out.cpu(), r_out, low_out, name="fast out")
+        assert_close_rule(out_s.cpu(), r_out, low_out, name="simple out")
+        assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(r_lse))
+        fin = torch.isfinite(r_lse)
+        bound = 1e-3 + 4e-6 * float(r_lse[fin].abs().max())
+        assert max_err(lse.cpu(), r_lse) <= bound and max_err(lse_s.cpu(), r_lse) <= bound
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+        assert max_err(out, out_s) <= 4 * ulp * max(1.0, float(out_s.abs().max()))
+        if causal and sinks is not None:  # rows 0 .. Sq - Sk - 1 see no key: lse = the sink
+            n = Sq - Sk
+            assert torch.all(out[:, :n] == 0)
+            assert torch.allclose(lse[:, :, :n], kw["sinks"][None, :, None].expand(B, H, n), atol=1e-6)

@@ -72,9 +72,14 @@ def test_cuda_constants_match_the_headers():
     for cond in ("p.D != 64 && p.D != 128", "aligned16(dout)", "if (deterministic) return false;",
                  "bwd_smem_bytes(p.D) > max_smem_optin", "force_simple()"):
         assert cond in fast_bwd, cond
-    # score terms (issue 15): neither fast kernel has them; the split-KV plan does not look
-    terms = "if (!p.score_terms().plain()) return false;"
-    assert terms in fast_fwd and terms in fast_bwd
+    # score terms (issue 15): the fast forward has all but dropout, the fast backward none;
+    # the split-KV plan does not look
+    assert "if (p.score_terms().has_dropout()) return false;" in fast_fwd
+    assert "if (!p.score_terms().plain()) return false;" in fast_bwd
+    launch = kc.block(kc.source("csrc/cuda/attention_launch.h"),
+                      r"cudaError_t\s+launch_fa2_fwd_d\s*\([^)]*\)\s*\{")
+    assert "if (p.terms.has_dropout()) return cudaErrorInvalidValue;" in launch
+    assert "if (!p.terms.plain())" in launch
     assert "score_terms" not in split and "terms" not in split
     # the backward never sees the sinks (they reach it through lse), so they cannot turn the
     # fast backward off: the adapter passes no_sinks to the terms it fills
@@ -224,18 +229,18 @@ def test_cuda_backward_rules():
 
 
 def test_score_terms_rules():
-    """Any score term turns the fast CUDA kernels (and the CPU decode kernel) off; split-KV
-    keeps them; the backward ignores sinks (they reach it through lse)."""
+    """Dropout turns the fast CUDA forward off, any term but sinks the fast backward (sinks
+    reach it through lse), any term the CPU decode kernel; split-KV keeps them all."""
     assert X.score_terms_of() == ()
     assert X.score_terms_of(rel_bias=torch.zeros(1, 3), softcap=2.0, dropout_p=0.1) == (
         "rel_bias", "softcap", "dropout_p")
     assert X.score_terms_of(alibi_slopes=torch.ones(2), sinks=torch.zeros(2)) == ("alibi_slopes", "sinks")
     assert X.score_terms_of(dropout_p=0.0) == ()
     fwd, bwd = X.cuda_forward_choice, X.cuda_backward_choice
-    path, why, _ = fwd(shape(D=128), torch.bfloat16, True, terms=("rel_bias",), **H200)
-    assert path == "cuda.simple" and "score terms rel_bias (the fast kernel has none)" in why
+    path, why, _ = fwd(shape(D=128), torch.bfloat16, True, terms=("rel_bias", "softcap", "sinks"), **H200)
+    assert path == "cuda.fa2" and "with the score terms rel_bias, softcap, sinks" in why
     path, why, _ = fwd(shape(D=64), torch.float16, True, terms=("sinks", "dropout_p"), **H200)
-    assert path == "cuda.simple" and "score terms sinks, dropout_p" in why
+    assert path == "cuda.simple" and "dropout_p (the fast kernel has no dropout)" in why
     path, why, det = fwd(shape(Sq=1, Sk=4096, H=4, Hkv=1, D=128), torch.bfloat16, True,
                          terms=("alibi_slopes",), **H200)
     assert path == "cuda.split_kv" and det["n_split"] == 32, why

@@ -185,6 +185,24 @@ struct ScoreTerms {
   ATTN_MASK_FN T sink(int64_t h) const {
     return static_cast<const T*>(sinks)[h];
   }
+  // A row's normalisation with sinks[h] joining its softmax denominator (DESIGN.md: every
+  // row's, and lse includes it), in double: m2 and l are the running max (log2 units) and sum
+  // of exp2(s2 - m2) over the row's keys, seen = (l != 0). Returns the factor that multiplies
+  // the row's unnormalised output and writes its lse (natural units): a row that saw no key
+  // gets factor 0 and lse = sinks[h]; a NaN m2 or l gives NaN. T: the table's type.
+  template <typename T>
+  ATTN_MASK_FN double sink_normalise(int64_t h, double m2, double l, bool seen, double* lse) const {
+    using std::exp2;
+    using std::log2;
+    constexpr double kLog2e_ = 1.4426950408889634074, kLn2_ = 0.69314718055994530942;
+    const double sink2 = static_cast<double>(sink<T>(h)) * kLog2e_;
+    const double mc = seen ? m2 : -INFINITY;
+    const double mm = mc > sink2 ? mc : sink2;
+    const double w = seen ? exp2(mc - mm) : 0.0;  // weight of the keys' part
+    const double total = l * w + exp2(sink2 - mm);
+    *lse = (mm + log2(total)) * kLn2_;
+    return seen ? w / total : 0.0;
+  }
   ATTN_MASK_FN static int64_t clamp_d(int64_t d, int64_t M) {
     return d < -M ? -M : (d > M ? M : d);
   }

@@ -309,22 +309,18 @@ void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, in
   if (terms.has_sinks()) {
     for (int64_t hh = 0; hh < t.nh; ++hh) {
       const int64_t h = t.h0 + hh;
-      const double sink2 = static_cast<double>(terms.sink<acc_t>(h)) * kLog2e;
       for (int64_t ii = 0; ii < t.nq; ++ii) {
         const int64_t c = hh * t.nq + ii;
         const int64_t i = t.i0 + ii;
-        const bool seen = l[c] != acc_t(0);
-        const double mc = seen ? static_cast<double>(m[c]) : -std::numeric_limits<double>::infinity();
-        const double mm = std::max(mc, sink2);
-        const double wrow = seen ? std::exp2(mc - mm) : 0.0;  // weight of the keys' part
-        const double total = static_cast<double>(l[c]) * wrow + std::exp2(sink2 - mm);
-        const acc_t inv = static_cast<acc_t>(seen ? wrow / total : 0.0);
+        double lse_row;
+        const acc_t inv = static_cast<acc_t>(terms.sink_normalise<acc_t>(
+            h, static_cast<double>(m[c]), static_cast<double>(l[c]), l[c] != acc_t(0), &lse_row));
         scalar_t* orow = out + t.b * p.out_batch_stride + (t.s.q0 + i) * p.out_row_stride +
                          h * p.out_head_stride;
         const acc_t* src = o + c * Dvp;
         for (int64_t d = 0; d < p.Dv; ++d) orow[d] = static_cast<scalar_t>(src[d] * inv);
         lse[t.b * p.lse_batch_stride + h * p.lse_head_stride + t.s.q0 + i] =
-            static_cast<acc_t>((mm + std::log2(total)) * kLn2);
+            static_cast<acc_t>(lse_row);
       }
     }
     return;

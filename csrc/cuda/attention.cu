@@ -35,11 +35,13 @@
 // Masks (window, key_padding_mask, packed sequences of attention_varlen_*) and dlse run on the
 // simple kernels (the fast ones know causal only).
 // Score terms (issue 15: alibi_slopes, rel_bias, softcap, sinks, dropout_p; checked and filled
-// by common/score_checks.h as on the CPU): the fast forward and backward have none of them, so
-// when any is active (ScoreTerms not plain()) the forward runs step 0 (split-KV, which takes
-// them) or 2, and the backward the simple kernels. The backward's d rel_bias is a fixed-order
-// reduction (simple kernels' pass 3 and 4, no atomics): every gradient of the simple kernels,
-// d rel_bias included, is bitwise reproducible, so deterministic=True needs nothing else.
+// by common/score_checks.h as on the CPU): split-KV and the simple kernels take all of them;
+// the fast forward takes softcap, ALiBi, rel_bias and sinks (its kTerms instances) but not
+// dropout (dropout_p > 0: step 0 or 2); the fast backward takes none (any term but sinks,
+// which reach the backward only through lse: the simple kernels). The backward's d rel_bias
+// is a fixed-order reduction (simple kernels' pass 3 and 4, no atomics): every gradient of the
+// simple kernels, d rel_bias included, is bitwise reproducible, so deterministic=True needs
+// nothing else.
 
 #include <atomic>
 #include <cstdint>
@@ -170,7 +172,7 @@ bool use_fast_forward(const Tensor& q, const Tensor& k, const Tensor& v,
   if (p.Sk <= 0 || p.Sq <= 0) return false;
   if (!aligned16(q) || !aligned16(k) || !aligned16(v)) return false;
   if (!cuda::fa2::fwd_fast_grid_ok(p)) return false;
-  if (!p.score_terms().plain()) return false;  // score terms: the simple kernel has them
+  if (p.score_terms().has_dropout()) return false;  // dropout: the simple kernel has it
   if (cuda::fa2::fwd_smem_bytes(p.D) > max_smem_optin(q.get_device_index())) return false;
   return !force_simple();
 }

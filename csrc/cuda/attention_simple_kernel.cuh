@@ -241,13 +241,10 @@ __device__ __forceinline__ void write_row(const AttentionParams& p, const SeqInf
   acc_t lse_row = empty ? neg_inf<acc_t>() : (m + log2_acc(l)) * static_cast<acc_t>(kLn2);
   const ScoreTerms terms = p.score_terms();
   if (terms.has_sinks()) {  // in double, as the CPU kernel (a row without keys: lse = sink)
-    const double sink2 = static_cast<double>(terms.sink<acc_t>(h)) * kLog2e;
-    const double mc = empty ? neg_inf<double>() : static_cast<double>(m);
-    const double mm = mc > sink2 ? mc : sink2;  // a NaN m propagates through w below
-    const double w = empty ? 0.0 : exp2(mc - mm);  // weight of the keys' part
-    const double total = static_cast<double>(l) * w + exp2(sink2 - mm);
-    inv = static_cast<acc_t>(empty ? 0.0 : w / total);
-    lse_row = static_cast<acc_t>((mm + log2(total)) * kLn2);
+    double lse_d;
+    inv = static_cast<acc_t>(terms.sink_normalise<acc_t>(h, static_cast<double>(m),
+                                                          static_cast<double>(l), !empty, &lse_d));
+    lse_row = static_cast<acc_t>(lse_d);
   }
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
