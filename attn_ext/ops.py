@@ -632,7 +632,7 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 def _attention_forward_fake(q, k, v, causal, scale=None, window_left=-1, window_right=-1,
                             key_padding_mask=None, alibi_slopes=None, rel_bias=None,
                             softcap=None, sinks=None, dropout_p=0.0, dropout_seed=0,
-                            dropout_offset=0):
+                            dropout_offset=0, q_start=None, k_start=None):
     torch._check(q.dim() == 4, lambda: f"q must have 4 dims (B, Sq, H, D), got shape {list(q.shape)}")
     torch._check(k.dim() == 4, lambda: f"k must have 4 dims (B, Sk, Hkv, D), got shape {list(k.shape)}")
     torch._check(v.dim() == 4, lambda: f"v must have 4 dims (B, Sk, Hkv, Dv), got shape {list(v.shape)}")
@@ -664,7 +664,8 @@ def _grads_like(q, k, v, rel_bias):
 def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None, window_left=-1,
                              window_right=-1, key_padding_mask=None, dlse=None,
                              alibi_slopes=None, rel_bias=None, softcap=None, dropout_p=0.0,
-                             dropout_seed=0, dropout_offset=0, deterministic=False):
+                             dropout_seed=0, dropout_offset=0, deterministic=False,
+                             q_start=None, k_start=None):
     return _grads_like(q, k, v, rel_bias)
 
 
@@ -729,13 +730,14 @@ def _simple_cuda_kernels():
 
 def _attention_forward_setup(ctx, inputs, output):
     (q, k, v, causal, scale, window_left, window_right, key_padding_mask, alibi_slopes, rel_bias,
-     softcap, sinks, dropout_p, dropout_seed, dropout_offset) = inputs
+     softcap, sinks, dropout_p, dropout_seed, dropout_offset, q_start, k_start) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, alibi_slopes, rel_bias, sinks)
     ctx.causal = causal
     ctx.scale = scale
     ctx.window = (window_left, window_right)
     ctx.terms = (softcap, dropout_p, dropout_seed, dropout_offset)
+    ctx.block_position = (q_start, k_start)
 
 
 def _attention_forward_backward(ctx, dout, dlse):
@@ -748,13 +750,14 @@ def _attention_forward_backward(ctx, dout, dlse):
         key_padding_mask, dlse, alibi_slopes, rel_bias, softcap, dropout_p, seed, offset,
         # The stable ABI cannot query torch.are_deterministic_algorithms_enabled() from C++,
         # so the choice travels as an argument (CUDA: no fp32-atomic dq under deterministic mode).
-        torch.are_deterministic_algorithms_enabled(),
+        torch.are_deterministic_algorithms_enabled(), *ctx.block_position,
     )
     dsinks = None
     if sinks is not None and ctx.needs_input_grad[11]:
         dsinks = _sinks_grad(sinks, lse, out, dout, dlse, (0, 2), 1)
     return (dq, dk, dv, None, None, None, None, None, None,
-            drel_bias if rel_bias is not None else None, None, dsinks, None, None, None)
+            drel_bias if rel_bias is not None else None, None, dsinks, None, None, None, None,
+            None)
 
 
 torch.library.register_autograd(
