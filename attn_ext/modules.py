@@ -528,11 +528,6 @@ class MultiHeadAttention(nn.Module):
             if cache_mask is not None:
                 key_padding_mask = cache_mask if key_padding_mask is None else key_padding_mask & cache_mask
         masked = key_padding_mask is not None or self.window_left != -1 or self.window_right != -1
-        if masked and need_weights:
-            raise ValueError(
-                "MultiHeadAttention: need_weights is not supported together with "
-                "key_padding_mask / window yet"
-            )
 
         weights: Optional[Tensor] = None
         dropout_p = self.dropout if self.training else 0.0
@@ -540,7 +535,8 @@ class MultiHeadAttention(nn.Module):
             # (weights are the undropped probabilities)
             out, lse = self._attend_terms(q, k, v, key_padding_mask, dropout_p)
             weights = _attention_probs(q, k, self.causal, self.scale, lse, self.alibi_slopes,
-                                       self._rel_table(q.dtype), self.softcap)
+                                       self._rel_table(q.dtype), self.softcap, self.window_left,
+                                       self.window_right, key_padding_mask)
         elif self.context_parallel_group is not None:
             out = self._ring_attend(q, k, v, dropout_p)
         elif masked or dropout_p > 0.0 or self.has_score_terms():
