@@ -1080,3 +1080,33 @@ class TestScoreTermsCuda:
             n = Sq - Sk
             assert torch.all(out[:, :n] == 0)
             assert torch.allclose(lse[:, :, :n], kw["sinks"][None, :, None].expand(B, H, n), atol=1e-6)
+
+    @pytest.mark.parametrize("block", [(64, 32, 32, 0, 32), (300, 5, 130, 101, 199),
+                                       (300, 200, 100, 0, 200)], ids=str)
+    @pytest.mark.parametrize("causal,window", [(True, None), (False, (9, 5))])
+    def test_block_position_cuda_equals_cpu_float64(self, block, causal, window, cuda):
+        """q_start / k_start (a block of a longer sequence, issue 17) with ALiBi, rel_bias,
+        softcap and dropout: the CUDA ops equal the CPU ops in float64 (global distances in
+        the terms and in d rel_bias's diagonals, dropout bits at global rows / keys)."""
+        S, q0, sq, k0, sk = block
+        B, H, Hkv, D = 2, 4, 2, 16
+        q, k, v = (randn(B, n, h, D, dtype=torch.float64) for n, h in ((sq, H), (sk, Hkv), (sk, Hkv)))
+        rel = randn(H, 2 * 24 + 1, dtype=torch.float64)
+        slopes = _alibi_slopes(H).double()
+        left, right = window if window is not None else (-1, -1)
+        lib = torch.ops.attn_ext
+
+        def run(dev):
+            t = [x.to(dev) for x in (q, k, v)]
+            r, s = rel.to(dev), slopes.to(dev)
+            out, lse = lib.attention_forward(*t, causal, None, left, right, None, s, r, 6.0, None,
+                                             0.2, 99, 5, q0, k0)
+            dout = torch.ones_like(out).mul_(0.5) + out
+            dlse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse * 0.1)
+            grads = lib.attention_backward(dout, *t, out, lse, causal, None, left, right, None,
+                                           dlse, s, r, 6.0, 0.2, 99, 5, False, q0, k0)
+            return [x.cpu() for x in (out, lse, *grads)]
+
+        for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "drel_bias"], run(cuda), run("cpu")):
+            assert a.shape == b.shape, name
+            assert max_err(a, b) < 1e-10, f"{name}: {max_err(a, b):.3e}"

@@ -156,8 +156,7 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   if (dropout) {
     for (int64_t hh = 0; hh < qt_.nh; ++hh) {
       for (int64_t ii = 0; ii < qt_.nq; ++ii) {
-        s.rk[hh * qt_.nq + ii] = dropout::row_key(terms.dropout_seed, terms.dropout_offset,
-                                                  qt_.b, qt_.h0 + hh, qt_.i0 + ii);
+        s.rk[hh * qt_.nq + ii] = terms.dropout_row_key(qt_.b, qt_.h0 + hh, qt_.i0 + ii);
       }
     }
   }
@@ -254,7 +253,8 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     K.softmax(s.st.data(), nk, C, s.m.data(), s.l.data(), s.alpha.data());
     // dropout on the probabilities (the sum l above is of the undropped ones)
     if (dropout) {
-      dropout_tile(s.st.data(), s.st.data(), nk, C, cols, j0, s.rk.data(), s.words.data(),
+      dropout_tile(s.st.data(), s.st.data(), nk, C, cols, terms.dropout_col(j0), s.rk.data(),
+                   s.words.data(),
                    thresh, inv_keep);
     }
     // pass 3: o = alpha * o + st^T vb
@@ -430,7 +430,8 @@ std::tuple<Tensor, Tensor> attention_forward_cpu(
     const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
     int64_t window_left, int64_t window_right, const OptTensor& key_padding_mask,
     const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
-    const OptTensor& sinks, double dropout_p, int64_t dropout_seed, int64_t dropout_offset) {
+    const OptTensor& sinks, double dropout_p, int64_t dropout_seed, int64_t dropout_offset,
+    std::optional<int64_t> q_start, std::optional<int64_t> k_start) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   Tensor out = alloc(q, {s.B, s.Sq, s.H, s.Dv});
   Tensor lse = alloc(q, {s.B, s.H, s.Sq}, lse_dtype(q.scalar_type()));
@@ -438,6 +439,7 @@ std::tuple<Tensor, Tensor> attention_forward_cpu(
   fill_mask_params(p, s, q, causal, window_left, window_right, key_padding_mask);
   fill_score_terms(p, {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset},
                    q, s.B, s.H);
+  fill_block_position(p, s, q_start, k_start);
   if (s.B * s.H * s.Sq == 0) return {out, lse};
   ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), "attention_forward",
                              [&] { attention_fwd_kernel<scalar_t>(p); });

@@ -196,7 +196,8 @@ std::tuple<Tensor, Tensor> attention_forward_cuda(
     const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
     int64_t window_left, int64_t window_right, const OptTensor& key_padding_mask,
     const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
-    const OptTensor& sinks, double dropout_p, int64_t dropout_seed, int64_t dropout_offset) {
+    const OptTensor& sinks, double dropout_p, int64_t dropout_seed, int64_t dropout_offset,
+    std::optional<int64_t> q_start, std::optional<int64_t> k_start) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_cuda_head_dims(s);
   Tensor out = alloc(q, {s.B, s.Sq, s.H, s.Dv});
@@ -209,9 +210,12 @@ std::tuple<Tensor, Tensor> attention_forward_cuda(
   cudaStream_t stream = current_cuda_stream(q.get_device_index());
   AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
   fill_mask_params(p, s, q, causal, window_left, window_right, key_padding_mask);
-  p.terms = terms;
-  // the fast kernel knows causal only; windows and padding run on the simple kernels
-  const bool masked = window_left != -1 || window_right != -1 || key_padding_mask.has_value();
+  p.terms = terms;  // before fill_block_position: it sets the dropout bases, checks sinks
+  fill_block_position(p, s, q_start, k_start);
+  // the fast kernel knows causal only; windows, padding and blocks at a global position
+  // (q_start / k_start) run on the simple kernels
+  const bool masked = window_left != -1 || window_right != -1 || key_padding_mask.has_value() ||
+                      q_start.has_value();
   const SplitPlan split = plan_split(p, q.get_device_index());
   if (split.n_split > 1) {
     const int64_t items = s.B * s.H * s.Sq * split.n_split;
@@ -244,7 +248,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
     const Tensor& lse_in, bool causal, std::optional<double> scale, int64_t window_left,
     int64_t window_right, const OptTensor& key_padding_mask, const OptTensor& dlse,
     const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
-    double dropout_p, int64_t dropout_seed, int64_t dropout_offset, bool deterministic) {
+    double dropout_p, int64_t dropout_seed, int64_t dropout_offset, bool deterministic,
+    std::optional<int64_t> q_start, std::optional<int64_t> k_start) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_attention_bwd_inputs(dout, out, lse_in, q, s);
   check_cuda_head_dims(s);
@@ -276,14 +281,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
   AttentionBwdParams bp =
       make_attention_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, s, causal, scale);
   fill_mask_params(bp.fwd, s, q, causal, window_left, window_right, key_padding_mask);
-  bp.fwd.terms = terms;
+  bp.fwd.terms = terms;  // before fill_block_position: it sets the dropout bases
+  fill_block_position(bp.fwd, s, q_start, k_start);
   if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
   const Tensor drel_diag = drel_workspace(bp, lse);
   const Tensor dlse_c = dlse.has_value() ? torch::stable::contiguous(*dlse) : Tensor();
   if (dlse_c.defined()) bp.dlse = dlse_c.data_ptr();
   // the fast backward knows causal only, without dlse: the rest runs on the simple kernels
   const bool masked = window_left != -1 || window_right != -1 || key_padding_mask.has_value() ||
-                      dlse.has_value();
+                      dlse.has_value() || q_start.has_value();
   const bool fast = !masked && use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
   Tensor dq_accum;
   if (fast) dq_accum = alloc_zeros(lse, {s.B, s.Sq, s.H, s.D}, lse.scalar_type());  // fp32 atomics target

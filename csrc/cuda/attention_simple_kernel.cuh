@@ -23,9 +23,10 @@
 // kernel takes softcap, ALiBi and rel_bias through ScoreTerms::add on each visible pair's
 // score (term_score below), sinks in the forward's normalisation (write_row; the backward
 // reads them through lse, and d sinks is computed by the Python caller from lse and out),
-// and dropout through dropout::keep with b, h, i, j the local indices of the call (per
-// sequence for packed input), as the CPU kernels do, so both backends drop the same
-// entries. d rel_bias: pass 3 and 4 of the backward (simple_bwd_drel_diag_kernel,
+// and dropout through ScoreTerms::dropout_row_key / dropout_col and dropout::keep with
+// b, h, i, j the local indices of the call (per sequence for packed input; the bases of a
+// q_start / k_start block added by ScoreTerms), as the CPU kernels do, so both backends drop
+// the same entries. d rel_bias: pass 3 and 4 of the backward (simple_bwd_drel_diag_kernel,
 // simple_bwd_drel_reduce_kernel), a fixed-order reduction without atomics: deterministic.
 #pragma once
 
@@ -117,27 +118,28 @@ __device__ __forceinline__ acc_t term_score(const ScoreTerms& t, acc_t s2, int64
   return t.add<acc_t>(s2 * static_cast<acc_t>(kLn2), b, h, d, th) * static_cast<acc_t>(kLog2e);
 }
 
-// Dropout of one call (ScoreTerms' probability, seed and offset): the keep bit of (b, h, i, j)
-// from common/dropout_rng.h and the rescaling 1 / (1 - p) of the kept probabilities.
+// Dropout of one call (ScoreTerms' probability, seed, offset and global row / key bases):
+// the keep bit of (b, h, i, j) from ScoreTerms::dropout_row_key / dropout_col and
+// common/dropout_rng.h, and the rescaling 1 / (1 - p) of the kept probabilities.
 template <typename acc_t>
 struct Dropout {
+  const ScoreTerms& t;
   bool on;
   uint32_t thresh;
   acc_t inv_keep;
-  uint64_t seed, offset;
 
-  __device__ __forceinline__ explicit Dropout(const ScoreTerms& t)
-      : on(t.has_dropout()),
-        thresh(dropout::threshold(t.dropout_p)),
-        inv_keep(static_cast<acc_t>(1.0 / (1.0 - t.dropout_p))),
-        seed(t.dropout_seed),
-        offset(t.dropout_offset) {}
-  // b: batch index (sequence index when packed); h: query head; i: the sequence's query row
+  __device__ __forceinline__ explicit Dropout(const ScoreTerms& terms)
+      : t(terms),
+        on(terms.has_dropout()),
+        thresh(dropout::threshold(terms.dropout_p)),
+        inv_keep(static_cast<acc_t>(1.0 / (1.0 - terms.dropout_p))) {}
+  // b: batch index (sequence index when packed); h: query head; i, j: the call's (the
+  // sequence's) query row and key
   __device__ __forceinline__ uint64_t row(int64_t b, int64_t h, int64_t i) const {
-    return dropout::row_key(seed, offset, b, h, i);
+    return t.dropout_row_key(b, h, i);
   }
   __device__ __forceinline__ bool keep(uint64_t row_key, int64_t j) const {
-    return dropout::keep(row_key, j, thresh);
+    return dropout::keep(row_key, t.dropout_col(j), thresh);
   }
 };
 
@@ -386,7 +388,8 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
 // With rel_bias (d rel_bias wanted):
 // Pass 3 (simple_bwd_drel_diag_kernel): one warp per (b, h, diagonal d = i + off - j): the sum
 //   of dS (of the final score) over the diagonal's visible pairs, into a (B, H, Sq + Sk - 1)
-//   float64 workspace (diagonal t = d + Sq - 1; the params' Sq / Sk, max lengths when packed).
+//   float64 workspace (diagonal t = d - drel_dmin(p); the params' Sq / Sk, max lengths when
+//   packed).
 // Pass 4 (simple_bwd_drel_reduce_kernel): one warp per (h, x) of the (H, 2M + 1) table: the
 //   sum over b and over the diagonals that clamp to x (one for |x - M| < M, all d <= -M or
 //   d >= M at the two ends) of pass 3's sums.
@@ -560,8 +563,16 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   }
 }
 
-// Pass 3: one warp per (b, h, diagonal t), t = d + Sq - 1 with d = i + off - j; lane takes the
-// diagonal's pairs i = i0 + lane. diag: (B, H, Sq + Sk - 1) double.
+// The smallest distance d = i + off - j of any pair of a call: 1 - Sq, plus the block shift
+// of q_start / k_start (MaskParams::pos_shift; packed calls have none and each sequence's
+// distances lie in [1 - Sq, Sk - 1] of the max lengths). Diagonal t of the workspace is
+// d = drel_dmin(p) + t, t in [0, Sq + Sk - 1).
+__device__ __forceinline__ int64_t drel_dmin(const AttentionParams& p) {
+  return 1 - p.Sq + p.mask.pos_shift;
+}
+
+// Pass 3: one warp per (b, h, diagonal t), d = drel_dmin(p) + t with d = i + off - j; lane
+// takes the diagonal's pairs i = i0 + lane. diag: (B, H, Sq + Sk - 1) double.
 template <typename T>
 __global__ void __launch_bounds__(kWarps * 32, 4)
     simple_bwd_drel_diag_kernel(AttentionBwdParams bp, const void* delta_ptr, double* diag) {
@@ -579,7 +590,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   const SeqInfo sq = vis.seq(b);
   const ScoreTerms terms = p.score_terms();
   const Dropout<acc_t> dr(terms);
-  const int64_t d = t - (p.Sq - 1);
+  const int64_t d = drel_dmin(p) + t;
   // rows of the diagonal: i in [0, Sq), j = i + off - d in [0, Sk)
   int64_t ilo = d - sq.off, ihi = sq.Sk + d - sq.off;
   if (ilo < 0) ilo = 0;
@@ -627,8 +638,8 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   if (row >= p.H * nx) return;
   const int64_t h = row / nx, x = row % nx;
   const int64_t ndiag = p.Sq + p.Sk - 1;
-  // diagonals d with M + clamp(d, -M, M) == x, as t = d + Sq - 1
-  int64_t tlo = x - M + p.Sq - 1, thi = tlo + 1;
+  // diagonals d with M + clamp(d, -M, M) == x, as t = d - drel_dmin(p)
+  int64_t tlo = x - M - drel_dmin(p), thi = tlo + 1;
   if (x == 0) tlo = 0;
   if (x == 2 * M) thi = ndiag;
   if (tlo < 0) tlo = 0;
