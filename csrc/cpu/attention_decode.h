@@ -433,13 +433,8 @@ void attention_decode_kernel(const AttentionParams& p) {
       double lse_c = seen ? static_cast<double>(mx) + std::log(static_cast<double>(l))
                           : -std::numeric_limits<double>::infinity();
       if (p.terms.has_sinks()) {  // exp(sinks[h]) joins the denominator (as write_tile)
-        const double sink = static_cast<double>(p.terms.sink<float>(h));
-        const double mc = seen ? static_cast<double>(mx) : -std::numeric_limits<double>::infinity();
-        const double mm = std::max(mc, sink);
-        const double wrow = seen ? std::exp(mc - mm) : 0.0;
-        const double total = static_cast<double>(l) * wrow + std::exp(sink - mm);
-        inv = static_cast<float>(seen ? wrow / total : 0.0);
-        lse_c = mm + std::log(total);
+        inv = static_cast<float>(p.terms.sink_normalise<float>(
+            h, static_cast<double>(mx) * kLog2e, static_cast<double>(l), seen, &lse_c));
       }
       scalar_t* orow = out + b * p.out_batch_stride + (sq.q0 + ii) * p.out_row_stride + h * p.out_head_stride;
       for (int64_t d = 0; d < p.Dv; ++d) orow[d] = static_cast<scalar_t>(acc[d] * inv);

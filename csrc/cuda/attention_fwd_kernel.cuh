@@ -18,6 +18,10 @@
 //     n8 tiles is exactly the A-fragment layout of one k16 step.
 //   * Online softmax in registers, in base 2 (scores times scale * log2 e), per-row max and sum
 //     reduced over the 4 lanes of a quad.
+//   * Score terms (kTerms; issue 15): softcap, ALiBi and rel_bias through ScoreTerms::add
+//     (common/attention_mask.h) on every element of the score fragment, after the scaling and
+//     before the mask; sinks in the epilogue's normalisation (ScoreTerms::sink_normalise, as
+//     the simple and CPU kernels). Dropout is not here: the adapter runs the simple kernel.
 //   * Causal (bottom-right): a query tile visits only the key tiles some row of it can see, and
 //     masks only the tiles that cross the diagonal or the end of the keys. Grid (query tiles,
 //     H, B) with the query tile fastest: the CTAs in flight together are all the tiles of a
@@ -79,7 +83,8 @@ struct FwdTraits {
 
 // ---- the kernel ----------------------------------------------------------------------------
 // grid (num_m_blocks, H, B); blockIdx.x = 0 is the heaviest query tile of its head when causal.
-template <typename T, int kHeadDim, bool kCausal>
+// kTerms: p.terms has softcap / ALiBi / rel_bias and / or sinks (and no dropout).
+template <typename T, int kHeadDim, bool kCausal, bool kTerms>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHeadDim>::kMinBlocks)
     fa2_fwd_kernel(AttentionParams p) {
   using Tr = FwdTraits<kHeadDim>;
@@ -127,7 +132,17 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
       // +0.0 in fp16 and bf16 is the all-zero 16-bit pattern
       if (r < Sq) reinterpret_cast<uint16_t*>(gO)[r * p.out_row_stride + idx % kHeadDim] = 0;
     }
-    if (tid < kBlockM && m0 + tid < Sq) gLse[m0 + tid] = -INFINITY;
+    if (tid < kBlockM && m0 + tid < Sq) {
+      float lse_row = -INFINITY;
+      if constexpr (kTerms) {
+        if (p.terms.has_sinks()) {
+          double lse_d;
+          (void)p.terms.sink_normalise<float>(h, -INFINITY, 0.0, false, &lse_d);
+          lse_row = static_cast<float>(lse_d);
+        }
+      }
+      gLse[m0 + tid] = lse_row;
+    }
     return;
   }
 
@@ -199,6 +214,21 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
     for (int t = 0; t < kNTiles; ++t) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[t][e] *= scale_log2;
+    }
+    // score terms (natural units in ScoreTerms::add) at d = row + diag - key; keys past Sk
+    // get a term too (the table index is clamped) and are masked just below
+    if constexpr (kTerms) {
+      if (p.terms.active()) {
+#pragma unroll
+        for (int t = 0; t < kNTiles; ++t) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int64_t key = n0 + t * 8 + (lane & 3) * 2 + (e & 1);
+            const int64_t row = e < 2 ? row_a : row_b;
+            s[t][e] = p.terms.add<float>(s[t][e] * kLn2F, b, h, row + diag - key) * kLog2eF;
+          }
+        }
+      }
     }
     const bool need_mask =
         (n0 + kBlockN > Sk) || (kCausal && n0 + kBlockN - 1 > m0 + diag);
@@ -320,7 +350,16 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const bool empty = l == 0.f;  // no key seen (a NaN sum stays NaN, as on the CPU)
-    const float inv = empty ? 0.f : 1.f / l;
+    float inv = empty ? 0.f : 1.f / l;
+    float lse_row = empty ? -INFINITY : (row_max[r] + __log2f(l)) * kLn2F;
+    if constexpr (kTerms) {
+      if (p.terms.has_sinks()) {
+        double lse_d;
+        inv = static_cast<float>(p.terms.sink_normalise<float>(
+            h, static_cast<double>(row_max[r]), static_cast<double>(l), !empty, &lse_d));
+        lse_row = static_cast<float>(lse_d);
+      }
+    }
     const int64_t row = r == 0 ? row_a : row_b;
     if (row < Sq) {
       T* orow = gO + row * p.out_row_stride + (lane & 3) * 2;
@@ -329,7 +368,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
         *reinterpret_cast<uint32_t*>(orow + t * 8) =
             pack2<T>(acc_o[t][2 * r] * inv, acc_o[t][2 * r + 1] * inv);
       }
-      if ((lane & 3) == 0) gLse[row] = empty ? -INFINITY : (row_max[r] + __log2f(l)) * kLn2F;
+      if ((lane & 3) == 0) gLse[row] = lse_row;
     }
   }
 }
@@ -338,10 +377,10 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
 // Instantiated in attention_fa2_hdim{32,64,96,128,256}.cu (one head dim per translation unit,
 // so a parallel build compiles them side by side); dispatched from attention_launch.h.
 // T = __half or __nv_bfloat16.
-template <typename T, int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, bool kCausal, bool kTerms>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
   using Tr = FwdTraits<kHeadDim>;
-  constexpr auto kernel = fa2_fwd_kernel<T, kHeadDim, kCausal>;
+  constexpr auto kernel = fa2_fwd_kernel<T, kHeadDim, kCausal, kTerms>;
   // above 48 KiB at D = 128: opt in (once per device)
   const cudaError_t e = ensure_dynamic_smem<kernel>(Tr::kSmemBytes);
   if (e != cudaSuccess) return e;
@@ -351,18 +390,22 @@ cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// One head dim's four kernels (fp16 / bf16 x causal or not), for attention_fa2_hdim*.cu.
+// One head dim's eight kernels (fp16 / bf16 x causal or not x score terms or not), for
+// attention_fa2_hdim*.cu.
+#define ATTN_EXT_INSTANTIATE_FA2_FWD_T(T, D)                                                   \
+  template cudaError_t launch_fa2_fwd_impl<T, D, false, false>(const AttentionParams&,       \
+                                                               cudaStream_t);               \
+  template cudaError_t launch_fa2_fwd_impl<T, D, true, false>(const AttentionParams&,        \
+                                                              cudaStream_t);                \
+  template cudaError_t launch_fa2_fwd_impl<T, D, false, true>(const AttentionParams&,        \
+                                                              cudaStream_t);                \
+  template cudaError_t launch_fa2_fwd_impl<T, D, true, true>(const AttentionParams&,         \
+                                                             cudaStream_t);
 #define ATTN_EXT_INSTANTIATE_FA2_FWD(D)                                                      \
   static_assert(FwdTraits<D>::kBlockM == kBlockM, "attention_launch.h's kBlockM is stale");  \
   static_assert(FwdTraits<D>::kSmemBytes == fwd_smem_bytes(D), "fwd_smem_bytes is stale");    \
-  template cudaError_t launch_fa2_fwd_impl<__half, D, false>(const AttentionParams&,         \
-                                                             cudaStream_t);                 \
-  template cudaError_t launch_fa2_fwd_impl<__half, D, true>(const AttentionParams&,          \
-                                                            cudaStream_t);                  \
-  template cudaError_t launch_fa2_fwd_impl<__nv_bfloat16, D, false>(const AttentionParams&,  \
-                                                                    cudaStream_t);          \
-  template cudaError_t launch_fa2_fwd_impl<__nv_bfloat16, D, true>(const AttentionParams&,   \
-                                                                   cudaStream_t);
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__half, D)                                                  \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__nv_bfloat16, D)
 
 }  // namespace fa2
 }  // namespace cuda

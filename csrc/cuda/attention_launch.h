@@ -31,14 +31,18 @@ template <typename T>
 cudaError_t launch_simple_fwd_split(const AttentionParams& p, int64_t chunk, int n_split,
                                     void* part_o, void* part_ml, cudaStream_t stream);
 // delta: (B, H, Sq) workspace of the accumulation type (float; double for double).
+// drel_diag: (B, H, Sq + Sk - 1) double workspace when bp.drel_bias is set (rel_bias given;
+// d rel_bias by a fixed-order reduction, deterministic), else nullptr.
 template <typename T>
-cudaError_t launch_simple_bwd(const AttentionBwdParams& bp, void* delta, cudaStream_t stream);
+cudaError_t launch_simple_bwd(const AttentionBwdParams& bp, void* delta, void* drel_diag,
+                              cudaStream_t stream);
 }  // namespace simple
 
 namespace fa2 {
 constexpr int kBlockM = 64;  // query rows per CTA (FwdTraits::kBlockM)
 
-template <typename T, int kHeadDim, bool kCausal>
+// kTerms: softcap / ALiBi / rel_bias / sinks (attention_fwd_kernel.cuh); never dropout.
+template <typename T, int kHeadDim, bool kCausal, bool kTerms>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream);
 
 // Grid (query tiles, H, B): y and z are limited to 65535.
@@ -60,8 +64,13 @@ constexpr int fwd_smem_bytes(int64_t head_dim) {
 
 template <typename T, int kHeadDim>
 cudaError_t launch_fa2_fwd_d(const AttentionParams& p, cudaStream_t stream) {
-  return p.causal ? launch_fa2_fwd_impl<T, kHeadDim, true>(p, stream)
-                  : launch_fa2_fwd_impl<T, kHeadDim, false>(p, stream);
+  if (p.terms.has_dropout()) return cudaErrorInvalidValue;  // the adapter runs the simple kernel
+  if (!p.terms.plain()) {
+    return p.causal ? launch_fa2_fwd_impl<T, kHeadDim, true, true>(p, stream)
+                    : launch_fa2_fwd_impl<T, kHeadDim, false, true>(p, stream);
+  }
+  return p.causal ? launch_fa2_fwd_impl<T, kHeadDim, true, false>(p, stream)
+                  : launch_fa2_fwd_impl<T, kHeadDim, false, false>(p, stream);
 }
 
 // T = __half or __nv_bfloat16; p.D == p.Dv and fwd_fast_head_dim(p.D) (the caller checked).
