@@ -157,6 +157,8 @@ def main(n: int) -> None:
     table("baseline text32 (the test's rule)", lambda e, g: e["text32"][g])
     table("baseline max(text32, sdpa_math): PyTorch's fp32 textbook in two orders",
           lambda e, g: max(e["text32"][g], e["sdpa_math"][g]))
+    table("baseline max(text32, emu_fa2): the textbook and the FlashAttention algorithm in fp32",
+          lambda e, g: max(e["text32"][g], e["emu_fa2"][g]))
     table("baseline max(text32, sdpa_flash), cases SDPA flash can express",
           lambda e, g: max(e["text32"][g], e["sdpa_flash"][g]) if "sdpa_flash" in e else None)
     # where the worst of ours (against the two-order baseline) come from
