@@ -307,7 +307,7 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_cuda(
   cudaStream_t stream = current_cuda_stream(q.get_device_index());
   AttentionParams p = make_attention_params(unsqueeze(q, 0), unsqueeze(k, 0), unsqueeze(v, 0),
                                             unsqueeze(out, 0), lse, s, causal, scale);
-  make_params_packed(p, s, Tq, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
+  make_params_packed(p, s, Tq, k.size(0), cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
   dispatch_cuda_type(q.scalar_type(), "attention_varlen_forward", [&](auto tag) {
     using T = decltype(tag);
     ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_fwd<T>(p, stream));

@@ -1,7 +1,7 @@
 // Host-side entry points of the CUDA attention kernels, shared by the stable-ABI adapter
 // (attention.cu) and the translation units that instantiate them:
 //   attention_simple.cu        simple::launch_simple_fwd / launch_simple_bwd, every dtype
-//   attention_fa2_hdim{32,64,96,128,256}.cu   fa2::launch_fa2_fwd_impl<T, D, causal>, T = __half, bf16
+//   attention_fa2_hdim{32,64,96,128,256}.cu   fa2::launch_fa2_fwd_impl<T, D, masked>, T = __half, bf16
 //   attention_fa2_bwd_hdim64.cu / attention_fa2_bwd_hdim128.cu   fa2::launch_fa2_bwd_impl
 // Each returns the launch's error code; the caller checks it. No ATen types.
 #pragma once
@@ -38,7 +38,8 @@ cudaError_t launch_simple_bwd(const AttentionBwdParams& bp, void* delta, cudaStr
 namespace fa2 {
 constexpr int kBlockM = 64;  // query rows per CTA (FwdTraits::kBlockM)
 
-template <typename T, int kHeadDim, bool kCausal>
+// kMasked: a band (causal / window) or key padding (Visibility::dense() is false).
+template <typename T, int kHeadDim, bool kMasked>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream);
 
 // Grid (query tiles, H, B): y and z are limited to 65535.
@@ -60,8 +61,8 @@ constexpr int fwd_smem_bytes(int64_t head_dim) {
 
 template <typename T, int kHeadDim>
 cudaError_t launch_fa2_fwd_d(const AttentionParams& p, cudaStream_t stream) {
-  return p.causal ? launch_fa2_fwd_impl<T, kHeadDim, true>(p, stream)
-                  : launch_fa2_fwd_impl<T, kHeadDim, false>(p, stream);
+  return !p.visibility().dense() ? launch_fa2_fwd_impl<T, kHeadDim, true>(p, stream)
+                                 : launch_fa2_fwd_impl<T, kHeadDim, false>(p, stream);
 }
 
 // T = __half or __nv_bfloat16; p.D == p.Dv and fwd_fast_head_dim(p.D) (the caller checked).
@@ -77,7 +78,7 @@ cudaError_t launch_fa2_fwd(const AttentionParams& p, cudaStream_t stream) {
   }
 }
 
-template <typename T, int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, bool kMasked>
 cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, float* dq_accum,
                                 cudaStream_t stream);
 
@@ -100,13 +101,13 @@ inline bool bwd_fast_grid_ok(const AttentionParams& p) {
 template <typename T>
 cudaError_t launch_fa2_bwd(const AttentionBwdParams& bp, float* delta, float* dq_accum,
                            cudaStream_t stream) {
-  const bool causal = bp.fwd.causal;
+  const bool masked = !bp.fwd.visibility().dense();
   if (bp.fwd.D == 64) {
-    return causal ? launch_fa2_bwd_impl<T, 64, true>(bp, delta, dq_accum, stream)
+    return masked ? launch_fa2_bwd_impl<T, 64, true>(bp, delta, dq_accum, stream)
                   : launch_fa2_bwd_impl<T, 64, false>(bp, delta, dq_accum, stream);
   }
   if (bp.fwd.D != 128) return cudaErrorInvalidValue;
-  return causal ? launch_fa2_bwd_impl<T, 128, true>(bp, delta, dq_accum, stream)
+  return masked ? launch_fa2_bwd_impl<T, 128, true>(bp, delta, dq_accum, stream)
                 : launch_fa2_bwd_impl<T, 128, false>(bp, delta, dq_accum, stream);
 }
 }  // namespace fa2
