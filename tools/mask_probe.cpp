@@ -8,6 +8,9 @@
 //     rows  Sq Sk left right j0 j1        -> "lo hi"   rows that see some key of [j0, j1)
 //     class Sq Sk left right i0 i1 j0 j1  -> 0 / 1 / 2 (invisible / partial / full)
 //     vis   Sq Sk left right i j          -> 0 / 1
+//     tile  Sq Sk left right i0 j0 R C    -> "lo hi row_lim key_lim"  the TileBand of a tile
+//     tileok Sq Sk left right i0 j0 R C   -> 1 iff TileBand::ok(r, c) == band_visible(i0 + r,
+//                                            j0 + c) for every r < R, c < C (else 0)
 #include <cstdint>
 #include <iostream>
 #include <string>
@@ -34,6 +37,20 @@ int main() {
       int64_t i0, i1, j0, j1;
       std::cin >> i0 >> i1 >> j0 >> j1;
       std::cout << static_cast<int>(vis.classify(s, i0, i1, j0, j1)) << "\n";
+    } else if (op == "tile" || op == "tileok") {
+      int64_t i0, j0;
+      int R, C;
+      std::cin >> i0 >> j0 >> R >> C;
+      const attn_ext::TileBand t = vis.tile_band(s, i0, j0, R, C);
+      if (op == "tile") {
+        std::cout << t.lo << " " << t.hi << " " << t.row_lim << " " << t.key_lim << "\n";
+      } else {
+        bool same = true;
+        for (int r = 0; r < R; ++r) {
+          for (int c = 0; c < C; ++c) same &= t.ok(r, c) == vis.band_visible(s, i0 + r, j0 + c);
+        }
+        std::cout << (same ? 1 : 0) << "\n";
+      }
     } else if (op == "vis") {
       int64_t i, j;
       std::cin >> i >> j;

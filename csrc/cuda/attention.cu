@@ -32,9 +32,14 @@
 //   2. otherwise the simple kernels (dQ per query row, then dK/dV per key row; no atomics,
 //      deterministic), any dtype and head dim <= 256.
 // _set_cuda_attention_kernels(1) forces the simple kernels here too.
-// Masks (window, key_padding_mask, packed sequences of attention_varlen_*) and dlse run on the
-// simple kernels (the fast ones know causal only); the score terms of issue 15 (alibi_slopes,
-// rel_bias, softcap, sinks, dropout) are refused on CUDA for now, naming the argument.
+// Masks take the same paths: window, key_padding_mask and causal in the batched ops, packed
+// sequences (attention_varlen_forward / _backward: one CTA per (tile, head, sequence), the
+// sequence from Visibility::seq(b)) and dlse all run on the fast kernels when the conditions
+// above hold (for packed input Sq / Sk are max_seqlen_q / max_seqlen_k, and the alignment is
+// that of the (T, heads, D) tensors), else on the simple ones; every kernel takes what a row
+// sees from common/attention_mask.h. Packed input has no split-KV path. The score terms of
+// issue 15 (alibi_slopes, rel_bias, softcap, sinks, dropout) are refused on CUDA for now,
+// naming the argument.
 
 #include <atomic>
 #include <cstdint>
@@ -90,9 +95,11 @@ void check_cuda_terms_unsupported(const ScoreArgs& a) {
                   " is not supported yet (CPU only)");
 }
 
+// Base pointer 16-byte aligned and every stride but the last dim's a multiple of 8 elements
+// ((B, S, heads, D) tensors, or the packed (T, heads, D) ones of attention_varlen_*).
 bool aligned16(const Tensor& t) {
   if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
-  for (int d = 0; d < 3; ++d) {
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
     if (t.stride(d) % 8 != 0) return false;
   }
   return true;
@@ -155,6 +162,7 @@ bool use_fast_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                       const AttentionParams& p) {
   const auto dt = q.scalar_type();
   if (dt != dtype::kHalf && dt != dtype::kBFloat16) return false;
+  if (!p.terms.plain()) return false;  // the fast kernels add no score term
   if (p.D != p.Dv || !cuda::fa2::fwd_fast_head_dim(p.D)) return false;
   if (p.Sk <= 0 || p.Sq <= 0) return false;
   if (!aligned16(q) || !aligned16(k) || !aligned16(v)) return false;
@@ -167,6 +175,7 @@ bool use_fast_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
                        const Tensor& v, const AttentionParams& p, bool deterministic) {
   const auto dt = q.scalar_type();
   if (dt != dtype::kHalf && dt != dtype::kBFloat16) return false;
+  if (!p.terms.plain()) return false;  // the fast kernels add no score term
   if (p.D != p.Dv || (p.D != 64 && p.D != 128)) return false;
   if (p.Sk <= 0 || p.Sq <= 0) return false;
   if (!aligned16(q) || !aligned16(k) || !aligned16(v) || !aligned16(dout)) return false;
@@ -194,8 +203,6 @@ std::tuple<Tensor, Tensor> attention_forward_cuda(
   cudaStream_t stream = current_cuda_stream(q.get_device_index());
   AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
   fill_mask_params(p, s, q, causal, window_left, window_right, key_padding_mask);
-  // the fast kernel knows causal only; windows and padding run on the simple kernels
-  const bool masked = window_left != -1 || window_right != -1 || key_padding_mask.has_value();
   const SplitPlan split = plan_split(p, q.get_device_index());
   if (split.n_split > 1) {
     const int64_t items = s.B * s.H * s.Sq * split.n_split;
@@ -209,7 +216,7 @@ std::tuple<Tensor, Tensor> attention_forward_cuda(
     });
     return {out, lse};
   }
-  const bool fast = !masked && use_fast_forward(q, k, v, p);
+  const bool fast = use_fast_forward(q, k, v, p);
   dispatch_cuda_type(q.scalar_type(), "attention_forward", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
@@ -262,10 +269,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
   fill_mask_params(bp.fwd, s, q, causal, window_left, window_right, key_padding_mask);
   const Tensor dlse_c = dlse.has_value() ? torch::stable::contiguous(*dlse) : Tensor();
   if (dlse_c.defined()) bp.dlse = dlse_c.data_ptr();
-  // the fast backward knows causal only, without dlse: the rest runs on the simple kernels
-  const bool masked = window_left != -1 || window_right != -1 || key_padding_mask.has_value() ||
-                      dlse.has_value();
-  const bool fast = !masked && use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
+  const bool fast = use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
   Tensor dq_accum;
   if (fast) dq_accum = alloc_zeros(lse, {s.B, s.Sq, s.H, s.D}, lse.scalar_type());  // fp32 atomics target
   dispatch_cuda_type(q.scalar_type(), "attention_backward", [&](auto tag) {
@@ -283,9 +287,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
   return {dq, dk, dv, drel_bias};
 }
 
-// Packed sequences on the simple kernels (cu_seqlens are read on the device only: their
-// values are not checked here, which would need a host sync; the kernels read rows
-// [cu[b], cu[b + 1]) as given, so the caller must pass valid cu_seqlens and max_seqlen).
+// Packed sequences, dispatched as the batched ops (split-KV aside). cu_seqlens are read on the
+// device only (checking them here would need a host sync): every kernel takes a sequence's
+// rows from Visibility::seq(b), which checks the values against the packed row counts and
+// max_seqlen, device-asserts on a bad one (a clear message at the next synchronising call)
+// and treats it as empty, so nothing is read out of bounds.
 std::tuple<Tensor, Tensor> attention_varlen_forward_cuda(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
     const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
@@ -308,14 +314,22 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_cuda(
   AttentionParams p = make_attention_params(unsqueeze(q, 0), unsqueeze(k, 0), unsqueeze(v, 0),
                                             unsqueeze(out, 0), lse, s, causal, scale);
   make_params_packed(p, s, Tq, k.size(0), cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
+  // p.Sq / p.Sk are the longest sequence's: the fast kernel's conditions on them hold for all
+  const bool fast = use_fast_forward(q, k, v, p);
   dispatch_cuda_type(q.scalar_type(), "attention_varlen_forward", [&](auto tag) {
     using T = decltype(tag);
+    if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
+      if (fast) {
+        ATTN_EXT_CUDA_CHECK(cuda::fa2::launch_fa2_fwd<T>(p, stream));
+        return;
+      }
+    }
     ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_fwd<T>(p, stream));
   });
   return {out, lse};
 }
 
-// deterministic: the simple kernels are always deterministic (no atomics).
+// deterministic: True keeps the fast backward (fp32 dq atomics) out, as in the batched op.
 std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse_in, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
@@ -323,7 +337,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
     int64_t window_left, int64_t window_right, const OptTensor& dlse,
     const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
     double dropout_p, int64_t dropout_seed, int64_t dropout_offset, bool deterministic) {
-  (void)deterministic;
   const AttentionShape s = check_varlen_bwd_inputs(dout, q, k, v, out, lse_in, cu_seqlens_q,
                                                    cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                    scale, dlse);
@@ -342,15 +355,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
   const DeviceGuard guard(q.get_device_index());
   cudaStream_t stream = current_cuda_stream(q.get_device_index());
   const Tensor lse = torch::stable::contiguous(lse_in);
-  Tensor delta = alloc(lse, {s.B, s.H, s.Sq});
   const Tensor dlse_c = dlse.has_value() ? torch::stable::contiguous(*dlse) : Tensor();
   AttentionBwdParams bp = make_varlen_bwd_params(dout, q, k, v, out, lse, dlse_c, dq, dk, dv, s,
                                                  cu_seqlens_q, cu_seqlens_k, causal, scale,
                                                  window_left, window_right);
+  const bool fast = use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
+  // delta: (B, H, Sq) for the simple kernels; laid out as lse (H, Tq) for the fast one
+  Tensor delta = fast ? alloc(lse, {s.H, Tq}) : alloc(lse, {s.B, s.H, s.Sq});
+  Tensor dq_accum;
+  if (fast) dq_accum = alloc_zeros(lse, {Tq, s.H, s.D}, lse.scalar_type());  // fp32 atomics target
   dispatch_cuda_type(q.scalar_type(), "attention_varlen_backward", [&](auto tag) {
     using T = decltype(tag);
+    if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
+      if (fast) {
+        ATTN_EXT_CUDA_CHECK(cuda::fa2::launch_fa2_bwd<T>(bp, static_cast<float*>(delta.data_ptr()),
+                                                         static_cast<float*>(dq_accum.data_ptr()),
+                                                         stream));
+        return;
+      }
+    }
     ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(bp, delta.data_ptr(), stream));
   });
+  if (fast) torch::stable::copy_(dq, dq_accum);
   return {dq, dk, dv, drel_bias};
 }
 
