@@ -10,6 +10,10 @@ The rules below restate the kernels' dispatch in Python, so they can be read wit
 - CUDA forward (csrc/cuda/attention.cu ``plan_split`` / ``use_fast_forward``): split-KV decode,
   else the fast FA2-style tensor-core kernel, else the simple kernel; CUDA backward
   (``use_fast_backward``): the fast FA2-style kernel, else the simple kernels.
+- Masks do not change the choice: causal, ``window``, ``key_padding_mask`` and the packed
+  sequences of ``attention_varlen`` (there Sq / Sk are ``max_seqlen_q`` / ``max_seqlen_k``, and
+  there is no split-KV path) run on the same kernels under the same conditions, and so does a
+  loss on lse. Score terms (alibi, rel_bias, softcap, sinks, dropout) are not covered here.
 
 The constants are copies of the kernels' (the headers are not installed with the package);
 tests/test_explain.py reads them from csrc/ and fails when the two disagree.
@@ -34,6 +38,7 @@ CUDA_FA2_BLOCK_M = 64  # fa2::kBlockM: query rows per CTA of the fast forward
 CUDA_FWD_FAST_HEAD_DIMS = (32, 64, 96, 128, 256)  # fa2::fwd_fast_head_dim
 CUDA_BWD_FAST_HEAD_DIMS = (64, 128)  # fa2::launch_fa2_bwd
 CUDA_BWD_BLOCK_N = 128  # keys per CTA of the fast backward (bwd_fast_grid_ok)
+CUDA_FAST_MAX_SEQ_LEN = 1 << 30  # fa2::kMaxFastSeqLen: Sq, Sk below it (32-bit tile math)
 
 # csrc/cuda/attention.cu plan_split
 CUDA_SPLIT_MAX_SQ = 16  # split-KV only for Sq <= 16 ...
@@ -257,6 +262,8 @@ def cuda_forward_choice(s: Shape, dtype: torch.dtype, aligned: bool, sms: int,
                        "multiple of 8 elements")
     if not (_ceil_div(s.Sq, CUDA_FA2_BLOCK_M) <= 0x7FFFFFFF and s.H <= 65535 and s.B <= 65535):
         reasons.append(f"grid too large (B = {s.B}, H = {s.H} must be <= 65535)")
+    if s.Sq >= CUDA_FAST_MAX_SEQ_LEN or s.Sk >= CUDA_FAST_MAX_SEQ_LEN:
+        reasons.append("Sq or Sk >= 2^30 (the fast kernels count rows and keys in 32 bits)")
     if s.D == s.Dv and s.D in CUDA_FWD_FAST_HEAD_DIMS and need > smem_optin:
         reasons.append(f"its shared memory ({need} bytes at D = {s.D}) exceeds the device's "
                        f"opt-in limit ({smem_optin} bytes)")
@@ -292,7 +299,8 @@ def cuda_backward_choice(s: Shape, dtype: torch.dtype, aligned: bool, smem_optin
         reasons.append("dout not 16-byte aligned or a stride not a multiple of 8 elements")
     steps = (s.H // max(s.Hkv, 1)) * _ceil_div(s.Sq, 64)
     if not (steps <= 0x7FFFFFFF and s.Hkv <= 65535 and s.B <= 65535
-            and _ceil_div(s.Sk, CUDA_BWD_BLOCK_N) <= 0x7FFFFFFF):
+            and _ceil_div(s.Sk, CUDA_BWD_BLOCK_N) <= 0x7FFFFFFF
+            and s.Sq < CUDA_FAST_MAX_SEQ_LEN and s.Sk < CUDA_FAST_MAX_SEQ_LEN):
         reasons.append("grid too large")
     if deterministic:
         reasons.append("torch.use_deterministic_algorithms(True) (the fast backward adds dq "

@@ -152,16 +152,20 @@ class Mask:
         for m0 in range(0, Sq, M):
             lines.append(f"keys {head} {m0} {min(m0 + M, Sq)}")
             keys.append(("keys", m0))
+            lines.append(f"fullkeys {head} {m0} {min(m0 + M, Sq)} {N}")
+            keys.append(("fullkeys", m0))
         for n0 in range(0, Sk, N):
             lines.append(f"rows {head} {n0} {min(n0 + N, Sk)}")
             keys.append(("rows", n0))
+            lines.append(f"fullrows {head} {n0} {min(n0 + N, Sk)} {M}")
+            keys.append(("fullrows", n0))
         for m0 in range(0, Sq, M):
             for n0 in range(0, Sk, N):
                 lines.append(f"class {head} {m0} {min(m0 + M, Sq)} {n0} {min(n0 + N, Sk)}")
                 keys.append(("class", (m0, n0)))
                 lines.append(f"tile {head} {m0} {n0} {M} {N}")
                 keys.append(("tile", (m0, n0)))
-        t = {"keys": {}, "rows": {}, "class": {}, "tile": {}}
+        t = {"keys": {}, "rows": {}, "fullkeys": {}, "fullrows": {}, "class": {}, "tile": {}}
         for (kind, at), ans in zip(keys, ask_header(lines)):
             vals = [int(x) for x in ans.split()]
             t[kind][at] = vals[0] if kind == "class" else tuple(vals)
@@ -208,8 +212,12 @@ def check_rule_against_header(Sq, Sk, D, spec) -> bool:
             lo, hi = t["keys"][m0]
             rows = vis_band[m0: m0 + M]
             ok &= not rows[:, :lo].any() and not rows[:, hi:].any()
+            f_lo, f_hi = t["fullkeys"][m0]
             for n0 in range(0, Sk, N):
                 cls = t["class"][(m0, n0)]
+                ok &= (cls == FULL) == (f_lo <= n0 // N < f_hi)  # full_key_tiles == classify
+                if hi > lo and lo // N <= n0 // N < (hi + N - 1) // N:
+                    ok &= cls != INVISIBLE  # the walked tiles are never invisible by the band
                 blk = vis_band[m0: m0 + M, n0: n0 + N]
                 if cls == FULL:
                     ok &= bool(blk.all())
@@ -226,6 +234,12 @@ def check_rule_against_header(Sq, Sk, D, spec) -> bool:
             lo, hi = t["rows"][n0]
             cols = vis_band[:, n0: n0 + N]
             ok &= not cols[:lo].any() and not cols[hi:].any()
+            f_lo, f_hi = t["fullrows"][n0]
+            for m0 in range(0, Sq, M):
+                cls = t["class"][(m0, n0)]
+                ok &= (cls == FULL) == (f_lo <= m0 // M < f_hi)  # full_row_tiles == classify
+                if hi > lo and lo // M <= m0 // M < (hi + M - 1) // M:
+                    ok &= cls != INVISIBLE
         ok &= all(a == "1" for a in ask_header(lines)[: len(lines)])
     print(f"rule vs attention_mask.h Sq={Sq:4d} Sk={Sk:4d} D={D:3d} {mask!s:14}: "
           f"{'agree' if ok else 'DISAGREE'}")
@@ -242,18 +256,19 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, mask, scale, m_block, out, lse):
     m0 = m_block * kBlockM
     m1 = min(m0 + kBlockM, Sq)
     hdr = mask.tiles(kBlockM, kBlockN)
-    n_begin, n_end = 0, 0
+    n_begin, n_end, full_lo, full_hi = 0, 0, 0, 0
     if not masked:
-        n_end = (Sk + kBlockN - 1) // kBlockN
+        n_end = full_hi = (Sk + kBlockN - 1) // kBlockN
     elif Sk > 0:
         lo, hi = hdr["keys"][m0]
         if hi > lo:
             n_begin, n_end = lo // kBlockN, (hi + kBlockN - 1) // kBlockN
+            full_lo, full_hi = hdr["fullkeys"][m0]
 
     def tile_kind(n):
         n0 = n * kBlockN
         n1 = min(n0 + kBlockN, Sk)
-        kind = hdr["class"][(m0, n0)] if masked else FULL
+        kind = FULL if full_lo <= n < full_hi else PARTIAL
         if kind == FULL and n0 + kBlockN > Sk:
             kind = PARTIAL
         kv = np.ones(kBlockN, bool)
@@ -377,13 +392,14 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
         kok &= mask.kpm[np.minimum(keys, Sk - 1)]
     all_keys = bool(np.all(kok | (keys >= n1)))
     any_key = bool(kok.any())
-    m_begin, m_end = 0, 0
+    m_begin, m_end, full_lo, full_hi = 0, 0, 0, 0
     if not masked:
-        m_end = (Sq + kBlockM - 1) // kBlockM
+        m_end = full_hi = (Sq + kBlockM - 1) // kBlockM
     elif Sq > 0 and any_key:
         lo, hi = hdr["rows"][n0]
         if hi > lo:
             m_begin, m_end = lo // kBlockM, (hi + kBlockM - 1) // kBlockM
+            full_lo, full_hi = hdr["fullrows"][n0]
     n_m = m_end - m_begin
     steps = group * n_m
 
@@ -410,13 +426,9 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
                           if m0 + t < Sq else math.inf for t in range(kBlockM)])
         sDeltab = np.array([delta[h, m0 + t] if m0 + t < Sq else 0.0 for t in range(kBlockM)])
         sdS = np.full((kBlockN, kDsStride), np.nan)
-        m1 = min(m0 + kBlockM, Sq)
-        kind = hdr["class"][(m0, n0)] if masked else FULL
-        if kind == FULL and (n0 + kBlockN > Sk or m0 + kBlockM > Sq or not all_keys):
-            kind = PARTIAL
-        if kind == INVISIBLE:
-            continue
-        need_mask = kind != FULL
+        mt = m0 // kBlockM
+        need_mask = (not (full_lo <= mt < full_hi) or n0 + kBlockN > Sk or m0 + kBlockM > Sq
+                     or not all_keys)
         band = hdr["tile"][(m0, n0)]
         for warp in range(kWarps):
             for qs in range(kBlockM // kQSub):

@@ -7,10 +7,13 @@
 //     keys  Sq Sk left right i0 i1        -> "lo hi"   keys some row of [i0, i1) sees
 //     rows  Sq Sk left right j0 j1        -> "lo hi"   rows that see some key of [j0, j1)
 //     class Sq Sk left right i0 i1 j0 j1  -> 0 / 1 / 2 (invisible / partial / full)
+//     fullkeys Sq Sk left right i0 i1 N   -> "lo hi"   key tiles of N that are full for [i0, i1)
+//     fullrows Sq Sk left right j0 j1 M   -> "lo hi"   query tiles of M full for keys [j0, j1)
 //     vis   Sq Sk left right i j          -> 0 / 1
 //     tile  Sq Sk left right i0 j0 R C    -> "lo hi row_lim key_lim"  the TileBand of a tile
 //     tileok Sq Sk left right i0 j0 R C   -> 1 iff TileBand::ok(r, c) == band_visible(i0 + r,
-//                                            j0 + c) for every r < R, c < C (else 0)
+//                                            j0 + c) for every r < R, c < C and the 32-bit
+//                                            TileBands gives the same TileBand (else 0)
 #include <cstdint>
 #include <iostream>
 #include <string>
@@ -33,6 +36,12 @@ int main() {
       const attn_ext::Range r =
           op == "keys" ? vis.band_keys_of_rows(s, a, b) : vis.band_rows_of_keys(s, a, b);
       std::cout << r.lo << " " << r.hi << "\n";
+    } else if (op == "fullkeys" || op == "fullrows") {
+      int64_t a, b, n;
+      std::cin >> a >> b >> n;
+      const attn_ext::Range r =
+          op == "fullkeys" ? vis.full_key_tiles(s, a, b, n) : vis.full_row_tiles(s, a, b, n);
+      std::cout << r.lo << " " << r.hi << "\n";
     } else if (op == "class") {
       int64_t i0, i1, j0, j1;
       std::cin >> i0 >> i1 >> j0 >> j1;
@@ -45,7 +54,10 @@ int main() {
       if (op == "tile") {
         std::cout << t.lo << " " << t.hi << " " << t.row_lim << " " << t.key_lim << "\n";
       } else {
-        bool same = true;
+        const attn_ext::TileBand t32 =
+            vis.tile_bands(s).at(static_cast<int>(i0), static_cast<int>(j0), R, C);
+        bool same = t32.lo == t.lo && t32.hi == t.hi && t32.row_lim == t.row_lim &&
+                    t32.key_lim == t.key_lim;
         for (int r = 0; r < R; ++r) {
           for (int c = 0; c < C; ++c) same &= t.ok(r, c) == vis.band_visible(s, i0 + r, j0 + c);
         }

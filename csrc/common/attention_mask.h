@@ -15,6 +15,7 @@
 //   band_rows(s, j)         [lo, hi): rows that see key j by the band
 //   classify(s, i0, i1, j0, j1)   kFull / kPartial / kInvisible for a (query, key) tile,
 //                           by the band; key padding then makes a full tile partial
+//   full_key_tiles / full_row_tiles   the tiles classify() calls kFull, as one range
 //   visible(s, b, i, j)     the per-(i, j) predicate (band and padding)
 //   band_visible(s, i, j)   its band part (and the sequence's bounds), without padding
 //   tile_band(s, i0, j0, R, C)   band_visible of one tile in tile-local 32-bit coordinates
@@ -78,6 +79,26 @@ struct TileBand {
   int row_lim, key_lim;  // r < row_lim, c < key_lim: the sequence's rows and keys
   ATTN_MASK_FN bool ok(int r, int c) const {
     return r < row_lim && c < key_lim && r - c >= lo && r - c <= hi;
+  }
+};
+
+// tile_band in 32-bit arithmetic for the CUDA kernels' tile loops (fewer registers than the
+// 64-bit fields of SeqInfo / MaskParams): Visibility::tile_bands(s) fills it once per CTA,
+// at(i0, j0, R, C) then equals tile_band(s, i0, j0, R, C) (tools/mask_probe.cpp checks it).
+// Exact when the sequence's Sq, Sk < 2^30 (the adapters check it before they pick the fast
+// kernels): window sides >= 2^30 are then as good as unbounded.
+struct TileBands {
+  int off, left, right, Sq, Sk;  // left / right: -1 = unbounded
+  ATTN_MASK_FN TileBand at(int i0, int j0, int R, int C) const {
+    const int d0 = i0 + off - j0;
+    int lo = right >= 0 ? -right - d0 : -C;
+    int hi = left >= 0 ? left - d0 : R;
+    lo = lo < -C ? -C : (lo > R ? R : lo);
+    hi = hi < -C ? -C : (hi > R ? R : hi);
+    int rl = Sq - i0, kl = Sk - j0;
+    rl = rl < 0 ? 0 : (rl > R ? R : rl);
+    kl = kl < 0 ? 0 : (kl > C ? C : kl);
+    return TileBand{lo, hi, rl, kl};
   }
 };
 
@@ -174,6 +195,30 @@ struct Visibility {
     return TileKind::kPartial;
   }
 
+  // The key tiles of N keys (tile t: keys [t N, min(t N + N, Sk))) that classify() calls kFull
+  // for the rows [i0, i1) (i0 < i1): one contiguous range [lo, hi) of tile indices, since
+  // both ends of the rows' bands are non-decreasing. Kernels walk the tiles of
+  // band_keys_of_rows (none of them invisible by the band: a row's range and the next row's
+  // overlap or touch) and take the full ones from here instead of classifying each tile
+  // (tools/mask_probe.cpp checks the two against each other).
+  ATTN_MASK_FN Range full_key_tiles(const SeqInfo& s, int64_t i0, int64_t i1, int64_t N) const {
+    const Range first = band_keys(s, i0), last = band_keys(s, i1 - 1);
+    // kFull: t N >= last.lo and min(t N + N, Sk) <= first.hi
+    const int64_t lo = (last.lo + N - 1) / N;
+    int64_t hi = first.hi >= s.Sk ? (s.Sk + N - 1) / N : first.hi / N;
+    if (hi < lo) hi = lo;
+    return {lo, hi};
+  }
+  // Likewise the query tiles of M rows in which every row sees every key of [j0, j1) by the
+  // band (classify(t M, min(t M + M, Sq), j0, j1) == kFull).
+  ATTN_MASK_FN Range full_row_tiles(const SeqInfo& s, int64_t j0, int64_t j1, int64_t M) const {
+    const Range first = band_rows(s, j0), last = band_rows(s, j1 - 1);
+    const int64_t lo = (last.lo + M - 1) / M;
+    int64_t hi = first.hi >= s.Sq ? (s.Sq + M - 1) / M : first.hi / M;
+    if (hi < lo) hi = lo;
+    return {lo, hi};
+  }
+
   ATTN_MASK_FN bool key_valid(int64_t b, int64_t j) const {
     return m.key_padding == nullptr ||
            m.key_padding[b * m.kpm_batch_stride + j * m.kpm_key_stride] != 0;
@@ -190,6 +235,18 @@ struct Visibility {
   // The predicate: row i of sequence b (local indices) sees key j.
   ATTN_MASK_FN bool visible(const SeqInfo& s, int64_t b, int64_t i, int64_t j) const {
     return band_visible(s, i, j) && key_valid(b, j);
+  }
+
+  // The 32-bit tile_band of sequence s (Sq, Sk < 2^30).
+  ATTN_MASK_FN TileBands tile_bands(const SeqInfo& s) const {
+    constexpr int64_t kBig = int64_t(1) << 30;
+    TileBands t;
+    t.off = static_cast<int>(s.off);
+    t.left = m.left >= kBig ? -1 : static_cast<int>(m.left);
+    t.right = m.right >= kBig ? -1 : static_cast<int>(m.right);
+    t.Sq = static_cast<int>(s.Sq);
+    t.Sk = static_cast<int>(s.Sk);
+    return t;
   }
 
   // band_visible on the tile rows [i0, i0 + R) x keys [j0, j0 + C) as a TileBand: with

@@ -16,9 +16,10 @@
 //      warps, warp w owns keys [16 w, 16 w + 16) of the tile. K and V are loaded once; the CTA
 //      walks every query head of its kv-head group (GQA) and, for each, the query tiles of
 //      kBlockM = 64 rows that band_rows_of_keys says see some key of the tile (the
-//      visibility layer, common/attention_mask.h: classify() per step — invisible skipped,
-//      full without a predicate, partial with the TileBand predicate and the keys' padding
-//      flags; a tile whose keys are all padded has no step and writes dk = dv = 0).
+//      visibility layer, common/attention_mask.h: none of them invisible by the band; the
+//      steps classify() calls kFull — full_row_tiles, one range per CTA — run without a
+//      predicate, the partial ones with the TileBand predicate and the keys' padding flags;
+//      a tile whose keys are all padded has no step and writes dk = dv = 0).
 //      Q, dO, lse and delta tiles are double-buffered (cp.async prefetch of the next tile).
 //      Per query tile, all in the transposed ("key-major") orientation so that every product
 //      whose M dimension is keys keeps its left operand in registers:
@@ -138,21 +139,24 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t hkv = blockIdx.y, b = blockIdx.z;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kBlockN;
+  const int n0 = static_cast<int>(blockIdx.x) * kBlockN;
   const int64_t H = p.H, D = kHeadDim;
   const int group = static_cast<int>(H / p.Hkv);
   // Which rows see a key: the visibility layer (common/attention_mask.h) only. sq: this
   // CTA's sequence (packed rows q0.. / k0.., lengths, offset).
+  // Lengths and tile positions in 32 bits (the adapter checks Sq, Sk < 2^30); bands: the
+  // sequence's TileBand in 32-bit arithmetic.
   const Visibility vis = p.visibility();
   const SeqInfo sq = vis.seq(b);
-  const int64_t Sq = sq.Sq, Sk = sq.Sk;
+  const TileBands bands = vis.tile_bands(sq);
+  const int Sq = bands.Sq, Sk = bands.Sk;
   if (n0 >= Sk) return;  // past the end of its (packed) sequence: no key to write
-  const int64_t n1 = n0 + kBlockN < Sk ? n0 + kBlockN : Sk;  // the tile's keys [n0, n1)
+  const int n1 = n0 + kBlockN < Sk ? n0 + kBlockN : Sk;  // the tile's keys [n0, n1)
 
   const int g = lane >> 2, c2 = (lane & 3) * 2;
   // this warp's keys (rows of S^T): key_a and key_a + 8; kra / krb in the tile
   const int kra = warp * 16 + g, krb = kra + 8;
-  const int64_t key_a = n0 + kra;
+  const int key_a = n0 + kra;
   // key padding, a per-key flag: this thread's two keys, and whether the tile has a padded
   // key (then every step is partial) or only padded keys (then no row sees the tile)
   const bool kok_a = key_a < n1 && vis.key_valid(b, key_a);
@@ -168,19 +172,24 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   }
 
   // query tiles [m_begin, m_end) hold every row that sees some key of this tile by the band
-  int64_t m_begin = 0, m_end = 0;
-  if (!kMasked) {
-    m_end = (Sq + kBlockM - 1) / kBlockM;
+  // (none of them invisible by the band); classify() calls [full_lo, full_hi) of them kFull
+  // (full_row_tiles: the same answer as one range, computed once per CTA)
+  int m_begin = 0, m_end = 0, full_lo = 0, full_hi = 0;
+  if (!kMasked) {  // every pair of the sequence is visible (dense())
+    m_end = full_hi = (Sq + kBlockM - 1) / kBlockM;
   } else if (Sq > 0 && any_key) {
     const Range rows = vis.band_rows_of_keys(sq, n0, n1);
     if (rows.hi > rows.lo) {
-      m_begin = rows.lo / kBlockM;
-      m_end = (rows.hi + kBlockM - 1) / kBlockM;
+      m_begin = static_cast<int>(rows.lo / kBlockM);
+      m_end = static_cast<int>((rows.hi + kBlockM - 1) / kBlockM);
+      const Range full = vis.full_row_tiles(sq, n0, n1, kBlockM);
+      full_lo = static_cast<int>(full.lo);
+      full_hi = static_cast<int>(full.hi);
     }
   }
   // step st = (query head hkv * group + st / n_m, query tile m_begin + st % n_m); 32-bit
   // (the adapter checks group * n_m < 2^31)
-  const int n_m = static_cast<int>(m_end - m_begin);
+  const int n_m = m_end - m_begin;
   const int steps = group * n_m;
 
   const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + sq.k0 * p.k_row_stride +
@@ -196,7 +205,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   auto load_step = [&](int st) {
     const int buf = static_cast<int>(st & 1);
     const int64_t h = hkv * group + st / n_m;
-    const int64_t m0 = (m_begin + st % n_m) * kBlockM;
+    const int m0 = (m_begin + st % n_m) * kBlockM;
     const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + sq.q0 * p.q_row_stride +
                   h * p.q_head_stride;
     const T* gdO = static_cast<const T*>(bp.dout) + b * bp.dout_batch_stride +
@@ -206,7 +215,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
     load_rows<T, kHeadDim, kBlockM, kThreads>(sdO + buf * kBlockM * kStride, gdO,
                                               bp.dout_row_stride, m0, Sq, tid);
     if (tid < kBlockM) {
-      const int64_t row = m0 + tid;
+      const int row = m0 + tid;
       float l2 = INFINITY, dl = 0.f;
       if (row < Sq) {
         const int64_t idx = b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + row;
@@ -247,20 +256,17 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   for (int st = 0; st < steps; ++st) {
     const int buf = static_cast<int>(st & 1);
     const int64_t h = hkv * group + st / n_m;
-    const int64_t m0 = (m_begin + st % n_m) * kBlockM;
-    const int64_t m1 = m0 + kBlockM < Sq ? m0 + kBlockM : Sq;
+    const int mt = m_begin + st % n_m;  // query tile index
+    const int m0 = mt * kBlockM;
     T* sQb = sQ + buf * kBlockM * kStride;
     T* sdOb = sdO + buf * kBlockM * kStride;
     const float* sLseb = sLse + buf * kBlockM;
     const float* sDeltab = sDelta + buf * kBlockM;
-    // the (query tile, key tile) class by the band; rows past Sq, keys past Sk or a padded
-    // key make a full tile partial (the predicate then masks them)
-    // (unmasked: every pair of the sequence is visible, dense())
-    TileKind kind = kMasked ? vis.classify(sq, m0, m1, n0, n1) : TileKind::kFull;
-    if (kind == TileKind::kFull && (n0 + kBlockN > Sk || m0 + kBlockM > Sq || !all_keys)) {
-      kind = TileKind::kPartial;
-    }
-    const bool need_mask = kind != TileKind::kFull;
+    // the (query tile, key tile) class by the band (the tiles of band_rows_of_keys are never
+    // invisible); rows past Sq, keys past Sk or a padded key make a full tile partial (the
+    // predicate then masks them)
+    const bool need_mask = !(mt >= full_lo && mt < full_hi) || n0 + kBlockN > Sk ||
+                           m0 + kBlockM > Sq || !all_keys;
 
     cp_async_wait<0>();
     // In a masked step, a non-finite Q or dO value of a row that cannot see some key of the
@@ -280,9 +286,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
     }
     if (st + 1 < steps) load_step(st + 1);  // into the other buffer (last read in step st - 1)
     cp_async_commit();
-    if (kind == TileKind::kInvisible) continue;  // uniform: no row of the step sees a key
     // the band in tile coordinates: query column qc, key row kr
-    const TileBand band = vis.tile_band(sq, m0, n0, kBlockM, kBlockN);
+    const TileBand band = bands.at(m0, n0, kBlockM, kBlockN);
 
     // The query columns in two halves of kQSub = 32 (halves the live S^T / dP^T registers,
     // which sit next to the 2 x D/2 dK/dV accumulators; costs a second read of the K and V
@@ -450,7 +455,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
       // dq_accum (as dq: (B, Sq, H, D), packed (Tq, H, D)) += scale * dQ; rows past Sq skipped
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int64_t row = m0 + dq_row0 + g + 8 * r;
+        const int row = m0 + dq_row0 + g + 8 * r;
         if (row < Sq) {
           float* dst = dq_accum + b * bp.dq_batch_stride + ((sq.q0 + row) * H + h) * D + dq_col0 +
                        dc + c2;
@@ -471,7 +476,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   T* gdV = static_cast<T*>(bp.dv) + b * bp.dv_batch_stride;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int64_t key = key_a + 8 * r;
+    const int key = key_a + 8 * r;
     if (key < Sk) {
       const int64_t off = ((sq.k0 + key) * p.Hkv + hkv) * D + c2;
 #pragma unroll

@@ -23,10 +23,11 @@
 //     reduced over the 4 lanes of a quad.
 //   * Masks (causal, window, key padding) come from the visibility layer
 //     (common/attention_mask.h), never from a rule of this file: a query tile visits the key
-//     tiles of band_keys_of_rows, skips the ones classify() calls invisible (and, with key
-//     padding, the ones whose keys are all padded: padding bits by warp ballot), runs kFull
-//     tiles without a predicate and masks kPartial ones per element (TileBand and the key's
-//     padding bit). Rows that see no key give 0 and lse -inf; a hidden key's non-finite V
+//     tiles of band_keys_of_rows (none invisible by the band), skips those whose keys are all
+//     padded (padding bits by warp ballot), runs the tiles that classify() calls kFull
+//     (full_key_tiles: the same answer as one range per CTA, cheaper in registers than a
+//     classify per tile) without a predicate, and masks kPartial ones per element (TileBand
+//     and the key's padding bit). Rows that see no key give 0 and lse -inf; a hidden key's non-finite V
 //     never reaches a row (see pass 3). Grid (query tiles, H, B) with the query tile fastest:
 //     the CTAs in flight together are all the tiles of a few heads (their K/V stay in L2),
 //     and when masked the last query tiles (most keys, when causal) launch first.
@@ -107,36 +108,43 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t h = blockIdx.y, b = blockIdx.z;
   const int64_t hkv = h / (p.H / p.Hkv);
-  const int64_t m_block = kMasked ? static_cast<int64_t>(gridDim.x) - 1 - blockIdx.x : blockIdx.x;
-  const int64_t m0 = m_block * kBlockM;
+  const int m_block = kMasked ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+  const int m0 = m_block * kBlockM;
   // Which keys a row sees: the visibility layer (common/attention_mask.h) only. sq: this
   // CTA's sequence (its rows q0.., keys k0.. in the packed tensors; lengths; offset).
+  // Lengths and tile positions in 32 bits (the adapter checks Sq, Sk < 2^30); bands: the
+  // sequence's TileBand in 32-bit arithmetic.
   const Visibility vis = p.visibility();
   const SeqInfo sq = vis.seq(b);
-  const int64_t Sq = sq.Sq, Sk = sq.Sk;
+  const TileBands bands = vis.tile_bands(sq);
+  const int Sq = bands.Sq, Sk = bands.Sk;
   if (m0 >= Sq) return;  // past the end of its (packed) sequence
-  const int64_t m1 = m0 + kBlockM < Sq ? m0 + kBlockM : Sq;  // the tile's rows [m0, m1)
+  const int m1 = m0 + kBlockM < Sq ? m0 + kBlockM : Sq;  // the tile's rows [m0, m1)
 
-  // key tiles [n_begin, n_end) hold every key some row of this tile sees by the band
-  int n_begin = 0, n_end = 0;
-  if (!kMasked) {
-    n_end = static_cast<int>((Sk + kBlockN - 1) / kBlockN);
+  // key tiles [n_begin, n_end) hold every key some row of this tile sees by the band (none of
+  // them is invisible by the band); classify() calls [full_lo, full_hi) of them kFull
+  // (full_key_tiles: the same answer as one range, computed once per CTA)
+  int n_begin = 0, n_end = 0, full_lo = 0, full_hi = 0;
+  if (!kMasked) {  // every key of the sequence is visible (dense())
+    n_end = full_hi = static_cast<int>((Sk + kBlockN - 1) / kBlockN);
   } else if (Sk > 0) {
     const Range keys = vis.band_keys_of_rows(sq, m0, m1);
     if (keys.hi > keys.lo) {
       n_begin = static_cast<int>(keys.lo / kBlockN);
       n_end = static_cast<int>((keys.hi + kBlockN - 1) / kBlockN);
+      const Range full = vis.full_key_tiles(sq, m0, m1, kBlockN);
+      full_lo = static_cast<int>(full.lo);
+      full_hi = static_cast<int>(full.hi);
     }
   }
-  // The class of key tile n for this query tile: the band's (classify), a tile past the end
-  // of the keys is partial (its zero-filled rows must not count), and with key padding the
-  // per-key flags: all padded -> invisible (skipped), some -> partial. kv[w] bit c: key
-  // n * kBlockN + 32 w + c takes part (every warp computes the same words by ballot).
+  // The class of key tile n (n_begin <= n < n_end) for this query tile: the band's, a tile
+  // past the end of the keys is partial (its zero-filled rows must not count), and with key
+  // padding the per-key flags: all padded -> invisible (skipped), some -> partial. kv[w] bit
+  // c: key n * kBlockN + 32 w + c takes part (every warp computes the same words by ballot).
   auto tile_kind = [&](int n, uint32_t (&kv)[kKeyWords]) -> TileKind {
-    const int64_t n0 = static_cast<int64_t>(n) * kBlockN;
-    const int64_t n1 = n0 + kBlockN < Sk ? n0 + kBlockN : Sk;
-    // (unmasked: every key of the sequence is visible, dense())
-    TileKind kind = kMasked ? vis.classify(sq, m0, m1, n0, n1) : TileKind::kFull;
+    const int n0 = n * kBlockN;
+    const int n1 = n0 + kBlockN < Sk ? n0 + kBlockN : Sk;
+    TileKind kind = n >= full_lo && n < full_hi ? TileKind::kFull : TileKind::kPartial;
     if (kind == TileKind::kFull && n0 + kBlockN > Sk) kind = TileKind::kPartial;
 #pragma unroll
     for (int w = 0; w < kKeyWords; ++w) kv[w] = 0xffffffffu;
@@ -145,7 +153,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
         int valid = 0;
 #pragma unroll
         for (int w = 0; w < kKeyWords; ++w) {
-          const int64_t j = n0 + 32 * w + lane;
+          const int j = n0 + 32 * w + lane;
           kv[w] = __ballot_sync(0xffffffffu, j < n1 && vis.key_valid(b, j));
           valid += __popc(kv[w]);
         }
@@ -162,32 +170,33 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
                 hkv * p.k_head_stride;
   const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + sq.k0 * p.v_row_stride +
                 hkv * p.v_head_stride;
-  T* gO = static_cast<T*>(p.out) + b * p.out_batch_stride + sq.q0 * p.out_row_stride +
-          h * p.out_head_stride;
-  // lse (B, H, Sq), packed (H, Tq): row i of this sequence at gLse[i]
-  float* gLse = static_cast<float*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0;
+  // out and lse (B, H, Sq), packed (H, Tq): row i of this sequence at gO()[i * row stride],
+  // gLse()[i] (computed where they are written, so they hold no register in the loop)
+  auto gO = [&]() {
+    return static_cast<T*>(p.out) + b * p.out_batch_stride + sq.q0 * p.out_row_stride +
+           h * p.out_head_stride;
+  };
+  auto gLse = [&]() {
+    return static_cast<float*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0;
+  };
 
   // rows of this thread: quad row g = lane / 4 of the warp's 16, and g + 8 (ra, rb: in the tile)
   const int ra = warp * 16 + (lane >> 2), rb = ra + 8;
-  const int64_t row_a = m0 + ra;
-  const int64_t row_b = row_a + 8;
 
   // the first tile that is not invisible
   int n = n_begin;
-  uint32_t kv[kKeyWords];
-  TileKind kind = TileKind::kInvisible;
   for (; n < n_end; ++n) {
-    kind = tile_kind(n, kv);
-    if (kind != TileKind::kInvisible) break;
+    uint32_t kv[kKeyWords];
+    if (tile_kind(n, kv) != TileKind::kInvisible) break;
   }
 
   if (n >= n_end) {  // no row of this tile sees a key (Sq > Sk causal, padding, empty keys)
     for (int idx = tid; idx < kBlockM * kHeadDim; idx += Tr::kThreads) {
       const int64_t r = m0 + idx / kHeadDim;
       // +0.0 in fp16 and bf16 is the all-zero 16-bit pattern
-      if (r < Sq) reinterpret_cast<uint16_t*>(gO)[r * p.out_row_stride + idx % kHeadDim] = 0;
+      if (r < Sq) reinterpret_cast<uint16_t*>(gO())[r * p.out_row_stride + idx % kHeadDim] = 0;
     }
-    if (tid < kBlockM && m0 + tid < Sq) gLse[m0 + tid] = -INFINITY;
+    if (tid < kBlockM && m0 + tid < Sq) gLse()[m0 + tid] = -INFINITY;
     return;
   }
 
@@ -213,9 +222,20 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
   // Step it visits key tile n (the tiles that are not invisible, in order); buffers by step.
   for (int it = 0; n < n_end; ++it) {
     const int buf = it & 1;
-    const int64_t n0 = static_cast<int64_t>(n) * kBlockN;
+    const int n0 = n * kBlockN;
     const T* sKb = sK + buf * Tr::kTile;
     const T* sVb = sV + buf * Tr::kTile;
+
+    // this tile's class and padding bits (recomputed here rather than carried from the
+    // search: fewer live registers), then the next tile that is not invisible (found before
+    // S is live); its K is prefetched after pass 1.
+    uint32_t kv[kKeyWords];
+    const TileKind kind = tile_kind(n, kv);
+    int n_next = n + 1;
+    for (; n_next < n_end; ++n_next) {
+      uint32_t kv_next[kKeyWords];
+      if (tile_kind(n_next, kv_next) != TileKind::kInvisible) break;
+    }
 
     // V tile n -> its own group; it lands while S is computed
     load_rows<T, kHeadDim, kBlockN, Tr::kThreads>(sV + buf * Tr::kTile, gV, p.v_row_stride, n0,
@@ -246,16 +266,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
       }
     }
 
-    // The next tile that is not invisible; its K -> the other buffer (last read in step
-    // it - 1, before this step's barrier). An empty group on the last step keeps the wait
-    // counts uniform.
-    int n_next = n + 1;
-    uint32_t kv_next[kKeyWords];
-    TileKind kind_next = TileKind::kInvisible;
-    for (; n_next < n_end; ++n_next) {
-      kind_next = tile_kind(n_next, kv_next);
-      if (kind_next != TileKind::kInvisible) break;
-    }
+    // K of the next tile -> the other buffer (last read in step it - 1, before this step's
+    // barrier). An empty group on the last step keeps the wait counts uniform.
     if (n_next < n_end) {
       load_rows<T, kHeadDim, kBlockN, Tr::kThreads>(sK + (buf ^ 1) * Tr::kTile, gK, p.k_row_stride,
                                                     static_cast<int64_t>(n_next) * kBlockN, Sk, tid);
@@ -272,11 +284,11 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
       for (int e = 0; e < 4; ++e) s[t][e] *= scale_log2;
     }
     const bool partial = kind == TileKind::kPartial;
-    const TileBand band = vis.tile_band(sq, m0, n0, kBlockM, kBlockN);
-    uint32_t kl[kKeyWords];  // this lane's padding bits: bit 8 (t % 4) + (e % 2) of word t / 4
-#pragma unroll
-    for (int w = 0; w < kKeyWords; ++w) kl[w] = kv[w] >> ((lane & 3) * 2);
     if (partial) {
+      const TileBand band = bands.at(m0, n0, kBlockM, kBlockN);
+      uint32_t kl[kKeyWords];  // this lane's padding bits: bit 8 (t % 4) + (e % 2) of word t / 4
+#pragma unroll
+      for (int w = 0; w < kKeyWords; ++w) kl[w] = kv[w] >> ((lane & 3) * 2);
 #pragma unroll
       for (int t = 0; t < kNTiles; ++t) {
 #pragma unroll
@@ -329,6 +341,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
         bad |= !isfinite(x);
       }
       if (__syncthreads_or(bad)) {
+        const TileBand band = bands.at(m0, n0, kBlockM, kBlockN);
 #pragma unroll 1
         for (int kk = 0; kk < kBlockN; ++kk) {
           // P of key n0 + kk for rows a and b: element (kk % 2) (+2) of n8 tile kk / 8 on quad
@@ -386,9 +399,6 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
     }
 
     n = n_next;
-    kind = kind_next;
-#pragma unroll
-    for (int w = 0; w < kKeyWords; ++w) kv[w] = kv_next[w];
   }
   // The last committed group is empty; nothing is left in flight.
 
@@ -400,15 +410,15 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const bool empty = l == 0.f;  // no key seen (a NaN sum stays NaN, as on the CPU)
     const float inv = empty ? 0.f : 1.f / l;
-    const int64_t row = r == 0 ? row_a : row_b;
+    const int64_t row = m0 + (r == 0 ? ra : rb);
     if (row < Sq) {
-      T* orow = gO + row * p.out_row_stride + (lane & 3) * 2;
+      T* orow = gO() + row * p.out_row_stride + (lane & 3) * 2;
 #pragma unroll
       for (int t = 0; t < kDTiles; ++t) {
         *reinterpret_cast<uint32_t*>(orow + t * 8) =
             pack2<T>(acc_o[t][2 * r] * inv, acc_o[t][2 * r + 1] * inv);
       }
-      if ((lane & 3) == 0) gLse[row] = empty ? -INFINITY : (row_max[r] + __log2f(l)) * kLn2F;
+      if ((lane & 3) == 0) gLse()[row] = empty ? -INFINITY : (row_max[r] + __log2f(l)) * kLn2F;
     }
   }
 }
