@@ -7,7 +7,7 @@
 //   dq, zeroed by the caller and converted to T by the caller afterwards (packed sequences:
 //   (Tq / Tk, heads, D) tensors, lse (H, Tq), rows from cu_seqlens).
 //   Requirements (checked by the adapter): D == Dv in {64, 128}; q, k, v, dout base pointers
-//   16-byte aligned and their batch/row/head strides multiples of 8 elements.
+//   16-byte aligned and their batch/row/head strides multiples of 8 elements; Sq, Sk < 2^30.
 //
 // Algorithm (P = softmax(scale * Q K^T), dS = P o (dP - delta), delta_i = rowsum(dO_i o O_i)
 // - dlse_i):

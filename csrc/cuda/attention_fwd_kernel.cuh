@@ -6,7 +6,7 @@
 //   (packed sequences: q (Tq, H, D) ..., out (Tq, H, D), lse (H, Tq), rows from cu_seqlens)
 //   Requirements (checked by the adapter): D == Dv in {32, 64, 96, 128, 256}; q/k/v base
 //   pointers 16-byte aligned and their batch/row/head strides multiples of 8 elements (every
-//   16-byte chunk of a row is aligned for cp.async); Sq, Sk > 0.
+//   16-byte chunk of a row is aligned for cp.async); 0 < Sq, Sk < 2^30 (32-bit tile math).
 //
 // Structure
 //   * One CTA per (query tile of kBlockM = 64 rows, head, sequence); 4 warps, warp w owns
