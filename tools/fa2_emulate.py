@@ -14,6 +14,15 @@ The PTX semantics emulated (PTX ISA, "Matrix fragments for mma.m16n8k16" and "ld
 The emulation mirrors the kernel's code line by line (same names) in float64, so it checks
 indexing, not rounding. Compare its output with a plain softmax(QK^T)V.
 
+Masks (causal, window, key padding) follow the kernels: the tile ranges, the full tiles and
+the per-tile predicate come from the visibility layer itself (csrc/common/attention_mask.h,
+asked through tools/mask_probe.cpp: band_keys_of_rows / band_rows_of_keys, full_key_tiles /
+full_row_tiles, TileBand), the padding rules (all-padded tiles skipped, a padded key makes a
+tile partial) are the kernels' own; check_rule_against_header checks the header's answers
+against its own predicate and classify(), and the reference is DESIGN.md's rule written out.
+Packed sequences (per-sequence pointer offsets) and the rare exact paths for non-finite
+values are not emulated.
+
 The kernels' tile constants (FwdTraits / BwdTraits and the kernels' constexpr locals), their
 ldmatrix lane maps (lrow, lcol, krow, kcol, g, c2) and the head dims the kernels are built for
 are read from the headers (tools/kernel_constants.py), not retyped: an edit of the kernel is

@@ -113,12 +113,14 @@ __global__ void __launch_bounds__(256) fa2_bwd_delta_kernel(AttentionBwdParams b
   }
 }
 
-// grid (key tiles, Hkv, B). kMasked: a band (causal / window) or key padding
-// (Visibility::dense() is false); packed sequences run in both (seq(b)).
-template <typename T, int kHeadDim, bool kMasked>
+// grid (key tiles, Hkv, B). kMask (MaskMode, attention_launch.h): 0 no mask (dense()),
+// 1 a band (causal / window) without key padding, 2 key padding (with or without a band);
+// packed sequences run in every mode (seq(b)).
+template <typename T, int kHeadDim, int kMask>
 __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHeadDim>::kMinBlocks)
     fa2_bwd_kernel(AttentionBwdParams bp, const float* delta, float* dq_accum) {
   using Tr = BwdTraits<kHeadDim>;
+  constexpr bool kMasked = kMask != 0, kPadding = kMask == 2;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
   constexpr int kDsStride = Tr::kDsStride, kThreads = Tr::kThreads;
   constexpr int kQSub = 32;               // query columns per S^T / dP^T pass
@@ -162,8 +164,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   const bool kok_a = key_a < n1 && vis.key_valid(b, key_a);
   const bool kok_b = key_a + 8 < n1 && vis.key_valid(b, key_a + 8);
   bool all_keys = true, any_key = true;
-  if constexpr (kMasked) {
-    if (vis.has_padding()) {
+  if constexpr (kPadding) {
+    {
       // (key_a, key_a + 8) over the CTA's threads cover the 128 keys, four times over
       const bool mine_ok = (key_a >= n1 || kok_a) && (key_a + 8 >= n1 || kok_b);
       all_keys = __syncthreads_and(mine_ok);
@@ -493,7 +495,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
 // ---- launcher ------------------------------------------------------------------------------
 // Instantiated in attention_fa2_bwd_hdim64.cu / attention_fa2_bwd_hdim128.cu; dispatched from
 // attention_launch.h. delta: (B, H, Sq) fp32 workspace; dq_accum: (B, Sq, H, D) fp32, zeroed.
-template <typename T, int kHeadDim, bool kMasked>
+template <typename T, int kHeadDim, int kMask>
 cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, float* dq_accum,
                                 cudaStream_t stream) {
   using Tr = BwdTraits<kHeadDim>;
@@ -504,7 +506,7 @@ cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, floa
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
 
-  constexpr auto kernel = fa2_bwd_kernel<T, kHeadDim, kMasked>;
+  constexpr auto kernel = fa2_bwd_kernel<T, kHeadDim, kMask>;
   e = ensure_dynamic_smem<kernel>(Tr::kSmemBytes);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>((p.Sk + Tr::kBlockN - 1) / Tr::kBlockN),
@@ -513,18 +515,19 @@ cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, floa
   return cudaGetLastError();
 }
 
-// One head dim's four kernels (fp16 / bf16 x masked or not), for attention_fa2_bwd_hdim*.cu.
+// One head dim's six kernels (fp16 / bf16 x the three mask modes), for attention_fa2_bwd_hdim*.cu.
+#define ATTN_EXT_INSTANTIATE_FA2_BWD_T(T, D)                                                  \
+  template cudaError_t launch_fa2_bwd_impl<T, D, 0>(const AttentionBwdParams&, float*, float*, \
+                                                    cudaStream_t);                            \
+  template cudaError_t launch_fa2_bwd_impl<T, D, 1>(const AttentionBwdParams&, float*, float*, \
+                                                    cudaStream_t);                            \
+  template cudaError_t launch_fa2_bwd_impl<T, D, 2>(const AttentionBwdParams&, float*, float*, \
+                                                    cudaStream_t);
 #define ATTN_EXT_INSTANTIATE_FA2_BWD(D)                                                       \
   static_assert(BwdTraits<D>::kSmemBytes == bwd_smem_bytes(D),                              \
                 "attention_launch.h's bwd_smem_bytes is stale");                            \
-  template cudaError_t launch_fa2_bwd_impl<__half, D, false>(const AttentionBwdParams&,      \
-                                                             float*, float*, cudaStream_t); \
-  template cudaError_t launch_fa2_bwd_impl<__half, D, true>(const AttentionBwdParams&,       \
-                                                            float*, float*, cudaStream_t);  \
-  template cudaError_t launch_fa2_bwd_impl<__nv_bfloat16, D, false>(                        \
-      const AttentionBwdParams&, float*, float*, cudaStream_t);                              \
-  template cudaError_t launch_fa2_bwd_impl<__nv_bfloat16, D, true>(                         \
-      const AttentionBwdParams&, float*, float*, cudaStream_t);
+  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__half, D)                                                   \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__nv_bfloat16, D)
 
 }  // namespace fa2
 }  // namespace cuda

@@ -87,13 +87,16 @@ struct FwdTraits {
 
 // ---- the kernel ----------------------------------------------------------------------------
 // grid (num_m_blocks, H, B); blockIdx.x = 0 is the heaviest query tile of its head when masked.
-// kMasked: the problem has a band (causal / window) or key padding (Visibility::dense() is
-// false); without it every key of the sequence is visible and only the end of the keys masks.
-// Packed sequences (varlen) run in both: the CTA's sequence comes from seq(b).
-template <typename T, int kHeadDim, bool kMasked>
+// kMask (MaskMode, attention_launch.h): 0 no mask (Visibility::dense(): every key of the
+// sequence is visible, only the end of the keys masks), 1 a band (causal / window) without
+// key padding, 2 key padding (with or without a band). The padding code costs registers, so
+// the plain causal path (1) does not carry it. Packed sequences (varlen) run in every mode:
+// the CTA's sequence comes from seq(b).
+template <typename T, int kHeadDim, int kMask>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHeadDim>::kMinBlocks)
     fa2_fwd_kernel(AttentionParams p) {
   using Tr = FwdTraits<kHeadDim>;
+  constexpr bool kMasked = kMask != 0, kPadding = kMask == 2;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
   constexpr int kNTiles = kBlockN / 8;    // n8 score tiles per warp row block
   constexpr int kDTiles = kHeadDim / 8;   // n8 output tiles
@@ -148,8 +151,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
     if (kind == TileKind::kFull && n0 + kBlockN > Sk) kind = TileKind::kPartial;
 #pragma unroll
     for (int w = 0; w < kKeyWords; ++w) kv[w] = 0xffffffffu;
-    if constexpr (kMasked) {
-      if (vis.has_padding() && kind != TileKind::kInvisible) {
+    if constexpr (kPadding) {
+      if (kind != TileKind::kInvisible) {
         int valid = 0;
 #pragma unroll
         for (int w = 0; w < kKeyWords; ++w) {
@@ -427,10 +430,10 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
 // Instantiated in attention_fa2_hdim{32,64,96,128,256}.cu (one head dim per translation unit,
 // so a parallel build compiles them side by side); dispatched from attention_launch.h.
 // T = __half or __nv_bfloat16.
-template <typename T, int kHeadDim, bool kMasked>
+template <typename T, int kHeadDim, int kMask>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
   using Tr = FwdTraits<kHeadDim>;
-  constexpr auto kernel = fa2_fwd_kernel<T, kHeadDim, kMasked>;
+  constexpr auto kernel = fa2_fwd_kernel<T, kHeadDim, kMask>;
   // above 48 KiB at D = 128: opt in (once per device)
   const cudaError_t e = ensure_dynamic_smem<kernel>(Tr::kSmemBytes);
   if (e != cudaSuccess) return e;
@@ -440,18 +443,16 @@ cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// One head dim's four kernels (fp16 / bf16 x masked or not), for attention_fa2_hdim*.cu.
+// One head dim's six kernels (fp16 / bf16 x the three mask modes), for attention_fa2_hdim*.cu.
+#define ATTN_EXT_INSTANTIATE_FA2_FWD_T(T, D)                                                 \
+  template cudaError_t launch_fa2_fwd_impl<T, D, 0>(const AttentionParams&, cudaStream_t);  \
+  template cudaError_t launch_fa2_fwd_impl<T, D, 1>(const AttentionParams&, cudaStream_t);  \
+  template cudaError_t launch_fa2_fwd_impl<T, D, 2>(const AttentionParams&, cudaStream_t);
 #define ATTN_EXT_INSTANTIATE_FA2_FWD(D)                                                      \
   static_assert(FwdTraits<D>::kBlockM == kBlockM, "attention_launch.h's kBlockM is stale");  \
   static_assert(FwdTraits<D>::kSmemBytes == fwd_smem_bytes(D), "fwd_smem_bytes is stale");    \
-  template cudaError_t launch_fa2_fwd_impl<__half, D, false>(const AttentionParams&,         \
-                                                             cudaStream_t);                 \
-  template cudaError_t launch_fa2_fwd_impl<__half, D, true>(const AttentionParams&,          \
-                                                            cudaStream_t);                  \
-  template cudaError_t launch_fa2_fwd_impl<__nv_bfloat16, D, false>(const AttentionParams&,  \
-                                                                    cudaStream_t);          \
-  template cudaError_t launch_fa2_fwd_impl<__nv_bfloat16, D, true>(const AttentionParams&,   \
-                                                                   cudaStream_t);
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__half, D)                                                  \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__nv_bfloat16, D)
 
 }  // namespace fa2
 }  // namespace cuda

@@ -1,7 +1,7 @@
 // Host-side entry points of the CUDA attention kernels, shared by the stable-ABI adapter
 // (attention.cu) and the translation units that instantiate them:
 //   attention_simple.cu        simple::launch_simple_fwd / launch_simple_bwd, every dtype
-//   attention_fa2_hdim{32,64,96,128,256}.cu   fa2::launch_fa2_fwd_impl<T, D, masked>, T = __half, bf16
+//   attention_fa2_hdim{32,64,96,128,256}.cu   fa2::launch_fa2_fwd_impl<T, D, mask mode>, T = __half, bf16
 //   attention_fa2_bwd_hdim64.cu / attention_fa2_bwd_hdim128.cu   fa2::launch_fa2_bwd_impl
 // Each returns the launch's error code; the caller checks it. No ATen types.
 #pragma once
@@ -38,8 +38,18 @@ cudaError_t launch_simple_bwd(const AttentionBwdParams& bp, void* delta, cudaStr
 namespace fa2 {
 constexpr int kBlockM = 64;  // query rows per CTA (FwdTraits::kBlockM)
 
-// kMasked: a band (causal / window) or key padding (Visibility::dense() is false).
-template <typename T, int kHeadDim, bool kMasked>
+// The fast kernels' mask modes (their template argument kMask): what code a kernel carries.
+enum MaskMode : int {
+  kMaskNone = 0,     // Visibility::dense(): every key of the sequence is visible
+  kMaskBand = 1,     // causal / window, no key padding
+  kMaskPadding = 2,  // key padding, with or without a band
+};
+inline int mask_mode(const AttentionParams& p) {
+  const Visibility v = p.visibility();
+  return v.dense() ? kMaskNone : (v.has_padding() ? kMaskPadding : kMaskBand);
+}
+
+template <typename T, int kHeadDim, int kMask>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream);
 
 // The fast kernels count rows and keys of a sequence in 32 bits (TileBands of
@@ -66,8 +76,11 @@ constexpr int fwd_smem_bytes(int64_t head_dim) {
 
 template <typename T, int kHeadDim>
 cudaError_t launch_fa2_fwd_d(const AttentionParams& p, cudaStream_t stream) {
-  return !p.visibility().dense() ? launch_fa2_fwd_impl<T, kHeadDim, true>(p, stream)
-                                 : launch_fa2_fwd_impl<T, kHeadDim, false>(p, stream);
+  switch (mask_mode(p)) {
+    case kMaskNone: return launch_fa2_fwd_impl<T, kHeadDim, kMaskNone>(p, stream);
+    case kMaskBand: return launch_fa2_fwd_impl<T, kHeadDim, kMaskBand>(p, stream);
+    default: return launch_fa2_fwd_impl<T, kHeadDim, kMaskPadding>(p, stream);
+  }
 }
 
 // T = __half or __nv_bfloat16; p.D == p.Dv and fwd_fast_head_dim(p.D) (the caller checked).
@@ -83,7 +96,7 @@ cudaError_t launch_fa2_fwd(const AttentionParams& p, cudaStream_t stream) {
   }
 }
 
-template <typename T, int kHeadDim, bool kMasked>
+template <typename T, int kHeadDim, int kMask>
 cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, float* dq_accum,
                                 cudaStream_t stream);
 
@@ -107,14 +120,20 @@ inline bool bwd_fast_grid_ok(const AttentionParams& p) {
 template <typename T>
 cudaError_t launch_fa2_bwd(const AttentionBwdParams& bp, float* delta, float* dq_accum,
                            cudaStream_t stream) {
-  const bool masked = !bp.fwd.visibility().dense();
+  const int mode = mask_mode(bp.fwd);
   if (bp.fwd.D == 64) {
-    return masked ? launch_fa2_bwd_impl<T, 64, true>(bp, delta, dq_accum, stream)
-                  : launch_fa2_bwd_impl<T, 64, false>(bp, delta, dq_accum, stream);
+    switch (mode) {
+      case kMaskNone: return launch_fa2_bwd_impl<T, 64, kMaskNone>(bp, delta, dq_accum, stream);
+      case kMaskBand: return launch_fa2_bwd_impl<T, 64, kMaskBand>(bp, delta, dq_accum, stream);
+      default: return launch_fa2_bwd_impl<T, 64, kMaskPadding>(bp, delta, dq_accum, stream);
+    }
   }
   if (bp.fwd.D != 128) return cudaErrorInvalidValue;
-  return masked ? launch_fa2_bwd_impl<T, 128, true>(bp, delta, dq_accum, stream)
-                : launch_fa2_bwd_impl<T, 128, false>(bp, delta, dq_accum, stream);
+  switch (mode) {
+    case kMaskNone: return launch_fa2_bwd_impl<T, 128, kMaskNone>(bp, delta, dq_accum, stream);
+    case kMaskBand: return launch_fa2_bwd_impl<T, 128, kMaskBand>(bp, delta, dq_accum, stream);
+    default: return launch_fa2_bwd_impl<T, 128, kMaskPadding>(bp, delta, dq_accum, stream);
+  }
 }
 }  // namespace fa2
 
