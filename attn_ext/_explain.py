@@ -38,7 +38,7 @@ CUDA_FA2_BLOCK_M = 64  # fa2::kBlockM: query rows per CTA of the fast forward
 CUDA_FWD_FAST_HEAD_DIMS = (32, 64, 96, 128, 256)  # fa2::fwd_fast_head_dim
 CUDA_BWD_FAST_HEAD_DIMS = (64, 128)  # fa2::launch_fa2_bwd
 CUDA_BWD_BLOCK_N = 128  # keys per CTA of the fast backward (bwd_fast_grid_ok)
-CUDA_FAST_MAX_SEQ_LEN = 1 << 30  # fa2::kMaxFastSeqLen: Sq, Sk below it (32-bit tile math)
+CUDA_FAST_MAX_SEQ_LEN = 1 << 30  # fa2::kMaxFastSeqLen: Sq + Sk below it (32-bit tile math)
 
 # csrc/cuda/attention.cu plan_split
 CUDA_SPLIT_MAX_SQ = 16  # split-KV only for Sq <= 16 ...
@@ -262,8 +262,8 @@ def cuda_forward_choice(s: Shape, dtype: torch.dtype, aligned: bool, sms: int,
                        "multiple of 8 elements")
     if not (_ceil_div(s.Sq, CUDA_FA2_BLOCK_M) <= 0x7FFFFFFF and s.H <= 65535 and s.B <= 65535):
         reasons.append(f"grid too large (B = {s.B}, H = {s.H} must be <= 65535)")
-    if s.Sq >= CUDA_FAST_MAX_SEQ_LEN or s.Sk >= CUDA_FAST_MAX_SEQ_LEN:
-        reasons.append("Sq or Sk >= 2^30 (the fast kernels count rows and keys in 32 bits)")
+    if s.Sq + s.Sk >= CUDA_FAST_MAX_SEQ_LEN:
+        reasons.append("Sq + Sk >= 2^30 (the fast kernels count rows, keys and distances in 32 bits)")
     if s.D == s.Dv and s.D in CUDA_FWD_FAST_HEAD_DIMS and need > smem_optin:
         reasons.append(f"its shared memory ({need} bytes at D = {s.D}) exceeds the device's "
                        f"opt-in limit ({smem_optin} bytes)")
@@ -300,7 +300,7 @@ def cuda_backward_choice(s: Shape, dtype: torch.dtype, aligned: bool, smem_optin
     steps = (s.H // max(s.Hkv, 1)) * _ceil_div(s.Sq, 64)
     if not (steps <= 0x7FFFFFFF and s.Hkv <= 65535 and s.B <= 65535
             and _ceil_div(s.Sk, CUDA_BWD_BLOCK_N) <= 0x7FFFFFFF
-            and s.Sq < CUDA_FAST_MAX_SEQ_LEN and s.Sk < CUDA_FAST_MAX_SEQ_LEN):
+            and s.Sq + s.Sk < CUDA_FAST_MAX_SEQ_LEN):
         reasons.append("grid too large")
     if deterministic:
         reasons.append("torch.use_deterministic_algorithms(True) (the fast backward adds dq "

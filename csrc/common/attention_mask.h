@@ -84,9 +84,11 @@ struct TileBand {
 
 // tile_band in 32-bit arithmetic for the CUDA kernels' tile loops (fewer registers than the
 // 64-bit fields of SeqInfo / MaskParams): Visibility::tile_bands(s) fills it once per CTA,
-// at(i0, j0, R, C) then equals tile_band(s, i0, j0, R, C) (tools/mask_probe.cpp checks it).
-// Exact when the sequence's Sq, Sk < 2^30 (the adapters check it before they pick the fast
-// kernels): window sides >= 2^30 are then as good as unbounded.
+// at(i0, j0, R, C) then equals tile_band(s, i0, j0, R, C) for tiles that start inside the
+// sequence (tools/mask_probe.cpp checks it). Exact when every |d| = |i + off - j| of the
+// sequence is below 2^30, which Sq + Sk < 2^30 guarantees (the adapters check it before they
+// pick the fast kernels; a position shift of the sequence must be counted in): window sides
+// >= 2^30 are then as good as unbounded, and d0, -right - d0, left - d0 fit 32 bits.
 struct TileBands {
   int off, left, right, Sq, Sk;  // left / right: -1 = unbounded
   ATTN_MASK_FN TileBand at(int i0, int j0, int R, int C) const {
@@ -237,7 +239,7 @@ struct Visibility {
     return band_visible(s, i, j) && key_valid(b, j);
   }
 
-  // The 32-bit tile_band of sequence s (Sq, Sk < 2^30).
+  // The 32-bit tile_band of sequence s (Sq + Sk < 2^30).
   ATTN_MASK_FN TileBands tile_bands(const SeqInfo& s) const {
     constexpr int64_t kBig = int64_t(1) << 30;
     TileBands t;

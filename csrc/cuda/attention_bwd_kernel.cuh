@@ -7,7 +7,7 @@
 //   dq, zeroed by the caller and converted to T by the caller afterwards (packed sequences:
 //   (Tq / Tk, heads, D) tensors, lse (H, Tq), rows from cu_seqlens).
 //   Requirements (checked by the adapter): D == Dv in {64, 128}; q, k, v, dout base pointers
-//   16-byte aligned and their batch/row/head strides multiples of 8 elements; Sq, Sk < 2^30.
+//   16-byte aligned and their batch/row/head strides multiples of 8 elements; Sq + Sk < 2^30.
 //
 // Algorithm (P = softmax(scale * Q K^T), dS = P o (dP - delta), delta_i = rowsum(dO_i o O_i)
 // - dlse_i):
@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   const int group = static_cast<int>(H / p.Hkv);
   // Which rows see a key: the visibility layer (common/attention_mask.h) only. sq: this
   // CTA's sequence (packed rows q0.. / k0.., lengths, offset).
-  // Lengths and tile positions in 32 bits (the adapter checks Sq, Sk < 2^30); bands: the
+  // Lengths and tile positions in 32 bits (the adapter checks Sq + Sk < 2^30); bands: the
   // sequence's TileBand in 32-bit arithmetic.
   const Visibility vis = p.visibility();
   const SeqInfo sq = vis.seq(b);

@@ -6,7 +6,7 @@
 //   (packed sequences: q (Tq, H, D) ..., out (Tq, H, D), lse (H, Tq), rows from cu_seqlens)
 //   Requirements (checked by the adapter): D == Dv in {32, 64, 96, 128, 256}; q/k/v base
 //   pointers 16-byte aligned and their batch/row/head strides multiples of 8 elements (every
-//   16-byte chunk of a row is aligned for cp.async); 0 < Sq, Sk < 2^30 (32-bit tile math).
+//   16-byte chunk of a row is aligned for cp.async); Sq, Sk > 0, Sq + Sk < 2^30 (32-bit tile math).
 //
 // Structure
 //   * One CTA per (query tile of kBlockM = 64 rows, head, sequence); 4 warps, warp w owns
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
   const int m0 = m_block * kBlockM;
   // Which keys a row sees: the visibility layer (common/attention_mask.h) only. sq: this
   // CTA's sequence (its rows q0.., keys k0.. in the packed tensors; lengths; offset).
-  // Lengths and tile positions in 32 bits (the adapter checks Sq, Sk < 2^30); bands: the
+  // Lengths and tile positions in 32 bits (the adapter checks Sq + Sk < 2^30); bands: the
   // sequence's TileBand in 32-bit arithmetic.
   const Visibility vis = p.visibility();
   const SeqInfo sq = vis.seq(b);

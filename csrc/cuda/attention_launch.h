@@ -52,15 +52,15 @@ inline int mask_mode(const AttentionParams& p) {
 template <typename T, int kHeadDim, int kMask>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream);
 
-// The fast kernels count rows and keys of a sequence in 32 bits (TileBands of
-// common/attention_mask.h): Sq, Sk (the longest sequence's, when packed) below 2^30.
+// The fast kernels count rows, keys and distances of a sequence in 32 bits (TileBands of
+// common/attention_mask.h): Sq + Sk (the longest sequences', when packed) below 2^30.
 constexpr int kMaxFastSeqLen = 1073741824;  // 2^30
 
 // Grid (query tiles, H, B): y and z are limited to 65535.
 inline bool fwd_fast_grid_ok(const AttentionParams& p) {
   const int64_t m_blocks = (p.Sq + kBlockM - 1) / kBlockM;
-  return m_blocks <= 0x7fffffff && p.H <= 65535 && p.B <= 65535 && p.Sq < kMaxFastSeqLen &&
-         p.Sk < kMaxFastSeqLen;
+  return m_blocks <= 0x7fffffff && p.H <= 65535 && p.B <= 65535 &&
+         p.Sq + p.Sk < kMaxFastSeqLen;
 }
 
 // Head dims with a fast forward kernel (attention_fa2_hdim{32,64,96,128,256}.cu).
@@ -112,7 +112,7 @@ inline bool bwd_fast_grid_ok(const AttentionParams& p) {
   const int64_t n_blocks = (p.Sk + 127) / 128;
   const int64_t steps = (p.H / p.Hkv) * ((p.Sq + 63) / 64);
   return n_blocks <= 0x7fffffff && steps <= 0x7fffffff && p.Hkv <= 65535 && p.B <= 65535 &&
-         p.Sq < kMaxFastSeqLen && p.Sk < kMaxFastSeqLen;
+         p.Sq + p.Sk < kMaxFastSeqLen;
 }
 
 // T = __half or __nv_bfloat16; D == Dv in {64, 128} (the caller checked). delta: (B, H, Sq)
