@@ -13,7 +13,13 @@ The rules below restate the kernels' dispatch in Python, so they can be read wit
 - Masks do not change the choice: causal, ``window``, ``key_padding_mask`` and the packed
   sequences of ``attention_varlen`` (there Sq / Sk are ``max_seqlen_q`` / ``max_seqlen_k``, and
   there is no split-KV path) run on the same kernels under the same conditions, and so does a
-  loss on lse. Score terms (alibi, rel_bias, softcap, sinks, dropout) are not covered here.
+  loss on lse.
+- Score terms (``alibi_slopes``, ``rel_bias``, ``softcap``, ``sinks``, ``dropout_p > 0``; issue
+  15): split-KV and the simple kernels take all of them; the fast CUDA forward takes all but
+  dropout (``use_fast_forward``: ``has_dropout()``); the fast backward none
+  (``use_fast_backward``: unless ``ScoreTerms::plain()``; sinks reach the backward only
+  through lse and do not change its choice). The CPU decode kernel has none
+  (``decode_supported``).
 
 The constants are copies of the kernels' (the headers are not installed with the package);
 tests/test_explain.py reads them from csrc/ and fails when the two disagree.
@@ -143,11 +149,11 @@ def cpu_simd_enabled() -> bool:
     return all(x in flags for x in ("avx2", "fma", "f16c"))
 
 
-def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int) -> Optional[dict]:
+def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = ()) -> Optional[dict]:
     """csrc/cpu/attention_decode.h decode_supported and its split-K chunk count (the op's
-    masks and score terms are not arguments of explain(): plain attention), or None when the
-    tiled kernel runs."""
-    if dtype == torch.float64 or not cpu_simd_enabled():
+    masks are not arguments of explain(): no mask), or None when the tiled kernel runs.
+    ``terms``: the names of the score terms of the call (any: the tiled kernel)."""
+    if dtype == torch.float64 or not cpu_simd_enabled() or terms:
         return None
     if os.environ.get("ATTN_EXT_CPU_DECODE") == "0":
         return None
@@ -163,7 +169,7 @@ def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int) -> Optional[dict
             "n_chunks": n_chunks}
 
 
-def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int) -> KernelChoice:
+def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = ()) -> KernelChoice:
     acc = "float64" if dtype == torch.float64 else "float32"
     inner = ("portable loops" if dtype == torch.float64 else
              "AVX2/FMA microkernels when the CPU has AVX2+FMA+F16C, else portable loops")
@@ -172,7 +178,7 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int) -> KernelChoice:
                             "none", "nothing to differentiate", {"threads": threads})
     plan = cpu_forward_plan(s, threads)
     plan["accumulation"] = acc
-    decode = cpu_decode_plan(s, dtype, threads)
+    decode = cpu_decode_plan(s, dtype, threads, terms)
     if decode is not None:
         plan.update(decode)
         fwd, why = "cpu.decode", (
@@ -234,11 +240,16 @@ def cuda_split_plan(s: Shape, sms: int, force_simple: bool = False) -> dict:
     return plan
 
 
+def _terms_reason(terms: tuple, what: str) -> str:
+    return f"score terms {', '.join(terms)} (the fast {what} has none)"
+
+
 def cuda_forward_choice(s: Shape, dtype: torch.dtype, aligned: bool, sms: int,
-                        smem_optin: int, force_simple: bool = False):
+                        smem_optin: int, force_simple: bool = False, terms: tuple = ()):
     """(path, reason, details) of the CUDA forward (attention.cu attention_forward_cuda).
     ``aligned``: aligned16() of q, k and v; ``smem_optin``: the device's opt-in shared
-    memory per block (0 if unknown)."""
+    memory per block (0 if unknown); ``terms``: the names of the call's score terms (the
+    split-KV path takes them all, the fast kernel all but dropout)."""
     split = cuda_split_plan(s, sms, force_simple)
     if split["n_split"] > 1:
         return "cuda.split_kv", (
@@ -264,24 +275,28 @@ def cuda_forward_choice(s: Shape, dtype: torch.dtype, aligned: bool, sms: int,
         reasons.append(f"grid too large (B = {s.B}, H = {s.H} must be <= 65535)")
     if s.Sq + s.Sk >= CUDA_FAST_MAX_SEQ_LEN:
         reasons.append("Sq + Sk >= 2^30 (the fast kernels count rows, keys and distances in 32 bits)")
+    if "dropout_p" in terms:
+        reasons.append("dropout_p (the fast kernel has no dropout)")
     if s.D == s.Dv and s.D in CUDA_FWD_FAST_HEAD_DIMS and need > smem_optin:
         reasons.append(f"its shared memory ({need} bytes at D = {s.D}) exceeds the device's "
                        f"opt-in limit ({smem_optin} bytes)")
     if force_simple:
         reasons.append(FORCE_SIMPLE_WHY)
     if not reasons:
+        with_terms = f", with the score terms {', '.join(terms)}" if terms else ""
         return "cuda.fa2", (f"fp16/bf16, D = Dv = {s.D}, 16-byte aligned, shared memory "
                             f"{need} <= {smem_optin} bytes: FA2-style tensor-core kernel "
-                            f"(query tiles of {CUDA_FA2_BLOCK_M})"), details
+                            f"(query tiles of {CUDA_FA2_BLOCK_M}){with_terms}"), details
     return "cuda.simple", "simple kernel (one warp per query row) because " + "; ".join(reasons), details
 
 
 def cuda_backward_choice(s: Shape, dtype: torch.dtype, aligned: bool, smem_optin: int,
                          deterministic: bool, force_simple: bool = False,
-                         dout_aligned: Optional[bool] = None):
+                         dout_aligned: Optional[bool] = None, terms: tuple = ()):
     """(path, reason, details) of the CUDA backward (attention.cu use_fast_backward).
     ``dout_aligned`` None: dout not known yet (the gradient that autograd hands in, usually
-    contiguous and aligned)."""
+    contiguous and aligned). ``terms``: the call's score terms other than sinks (the
+    backward reads the sinks through lse)."""
     need = cuda_bwd_smem_bytes(s.D)
     details = {"smem_needed": need, "smem_optin": smem_optin, "deterministic": deterministic}
     reasons = []
@@ -302,6 +317,8 @@ def cuda_backward_choice(s: Shape, dtype: torch.dtype, aligned: bool, smem_optin
             and _ceil_div(s.Sk, CUDA_BWD_BLOCK_N) <= 0x7FFFFFFF
             and s.Sq + s.Sk < CUDA_FAST_MAX_SEQ_LEN):
         reasons.append("grid too large")
+    if terms:
+        reasons.append(_terms_reason(terms, "backward"))
     if deterministic:
         reasons.append("torch.use_deterministic_algorithms(True) (the fast backward adds dq "
                        "with fp32 atomics)")
@@ -318,7 +335,7 @@ def cuda_backward_choice(s: Shape, dtype: torch.dtype, aligned: bool, smem_optin
             "deterministic) because " + "; ".join(reasons), details)
 
 
-def _explain_cuda(s: Shape, q, k, v, dout) -> KernelChoice:
+def _explain_cuda(s: Shape, q, k, v, dout, terms: tuple = ()) -> KernelChoice:
     if s.D > CUDA_SIMPLE_MAX_HEAD_DIM or s.Dv > CUDA_SIMPLE_MAX_HEAD_DIM:
         raise ValueError(f"head dims must be <= {CUDA_SIMPLE_MAX_HEAD_DIM} on CUDA, got "
                          f"D = {s.D}, Dv = {s.Dv} (the call would fail)")
@@ -330,10 +347,10 @@ def _explain_cuda(s: Shape, q, k, v, dout) -> KernelChoice:
     optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
     force = _cuda_kernel_mode() == 1
     aligned = aligned16(q) and aligned16(k) and aligned16(v)
-    fwd, fwhy, fdet = cuda_forward_choice(s, q.dtype, aligned, sms, optin, force)
+    fwd, fwhy, fdet = cuda_forward_choice(s, q.dtype, aligned, sms, optin, force, terms)
     bwd, bwhy, bdet = cuda_backward_choice(
         s, q.dtype, aligned, optin, torch.are_deterministic_algorithms_enabled(), force,
-        None if dout is None else aligned16(dout))
+        None if dout is None else aligned16(dout), tuple(t for t in terms if t != "sinks"))
     if s.Sk == 0:
         bwd, bwhy = "none", "no key: dq is zeros, no kernel runs"
     details = dict(fdet, backward=bdet)
@@ -371,10 +388,25 @@ def _check(q, k, v):
     return Shape(B, Sq, Sk, H, Hkv, D, v.size(3))
 
 
+def score_terms_of(alibi_slopes=None, rel_bias=None, softcap=None, sinks=None,
+                   dropout_p: float = 0.0) -> tuple:
+    """The names of the score terms a call asks for (ScoreTerms not plain() when any)."""
+    named = (("alibi_slopes", alibi_slopes is not None), ("rel_bias", rel_bias is not None),
+             ("softcap", softcap is not None), ("sinks", sinks is not None),
+             ("dropout_p", bool(dropout_p)))
+    return tuple(name for name, on in named if on)
+
+
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-            scale: Optional[float] = None, dout: Optional[torch.Tensor] = None) -> KernelChoice:
-    """Say which kernel ``attn_ext.attention(q, k, v, causal=..., scale=...)`` will run for
-    these tensors, and why (the forward and, for training, the backward).
+            scale: Optional[float] = None, dout: Optional[torch.Tensor] = None,
+            alibi_slopes: Optional[torch.Tensor] = None, rel_bias: Optional[torch.Tensor] = None,
+            softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+            dropout_p: float = 0.0) -> KernelChoice:
+    """Say which kernel ``attn_ext.attention(q, k, v, causal=..., scale=..., <score terms>)``
+    will run for these tensors, and why (the forward and, for training, the backward).
+    The score terms (``alibi_slopes``, ``rel_bias``, ``softcap``, ``sinks``, ``dropout_p``)
+    count only by being given: on CUDA dropout rules out the fast forward and any term but
+    sinks the fast backward; any term rules out the CPU decode kernel.
 
     Runs no kernel and reads no tensor values: only shapes, dtypes, strides, data pointers,
     the thread count (CPU), the device's properties and torch's deterministic flag (CUDA).
@@ -396,8 +428,9 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.size(-1) > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {list(t.stride())}")
+    terms = score_terms_of(alibi_slopes, rel_bias, softcap, sinks, dropout_p)
     if q.device.type == "cuda":
-        return _explain_cuda(s, q, k, v, dout)
+        return _explain_cuda(s, q, k, v, dout, terms)
     if q.device.type == "cpu":
-        return _explain_cpu(s, q.dtype, torch.get_num_threads())
+        return _explain_cpu(s, q.dtype, torch.get_num_threads(), terms)
     raise ValueError(f"attn_ext has kernels for cpu and cuda, got q on {q.device}")

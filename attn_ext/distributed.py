@@ -20,20 +20,16 @@ Layouts (``shard_sequence``): a sequence of length ``S`` is cut into equal chunk
 - ``"zigzag"`` (default): ``2W`` chunks, rank ``r`` holds chunks ``r`` and ``2W - 1 - r``, so
   every rank does the same causal work (the early chunk sees few keys, the late one many).
 
-Positions are global: the causal mask compares global positions, and :func:`shard_positions`
-gives the global position of each local token for RoPE / sinusoidal / learned positions.
+Positions are global: causal, the window, the distance of ALiBi / rel_bias and dropout's keep
+bits are those of the unsharded sequence, and :func:`shard_positions` gives the global
+position of each local token for RoPE / sinusoidal / learned positions.
 
-With equal chunks every (query chunk, key chunk) pair is fully visible (a ``causal=False``
-kernel call), the diagonal (a ``causal=True`` call, ``Sq == Sk`` so bottom-right is top-left)
-or invisible (skipped). :func:`block_call` is the one place that maps a block's global
-positions to the kernel's arguments; it already derives the kernel ``window`` a global window
-needs (the ops take ``window_left/right`` since issue 14, but the ring does not pass them yet:
-see below), and a band off the diagonal of an unequal block would need a negative window edge. Masks and biases that depend on the distance inside a block
-(``window``, ``alibi_slopes``, ``rel_bias``) and ``dropout_p`` (whose keep bit depends on the
-global row and column) need the attention ops to take the global position of a block's first
-query and key (an offset replacing ``Sk - Sq`` in ``d``); until then these keywords raise
-``NotImplementedError`` before any communication (so no rank is left waiting). ``softcap`` is
-position-free (an argument of the ops since issue 15) but not yet passed through the ring.
+:func:`block_call` is the one place that maps a block's global positions to the kernel's
+arguments: an invisible block (entirely in the future, or outside the window) is skipped, a
+fully visible one or the diagonal of equal chunks runs as a plain / causal call, and any other
+block (or every block, when a term reads positions) runs with the ops' ``q_start`` /
+``k_start``, which make the kernel apply the global rule at the block's global position.
+``sinks`` are not offered: they belong to a row once, not once per block.
 
 Backends: gloo (CPU) is tested; NCCL (GPU) uses the same calls but is untested here.
 """
@@ -200,33 +196,37 @@ def shard_positions(
 
 
 class BlockArgs(NamedTuple):
-    """The kernel arguments of one block, in the kernel's own (bottom-right) alignment:
-    ``causal`` and ``window = (left, right)`` (-1 unbounded; None = no window argument)."""
+    """The kernel arguments of one block: ``causal`` and ``window = (left, right)`` (-1
+    unbounded; None = no window argument), and the block's global position ``(q_start,
+    k_start)`` (None: the kernel's own bottom-right alignment, for a block that needs no
+    positions). With positions the kernel applies the *global* rule at the global distance
+    ``d = (q_start + i) - (k_start + j)`` (the ops' ``q_start`` / ``k_start``)."""
 
     causal: bool
     window: Optional[Tuple[int, int]] = None
+    q_start: Optional[int] = None
+    k_start: Optional[int] = None
 
 
 FULL = BlockArgs(False, None)
 
 
 def block_call(
-    q_start: int, sq: int, k_start: int, sk: int, causal: bool, window: Optional[Tuple[int, int]] = None
+    q_start: int, sq: int, k_start: int, sk: int, causal: bool,
+    window: Optional[Tuple[int, int]] = None, positional: bool = False,
 ) -> Optional[BlockArgs]:
     """The one rule that maps a block's global positions to the kernel's arguments.
 
     The block: queries at global positions ``q_start .. q_start+sq-1`` against keys at
     ``k_start .. k_start+sk-1``. Globally (DESIGN.md, with ``d = p_query - p_key``) a pair is
-    visible iff ``d >= 0`` when ``causal`` and ``-right <= d <= left`` for ``window``. The
-    kernel sees ``d_loc = i + (sk - sq) - j``, i.e. ``d = d_loc + delta`` with
-    ``delta = q_start - k_start - (sk - sq)``.
+    visible iff ``d >= 0`` when ``causal`` and ``-right <= d <= left`` for ``window``.
 
-    Returns None when no pair is visible (skip the block), :data:`FULL` when every pair is,
-    ``BlockArgs(True)`` when the global mask is exactly the kernel's causal mask (the diagonal
-    of equal chunks), and otherwise the kernel ``window`` (with ``causal`` for its lower edge)
-    that reproduces the global mask. A mask the kernel's arguments cannot express (a band that
-    needs a negative window edge) raises ``NotImplementedError``: that needs a position-offset
-    argument in the ops.
+    Returns None when no pair is visible (skip the block). Otherwise, without ``positional``
+    (no term depends on the distance or the position): :data:`FULL` when every pair is visible,
+    ``BlockArgs(True)`` when the global mask is exactly the kernel's bottom-right causal mask
+    (the diagonal of equal chunks), else the global ``causal`` / ``window`` at the block's
+    global position. With ``positional`` (ALiBi, rel_bias or dropout: they read ``d`` or the
+    global row and column) every visible block gets its global position.
     """
     if sq <= 0 or sk <= 0:
         return None
@@ -241,62 +241,90 @@ def block_call(
         return None
     lo_cuts = lo is not None and lo > d_min
     hi_cuts = hi is not None and hi < d_max
+    if positional:
+        if not lo_cuts and not hi_cuts:
+            return BlockArgs(False, None, q_start, k_start)
+        return BlockArgs(causal, window, q_start, k_start)
     if not lo_cuts and not hi_cuts:
         return FULL
+    # the kernel's own causal mask (d_loc = i + (sk - sq) - j >= 0) is d >= delta
     delta = q_start - k_start - (sk - sq)
-    lo_loc = lo - delta if lo_cuts else None
-    hi_loc = hi - delta if hi_cuts else None
-    if (lo_loc is not None and lo_loc > 0) or (hi_loc is not None and hi_loc < 0):
-        raise NotImplementedError(
-            f"ring_attention: the block of queries [{q_start}, {q_start + sq}) and keys "
-            f"[{k_start}, {k_start + sk}) needs the band {lo} <= d <= {hi}, which the kernel's "
-            "causal/window arguments cannot express; the attention ops need a position offset")
-    if lo_loc == 0:
-        return BlockArgs(True, None if hi_loc is None else (hi_loc, -1))
-    return BlockArgs(False, (-1 if hi_loc is None else hi_loc, -1 if lo_loc is None else -lo_loc))
+    if not hi_cuts and lo == delta:
+        return BlockArgs(True)
+    return BlockArgs(causal, window, q_start, k_start)
 
 
-def _kernel_forward(q, k, v, args: BlockArgs, scale):
+class _Terms(NamedTuple):
+    """The score terms of a ring call, as the ops take them (tables in the accumulation type;
+    dropout seed/offset the same on every rank)."""
+
+    alibi_slopes: Optional[torch.Tensor] = None
+    rel_bias: Optional[torch.Tensor] = None
+    softcap: Optional[float] = None
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
+    dropout_offset: int = 0
+
+    @property
+    def positional(self) -> bool:
+        """True when a term reads the distance or the global position (ALiBi, rel_bias,
+        dropout): every block then needs its global position."""
+        return self.alibi_slopes is not None or self.rel_bias is not None or self.dropout_p > 0
+
+
+NO_TERMS = _Terms()
+
+
+def _window_ops(args: BlockArgs) -> Tuple[int, int]:
+    return args.window if args.window is not None else (-1, -1)
+
+
+def _kernel_forward(q, k, v, args: BlockArgs, scale, terms: _Terms = NO_TERMS):
     """One block's ``attention_forward`` with the arguments :func:`block_call` chose."""
-    if args.window is not None:
-        raise NotImplementedError("ring_attention: window: not passed through the ring yet")
-    return _ops.attention_forward(q, k, v, args.causal, scale)
+    left, right = _window_ops(args)
+    return _ops.attention_forward(
+        q, k, v, args.causal, scale, left, right, None, terms.alibi_slopes, terms.rel_bias,
+        terms.softcap, None, terms.dropout_p, terms.dropout_seed, terms.dropout_offset,
+        args.q_start, args.k_start)
 
 
-def _kernel_backward(dout, q, k, v, out, lse, args: BlockArgs, scale):
-    """One block's ``attention_backward`` (global out and lse) with :func:`block_call`'s arguments."""
-    if args.window is not None:
-        raise NotImplementedError("ring_attention: window: not passed through the ring yet")
-    dq, dk, dv, _ = _ops.attention_backward(  # the 4th output, d rel_bias, is empty here
-        dout, q, k, v, out, lse, args.causal, scale,
-        deterministic=torch.are_deterministic_algorithms_enabled())
-    return dq, dk, dv
+def _kernel_backward(dout, q, k, v, out, lse, dlse, args: BlockArgs, scale, terms: _Terms = NO_TERMS):
+    """One block's ``attention_backward`` (global out and lse; dlse the gradient of the global
+    lse, or None) with :func:`block_call`'s arguments: ``(dq, dk, dv, d rel_bias)``."""
+    left, right = _window_ops(args)
+    return _ops.attention_backward(
+        dout, q, k, v, out, lse, args.causal, scale, left, right, None, dlse, terms.alibi_slopes,
+        terms.rel_bias, terms.softcap, terms.dropout_p, terms.dropout_seed, terms.dropout_offset,
+        torch.are_deterministic_algorithms_enabled(), args.q_start, args.k_start)
 
 
 def _step_calls(
     q_ids: Sequence[int], k_ids: Sequence[int], c: int, causal: bool,
-    window: Optional[Tuple[int, int]] = None,
+    window: Optional[Tuple[int, int]] = None, positional: bool = False,
 ) -> List[Tuple[int, int, int, int, BlockArgs]]:
     """Kernel calls of one ring step: ``(q_row0, q_row1, k_row0, k_row1, BlockArgs)`` in
     local rows, for local query chunks ``q_ids`` against the key chunks ``k_ids`` here now
     (chunk ``g`` covers global positions ``[g*c, (g+1)*c)``). Fully visible chunk pairs that
-    share a column (or a row) over all local chunks are joined into one call."""
+    share a column (or a row) over all local chunks are joined into one call when no term
+    needs positions (a joined call's rows are not contiguous global positions)."""
     nq, nk = len(q_ids), len(k_ids)
-    kind = [[block_call(gq * c, c, gk * c, c, causal, window) for gk in k_ids] for gq in q_ids]
+    kind = [[block_call(gq * c, c, gk * c, c, causal, window, positional) for gk in k_ids]
+            for gq in q_ids]
     done = [[kind[a][b] is None for b in range(nk)] for a in range(nq)]
     calls: List[Tuple[int, int, int, int, BlockArgs]] = []
-    if all(kind[a][b] == FULL for a in range(nq) for b in range(nk)):
-        return [(0, nq * c, 0, nk * c, FULL)]
-    for b in range(nk):  # a key chunk every local query chunk sees fully: one call
-        if nq > 1 and all(kind[a][b] == FULL for a in range(nq)):
-            calls.append((0, nq * c, b * c, (b + 1) * c, FULL))
-            for a in range(nq):
-                done[a][b] = True
-    for a in range(nq):  # a query chunk that sees every key chunk fully: one call
-        if nk > 1 and all(kind[a][b] == FULL and not done[a][b] for b in range(nk)):
-            calls.append((a * c, (a + 1) * c, 0, nk * c, FULL))
-            for b in range(nk):
-                done[a][b] = True
+    if not positional:
+        if all(kind[a][b] == FULL for a in range(nq) for b in range(nk)):
+            return [(0, nq * c, 0, nk * c, FULL)]
+        for b in range(nk):  # a key chunk every local query chunk sees fully: one call
+            if nq > 1 and all(kind[a][b] == FULL for a in range(nq)):
+                calls.append((0, nq * c, b * c, (b + 1) * c, FULL))
+                for a in range(nq):
+                    done[a][b] = True
+        for a in range(nq):  # a query chunk that sees every key chunk fully: one call
+            if nk > 1 and all(kind[a][b] == FULL and not done[a][b] for b in range(nk)):
+                calls.append((a * c, (a + 1) * c, 0, nk * c, FULL))
+                for b in range(nk):
+                    done[a][b] = True
     for a in range(nq):
         for b in range(nk):
             if not done[a][b]:
@@ -377,7 +405,7 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.size(-1) <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-def _ring_forward(q, k, v, group, causal, scale, layout):
+def _ring_forward(q, k, v, group, causal, scale, layout, window, terms: _Terms):
     ring = _Ring(group)
     W, r = ring.world, ring.rank
     B, S, H, _ = q.shape
@@ -393,8 +421,9 @@ def _ring_forward(q, k, v, group, causal, scale, layout):
         src = (r - step) % W
         works = ring.start(kv, spare, _TAG_KV) if step + 1 < W else None
         k_cur, v_cur = _unpack(kv, k.shape, v.shape)
-        for q0, q1, k0, k1, kc in _step_calls(q_ids, chunk_ids(src, W, layout), c, causal):
-            bo, bl = _kernel_forward(q[:, q0:q1], k_cur[:, k0:k1], v_cur[:, k0:k1], kc, scale)
+        for q0, q1, k0, k1, kc in _step_calls(q_ids, chunk_ids(src, W, layout), c, causal,
+                                              window, terms.positional):
+            bo, bl = _kernel_forward(q[:, q0:q1], k_cur[:, k0:k1], v_cur[:, k0:k1], kc, scale, terms)
             _merge(out, lse, q0, q1, bo, bl)
         if works is not None:
             ring.wait(works)
@@ -402,7 +431,8 @@ def _ring_forward(q, k, v, group, causal, scale, layout):
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, layout):
+def _ring_backward(dout, dlse, q, k, v, out, lse, group, causal, scale, layout, window,
+                   terms: _Terms):
     ring = _Ring(group)
     W, r = ring.world, ring.rank
     S = q.size(1)
@@ -411,6 +441,7 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, layout):
     acc = _acc_dtype(q.dtype)
     dout = _last_dim_contiguous(dout)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    drel = None if terms.rel_bias is None else torch.zeros_like(terms.rel_bias)
     q_ids = chunk_ids(r, W, layout)
     kv = _pack(k, v)
     spare = torch.empty_like(kv) if W > 1 else None
@@ -422,14 +453,18 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, layout):
         k_cur, v_cur = _unpack(kv, k.shape, v.shape)
         local = torch.zeros(kv.numel(), dtype=acc, device=q.device)
         dk_loc, dv_loc = _unpack(local, k.shape, v.shape)
-        for q0, q1, k0, k1, kc in _step_calls(q_ids, chunk_ids(src, W, layout), c, causal):
-            dq_b, dk_b, dv_b = _kernel_backward(
+        for q0, q1, k0, k1, kc in _step_calls(q_ids, chunk_ids(src, W, layout), c, causal,
+                                              window, terms.positional):
+            dq_b, dk_b, dv_b, drel_b = _kernel_backward(
                 dout[:, q0:q1], q[:, q0:q1], k_cur[:, k0:k1], v_cur[:, k0:k1],
-                out[:, q0:q1], lse[:, :, q0:q1], kc, scale,
+                out[:, q0:q1], lse[:, :, q0:q1],
+                None if dlse is None else dlse[:, :, q0:q1].contiguous(), kc, scale, terms,
             )
             dq[:, q0:q1] += dq_b
             dk_loc[:, k0:k1] += dk_b
             dv_loc[:, k0:k1] += dv_b
+            if drel is not None:
+                drel += drel_b
         if dkv_works is not None:  # the accumulator of this block, from the previous rank
             ring.wait(dkv_works)
             dkv = dkv_recv
@@ -446,29 +481,28 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, layout):
         ring.wait(dkv_works)
         dkv = dkv_recv
     dk, dv = _unpack(dkv, k.shape, v.shape)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), drel
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, layout):
-        out, lse = _ring_forward(q, k, v, group, causal, scale, layout)
+    def forward(ctx, q, k, v, rel_bias, group, causal, scale, layout, window, terms):
+        terms = terms._replace(rel_bias=rel_bias)
+        out, lse = _ring_forward(q, k, v, group, causal, scale, layout, window, terms)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = (group, causal, scale, layout)
-        ctx.set_materialize_grads(False)  # dlse is None unless the lse was used
+        ctx.cfg = (group, causal, scale, layout, window, terms)
+        ctx.set_materialize_grads(False)  # dout / dlse are None when unused
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if dlse is not None and bool((dlse != 0).any()):
-            raise NotImplementedError(
-                "ring_attention: the gradient through the returned lse is not supported; use "
-                "lse.detach() (only out is differentiable)")
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.cfg)
-        return dq, dk, dv, None, None, None, None
+        # dlse joins each block's row term (delta - dlse): every block's probabilities are
+        # recomputed from the merged lse, so the blocks' terms add up to the whole row's.
+        dq, dk, dv, drel = _ring_backward(dout, dlse, q, k, v, out, lse, *ctx.cfg)
+        return dq, dk, dv, drel, None, None, None, None, None, None
 
 
 def _check_inputs(q, k, v, S_local_multiple: int, layout: str) -> None:
@@ -507,7 +541,8 @@ def ring_attention(
     return_lse: bool = False,
 ):
     """Attention over a sequence sharded across the ranks of ``group``; every rank calls it
-    with its own shard, and gets its own rows of ``attn_ext.attention(q_full, k_full, v_full)``.
+    with its own shard, and gets its own rows of ``attn_ext.attention(q_full, k_full, v_full,
+    **same keywords)``.
 
     Args:
         q: ``(B, S_local, H, D)`` this rank's queries (any strides, last dim contiguous).
@@ -520,32 +555,59 @@ def ring_attention(
         scale: default ``1 / sqrt(D)``.
         layout: ``"zigzag"`` (rank r holds chunks r and 2W-1-r; balanced causal work) or
             ``"contiguous"`` (rank r holds chunk r). Must match how the shards were made.
-        window, alibi_slopes, rel_bias, softcap, dropout_p: not supported yet (they need the
-            attention ops to take a block's global position offset, or the keyword itself);
-            passing one raises ``NotImplementedError`` naming it.
+        window, alibi_slopes, rel_bias, softcap, dropout_p: as in :func:`attn_ext.attention`,
+            at GLOBAL positions: the window and the distance ``d`` of ALiBi / rel_bias are those
+            of the unsharded sequence, and dropout drops exactly what the single-process call
+            drops (the seed/offset are drawn from torch's generator on the group's first rank
+            and broadcast, so ``torch.manual_seed`` on every rank reproduces the single-process
+            run). Blocks outside the window are skipped like causal ones. ``rel_bias`` is
+            differentiable: each rank's gradient is its own rows' part (sum it over the group,
+            as for any replicated parameter; DDP/FSDP do).
         return_lse: also return the global log-sum-exp ``(B, H, S_local)`` of each local row
-            (fp32; fp64 for fp64 inputs). A loss that depends on it raises in the backward
-            (its gradient is not implemented); use ``lse.detach()``.
+            (fp32; fp64 for fp64 inputs); differentiable (its gradient joins the backward's row
+            term, as in the single-process ops).
 
     Returns ``out (B, S_local, H, Dv)`` contiguous, q's dtype (and ``lse``). Differentiable in
-    q, k, v: the backward passes k/v round the ring again and sends dk/dv back.
+    q, k, v (and rel_bias): the backward passes k/v round the ring again and sends dk/dv back.
     """
-    unsupported = {
-        "window": window is not None and tuple(window) != (-1, -1),
-        "alibi_slopes": alibi_slopes is not None,
-        "rel_bias": rel_bias is not None,
-        "softcap": softcap is not None and softcap != 0,
-        "dropout_p": dropout_p != 0.0,
-    }
-    for name, given in unsupported.items():
-        if given:
-            raise NotImplementedError(
-                f"ring_attention: {name} is not supported yet: the attention ops have no argument "
-                "for a block's global position offset"
-                + (" (nor a softcap argument)" if name == "softcap" else "")
-                + "; only causal, scale and GQA are available"
-            )
+    from attn_ext.ops import _score_term_args, _window_args
+
     _check_layout(layout)
     _check_inputs(q, k, v, chunks_per_rank(layout), layout)
-    out, lse = _RingAttention.apply(q, k, v, group, bool(causal), scale, layout)
+    left, right = _window_args(window)
+    win = None if (left, right) == (-1, -1) else (left, right)
+    alibi_t, rel_t, softcap, _, dropout_p, seed, offset = _score_term_args(
+        q, alibi_slopes, rel_bias, softcap, None, dropout_p)
+    _check_term_shapes(q, alibi_t, rel_t)
+    if dropout_p > 0:
+        seed, offset = _broadcast_seed_offset(seed, offset, group, q.device)
+    terms = _Terms(alibi_t, None, softcap, dropout_p, seed, offset)
+    out, lse = _RingAttention.apply(q, k, v, rel_t, group, bool(causal), scale, layout, win, terms)
     return (out, lse) if return_lse else out
+
+
+def _check_term_shapes(q, alibi, rel) -> None:
+    """The kernels check these too, but only once the ring has started: a failure there would
+    leave the neighbours' transfers pending. Checked here first, on every rank alike."""
+    B, H = q.size(0), q.size(2)
+    if alibi is not None and tuple(alibi.shape) not in ((H,), (B, H)):
+        raise ValueError(f"ring_attention: alibi_slopes must have shape (H,) = ({H},) or (B, H) = "
+                         f"({B}, {H}), got shape {list(alibi.shape)}")
+    if rel is not None and (rel.dim() != 2 or rel.size(0) != H or rel.size(1) % 2 != 1):
+        raise ValueError(f"ring_attention: rel_bias must have shape (H, 2M + 1) with H = {H} and an "
+                         f"odd number of distances, got shape {list(rel.shape)}")
+
+
+def _broadcast_seed_offset(seed: int, offset: int, group, device) -> Tuple[int, int]:
+    """The dropout seed/offset of the group's first rank, on every rank (one tiny broadcast),
+    so that all blocks of the ring draw the bits the single-process call draws."""
+    rank, world = _rank_world(group)
+    if world == 1:
+        return seed, offset
+    backend = dist.get_backend(group)
+    dev = device if backend == "nccl" else torch.device("cpu")
+    t = torch.tensor([seed, offset], dtype=torch.int64, device=dev)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast(t, src=src, group=group)
+    a, b = t.tolist()
+    return int(a), int(b)

@@ -331,22 +331,26 @@ class MultiHeadAttention(nn.Module):
                                     key_padding_mask: Optional[Tensor] = None) -> Tensor:
         from .distributed import shard_positions
 
-        windowed = self.window_left != -1 or self.window_right != -1
-        if (kv_cache is not None or need_weights or self.cross_attention or windowed
-                or key_padding_mask is not None or self.has_score_terms()
-                or (self.training and self.dropout > 0.0)):
+        if kv_cache is not None or need_weights or self.cross_attention or key_padding_mask is not None:
             raise NotImplementedError(
-                "context-parallel MultiHeadAttention supports self-attention without kv_cache, "
-                "need_weights, a window, key_padding_mask, score terms (rel_bias, alibi, "
-                "softcap) or attention dropout")
+                "context-parallel MultiHeadAttention supports self-attention (with window, "
+                "rel_bias, alibi, softcap and attention dropout at global positions) without "
+                "kv_cache, need_weights or key_padding_mask")
         return shard_positions(x.size(1), self.context_parallel_group, self.context_parallel_layout, x.device)
 
     @torch.jit.unused
-    def _ring_attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def _ring_attend(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
+        """Ring attention with the layer's window, score terms and dropout (global positions)."""
         from .distributed import ring_attention
 
+        window = None
+        if self.window_left != -1 or self.window_right != -1:
+            window = (self.window_left, self.window_right)
         return ring_attention(q, k, v, group=self.context_parallel_group, causal=self.causal,
-                              scale=self.scale, layout=self.context_parallel_layout)
+                              scale=self.scale, layout=self.context_parallel_layout,
+                              window=window, alibi_slopes=self.alibi_slopes,
+                              rel_bias=self._rel_table(q.dtype), softcap=self.softcap,
+                              dropout_p=dropout_p)
 
     @classmethod
     def from_linears(
@@ -524,11 +528,6 @@ class MultiHeadAttention(nn.Module):
             if cache_mask is not None:
                 key_padding_mask = cache_mask if key_padding_mask is None else key_padding_mask & cache_mask
         masked = key_padding_mask is not None or self.window_left != -1 or self.window_right != -1
-        if masked and need_weights:
-            raise ValueError(
-                "MultiHeadAttention: need_weights is not supported together with "
-                "key_padding_mask / window yet"
-            )
 
         weights: Optional[Tensor] = None
         dropout_p = self.dropout if self.training else 0.0
@@ -536,7 +535,10 @@ class MultiHeadAttention(nn.Module):
             # (weights are the undropped probabilities)
             out, lse = self._attend_terms(q, k, v, key_padding_mask, dropout_p)
             weights = _attention_probs(q, k, self.causal, self.scale, lse, self.alibi_slopes,
-                                       self._rel_table(q.dtype), self.softcap)
+                                       self._rel_table(q.dtype), self.softcap, self.window_left,
+                                       self.window_right, key_padding_mask)
+        elif self.context_parallel_group is not None:
+            out = self._ring_attend(q, k, v, dropout_p)
         elif masked or dropout_p > 0.0 or self.has_score_terms():
             out = self._attend_terms(q, k, v, key_padding_mask, dropout_p)[0]
         else:

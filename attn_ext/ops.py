@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
-from .reference import add_score_terms, score_distance
+from .reference import add_score_terms, score_distance, visibility_mask
 
 _lib = torch.ops.attn_ext
 
@@ -632,7 +632,7 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 def _attention_forward_fake(q, k, v, causal, scale=None, window_left=-1, window_right=-1,
                             key_padding_mask=None, alibi_slopes=None, rel_bias=None,
                             softcap=None, sinks=None, dropout_p=0.0, dropout_seed=0,
-                            dropout_offset=0):
+                            dropout_offset=0, q_start=None, k_start=None):
     torch._check(q.dim() == 4, lambda: f"q must have 4 dims (B, Sq, H, D), got shape {list(q.shape)}")
     torch._check(k.dim() == 4, lambda: f"k must have 4 dims (B, Sk, Hkv, D), got shape {list(k.shape)}")
     torch._check(v.dim() == 4, lambda: f"v must have 4 dims (B, Sk, Hkv, Dv), got shape {list(v.shape)}")
@@ -664,7 +664,8 @@ def _grads_like(q, k, v, rel_bias):
 def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None, window_left=-1,
                              window_right=-1, key_padding_mask=None, dlse=None,
                              alibi_slopes=None, rel_bias=None, softcap=None, dropout_p=0.0,
-                             dropout_seed=0, dropout_offset=0, deterministic=False):
+                             dropout_seed=0, dropout_offset=0, deterministic=False,
+                             q_start=None, k_start=None):
     return _grads_like(q, k, v, rel_bias)
 
 
@@ -729,13 +730,14 @@ def _simple_cuda_kernels():
 
 def _attention_forward_setup(ctx, inputs, output):
     (q, k, v, causal, scale, window_left, window_right, key_padding_mask, alibi_slopes, rel_bias,
-     softcap, sinks, dropout_p, dropout_seed, dropout_offset) = inputs
+     softcap, sinks, dropout_p, dropout_seed, dropout_offset, q_start, k_start) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, alibi_slopes, rel_bias, sinks)
     ctx.causal = causal
     ctx.scale = scale
     ctx.window = (window_left, window_right)
     ctx.terms = (softcap, dropout_p, dropout_seed, dropout_offset)
+    ctx.block_position = (q_start, k_start)
 
 
 def _attention_forward_backward(ctx, dout, dlse):
@@ -748,13 +750,14 @@ def _attention_forward_backward(ctx, dout, dlse):
         key_padding_mask, dlse, alibi_slopes, rel_bias, softcap, dropout_p, seed, offset,
         # The stable ABI cannot query torch.are_deterministic_algorithms_enabled() from C++,
         # so the choice travels as an argument (CUDA: no fp32-atomic dq under deterministic mode).
-        torch.are_deterministic_algorithms_enabled(),
+        torch.are_deterministic_algorithms_enabled(), *ctx.block_position,
     )
     dsinks = None
     if sinks is not None and ctx.needs_input_grad[11]:
         dsinks = _sinks_grad(sinks, lse, out, dout, dlse, (0, 2), 1)
     return (dq, dk, dv, None, None, None, None, None, None,
-            drel_bias if rel_bias is not None else None, None, dsinks, None, None, None)
+            drel_bias if rel_bias is not None else None, None, dsinks, None, None, None, None,
+            None)
 
 
 torch.library.register_autograd(
@@ -840,10 +843,13 @@ def attention_weights(
     alibi_slopes: Optional[torch.Tensor] = None,
     rel_bias: Optional[torch.Tensor] = None,
     softcap: Optional[float] = None,
+    window=None,
+    key_padding_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The ``(B, H, Sq, Sk)`` attention probabilities ``exp(scale * q k^T - lse)`` in float32
-    (float64 for float64 input), with the score terms of :func:`attention` when given: softcap,
-    ALiBi, rel_bias.
+    (float64 for float64 input), with the score terms and masks of :func:`attention` when
+    given: softcap, ALiBi, rel_bias, ``window=(left, right)``, ``key_padding_mask (B, Sk)``
+    (hidden pairs are 0).
 
     For attention maps and plots, not for the fast path: it forms the full score matrix. Pass
     the ``lse`` returned by ``attention(..., return_lse=True)`` to reuse the forward's
@@ -876,14 +882,24 @@ def attention_weights(
             raise ValueError(f"lse must be on the same device as q ({q.device}), got {lse.device}")
         if not lse.is_floating_point():
             raise ValueError(f"lse must be a floating-point tensor, got {lse.dtype}")
-    probs = _attention_probs(q, k, causal, scale, lse, alibi_slopes, rel_bias, softcap)
+    left, right = _window_args(window)
+    if key_padding_mask is not None:
+        if (not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool
+                or tuple(key_padding_mask.shape) != (B, Sk)):
+            got = (f"dtype {key_padding_mask.dtype}, shape {list(key_padding_mask.shape)}"
+                   if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__)
+            raise ValueError(f"key_padding_mask must be bool (B, Sk) = ({B}, {Sk}), got {got}")
+    probs = _attention_probs(q, k, causal, scale, lse, alibi_slopes, rel_bias, softcap, left,
+                             right, key_padding_mask)
     return probs.squeeze(1) if squeeze else probs
 
 
 def _attention_probs(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: Optional[float],
                      lse: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor] = None,
                      rel_bias: Optional[torch.Tensor] = None,
-                     softcap: Optional[float] = None) -> torch.Tensor:
+                     softcap: Optional[float] = None, window_left: int = -1,
+                     window_right: int = -1,
+                     key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The math of :func:`attention_weights` on checked 4-D input, written for TorchScript
     (positional arguments, no checks): the modules call it on their own q and k."""
     H, D = q.size(2), q.size(3)
@@ -899,8 +915,11 @@ def _attention_probs(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: Opti
         scores = add_score_terms(
             scores, d, softcap, None if alibi_slopes is None else alibi_slopes.to(scores.dtype),
             None if rel_bias is None else rel_bias.to(scores.dtype))
-    if causal:
-        keep = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(Sk - Sq)
+    if causal or window_left != -1 or window_right != -1 or key_padding_mask is not None:
+        window: Optional[Tuple[int, int]] = None
+        if window_left != -1 or window_right != -1:
+            window = (window_left, window_right)
+        keep = visibility_mask(Sq, Sk, causal, window, key_padding_mask, q.device)
         scores = scores.masked_fill(~keep, float("-inf"))
     if lse is None:
         norm = torch.logsumexp(scores, dim=-1)

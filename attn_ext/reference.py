@@ -35,7 +35,7 @@ def visibility_mask(
     causal: bool = False,
     window: Optional[Tuple[int, int]] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
-    device=None,
+    device: Optional[torch.device] = None,
 ) -> torch.Tensor:
     """True where query ``i`` may see key ``j`` (DESIGN.md, "Attention variants").
 

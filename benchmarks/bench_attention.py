@@ -1,6 +1,6 @@
 """Benchmark attn_ext causal attention against PyTorch SDPA and the textbook reference.
 
-    python benchmarks/bench_attention.py --device cpu [--quick] [--markdown] [--no-memory]
+    python benchmarks/bench_attention.py --device cpu [--quick] [--markdown] [--no-memory] [--limits PARTS]
     python benchmarks/bench_attention.py --device cuda
 
 Timing: for every shape the methods are validated first (ours and SDPA against each other,
@@ -21,6 +21,10 @@ slow fallback there (its rate, on 512^3, is printed too, for the record). `ours/
 Memory: the peak resident memory added by one causal forward (inputs already allocated):
 the peak RSS is reset (/proc/self/clear_refs), and VmHWM after the call minus VmRSS before
 it is reported; each method runs in a fresh subprocess (CPU only).
+
+Then (CPU, `--limits`) the rows of benchmarks/bench_cpu_limits.py: decode shapes against the
+same-run read-bandwidth floor and SDPA, prefill on BSHD-contiguous vs BHSD views (both
+layouts), fwd+bwd vs SDPA, and the backward's peak extra memory at 1 and 2 threads.
 """
 
 from __future__ import annotations
@@ -276,6 +280,11 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     ap.add_argument("--no-memory", action="store_true", help="skip the S=16384/32768 memory runs")
+    ap.add_argument("--limits", default="decode,layout,train,memory",
+                    help="CPU: the parts of bench_cpu_limits.py to run after the table (decode "
+                         "shapes against the same-run read-bandwidth floor, BSHD vs BHSD-view "
+                         "prefill, fwd+bwd vs SDPA, backward peak memory at 1 and 2 threads); "
+                         "'' skips them")
     args = ap.parse_args()
     print_env_header(args.device)
     print(f"# {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}  "
@@ -289,6 +298,17 @@ def main():
         r["roof"] = max(r["roof"], roof_end)
     if args.markdown:
         print(to_markdown(rows, mem_rows))
+    if args.device == "cpu" and args.limits:
+        # issue 16's rows, the same code as benchmarks/bench_cpu_limits.py (one implementation)
+        import bench_cpu_limits as limits
+
+        parts = {"decode": limits.part_decode, "layout": limits.part_layout,
+                 "train": limits.part_train, "memory": limits.part_memory}
+        largs = argparse.Namespace(quick=args.quick, repeats=2 if args.quick else max(args.repeats, 5))
+        for name in args.limits.split(","):
+            if name not in parts:
+                raise SystemExit(f"--limits: unknown part {name!r}; choose from {sorted(parts)}")
+            parts[name](largs)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Ring attention on 2 ranks vs one process on the same total sequence (CPU, gloo).
 
-    python benchmarks/bench_ring.py [--seq 2048] [--heads 8] [--head-dim 64] [--repeats 5] [--quick]
+    python benchmarks/bench_ring.py [--seq 2048] [--heads 8] [--head-dim 64] [--repeats 5]
+                                    [--window W] [--alibi] [--quick]
 
 The single-process baseline is ``attn_ext.attention`` on the whole sequence ``(B, S, H, D)``
 with 1 thread and with 2 threads (this process); the ring is
@@ -62,8 +63,22 @@ def run_once(fn, q, k, v, dout, causal, bwd):
     return out, (q.grad, k.grad, v.grad)
 
 
+TERMS = {}  # the attention keywords of this run (--window, --alibi), set in main / _rank
+
+
+def terms_of(args):
+    """``--window W`` (a sliding window of W keys, Mistral-style: left = W - 1) and ``--alibi``
+    as keywords of attn_ext.attention / ring_attention (global positions in the ring)."""
+    t = {}
+    if args.window:
+        t["window"] = (args.window - 1, -1)
+    if args.alibi:
+        t["alibi_slopes"] = attn_ext.alibi_slopes(args.heads)
+    return t
+
+
 def single(q, k, v, causal):
-    return attn_ext.attention(q, k, v, causal=causal)
+    return attn_ext.attention(q, k, v, causal=causal, **TERMS)
 
 
 def time_single(args, threads):
@@ -88,11 +103,12 @@ def _rank(rank, world, port, args, queue):
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     layout = "zigzag"
+    TERMS.update(terms_of(args))
     q, k, v, dout = inputs(args.batch, args.seq, args.heads, args.head_dim)
     local = [cp.shard_sequence(t, 1, None, layout).contiguous() for t in (q, k, v, dout)]
 
     def ring(q_, k_, v_, causal):
-        return cp.ring_attention(q_, k_, v_, causal=causal, layout=layout)
+        return cp.ring_attention(q_, k_, v_, causal=causal, layout=layout, **TERMS)
 
     result = {}
     for causal, bwd in MODES:
@@ -150,16 +166,21 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--window", type=int, default=0,
+                    help="sliding window of W keys (window=(W-1, -1); 0 = none)")
+    ap.add_argument("--alibi", action="store_true", help="ALiBi slopes on every head")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test of the script)")
     args = ap.parse_args()
     if args.quick:
         args.seq, args.heads, args.head_dim, args.repeats = 256, 2, 32, 2
+    TERMS.update(terms_of(args))
     if args.seq % 4:
         raise SystemExit(f"--seq must be a multiple of 4 (2 ranks x 2 zigzag chunks), got {args.seq}")
     print_env_header("cpu")
     print(f"# shape (B, S, H, D) = ({args.batch}, {args.seq}, {args.heads}, {args.head_dim}) float32, "
           f"ring: 2 ranks x 1 thread (gloo, localhost, zigzag), single: 1 process x 1 and 2 threads; "
-          f"medians of {args.repeats}")
+          f"medians of {args.repeats}; terms: {', '.join(TERMS) or 'none'}"
+          + (f" (window {args.window} keys)" if args.window else ""))
     print(f"# load average before: {load()} (the machine is shared with other work: timings are noisy)")
     base1 = time_single(args, 1)
     base2 = time_single(args, 2)

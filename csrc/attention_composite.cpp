@@ -43,7 +43,8 @@ Tensor call_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
   using torch::stable::detail::from;
   const OptTensor none = std::nullopt;
   const std::optional<double> no_softcap = std::nullopt;
-  std::array<StableIValue, 15> stack{
+  const std::optional<int64_t> no_start = std::nullopt;
+  std::array<StableIValue, 17> stack{
       from(q),         from(k),
       from(v),         from(causal),
       from(scale),     from(static_cast<int64_t>(-1)),  // window_left
@@ -55,7 +56,9 @@ Tensor call_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
       from(none),                                       // sinks
       from(0.0),                                        // dropout_p
       from(static_cast<int64_t>(0)),                    // dropout_seed
-      from(static_cast<int64_t>(0))};                   // dropout_offset
+      from(static_cast<int64_t>(0)),                    // dropout_offset
+      from(no_start),                                   // q_start
+      from(no_start)};                                  // k_start
   if (torch_call_dispatcher("attn_ext::attention_forward", "", stack.data(),
                             TORCH_ABI_VERSION) != TORCH_SUCCESS) {
     throw std::runtime_error(last_shim_error());

@@ -83,6 +83,11 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
   // first; sinks (H,) -> exp(sinks[h]) joins every row's denominator (lse includes it);
   // dropout_p in [0, 1) on the probabilities, keep bit from (dropout_seed, dropout_offset, b, h,
   // i, j) (common/dropout_rng.h; the Python wrapper draws seed/offset from torch's generator).
+  // q_start / k_start (both or neither): the call is the block of queries [q_start, q_start +
+  // Sq) and keys [k_start, k_start + Sk) of one longer sequence (ring attention, issue 17);
+  // causal, window, ALiBi and rel_bias then use the global distance d = (q_start + i) -
+  // (k_start + j), and dropout the keep bit of (q_start + i, k_start + j), so the block's
+  // (out, lse) is exactly that part of the whole-sequence call (common/attention_mask_checks.h).
   // The mask and term arguments were added after scale with defaults, so the original
   // attention_forward(q, k, v, causal[, scale]) calls (TorchScript, C++) keep working.
   m.def(
@@ -101,7 +106,9 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
       "    Tensor? sinks=None,"
       "    float dropout_p=0.0,"
       "    int dropout_seed=0,"
-      "    int dropout_offset=0"
+      "    int dropout_offset=0,"
+      "    int? q_start=None,"
+      "    int? k_start=None"
       ") -> (Tensor out, Tensor lse)");
   // Gradients of out (and of lse, through dlse) with respect to q, k, v (contiguous, shapes
   // and dtypes of q, k, v), recomputing the probabilities from lse. dout: (B, Sq, H, Dv),
@@ -134,7 +141,9 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
       "    float dropout_p=0.0,"
       "    int dropout_seed=0,"
       "    int dropout_offset=0,"
-      "    bool deterministic=False"
+      "    bool deterministic=False,"
+      "    int? q_start=None,"
+      "    int? k_start=None"
       ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor drel_bias)");
   // Packed sequences (FlashAttention's varlen convention): q (Tq, H, D), k (Tk, Hkv, D),
   // v (Tk, Hkv, Dv); sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and

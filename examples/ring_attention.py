@@ -8,9 +8,9 @@ Run on CPU with 2 processes (gloo over localhost):
 code but is untested). Every rank builds the same full batch from the same seed, keeps its
 shard of the sequence, and
 
-1. runs ``attn_ext.distributed.ring_attention`` on its shard of q, k, v (causal, GQA) and
-   compares its rows, and their gradients, with single-process ``attn_ext.attention`` on the
-   whole sequence;
+1. runs ``attn_ext.distributed.ring_attention`` on its shard of q, k, v (causal, GQA; then with
+   a sliding window and ALiBi at global positions) and compares its rows, and their
+   gradients, with single-process ``attn_ext.attention`` on the whole sequence;
 2. trains a TinyGPT whose attention runs as ring attention (``context_parallel_group``) for a
    few steps, summing the parameter gradients over the group, next to an unsharded copy of
    the same model, and prints both losses.
@@ -36,7 +36,7 @@ def log(*args):
         print(*args, flush=True)
 
 
-def ring_vs_single(layout: str, device: torch.device) -> None:
+def ring_vs_single(layout: str, device: torch.device, **terms) -> None:
     W = dist.get_world_size()
     B, S, H, Hkv, D = 2, 64 * W, 8, 2, 32  # S: the whole sequence, split over the W ranks
     torch.manual_seed(0)  # same full tensors on every rank
@@ -45,12 +45,12 @@ def ring_vs_single(layout: str, device: torch.device) -> None:
 
     # this rank's shard: rank r holds chunks r and 2W-1-r of 2W (zigzag) or chunk r (contiguous)
     q_l, k_l, v_l = (cp.shard_sequence(t, 1, None, layout).requires_grad_() for t in (q, k, v))
-    out_l = cp.ring_attention(q_l, k_l, v_l, causal=True, layout=layout)
+    out_l = cp.ring_attention(q_l, k_l, v_l, causal=True, layout=layout, **terms)
     out_l.backward(cp.shard_sequence(dout, 1, None, layout))
 
     # the same attention in one process, on the whole sequence
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = attn_ext.attention(q, k, v, causal=True)
+    out = attn_ext.attention(q, k, v, causal=True, **terms)
     out.backward(dout)
     errs = {
         "out": (out_l - cp.shard_sequence(out, 1, None, layout)).abs().max(),
@@ -60,7 +60,8 @@ def ring_vs_single(layout: str, device: torch.device) -> None:
     }
     for e in errs.values():
         dist.all_reduce(e, op=dist.ReduceOp.MAX)
-    log(f"ring_attention ({layout}, causal, GQA {H}/{Hkv}, S = {S} over {W} ranks) vs one process: "
+    extra = "".join(f", {n}" for n in terms)
+    log(f"ring_attention ({layout}, causal{extra}, GQA {H}/{Hkv}, S = {S} over {W} ranks) vs one process: "
         + ", ".join(f"{n} max |diff| {e.item():.1e}" for n, e in errs.items()))
     assert max(e.item() for e in errs.values()) < 1e-4
 
@@ -121,6 +122,8 @@ def main():
     log(f"{dist.get_world_size()} ranks, backend {args.backend}, torch {torch.__version__}")
     for layout in cp.LAYOUTS:
         ring_vs_single(layout, device)
+    # a sliding window and ALiBi at global positions (Mistral / BLOOM style)
+    ring_vs_single("zigzag", device, window=(40, 0), alibi_slopes=attn_ext.alibi_slopes(8).to(device))
     train_context_parallel(device, args.steps)
     dist.destroy_process_group()
 

@@ -23,6 +23,8 @@ ATTN_KERNELS = (
     "simple_fwd_combine_kernel",
     "simple_bwd_dq_kernel",
     "simple_bwd_dkdv_kernel",
+    "simple_bwd_drel_diag_kernel",
+    "simple_bwd_drel_reduce_kernel",
 )
 
 _PATTERNS = {k: re.compile(r"(?<![A-Za-z0-9_])" + k + r"(?![A-Za-z0-9_])") for k in ATTN_KERNELS}

@@ -195,6 +195,39 @@ def test_attention_weights_matches_reference_and_lse(causal):
         assert torch.all(w[:, :, :2] == 0) and torch.isfinite(w).all()
 
 
+@pytest.mark.parametrize("causal,window", [(True, (3, 0)), (False, (2, 1)), (False, None)])
+def test_attention_weights_with_masks(causal, window):
+    """window and key_padding_mask as in attention(): hidden pairs are 0, weights @ v = out,
+    and a fully padded batch row gives zero weights."""
+    q, k, v = randn(2, 7, 4, 8, dtype=f64), randn(2, 9, 2, 8, dtype=f64), randn(2, 9, 2, 8, dtype=f64)
+    kpm = torch.rand(2, 9) > 0.3
+    kpm[1] = False
+    out, lse = attn_ext.attention(q, k, v, causal=causal, window=window, key_padding_mask=kpm,
+                                  return_lse=True)
+    for given in (None, lse):
+        w = attn_ext.attention_weights(q, k, causal=causal, window=window, key_padding_mask=kpm,
+                                       lse=given)
+        keep = R.visibility_mask(7, 9, causal, window, kpm)
+        assert torch.all(w[~keep.expand_as(w)] == 0) and torch.all(w[1] == 0)
+        got = torch.einsum("bhij,bjhd->bihd", w, v.repeat_interleave(2, dim=2))
+        torch.testing.assert_close(got, out, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"key_padding_mask must be bool \(B, Sk\) = \(2, 9\)"):
+        attn_ext.attention_weights(q, k, key_padding_mask=kpm[:, :5])
+
+
+def test_multihead_need_weights_with_padding_and_window():
+    m = attn_ext.MultiHeadAttention(16, 4, causal=True, window=(4, 0)).double().eval()
+    x = randn(2, 10, 16, dtype=f64)
+    kpm = torch.ones(2, 10, dtype=torch.bool)
+    kpm[0, :3] = False  # left padding
+    y, w = m(x, None, None, True, kpm)
+    y2, _ = m(x, None, None, False, kpm)
+    torch.testing.assert_close(y, y2, rtol=1e-12, atol=1e-12)
+    assert w.shape == (2, 4, 10, 10) and torch.all(w[0, :, :, :3] == 0)
+    i, j = torch.arange(10)[:, None], torch.arange(10)[None, :]
+    assert torch.all(w[:, :, (j > i) | (j < i - 4)] == 0)
+
+
 def test_attention_weights_accepts_3d_like_attention():
     q, k, v = randn(2, 6, 8), randn(2, 9, 8), randn(2, 9, 8)
     out, lse = attn_ext.attention(q, k, v, causal=True, return_lse=True)  # 3-D: one head

@@ -879,3 +879,466 @@ def test_fast_varlen_bad_cu_seqlens_device_assert(cuda, tmp_path):
         text = res.stdout + res.stderr
         assert res.returncode != 0 and "NO ERROR" not in text, (name, text[-2000:])
         assert "cu_seqlens_q / cu_seqlens_k must start at 0" in text, (name, text[-2000:])
+# ---- score terms on CUDA (issue 15): softcap, ALiBi, rel_bias, sinks, dropout ---------------
+# The simple kernels (and the split-KV decode path) take every term through ScoreTerms /
+# dropout_rng.h; the fast forward takes all but dropout (its kTerms instances), the fast
+# backward none (a call with a term but sinks runs the simple backward).
+# Values, lse and every gradient (d rel_bias, d sinks included) against the float64 CPU
+# reference (tests/reference_checks.check_against_reference: float64 to 1e-9, low precision
+# by DESIGN.md's rule); dropout's keep bits equal the CPU kernel's and reference.py's bit for
+# bit.
+
+from attn_ext import ops as _ops  # noqa: E402
+from attn_ext.position_bias import alibi_slopes as _alibi_slopes  # noqa: E402
+from tests.reference_checks import check_against_reference  # noqa: E402
+
+TERM_KINDS = ["rel", "alibi", "alibi_batch", "softcap", "sinks", "rel+alibi+softcap+sinks"]
+TERM_MASKS = {"none": (False, None, False), "causal": (True, None, False),
+              "window+padding": (True, (40, 5), True)}
+
+
+def _term_tables(kind, B, H, M=9):
+    """(alibi_slopes, rel_bias, softcap, sinks) on the CPU for a named combination."""
+    alibi = rel = cap = sinks = None
+    if "alibi" in kind:
+        alibi = _alibi_slopes(H) if "batch" not in kind else torch.rand(B, H) * 0.5
+    if "rel" in kind:
+        rel = randn(H, 2 * M + 1, dtype=torch.float64)
+    if "softcap" in kind:
+        cap = 4.0
+    if "sinks" in kind:
+        sinks = randn(H, dtype=torch.float64)
+    return alibi, rel, cap, sinks
+
+
+def _on_cuda(fn):
+    """fn's CUDA call on CPU tensors: inputs moved to the GPU (differentiably), outputs back."""
+    def wrapped(*ts):
+        outs = fn(*[None if t is None else t.cuda() for t in ts])
+        return tuple(o.cpu() for o in outs)
+    return wrapped
+
+
+def _names(rel, sinks):
+    return ["dq", "dk", "dv"] + (["drel_bias"] if rel is not None else []) + (
+        ["dsinks"] if sinks is not None else [])
+
+
+class TestScoreTermsCuda:
+    @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+    @pytest.mark.parametrize("mask", list(TERM_MASKS))
+    @pytest.mark.parametrize("kind", TERM_KINDS)
+    def test_terms_vs_reference(self, kind, mask, dtype, cuda):
+        """Each term alone and all together, with no mask, causal, and a window with key
+        padding (a fully padded batch row: with sinks its rows have lse = the sink); D = 64,
+        GQA, Sq != Sk. bf16 without window or padding takes the fast forward (its kTerms
+        instances) and the simple backward (the fast one with sinks alone); float32 / float64
+        and masked calls the simple kernels (as attention.cu dispatches today)."""
+        B, Sq, Sk, H, Hkv, D = 2, 70, 90, 4, 2, 64
+        causal, window, padded = TERM_MASKS[mask]
+        alibi, rel, cap, sinks = _term_tables(kind, B, H)
+        kpm = None
+        if padded:
+            kpm = torch.rand(B, Sk) > 0.3
+            kpm[0] = False
+        q, k, v = randn(B, Sq, H, D, dtype=dtype), randn(B, Sk, Hkv, D, dtype=dtype), randn(B, Sk, Hkv, D, dtype=dtype)
+        rel = None if rel is None else rel.to(dtype)
+        sinks = None if sinks is None else sinks.to(dtype)
+
+        @_on_cuda
+        def ours(q, k, v, rel, sinks):
+            return attn_ext.attention(
+                q, k, v, causal=causal, window=window, return_lse=True,
+                key_padding_mask=None if kpm is None else kpm.cuda(),
+                alibi_slopes=None if alibi is None else alibi.cuda(), rel_bias=rel, softcap=cap,
+                sinks=sinks)
+
+        def ref(q, k, v, rel, sinks):
+            a = None if alibi is None else alibi.to(q.dtype)
+            return reference.attention_with_lse(q, k, v, causal, None, window, kpm, a, rel, cap, sinks)
+
+        check_against_reference(ours, ref, [q, k, v, rel, sinks], _names(rel, sinks))
+
+    @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+    @pytest.mark.parametrize("causal,window", [(False, None), (True, (30, 0))])
+    def test_varlen_terms(self, dtype, causal, window, cuda):
+        """Packed sequences (one empty query sequence, (N, H) slopes: a row per sequence)."""
+        H, Hkv, D, Dv = 4, 2, 32, 48
+        lq, lk = [37, 0, 120, 9], [50, 7, 133, 9]
+        cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32)
+        cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32)
+        q = randn(sum(lq), H, D, dtype=dtype)
+        k, v = randn(sum(lk), Hkv, D, dtype=dtype), randn(sum(lk), Hkv, Dv, dtype=dtype)
+        alibi = torch.rand(len(lq), H) * 0.3
+        rel = randn(H, 2 * 17 + 1, dtype=dtype)
+        sinks = randn(H, dtype=dtype)
+
+        @_on_cuda
+        def ours(q, k, v, rel, sinks):
+            return attn_ext.attention_varlen(q, k, v, cu_q.cuda(), cu_k.cuda(), max(lq), max(lk),
+                                             causal=causal, window=window, alibi_slopes=alibi.cuda(),
+                                             rel_bias=rel, softcap=7.0, sinks=sinks, return_lse=True)
+
+        def ref(q, k, v, rel, sinks):
+            return reference.attention_varlen_with_lse(q, k, v, cu_q, cu_k, causal, None, window,
+                                                       alibi.to(q.dtype), rel, 7.0, sinks)
+
+        check_against_reference(ours, ref, [q, k, v, rel, sinks], _names(rel, sinks))
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+    @pytest.mark.parametrize("kind", ["rel+alibi+softcap+sinks", "alibi_batch"])
+    def test_split_kv_decode_terms(self, kind, dtype, cuda):
+        """Decode shapes take the split-KV path with the terms (sinks in the merge)."""
+        B, Sq, Sk, H, Hkv, D = 1, 2, 1500, 2, 1, 64
+        alibi, rel, cap, sinks = _term_tables(kind, B, H, M=300)
+        q, k, v = randn(B, Sq, H, D, dtype=dtype), randn(B, Sk, Hkv, D, dtype=dtype), randn(B, Sk, Hkv, D, dtype=dtype)
+        rel = None if rel is None else rel.to(dtype)
+        sinks = None if sinks is None else sinks.to(dtype)
+        kw = dict(alibi_slopes=None if alibi is None else alibi.cuda(), softcap=cap)
+        qc, kc_, vc = q.cuda(), k.cuda(), v.cuda()
+        names = kernel_names(lambda: attn_ext.attention(
+            qc, kc_, vc, causal=True, rel_bias=None if rel is None else rel.cuda(),
+            sinks=None if sinks is None else sinks.cuda(), **kw))
+        assert ran(names, "simple_fwd_split_kernel") and ran(names, "simple_fwd_combine_kernel"), names
+        assert did_not_run(names, "fa2_fwd_kernel"), names
+
+        @_on_cuda
+        def ours(q, k, v, rel, sinks):
+            return attn_ext.attention(q, k, v, causal=True, rel_bias=rel, sinks=sinks,
+                                      return_lse=True, **kw)
+
+        def ref(q, k, v, rel, sinks):
+            a = None if alibi is None else alibi.to(q.dtype)
+            return reference.attention_with_lse(q, k, v, True, None, None, None, a, rel, cap, sinks)
+
+        check_against_reference(ours, ref, [q, k, v, rel, sinks], _names(rel, sinks))
+
+    def test_sinks_row_without_keys(self, cuda):
+        """A row that sees no key: out 0, lse = its sink logit exactly (as on the CPU)."""
+        H = 3
+        q, k = randn(2, 8, H, 16, device=cuda), randn(2, 5, H, 16, device=cuda)
+        sinks = randn(H, device=cuda)
+        kpm = torch.ones(2, 5, dtype=torch.bool, device=cuda)
+        kpm[1] = False
+        for split in (False, True):
+            kk = k if not split else randn(2, 600, H, 16, device=cuda)
+            m = kpm if not split else torch.ones(2, 600, dtype=torch.bool, device=cuda)
+            if split:
+                m[1] = False
+            out, lse = attn_ext.attention(q, kk, kk, causal=True, key_padding_mask=m, sinks=sinks,
+                                          return_lse=True)
+            assert torch.equal(out[1], torch.zeros_like(out[1]))
+            assert torch.equal(lse[1], sinks[:, None].expand(H, 8))
+            if not split:  # causal, Sq > Sk: rows 0..2 of batch 0 see nothing
+                assert torch.equal(out[0, :3], torch.zeros_like(out[0, :3]))
+                assert torch.equal(lse[0, :, :3], sinks[:, None].expand(H, 3))
+
+    def test_gradcheck(self, cuda):
+        B, Sq, Sk, H, Hkv, D = 1, 6, 9, 2, 1, 4
+        q = randn(B, Sq, H, D, dtype=torch.float64, device=cuda).requires_grad_()
+        k = randn(B, Sk, Hkv, D, dtype=torch.float64, device=cuda).requires_grad_()
+        v = randn(B, Sk, Hkv, D, dtype=torch.float64, device=cuda).requires_grad_()
+        rel = randn(H, 2 * 3 + 1, dtype=torch.float64, device=cuda).requires_grad_()
+        sinks = randn(H, dtype=torch.float64, device=cuda).requires_grad_()
+        slopes = torch.tensor([0.25, 0.5], device=cuda)
+
+        def f(q, k, v, rel, sinks):
+            return attn_ext.attention(q, k, v, causal=True, alibi_slopes=slopes, rel_bias=rel,
+                                      softcap=2.0, sinks=sinks, window=(5, 0), return_lse=True)
+
+        assert torch.autograd.gradcheck(f, (q, k, v, rel, sinks))
+        cu = torch.tensor([0, 4, 6], dtype=torch.int32, device=cuda)
+        qv = randn(6, H, D, dtype=torch.float64, device=cuda).requires_grad_()
+        kv = randn(6, Hkv, D, dtype=torch.float64, device=cuda).requires_grad_()
+
+        def g(q, k, rel, sinks):
+            return attn_ext.attention_varlen(q, k, k, cu, cu, 4, 4, causal=True, rel_bias=rel,
+                                             softcap=3.0, sinks=sinks, return_lse=True)
+
+        assert torch.autograd.gradcheck(g, (qv, kv, rel, sinks))
+
+    def test_opcheck(self, cuda):
+        B, Sq, Sk, H, Hkv, D = 2, 7, 11, 2, 1, 8
+        q, k, v = (randn(B, S, h, D, device=cuda) for S, h in ((Sq, H), (Sk, Hkv), (Sk, Hkv)))
+        rel = randn(H, 9, device=cuda)
+        sinks = randn(H, device=cuda)
+        slopes = torch.rand(B, H, device=cuda)
+        lib = torch.ops.attn_ext
+        args = (q, k, v, True, None, -1, -1, None, slopes, rel, 3.0, sinks, 0.2, 123, 7)
+        torch.library.opcheck(lib.attention_forward.default, args)
+        out, lse = lib.attention_forward(*args)
+        torch.library.opcheck(lib.attention_backward.default,
+                              (torch.randn_like(out), q, k, v, out, lse, True, None, -1, -1, None,
+                               torch.randn_like(lse), slopes, rel, 3.0, 0.2, 123, 7))
+        cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=cuda)
+        cuk = torch.tensor([0, 5, 11], dtype=torch.int32, device=cuda)
+        qv, kv, vv = q[0], k[0], v[0]
+        vargs = (qv, kv, vv, cu, cuk, 4, 6, True, None, -1, -1, slopes, rel, 3.0, sinks, 0.2, 5, 9)
+        torch.library.opcheck(lib.attention_varlen_forward.default, vargs)
+        out, lse = lib.attention_varlen_forward(*vargs)
+        torch.library.opcheck(lib.attention_varlen_backward.default,
+                              (torch.randn_like(out), qv, kv, vv, out, lse, cu, cuk, 4, 6, True, None,
+                               -1, -1, None, slopes, rel, 3.0, 0.2, 5, 9))
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+    def test_rel_bias_grad_deterministic(self, dtype, cuda):
+        """d rel_bias (pass 3 and 4 of the simple backward: no atomics) and dq, dk, dv are
+        bitwise identical from run to run, and deterministic mode accepts the call."""
+        q, k, v = (randn(2, 300, h, 64, dtype=dtype, device=cuda).requires_grad_() for h in (4, 2, 2))
+        rel = randn(4, 2 * 40 + 1, device=cuda).requires_grad_()
+        dout = randn(2, 300, 4, 64, dtype=dtype, device=cuda)
+
+        def grads():
+            out = attn_ext.attention(q, k, v, causal=True, rel_bias=rel, softcap=20.0)
+            return torch.autograd.grad(out, (q, k, v, rel), dout)
+
+        names = kernel_names(grads)
+        assert ran(names, "simple_bwd_drel_diag_kernel") and ran(names, "simple_bwd_drel_reduce_kernel"), names
+        assert did_not_run(names, "fa2_bwd_kernel"), names
+        a, b = grads(), grads()
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+        prev = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            c = grads()
+        finally:
+            torch.use_deterministic_algorithms(prev)
+        for x, y in zip(a, c):
+            assert torch.equal(x, y)
+
+    # -- dropout: the same keep bits as the CPU kernel and reference.dropout_keep_mask --
+
+    @staticmethod
+    def _keep_readout(B, Sq, Sk, H, Hkv, p, seed, offset, device, causal=False):
+        """Keep bits as the kernel applied them: q = 0 makes every visible probability 1/n,
+        and v one-hot for the keys [c0, c0 + 256) of a call (zero elsewhere) puts key
+        c0 + c's kept weight in output column c (Dv <= 256, the CUDA kernels' limit)."""
+        q = torch.zeros(B, Sq, H, 8, device=device)
+        k = torch.randn(B, Sk, Hkv, 8).to(device)
+        bits = []
+        for c0 in range(0, Sk, 256):
+            n = min(256, Sk - c0)
+            v = torch.zeros(B, Sk, Hkv, n)
+            v[:, c0:c0 + n] = torch.eye(n)[None, :, None, :]
+            out, _ = torch.ops.attn_ext.attention_forward(
+                q, k, v.to(device), causal, None, -1, -1, None, None, None, None, None, p, seed,
+                offset)
+            bits.append(out.permute(0, 2, 1, 3).cpu() > 0)
+        return torch.cat(bits, dim=-1)  # (B, H, Sq, Sk)
+
+    def test_dropout_keep_bits_match_cpu_and_reference(self, cuda):
+        p, seed, offset, Sk = 0.3, 1234567, 89, 256
+        want = reference.dropout_keep_mask(seed, offset, 2, 4, range(200), range(Sk), p)
+        full = self._keep_readout(2, 200, Sk, 4, 2, p, seed, offset, cuda)  # simple kernel
+        assert torch.equal(full, want)
+        assert torch.equal(full, self._keep_readout(2, 200, Sk, 4, 2, p, seed, offset, "cpu"))
+        # a decode shape: the split-KV path (Sk >= 512, few rows)
+        Sk2 = 700
+        want2 = reference.dropout_keep_mask(seed, offset, 1, 2, range(3), range(Sk2), p)
+        names = kernel_names(lambda: self._keep_readout(1, 3, Sk2, 2, 1, p, seed, offset, cuda))
+        assert ran(names, "simple_fwd_split_kernel"), names
+        assert torch.equal(self._keep_readout(1, 3, Sk2, 2, 1, p, seed, offset, cuda), want2)
+        # keep rate within 4 sigma of 1 - p
+        rate = full.double().mean().item()
+        sigma = (p * (1 - p) / full.numel()) ** 0.5
+        assert abs(rate - (1 - p)) < 4 * sigma, (rate, 1 - p)
+
+    def test_dropout_varlen_bits(self, cuda):
+        """Packed sequences: sequence b's bits are those of batch index b at its local rows,
+        as on the CPU."""
+        p, seed, offset = 0.4, 99, 3
+        lq, lk = [5, 120, 0, 33], [40, 130, 7, 33]
+        cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32)
+        cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32)
+        H, Sk = 2, max(lk)
+        q = torch.zeros(sum(lq), H, 8)
+        k = torch.randn(sum(lk), H, 8)
+        v = torch.zeros(sum(lk), H, Sk)
+        for b in range(4):
+            for j in range(lk[b]):
+                v[int(cu_k[b]) + j, :, j] = 1
+
+        def run(dev):
+            out, _ = torch.ops.attn_ext.attention_varlen_forward(
+                q.to(dev), k.to(dev), v.to(dev), cu_q.to(dev), cu_k.to(dev), max(lq), Sk, False,
+                None, -1, -1, None, None, None, None, p, seed, offset)
+            return out.cpu()
+
+        got = run(cuda)
+        assert torch.equal(got > 0, run("cpu") > 0)
+        for b in range(4):
+            if lq[b] == 0:
+                continue
+            bits = got[int(cu_q[b]):int(cu_q[b + 1]), :, :lk[b]].permute(1, 0, 2) > 0
+            want = reference.dropout_keep_mask(seed, offset, b + 1, H, range(lq[b]), range(lk[b]), p)[b]
+            assert torch.equal(bits, want)
+
+    @pytest.mark.parametrize("terms", [False, True])
+    def test_dropout_cuda_equals_cpu_float64(self, terms, cuda):
+        """The same inputs, seed and offset on both backends in float64: out, lse and every
+        gradient agree to float64 rounding (a single differing keep bit would move them by
+        O(1e-2))."""
+        B, Sq, Sk, H, Hkv, D = 2, 90, 130, 4, 2, 16
+        p, seed, offset = 0.25, 2024, 17
+        q, k, v = (randn(B, S, h, D, dtype=torch.float64) for S, h in ((Sq, H), (Sk, Hkv), (Sk, Hkv)))
+        rel = randn(H, 21, dtype=torch.float64) if terms else None
+        slopes = torch.rand(B, H, dtype=torch.float64) * 0.2 if terms else None
+        cap = 5.0 if terms else None
+        lib = torch.ops.attn_ext
+
+        def run(dev):
+            t = [x.to(dev) for x in (q, k, v)]
+            r = None if rel is None else rel.to(dev)
+            s = None if slopes is None else slopes.to(dev)
+            out, lse = lib.attention_forward(*t, True, None, 40, -1, None, s, r, cap, None, p,
+                                             seed, offset)
+            dout = torch.ones_like(out).mul_(0.5) + out
+            grads = lib.attention_backward(dout, *t, out, lse, True, None, 40, -1, None, None, s,
+                                           r, cap, p, seed, offset)
+            return [x.cpu() for x in (out, lse, *grads)]
+
+        for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "drel_bias"], run(cuda), run("cpu")):
+            assert a.shape == b.shape, name
+            assert max_err(a, b) < 1e-10, f"{name}: {max_err(a, b):.3e}"
+
+    @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+    def test_dropout_vs_reference(self, dtype, cuda):
+        """Through the wrapper: seed/offset drawn from the CUDA generator (torch.manual_seed
+        reproduces them), forward and backward with the bits of reference.dropout_keep_mask."""
+        B, Sq, Sk, H, Hkv, D = 2, 80, 110, 4, 2, 32
+        p = 0.2
+        q, k, v = randn(B, Sq, H, D, dtype=dtype), randn(B, Sk, Hkv, D, dtype=dtype), randn(B, Sk, Hkv, D, dtype=dtype)
+        rel = randn(H, 21, dtype=dtype)
+        torch.manual_seed(11)
+        seed, offset = _ops._dropout_seed_offset(cuda)
+        mask = reference.dropout_keep_mask(seed, offset, B, H, range(Sq), range(Sk), p)
+
+        @_on_cuda
+        def ours(q, k, v, rel):
+            torch.manual_seed(11)  # the wrapper draws the same seed/offset
+            return attn_ext.attention(q, k, v, causal=True, rel_bias=rel, softcap=5.0, dropout_p=p,
+                                      return_lse=True)
+
+        def ref(q, k, v, rel):
+            return reference.attention_with_lse(q, k, v, True, None, None, None, None, rel, 5.0,
+                                                None, p, mask)
+
+        check_against_reference(ours, ref, [q, k, v, rel], ["dq", "dk", "dv", "drel_bias"])
+
+    # -- the kernel that ran is the one explain() names --
+
+    @pytest.mark.parametrize("case", ["rel_bias", "sinks", "dropout", "softcap_decode"])
+    def test_explain_names_the_kernel(self, case, cuda):
+        D, Sq, Sk = 64, 150, 150
+        if case == "softcap_decode":
+            Sq, Sk = 1, 4096
+        q, k, v = (randn(1, S, 2, D, dtype=torch.bfloat16, device=cuda) for S in (Sq, Sk, Sk))
+        kw = {"rel_bias": dict(rel_bias=randn(2, 11, device=cuda)),
+              "sinks": dict(sinks=randn(2, device=cuda)),
+              "dropout": dict(dropout_p=0.1),
+              "softcap_decode": dict(softcap=10.0)}[case]
+        choice = attn_ext.explain(q, k, v, causal=True, **kw)
+        names = kernel_names(lambda: attn_ext.attention(q, k, v, causal=True, **kw))
+        want = _EXPLAINED_KERNEL[choice.forward]
+        assert ran(names, want), (str(choice), names)
+        for other in set(_EXPLAINED_KERNEL.values()) - {want}:
+            assert did_not_run(names, other), (str(choice), names)
+        if case == "softcap_decode":
+            assert choice.forward == "cuda.split_kv", str(choice)
+        elif case == "dropout":
+            assert choice.forward == "cuda.simple" and "dropout_p" in choice.forward_reason, str(choice)
+        elif fast_fwd_fits(D):
+            assert choice.forward == "cuda.fa2" and "with the score terms" in choice.forward_reason, str(choice)
+        # backward: the simple kernels with any term but sinks (those reach it through lse)
+        qg = q.detach().clone().requires_grad_()
+        out = attn_ext.attention(qg, k, v, causal=True, **kw)
+        dout = torch.randn_like(out)
+        choice = attn_ext.explain(q, k, v, causal=True, dout=dout, **kw)
+        names = kernel_names(lambda: out.backward(dout, retain_graph=True))
+        if choice.backward == "cuda.fa2":
+            assert case == "sinks", str(choice)
+            assert ran(names, "fa2_bwd_kernel") and did_not_run(names, "simple_bwd"), (str(choice), names)
+        else:
+            assert ran(names, "simple_bwd") and did_not_run(names, "fa2_bwd_kernel"), (str(choice), names)
+            if case != "sinks":
+                assert "score terms" in choice.backward_reason, str(choice)
+
+    @pytest.mark.parametrize("causal", [False, True])
+    @pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
+    @pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+    @pytest.mark.parametrize("kind", ["rel+alibi+softcap+sinks", "sinks"])
+    def test_fast_forward_terms(self, kind, dtype, D, causal, cuda):
+        """The fast forward's kTerms instances (ScoreTerms::add on the score fragment, sinks in
+        the epilogue) against the simple kernel and the float64 reference: ragged tiles,
+        Sq > Sk (causal rows without keys, a whole query tile among them: out 0, lse = the
+        sink), GQA, (B, H) slopes."""
+        if not fast_fwd_fits(D):
+            pytest.skip(f"the fast forward's shared memory at D={D} exceeds this device's limit")
+        B, Sq, Sk, H, Hkv = 2, 200, 97, 4, 2  # causal: query tile 0 sees no key at all
+        alibi, rel, cap, sinks = _term_tables(kind, B, H, M=40)
+        q = randn(B, Sq, H, D, dtype=dtype, device=cuda)
+        k, v = randn(B, Sk, Hkv, D, dtype=dtype, device=cuda), randn(B, Sk, Hkv, D, dtype=dtype, device=cuda)
+        kw = dict(alibi_slopes=None if alibi is None else alibi.cuda(), softcap=cap,
+                  rel_bias=None if rel is None else rel.float().cuda(),
+                  sinks=None if sinks is None else sinks.float().cuda())
+
+        def run():
+            return attn_ext.attention(q, k, v, causal=causal, return_lse=True, **kw)
+
+        names = kernel_names(run)
+        assert ran(names, "fa2_fwd_kernel") and did_not_run(names, "simple_fwd"), names
+        out, lse = run()
+        with attn_ext.ops._simple_cuda_kernels():
+            out_s, lse_s = run()
+
+        def ref(dt):
+            a = None if alibi is None else alibi.to(dt)
+            return reference.attention_with_lse(
+                q.cpu().to(dt), k.cpu().to(dt), v.cpu().to(dt), causal, None, None, None, a,
+                None if rel is None else rel.to(dt), cap, None if sinks is None else sinks.to(dt))
+
+        r_out, r_lse = ref(torch.float64)
+        low_out, _ = ref(dtype)
+        assert_close_rule(out.cpu(), r_out, low_out, name="fast out")
+        assert_close_rule(out_s.cpu(), r_out, low_out, name="simple out")
+        assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(r_lse))
+        fin = torch.isfinite(r_lse)
+        bound = 1e-3 + 4e-6 * float(r_lse[fin].abs().max())
+        assert max_err(lse.cpu(), r_lse) <= bound and max_err(lse_s.cpu(), r_lse) <= bound
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+        assert max_err(out, out_s) <= 4 * ulp * max(1.0, float(out_s.abs().max()))
+        if causal and sinks is not None:  # rows 0 .. Sq - Sk - 1 see no key: lse = the sink
+            n = Sq - Sk
+            assert torch.all(out[:, :n] == 0)
+            assert torch.allclose(lse[:, :, :n], kw["sinks"][None, :, None].expand(B, H, n), atol=1e-6)
+
+    @pytest.mark.parametrize("block", [(64, 32, 32, 0, 32), (300, 5, 130, 101, 199),
+                                       (300, 200, 100, 0, 200)], ids=str)
+    @pytest.mark.parametrize("causal,window", [(True, None), (False, (9, 5))])
+    def test_block_position_cuda_equals_cpu_float64(self, block, causal, window, cuda):
+        """q_start / k_start (a block of a longer sequence, issue 17) with ALiBi, rel_bias,
+        softcap and dropout: the CUDA ops equal the CPU ops in float64 (global distances in
+        the terms and in d rel_bias's diagonals, dropout bits at global rows / keys)."""
+        S, q0, sq, k0, sk = block
+        B, H, Hkv, D = 2, 4, 2, 16
+        q, k, v = (randn(B, n, h, D, dtype=torch.float64) for n, h in ((sq, H), (sk, Hkv), (sk, Hkv)))
+        rel = randn(H, 2 * 24 + 1, dtype=torch.float64)
+        slopes = _alibi_slopes(H).double()
+        left, right = window if window is not None else (-1, -1)
+        lib = torch.ops.attn_ext
+
+        def run(dev):
+            t = [x.to(dev) for x in (q, k, v)]
+            r, s = rel.to(dev), slopes.to(dev)
+            out, lse = lib.attention_forward(*t, causal, None, left, right, None, s, r, 6.0, None,
+                                             0.2, 99, 5, q0, k0)
+            dout = torch.ones_like(out).mul_(0.5) + out
+            dlse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse * 0.1)
+            grads = lib.attention_backward(dout, *t, out, lse, causal, None, left, right, None,
+                                           dlse, s, r, 6.0, 0.2, 99, 5, False, q0, k0)
+            return [x.cpu() for x in (out, lse, *grads)]
+
+        for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "drel_bias"], run(cuda), run("cpu")):
+            assert a.shape == b.shape, name
+            assert max_err(a, b) < 1e-10, f"{name}: {max_err(a, b):.3e}"

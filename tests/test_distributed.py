@@ -63,36 +63,68 @@ def _make_qkv(B, S, H, Hkv, D, Dv, dtype, packed=False):
 
 
 def _ring_vs_single(rank, world, *, layout, causal, B=2, S_local=10, H=4, Hkv=2, D=8, Dv=8,
-                    dtype=torch.float64, scale=None, packed=False):
+                    dtype=torch.float64, scale=None, packed=False, terms=None, lse_loss=False):
+    """``terms``: keywords of attn_ext.attention / ring_attention (window, alibi_slopes,
+    softcap, dropout_p; ``rel_bias=M`` makes a learnable (H, 2M + 1) table, whose gradient
+    summed over the ranks must be the single-process one). ``lse_loss``: the loss also uses
+    the returned lse (its gradient goes through the ring)."""
     S = S_local * world
+    terms = dict(terms or {})
     q, k, v = _make_qkv(B, S, H, Hkv, D, Dv, dtype, packed)
     g = torch.randn(B, S, H, Dv, dtype=dtype)
-    # single process, the whole sequence
+    gl_full = torch.randn(B, H, S, dtype=torch.float64)
+    rel = None
+    if "rel_bias" in terms:
+        rel = torch.randn(H, 2 * terms.pop("rel_bias") + 1, dtype=torch.float64)
+    if "alibi_slopes" in terms:
+        terms["alibi_slopes"] = terms["alibi_slopes"].to(torch.float64 if dtype == torch.float64 else torch.float32)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def loss(o, l, gg, gl_):
+        val = (o.to(acc) * gg.to(acc)).sum()
+        if lse_loss:
+            val = val + (l.masked_fill(torch.isinf(l), 0).to(acc) * gl_.to(acc)).sum()
+        return val
+
+    # single process, the whole sequence (the seed fixes dropout's draw on both sides)
     qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = attn_ext.attention(qf, kf, vf, causal=causal, scale=scale, return_lse=True)
-    (out.float() * g.float()).sum().backward() if dtype != torch.float64 else (out * g).sum().backward()
+    rf = None if rel is None else rel.to(acc).clone().requires_grad_()
+    torch.manual_seed(4321)
+    out, lse = attn_ext.attention(qf, kf, vf, causal=causal, scale=scale, rel_bias=rf,
+                                  return_lse=True, **terms)
+    loss(out, lse, g, gl_full).backward()
     # the ring, this rank's shard; the shards of a packed buffer stay strided views for contiguous
     ql, kl, vl = (_sh(t, 1, layout).detach().requires_grad_() for t in (q, k, v))
+    rl = None if rel is None else rel.to(acc).clone().requires_grad_()
     if packed and layout == "contiguous":
         assert not (ql.is_contiguous() or kl.is_contiguous())  # still views of the packed buffer
-    ol, ll = cp.ring_attention(ql, kl, vl, causal=causal, scale=scale, layout=layout, return_lse=True)
+    torch.manual_seed(4321)
+    ol, ll = cp.ring_attention(ql, kl, vl, causal=causal, scale=scale, layout=layout,
+                               rel_bias=rl, return_lse=True, **terms)
     gl = _sh(g, 1, layout)
-    (ol.float() * gl.float()).sum().backward() if dtype != torch.float64 else (ol * gl).sum().backward()
+    loss(ol, ll, gl, _sh(gl_full, 2, layout)).backward()
     assert ol.shape == (B, S_local, H, Dv) and ol.dtype == dtype and ol.is_contiguous()
     assert ll.shape == (B, H, S_local) and ll.dtype == lse.dtype
+    drel_sum = None
+    if rel is not None:  # a replicated parameter: the ranks' parts add up to the whole gradient
+        drel_sum = rl.grad.clone()
+        dist.all_reduce(drel_sum)
     if dtype == torch.float64:
         pairs = {"out": (ol, _sh(out, 1, layout)), "lse": (ll, _sh(lse, 2, layout)),
                  "dq": (ql.grad, _sh(qf.grad, 1, layout)), "dk": (kl.grad, _sh(kf.grad, 1, layout)),
                  "dv": (vl.grad, _sh(vf.grad, 1, layout))}
+        if rel is not None:
+            pairs["drel_bias"] = (drel_sum, rf.grad)
         for name, (a, b) in pairs.items():
             err = _maxdiff(a, b)
             assert err < 1e-12, f"{name}: ring vs single-process max |diff| {err:.3e}"
-        # and the textbook, in float64
-        ref_out, ref_lse = reference.attention_with_lse(q, k, v, causal=causal, scale=scale)
-        assert _maxdiff(ol, _sh(ref_out, 1, layout)) < 1e-12
-        assert _maxdiff(ll, _sh(ref_lse, 2, layout)) < 1e-12
+        if not terms and rel is None:  # and the textbook, in float64
+            ref_out, ref_lse = reference.attention_with_lse(q, k, v, causal=causal, scale=scale)
+            assert _maxdiff(ol, _sh(ref_out, 1, layout)) < 1e-12
+            assert _maxdiff(ll, _sh(ref_lse, 2, layout)) < 1e-12
         return
     # low precision: error vs the float64 textbook within 2x the single-process kernel's + floor
+    assert not terms and rel is None and not lse_loss
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = reference.attention_with_lse(q64, k64, v64, causal=causal, scale=scale)
     (ref_out * g.double()).sum().backward()
@@ -142,17 +174,14 @@ def _expect(exc, match, fn, *args, **kw):
 
 def _case_errors(rank, world):
     q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
-    for kw, name in (({"window": (3, 0)}, "window"), ({"alibi_slopes": torch.ones(2)}, "alibi_slopes"),
-                     ({"rel_bias": torch.zeros(2, 5)}, "rel_bias"), ({"softcap": 30.0}, "softcap"),
-                     ({"dropout_p": 0.1}, "dropout_p")):
-        _expect(NotImplementedError, name, cp.ring_attention, q, q, q, causal=True, **kw)
-    # the lse is returned but its gradient is refused, never silently dropped
-    qg = q.clone().requires_grad_()
-    out, lse = cp.ring_attention(qg, q, q, causal=True, return_lse=True)
-    _expect(NotImplementedError, "lse", (out.sum() + lse.sum()).backward)
-    out, lse = cp.ring_attention(qg, q, q, causal=True, return_lse=True)
-    (out.sum() + lse.detach().sum()).backward()
-    assert qg.grad is not None
+    # bad term arguments are refused before any communication, naming the argument
+    _expect(ValueError, "window must be", cp.ring_attention, q, q, q, window=(3,))
+    _expect(ValueError, "dropout_p must be in", cp.ring_attention, q, q, q, dropout_p=1.0)
+    _expect(ValueError, "softcap must be", cp.ring_attention, q, q, q, softcap=-1.0)
+    _expect(ValueError, "rel_bias must have shape", cp.ring_attention, q, q, q,
+            rel_bias=torch.zeros(3, 5, dtype=torch.float64))
+    _expect(ValueError, "alibi_slopes must have shape", cp.ring_attention, q, q, q,
+            alibi_slopes=torch.ones(3, dtype=torch.float64))
     # a context-parallel layer refuses what the ring cannot do (before any communication)
     mha = attn_ext.MultiHeadAttention(16, 2).double().set_context_parallel(dist.group.WORLD)
     x = torch.randn(1, 4, 16, dtype=torch.float64)
@@ -297,11 +326,29 @@ CASES = {
     "causal_zigzag_f32": lambda r, w: _ring_vs_single(r, w, layout="zigzag", causal=True, dtype=torch.float32),
     "causal_zigzag_bf16": lambda r, w: _ring_vs_single(
         r, w, layout="zigzag", causal=True, S_local=16, dtype=torch.bfloat16),
+    # terms at global positions (float64, against single-process attn_ext.attention)
+    "window_zigzag": lambda r, w: _ring_vs_single(
+        r, w, layout="zigzag", causal=True, S_local=12, terms={"window": (7, 0)}),
+    "window_bidir_contiguous": lambda r, w: _ring_vs_single(
+        r, w, layout="contiguous", causal=False, S_local=9, terms={"window": (5, 3)}),
+    "alibi_rel_softcap_zigzag": lambda r, w: _ring_vs_single(
+        r, w, layout="zigzag", causal=True, S_local=10,
+        terms={"alibi_slopes": torch.rand(4) * 0.5, "rel_bias": 6, "softcap": 4.0}),
+    "rel_bias_full_contiguous_lse": lambda r, w: _ring_vs_single(
+        r, w, layout="contiguous", causal=False, S_local=7, terms={"rel_bias": 9}, lse_loss=True),
+    "dropout_zigzag": lambda r, w: _ring_vs_single(
+        r, w, layout="zigzag", causal=True, S_local=14, terms={"dropout_p": 0.3}),
+    "dropout_window_alibi_contiguous": lambda r, w: _ring_vs_single(
+        r, w, layout="contiguous", causal=False, S_local=11,
+        terms={"dropout_p": 0.2, "window": (6, 6), "alibi_slopes": torch.rand(4)}),
+    "causal_lse_loss": lambda r, w: _ring_vs_single(r, w, layout="zigzag", causal=True, lse_loss=True),
     "shard_roundtrip": _case_shard_roundtrip,
     "subgroups": _case_subgroups,
     "errors": _case_errors,
     "tinygpt_cp_rope_zigzag": _case_tinygpt_cp,
     "tinygpt_cp_learned_contiguous": lambda r, w: _case_tinygpt_cp(r, w, layout="contiguous", pos="learned", steps=2),
+    "tinygpt_cp_relative_zigzag": lambda r, w: _case_tinygpt_cp(r, w, pos="relative", steps=2),
+    "tinygpt_cp_alibi_contiguous": lambda r, w: _case_tinygpt_cp(r, w, layout="contiguous", pos="alibi", steps=2),
     "ddp_f64": lambda r, w: _case_data_parallel(r, w, "ddp", torch.float64),
     "ddp_f32": lambda r, w: _case_data_parallel(r, w, "ddp", torch.float32),
     "fsdp2_f64": lambda r, w: _case_data_parallel(r, w, "fsdp2", torch.float64),
@@ -310,7 +357,8 @@ CASES = {
 
 W2_CASES = [c for c in CASES if c != "subgroups"]
 W4_CASES = ["causal_zigzag_gqa", "full_contiguous_dv_scale", "causal_contiguous_mqa_packed",
-            "subgroups", "tinygpt_cp_rope_zigzag"]
+            "subgroups", "tinygpt_cp_rope_zigzag", "window_zigzag", "alibi_rel_softcap_zigzag",
+            "dropout_zigzag", "causal_lse_loss"]
 W4_SLOW_CASES = [c for c in CASES if c not in W4_CASES]
 
 # ---------------------------------------------------------------------------------------
@@ -435,7 +483,7 @@ def test_step_calls_cover_the_mask_exactly(world, causal, layout):
             for q0, q1, k0, k1, kc in cp._step_calls(cp.chunk_ids(rank, world, layout),
                                                      cp.chunk_ids(src, world, layout), c, causal):
                 kernel_calls += 1
-                assert kc.window is None  # causal / full only: today's kernels
+                assert kc.window is None and kc.q_start is None  # equal chunks: causal / full
                 mask = _kernel_mask(q1 - q0, k1 - k0, kc)
                 qi, kj = q_pos[q0:q1], k_pos[k0:k1]
                 assert mask.any(), "a call with nothing visible should have been skipped"
@@ -450,10 +498,11 @@ def test_step_calls_cover_the_mask_exactly(world, causal, layout):
 
 def _kernel_mask(sq, sk, args):
     """The (sq, sk) mask the kernel applies for BlockArgs, by DESIGN.md's rule
-    (d = i + (sk - sq) - j; causal: d >= 0; window (left, right): -right <= d <= left)."""
+    (d = i + (sk - sq) - j, or (q_start + i) - (k_start + j) at a global position;
+    causal: d >= 0; window (left, right): -right <= d <= left)."""
     i = torch.arange(sq)[:, None]
     j = torch.arange(sk)[None, :]
-    d = i + (sk - sq) - j
+    d = i + (sk - sq) - j if args.q_start is None else (args.q_start + i) - (args.k_start + j)
     keep = torch.ones(sq, sk, dtype=torch.bool)
     if args.causal:
         keep &= d >= 0
@@ -487,36 +536,35 @@ def test_block_call_rule():
     assert cp.block_call(5, 5, 5, 5, causal=True) == T_  # the diagonal
     assert cp.block_call(5, 5, 0, 10, causal=True) == T_  # bottom-right aligned tail
     assert cp.block_call(0, 5, 10, 5, causal=False) == F_
-    assert cp.block_call(2, 5, 0, 5, causal=True) == cp.BlockArgs(False, (-1, 2))  # needs a window
+    # a band the kernel's own alignment cannot express: the global rule at the global position
+    assert cp.block_call(2, 5, 0, 5, causal=True) == cp.BlockArgs(True, None, 2, 0)
+    assert cp.block_call(0, 5, 20, 5, causal=False, window=(-1, 3)) is None  # beyond the window
+    assert cp.block_call(30, 5, 0, 5, causal=True, window=(8, 0)) is None
+    # terms that read positions: every visible block gets its global position
+    assert cp.block_call(10, 5, 0, 5, True, None, positional=True) == cp.BlockArgs(False, None, 10, 0)
+    assert cp.block_call(5, 5, 5, 5, True, None, positional=True) == cp.BlockArgs(True, None, 5, 5)
 
 
 def test_block_call_matches_the_global_mask():
     """Whatever block_call returns reproduces the global causal/window mask exactly under the
-    kernel's own alignment (None: nothing visible); otherwise it raises (a band that needs a
-    negative window edge, i.e. a position offset the ops do not take yet)."""
+    kernel's rule (None: nothing visible, and never a call for an invisible block)."""
     import random
 
     rng = random.Random(0)
-    checked = raised = 0
     for _ in range(3000):
         sq, sk = rng.randint(1, 6), rng.randint(1, 6)
         q_start, k_start = rng.randint(0, 12), rng.randint(0, 12)
         causal = rng.random() < 0.5
         window = None if rng.random() < 0.3 else (rng.randint(-1, 6), rng.randint(-1, 6))
+        positional = rng.random() < 0.3
         want = _global_mask(q_start, sq, k_start, sk, causal, window)
-        try:
-            args = cp.block_call(q_start, sq, k_start, sk, causal, window)
-        except NotImplementedError:
-            raised += 1
-            # causal alone is always expressible for chunk-aligned equal blocks (the ring's case)
-            assert not (window is None and sq == sk and (q_start - k_start) % sq == 0)
-            continue
+        args = cp.block_call(q_start, sq, k_start, sk, causal, window, positional)
         got = torch.zeros(sq, sk, dtype=torch.bool) if args is None else _kernel_mask(sq, sk, args)
         assert torch.equal(got, want), (q_start, sq, k_start, sk, causal, window, args)
         if args is not None:
-            assert want.any()  # never a call for an invisible block
-        checked += 1
-    assert checked > 2000 and raised < checked
+            assert want.any()
+            if positional:
+                assert args.q_start == q_start and args.k_start == k_start
 
 
 def test_needs_a_process_group():

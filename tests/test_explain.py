@@ -52,7 +52,9 @@ def test_cuda_constants_match_the_headers():
     launch = kc.source("csrc/cuda/attention_launch.h")
     for fn in ("fwd_fast_grid_ok", "bwd_fast_grid_ok"):
         body = kc.block(launch, r"inline\s+bool\s+" + fn + r"\s*\([^)]*\)\s*\{")
-        assert "p.Sq + p.Sk < kMaxFastSeqLen" in body, fn
+        assert "fast_lengths_ok(p)" in body, fn
+    body = kc.block(launch, r"inline\s+bool\s+fast_lengths_ok\s*\([^)]*\)\s*\{")
+    assert "p.Sq + p.Sk + shift < kMaxFastSeqLen" in body  # explain() calls have no shift
     assert kc.fwd_fast_head_dims() == X.CUDA_FWD_FAST_HEAD_DIMS
     assert kc.bwd_fast_head_dims() == X.CUDA_BWD_FAST_HEAD_DIMS
     fwd, bwd = kc.launch_function("fwd_smem_bytes"), kc.launch_function("bwd_smem_bytes")
@@ -77,6 +79,21 @@ def test_cuda_constants_match_the_headers():
     for cond in ("p.D != 64 && p.D != 128", "aligned16(dout)", "if (deterministic) return false;",
                  "bwd_smem_bytes(p.D) > max_smem_optin", "force_simple()"):
         assert cond in fast_bwd, cond
+    # score terms (issue 15): the fast forward has all but dropout, the fast backward none;
+    # the split-KV plan does not look
+    assert "if (p.score_terms().has_dropout()) return false;" in fast_fwd
+    assert "if (!p.score_terms().plain()) return false;" in fast_bwd
+    launch = kc.block(kc.source("csrc/cuda/attention_launch.h"),
+                      r"cudaError_t\s+launch_fa2_fwd_d\s*\([^)]*\)\s*\{")
+    assert "if (p.terms.has_dropout()) return cudaErrorInvalidValue;" in launch
+    assert "if (!p.terms.plain())" in launch
+    assert "score_terms" not in split and "terms" not in split
+    # the backward never sees the sinks (they reach it through lse), so they cannot turn the
+    # fast backward off: the adapter passes no_sinks to the terms it fills
+    bwd_fn = kc.block(cu, r"attention_backward_cuda\s*\(")
+    assert "{alibi_slopes, rel_bias, softcap, no_sinks, dropout_p" in bwd_fn
+    assert "if (!p.score_terms().plain()) return false;" in kc.block(
+        kc.source("csrc/cpu/attention_decode.h"), r"bool\s+decode_supported\s*\([^)]*\)\s*\{")
     assert "bool force_simple() { return g_kernel_mode.load(std::memory_order_relaxed) == 1; }" in cu
     assert f'm.impl("{X.FORCE_SIMPLE_OP}"' in cu
 
@@ -216,3 +233,40 @@ def test_cuda_backward_rules():
     assert path == "cuda.simple" and "head dim 96 not in [64, 128]" in why
     path, why, _ = bwd(shape(D=64), torch.bfloat16, True, H200["smem_optin"], False, dout_aligned=False)
     assert path == "cuda.simple" and "dout not 16-byte aligned" in why
+
+
+def test_score_terms_rules():
+    """Dropout turns the fast CUDA forward off, any term but sinks the fast backward (sinks
+    reach it through lse), any term the CPU decode kernel; split-KV keeps them all."""
+    assert X.score_terms_of() == ()
+    assert X.score_terms_of(rel_bias=torch.zeros(1, 3), softcap=2.0, dropout_p=0.1) == (
+        "rel_bias", "softcap", "dropout_p")
+    assert X.score_terms_of(alibi_slopes=torch.ones(2), sinks=torch.zeros(2)) == ("alibi_slopes", "sinks")
+    assert X.score_terms_of(dropout_p=0.0) == ()
+    fwd, bwd = X.cuda_forward_choice, X.cuda_backward_choice
+    path, why, _ = fwd(shape(D=128), torch.bfloat16, True, terms=("rel_bias", "softcap", "sinks"), **H200)
+    assert path == "cuda.fa2" and "with the score terms rel_bias, softcap, sinks" in why
+    path, why, _ = fwd(shape(D=64), torch.float16, True, terms=("sinks", "dropout_p"), **H200)
+    assert path == "cuda.simple" and "dropout_p (the fast kernel has no dropout)" in why
+    path, why, det = fwd(shape(Sq=1, Sk=4096, H=4, Hkv=1, D=128), torch.bfloat16, True,
+                         terms=("alibi_slopes",), **H200)
+    assert path == "cuda.split_kv" and det["n_split"] == 32, why
+    path, why, _ = bwd(shape(D=128), torch.bfloat16, True, H200["smem_optin"], False,
+                       dout_aligned=True, terms=("softcap",))
+    assert path == "cuda.simple" and "score terms softcap (the fast backward has none)" in why
+    assert bwd(shape(D=128), torch.bfloat16, True, H200["smem_optin"], False, dout_aligned=True,
+               terms=())[0] == "cuda.fa2"
+    # CPU: the decode kernel has no terms
+    s = shape(B=1, Sq=1, Sk=1500, H=8, Hkv=2)
+    assert X.cpu_decode_plan(s, torch.float32, 4, ("sinks",)) is None
+    with_terms = X._explain_cpu(s, torch.float32, 4, ("rel_bias",))
+    assert with_terms.forward == "cpu.split_kv", str(with_terms)
+    q, k, v = randn(1, 1, 8, 32), randn(1, 1500, 2, 32), randn(1, 1500, 2, 32)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        choice = attn_ext.explain(q, k, v, causal=True, sinks=torch.zeros(8))
+    finally:
+        torch.set_num_threads(prev)
+    assert choice.forward != "cpu.decode", str(choice)
+    assert choice.forward == X._explain_cpu(s, torch.float32, 2, ("sinks",)).forward

@@ -425,8 +425,11 @@ def test_mha_key_padding_and_window(causal):
     assert max_err(out, _mha_reference(layer, x, kpm, layer_window(layer))) < 1e-12
     scripted = torch.jit.script(layer)
     assert max_err(scripted(x, None, None, False, kpm)[0], out) < 1e-12
-    with pytest.raises(ValueError, match="need_weights"):
-        layer(x, key_padding_mask=kpm, need_weights=True)
+    out_w, w = layer(x, key_padding_mask=kpm, need_weights=True)  # weights honour the masks
+    assert max_err(out_w, out) < 1e-12
+    keep = reference.visibility_mask(20, 20, causal, layer_window(layer), kpm)
+    assert torch.all(w[~keep.expand_as(w)] == 0)
+    assert max_err(scripted(x, None, None, True, kpm)[1], w) < 1e-12
 
 
 def layer_window(layer):

@@ -3,6 +3,8 @@
 // Host and device; no ATen types. DESIGN.md, "Attention variants":
 //
 //   off = Sk - Sq  (of the row's own sequence),  d = i + off - j
+//   (a block of a longer sequence, q_start / k_start of the dense ops: off = q_start - k_start,
+//    through MaskParams::pos_shift, so d is the global distance)
 //   row i sees key j  iff  -right <= d <= left           (window; -1 = unbounded side;
 //                                                          causal is right = 0)
 //                      and key_padding_mask[b, j]        (when given; True = valid)
@@ -26,6 +28,8 @@
 
 #include <cmath>
 #include <cstdint>
+
+#include "common/dropout_rng.h"
 
 #if defined(__CUDACC__)
 #include <cassert>
@@ -55,6 +59,9 @@ struct MaskParams {
   // When packed: the number of sequences and of packed q / k rows (Tq, Tk), against which
   // seq(b) checks the cu_seqlens values (on CUDA they are never read on the host).
   int64_t n_seq = 0, total_q = 0, total_k = 0;
+  // Added to every sequence's off = Sk - Sq: nonzero when the call is a block of a longer
+  // sequence at global positions (q_start, k_start), then off = q_start - k_start.
+  int64_t pos_shift = 0;
 };
 
 enum class TileKind : int { kInvisible = 0, kPartial = 1, kFull = 2 };
@@ -148,7 +155,7 @@ struct Visibility {
       s.Sq = Sq;
       s.Sk = Sk;
     }
-    s.off = s.Sk - s.Sq;
+    s.off = s.Sk - s.Sq + m.pos_shift;
     return s;
   }
 
@@ -295,6 +302,10 @@ struct ScoreTerms {
   const void* sinks = nullptr;    // (H,)
   double dropout_p = 0.0;         // drop probability in [0, 1)
   uint64_t dropout_seed = 0, dropout_offset = 0;
+  // Global index of the call's first query row / key (q_start / k_start; 0 otherwise): the
+  // keep bit is drawn for (b, h, row0 + i, col0 + j), so a block of a longer sequence drops
+  // what the whole-sequence call drops.
+  int64_t dropout_row0 = 0, dropout_col0 = 0;
 
   ATTN_MASK_FN bool active() const {
     return softcap > 0.0 || alibi != nullptr || rel_bias != nullptr;
@@ -312,16 +323,48 @@ struct ScoreTerms {
   ATTN_MASK_FN T sink(int64_t h) const {
     return static_cast<const T*>(sinks)[h];
   }
+  // A row's normalisation with sinks[h] joining its softmax denominator (DESIGN.md: every
+  // row's, and lse includes it), in double: m2 and l are the running max (log2 units) and sum
+  // of exp2(s2 - m2) over the row's keys, seen = (l != 0). Returns the factor that multiplies
+  // the row's unnormalised output and writes its lse (natural units): a row that saw no key
+  // gets factor 0 and lse = sinks[h]; a NaN m2 or l gives NaN. T: the table's type.
+  template <typename T>
+  ATTN_MASK_FN double sink_normalise(int64_t h, double m2, double l, bool seen, double* lse) const {
+    using std::exp2;
+    using std::log2;
+    constexpr double kLog2e_ = 1.4426950408889634074, kLn2_ = 0.69314718055994530942;
+    const double sink2 = static_cast<double>(sink<T>(h)) * kLog2e_;
+    const double mc = seen ? m2 : -INFINITY;
+    const double mm = mc > sink2 ? mc : sink2;
+    const double w = seen ? exp2(mc - mm) : 0.0;  // weight of the keys' part
+    const double total = l * w + exp2(sink2 - mm);
+    *lse = (mm + log2(total)) * kLn2_;
+    return seen ? w / total : 0.0;
+  }
+
+  // Dropout: the row key of local row i of (b, h), and the global column of local key j
+  // (for dropout::word / dropout::keep of common/dropout_rng.h).
+  ATTN_MASK_FN uint64_t dropout_row_key(int64_t b, int64_t h, int64_t i) const {
+    return dropout::row_key(dropout_seed, dropout_offset, b, h, dropout_row0 + i);
+  }
+  ATTN_MASK_FN int64_t dropout_col(int64_t j) const { return dropout_col0 + j; }
+
   ATTN_MASK_FN static int64_t clamp_d(int64_t d, int64_t M) {
     return d < -M ? -M : (d > M ? M : d);
   }
 
   // The score after the terms (natural units), given the scaled dot product s and
-  // d = i + off - j: the per-element form of the rule (CUDA kernels, emulator).
+  // d = i + off - j: the per-element form of the rule (CUDA kernels, emulator). With softcap,
+  // tanh(s / softcap) is also written to *th when th is given (the backward's chain factor
+  // 1 - th^2, as apply_row).
   template <typename T>
-  ATTN_MASK_FN T add(T s, int64_t b, int64_t h, int64_t d) const {
+  ATTN_MASK_FN T add(T s, int64_t b, int64_t h, int64_t d, T* th = nullptr) const {
     using std::tanh;
-    if (softcap > 0.0) s = static_cast<T>(softcap) * tanh(s / static_cast<T>(softcap));
+    if (softcap > 0.0) {
+      const T t = tanh(s / static_cast<T>(softcap));
+      if (th != nullptr) *th = t;
+      s = static_cast<T>(softcap) * t;
+    }
     if (alibi != nullptr) s -= slope<T>(b, h) * static_cast<T>(d < 0 ? -d : d);
     if (rel_bias != nullptr) {
       s += static_cast<const T*>(rel_bias)[h * (2 * rel_max + 1) + rel_max + clamp_d(d, rel_max)];

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include "common/attention_checks.h"
 #include "common/attention_mask.h"
@@ -41,6 +42,31 @@ inline void fill_mask_params(AttentionParams& p, const AttentionShape& s, const 
     p.mask.kpm_batch_stride = kpm.stride(0);
     p.mask.kpm_key_stride = kpm.stride(1);
   }
+}
+
+// q_start / k_start of the dense ops: the call is the block of queries [q_start, q_start + Sq)
+// and keys [k_start, k_start + Sk) of one longer sequence (ring attention). Positions are
+// then global: d = (q_start + i) - (k_start + j) for causal, window, ALiBi and rel_bias (off
+// = q_start - k_start instead of Sk - Sq), and dropout draws the keep bit of (q_start + i,
+// k_start + j). Both None: the call is the whole problem (off = Sk - Sq, dropout of (i, j)).
+// Call after fill_score_terms (it reads p.terms.sinks).
+inline void fill_block_position(AttentionParams& p, const AttentionShape& s,
+                                std::optional<int64_t> q_start, std::optional<int64_t> k_start) {
+  STD_TORCH_CHECK(q_start.has_value() == k_start.has_value(),
+                  "q_start and k_start must be given together (a block's global position) or "
+                  "both be None, got q_start = ",
+                  q_start.has_value() ? std::to_string(*q_start) : std::string("None"),
+                  ", k_start = ",
+                  k_start.has_value() ? std::to_string(*k_start) : std::string("None"));
+  if (!q_start.has_value()) return;
+  STD_TORCH_CHECK(*q_start >= 0, "q_start must be >= 0, got ", *q_start);
+  STD_TORCH_CHECK(p.terms.sinks == nullptr,
+                  "sinks cannot be combined with q_start / k_start: a block's lse would count "
+                  "the sink once per block (add it once, after merging the blocks)");
+  STD_TORCH_CHECK(*k_start >= 0, "k_start must be >= 0, got ", *k_start);
+  p.mask.pos_shift = (*q_start - *k_start) - (s.Sk - s.Sq);
+  p.terms.dropout_row0 = *q_start;
+  p.terms.dropout_col0 = *k_start;
 }
 
 // dlse: the gradient of the forward's lse, same shape and dtype.

@@ -1,7 +1,8 @@
 // Tensor-facing (stable ABI) half of the score terms (issue 15): input checks of alibi_slopes / rel_bias /
-// softcap / sinks / dropout and the filling of AttentionParams::terms, shared by the CPU
-// adapters (the CUDA adapter refuses the terms through score_terms_requested). The rule itself
-// is PyTorch-free, in common/attention_mask.h (ScoreTerms). Every failure names the argument.
+// softcap / sinks / dropout, the filling of AttentionParams::terms and the d rel_bias output,
+// shared by the CPU adapters (csrc/cpu/attention_fwd.cpp / attention_bwd.cpp) and the CUDA
+// adapter (csrc/cuda/attention.cu). The rule itself is PyTorch-free, in
+// common/attention_mask.h (ScoreTerms). Every failure names the argument.
 #pragma once
 
 #include <cmath>
@@ -82,6 +83,13 @@ inline void fill_score_terms(AttentionParams& p, const ScoreArgs& a, const Tenso
   t.dropout_p = a.dropout_p;
   t.dropout_seed = static_cast<uint64_t>(a.dropout_seed);
   t.dropout_offset = static_cast<uint64_t>(a.dropout_offset);
+}
+
+// d rel_bias output of the backward ops: zeros like rel_bias (the kernels write or accumulate
+// into it), or an empty (0,) tensor of the accumulation type without it.
+inline Tensor make_drel_bias(const OptTensor& rel_bias, const Tensor& q) {
+  if (!rel_bias.has_value()) return alloc(q, {0}, lse_dtype(q.scalar_type()));
+  return alloc_zeros(*rel_bias, sizes_vec(*rel_bias), rel_bias->scalar_type());
 }
 
 }  // namespace attn_ext

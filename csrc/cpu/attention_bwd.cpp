@@ -258,8 +258,8 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     if (with_terms) pt.terms(s.st.data(), th);
     K.exp_sub(s.st.data(), nk, C, blk + L.lse);                                      // pass 2
     if (dropout) {
-      dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, j0, s.rk.data(), s.words.data(), thresh,
-                   inv_keep);
+      dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, terms.dropout_col(j0), s.rk.data(),
+                   s.words.data(), thresh, inv_keep);
     }
     if (dvt != nullptr) K.gemm(nk, Dvp, nq, pv, C, 1, dor, Dvp, dvt, ldv, true);      // pass 3
     K.gemm(nk, C, Dv, s.vb.data(), Dvp, 1, dot, kBlockQ, s.dpt.data(), C, false);   // pass 4
@@ -305,8 +305,8 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   // pass 2: P^T (0 where hidden)
   K.exp_sub(s.st.data(), nk, C, blk + L.lse);
   if (dropout) {
-    dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, j0, s.rk.data(), s.words.data(), thresh,
-                 inv_keep);
+    dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, terms.dropout_col(j0), s.rk.data(),
+                 s.words.data(), thresh, inv_keep);
   }
   // pass 4: dP^T = v dout^T on the visible column panels, then 0 where hidden
   for (int64_t r0 = 0; r0 < nk; r0 += 6) {
@@ -451,7 +451,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     const int64_t hkv = h / group;
     if (terms.has_dropout()) {
       for (int64_t c = 0; c < nq; ++c) {
-        s.rk[c] = dropout::row_key(terms.dropout_seed, terms.dropout_offset, b, h, i0 + c);
+        s.rk[c] = terms.dropout_row_key(b, h, i0 + c);
       }
     }
     const Range keys = vis.band_keys_of_rows(sq, i0, i0 + nq);
@@ -555,12 +555,6 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
 
 using BwdResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
-// d rel_bias output: zeros like rel_bias, or an empty (0,) tensor without it.
-Tensor make_drel_bias(const OptTensor& rel_bias, const Tensor& q) {
-  if (!rel_bias.has_value()) return alloc(q, {0}, lse_dtype(q.scalar_type()));
-  return alloc_zeros(*rel_bias, sizes_vec(*rel_bias), rel_bias->scalar_type());
-}
-
 // deterministic: ignored, the CPU backward is always deterministic (work units own the
 // gradients they write; partial sums are reduced in a fixed order).
 BwdResult attention_backward_cpu(
@@ -568,7 +562,8 @@ BwdResult attention_backward_cpu(
     const Tensor& lse_in, bool causal, std::optional<double> scale, int64_t window_left,
     int64_t window_right, const OptTensor& key_padding_mask, const OptTensor& dlse_in,
     const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
-    double dropout_p, int64_t dropout_seed, int64_t dropout_offset, bool deterministic) {
+    double dropout_p, int64_t dropout_seed, int64_t dropout_offset, bool deterministic,
+    std::optional<int64_t> q_start, std::optional<int64_t> k_start) {
   (void)deterministic;
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_attention_bwd_inputs(dout, out, lse_in, q, s);
@@ -583,6 +578,7 @@ BwdResult attention_backward_cpu(
   const OptTensor no_sinks;
   fill_score_terms(bp.fwd, {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed,
                             dropout_offset}, q, s.B, s.H);
+  fill_block_position(bp.fwd, s, q_start, k_start);
   Tensor drel_bias = make_drel_bias(rel_bias, q);
   if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
   if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv, drel_bias};

@@ -156,8 +156,7 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   if (dropout) {
     for (int64_t hh = 0; hh < qt_.nh; ++hh) {
       for (int64_t ii = 0; ii < qt_.nq; ++ii) {
-        s.rk[hh * qt_.nq + ii] = dropout::row_key(terms.dropout_seed, terms.dropout_offset,
-                                                  qt_.b, qt_.h0 + hh, qt_.i0 + ii);
+        s.rk[hh * qt_.nq + ii] = terms.dropout_row_key(qt_.b, qt_.h0 + hh, qt_.i0 + ii);
       }
     }
   }
@@ -254,7 +253,8 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     K.softmax(s.st.data(), nk, C, s.m.data(), s.l.data(), s.alpha.data());
     // dropout on the probabilities (the sum l above is of the undropped ones)
     if (dropout) {
-      dropout_tile(s.st.data(), s.st.data(), nk, C, cols, j0, s.rk.data(), s.words.data(),
+      dropout_tile(s.st.data(), s.st.data(), nk, C, cols, terms.dropout_col(j0), s.rk.data(),
+                   s.words.data(),
                    thresh, inv_keep);
     }
     // pass 3: o = alpha * o + st^T vb
@@ -309,22 +309,18 @@ void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, in
   if (terms.has_sinks()) {
     for (int64_t hh = 0; hh < t.nh; ++hh) {
       const int64_t h = t.h0 + hh;
-      const double sink2 = static_cast<double>(terms.sink<acc_t>(h)) * kLog2e;
       for (int64_t ii = 0; ii < t.nq; ++ii) {
         const int64_t c = hh * t.nq + ii;
         const int64_t i = t.i0 + ii;
-        const bool seen = l[c] != acc_t(0);
-        const double mc = seen ? static_cast<double>(m[c]) : -std::numeric_limits<double>::infinity();
-        const double mm = std::max(mc, sink2);
-        const double wrow = seen ? std::exp2(mc - mm) : 0.0;  // weight of the keys' part
-        const double total = static_cast<double>(l[c]) * wrow + std::exp2(sink2 - mm);
-        const acc_t inv = static_cast<acc_t>(seen ? wrow / total : 0.0);
+        double lse_row;
+        const acc_t inv = static_cast<acc_t>(terms.sink_normalise<acc_t>(
+            h, static_cast<double>(m[c]), static_cast<double>(l[c]), l[c] != acc_t(0), &lse_row));
         scalar_t* orow = out + t.b * p.out_batch_stride + (t.s.q0 + i) * p.out_row_stride +
                          h * p.out_head_stride;
         const acc_t* src = o + c * Dvp;
         for (int64_t d = 0; d < p.Dv; ++d) orow[d] = static_cast<scalar_t>(src[d] * inv);
         lse[t.b * p.lse_batch_stride + h * p.lse_head_stride + t.s.q0 + i] =
-            static_cast<acc_t>((mm + std::log2(total)) * kLn2);
+            static_cast<acc_t>(lse_row);
       }
     }
     return;
@@ -434,7 +430,8 @@ std::tuple<Tensor, Tensor> attention_forward_cpu(
     const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
     int64_t window_left, int64_t window_right, const OptTensor& key_padding_mask,
     const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
-    const OptTensor& sinks, double dropout_p, int64_t dropout_seed, int64_t dropout_offset) {
+    const OptTensor& sinks, double dropout_p, int64_t dropout_seed, int64_t dropout_offset,
+    std::optional<int64_t> q_start, std::optional<int64_t> k_start) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   Tensor out = alloc(q, {s.B, s.Sq, s.H, s.Dv});
   Tensor lse = alloc(q, {s.B, s.H, s.Sq}, lse_dtype(q.scalar_type()));
@@ -442,6 +439,7 @@ std::tuple<Tensor, Tensor> attention_forward_cpu(
   fill_mask_params(p, s, q, causal, window_left, window_right, key_padding_mask);
   fill_score_terms(p, {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset},
                    q, s.B, s.H);
+  fill_block_position(p, s, q_start, k_start);
   if (s.B * s.H * s.Sq == 0) return {out, lse};
   ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), "attention_forward",
                              [&] { attention_fwd_kernel<scalar_t>(p); });

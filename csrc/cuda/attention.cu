@@ -38,9 +38,16 @@
 // sequence from Visibility::seq(b)) and dlse all run on the fast kernels when the conditions
 // above hold (for packed input Sq / Sk are max_seqlen_q / max_seqlen_k, and the alignment is
 // that of the (T, heads, D) tensors), else on the simple ones; every kernel takes what a row
-// sees from common/attention_mask.h. Packed input has no split-KV path. The score terms of
-// issue 15 (alibi_slopes, rel_bias, softcap, sinks, dropout) are refused on CUDA for now,
-// naming the argument.
+// sees from common/attention_mask.h. Packed input has no split-KV path. Blocks at a global
+// position (q_start / k_start) too: the offset comes from seq(b).off.
+// Score terms (issue 15: alibi_slopes, rel_bias, softcap, sinks, dropout_p; checked and filled
+// by common/score_checks.h as on the CPU): split-KV and the simple kernels take all of them;
+// the fast forward takes softcap, ALiBi, rel_bias and sinks (its kTerms instances) but not
+// dropout (dropout_p > 0: step 0 or 2); the fast backward takes none (any term but sinks,
+// which reach the backward only through lse: the simple kernels). The backward's d rel_bias
+// is a fixed-order reduction (simple kernels' pass 3 and 4, no atomics): every gradient of the
+// simple kernels, d rel_bias included, is bitwise reproducible, so deterministic=True needs
+// nothing else.
 
 #include <atomic>
 #include <cstdint>
@@ -85,15 +92,21 @@ void check_grid_rows(int64_t rows, const char* what) {
               ") for one launch");
 }
 
-// The CUDA kernels do not take the score terms of issue 15 yet (alibi_slopes, rel_bias, softcap, sinks, dropout).
-void check_cuda_terms_unsupported(const ScoreArgs& a) {
-  const char* what = a.alibi_slopes.has_value() ? "alibi_slopes"
-                     : a.rel_bias.has_value()   ? "rel_bias"
-                     : a.softcap.has_value()    ? "softcap"
-                     : a.sinks.has_value()      ? "sinks"
-                                                : "dropout_p";
-  STD_TORCH_CHECK(!score_terms_requested(a), "attention on CUDA: ", what,
-                  " is not supported yet (CPU only)");
+// The score terms of a call (common/score_checks.h), checked before the early returns for
+// empty inputs as the CPU adapter does; the caller copies them into its params.
+ScoreTerms checked_terms(const ScoreArgs& a, const Tensor& q, const AttentionShape& s) {
+  AttentionParams holder{};
+  fill_score_terms(holder, a, q, s.B, s.H);
+  return holder.terms;
+}
+
+// d rel_bias's per-diagonal workspace (B, H, Sq + Sk - 1) float64 of the simple backward
+// (attention_simple_kernel.cuh pass 3), or an undefined tensor without rel_bias.
+Tensor drel_workspace(const AttentionBwdParams& bp, const Tensor& like) {
+  const AttentionParams& p = bp.fwd;
+  if (bp.drel_bias == nullptr) return Tensor();
+  check_grid_rows(p.B * p.H * (p.Sq + p.Sk - 1), "d rel_bias diagonal");
+  return alloc(like, {p.B, p.H, p.Sq + p.Sk - 1}, dtype::kDouble);
 }
 
 // Base pointer 16-byte aligned and every stride but the last dim's a multiple of 8 elements
@@ -163,11 +176,11 @@ bool use_fast_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                       const AttentionParams& p) {
   const auto dt = q.scalar_type();
   if (dt != dtype::kHalf && dt != dtype::kBFloat16) return false;
-  if (!p.terms.plain()) return false;  // the fast kernels add no score term
   if (p.D != p.Dv || !cuda::fa2::fwd_fast_head_dim(p.D)) return false;
   if (p.Sk <= 0 || p.Sq <= 0) return false;
   if (!aligned16(q) || !aligned16(k) || !aligned16(v)) return false;
   if (!cuda::fa2::fwd_fast_grid_ok(p)) return false;
+  if (p.score_terms().has_dropout()) return false;  // dropout: the simple kernel has it
   if (cuda::fa2::fwd_smem_bytes(p.D) > max_smem_optin(q.get_device_index())) return false;
   return !force_simple();
 }
@@ -176,11 +189,11 @@ bool use_fast_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
                        const Tensor& v, const AttentionParams& p, bool deterministic) {
   const auto dt = q.scalar_type();
   if (dt != dtype::kHalf && dt != dtype::kBFloat16) return false;
-  if (!p.terms.plain()) return false;  // the fast kernels add no score term
   if (p.D != p.Dv || (p.D != 64 && p.D != 128)) return false;
   if (p.Sk <= 0 || p.Sq <= 0) return false;
   if (!aligned16(q) || !aligned16(k) || !aligned16(v) || !aligned16(dout)) return false;
   if (!cuda::fa2::bwd_fast_grid_ok(p)) return false;
+  if (!p.score_terms().plain()) return false;  // score terms: the simple kernels have them
   if (deterministic) return false;
   // 155 KiB at D = 128: more than sm_86 / sm_89 / sm_120 allow per block
   if (cuda::fa2::bwd_smem_bytes(p.D) > max_smem_optin(q.get_device_index())) return false;
@@ -191,19 +204,22 @@ std::tuple<Tensor, Tensor> attention_forward_cuda(
     const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
     int64_t window_left, int64_t window_right, const OptTensor& key_padding_mask,
     const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
-    const OptTensor& sinks, double dropout_p, int64_t dropout_seed, int64_t dropout_offset) {
+    const OptTensor& sinks, double dropout_p, int64_t dropout_seed, int64_t dropout_offset,
+    std::optional<int64_t> q_start, std::optional<int64_t> k_start) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_cuda_head_dims(s);
-  check_cuda_terms_unsupported(
-      {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset});
   Tensor out = alloc(q, {s.B, s.Sq, s.H, s.Dv});
   Tensor lse = alloc(q, {s.B, s.H, s.Sq}, lse_dtype(q.scalar_type()));
+  const ScoreTerms terms = checked_terms(
+      {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset}, q, s);
   if (s.B * s.H * s.Sq == 0) return {out, lse};
   check_grid_rows(s.B * s.H * s.Sq, "query");
   const DeviceGuard guard(q.get_device_index());
   cudaStream_t stream = current_cuda_stream(q.get_device_index());
   AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
   fill_mask_params(p, s, q, causal, window_left, window_right, key_padding_mask);
+  p.terms = terms;  // before fill_block_position: it sets the dropout bases, checks sinks
+  fill_block_position(p, s, q_start, k_start);
   const SplitPlan split = plan_split(p, q.get_device_index());
   if (split.n_split > 1) {
     const int64_t items = s.B * s.H * s.Sq * split.n_split;
@@ -236,15 +252,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
     const Tensor& lse_in, bool causal, std::optional<double> scale, int64_t window_left,
     int64_t window_right, const OptTensor& key_padding_mask, const OptTensor& dlse,
     const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
-    double dropout_p, int64_t dropout_seed, int64_t dropout_offset, bool deterministic) {
+    double dropout_p, int64_t dropout_seed, int64_t dropout_offset, bool deterministic,
+    std::optional<int64_t> q_start, std::optional<int64_t> k_start) {
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_attention_bwd_inputs(dout, out, lse_in, q, s);
   check_cuda_head_dims(s);
   if (dlse.has_value()) check_dlse(*dlse, lse_in);
-  const OptTensor no_sinks;
-  check_cuda_terms_unsupported(
-      {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed, dropout_offset});
-  const Tensor drel_bias = alloc(q, {0}, lse_dtype(q.scalar_type()));
+  const OptTensor no_sinks;  // the backward reads the sinks through lse
+  const ScoreTerms terms = checked_terms(
+      {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed, dropout_offset}, q, s);
+  Tensor drel_bias = make_drel_bias(rel_bias, q);
   Tensor dq = alloc(q, {s.B, s.Sq, s.H, s.D});
   Tensor dk = alloc(q, {s.B, s.Sk, s.Hkv, s.D});
   Tensor dv = alloc(q, {s.B, s.Sk, s.Hkv, s.Dv});
@@ -268,6 +285,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
   AttentionBwdParams bp =
       make_attention_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, s, causal, scale);
   fill_mask_params(bp.fwd, s, q, causal, window_left, window_right, key_padding_mask);
+  bp.fwd.terms = terms;  // before fill_block_position: it sets the dropout bases
+  fill_block_position(bp.fwd, s, q_start, k_start);
+  if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
+  const Tensor drel_diag = drel_workspace(bp, lse);
   const Tensor dlse_c = dlse.has_value() ? torch::stable::contiguous(*dlse) : Tensor();
   if (dlse_c.defined()) bp.dlse = dlse_c.data_ptr();
   const bool fast = use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
@@ -282,7 +303,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
         return;
       }
     }
-    ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(bp, delta.data_ptr(), stream));
+    ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(
+        bp, delta.data_ptr(), drel_diag.defined() ? drel_diag.data_ptr() : nullptr, stream));
   });
   if (fast) torch::stable::copy_(dq, dq_accum);
   return {dq, dk, dv, drel_bias};
@@ -303,8 +325,8 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_cuda(
   const AttentionShape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                max_seqlen_k, scale);
   check_cuda_head_dims(s);
-  check_cuda_terms_unsupported(
-      {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset});
+  const ScoreTerms terms = checked_terms(
+      {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset}, q, s);
   const int64_t Tq = q.size(0);
   Tensor out = alloc(q, {Tq, s.H, s.Dv});
   Tensor lse = alloc(q, {s.H, Tq}, lse_dtype(q.scalar_type()));
@@ -315,6 +337,7 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_cuda(
   AttentionParams p = make_attention_params(unsqueeze(q, 0), unsqueeze(k, 0), unsqueeze(v, 0),
                                             unsqueeze(out, 0), lse, s, causal, scale);
   make_params_packed(p, s, Tq, k.size(0), cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
+  p.terms = terms;
   // p.Sq / p.Sk are the longest sequence's: the fast kernel's conditions on them hold for all
   const bool fast = use_fast_forward(q, k, v, p);
   dispatch_cuda_type(q.scalar_type(), "attention_varlen_forward", [&](auto tag) {
@@ -330,7 +353,8 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_cuda(
   return {out, lse};
 }
 
-// deterministic: True keeps the fast backward (fp32 dq atomics) out, as in the batched op.
+// deterministic: True keeps the fast backward (fp32 dq atomics) out, as in the batched op;
+// the simple kernels are always deterministic (no atomics; d rel_bias too).
 std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse_in, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
@@ -342,10 +366,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
                                                    cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                    scale, dlse);
   check_cuda_head_dims(s);
-  const OptTensor no_sinks;
-  check_cuda_terms_unsupported(
-      {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed, dropout_offset});
-  const Tensor drel_bias = alloc(q, {0}, lse_dtype(q.scalar_type()));
+  const OptTensor no_sinks;  // the backward reads the sinks through lse
+  const ScoreTerms terms = checked_terms(
+      {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed, dropout_offset}, q, s);
+  Tensor drel_bias = make_drel_bias(rel_bias, q);
   const int64_t Tq = q.size(0), Tk = k.size(0);
   Tensor dq = alloc_zeros(q, {Tq, s.H, s.D}, q.scalar_type());
   Tensor dk = alloc_zeros(q, {Tk, s.Hkv, s.D}, q.scalar_type());
@@ -360,6 +384,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
   AttentionBwdParams bp = make_varlen_bwd_params(dout, q, k, v, out, lse, dlse_c, dq, dk, dv, s,
                                                  cu_seqlens_q, cu_seqlens_k, causal, scale,
                                                  window_left, window_right);
+  bp.fwd.terms = terms;
+  if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
+  const Tensor drel_diag = drel_workspace(bp, lse);
   const bool fast = use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
   // delta: (B, H, Sq) for the simple kernels; laid out as lse (H, Tq) for the fast one
   Tensor delta = fast ? alloc(lse, {s.H, Tq}) : alloc(lse, {s.B, s.H, s.Sq});
@@ -375,7 +402,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
         return;
       }
     }
-    ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(bp, delta.data_ptr(), stream));
+    ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(
+        bp, delta.data_ptr(), drel_diag.defined() ? drel_diag.data_ptr() : nullptr, stream));
   });
   if (fast) torch::stable::copy_(dq, dq_accum);
   return {dq, dk, dv, drel_bias};

@@ -31,6 +31,10 @@
 //     never reaches a row (see pass 3). Grid (query tiles, H, B) with the query tile fastest:
 //     the CTAs in flight together are all the tiles of a few heads (their K/V stay in L2),
 //     and when masked the last query tiles (most keys, when causal) launch first.
+//   * Score terms (kTerms; issue 15): softcap, ALiBi and rel_bias through ScoreTerms::add
+//     (common/attention_mask.h) on every element of the score fragment, after the scaling and
+//     before the mask; sinks in the epilogue's normalisation (ScoreTerms::sink_normalise, as
+//     the simple and CPU kernels). Dropout is not here: the adapter runs the simple kernel.
 //
 // Tile choice: kBlockM = 64 query rows, 128 threads; kBlockN = 64 keys per step up to
 // D = 128, 32 at D = 256. 64 keys give each warp 8 n8 score tiles (32 fp32 registers) next to
@@ -92,7 +96,8 @@ struct FwdTraits {
 // key padding, 2 key padding (with or without a band). The padding code costs registers, so
 // the plain causal path (1) does not carry it. Packed sequences (varlen) run in every mode:
 // the CTA's sequence comes from seq(b).
-template <typename T, int kHeadDim, int kMask>
+// kTerms: p.terms has softcap / ALiBi / rel_bias and / or sinks (and no dropout).
+template <typename T, int kHeadDim, int kMask, bool kTerms>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHeadDim>::kMinBlocks)
     fa2_fwd_kernel(AttentionParams p) {
   using Tr = FwdTraits<kHeadDim>;
@@ -199,7 +204,17 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
       // +0.0 in fp16 and bf16 is the all-zero 16-bit pattern
       if (r < Sq) reinterpret_cast<uint16_t*>(gO())[r * p.out_row_stride + idx % kHeadDim] = 0;
     }
-    if (tid < kBlockM && m0 + tid < Sq) gLse()[m0 + tid] = -INFINITY;
+    if (tid < kBlockM && m0 + tid < Sq) {
+      float lse_row = -INFINITY;
+      if constexpr (kTerms) {
+        if (p.terms.has_sinks()) {
+          double lse_d;
+          (void)p.terms.sink_normalise<float>(h, -INFINITY, 0.0, false, &lse_d);
+          lse_row = static_cast<float>(lse_d);
+        }
+      }
+      gLse()[m0 + tid] = lse_row;
+    }
     return;
   }
 
@@ -285,6 +300,22 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
     for (int t = 0; t < kNTiles; ++t) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[t][e] *= scale_log2;
+    }
+    // score terms (natural units in ScoreTerms::add) at d = row + off - key (the sequence's
+    // offset from the visibility layer); keys past Sk get a term too (the table index is
+    // clamped) and are masked just below
+    if constexpr (kTerms) {
+      if (p.terms.active()) {
+#pragma unroll
+        for (int t = 0; t < kNTiles; ++t) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int64_t key = n0 + t * 8 + (lane & 3) * 2 + (e & 1);
+            const int64_t row = m0 + (e < 2 ? ra : rb);
+            s[t][e] = p.terms.add<float>(s[t][e] * kLn2F, b, h, row + sq.off - key) * kLog2eF;
+          }
+        }
+      }
     }
     const bool partial = kind == TileKind::kPartial;
     if (partial) {
@@ -412,7 +443,16 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const bool empty = l == 0.f;  // no key seen (a NaN sum stays NaN, as on the CPU)
-    const float inv = empty ? 0.f : 1.f / l;
+    float inv = empty ? 0.f : 1.f / l;
+    float lse_row = empty ? -INFINITY : (row_max[r] + __log2f(l)) * kLn2F;
+    if constexpr (kTerms) {
+      if (p.terms.has_sinks()) {
+        double lse_d;
+        inv = static_cast<float>(p.terms.sink_normalise<float>(
+            h, static_cast<double>(row_max[r]), static_cast<double>(l), !empty, &lse_d));
+        lse_row = static_cast<float>(lse_d);
+      }
+    }
     const int64_t row = m0 + (r == 0 ? ra : rb);
     if (row < Sq) {
       T* orow = gO() + row * p.out_row_stride + (lane & 3) * 2;
@@ -421,7 +461,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
         *reinterpret_cast<uint32_t*>(orow + t * 8) =
             pack2<T>(acc_o[t][2 * r] * inv, acc_o[t][2 * r + 1] * inv);
       }
-      if ((lane & 3) == 0) gLse()[row] = empty ? -INFINITY : (row_max[r] + __log2f(l)) * kLn2F;
+      if ((lane & 3) == 0) gLse()[row] = lse_row;
     }
   }
 }
@@ -430,10 +470,10 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
 // Instantiated in attention_fa2_hdim{32,64,96,128,256}.cu (one head dim per translation unit,
 // so a parallel build compiles them side by side); dispatched from attention_launch.h.
 // T = __half or __nv_bfloat16.
-template <typename T, int kHeadDim, int kMask>
+template <typename T, int kHeadDim, int kMask, bool kTerms>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
   using Tr = FwdTraits<kHeadDim>;
-  constexpr auto kernel = fa2_fwd_kernel<T, kHeadDim, kMask>;
+  constexpr auto kernel = fa2_fwd_kernel<T, kHeadDim, kMask, kTerms>;
   // above 48 KiB at D = 128: opt in (once per device)
   const cudaError_t e = ensure_dynamic_smem<kernel>(Tr::kSmemBytes);
   if (e != cudaSuccess) return e;
@@ -443,11 +483,17 @@ cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// One head dim's six kernels (fp16 / bf16 x the three mask modes), for attention_fa2_hdim*.cu.
+// One head dim's twelve kernels (fp16 / bf16 x the three mask modes x score terms or not),
+// for attention_fa2_hdim*.cu.
+#define ATTN_EXT_INSTANTIATE_FA2_FWD_M(T, D, M)                                              \
+  template cudaError_t launch_fa2_fwd_impl<T, D, M, false>(const AttentionParams&,          \
+                                                           cudaStream_t);                   \
+  template cudaError_t launch_fa2_fwd_impl<T, D, M, true>(const AttentionParams&,           \
+                                                          cudaStream_t);
 #define ATTN_EXT_INSTANTIATE_FA2_FWD_T(T, D)                                                 \
-  template cudaError_t launch_fa2_fwd_impl<T, D, 0>(const AttentionParams&, cudaStream_t);  \
-  template cudaError_t launch_fa2_fwd_impl<T, D, 1>(const AttentionParams&, cudaStream_t);  \
-  template cudaError_t launch_fa2_fwd_impl<T, D, 2>(const AttentionParams&, cudaStream_t);
+  ATTN_EXT_INSTANTIATE_FA2_FWD_M(T, D, 0)                                                    \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_M(T, D, 1)                                                    \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_M(T, D, 2)
 #define ATTN_EXT_INSTANTIATE_FA2_FWD(D)                                                      \
   static_assert(FwdTraits<D>::kBlockM == kBlockM, "attention_launch.h's kBlockM is stale");  \
   static_assert(FwdTraits<D>::kSmemBytes == fwd_smem_bytes(D), "fwd_smem_bytes is stale");    \

@@ -31,8 +31,11 @@ template <typename T>
 cudaError_t launch_simple_fwd_split(const AttentionParams& p, int64_t chunk, int n_split,
                                     void* part_o, void* part_ml, cudaStream_t stream);
 // delta: (B, H, Sq) workspace of the accumulation type (float; double for double).
+// drel_diag: (B, H, Sq + Sk - 1) double workspace when bp.drel_bias is set (rel_bias given;
+// d rel_bias by a fixed-order reduction, deterministic), else nullptr.
 template <typename T>
-cudaError_t launch_simple_bwd(const AttentionBwdParams& bp, void* delta, cudaStream_t stream);
+cudaError_t launch_simple_bwd(const AttentionBwdParams& bp, void* delta, void* drel_diag,
+                              cudaStream_t stream);
 }  // namespace simple
 
 namespace fa2 {
@@ -49,18 +52,24 @@ inline int mask_mode(const AttentionParams& p) {
   return v.dense() ? kMaskNone : (v.has_padding() ? kMaskPadding : kMaskBand);
 }
 
-template <typename T, int kHeadDim, int kMask>
+// kTerms: softcap / ALiBi / rel_bias / sinks (attention_fwd_kernel.cuh); never dropout.
+template <typename T, int kHeadDim, int kMask, bool kTerms>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream);
 
 // The fast kernels count rows, keys and distances of a sequence in 32 bits (TileBands of
-// common/attention_mask.h): Sq + Sk (the longest sequences', when packed) below 2^30.
+// common/attention_mask.h): Sq + Sk (the longest sequences', when packed) plus the size of a
+// block's position shift (q_start / k_start) below 2^30, so every distance fits.
 constexpr int kMaxFastSeqLen = 1073741824;  // 2^30
+inline bool fast_lengths_ok(const AttentionParams& p) {
+  const int64_t shift = p.mask.pos_shift < 0 ? -p.mask.pos_shift : p.mask.pos_shift;
+  return p.Sq + p.Sk + shift < kMaxFastSeqLen;
+}
 
 // Grid (query tiles, H, B): y and z are limited to 65535.
 inline bool fwd_fast_grid_ok(const AttentionParams& p) {
   const int64_t m_blocks = (p.Sq + kBlockM - 1) / kBlockM;
   return m_blocks <= 0x7fffffff && p.H <= 65535 && p.B <= 65535 &&
-         p.Sq + p.Sk < kMaxFastSeqLen;
+         fast_lengths_ok(p);
 }
 
 // Head dims with a fast forward kernel (attention_fa2_hdim{32,64,96,128,256}.cu).
@@ -76,10 +85,18 @@ constexpr int fwd_smem_bytes(int64_t head_dim) {
 
 template <typename T, int kHeadDim>
 cudaError_t launch_fa2_fwd_d(const AttentionParams& p, cudaStream_t stream) {
+  if (p.terms.has_dropout()) return cudaErrorInvalidValue;  // the adapter runs the simple kernel
+  const bool terms = !p.terms.plain();
   switch (mask_mode(p)) {
-    case kMaskNone: return launch_fa2_fwd_impl<T, kHeadDim, kMaskNone>(p, stream);
-    case kMaskBand: return launch_fa2_fwd_impl<T, kHeadDim, kMaskBand>(p, stream);
-    default: return launch_fa2_fwd_impl<T, kHeadDim, kMaskPadding>(p, stream);
+    case kMaskNone:
+      return terms ? launch_fa2_fwd_impl<T, kHeadDim, kMaskNone, true>(p, stream)
+                   : launch_fa2_fwd_impl<T, kHeadDim, kMaskNone, false>(p, stream);
+    case kMaskBand:
+      return terms ? launch_fa2_fwd_impl<T, kHeadDim, kMaskBand, true>(p, stream)
+                   : launch_fa2_fwd_impl<T, kHeadDim, kMaskBand, false>(p, stream);
+    default:
+      return terms ? launch_fa2_fwd_impl<T, kHeadDim, kMaskPadding, true>(p, stream)
+                   : launch_fa2_fwd_impl<T, kHeadDim, kMaskPadding, false>(p, stream);
   }
 }
 
@@ -112,7 +129,7 @@ inline bool bwd_fast_grid_ok(const AttentionParams& p) {
   const int64_t n_blocks = (p.Sk + 127) / 128;
   const int64_t steps = (p.H / p.Hkv) * ((p.Sq + 63) / 64);
   return n_blocks <= 0x7fffffff && steps <= 0x7fffffff && p.Hkv <= 65535 && p.B <= 65535 &&
-         p.Sq + p.Sk < kMaxFastSeqLen;
+         fast_lengths_ok(p);
 }
 
 // T = __half or __nv_bfloat16; D == Dv in {64, 128} (the caller checked). delta: (B, H, Sq)

@@ -18,6 +18,16 @@
 // in base 2: scores are pre-multiplied by scale * log2(e). Everything accumulates in acc_t
 // (fp32 for fp32/fp16/bf16, fp64 for fp64). No atomics: dK/dV loop over the queries that
 // see their key, so results are deterministic.
+//
+// Score terms (issue 15; common/attention_mask.h ScoreTerms, common/dropout_rng.h): every
+// kernel takes softcap, ALiBi and rel_bias through ScoreTerms::add on each visible pair's
+// score (term_score below), sinks in the forward's normalisation (write_row; the backward
+// reads them through lse, and d sinks is computed by the Python caller from lse and out),
+// and dropout through ScoreTerms::dropout_row_key / dropout_col and dropout::keep with
+// b, h, i, j the local indices of the call (per sequence for packed input; the bases of a
+// q_start / k_start block added by ScoreTerms), as the CPU kernels do, so both backends drop
+// the same entries. d rel_bias: pass 3 and 4 of the backward (simple_bwd_drel_diag_kernel,
+// simple_bwd_drel_reduce_kernel), a fixed-order reduction without atomics: deterministic.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -27,6 +37,7 @@
 #include <cstdint>
 
 #include "common/attention_params.h"
+#include "common/dropout_rng.h"
 #include "cuda/elem.cuh"  // AccOf, to_acc, from_acc
 #include "cuda/attention_launch.h"  // kMaxHeadDim, kWarps and the launcher declarations
 
@@ -62,16 +73,18 @@ __device__ __forceinline__ acc_t warp_max(acc_t x) {
   return x;
 }
 
-// dot(a[0, n), b[0, n)) with a in shared memory (acc_t) and b in global memory (T).
-template <typename T, typename acc_t>
-__device__ __forceinline__ acc_t dot_row(const acc_t* a, const T* b, int64_t n) {
+// dot(a[0, n), b[0, n)) with a in shared memory (acc_t) or global memory, and b in global
+// memory (T).
+template <typename T, typename A>
+__device__ __forceinline__ auto dot_row(const A* a, const T* b, int64_t n) {
+  using acc_t = decltype(to_acc(b[0]));
   acc_t s0 = 0, s1 = 0;
   int64_t d = 0;
   for (; d + 1 < n; d += 2) {
-    s0 += a[d] * to_acc(b[d]);
-    s1 += a[d + 1] * to_acc(b[d + 1]);
+    s0 += to_acc(a[d]) * to_acc(b[d]);
+    s1 += to_acc(a[d + 1]) * to_acc(b[d + 1]);
   }
-  if (d < n) s0 += a[d] * to_acc(b[d]);
+  if (d < n) s0 += to_acc(a[d]) * to_acc(b[d]);
   return s0 + s1;
 }
 
@@ -95,18 +108,88 @@ __device__ __forceinline__ void add_weighted_rows(acc_t (&acc)[kCols], acc_t w, 
   }
 }
 
+// ---- score terms (common/attention_mask.h, common/dropout_rng.h) -----------------------------
+// The score of a visible pair after softcap / ALiBi / rel_bias, in the kernels' base-2 units:
+// s2 = scale * log2(e) * q.k in, ScoreTerms::add (the per-element rule) in natural units.
+// th: tanh(s / softcap) when softcap (the backward's chain factor 1 - th^2).
+template <typename acc_t>
+__device__ __forceinline__ acc_t term_score(const ScoreTerms& t, acc_t s2, int64_t b, int64_t h,
+                                            int64_t d, acc_t* th) {
+  return t.add<acc_t>(s2 * static_cast<acc_t>(kLn2), b, h, d, th) * static_cast<acc_t>(kLog2e);
+}
+
+// Dropout of one call (ScoreTerms' probability, seed, offset and global row / key bases):
+// the keep bit of (b, h, i, j) from ScoreTerms::dropout_row_key / dropout_col and
+// common/dropout_rng.h, and the rescaling 1 / (1 - p) of the kept probabilities.
+template <typename acc_t>
+struct Dropout {
+  const ScoreTerms& t;
+  bool on;
+  uint32_t thresh;
+  acc_t inv_keep;
+
+  __device__ __forceinline__ explicit Dropout(const ScoreTerms& terms)
+      : t(terms),
+        on(terms.has_dropout()),
+        thresh(dropout::threshold(terms.dropout_p)),
+        inv_keep(static_cast<acc_t>(1.0 / (1.0 - terms.dropout_p))) {}
+  // b: batch index (sequence index when packed); h: query head; i, j: the call's (the
+  // sequence's) query row and key
+  __device__ __forceinline__ uint64_t row(int64_t b, int64_t h, int64_t i) const {
+    return t.dropout_row_key(b, h, i);
+  }
+  __device__ __forceinline__ bool keep(uint64_t row_key, int64_t j) const {
+    return dropout::keep(row_key, t.dropout_col(j), thresh);
+  }
+};
+
+// The backward's per-pair quantities of a visible pair (i, j) (every kernel of the backward
+// computes them the same way): P = exp(s - lse) of the final score s, dS of the final score
+// (what d rel_bias sums) and dS of the scaled dot product (after the softcap chain factor:
+// what dq and dk sum), and the probability that multiplies dout in dV (P * Z / (1 - p)).
+//   s2: scale * log2(e) * q.k; dp: dout_i . v_j; lse2, di: the row's lse * log2(e) and delta.
+template <typename acc_t>
+struct PairGrad {
+  acc_t pv, ds, ds_raw;
+};
+
+template <typename acc_t>
+__device__ __forceinline__ PairGrad<acc_t> pair_grad(const ScoreTerms& t, const Dropout<acc_t>& dr,
+                                                     acc_t s2, acc_t dp, acc_t lse2, acc_t di,
+                                                     int64_t b, int64_t h, int64_t d,
+                                                     uint64_t row_key, int64_t j) {
+  acc_t th = 0;
+  if (t.active()) s2 = term_score(t, s2, b, h, d, &th);
+  const acc_t pr = exp2_acc(s2 - lse2);
+  acc_t pv = pr;
+  if (dr.on) {
+    const bool kept = dr.keep(row_key, j);
+    pv = kept ? pr * dr.inv_keep : acc_t(0);
+    dp = kept ? dp * dr.inv_keep : acc_t(0);
+  }
+  PairGrad<acc_t> g;
+  g.pv = pv;
+  g.ds = pr * (dp - di);
+  g.ds_raw = t.softcap > 0.0 ? g.ds * (acc_t(1) - th * th) : g.ds;
+  return g;
+}
+
 // ---- forward ------------------------------------------------------------------------------
 // attend_keys: one warp folds keys [kbeg, kend) of query row i (local index) of sequence b,
 // head h, into the unnormalised output o (lane owns columns lane + 32 c), the running max m
 // (base-2 scaled scores) and sum l. q_s holds the row's q * scale * log2(e); k, v point at
 // the sequence's first key row. Hidden keys (attention_mask.h) are skipped. With no visible
-// key: m = -inf, l = 0, o = 0.
+// key: m = -inf, l = 0, o = 0. Score terms on every visible score; dropout on the
+// probabilities that multiply v (l sums the undropped ones, as the CPU kernel does).
 template <typename T, typename acc_t>
 __device__ __forceinline__ void attend_keys(const AttentionParams& p, const Visibility& vis,
-                                            const SeqInfo& sq, int64_t b, int64_t i,
+                                            const SeqInfo& sq, int64_t b, int64_t h, int64_t i,
                                             const acc_t* q_s, const T* k, const T* v,
                                             int64_t kbeg, int64_t kend, int lane, acc_t& m,
                                             acc_t& l, acc_t (&o)[kCols]) {
+  const ScoreTerms terms = p.score_terms();
+  const Dropout<acc_t> dr(terms);
+  const uint64_t rk = dr.on ? dr.row(b, h, i) : 0;
   m = neg_inf<acc_t>();
   l = 0;
 #pragma unroll
@@ -116,7 +199,10 @@ __device__ __forceinline__ void attend_keys(const AttentionParams& p, const Visi
     const int64_t j = j0 + lane;
     const bool live = j < kend && vis.visible(sq, b, i, j);
     acc_t s = neg_inf<acc_t>();
-    if (live) s = dot_row(q_s, k + j * p.k_row_stride, p.D);
+    if (live) {
+      s = dot_row(q_s, k + j * p.k_row_stride, p.D);
+      if (terms.active()) s = term_score<acc_t>(terms, s, b, h, i + sq.off - j, nullptr);
+    }
     const unsigned live_bits = __ballot_sync(0xffffffffu, live);
     if (live_bits == 0u) continue;  // every key of the chunk is hidden (padding)
     // pass 2: online softmax over the 32 scores (some key is live, so m_new is finite or
@@ -128,13 +214,24 @@ __device__ __forceinline__ void attend_keys(const AttentionParams& p, const Visi
     m = m_new;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) o[c] *= corr;
-    // pass 3: o += p_j * v_j over the live keys, lane owns columns lane + 32 c
+    // pass 3: o += p_j * v_j over the live keys (the kept ones with dropout), lane owns
+    // columns lane + 32 c
     const int64_t n = (kend - j0) < 32 ? (kend - j0) : 32;
-    add_weighted_rows(o, pj, v + j0 * p.v_row_stride, p.v_row_stride, n, p.Dv, lane, live_bits);
+    if (dr.on) {
+      const bool kept = live && dr.keep(rk, j);
+      const unsigned kept_bits = __ballot_sync(0xffffffffu, kept);
+      add_weighted_rows(o, kept ? pj * dr.inv_keep : acc_t(0), v + j0 * p.v_row_stride,
+                        p.v_row_stride, n, p.Dv, lane, kept_bits);
+    } else {
+      add_weighted_rows(o, pj, v + j0 * p.v_row_stride, p.v_row_stride, n, p.Dv, lane,
+                        live_bits);
+    }
   }
 }
 
 // Writes out = o / l and lse = ln(sum exp) of query row (b, h, i); l == 0: out 0, lse -inf.
+// With sinks, exp(sinks[h]) joins the denominator (and lse): a row with no key has out 0 and
+// lse = its sink logit.
 template <typename T, typename acc_t>
 __device__ __forceinline__ void write_row(const AttentionParams& p, const SeqInfo& sq, int64_t b,
                                           int64_t h, int64_t i, int lane, acc_t m, acc_t l,
@@ -142,7 +239,15 @@ __device__ __forceinline__ void write_row(const AttentionParams& p, const SeqInf
   T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + (sq.q0 + i) * p.out_row_stride +
            h * p.out_head_stride;
   const bool empty = l == 0;  // no key seen: out 0, lse -inf (a NaN sum stays NaN)
-  const acc_t inv = empty ? acc_t(0) : acc_t(1) / l;
+  acc_t inv = empty ? acc_t(0) : acc_t(1) / l;
+  acc_t lse_row = empty ? neg_inf<acc_t>() : (m + log2_acc(l)) * static_cast<acc_t>(kLn2);
+  const ScoreTerms terms = p.score_terms();
+  if (terms.has_sinks()) {  // in double, as the CPU kernel (a row without keys: lse = sink)
+    double lse_d;
+    inv = static_cast<acc_t>(terms.sink_normalise<acc_t>(h, static_cast<double>(m),
+                                                          static_cast<double>(l), !empty, &lse_d));
+    lse_row = static_cast<acc_t>(lse_d);
+  }
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
     const int64_t d = lane + 32 * c;
@@ -150,8 +255,7 @@ __device__ __forceinline__ void write_row(const AttentionParams& p, const SeqInf
   }
   if (lane == 0) {
     acc_t* lse = static_cast<acc_t*>(p.lse);
-    lse[b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + i] =
-        empty ? neg_inf<acc_t>() : (m + log2_acc(l)) * static_cast<acc_t>(kLn2);
+    lse[b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + i] = lse_row;
   }
 }
 
@@ -190,7 +294,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) simple_fwd_kernel(AttentionPar
   stage_query<T, acc_t>(p, sq, b, h, i, lane, q_s[warp], k, v);
   const Range keys = vis.band_keys(sq, i);
   acc_t m, l, o[kCols];
-  attend_keys<T, acc_t>(p, vis, sq, b, i, q_s[warp], k, v, keys.lo, keys.hi, lane, m, l, o);
+  attend_keys<T, acc_t>(p, vis, sq, b, h, i, q_s[warp], k, v, keys.lo, keys.hi, lane, m, l, o);
   write_row<T, acc_t>(p, sq, b, h, i, lane, m, l, o);
 }
 
@@ -225,7 +329,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   if (kbeg < keys.lo) kbeg = keys.lo;
   if (kend > keys.hi) kend = keys.hi;
   acc_t m, l, o[kCols];
-  attend_keys<T, acc_t>(p, vis, sq, b, i, q_s[warp], k, v, kbeg, kend, lane, m, l, o);
+  attend_keys<T, acc_t>(p, vis, sq, b, h, i, q_s[warp], k, v, kbeg, kend, lane, m, l, o);
   acc_t* po = static_cast<acc_t*>(part_o_ptr) + item * p.Dv;
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
@@ -281,7 +385,18 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
 //   with P_ij = exp(scale q_i.k_j - lse_i) and dP_ij = dO_i . v_j.
 // Pass 2 (simple_bwd_dkdv_kernel): per key row (b, hkv, j), over every query head of its
 //   group and every query i that sees j: dV_j += P_ij dO_i, dK_j += scale dS_ij q_i.
-// Pass 2 reads pass 1's delta: launch them in this order on one stream.
+// With rel_bias (d rel_bias wanted):
+// Pass 3 (simple_bwd_drel_diag_kernel): one warp per (b, h, diagonal d = i + off - j): the sum
+//   of dS (of the final score) over the diagonal's visible pairs, into a (B, H, Sq + Sk - 1)
+//   float64 workspace (diagonal t = d - drel_dmin(p); the params' Sq / Sk, max lengths when
+//   packed).
+// Pass 4 (simple_bwd_drel_reduce_kernel): one warp per (h, x) of the (H, 2M + 1) table: the
+//   sum over b and over the diagonals that clamp to x (one for |x - M| < M, all d <= -M or
+//   d >= M at the two ends) of pass 3's sums.
+// Both in a fixed order without atomics: d rel_bias is bitwise reproducible, like dq, dk, dv.
+// Pass 3 recomputes P and dP of every visible pair once more (a third of the backward's
+// arithmetic added); the workspace is O(B H (Sq + Sk)), no (Sq, Sk) buffer.
+// Pass 2 and 3 read pass 1's delta: launch them in this order on one stream.
 
 template <typename T>
 __global__ void __launch_bounds__(kWarps * 32, 4)
@@ -328,6 +443,10 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   __syncwarp();
   const acc_t lse2 = static_cast<const acc_t*>(bp.lse)[stat] * static_cast<acc_t>(kLog2e);
 
+  const ScoreTerms terms = p.score_terms();
+  const Dropout<acc_t> dr(terms);
+  const uint64_t rk = dr.on ? dr.row(b, h, i) : 0;
+  const bool plain = !terms.active() && !dr.on;
   const Range keys = vis.band_keys(sq, i);
   acc_t dq[kCols];
 #pragma unroll
@@ -337,9 +456,13 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
     const bool live = j < keys.hi && vis.visible(sq, b, i, j);
     acc_t ds = 0;
     if (live) {
-      const acc_t pr = exp2_acc(dot_row(q_s[warp], k + j * p.k_row_stride, p.D) - lse2);
+      const acc_t s2 = dot_row(q_s[warp], k + j * p.k_row_stride, p.D);
       const acc_t dp = dot_row(do_s[warp], v + j * p.v_row_stride, p.Dv);
-      ds = pr * (dp - di);
+      if (plain) {
+        ds = exp2_acc(s2 - lse2) * (dp - di);
+      } else {
+        ds = pair_grad<acc_t>(terms, dr, s2, dp, lse2, di, b, h, i + sq.off - j, rk, j).ds_raw;
+      }
     }
     const unsigned live_bits = __ballot_sync(0xffffffffu, live);
     const int64_t n = (keys.hi - j0) < 32 ? (keys.hi - j0) : 32;
@@ -389,6 +512,9 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   const acc_t* lse_all = static_cast<const acc_t*>(bp.lse);
   const acc_t* delta_all = static_cast<const acc_t*>(delta_ptr);
 
+  const ScoreTerms terms = p.score_terms();
+  const Dropout<acc_t> dr(terms);
+  const bool plain = !terms.active() && !dr.on;
   acc_t dk[kCols], dv[kCols];
 #pragma unroll
   for (int c = 0; c < kCols; ++c) dk[c] = dv[c] = 0;
@@ -403,12 +529,21 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
     for (int64_t i0 = rows.lo; i0 < rows.hi; i0 += 32) {
       const int64_t i = i0 + lane;
       const bool live = i < rows.hi;  // the band: row i sees key j
-      acc_t pr = 0, ds = 0;
+      acc_t pr = 0, ds = 0;  // pr: the weight of dout_i in dV_j (P, or P * Z / (1 - p))
       if (live) {
         const acc_t lse2 = lse_all[stat + i] * static_cast<acc_t>(kLog2e);
-        pr = exp2_acc(dot_row(k_s[warp], q + i * p.q_row_stride, p.D) - lse2);
+        const acc_t s2 = dot_row(k_s[warp], q + i * p.q_row_stride, p.D);
         const acc_t dp = dot_row(v_s[warp], dout + i * bp.dout_row_stride, p.Dv);
-        ds = pr * (dp - delta_all[dstat + i]);
+        if (plain) {
+          pr = exp2_acc(s2 - lse2);
+          ds = pr * (dp - delta_all[dstat + i]);
+        } else {
+          const PairGrad<acc_t> g =
+              pair_grad<acc_t>(terms, dr, s2, dp, lse2, delta_all[dstat + i], b, h,
+                               i + sq.off - j, dr.on ? dr.row(b, h, i) : 0, j);
+          pr = g.pv;
+          ds = g.ds_raw;
+        }
       }
       const int64_t n = (rows.hi - i0) < 32 ? (rows.hi - i0) : 32;
       add_weighted_rows(dv, pr, dout + i0 * bp.dout_row_stride, bp.dout_row_stride, n, p.Dv,
@@ -426,6 +561,97 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
     if (d < p.D) dkr[d] = from_acc<T>(dk[c] * scale);
     if (d < p.Dv) dvr[d] = from_acc<T>(dv[c]);
   }
+}
+
+// The smallest distance d = i + off - j of any pair of a call: 1 - Sq, plus the block shift
+// of q_start / k_start (MaskParams::pos_shift; packed calls have none and each sequence's
+// distances lie in [1 - Sq, Sk - 1] of the max lengths). Diagonal t of the workspace is
+// d = drel_dmin(p) + t, t in [0, Sq + Sk - 1).
+__device__ __forceinline__ int64_t drel_dmin(const AttentionParams& p) {
+  return 1 - p.Sq + p.mask.pos_shift;
+}
+
+// Pass 3: one warp per (b, h, diagonal t), d = drel_dmin(p) + t with d = i + off - j; lane
+// takes the diagonal's pairs i = i0 + lane. diag: (B, H, Sq + Sk - 1) double.
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32, 4)
+    simple_bwd_drel_diag_kernel(AttentionBwdParams bp, const void* delta_ptr, double* diag) {
+  using acc_t = typename AccOf<T>::type;
+  const AttentionParams& p = bp.fwd;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t ndiag = p.Sq + p.Sk - 1;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;  // (b, h, t)
+  if (row >= p.B * p.H * ndiag) return;
+  const int64_t t = row % ndiag;
+  const int64_t bh = row / ndiag;
+  const int64_t h = bh % p.H, b = bh / p.H;
+  const int64_t hkv = h / (p.H / p.Hkv);
+  const Visibility vis = p.visibility();
+  const SeqInfo sq = vis.seq(b);
+  const ScoreTerms terms = p.score_terms();
+  const Dropout<acc_t> dr(terms);
+  const int64_t d = drel_dmin(p) + t;
+  // rows of the diagonal: i in [0, Sq), j = i + off - d in [0, Sk)
+  int64_t ilo = d - sq.off, ihi = sq.Sk + d - sq.off;
+  if (ilo < 0) ilo = 0;
+  if (ihi > sq.Sq) ihi = sq.Sq;
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+               sq.q0 * p.q_row_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride +
+               sq.k0 * p.k_row_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride +
+               sq.k0 * p.v_row_stride;
+  const T* dout = static_cast<const T*>(bp.dout) + b * bp.dout_batch_stride +
+                  h * bp.dout_head_stride + sq.q0 * bp.dout_row_stride;
+  const acc_t* lse_all = static_cast<const acc_t*>(bp.lse) + b * p.lse_batch_stride +
+                         h * p.lse_head_stride + sq.q0;
+  const acc_t* delta = static_cast<const acc_t*>(delta_ptr) + (b * p.H + h) * p.Sq;
+  const acc_t qscale = static_cast<acc_t>(p.scale * kLog2e);
+  double sum = 0;
+  for (int64_t i0 = ilo; i0 < ihi; i0 += 32) {
+    const int64_t i = i0 + lane;
+    const int64_t j = i + sq.off - d;
+    if (i < ihi && vis.visible(sq, b, i, j)) {
+      const acc_t s2 = dot_row(q + i * p.q_row_stride, k + j * p.k_row_stride, p.D) * qscale;
+      const acc_t dp = dot_row(dout + i * bp.dout_row_stride, v + j * p.v_row_stride, p.Dv);
+      const acc_t lse2 = lse_all[i] * static_cast<acc_t>(kLog2e);
+      sum += static_cast<double>(
+          pair_grad<acc_t>(terms, dr, s2, dp, lse2, delta[i], b, h, d,
+                           dr.on ? dr.row(b, h, i) : 0, j).ds);
+    }
+  }
+  sum = warp_sum(sum);
+  if (lane == 0) diag[row] = sum;
+}
+
+// Pass 4: one warp per (h, x) of d rel_bias (H, 2M + 1): x = M + clamp(d, -M, M) collects the
+// diagonals t in [tlo, thi) of every b; lanes stride over (b, t), then a fixed shuffle tree.
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32, 4)
+    simple_bwd_drel_reduce_kernel(AttentionBwdParams bp, const double* diag) {
+  using acc_t = typename AccOf<T>::type;
+  const AttentionParams& p = bp.fwd;
+  const ScoreTerms terms = p.score_terms();
+  const int64_t M = terms.rel_max, nx = 2 * M + 1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;  // (h, x)
+  if (row >= p.H * nx) return;
+  const int64_t h = row / nx, x = row % nx;
+  const int64_t ndiag = p.Sq + p.Sk - 1;
+  // diagonals d with M + clamp(d, -M, M) == x, as t = d - drel_dmin(p)
+  int64_t tlo = x - M - drel_dmin(p), thi = tlo + 1;
+  if (x == 0) tlo = 0;
+  if (x == 2 * M) thi = ndiag;
+  if (tlo < 0) tlo = 0;
+  if (thi > ndiag) thi = ndiag;
+  const int64_t n = thi > tlo ? thi - tlo : 0;
+  double sum = 0;
+  for (int64_t e = lane; e < p.B * n; e += 32) {
+    const int64_t b = e / n, t = tlo + e % n;
+    sum += diag[(b * p.H + h) * ndiag + t];
+  }
+  sum = warp_sum(sum);
+  if (lane == 0) static_cast<acc_t*>(bp.drel_bias)[row] = static_cast<acc_t>(sum);
 }
 
 // ---- launchers (return the launch error; the caller checks it) -----------------------------
@@ -456,9 +682,11 @@ cudaError_t launch_simple_fwd_split(const AttentionParams& p, int64_t chunk, int
   return cudaGetLastError();
 }
 
-// delta: (B, H, Sq) acc_t workspace.
+// delta: (B, H, Sq) acc_t workspace; drel_diag: (B, H, Sq + Sk - 1) double workspace when
+// bp.drel_bias is set (rel_bias given), else unused.
 template <typename T>
-cudaError_t launch_simple_bwd(const AttentionBwdParams& bp, void* delta, cudaStream_t stream) {
+cudaError_t launch_simple_bwd(const AttentionBwdParams& bp, void* delta, void* drel_diag,
+                              cudaStream_t stream) {
   const AttentionParams& p = bp.fwd;
   const int64_t qrows = p.B * p.H * p.Sq;
   const int64_t krows = p.B * p.Hkv * p.Sk;
@@ -469,6 +697,21 @@ cudaError_t launch_simple_bwd(const AttentionBwdParams& bp, void* delta, cudaStr
   }
   if (krows > 0) {
     simple_bwd_dkdv_kernel<T><<<blocks_for(krows), kWarps * 32, 0, stream>>>(bp, delta);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  if (bp.drel_bias != nullptr && p.terms.rel_bias != nullptr) {
+    if (drel_diag == nullptr) return cudaErrorInvalidValue;
+    auto* diag = static_cast<double*>(drel_diag);
+    const int64_t drows = p.B * p.H * (p.Sq + p.Sk - 1);
+    if (drows > 0) {
+      simple_bwd_drel_diag_kernel<T><<<blocks_for(drows), kWarps * 32, 0, stream>>>(bp, delta,
+                                                                                    diag);
+      const cudaError_t e = cudaGetLastError();
+      if (e != cudaSuccess) return e;
+    }
+    const int64_t xrows = p.H * (2 * p.terms.rel_max + 1);
+    simple_bwd_drel_reduce_kernel<T><<<blocks_for(xrows), kWarps * 32, 0, stream>>>(bp, diag);
   }
   return cudaGetLastError();
 }
