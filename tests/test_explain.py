@@ -86,7 +86,7 @@ def test_cuda_constants_match_the_headers():
     launch = kc.block(kc.source("csrc/cuda/attention_launch.h"),
                       r"cudaError_t\s+launch_fa2_fwd_d\s*\([^)]*\)\s*\{")
     assert "if (p.terms.has_dropout()) return cudaErrorInvalidValue;" in launch
-    assert "if (!p.terms.plain())" in launch
+    assert "const bool terms = !p.terms.plain();" in launch
     assert "score_terms" not in split and "terms" not in split
     # the backward never sees the sinks (they reach it through lse), so they cannot turn the
     # fast backward off: the adapter passes no_sinks to the terms it fills
