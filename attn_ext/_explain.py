@@ -42,6 +42,7 @@ CPU_BLOCK_K = 96  # kBlockK: keys per key tile
 CUDA_SIMPLE_MAX_HEAD_DIM = 256  # simple::kMaxHeadDim
 CUDA_FA2_BLOCK_M = 64  # fa2::kBlockM: query rows per CTA of the fast forward
 CUDA_FWD_FAST_HEAD_DIMS = (32, 64, 96, 128, 256)  # fa2::fwd_fast_head_dim
+CUDA_FWD_FAST_TERMS_HEAD_DIMS = (32, 64, 96, 128)  # fa2::fwd_fast_terms_head_dim (not 256)
 CUDA_BWD_FAST_HEAD_DIMS = (64, 128)  # fa2::launch_fa2_bwd
 CUDA_BWD_BLOCK_N = 128  # keys per CTA of the fast backward (bwd_fast_grid_ok)
 CUDA_FAST_MAX_SEQ_LEN = 1 << 30  # fa2::kMaxFastSeqLen: Sq + Sk below it (32-bit tile math)
@@ -277,6 +278,9 @@ def cuda_forward_choice(s: Shape, dtype: torch.dtype, aligned: bool, sms: int,
         reasons.append("Sq + Sk >= 2^30 (the fast kernels count rows, keys and distances in 32 bits)")
     if "dropout_p" in terms:
         reasons.append("dropout_p (the fast kernel has no dropout)")
+    elif terms and s.D == s.Dv and s.D in CUDA_FWD_FAST_HEAD_DIMS and s.D not in CUDA_FWD_FAST_TERMS_HEAD_DIMS:
+        reasons.append(f"score terms at D = {s.D} (the fast kernel's terms instances exist for D in "
+                       f"{list(CUDA_FWD_FAST_TERMS_HEAD_DIMS)}: at 256 their registers spill)")
     if s.D == s.Dv and s.D in CUDA_FWD_FAST_HEAD_DIMS and need > smem_optin:
         reasons.append(f"its shared memory ({need} bytes at D = {s.D}) exceeds the device's "
                        f"opt-in limit ({smem_optin} bytes)")

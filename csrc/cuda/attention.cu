@@ -42,7 +42,8 @@
 // position (q_start / k_start) too: the offset comes from seq(b).off.
 // Score terms (issue 15: alibi_slopes, rel_bias, softcap, sinks, dropout_p; checked and filled
 // by common/score_checks.h as on the CPU): split-KV and the simple kernels take all of them;
-// the fast forward takes softcap, ALiBi, rel_bias and sinks (its kTerms instances) but not
+// the fast forward takes softcap, ALiBi, rel_bias and sinks (its kTerms instances; not at
+// D = 256, whose terms instances would spill) but not
 // dropout (dropout_p > 0: step 0 or 2); the fast backward takes none (any term but sinks,
 // which reach the backward only through lse: the simple kernels). The backward's d rel_bias
 // is a fixed-order reduction (simple kernels' pass 3 and 4, no atomics): every gradient of the
@@ -177,6 +178,7 @@ bool use_fast_forward(const Tensor& q, const Tensor& k, const Tensor& v,
   const auto dt = q.scalar_type();
   if (dt != dtype::kHalf && dt != dtype::kBFloat16) return false;
   if (p.D != p.Dv || !cuda::fa2::fwd_fast_head_dim(p.D)) return false;
+  if (!p.terms.plain() && !cuda::fa2::fwd_fast_terms_head_dim(p.D)) return false;
   if (p.Sk <= 0 || p.Sq <= 0) return false;
   if (!aligned16(q) || !aligned16(k) || !aligned16(v)) return false;
   if (!cuda::fa2::fwd_fast_grid_ok(p)) return false;

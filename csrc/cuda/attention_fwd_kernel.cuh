@@ -484,21 +484,30 @@ cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
 }
 
 // One head dim's twelve kernels (fp16 / bf16 x the three mask modes x score terms or not),
-// for attention_fa2_hdim*.cu.
-#define ATTN_EXT_INSTANTIATE_FA2_FWD_M(T, D, M)                                              \
-  template cudaError_t launch_fa2_fwd_impl<T, D, M, false>(const AttentionParams&,          \
-                                                           cudaStream_t);                   \
-  template cudaError_t launch_fa2_fwd_impl<T, D, M, true>(const AttentionParams&,           \
-                                                          cudaStream_t);
-#define ATTN_EXT_INSTANTIATE_FA2_FWD_T(T, D)                                                 \
-  ATTN_EXT_INSTANTIATE_FA2_FWD_M(T, D, 0)                                                    \
-  ATTN_EXT_INSTANTIATE_FA2_FWD_M(T, D, 1)                                                    \
-  ATTN_EXT_INSTANTIATE_FA2_FWD_M(T, D, 2)
-#define ATTN_EXT_INSTANTIATE_FA2_FWD(D)                                                      \
+// for attention_fa2_hdim*.cu
+// (D = 256 has no score-term instances: fwd_fast_terms_head_dim in attention_launch.h.)
+#define ATTN_EXT_INSTANTIATE_FA2_FWD_MT(T, D, M, TERMS)                                      \
+  template cudaError_t launch_fa2_fwd_impl<T, D, M, TERMS>(const AttentionParams&,          \
+                                                           cudaStream_t);
+#define ATTN_EXT_INSTANTIATE_FA2_FWD_T(T, D, TERMS)                                          \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_MT(T, D, 0, TERMS)                                            \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_MT(T, D, 1, TERMS)                                            \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_MT(T, D, 2, TERMS)
+#define ATTN_EXT_INSTANTIATE_FA2_FWD_CHECKS(D)                                               \
   static_assert(FwdTraits<D>::kBlockM == kBlockM, "attention_launch.h's kBlockM is stale");  \
-  static_assert(FwdTraits<D>::kSmemBytes == fwd_smem_bytes(D), "fwd_smem_bytes is stale");    \
-  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__half, D)                                                  \
-  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__nv_bfloat16, D)
+  static_assert(FwdTraits<D>::kSmemBytes == fwd_smem_bytes(D), "fwd_smem_bytes is stale");
+#define ATTN_EXT_INSTANTIATE_FA2_FWD(D)                                                      \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_CHECKS(D)                                                     \
+  static_assert(fwd_fast_terms_head_dim(D), "use ATTN_EXT_INSTANTIATE_FA2_FWD_PLAIN");        \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__half, D, false)                                           \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__half, D, true)                                            \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__nv_bfloat16, D, false)                                    \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__nv_bfloat16, D, true)
+#define ATTN_EXT_INSTANTIATE_FA2_FWD_PLAIN(D)                                                \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_CHECKS(D)                                                     \
+  static_assert(!fwd_fast_terms_head_dim(D), "use ATTN_EXT_INSTANTIATE_FA2_FWD");            \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__half, D, false)                                           \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__nv_bfloat16, D, false)
 
 }  // namespace fa2
 }  // namespace cuda

@@ -77,27 +77,36 @@ inline bool fwd_fast_head_dim(int64_t d) {
   return d == 32 || d == 64 || d == 96 || d == 128 || d == 256;
 }
 
+// Head dims whose fast forward also has the score-term instances (kTerms): at D = 256 the
+// terms' registers spill (255 registers with masks), so such calls run the simple kernel.
+constexpr bool fwd_fast_terms_head_dim(int64_t d) { return d != 256; }
+
 // Dynamic shared memory of fa2_fwd_kernel (FwdTraits<D>::kSmemBytes; the instantiating .cu
 // files static_assert that they agree): the adapter compares it with the device's limit.
 constexpr int fwd_smem_bytes(int64_t head_dim) {
   return static_cast<int>((64 + 4 * (head_dim <= 128 ? 64 : 32)) * (head_dim + 8) * 2);
 }
 
+template <typename T, int kHeadDim, bool kTerms>
+cudaError_t launch_fa2_fwd_m(const AttentionParams& p, cudaStream_t stream) {
+  switch (mask_mode(p)) {
+    case kMaskNone: return launch_fa2_fwd_impl<T, kHeadDim, kMaskNone, kTerms>(p, stream);
+    case kMaskBand: return launch_fa2_fwd_impl<T, kHeadDim, kMaskBand, kTerms>(p, stream);
+    default: return launch_fa2_fwd_impl<T, kHeadDim, kMaskPadding, kTerms>(p, stream);
+  }
+}
+
 template <typename T, int kHeadDim>
 cudaError_t launch_fa2_fwd_d(const AttentionParams& p, cudaStream_t stream) {
   if (p.terms.has_dropout()) return cudaErrorInvalidValue;  // the adapter runs the simple kernel
-  const bool terms = !p.terms.plain();
-  switch (mask_mode(p)) {
-    case kMaskNone:
-      return terms ? launch_fa2_fwd_impl<T, kHeadDim, kMaskNone, true>(p, stream)
-                   : launch_fa2_fwd_impl<T, kHeadDim, kMaskNone, false>(p, stream);
-    case kMaskBand:
-      return terms ? launch_fa2_fwd_impl<T, kHeadDim, kMaskBand, true>(p, stream)
-                   : launch_fa2_fwd_impl<T, kHeadDim, kMaskBand, false>(p, stream);
-    default:
-      return terms ? launch_fa2_fwd_impl<T, kHeadDim, kMaskPadding, true>(p, stream)
-                   : launch_fa2_fwd_impl<T, kHeadDim, kMaskPadding, false>(p, stream);
+  if (!p.terms.plain()) {
+    if constexpr (fwd_fast_terms_head_dim(kHeadDim)) {
+      return launch_fa2_fwd_m<T, kHeadDim, true>(p, stream);
+    } else {
+      return cudaErrorInvalidValue;  // use_fast_forward sends these to the simple kernel
+    }
   }
+  return launch_fa2_fwd_m<T, kHeadDim, false>(p, stream);
 }
 
 // T = __half or __nv_bfloat16; p.D == p.Dv and fwd_fast_head_dim(p.D) (the caller checked).
