@@ -10,6 +10,10 @@ The rules below restate the kernels' dispatch in Python, so they can be read wit
 - CUDA forward (csrc/cuda/attention.cu ``plan_split`` / ``use_fast_forward``): split-KV decode,
   else the fast FA2-style tensor-core kernel, else the simple kernel; CUDA backward
   (``use_fast_backward``): the fast FA2-style kernel, else the simple kernels.
+- Masks do not change the choice: causal, ``window``, ``key_padding_mask`` and the packed
+  sequences of ``attention_varlen`` (there Sq / Sk are ``max_seqlen_q`` / ``max_seqlen_k``, and
+  there is no split-KV path) run on the same kernels under the same conditions, and so does a
+  loss on lse.
 - Score terms (``alibi_slopes``, ``rel_bias``, ``softcap``, ``sinks``, ``dropout_p > 0``; issue
   15): split-KV and the simple kernels take all of them; the fast CUDA forward takes all but
   dropout (``use_fast_forward``: ``has_dropout()``); the fast backward none
@@ -39,8 +43,10 @@ CPU_BLOCK_K = 96  # kBlockK: keys per key tile
 CUDA_SIMPLE_MAX_HEAD_DIM = 256  # simple::kMaxHeadDim
 CUDA_FA2_BLOCK_M = 64  # fa2::kBlockM: query rows per CTA of the fast forward
 CUDA_FWD_FAST_HEAD_DIMS = (32, 64, 96, 128, 256)  # fa2::fwd_fast_head_dim
+CUDA_FWD_FAST_TERMS_HEAD_DIMS = (32, 64, 96, 128)  # fa2::fwd_fast_terms_head_dim (not 256)
 CUDA_BWD_FAST_HEAD_DIMS = (64, 128)  # fa2::launch_fa2_bwd
 CUDA_BWD_BLOCK_N = 128  # keys per CTA of the fast backward (bwd_fast_grid_ok)
+CUDA_FAST_MAX_SEQ_LEN = 1 << 30  # fa2::kMaxFastSeqLen: Sq + Sk below it (32-bit tile math)
 
 # csrc/cuda/attention.cu plan_split
 CUDA_SPLIT_MAX_SQ = 16  # split-KV only for Sq <= 16 ...
@@ -269,8 +275,13 @@ def cuda_forward_choice(s: Shape, dtype: torch.dtype, aligned: bool, sms: int,
                        "multiple of 8 elements")
     if not (_ceil_div(s.Sq, CUDA_FA2_BLOCK_M) <= 0x7FFFFFFF and s.H <= 65535 and s.B <= 65535):
         reasons.append(f"grid too large (B = {s.B}, H = {s.H} must be <= 65535)")
+    if s.Sq + s.Sk >= CUDA_FAST_MAX_SEQ_LEN:
+        reasons.append("Sq + Sk >= 2^30 (the fast kernels count rows, keys and distances in 32 bits)")
     if "dropout_p" in terms:
         reasons.append("dropout_p (the fast kernel has no dropout)")
+    elif terms and s.D == s.Dv and s.D in CUDA_FWD_FAST_HEAD_DIMS and s.D not in CUDA_FWD_FAST_TERMS_HEAD_DIMS:
+        reasons.append(f"score terms at D = {s.D} (the fast kernel's terms instances exist for D in "
+                       f"{list(CUDA_FWD_FAST_TERMS_HEAD_DIMS)}: at 256 their registers spill)")
     if s.D == s.Dv and s.D in CUDA_FWD_FAST_HEAD_DIMS and need > smem_optin:
         reasons.append(f"its shared memory ({need} bytes at D = {s.D}) exceeds the device's "
                        f"opt-in limit ({smem_optin} bytes)")
@@ -308,7 +319,8 @@ def cuda_backward_choice(s: Shape, dtype: torch.dtype, aligned: bool, smem_optin
         reasons.append("dout not 16-byte aligned or a stride not a multiple of 8 elements")
     steps = (s.H // max(s.Hkv, 1)) * _ceil_div(s.Sq, 64)
     if not (steps <= 0x7FFFFFFF and s.Hkv <= 65535 and s.B <= 65535
-            and _ceil_div(s.Sk, CUDA_BWD_BLOCK_N) <= 0x7FFFFFFF):
+            and _ceil_div(s.Sk, CUDA_BWD_BLOCK_N) <= 0x7FFFFFFF
+            and s.Sq + s.Sk < CUDA_FAST_MAX_SEQ_LEN):
         reasons.append("grid too large")
     if terms:
         reasons.append(_terms_reason(terms, "backward"))

@@ -647,6 +647,238 @@ def test_lse_gradient_on_cuda(cuda):
         assert max_err(a.cpu(), b) < 1e-4
 
 
+# ---- the fast kernels with masks (issue 14 item 8, issue 18 item 4) ----------------------------
+# Window, key padding and packed sequences on fa2_fwd_kernel / fa2_bwd_kernel (the profiler
+# must show that they ran: an empty profile fails), against the float64 reference: values, lse
+# and dq / dk / dv of a loss on out AND lse (the fast backward folds dlse into delta), by
+# DESIGN.md's low-precision rule (2x the reference's own error in that dtype).
+
+
+def _fast_fits_or_skip(D: int) -> None:
+    if not fast_fwd_fits(D):
+        pytest.skip(f"the fast forward's shared memory at D={D} exceeds this device's limit")
+
+
+def _grads_of(fn, inputs, dtype, dout, dlse):
+    """[out, lse, dq, dk, dv] of fn on the inputs cast to dtype (on their device); the loss
+    uses out and lse (lse -inf rows contribute 0)."""
+    ts = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    out, lse = fn(*ts)
+    fin = lse.masked_fill(torch.isinf(lse), 0.0)
+    loss = (out.double() * dout).sum() + (fin.double() * dlse).sum()
+    return [out.detach(), lse.detach()] + [g.detach() for g in torch.autograd.grad(loss, ts)]
+
+
+def _check_fast_masked(ours_fn, ref_fn, inputs, dtype, D, name):
+    """Runs ours_fn (fwd + bwd) under the profiler: fa2_fwd_kernel (and fa2_bwd_kernel where
+    its shared memory fits) must have run, the simple kernels not; then every output against
+    the float64 reference by the 2x rule."""
+    with torch.no_grad():
+        out0, lse0 = ours_fn(*[t.to(dtype) for t in inputs])
+    dout = torch.randn(out0.shape, dtype=torch.float64, device=out0.device)
+    dlse = torch.randn(lse0.shape, dtype=torch.float64, device=out0.device)
+    box = []
+    names = kernel_names(lambda: box.append(_grads_of(ours_fn, inputs, dtype, dout, dlse)))
+    assert ran(names, "fa2_fwd_kernel") and did_not_run(names, "simple_fwd"), (name, names)
+    if fast_bwd_fits(D):
+        assert ran(names, "fa2_bwd_kernel") and did_not_run(names, "simple_bwd"), (name, names)
+    ours = box[0]
+    ref64 = _grads_of(ref_fn, inputs, torch.float64, dout, dlse)
+    low = _grads_of(ref_fn, inputs, dtype, dout, dlse)
+    assert torch.equal(torch.isneginf(ours[1]), torch.isneginf(ref64[1])), f"{name}: -inf rows"
+    for what, a, r, lo in zip(("out", "lse", "dq", "dk", "dv"), ours, ref64, low):
+        assert a.shape == r.shape, (name, what)
+        ok = ~torch.isnan(a) if what == "lse" else torch.isfinite(a)
+        assert ok.all(), f"{name} {what}: non-finite value"
+        assert_close_rule(a, r, lo, name=f"{name} {what}", factor=2.0)
+    return ours, ref64
+
+
+# (causal, window, padding, Sq, Sk): band alone, band + padding, padding alone; windows
+# narrower than a key tile (many invisible tiles), bidirectional windows; Sq == Sk with left
+# padding gives rows that see only padded keys inside a batch row that has others
+MASK_CASES = [
+    (True, (30, 0), None, 150, 400),
+    (False, (40, 5), None, 150, 400),
+    (False, (7, 70), None, 300, 170),
+    (True, None, "left", 300, 300),
+    (True, (50, 0), "random", 150, 400),
+    (False, None, "right", 150, 400),
+    (False, (20, 20), "random", 300, 300),
+]
+
+
+def _padding(kind, B, Sk, gen):
+    if kind is None:
+        return None
+    if kind == "random":
+        kpm = torch.rand(B, Sk, generator=gen) > 0.3
+    else:  # left / right padding, a different length per batch row; row 1 fully padded
+        lengths = [Sk - 70, 0] + [Sk // 2] * (B - 2)
+        pos = torch.arange(Sk)
+        kpm = torch.stack([(pos >= Sk - n) if kind == "left" else (pos < n) for n in lengths])
+    kpm[1] = False  # a batch row whose every key is padded: its rows see nothing
+    return kpm
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+@pytest.mark.parametrize("case", MASK_CASES,
+                         ids=lambda c: f"causal{int(c[0])}-w{c[1]}-pad{c[2]}-{c[3]}x{c[4]}")
+class TestFastMasked:
+    def test_batched(self, case, dtype, D, cuda):
+        _fast_fits_or_skip(D)
+        causal, window, pad, Sq, Sk = case
+        gen = torch.Generator().manual_seed(1000 * D + MASK_CASES.index(case))
+        B, H, Hkv = 3, 4, 2
+        inputs = [randn(B, Sq, H, D, device=cuda), randn(B, Sk, Hkv, D, device=cuda),
+                  randn(B, Sk, Hkv, D, device=cuda)]
+        kpm = _padding(pad, B, Sk, gen)
+        kpm_dev = None if kpm is None else kpm.to(cuda)
+        ours, _ = _check_fast_masked(
+            lambda q, k, v: attn_ext.attention(q, k, v, causal=causal, window=window,
+                                               key_padding_mask=kpm_dev, return_lse=True),
+            lambda q, k, v: reference.attention_with_lse(q, k, v, causal, None, window, kpm_dev),
+            inputs, dtype, D, f"batched {case}")
+        if kpm is not None:  # the fully padded batch row: out 0, lse -inf, gradients 0
+            out, lse, dq, dk, dv = ours
+            assert torch.all(out[1] == 0) and torch.all(torch.isneginf(lse[1]))
+            assert torch.all(dq[1] == 0) and torch.all(dk[1] == 0) and torch.all(dv[1] == 0)
+            # padded keys get no gradient
+            assert torch.all(dk[~kpm_dev] == 0) and torch.all(dv[~kpm_dev] == 0)
+
+    def test_varlen(self, case, dtype, D, cuda):
+        """Packed sequences with empty ones (no rows, no keys, rows without keys), Sq != Sk
+        per sequence, GQA; the window and causal per sequence (padding does not apply)."""
+        _fast_fits_or_skip(D)
+        causal, window = case[0], case[1]
+        lq = [0, 64, 0, 136, 1, 9, 70]
+        lk = [10, 64, 0, 226, 1, 0, 200]
+        cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32)
+        cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32)
+        Tq, Tk, H, Hkv = int(cu_q[-1]), int(cu_k[-1]), 4, 2
+        inputs = [randn(Tq, H, D, device=cuda), randn(Tk, Hkv, D, device=cuda),
+                  randn(Tk, Hkv, D, device=cuda)]
+        cq, ck = cu_q.to(cuda), cu_k.to(cuda)
+        ours, _ = _check_fast_masked(
+            lambda q, k, v: attn_ext.attention_varlen(q, k, v, cq, ck, max(lq), max(lk),
+                                                      causal=causal, window=window,
+                                                      return_lse=True),
+            lambda q, k, v: reference.attention_varlen_with_lse(q, k, v, cq, ck, causal, None,
+                                                                window),
+            inputs, dtype, D, f"varlen {case}")
+        out, lse = ours[0], ours[1]
+        rows = slice(int(cu_q[5]), int(cu_q[6]))  # sequence 5: 9 rows, no key
+        assert torch.all(out[rows] == 0) and torch.all(torch.isneginf(lse[:, rows]))
+        assert torch.all(ours[2][rows] == 0)
+
+
+def _fast_fwd_bwd(q, k, v, dout, **kw):
+    """out, lse, dq, dk, dv of attn_ext.attention with a loss on out only, and the kernel set."""
+    ts = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    box = []
+
+    def run():
+        out, lse = attn_ext.attention(*ts, return_lse=True, **kw)
+        box.append([out.detach(), lse.detach()] + list(torch.autograd.grad(out, ts, dout)))
+
+    names = kernel_names(run)
+    return box[0], names
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+def test_fast_nonfinite_at_padded_keys_stays_out(dtype, D, cuda):
+    """inf / NaN / -inf in k and v at padded keys (and at keys outside every row's window)
+    change nothing: out, lse, dq, dk, dv equal the run with finite values there (forward and
+    backward on the fast kernels; issue 18 item 4)."""
+    _fast_fits_or_skip(D)
+    B, S, H = 2, 300, 2
+    q, k, v, dout = [randn(B, S, H, D, dtype=dtype, device=cuda) for _ in range(4)]
+    kpm = torch.ones(B, S, dtype=torch.bool, device=cuda)
+    bad_keys = [3, 77, 140, 200, 201, 299]
+    kpm[:, bad_keys] = False
+    kb, vb = k.clone(), v.clone()
+    kb[0, 3] = float("-inf")
+    vb[0, 77] = float("inf")
+    kb[1, 140, 1, 5] = float("nan")
+    vb[1, 200, :, 7] = float("nan")
+    kb[0, 201, 0, :] = float("inf")
+    vb[0, 299] = float("-inf")
+    for causal, window in ((True, None), (False, (60, 60))):
+        clean, names = _fast_fwd_bwd(q, k, v, dout, causal=causal, window=window,
+                                     key_padding_mask=kpm)
+        assert ran(names, "fa2_fwd_kernel"), names
+        if fast_bwd_fits(D):
+            assert ran(names, "fa2_bwd_kernel"), names
+        dirty, _ = _fast_fwd_bwd(q, kb, vb, dout, causal=causal, window=window,
+                                 key_padding_mask=kpm)
+        for what, a, c in zip(("out", "lse", "dq", "dk", "dv"), dirty, clean):
+            fin = torch.isfinite(a) | (torch.isneginf(a) & torch.isneginf(c))
+            assert fin.all(), f"{what}: a hidden non-finite value leaked (causal={causal})"
+            tol = 2e-2 * max(1.0, float(c.float().abs().max()))
+            assert max_err(a.float(), c.float()) <= tol, (what, causal)
+        assert torch.all(dirty[3][:, bad_keys] == 0) and torch.all(dirty[4][:, bad_keys] == 0)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+def test_fast_nonfinite_rows_and_keys_causal(dtype, D, cuda):
+    """Causal, S = 200 (several tiles, the bad values inside diagonal tiles): v and k of key 100
+    non-finite -> rows 0-99 (which cannot see it) keep their out, lse and dq; dout and q of row
+    50 non-finite -> keys 51-199 (which row 50 cannot see) keep their dk and dv."""
+    _fast_fits_or_skip(D)
+    B, S, H = 1, 200, 2
+    q, k, v, dout = [randn(B, S, H, D, dtype=dtype, device=cuda) for _ in range(4)]
+    clean, names = _fast_fwd_bwd(q, k, v, dout, causal=True)
+    assert ran(names, "fa2_fwd_kernel"), names
+    if fast_bwd_fits(D):
+        assert ran(names, "fa2_bwd_kernel"), names
+    kb, vb = k.clone(), v.clone()
+    vb[0, 100] = float("inf")
+    kb[0, 100, 0, 3] = float("nan")
+    dirty, _ = _fast_fwd_bwd(q, kb, vb, dout, causal=True)
+    for what, idx in (("out", 0), ("dq", 2)):
+        a, c = dirty[idx][0, :100], clean[idx][0, :100]
+        assert torch.isfinite(a).all(), f"{what}: key 100 leaked into rows it cannot reach"
+        assert max_err(a.float(), c.float()) <= 2e-2 * max(1.0, float(c.float().abs().max())), what
+    assert torch.isfinite(dirty[1][0, :, :100]).all()
+    assert max_err(dirty[1][0, :, :100], clean[1][0, :, :100]) <= 1e-2
+    assert not torch.isfinite(dirty[0][0, 100:]).all()  # rows that see key 100 do see it
+    qb, db = q.clone(), dout.clone()
+    qb[0, 50, 1, 0] = float("nan")
+    db[0, 50, 0, :] = float("inf")
+    dirty, _ = _fast_fwd_bwd(qb, k, v, db, causal=True)
+    for what, idx in (("dk", 3), ("dv", 4)):
+        a, c = dirty[idx][0, 51:], clean[idx][0, 51:]
+        assert torch.isfinite(a).all(), f"{what}: row 50 leaked into keys it cannot see"
+        assert max_err(a.float(), c.float()) <= 2e-2 * max(1.0, float(c.float().abs().max())), what
+
+
+def test_fast_varlen_bad_cu_seqlens_device_assert(cuda, tmp_path):
+    """Non-monotone / out-of-range cu_seqlens on CUDA are never read past the tensors: the
+    kernels' Visibility::seq(b) device-asserts (the op does not synchronise to check on the
+    host). A device assert poisons the CUDA context, so each case runs in a subprocess and
+    must fail with the assertion's message."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cases = {"non-monotone": "[0, 50, 30, 100]", "past the end": "[0, 50, 100, 5000]",
+             "longer than max_seqlen": "[0, 10, 20, 100]"}
+    for name, cu in cases.items():
+        code = (
+            "import torch, attn_ext\n"
+            "q = torch.randn(100, 2, 64, device='cuda', dtype=torch.bfloat16)\n"
+            f"cu = torch.tensor({cu}, dtype=torch.int32, device='cuda')\n"
+            "out = attn_ext.attention_varlen(q, q, q, cu, cu, 50, 50, causal=True)\n"
+            "torch.cuda.synchronize()\n"
+            "print('NO ERROR')\n")
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             cwd=root, timeout=120,
+                             env=dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", "")))
+        text = res.stdout + res.stderr
+        assert res.returncode != 0 and "NO ERROR" not in text, (name, text[-2000:])
+        assert "cu_seqlens_q / cu_seqlens_k must start at 0" in text, (name, text[-2000:])
 # ---- score terms on CUDA (issue 15): softcap, ALiBi, rel_bias, sinks, dropout ---------------
 # The simple kernels (and the split-KV decode path) take every term through ScoreTerms /
 # dropout_rng.h; the fast forward takes all but dropout (its kTerms instances), the fast
@@ -1055,7 +1287,11 @@ class TestScoreTermsCuda:
             return attn_ext.attention(q, k, v, causal=causal, return_lse=True, **kw)
 
         names = kernel_names(run)
-        assert ran(names, "fa2_fwd_kernel") and did_not_run(names, "simple_fwd"), names
+        if D == 256:  # no terms instances at D = 256 (they would spill): the simple kernel
+            assert ran(names, "simple_fwd") and did_not_run(names, "fa2_fwd_kernel"), names
+            assert "score terms at D = 256" in attn_ext.explain(q, k, v, causal=causal, **kw).forward_reason
+        else:
+            assert ran(names, "fa2_fwd_kernel") and did_not_run(names, "simple_fwd"), names
         out, lse = run()
         with attn_ext.ops._simple_cuda_kernels():
             out_s, lse_s = run()

@@ -48,7 +48,19 @@ def test_cuda_constants_match_the_headers():
     c = kc.launch_constants()
     assert c["simple.kMaxHeadDim"] == X.CUDA_SIMPLE_MAX_HEAD_DIM
     assert c["fa2.kBlockM"] == X.CUDA_FA2_BLOCK_M
+    assert c["fa2.kMaxFastSeqLen"] == X.CUDA_FAST_MAX_SEQ_LEN
+    launch = kc.source("csrc/cuda/attention_launch.h")
+    for fn in ("fwd_fast_grid_ok", "bwd_fast_grid_ok"):
+        body = kc.block(launch, r"inline\s+bool\s+" + fn + r"\s*\([^)]*\)\s*\{")
+        assert "fast_lengths_ok(p)" in body, fn
+    body = kc.block(launch, r"inline\s+bool\s+fast_lengths_ok\s*\([^)]*\)\s*\{")
+    assert "p.Sq + p.Sk + shift < kMaxFastSeqLen" in body  # explain() calls have no shift
     assert kc.fwd_fast_head_dims() == X.CUDA_FWD_FAST_HEAD_DIMS
+    terms_fn = kc.block(launch, r"constexpr\s+bool\s+fwd_fast_terms_head_dim\s*\([^)]*\)\s*\{")
+    assert "return d != 256;" in terms_fn
+    assert X.CUDA_FWD_FAST_TERMS_HEAD_DIMS == tuple(d for d in X.CUDA_FWD_FAST_HEAD_DIMS if d != 256)
+    hd256 = kc.source("csrc/cuda/attention_fa2_hdim256.cu")
+    assert "ATTN_EXT_INSTANTIATE_FA2_FWD_PLAIN(256)" in hd256
     assert kc.bwd_fast_head_dims() == X.CUDA_BWD_FAST_HEAD_DIMS
     fwd, bwd = kc.launch_function("fwd_smem_bytes"), kc.launch_function("bwd_smem_bytes")
     for d in range(8, 257, 8):
@@ -75,11 +87,12 @@ def test_cuda_constants_match_the_headers():
     # score terms (issue 15): the fast forward has all but dropout, the fast backward none;
     # the split-KV plan does not look
     assert "if (p.score_terms().has_dropout()) return false;" in fast_fwd
+    assert "if (!p.terms.plain() && !cuda::fa2::fwd_fast_terms_head_dim(p.D)) return false;" in fast_fwd
     assert "if (!p.score_terms().plain()) return false;" in fast_bwd
     launch = kc.block(kc.source("csrc/cuda/attention_launch.h"),
                       r"cudaError_t\s+launch_fa2_fwd_d\s*\([^)]*\)\s*\{")
     assert "if (p.terms.has_dropout()) return cudaErrorInvalidValue;" in launch
-    assert "if (!p.terms.plain())" in launch
+    assert "if (!p.terms.plain()) {" in launch and "fwd_fast_terms_head_dim(kHeadDim)" in launch
     assert "score_terms" not in split and "terms" not in split
     # the backward never sees the sinks (they reach it through lse), so they cannot turn the
     # fast backward off: the adapter passes no_sinks to the terms it fills

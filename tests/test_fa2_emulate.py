@@ -100,6 +100,12 @@ def _mutated_tree(tmp_path, rel, old, new):
     # a wrong fragment column map in the backward kernel
     ("csrc/cuda/attention_bwd_kernel.cuh", "c2 = (lane & 3) * 2;", "c2 = ((lane + 1) & 3) * 2;",
      ("bwd", 64, 128, 64, 1, False)),
+    # the visibility layer's tile predicate off by one (the kernels' per-element window test):
+    # the emulator asks the edited header, so it now disagrees with the plain reference
+    ("csrc/common/attention_mask.h", "int64_t hi = m.left >= 0 ? m.left - d0 : R;",
+     "int64_t hi = m.left >= 0 ? m.left - d0 + 1 : R;", ("fwd", 150, 200, 64, (20, 0, None))),
+    ("csrc/common/attention_mask.h", "int64_t hi = m.left >= 0 ? m.left - d0 : R;",
+     "int64_t hi = m.left >= 0 ? m.left - d0 + 1 : R;", ("bwd", 200, 300, 64, 1, (30, 0, None))),
 ])
 def test_a_kernel_edit_reaches_the_emulation(rel, old, new, case, kc, tmp_path, monkeypatch, capsys):
     """Edit the (copied) header: the emulator, reading it, now disagrees with the reference.

@@ -14,6 +14,15 @@ The PTX semantics emulated (PTX ISA, "Matrix fragments for mma.m16n8k16" and "ld
 The emulation mirrors the kernel's code line by line (same names) in float64, so it checks
 indexing, not rounding. Compare its output with a plain softmax(QK^T)V.
 
+Masks (causal, window, key padding) follow the kernels: the tile ranges, the full tiles and
+the per-tile predicate come from the visibility layer itself (csrc/common/attention_mask.h,
+asked through tools/mask_probe.cpp: band_keys_of_rows / band_rows_of_keys, full_key_tiles /
+full_row_tiles, TileBand), the padding rules (all-padded tiles skipped, a padded key makes a
+tile partial) are the kernels' own; check_rule_against_header checks the header's answers
+against its own predicate and classify(), and the reference is DESIGN.md's rule written out.
+Packed sequences (per-sequence pointer offsets) and the rare exact paths for non-finite
+values are not emulated.
+
 The kernels' tile constants (FwdTraits / BwdTraits and the kernels' constexpr locals), their
 ldmatrix lane maps (lrow, lcol, krow, kcol, g, c2) and the head dims the kernels are built for
 are read from the headers (tools/kernel_constants.py), not retyped: an edit of the kernel is
@@ -88,25 +97,10 @@ def mma(d, a, b0, b1):
         d[l, 2:4] += C[g + 8, 2 * t: 2 * t + 2]
 
 
-# ---- the forward's tile rule (what the kernel's causal code computes), checked against
-# the visibility layer csrc/common/attention_mask.h by check_rule_against_header ----------
+# ---- masks: the kernels ask the visibility layer (csrc/common/attention_mask.h); so does the
+# emulator, through tools/mask_probe.cpp compiled from the same header ----------------------
 
-
-def fwd_key_end(Sq, Sk, causal, m0, kBlockM):
-    """Keys [0, n_end) some row of the query tile at m0 sees (fa2_fwd_kernel's n_end)."""
-    if not causal:
-        return Sk
-    return min(min(m0 + kBlockM, Sq) + (Sk - Sq), Sk)
-
-
-def fwd_need_mask(Sq, Sk, causal, m0, n0, kBlockN):
-    """The key tile at n0 is masked (crosses the end of the keys or the causal diagonal)."""
-    return (n0 + kBlockN > Sk) or (causal and n0 + kBlockN - 1 > m0 + (Sk - Sq))
-
-
-def fwd_ok(Sq, Sk, causal, row, key):
-    """Row `row` sees key `key` (the masked tile's predicate); works on numpy arrays."""
-    return (key < Sk) & ((not causal) | (key <= row + (Sk - Sq)))
+INVISIBLE, PARTIAL, FULL = 0, 1, 2  # TileKind
 
 
 def mask_probe():
@@ -114,11 +108,14 @@ def mask_probe():
     import subprocess
     import tempfile
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    exe = os.path.join(tempfile.gettempdir(), f"attn_ext_mask_probe_{os.getuid()}_{os.getpid()}")
+    # the headers of kc.ROOT (the tree whose kernels are emulated), this tool's probe source
+    root = kc.ROOT
+    exe = os.path.join(tempfile.gettempdir(),
+                       f"attn_ext_mask_probe_{os.getuid()}_{os.getpid()}_{abs(hash(root))}")
     if not os.path.exists(exe):
-        subprocess.run(["g++", "-std=c++17", "-O1", "-I", os.path.join(root, "csrc"),
-                        os.path.join(root, "tools", "mask_probe.cpp"), "-o", exe], check=True)
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mask_probe.cpp")
+        subprocess.run(["g++", "-std=c++17", "-O1", "-I", os.path.join(root, "csrc"), src,
+                        "-o", exe], check=True)
     return exe
 
 
@@ -130,53 +127,177 @@ def ask_header(lines):
     return res.stdout.split("\n")
 
 
-def check_rule_against_header(Sq, Sk, D, causal) -> bool:
-    """The emulator's (= the fast forward's) key range, masked-tile decision and predicate
-    agree with the header on every query tile / key tile / (row, key) of the problem."""
-    kBlockM, kBlockN = 64, (64 if D <= 128 else 32)
-    right = 0 if causal else -1
-    lines, expect = [], []
-    for m0 in range(0, Sq, kBlockM):
-        i1 = min(m0 + kBlockM, Sq)
-        lines.append(f"keys {Sq} {Sk} -1 {right} {m0} {i1}")
-        expect.append(("keys", m0, max(fwd_key_end(Sq, Sk, causal, m0, kBlockM), 0)))
-        for n0 in range(0, Sk, kBlockN):
-            j1 = min(n0 + kBlockN, Sk)
-            lines.append(f"class {Sq} {Sk} -1 {right} {m0} {i1} {n0} {j1}")
-            expect.append(("class", m0, n0))
-            for row in range(m0, i1):
-                for key in range(n0, j1):
-                    lines.append(f"vis {Sq} {Sk} -1 {right} {row} {key}")
-                    expect.append(("vis", row, key))
-    answers = ask_header(lines)
-    ok = True
-    for (kind, a, b), ans in zip(expect, answers):
-        if kind == "keys":
-            hi = int(ans.split()[1])
-            ok &= hi == b or (b <= 0 and hi == 0)
-        elif kind == "class":
-            n0 = b
-            full = int(ans) == 2
-            in_range = n0 + kBlockN <= Sk and a + kBlockM <= Sq
-            if in_range:  # the tail tiles are masked for the end of the keys anyway
-                ok &= fwd_need_mask(Sq, Sk, causal, a, n0, kBlockN) == (not full)
+class Mask:
+    """One problem's mask: spec True / False (causal or not) or (left, right, padding) with
+    padding None, "left" (the first Sk // 3 keys padded) or "random"; kpm (Sk,) bool or None.
+    tiles(M, N) asks the header, once, every answer a kernel with (M, N) tiles needs: the key
+    range of each query tile, the row range of each key tile, each tile's class and TileBand."""
+
+    def __init__(self, Sq, Sk, spec, rng=None):
+        self.Sq, self.Sk = Sq, Sk
+        if spec is True or spec is False:
+            spec = (-1, 0 if spec else -1, None)
+        left, right, pad = spec
+        self.left, self.right = left, right
+        if pad is None:
+            self.kpm = None
+        elif pad == "left":
+            self.kpm = np.arange(Sk) >= Sk // 3
         else:
-            ok &= bool(fwd_ok(Sq, Sk, causal, a, b)) == (ans == "1")
-    print(f"rule vs attention_mask.h Sq={Sq:4d} Sk={Sk:4d} D={D:3d} causal={causal!s:5}: "
+            self.kpm = (rng if rng is not None else np.random.default_rng(1)).random(Sk) > 0.3
+        self.masked = left >= 0 or right >= 0 or self.kpm is not None  # not Visibility::dense()
+        self._tiles = {}
+
+    def __str__(self):
+        pad = "" if self.kpm is None else f" pad{int((~self.kpm).sum())}"
+        return f"w=({self.left},{self.right}){pad}"
+
+    def tiles(self, M, N):
+        if (M, N) in self._tiles:
+            return self._tiles[(M, N)]
+        Sq, Sk, l, r = self.Sq, self.Sk, self.left, self.right
+        head = f"{Sq} {Sk} {l} {r}"
+        lines, keys = [], []
+        for m0 in range(0, Sq, M):
+            lines.append(f"keys {head} {m0} {min(m0 + M, Sq)}")
+            keys.append(("keys", m0))
+            lines.append(f"fullkeys {head} {m0} {min(m0 + M, Sq)} {N}")
+            keys.append(("fullkeys", m0))
+        for n0 in range(0, Sk, N):
+            lines.append(f"rows {head} {n0} {min(n0 + N, Sk)}")
+            keys.append(("rows", n0))
+            lines.append(f"fullrows {head} {n0} {min(n0 + N, Sk)} {M}")
+            keys.append(("fullrows", n0))
+        for m0 in range(0, Sq, M):
+            for n0 in range(0, Sk, N):
+                lines.append(f"class {head} {m0} {min(m0 + M, Sq)} {n0} {min(n0 + N, Sk)}")
+                keys.append(("class", (m0, n0)))
+                lines.append(f"tile {head} {m0} {n0} {M} {N}")
+                keys.append(("tile", (m0, n0)))
+        t = {"keys": {}, "rows": {}, "fullkeys": {}, "fullrows": {}, "class": {}, "tile": {}}
+        for (kind, at), ans in zip(keys, ask_header(lines)):
+            vals = [int(x) for x in ans.split()]
+            t[kind][at] = vals[0] if kind == "class" else tuple(vals)
+        self._tiles[(M, N)] = t
+        return t
+
+    def visible(self):
+        """(Sq, Sk) bool: DESIGN.md's rule written out plainly (for the reference)."""
+        i = np.arange(self.Sq)[:, None]
+        j = np.arange(self.Sk)[None, :]
+        d = i + (self.Sk - self.Sq) - j
+        ok = np.ones((self.Sq, self.Sk), bool)
+        if self.right >= 0:
+            ok &= d >= -self.right
+        if self.left >= 0:
+            ok &= d <= self.left
+        if self.kpm is not None:
+            ok &= self.kpm[None, :]
+        return ok
+
+
+def band_ok(tb, r, c):
+    """TileBand::ok (mask_probe's "tileok" checks it against band_visible); numpy arrays."""
+    lo, hi, row_lim, key_lim = tb
+    return (r < row_lim) & (c < key_lim) & (r - c >= lo) & (r - c <= hi)
+
+
+def check_rule_against_header(Sq, Sk, D, spec) -> bool:
+    """The header's tile answers the kernels use are consistent with its own predicate on every
+    tile of the problem: the key range of a query tile holds every visible key, a tile called
+    full / invisible has all / none of its pairs visible, and TileBand agrees with band_visible
+    (forward and backward tile sizes)."""
+    mask = Mask(Sq, Sk, spec)
+    vis_band = Mask(Sq, Sk, (mask.left, mask.right, None)).visible()
+    ok = True
+    sizes = [(fwd_constants(D)["kBlockM"], fwd_constants(D)["kBlockN"])]
+    if D in kc.bwd_fast_head_dims():
+        sizes.append((bwd_constants(D)["kBlockM"], bwd_constants(D)["kBlockN"]))
+    head = f"{Sq} {Sk} {mask.left} {mask.right}"
+    for M, N in sizes:
+        t = mask.tiles(M, N)
+        lines = []
+        for m0 in range(0, Sq, M):
+            lo, hi = t["keys"][m0]
+            rows = vis_band[m0: m0 + M]
+            ok &= not rows[:, :lo].any() and not rows[:, hi:].any()
+            f_lo, f_hi = t["fullkeys"][m0]
+            for n0 in range(0, Sk, N):
+                cls = t["class"][(m0, n0)]
+                ok &= (cls == FULL) == (f_lo <= n0 // N < f_hi)  # full_key_tiles == classify
+                if hi > lo and lo // N <= n0 // N < (hi + N - 1) // N:
+                    ok &= cls != INVISIBLE  # the walked tiles are never invisible by the band
+                blk = vis_band[m0: m0 + M, n0: n0 + N]
+                if cls == FULL:
+                    ok &= bool(blk.all())
+                elif cls == INVISIBLE:
+                    ok &= not blk.any()
+                r = np.arange(M)[:, None]
+                c = np.arange(N)[None, :]
+                got = band_ok(t["tile"][(m0, n0)], r, c)
+                want = np.zeros((M, N), bool)
+                want[: blk.shape[0], : blk.shape[1]] = blk
+                ok &= np.array_equal(got, want)
+                lines.append(f"tileok {head} {m0} {n0} {M} {N}")
+        for n0 in range(0, Sk, N):
+            lo, hi = t["rows"][n0]
+            cols = vis_band[:, n0: n0 + N]
+            ok &= not cols[:lo].any() and not cols[hi:].any()
+            f_lo, f_hi = t["fullrows"][n0]
+            for m0 in range(0, Sq, M):
+                cls = t["class"][(m0, n0)]
+                ok &= (cls == FULL) == (f_lo <= m0 // M < f_hi)  # full_row_tiles == classify
+                if hi > lo and lo // M <= m0 // M < (hi + M - 1) // M:
+                    ok &= cls != INVISIBLE
+        ok &= all(a == "1" for a in ask_header(lines)[: len(lines)])
+    print(f"rule vs attention_mask.h Sq={Sq:4d} Sk={Sk:4d} D={D:3d} {mask!s:14}: "
           f"{'agree' if ok else 'DISAGREE'}")
     return ok
 
 
-def fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse):
-    """One CTA (query tile m_block) of fa2_fwd_kernel for one (b, h); q (Sq, D), k/v (Sk, D)."""
+def fa2_fwd_cta(q, k, v, Sq, Sk, D, mask, scale, m_block, out, lse):
+    """One CTA (query tile m_block) of fa2_fwd_kernel for one (b, h); q (Sq, D), k/v (Sk, D);
+    mask: a Mask (the kernel's kMasked is mask.masked)."""
     c = fwd_constants(D)
     kBlockM, kBlockN, kStride = c["kBlockM"], c["kBlockN"], c["kStride"]
     kNTiles, kDTiles = c["kNTiles"], c["kDTiles"]
+    masked = mask.masked
     m0 = m_block * kBlockM
-    n_end = fwd_key_end(Sq, Sk, causal, m0, kBlockM)
-    n_tiles = (n_end + kBlockN - 1) // kBlockN if n_end > 0 else 0
-    if n_tiles == 0:
-        for r in range(m0, min(m0 + kBlockM, Sq)):
+    m1 = min(m0 + kBlockM, Sq)
+    hdr = mask.tiles(kBlockM, kBlockN)
+    n_begin, n_end, full_lo, full_hi = 0, 0, 0, 0
+    if not masked:
+        n_end = full_hi = (Sk + kBlockN - 1) // kBlockN
+    elif Sk > 0:
+        lo, hi = hdr["keys"][m0]
+        if hi > lo:
+            n_begin, n_end = lo // kBlockN, (hi + kBlockN - 1) // kBlockN
+            full_lo, full_hi = hdr["fullkeys"][m0]
+
+    def tile_kind(n):
+        n0 = n * kBlockN
+        n1 = min(n0 + kBlockN, Sk)
+        kind = FULL if full_lo <= n < full_hi else PARTIAL
+        if kind == FULL and n0 + kBlockN > Sk:
+            kind = PARTIAL
+        kv = np.ones(kBlockN, bool)
+        if masked and mask.kpm is not None and kind != INVISIBLE:
+            keys = n0 + np.arange(kBlockN)
+            kv = (keys < n1) & mask.kpm[np.minimum(keys, Sk - 1)]
+            valid = int(kv.sum())
+            if valid == 0:
+                kind = INVISIBLE
+            elif valid < n1 - n0:
+                kind = PARTIAL
+        return kind, kv
+
+    tiles = []  # the key tiles the CTA visits, in order, with their class and padding bits
+    for n in range(n_begin, n_end):
+        kind, kv = tile_kind(n)
+        if kind != INVISIBLE:
+            tiles.append((n, kind, kv))
+    if not tiles:
+        for r in range(m0, m1):
             out[r] = 0
             lse[r] = -math.inf
         return
@@ -198,7 +319,9 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse):
         row_a = m0 + warp * 16 + G
         row_b = row_a + 8
         lrow, lcol, krow, kcol = (FWD_LANES[n] for n in ("lrow", "lcol", "krow", "kcol"))
-        for n in range(n_tiles):
+        ra = warp * 16 + G
+        rb = ra + 8
+        for n, kind, kv in tiles:
             n0 = n * kBlockN
             sKb = load_tile(k, n0, Sk, kBlockN)
             sVb = load_tile(v, n0, Sk, kBlockN)
@@ -210,12 +333,12 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse):
                     mma(s[2 * nn], a, bk[:, 0], bk[:, 1])
                     mma(s[2 * nn + 1], a, bk[:, 2], bk[:, 3])
             s *= scale_log2
-            if fwd_need_mask(Sq, Sk, causal, m0, n0, kBlockN):
+            if kind == PARTIAL:
+                band = hdr["tile"][(m0, n0)]
                 for t in range(kNTiles):
                     for e in range(4):
-                        key = n0 + t * 8 + (lane & 3) * 2 + (e & 1)
-                        row = row_a if e < 2 else row_b
-                        ok = fwd_ok(Sq, Sk, causal, row, key)
+                        cc = t * 8 + (lane & 3) * 2 + (e & 1)
+                        ok = band_ok(band, ra if e < 2 else rb, cc) & kv[cc]
                         s[t, ~ok, e] = -np.inf
             for r in range(2):
                 mx = np.max(np.maximum(s[:, :, 2 * r], s[:, :, 2 * r + 1]), axis=0)  # (32,)
@@ -258,24 +381,35 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse):
                         lse[row[ln]] = -math.inf if empty[ln] else (row_max[r][ln] + math.log2(l[ln])) * math.log(2.0)
 
 
-def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, causal, scale, n_block, dq_acc, dk, dv):
+def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc, dk, dv):
     """One CTA (key tile n_block, one kv head) of fa2_bwd_kernel. q, do: (group, Sq, D) (the
     query heads of the kv head); k, v: (Sk, D); lse, delta: (group, Sq); dq_acc: (group, Sq, D)
-    accumulated; dk, dv: (Sk, D) written for this tile's keys."""
+    accumulated; dk, dv: (Sk, D) written for this tile's keys; mask: a Mask."""
     c = bwd_constants(D)
     kBlockM, kBlockN, kWarps = c["kBlockM"], c["kBlockN"], c["kWarps"]
     kStride, kDsStride = c["kStride"], c["kDsStride"]
     kQSub, kSubTiles, kDTiles = c["kQSub"], c["kSubTiles"], c["kDTiles"]
     kDqCols, kDqChunk = c["kDqCols"], c["kDqChunk"]
     group = q.shape[0]
+    masked = mask.masked
     n0 = n_block * kBlockN
-    diag = Sk - Sq
-    m_begin = 0
-    if causal:
-        first_row = n0 - diag
-        m_begin = first_row // kBlockM if first_row > 0 else 0
-    m_end = (Sq + kBlockM - 1) // kBlockM
-    n_m = max(m_end - m_begin, 0)
+    n1 = min(n0 + kBlockN, Sk)
+    hdr = mask.tiles(kBlockM, kBlockN)
+    keys = n0 + np.arange(kBlockN)
+    kok = keys < n1  # the keys' padding flags (kok_a / kok_b of each thread)
+    if mask.kpm is not None:
+        kok &= mask.kpm[np.minimum(keys, Sk - 1)]
+    all_keys = bool(np.all(kok | (keys >= n1)))
+    any_key = bool(kok.any())
+    m_begin, m_end, full_lo, full_hi = 0, 0, 0, 0
+    if not masked:
+        m_end = full_hi = (Sq + kBlockM - 1) // kBlockM
+    elif Sq > 0 and any_key:
+        lo, hi = hdr["rows"][n0]
+        if hi > lo:
+            m_begin, m_end = lo // kBlockM, (hi + kBlockM - 1) // kBlockM
+            full_lo, full_hi = hdr["fullrows"][n0]
+    n_m = m_end - m_begin
     steps = group * n_m
 
     def load_rows(g, row0, nrows, rows):
@@ -301,10 +435,10 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, causal, scale, n_block, dq_a
                           if m0 + t < Sq else math.inf for t in range(kBlockM)])
         sDeltab = np.array([delta[h, m0 + t] if m0 + t < Sq else 0.0 for t in range(kBlockM)])
         sdS = np.full((kBlockN, kDsStride), np.nan)
-        need_mask = (n0 + kBlockN > Sk) or (m0 + kBlockM > Sq) or (causal and n0 + kBlockN - 1 > m0 + diag)
-        key_lim = min(Sk - n0, kBlockN)
-        row_lim = min(Sq - m0, kBlockM)
-        diag_lim = min(max(m0 + diag - n0, -2 * kBlockN), 2 * kBlockN) if causal else 0
+        mt = m0 // kBlockM
+        need_mask = (not (full_lo <= mt < full_hi) or n0 + kBlockN > Sk or m0 + kBlockM > Sq
+                     or not all_keys)
+        band = hdr["tile"][(m0, n0)]
         for warp in range(kWarps):
             for qs in range(kBlockM // kQSub):
                 q0 = qs * kQSub
@@ -328,7 +462,7 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, causal, scale, n_block, dq_a
                             ds = pr * (dp[t, :, e] - sDeltab[qc])
                         if need_mask:
                             kr = warp * 16 + g_ + (e >> 1) * 8
-                            ok = (kr < key_lim) & (qc < row_lim) & ((not causal) | (kr - qc <= diag_lim))
+                            ok = kok[kr] & band_ok(band, qc, kr)
                             pr = np.where(ok, pr, 0.0)
                             ds = np.where(ok, ds, 0.0)
                         s[t, :, e] = pr
@@ -387,21 +521,17 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, causal, scale, n_block, dq_a
                         dv[key, col: col + 2] = acc_dv[warp, t, l, 2 * r: 2 * r + 2]
 
 
-def reference_bwd(q, k, v, do, causal, scale):
+def reference_bwd(q, k, v, do, mask, scale):
     """Gradients of out = softmax(scale q k^T (masked)) v for the query heads q (group, Sq, D)
     sharing k, v (Sk, D); returns out, lse, dq, dk, dv."""
     dq = np.zeros_like(q)
     dk = np.zeros_like(k)
     dv = np.zeros_like(v)
     outs, lses = [], []
-    Sq, Sk = q.shape[1], k.shape[0]
+    vis = mask.visible()
     for h in range(q.shape[0]):
-        out, lse = reference(q[h], k, v, causal, scale)
-        s = q[h] @ k.T * scale
-        if causal:
-            i = np.arange(Sq)[:, None]
-            j = np.arange(Sk)[None, :]
-            s = np.where(j <= i + (Sk - Sq), s, -np.inf)
+        out, lse = reference(q[h], k, v, mask, scale)
+        s = np.where(vis, q[h] @ k.T * scale, -np.inf)
         with np.errstate(invalid="ignore"):
             p = np.where(np.isfinite(lse)[:, None], np.exp(s - np.where(np.isfinite(lse), lse, 0)[:, None]), 0.0)
         dp = do[h] @ v.T
@@ -414,34 +544,30 @@ def reference_bwd(q, k, v, do, causal, scale):
     return np.stack(outs), np.stack(lses), dq, dk, dv
 
 
-def check_bwd(rng, Sq, Sk, D, group, causal) -> bool:
+def check_bwd(rng, Sq, Sk, D, group, spec) -> bool:
     q = rng.standard_normal((group, Sq, D))
     do = rng.standard_normal((group, Sq, D))
     k, v = rng.standard_normal((Sk, D)), rng.standard_normal((Sk, D))
     scale = 1 / math.sqrt(D)
-    out, lse, r_dq, r_dk, r_dv = reference_bwd(q, k, v, do, causal, scale)
+    mask = Mask(Sq, Sk, spec, rng)
+    out, lse, r_dq, r_dk, r_dv = reference_bwd(q, k, v, do, mask, scale)
     delta = (do * out).sum(-1)  # fa2_bwd_delta_kernel
     dq = np.zeros_like(q)
     dk = np.full_like(k, np.nan)
     dv = np.full_like(v, np.nan)
     kBlockN = bwd_constants(D)["kBlockN"]
     for n_block in range((Sk + kBlockN - 1) // kBlockN):
-        fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, causal, scale, n_block, dq, dk, dv)
+        fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq, dk, dv)
     errs = [np.abs(a - b).max() if not np.isnan(a).any() else np.inf
             for a, b in ((dq, r_dq), (dk, r_dk), (dv, r_dv))]
     ok = max(errs) < 1e-9
-    print(f"bwd Sq={Sq:4d} Sk={Sk:4d} D={D:3d} group={group} causal={causal!s:5}: dq err {errs[0]:.2e}, "
+    print(f"bwd Sq={Sq:4d} Sk={Sk:4d} D={D:3d} group={group} {mask!s:14}: dq err {errs[0]:.2e}, "
           f"dk err {errs[1]:.2e}, dv err {errs[2]:.2e}  {'ok' if ok else 'MISMATCH'}")
     return ok
 
 
-def reference(q, k, v, causal, scale):
-    Sq, Sk = q.shape[0], k.shape[0]
-    s = q @ k.T * scale
-    if causal:
-        i = np.arange(Sq)[:, None]
-        j = np.arange(Sk)[None, :]
-        s = np.where(j <= i + (Sk - Sq), s, -np.inf)
+def reference(q, k, v, mask, scale):
+    s = np.where(mask.visible(), q @ k.T * scale, -np.inf)
     mx = s.max(axis=1, keepdims=True)
     mx = np.where(np.isinf(mx), 0, mx)
     p = np.exp(s - mx)
@@ -451,33 +577,41 @@ def reference(q, k, v, causal, scale):
     return out, lse
 
 
-# (Sq, Sk, D, causal): tile-aligned, ragged, Sq > Sk (rows without keys), one key; every
-# head dim a fast forward kernel is built for (fwd_fast_head_dim), and no other.
+# (Sq, Sk, D, mask): tile-aligned, ragged, Sq > Sk (rows without keys), one key; windows
+# (left, right, padding) with and without causal (right = 0), narrower than a tile, key
+# padding (left: whole padded key tiles; random); every head dim a fast forward kernel is
+# built for (fwd_fast_head_dim), and no other.
 FWD_CASES = [(64, 64, 64, False), (70, 130, 64, True), (130, 70, 32, True),
              (5, 200, 32, True), (100, 37, 128, False), (65, 1, 32, True),
-             (90, 150, 96, True), (70, 100, 256, True)]
-# (Sq, Sk, D, group, causal): likewise for the fast backward (launch_fa2_bwd), with GQA.
+             (90, 150, 96, True), (70, 100, 256, True),
+             (150, 200, 64, (20, 0, None)), (130, 260, 32, (5, 9, None)),
+             (100, 300, 64, (-1, 0, "left")), (90, 90, 64, (30, 30, "random")),
+             (70, 70, 128, (-1, -1, "random"))]
+# (Sq, Sk, D, group, mask): likewise for the fast backward (launch_fa2_bwd), with GQA.
 BWD_CASES = [(64, 128, 64, 1, False), (70, 130, 64, 2, True),
              (130, 70, 64, 1, True), (100, 37, 128, 1, False),
              (5, 200, 64, 1, True), (65, 1, 64, 1, True),
-             (140, 150, 128, 2, True)]
+             (140, 150, 128, 2, True),
+             (200, 300, 64, 1, (30, 0, None)), (150, 140, 64, 2, (10, 40, None)),
+             (100, 400, 64, 1, (-1, 0, "left")), (90, 200, 128, 1, (25, 25, "random"))]
 
 
-def check_fwd(rng, Sq, Sk, D, causal) -> bool:
+def check_fwd(rng, Sq, Sk, D, spec) -> bool:
     q, k, v = (rng.standard_normal((n, D)) for n in (Sq, Sk, Sk))
     scale = 1 / math.sqrt(D)
+    mask = Mask(Sq, Sk, spec, rng)
     out = np.full((Sq, D), np.nan)
     lse = np.full(Sq, np.nan)
     kBlockM = fwd_constants(D)["kBlockM"]
     for m_block in range((Sq + kBlockM - 1) // kBlockM):
-        fa2_fwd_cta(q, k, v, Sq, Sk, D, causal, scale, m_block, out, lse)
-    r_out, r_lse = reference(q, k, v, causal, scale)
+        fa2_fwd_cta(q, k, v, Sq, Sk, D, mask, scale, m_block, out, lse)
+    r_out, r_lse = reference(q, k, v, mask, scale)
     e_out = np.nanmax(np.abs(out - r_out)) if not np.isnan(out).any() else np.inf
     same_inf = np.array_equal(np.isinf(lse), np.isinf(r_lse))
     fin = np.isfinite(r_lse)
     e_lse = np.abs(lse[fin] - r_lse[fin]).max() if fin.any() else 0.0
     ok = e_out < 1e-9 and same_inf and e_lse < 1e-9 and not np.isnan(lse).any()
-    print(f"Sq={Sq:4d} Sk={Sk:4d} D={D:3d} causal={causal!s:5}: out err {e_out:.2e}, "
+    print(f"Sq={Sq:4d} Sk={Sk:4d} D={D:3d} {mask!s:14}: out err {e_out:.2e}, "
           f"lse err {e_lse:.2e}, -inf rows match {same_inf}  {'ok' if ok else 'MISMATCH'}")
     return ok
 
@@ -485,13 +619,15 @@ def check_fwd(rng, Sq, Sk, D, causal) -> bool:
 def main() -> int:
     rng = np.random.default_rng(0)
     bad = 0
-    for Sq, Sk, D, causal in FWD_CASES:
-        bad += not check_fwd(rng, Sq, Sk, D, causal)
-    for Sq, Sk, D, group, causal in BWD_CASES:
-        bad += not check_bwd(rng, Sq, Sk, D, group, causal)
-    for Sq, Sk, D, causal in [(70, 130, 64, True), (130, 70, 64, True), (200, 200, 32, True),
-                              (100, 37, 128, False), (70, 100, 256, True), (5, 200, 64, True)]:
-        bad += not check_rule_against_header(Sq, Sk, D, causal)
+    for Sq, Sk, D, spec in FWD_CASES:
+        bad += not check_fwd(rng, Sq, Sk, D, spec)
+    for Sq, Sk, D, group, spec in BWD_CASES:
+        bad += not check_bwd(rng, Sq, Sk, D, group, spec)
+    for Sq, Sk, D, spec in [(70, 130, 64, True), (130, 70, 64, True), (200, 200, 32, True),
+                            (100, 37, 128, False), (70, 100, 256, True), (5, 200, 64, True),
+                            (150, 300, 64, (20, 0, None)), (130, 260, 128, (5, 70, None)),
+                            (300, 100, 64, (0, 0, None)), (64, 640, 32, (-1, 3, None))]:
+        bad += not check_rule_against_header(Sq, Sk, D, spec)
     return 1 if bad else 0
 
 

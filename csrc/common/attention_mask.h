@@ -17,7 +17,11 @@
 //   band_rows(s, j)         [lo, hi): rows that see key j by the band
 //   classify(s, i0, i1, j0, j1)   kFull / kPartial / kInvisible for a (query, key) tile,
 //                           by the band; key padding then makes a full tile partial
+//   full_key_tiles / full_row_tiles   the tiles classify() calls kFull, as one range
 //   visible(s, b, i, j)     the per-(i, j) predicate (band and padding)
+//   band_visible(s, i, j)   its band part (and the sequence's bounds), without padding
+//   tile_band(s, i0, j0, R, C)   band_visible of one tile in tile-local 32-bit coordinates
+//                           (what the CUDA fast kernels evaluate per element)
 // and the score terms of a visible pair come from ScoreTerms (softcap, ALiBi, rel_bias, sinks,
 // dropout; below).
 #pragma once
@@ -26,6 +30,10 @@
 #include <cstdint>
 
 #include "common/dropout_rng.h"
+
+#if defined(__CUDACC__)
+#include <cassert>
+#endif
 
 #if defined(__CUDACC__)
 #define ATTN_MASK_FN __host__ __device__ __forceinline__
@@ -48,6 +56,9 @@ struct MaskParams {
   // the batch strides are 0 and sequence b owns packed rows [cu[b], cu[b + 1]).
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
+  // When packed: the number of sequences and of packed q / k rows (Tq, Tk), against which
+  // seq(b) checks the cu_seqlens values (on CUDA they are never read on the host).
+  int64_t n_seq = 0, total_q = 0, total_k = 0;
   // Added to every sequence's off = Sk - Sq: nonzero when the call is a block of a longer
   // sequence at global positions (q_start, k_start), then off = q_start - k_start.
   int64_t pos_shift = 0;
@@ -66,6 +77,40 @@ struct Range {
   int64_t lo, hi;  // [lo, hi), lo <= hi
 };
 
+// The band predicate of one tile, rows [i0, i0 + R) x keys [j0, j0 + C), in tile-local
+// coordinates r = i - i0, c = j - j0 (32-bit: cheap in a kernel's inner loop). Filled by
+// Visibility::tile_band; ok(r, c) == band_visible(s, i0 + r, j0 + c) for 0 <= r < R,
+// 0 <= c < C (tools/mask_probe.cpp checks it).
+struct TileBand {
+  int lo, hi;        // r - c must lie in [lo, hi] (d = d0 + r - c, d0 = i0 + off - j0)
+  int row_lim, key_lim;  // r < row_lim, c < key_lim: the sequence's rows and keys
+  ATTN_MASK_FN bool ok(int r, int c) const {
+    return r < row_lim && c < key_lim && r - c >= lo && r - c <= hi;
+  }
+};
+
+// tile_band in 32-bit arithmetic for the CUDA kernels' tile loops (fewer registers than the
+// 64-bit fields of SeqInfo / MaskParams): Visibility::tile_bands(s) fills it once per CTA,
+// at(i0, j0, R, C) then equals tile_band(s, i0, j0, R, C) for tiles that start inside the
+// sequence (tools/mask_probe.cpp checks it). Exact when every |d| = |i + off - j| of the
+// sequence is below 2^30, which Sq + Sk < 2^30 guarantees (the adapters check it before they
+// pick the fast kernels; a position shift of the sequence must be counted in): window sides
+// >= 2^30 are then as good as unbounded, and d0, -right - d0, left - d0 fit 32 bits.
+struct TileBands {
+  int off, left, right, Sq, Sk;  // left / right: -1 = unbounded
+  ATTN_MASK_FN TileBand at(int i0, int j0, int R, int C) const {
+    const int d0 = i0 + off - j0;
+    int lo = right >= 0 ? -right - d0 : -C;
+    int hi = left >= 0 ? left - d0 : R;
+    lo = lo < -C ? -C : (lo > R ? R : lo);
+    hi = hi < -C ? -C : (hi > R ? R : hi);
+    int rl = Sq - i0, kl = Sk - j0;
+    rl = rl < 0 ? 0 : (rl > R ? R : rl);
+    kl = kl < 0 ? 0 : (kl > C ? C : kl);
+    return TileBand{lo, hi, rl, kl};
+  }
+};
+
 struct Visibility {
   MaskParams m;
   int64_t Sq, Sk;  // the params' lengths (max lengths when packed)
@@ -76,13 +121,34 @@ struct Visibility {
   // then skip the mask entirely.
   ATTN_MASK_FN bool dense() const { return m.left < 0 && m.right < 0 && !has_padding(); }
 
+  // Packed: the cu_seqlens values are checked here (the CPU adapters check them on the host
+  // first; CUDA never reads them on the host, which would synchronise): they must start at 0,
+  // be non-decreasing, end at the packed row counts, and no sequence may be longer than
+  // max_seqlen (Sq / Sk). A bad sequence trips a device assert (reported at the next
+  // synchronising CUDA call) and is treated as empty, so no kernel reads out of bounds.
   ATTN_MASK_FN SeqInfo seq(int64_t b) const {
     SeqInfo s;
     if (packed()) {
-      s.q0 = m.cu_seqlens_q[b];
-      s.k0 = m.cu_seqlens_k[b];
-      s.Sq = m.cu_seqlens_q[b + 1] - s.q0;
-      s.Sk = m.cu_seqlens_k[b + 1] - s.k0;
+      const int64_t q0 = m.cu_seqlens_q[b], q1 = m.cu_seqlens_q[b + 1];
+      const int64_t k0 = m.cu_seqlens_k[b], k1 = m.cu_seqlens_k[b + 1];
+      const bool ok = q0 >= 0 && q0 <= q1 && q1 <= m.total_q && q1 - q0 <= Sq && k0 >= 0 &&
+                      k0 <= k1 && k1 <= m.total_k && k1 - k0 <= Sk &&
+                      (b != 0 || (q0 == 0 && k0 == 0)) &&
+                      (b + 1 != m.n_seq || (q1 == m.total_q && k1 == m.total_k));
+      if (!ok) {
+#if defined(__CUDA_ARCH__)
+        __assert_fail(
+            "cu_seqlens_q / cu_seqlens_k must start at 0, be non-decreasing, end at the number "
+            "of packed rows, and max_seqlen_q / max_seqlen_k must be >= every sequence's length",
+            __FILE__, __LINE__, __func__);
+#endif
+        s.q0 = s.k0 = s.Sq = s.Sk = s.off = 0;
+        return s;
+      }
+      s.q0 = q0;
+      s.k0 = k0;
+      s.Sq = q1 - q0;
+      s.Sk = k1 - k0;
     } else {
       s.q0 = 0;
       s.k0 = 0;
@@ -138,18 +204,79 @@ struct Visibility {
     return TileKind::kPartial;
   }
 
+  // The key tiles of N keys (tile t: keys [t N, min(t N + N, Sk))) that classify() calls kFull
+  // for the rows [i0, i1) (i0 < i1): one contiguous range [lo, hi) of tile indices, since
+  // both ends of the rows' bands are non-decreasing. Kernels walk the tiles of
+  // band_keys_of_rows (none of them invisible by the band: a row's range and the next row's
+  // overlap or touch) and take the full ones from here instead of classifying each tile
+  // (tools/mask_probe.cpp checks the two against each other).
+  ATTN_MASK_FN Range full_key_tiles(const SeqInfo& s, int64_t i0, int64_t i1, int64_t N) const {
+    const Range first = band_keys(s, i0), last = band_keys(s, i1 - 1);
+    // kFull: t N >= last.lo and min(t N + N, Sk) <= first.hi
+    const int64_t lo = (last.lo + N - 1) / N;
+    int64_t hi = first.hi >= s.Sk ? (s.Sk + N - 1) / N : first.hi / N;
+    if (hi < lo) hi = lo;
+    return {lo, hi};
+  }
+  // Likewise the query tiles of M rows in which every row sees every key of [j0, j1) by the
+  // band (classify(t M, min(t M + M, Sq), j0, j1) == kFull).
+  ATTN_MASK_FN Range full_row_tiles(const SeqInfo& s, int64_t j0, int64_t j1, int64_t M) const {
+    const Range first = band_rows(s, j0), last = band_rows(s, j1 - 1);
+    const int64_t lo = (last.lo + M - 1) / M;
+    int64_t hi = first.hi >= s.Sq ? (s.Sq + M - 1) / M : first.hi / M;
+    if (hi < lo) hi = lo;
+    return {lo, hi};
+  }
+
   ATTN_MASK_FN bool key_valid(int64_t b, int64_t j) const {
     return m.key_padding == nullptr ||
            m.key_padding[b * m.kpm_batch_stride + j * m.kpm_key_stride] != 0;
   }
 
-  // The predicate: row i of sequence b (local indices) sees key j.
-  ATTN_MASK_FN bool visible(const SeqInfo& s, int64_t b, int64_t i, int64_t j) const {
+  // The band part of the predicate: row i and key j lie in the sequence and -right <= d <= left.
+  ATTN_MASK_FN bool band_visible(const SeqInfo& s, int64_t i, int64_t j) const {
     const int64_t d = i + s.off - j;
     if (m.right >= 0 && d < -m.right) return false;
     if (m.left >= 0 && d > m.left) return false;
-    if (j < 0 || j >= s.Sk) return false;
-    return key_valid(b, j);
+    return i >= 0 && i < s.Sq && j >= 0 && j < s.Sk;
+  }
+
+  // The predicate: row i of sequence b (local indices) sees key j.
+  ATTN_MASK_FN bool visible(const SeqInfo& s, int64_t b, int64_t i, int64_t j) const {
+    return band_visible(s, i, j) && key_valid(b, j);
+  }
+
+  // The 32-bit tile_band of sequence s (Sq + Sk < 2^30).
+  ATTN_MASK_FN TileBands tile_bands(const SeqInfo& s) const {
+    constexpr int64_t kBig = int64_t(1) << 30;
+    TileBands t;
+    t.off = static_cast<int>(s.off);
+    t.left = m.left >= kBig ? -1 : static_cast<int>(m.left);
+    t.right = m.right >= kBig ? -1 : static_cast<int>(m.right);
+    t.Sq = static_cast<int>(s.Sq);
+    t.Sk = static_cast<int>(s.Sk);
+    return t;
+  }
+
+  // band_visible on the tile rows [i0, i0 + R) x keys [j0, j0 + C) as a TileBand: with
+  // d = d0 + (r - c), -right <= d <= left becomes -right - d0 <= r - c <= left - d0, and since
+  // r - c lies in [1 - C, R - 1], bounds outside [-C, R] are clamped there without changing
+  // any answer (so they fit 32 bits whatever the 64-bit positions are).
+  ATTN_MASK_FN TileBand tile_band(const SeqInfo& s, int64_t i0, int64_t j0, int R, int C) const {
+    const int64_t d0 = i0 + s.off - j0;
+    int64_t lo = m.right >= 0 ? -m.right - d0 : -C;
+    int64_t hi = m.left >= 0 ? m.left - d0 : R;
+    lo = lo < -C ? -C : (lo > R ? R : lo);
+    hi = hi < -C ? -C : (hi > R ? R : hi);
+    int64_t rl = s.Sq - i0, kl = s.Sk - j0;
+    rl = rl < 0 ? 0 : (rl > R ? R : rl);
+    kl = kl < 0 ? 0 : (kl > C ? C : kl);
+    TileBand t;
+    t.lo = static_cast<int>(lo);
+    t.hi = static_cast<int>(hi);
+    t.row_lim = static_cast<int>(rl);
+    t.key_lim = static_cast<int>(kl);
+    return t;
   }
 };
 

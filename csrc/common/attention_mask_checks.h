@@ -130,9 +130,9 @@ inline AttentionShape check_varlen_inputs(const Tensor& q, const Tensor& k,
 }
 
 // Turns params filled from (1, T, ...) views into packed ones: batch strides 0, per-sequence
-// rows from cu_seqlens, lse (H, Tq).
+// rows from cu_seqlens, lse (H, Tq); Tq / Tk packed q / k rows.
 inline void make_params_packed(AttentionParams& p, const AttentionShape& s, int64_t Tq,
-                               const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                               int64_t Tk, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
                                bool causal, int64_t window_left, int64_t window_right) {
   check_window(window_left, window_right);
   p.B = s.B;
@@ -145,6 +145,9 @@ inline void make_params_packed(AttentionParams& p, const AttentionShape& s, int6
   p.mask.right = causal ? 0 : window_right;
   p.mask.cu_seqlens_q = static_cast<const int32_t*>(cu_seqlens_q.data_ptr());
   p.mask.cu_seqlens_k = static_cast<const int32_t*>(cu_seqlens_k.data_ptr());
+  p.mask.n_seq = s.B;
+  p.mask.total_q = Tq;
+  p.mask.total_k = Tk;
 }
 
 // The backward of packed sequences: checks of dout (Tq, H, Dv), out, lse (H, Tq) and dlse on
@@ -179,7 +182,7 @@ inline AttentionBwdParams make_varlen_bwd_params(
   AttentionBwdParams bp = make_attention_bwd_params(
       unsqueeze(dout, 0), unsqueeze(q, 0), unsqueeze(k, 0), unsqueeze(v, 0), unsqueeze(out, 0),
       lse, dq, dk, dv, s, causal, scale);
-  make_params_packed(bp.fwd, s, q.size(0), cu_seqlens_q, cu_seqlens_k, causal, window_left,
+  make_params_packed(bp.fwd, s, q.size(0), k.size(0), cu_seqlens_q, cu_seqlens_k, causal, window_left,
                      window_right);
   bp.dout_batch_stride = bp.o_batch_stride = 0;
   bp.dq_batch_stride = bp.dk_batch_stride = bp.dv_batch_stride = 0;

@@ -465,7 +465,7 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_cpu(
   AttentionParams p = make_attention_params(
       torch::stable::unsqueeze(q, 0), torch::stable::unsqueeze(k, 0),
       torch::stable::unsqueeze(v, 0), torch::stable::unsqueeze(out, 0), lse, s, causal, scale);
-  make_params_packed(p, s, Tq, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
+  make_params_packed(p, s, Tq, k.size(0), cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
   fill_score_terms(p, {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset},
                    q, s.B, s.H);
   if (Tq * s.H == 0 || s.B == 0) return {out, lse};

@@ -16,7 +16,8 @@
 //        dtype fp16 or bf16; D == Dv and D in {32, 64, 96, 128, 256}; its shared memory
 //        fits the device's opt-in limit (99 KiB at D = 256); q, k, v data pointers 16-byte
 //        aligned and their batch/row/head strides multiples of 8 elements; Sk > 0;
-//        B, H <= 65535 (grid y/z).
+//        B, H <= 65535 (grid y/z); Sq + Sk < 2^30 (the kernels count a sequence's rows,
+//        keys and distances in 32 bits); no score term.
 //   2. otherwise the simple kernel (simple::launch_simple_fwd): any dtype (fp32, fp64, fp16,
 //      bf16), any D, Dv <= 256, any strides with a contiguous last dim.
 // attn_ext::_set_cuda_attention_kernels(1) (attn_ext.ops._simple_cuda_kernels()) skips 0 and
@@ -32,11 +33,17 @@
 //   2. otherwise the simple kernels (dQ per query row, then dK/dV per key row; no atomics,
 //      deterministic), any dtype and head dim <= 256.
 // _set_cuda_attention_kernels(1) forces the simple kernels here too.
-// Masks (window, key_padding_mask, packed sequences of attention_varlen_*) and dlse run on the
-// simple kernels (the fast ones know causal only).
+// Masks take the same paths: window, key_padding_mask and causal in the batched ops, packed
+// sequences (attention_varlen_forward / _backward: one CTA per (tile, head, sequence), the
+// sequence from Visibility::seq(b)) and dlse all run on the fast kernels when the conditions
+// above hold (for packed input Sq / Sk are max_seqlen_q / max_seqlen_k, and the alignment is
+// that of the (T, heads, D) tensors), else on the simple ones; every kernel takes what a row
+// sees from common/attention_mask.h. Packed input has no split-KV path. Blocks at a global
+// position (q_start / k_start) too: the offset comes from seq(b).off.
 // Score terms (issue 15: alibi_slopes, rel_bias, softcap, sinks, dropout_p; checked and filled
 // by common/score_checks.h as on the CPU): split-KV and the simple kernels take all of them;
-// the fast forward takes softcap, ALiBi, rel_bias and sinks (its kTerms instances) but not
+// the fast forward takes softcap, ALiBi, rel_bias and sinks (its kTerms instances; not at
+// D = 256, whose terms instances would spill) but not
 // dropout (dropout_p > 0: step 0 or 2); the fast backward takes none (any term but sinks,
 // which reach the backward only through lse: the simple kernels). The backward's d rel_bias
 // is a fixed-order reduction (simple kernels' pass 3 and 4, no atomics): every gradient of the
@@ -103,9 +110,11 @@ Tensor drel_workspace(const AttentionBwdParams& bp, const Tensor& like) {
   return alloc(like, {p.B, p.H, p.Sq + p.Sk - 1}, dtype::kDouble);
 }
 
+// Base pointer 16-byte aligned and every stride but the last dim's a multiple of 8 elements
+// ((B, S, heads, D) tensors, or the packed (T, heads, D) ones of attention_varlen_*).
 bool aligned16(const Tensor& t) {
   if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
-  for (int d = 0; d < 3; ++d) {
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
     if (t.stride(d) % 8 != 0) return false;
   }
   return true;
@@ -169,6 +178,7 @@ bool use_fast_forward(const Tensor& q, const Tensor& k, const Tensor& v,
   const auto dt = q.scalar_type();
   if (dt != dtype::kHalf && dt != dtype::kBFloat16) return false;
   if (p.D != p.Dv || !cuda::fa2::fwd_fast_head_dim(p.D)) return false;
+  if (!p.terms.plain() && !cuda::fa2::fwd_fast_terms_head_dim(p.D)) return false;
   if (p.Sk <= 0 || p.Sq <= 0) return false;
   if (!aligned16(q) || !aligned16(k) || !aligned16(v)) return false;
   if (!cuda::fa2::fwd_fast_grid_ok(p)) return false;
@@ -212,10 +222,6 @@ std::tuple<Tensor, Tensor> attention_forward_cuda(
   fill_mask_params(p, s, q, causal, window_left, window_right, key_padding_mask);
   p.terms = terms;  // before fill_block_position: it sets the dropout bases, checks sinks
   fill_block_position(p, s, q_start, k_start);
-  // the fast kernel knows causal only; windows, padding and blocks at a global position
-  // (q_start / k_start) run on the simple kernels
-  const bool masked = window_left != -1 || window_right != -1 || key_padding_mask.has_value() ||
-                      q_start.has_value();
   const SplitPlan split = plan_split(p, q.get_device_index());
   if (split.n_split > 1) {
     const int64_t items = s.B * s.H * s.Sq * split.n_split;
@@ -229,7 +235,7 @@ std::tuple<Tensor, Tensor> attention_forward_cuda(
     });
     return {out, lse};
   }
-  const bool fast = !masked && use_fast_forward(q, k, v, p);
+  const bool fast = use_fast_forward(q, k, v, p);
   dispatch_cuda_type(q.scalar_type(), "attention_forward", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
@@ -287,10 +293,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
   const Tensor drel_diag = drel_workspace(bp, lse);
   const Tensor dlse_c = dlse.has_value() ? torch::stable::contiguous(*dlse) : Tensor();
   if (dlse_c.defined()) bp.dlse = dlse_c.data_ptr();
-  // the fast backward knows causal only, without dlse: the rest runs on the simple kernels
-  const bool masked = window_left != -1 || window_right != -1 || key_padding_mask.has_value() ||
-                      dlse.has_value() || q_start.has_value();
-  const bool fast = !masked && use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
+  const bool fast = use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
   Tensor dq_accum;
   if (fast) dq_accum = alloc_zeros(lse, {s.B, s.Sq, s.H, s.D}, lse.scalar_type());  // fp32 atomics target
   dispatch_cuda_type(q.scalar_type(), "attention_backward", [&](auto tag) {
@@ -309,9 +312,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
   return {dq, dk, dv, drel_bias};
 }
 
-// Packed sequences on the simple kernels (cu_seqlens are read on the device only: their
-// values are not checked here, which would need a host sync; the kernels read rows
-// [cu[b], cu[b + 1]) as given, so the caller must pass valid cu_seqlens and max_seqlen).
+// Packed sequences, dispatched as the batched ops (split-KV aside). cu_seqlens are read on the
+// device only (checking them here would need a host sync): every kernel takes a sequence's
+// rows from Visibility::seq(b), which checks the values against the packed row counts and
+// max_seqlen, device-asserts on a bad one (a clear message at the next synchronising call)
+// and treats it as empty, so nothing is read out of bounds.
 std::tuple<Tensor, Tensor> attention_varlen_forward_cuda(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
     const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
@@ -333,16 +338,25 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_cuda(
   cudaStream_t stream = current_cuda_stream(q.get_device_index());
   AttentionParams p = make_attention_params(unsqueeze(q, 0), unsqueeze(k, 0), unsqueeze(v, 0),
                                             unsqueeze(out, 0), lse, s, causal, scale);
-  make_params_packed(p, s, Tq, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
+  make_params_packed(p, s, Tq, k.size(0), cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
   p.terms = terms;
+  // p.Sq / p.Sk are the longest sequence's: the fast kernel's conditions on them hold for all
+  const bool fast = use_fast_forward(q, k, v, p);
   dispatch_cuda_type(q.scalar_type(), "attention_varlen_forward", [&](auto tag) {
     using T = decltype(tag);
+    if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
+      if (fast) {
+        ATTN_EXT_CUDA_CHECK(cuda::fa2::launch_fa2_fwd<T>(p, stream));
+        return;
+      }
+    }
     ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_fwd<T>(p, stream));
   });
   return {out, lse};
 }
 
-// deterministic: the simple kernels are always deterministic (no atomics; d rel_bias too).
+// deterministic: True keeps the fast backward (fp32 dq atomics) out, as in the batched op;
+// the simple kernels are always deterministic (no atomics; d rel_bias too).
 std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse_in, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
@@ -350,7 +364,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
     int64_t window_left, int64_t window_right, const OptTensor& dlse,
     const OptTensor& alibi_slopes, const OptTensor& rel_bias, std::optional<double> softcap,
     double dropout_p, int64_t dropout_seed, int64_t dropout_offset, bool deterministic) {
-  (void)deterministic;
   const AttentionShape s = check_varlen_bwd_inputs(dout, q, k, v, out, lse_in, cu_seqlens_q,
                                                    cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                    scale, dlse);
@@ -369,7 +382,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
   const DeviceGuard guard(q.get_device_index());
   cudaStream_t stream = current_cuda_stream(q.get_device_index());
   const Tensor lse = torch::stable::contiguous(lse_in);
-  Tensor delta = alloc(lse, {s.B, s.H, s.Sq});
   const Tensor dlse_c = dlse.has_value() ? torch::stable::contiguous(*dlse) : Tensor();
   AttentionBwdParams bp = make_varlen_bwd_params(dout, q, k, v, out, lse, dlse_c, dq, dk, dv, s,
                                                  cu_seqlens_q, cu_seqlens_k, causal, scale,
@@ -377,11 +389,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
   bp.fwd.terms = terms;
   if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
   const Tensor drel_diag = drel_workspace(bp, lse);
+  const bool fast = use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
+  // delta: (B, H, Sq) for the simple kernels; laid out as lse (H, Tq) for the fast one
+  Tensor delta = fast ? alloc(lse, {s.H, Tq}) : alloc(lse, {s.B, s.H, s.Sq});
+  Tensor dq_accum;
+  if (fast) dq_accum = alloc_zeros(lse, {Tq, s.H, s.D}, lse.scalar_type());  // fp32 atomics target
   dispatch_cuda_type(q.scalar_type(), "attention_varlen_backward", [&](auto tag) {
     using T = decltype(tag);
+    if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
+      if (fast) {
+        ATTN_EXT_CUDA_CHECK(cuda::fa2::launch_fa2_bwd<T>(bp, static_cast<float*>(delta.data_ptr()),
+                                                         static_cast<float*>(dq_accum.data_ptr()),
+                                                         stream));
+        return;
+      }
+    }
     ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(
         bp, delta.data_ptr(), drel_diag.defined() ? drel_diag.data_ptr() : nullptr, stream));
   });
+  if (fast) torch::stable::copy_(dq, dq_accum);
   return {dq, dk, dv, drel_bias};
 }
 

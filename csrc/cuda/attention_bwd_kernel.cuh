@@ -3,28 +3,38 @@
 // kernel applies (bwd_fast_supported there) and otherwise runs the simple kernels.
 //
 //   from q, k, v, out, dout (layouts of AttentionBwdParams) and the forward's lse (B, H, Sq):
-//   dk, dv (B, Sk, Hkv, D) in T, and dq accumulated in an fp32 workspace dq_accum
-//   (B, Sq, H, D), zeroed by the caller and converted to T by the caller afterwards.
+//   dk, dv (B, Sk, Hkv, D) in T, and dq accumulated in an fp32 workspace dq_accum laid out as
+//   dq, zeroed by the caller and converted to T by the caller afterwards (packed sequences:
+//   (Tq / Tk, heads, D) tensors, lse (H, Tq), rows from cu_seqlens).
 //   Requirements (checked by the adapter): D == Dv in {64, 128}; q, k, v, dout base pointers
-//   16-byte aligned and their batch/row/head strides multiples of 8 elements.
+//   16-byte aligned and their batch/row/head strides multiples of 8 elements; Sq + Sk < 2^30.
 //
-// Algorithm (P = softmax(scale * Q K^T), dS = P o (dP - delta), delta_i = rowsum(dO_i o O_i)):
-//   1. fa2_bwd_delta_kernel: delta (B, H, Sq) fp32, one warp per query row.
-//   2. fa2_bwd_kernel: one CTA per (key tile of kBlockN = 128 keys, kv head, batch); 8 warps,
-//      warp w owns keys [16 w, 16 w + 16) of the tile. K and V are loaded once; the CTA walks
-//      every query head of its kv-head group (GQA) and, for each, the query tiles of
-//      kBlockM = 64 rows that see some key of the tile (causal: rows i >= n0 - diag).
+// Algorithm (P = softmax(scale * Q K^T), dS = P o (dP - delta), delta_i = rowsum(dO_i o O_i)
+// - dlse_i):
+//   1. fa2_bwd_delta_kernel: delta (laid out as lse) fp32, one warp per query row.
+//   2. fa2_bwd_kernel: one CTA per (key tile of kBlockN = 128 keys, kv head, sequence); 8
+//      warps, warp w owns keys [16 w, 16 w + 16) of the tile. K and V are loaded once; the CTA
+//      walks every query head of its kv-head group (GQA) and, for each, the query tiles of
+//      kBlockM = 64 rows that band_rows_of_keys says see some key of the tile (the
+//      visibility layer, common/attention_mask.h: none of them invisible by the band; the
+//      steps classify() calls kFull — full_row_tiles, one range per CTA — run without a
+//      predicate, the partial ones with the TileBand predicate and the keys' padding flags;
+//      a tile whose keys are all padded has no step and writes dk = dv = 0).
 //      Q, dO, lse and delta tiles are double-buffered (cp.async prefetch of the next tile).
 //      Per query tile, all in the transposed ("key-major") orientation so that every product
 //      whose M dimension is keys keeps its left operand in registers:
 //        S^T  = K Q^T                 (A = K from shared, B = Q rows: plain ldmatrix)
-//        P^T  = exp2(S^T * scale log2e - lse log2e)   (masked entries 0)
+//        P^T  = exp2(S^T * scale log2e - lse log2e)   (masked entries exactly 0)
 //        dP^T = V dO^T                (A = V from shared, B = dO rows)
-//        dS^T = P^T o (dP^T - delta)
+//        dS^T = P^T o (dP^T - delta)  (masked entries exactly 0)
 //        dV  += P^T dO                (A = P^T in registers, B = dO via ldmatrix.trans)
 //        dK  += dS^T Q                (A = dS^T in registers, B = Q via ldmatrix.trans)
 //        dQ  += dS K                  (dS^T goes through shared memory; A = dS by
 //                                      ldmatrix.trans, B = K by ldmatrix.trans; fp32 atomics)
+//      A masked pair's 0 would still meet an inf / NaN of Q, dO (dK, dV) or K (dQ) inside an
+//      mma (0 * inf = NaN, issue 18): a masked step whose Q / dO tile, or whose CTA's K tile,
+//      holds a non-finite value computes those products by scalar loops over the visible pairs
+//      instead (rare; detecting it costs each thread a look at the chunks it copied).
 //      dK and dV stay in registers for the whole CTA and are written once at the end (scaled
 //      by `scale`), so they are deterministic; dQ's atomics are not (the adapter runs the
 //      simple, deterministic kernels when torch.use_deterministic_algorithms(True) is set).
@@ -74,7 +84,9 @@ struct BwdTraits {
   static_assert(kDqCols % 16 == 0, "dQ column slices must be whole k16 steps");
 };
 
-// delta_i = sum_d dO_i,d * O_i,d in fp32, one warp per row (b, h, i); delta (B, H, Sq).
+// delta_i = sum_d dO_i,d * O_i,d - dlse_i in fp32 (dlse: the gradient of lse, folded into the
+// row term: dS = P o (dP - delta + dlse)), one warp per row (b, h, i); delta laid out as lse
+// ((B, H, Sq), packed (H, Tq)). Rows past the end of a packed sequence are skipped.
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(256) fa2_bwd_delta_kernel(AttentionBwdParams bp, float* delta) {
   const AttentionParams& p = bp.fwd;
@@ -82,23 +94,33 @@ __global__ void __launch_bounds__(256) fa2_bwd_delta_kernel(AttentionBwdParams b
   const int lane = threadIdx.x & 31;
   if (row >= p.B * p.H * p.Sq) return;
   const int64_t i = row % p.Sq, bh = row / p.Sq, h = bh % p.H, b = bh / p.H;
-  const T* o = static_cast<const T*>(bp.out) + b * bp.o_batch_stride + i * bp.o_row_stride +
+  const SeqInfo sq = p.visibility().seq(b);
+  if (i >= sq.Sq) return;
+  const int64_t gi = sq.q0 + i;  // the row in the (packed) tensors
+  const T* o = static_cast<const T*>(bp.out) + b * bp.o_batch_stride + gi * bp.o_row_stride +
                h * bp.o_head_stride;
   const T* d = static_cast<const T*>(bp.dout) + b * bp.dout_batch_stride +
-               i * bp.dout_row_stride + h * bp.dout_head_stride;
+               gi * bp.dout_row_stride + h * bp.dout_head_stride;
   float acc = 0.f;
 #pragma unroll
   for (int c = lane; c < kHeadDim; c += 32) acc += to_acc(o[c]) * to_acc(d[c]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) delta[row] = acc;
+  const int64_t stat = b * p.lse_batch_stride + h * p.lse_head_stride + gi;
+  if (lane == 0) {
+    if (bp.dlse != nullptr) acc -= static_cast<const float*>(bp.dlse)[stat];
+    delta[stat] = acc;
+  }
 }
 
-// grid (key tiles, Hkv, B).
-template <typename T, int kHeadDim, bool kCausal>
+// grid (key tiles, Hkv, B). kMask (MaskMode, attention_launch.h): 0 no mask (dense()),
+// 1 a band (causal / window) without key padding, 2 key padding (with or without a band);
+// packed sequences run in every mode (seq(b)).
+template <typename T, int kHeadDim, int kMask>
 __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHeadDim>::kMinBlocks)
     fa2_bwd_kernel(AttentionBwdParams bp, const float* delta, float* dq_accum) {
   using Tr = BwdTraits<kHeadDim>;
+  constexpr bool kMasked = kMask != 0, kPadding = kMask == 2;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
   constexpr int kDsStride = Tr::kDsStride, kThreads = Tr::kThreads;
   constexpr int kQSub = 32;               // query columns per S^T / dP^T pass
@@ -119,49 +141,86 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t hkv = blockIdx.y, b = blockIdx.z;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kBlockN;
-  const int64_t Sq = p.Sq, Sk = p.Sk, H = p.H, D = kHeadDim;
+  const int n0 = static_cast<int>(blockIdx.x) * kBlockN;
+  const int64_t H = p.H, D = kHeadDim;
   const int group = static_cast<int>(H / p.Hkv);
-  // causal: row i sees key j iff j <= i + diag (the visibility layer's bottom-right offset;
-  // this kernel runs unmasked, unpacked problems only, where every sequence has it)
-  const int64_t diag = p.visibility().seq(b).off;
+  // Which rows see a key: the visibility layer (common/attention_mask.h) only. sq: this
+  // CTA's sequence (packed rows q0.. / k0.., lengths, offset).
+  // Lengths and tile positions in 32 bits (the adapter checks Sq + Sk < 2^30); bands: the
+  // sequence's TileBand in 32-bit arithmetic.
+  const Visibility vis = p.visibility();
+  const SeqInfo sq = vis.seq(b);
+  const TileBands bands = vis.tile_bands(sq);
+  const int Sq = bands.Sq, Sk = bands.Sk;
+  if (n0 >= Sk) return;  // past the end of its (packed) sequence: no key to write
+  const int n1 = n0 + kBlockN < Sk ? n0 + kBlockN : Sk;  // the tile's keys [n0, n1)
 
-  // query tiles [m_begin, m_end) see some key of this tile
-  int64_t m_begin = 0;
-  if (kCausal) {
-    const int64_t first_row = n0 - diag;  // the first row that sees key n0
-    m_begin = first_row > 0 ? first_row / kBlockM : 0;
+  const int g = lane >> 2, c2 = (lane & 3) * 2;
+  // this warp's keys (rows of S^T): key_a and key_a + 8; kra / krb in the tile
+  const int kra = warp * 16 + g, krb = kra + 8;
+  const int key_a = n0 + kra;
+  // key padding, a per-key flag: this thread's two keys, and whether the tile has a padded
+  // key (then every step is partial) or only padded keys (then no row sees the tile)
+  const bool kok_a = key_a < n1 && vis.key_valid(b, key_a);
+  const bool kok_b = key_a + 8 < n1 && vis.key_valid(b, key_a + 8);
+  bool all_keys = true, any_key = true;
+  if constexpr (kPadding) {
+    {
+      // (key_a, key_a + 8) over the CTA's threads cover the 128 keys, four times over
+      const bool mine_ok = (key_a >= n1 || kok_a) && (key_a + 8 >= n1 || kok_b);
+      all_keys = __syncthreads_and(mine_ok);
+      any_key = __syncthreads_or(kok_a || kok_b);
+    }
   }
-  const int64_t m_end = (Sq + kBlockM - 1) / kBlockM;
+
+  // query tiles [m_begin, m_end) hold every row that sees some key of this tile by the band
+  // (none of them invisible by the band); classify() calls [full_lo, full_hi) of them kFull
+  // (full_row_tiles: the same answer as one range, computed once per CTA)
+  int m_begin = 0, m_end = 0, full_lo = 0, full_hi = 0;
+  if (!kMasked) {  // every pair of the sequence is visible (dense())
+    m_end = full_hi = (Sq + kBlockM - 1) / kBlockM;
+  } else if (Sq > 0 && any_key) {
+    const Range rows = vis.band_rows_of_keys(sq, n0, n1);
+    if (rows.hi > rows.lo) {
+      m_begin = static_cast<int>(rows.lo / kBlockM);
+      m_end = static_cast<int>((rows.hi + kBlockM - 1) / kBlockM);
+      const Range full = vis.full_row_tiles(sq, n0, n1, kBlockM);
+      full_lo = static_cast<int>(full.lo);
+      full_hi = static_cast<int>(full.hi);
+    }
+  }
   // step st = (query head hkv * group + st / n_m, query tile m_begin + st % n_m); 32-bit
   // (the adapter checks group * n_m < 2^31)
-  const int n_m = static_cast<int>(m_end > m_begin ? m_end - m_begin : 0);
+  const int n_m = m_end - m_begin;
   const int steps = group * n_m;
 
-  const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
-  const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + sq.k0 * p.k_row_stride +
+                hkv * p.k_head_stride;
+  const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + sq.k0 * p.v_row_stride +
+                hkv * p.v_head_stride;
   load_rows<T, kHeadDim, kBlockN, kThreads>(sK, gK, p.k_row_stride, n0, Sk, tid);
   load_rows<T, kHeadDim, kBlockN, kThreads>(sV, gV, p.v_row_stride, n0, Sk, tid);
 
   // Issues the loads of step st (query head, query tile) into buffer st & 1: Q and dO by
   // cp.async (the caller commits), lse (base 2; -inf and rows past Sq -> +inf, so P = 0) and
-  // delta (rows past Sq -> 0) by plain loads.
+  // delta (rows past Sq -> 0) by plain loads. lse and delta: (B, H, Sq), packed (H, Tq).
   auto load_step = [&](int st) {
     const int buf = static_cast<int>(st & 1);
     const int64_t h = hkv * group + st / n_m;
-    const int64_t m0 = (m_begin + st % n_m) * kBlockM;
-    const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+    const int m0 = (m_begin + st % n_m) * kBlockM;
+    const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + sq.q0 * p.q_row_stride +
+                  h * p.q_head_stride;
     const T* gdO = static_cast<const T*>(bp.dout) + b * bp.dout_batch_stride +
-                   h * bp.dout_head_stride;
+                   sq.q0 * bp.dout_row_stride + h * bp.dout_head_stride;
     load_rows<T, kHeadDim, kBlockM, kThreads>(sQ + buf * kBlockM * kStride, gQ, p.q_row_stride,
                                               m0, Sq, tid);
     load_rows<T, kHeadDim, kBlockM, kThreads>(sdO + buf * kBlockM * kStride, gdO,
                                               bp.dout_row_stride, m0, Sq, tid);
     if (tid < kBlockM) {
-      const int64_t row = m0 + tid;
+      const int row = m0 + tid;
       float l2 = INFINITY, dl = 0.f;
       if (row < Sq) {
-        const int64_t idx = (b * H + h) * Sq + row;
+        const int64_t idx = b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + row;
         const float l = static_cast<const float*>(bp.lse)[idx];
         l2 = l == -INFINITY ? INFINITY : l * kLog2eF;
         dl = delta[idx];
@@ -189,37 +248,48 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   const int lcol = (lane >> 4) * 8;
   const int krow = (lane & 7) + (lane >> 4) * 8;
   const int kcol = ((lane >> 3) & 1) * 8;
-  const int g = lane >> 2, c2 = (lane & 3) * 2;
-  // this warp's keys (rows of S^T): key_a and key_a + 8
-  const int64_t key_a = n0 + warp * 16 + g;
   // dQ slice of this warp
   const int dq_row0 = (warp % (kBlockM / 16)) * 16;
   const int dq_col0 = (warp / (kBlockM / 16)) * Tr::kDqCols;
+  // A non-finite K value of a key some row of a partial step cannot see would reach that
+  // row's dq through 0 * inf in dQ = dS K: such steps take the exact dQ path (set at step 0).
+  bool k_bad = false;
 
   for (int st = 0; st < steps; ++st) {
     const int buf = static_cast<int>(st & 1);
     const int64_t h = hkv * group + st / n_m;
-    const int64_t m0 = (m_begin + st % n_m) * kBlockM;
-    const T* sQb = sQ + buf * kBlockM * kStride;
-    const T* sdOb = sdO + buf * kBlockM * kStride;
+    const int mt = m_begin + st % n_m;  // query tile index
+    const int m0 = mt * kBlockM;
+    T* sQb = sQ + buf * kBlockM * kStride;
+    T* sdOb = sdO + buf * kBlockM * kStride;
     const float* sLseb = sLse + buf * kBlockM;
     const float* sDeltab = sDelta + buf * kBlockM;
+    // the (query tile, key tile) class by the band (the tiles of band_rows_of_keys are never
+    // invisible); rows past Sq, keys past Sk or a padded key make a full tile partial (the
+    // predicate then masks them)
+    const bool need_mask = !(mt >= full_lo && mt < full_hi) || n0 + kBlockN > Sk ||
+                           m0 + kBlockM > Sq || !all_keys;
 
     cp_async_wait<0>();
-    __syncthreads();  // step st's tiles are here; every warp is done with step st - 1
+    // In a masked step, a non-finite Q or dO value of a row that cannot see some key of the
+    // tile would reach that key's dk / dv through 0 * inf in dK += dS^T Q / dV += P^T dO:
+    // each thread checks the chunks it copied itself, the barrier ORs the answers.
+    bool qo_bad = false;
+    if constexpr (kMasked) {
+      if (st == 0) {  // K (loaded with step 0): once per CTA
+        k_bad = __syncthreads_or(own_rows_nonfinite<T, kHeadDim, kBlockN, kThreads>(sK, tid));
+      }
+      const bool mine = need_mask && (own_rows_nonfinite<T, kHeadDim, kBlockM, kThreads>(sQb, tid) ||
+                                      own_rows_nonfinite<T, kHeadDim, kBlockM, kThreads>(sdOb, tid));
+      // step st's tiles are here; every warp is done with step st - 1
+      qo_bad = __syncthreads_or(mine);
+    } else {
+      __syncthreads();  // step st's tiles are here; every warp is done with step st - 1
+    }
     if (st + 1 < steps) load_step(st + 1);  // into the other buffer (last read in step st - 1)
     cp_async_commit();
-    const bool need_mask = (n0 + kBlockN > Sk) || (m0 + kBlockM > Sq) ||
-                           (kCausal && n0 + kBlockN - 1 > m0 + diag);
-    // the mask in tile coordinates (32-bit): key n0 + kr and row m0 + qc are kept iff
-    // kr < key_lim, qc < row_lim and (causal) kr - qc <= diag_lim
-    const int key_lim = static_cast<int>(Sk - n0 < kBlockN ? Sk - n0 : kBlockN);
-    const int row_lim = static_cast<int>(Sq - m0 < kBlockM ? Sq - m0 : kBlockM);
-    int diag_lim = 0;
-    if (kCausal) {
-      const int64_t dl = m0 + diag - n0;
-      diag_lim = static_cast<int>(dl < -2 * kBlockN ? -2 * kBlockN : (dl > 2 * kBlockN ? 2 * kBlockN : dl));
-    }
+    // the band in tile coordinates: query column qc, key row kr
+    const TileBand band = bands.at(m0, n0, kBlockM, kBlockN);
 
     // The query columns in two halves of kQSub = 32 (halves the live S^T / dP^T registers,
     // which sit next to the 2 x D/2 dK/dV accumulators; costs a second read of the K and V
@@ -252,7 +322,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
       }
 
       // P^T and dS^T. Accumulator element e of n8 tile t is (key key_a + 8 (e >= 2),
-      // query m0 + q0 + 8 t + c2 + (e & 1)).
+      // query m0 + q0 + 8 t + c2 + (e & 1)). A masked step asks the visibility layer per
+      // element: the band (TileBand) and the key's padding flag.
 #pragma unroll
       for (int t = 0; t < kSubTiles; ++t) {
 #pragma unroll
@@ -261,8 +332,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
           float pr = fast_exp2(fmaf(s[t][e], scale_log2, -sLseb[qc]));
           float ds = pr * (dp[t][e] - sDeltab[qc]);
           if (need_mask) {
-            const int kr = warp * 16 + g + (e >> 1) * 8;
-            const bool ok = kr < key_lim && qc < row_lim && (!kCausal || kr - qc <= diag_lim);
+            const bool ok = (e < 2 ? kok_a : kok_b) && band.ok(qc, e < 2 ? kra : krb);
             // masked: exactly 0, also when v or dout hold inf/NaN (0 * NaN would leak)
             if (!ok) pr = ds = 0.f;
           }
@@ -291,8 +361,56 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
         *reinterpret_cast<uint32_t*>(ds_row + 8 * kDsStride) = ads[1];
         *reinterpret_cast<uint32_t*>(ds_row + 8) = ads[2];
         *reinterpret_cast<uint32_t*>(ds_row + 8 * kDsStride + 8) = ads[3];
-        mma_a_rowblock<T, kHeadDim, kStride>(acc_dv, ap, sdOb + qk * kStride, lrow, lcol);
-        mma_a_rowblock<T, kHeadDim, kStride>(acc_dk, ads, sQb + qk * kStride, lrow, lcol);
+        if (!qo_bad) {
+          mma_a_rowblock<T, kHeadDim, kStride>(acc_dv, ap, sdOb + qk * kStride, lrow, lcol);
+          mma_a_rowblock<T, kHeadDim, kStride>(acc_dk, ads, sQb + qk * kStride, lrow, lcol);
+        }
+      }
+      if constexpr (kMasked) {
+        if (qo_bad) {
+          // The exact path (rare: a masked step whose Q or dO holds inf / NaN): dV and dK of
+          // this half by scalar products over the visible (key, query) pairs only. P^T and
+          // dS^T of query column q0 + q sit in element (q % 2) (+2) of n8 tile (q % 32) / 8 on
+          // quad lane (q % 8) / 2.
+#pragma unroll 1
+          for (int q = 0; q < kQSub; ++q) {
+            float pa = 0.f, pb = 0.f, da = 0.f, db = 0.f;
+#pragma unroll
+            for (int t = 0; t < kSubTiles; ++t) {
+              if (t == q / 8) {
+                pa = (q & 1) ? s[t][1] : s[t][0];
+                pb = (q & 1) ? s[t][3] : s[t][2];
+                da = (q & 1) ? dp[t][1] : dp[t][0];
+                db = (q & 1) ? dp[t][3] : dp[t][2];
+              }
+            }
+            const int src = (lane & ~3) | ((q & 7) >> 1);
+            pa = __shfl_sync(0xffffffffu, pa, src);
+            pb = __shfl_sync(0xffffffffu, pb, src);
+            da = __shfl_sync(0xffffffffu, da, src);
+            db = __shfl_sync(0xffffffffu, db, src);
+            const int qc = q0 + q;
+            const bool ok_a = kok_a && band.ok(qc, kra);
+            const bool ok_b = kok_b && band.ok(qc, krb);
+            const T* orow = sdOb + qc * kStride + c2;
+            const T* qrow = sQb + qc * kStride + c2;
+#pragma unroll
+            for (int t = 0; t < kDTiles; ++t) {
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const float o = to_acc(orow[t * 8 + c]), x = to_acc(qrow[t * 8 + c]);
+                if (ok_a) {
+                  acc_dv[t][c] += pa * o;
+                  acc_dk[t][c] += da * x;
+                }
+                if (ok_b) {
+                  acc_dv[t][2 + c] += pb * o;
+                  acc_dk[t][2 + c] += db * x;
+                }
+              }
+            }
+          }
+        }
       }
     }
     __syncthreads();  // all of dS^T is in shared memory
@@ -302,24 +420,47 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
     // matrices 1 and 3 are queries +8, 2 and 3 keys +8); B = K (keys x d, "row") by
     // ldmatrix.trans as V in the forward.
     // In chunks of kDqChunk = 32 columns (fewer live accumulators next to dK and dV).
+    const bool exact_dq = kMasked && k_bad && need_mask;
 #pragma unroll
     for (int dc = 0; dc < Tr::kDqCols; dc += kDqChunk) {
       float acc_dq[kDqChunk / 8][4];
 #pragma unroll
       for (int t = 0; t < kDqChunk / 8; ++t) acc_dq[t][0] = acc_dq[t][1] = acc_dq[t][2] = acc_dq[t][3] = 0.f;
+      if (!exact_dq) {
 #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        uint32_t a[4];
-        ldmatrix_x4_trans(smem_addr(sdS + (kk * 16 + krow) * kDsStride + dq_row0 + kcol), a);
-        mma_a_rowblock<T, kDqChunk, kStride>(acc_dq, a, sK + kk * 16 * kStride + dq_col0 + dc,
-                                             lrow, lcol);
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          uint32_t a[4];
+          ldmatrix_x4_trans(smem_addr(sdS + (kk * 16 + krow) * kDsStride + dq_row0 + kcol), a);
+          mma_a_rowblock<T, kDqChunk, kStride>(acc_dq, a, sK + kk * 16 * kStride + dq_col0 + dc,
+                                               lrow, lcol);
+        }
+      } else {
+        // The exact path (rare: a masked step and a non-finite K in the tile): scalar
+        // products over the visible (query, key) pairs only.
+#pragma unroll 1
+        for (int kk = 0; kk < kBlockN; ++kk) {
+          const bool key_ok = n0 + kk < n1 && vis.key_valid(b, n0 + kk);
+          const T* krow_p = sK + kk * kStride + dq_col0 + dc + c2;
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int qr = dq_row0 + g + 8 * r;
+            if (!(key_ok && band.ok(qr, kk))) continue;
+            const float ds = to_acc(sdS[kk * kDsStride + qr]);
+#pragma unroll
+            for (int t = 0; t < kDqChunk / 8; ++t) {
+              acc_dq[t][2 * r] += ds * to_acc(krow_p[t * 8]);
+              acc_dq[t][2 * r + 1] += ds * to_acc(krow_p[t * 8 + 1]);
+            }
+          }
+        }
       }
-      // dq_accum (B, Sq, H, D) += scale * dQ; rows past Sq are skipped
+      // dq_accum (as dq: (B, Sq, H, D), packed (Tq, H, D)) += scale * dQ; rows past Sq skipped
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int64_t row = m0 + dq_row0 + g + 8 * r;
+        const int row = m0 + dq_row0 + g + 8 * r;
         if (row < Sq) {
-          float* dst = dq_accum + ((b * Sq + row) * H + h) * D + dq_col0 + dc + c2;
+          float* dst = dq_accum + b * bp.dq_batch_stride + ((sq.q0 + row) * H + h) * D + dq_col0 +
+                       dc + c2;
 #pragma unroll
           for (int t = 0; t < kDqChunk / 8; ++t) {
             atomicAdd(dst + t * 8, scale * acc_dq[t][2 * r]);
@@ -331,14 +472,15 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   }
   cp_async_wait<0>();  // nothing may be in flight when the CTA exits
 
-  // epilogue: dk = scale * acc_dk, dv = acc_dv, (B, Sk, Hkv, D) contiguous; keys past Sk skipped
-  T* gdK = static_cast<T*>(bp.dk);
-  T* gdV = static_cast<T*>(bp.dv);
+  // epilogue: dk = scale * acc_dk, dv = acc_dv (as dk / dv: (B, Sk, Hkv, D), packed
+  // (Tk, Hkv, D), contiguous); keys past Sk skipped
+  T* gdK = static_cast<T*>(bp.dk) + b * bp.dk_batch_stride;
+  T* gdV = static_cast<T*>(bp.dv) + b * bp.dv_batch_stride;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int64_t key = key_a + 8 * r;
+    const int key = key_a + 8 * r;
     if (key < Sk) {
-      const int64_t off = ((b * Sk + key) * p.Hkv + hkv) * D + c2;
+      const int64_t off = ((sq.k0 + key) * p.Hkv + hkv) * D + c2;
 #pragma unroll
       for (int t = 0; t < kDTiles; ++t) {
         *reinterpret_cast<uint32_t*>(gdK + off + t * 8) =
@@ -353,7 +495,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
 // ---- launcher ------------------------------------------------------------------------------
 // Instantiated in attention_fa2_bwd_hdim64.cu / attention_fa2_bwd_hdim128.cu; dispatched from
 // attention_launch.h. delta: (B, H, Sq) fp32 workspace; dq_accum: (B, Sq, H, D) fp32, zeroed.
-template <typename T, int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, int kMask>
 cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, float* dq_accum,
                                 cudaStream_t stream) {
   using Tr = BwdTraits<kHeadDim>;
@@ -364,7 +506,7 @@ cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, floa
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
 
-  constexpr auto kernel = fa2_bwd_kernel<T, kHeadDim, kCausal>;
+  constexpr auto kernel = fa2_bwd_kernel<T, kHeadDim, kMask>;
   e = ensure_dynamic_smem<kernel>(Tr::kSmemBytes);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>((p.Sk + Tr::kBlockN - 1) / Tr::kBlockN),
@@ -373,18 +515,19 @@ cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, floa
   return cudaGetLastError();
 }
 
-// One head dim's four kernels (fp16 / bf16 x causal or not), for attention_fa2_bwd_hdim*.cu.
+// One head dim's six kernels (fp16 / bf16 x the three mask modes), for attention_fa2_bwd_hdim*.cu.
+#define ATTN_EXT_INSTANTIATE_FA2_BWD_T(T, D)                                                  \
+  template cudaError_t launch_fa2_bwd_impl<T, D, 0>(const AttentionBwdParams&, float*, float*, \
+                                                    cudaStream_t);                            \
+  template cudaError_t launch_fa2_bwd_impl<T, D, 1>(const AttentionBwdParams&, float*, float*, \
+                                                    cudaStream_t);                            \
+  template cudaError_t launch_fa2_bwd_impl<T, D, 2>(const AttentionBwdParams&, float*, float*, \
+                                                    cudaStream_t);
 #define ATTN_EXT_INSTANTIATE_FA2_BWD(D)                                                       \
   static_assert(BwdTraits<D>::kSmemBytes == bwd_smem_bytes(D),                              \
                 "attention_launch.h's bwd_smem_bytes is stale");                            \
-  template cudaError_t launch_fa2_bwd_impl<__half, D, false>(const AttentionBwdParams&,      \
-                                                             float*, float*, cudaStream_t); \
-  template cudaError_t launch_fa2_bwd_impl<__half, D, true>(const AttentionBwdParams&,       \
-                                                            float*, float*, cudaStream_t);  \
-  template cudaError_t launch_fa2_bwd_impl<__nv_bfloat16, D, false>(                        \
-      const AttentionBwdParams&, float*, float*, cudaStream_t);                              \
-  template cudaError_t launch_fa2_bwd_impl<__nv_bfloat16, D, true>(                         \
-      const AttentionBwdParams&, float*, float*, cudaStream_t);
+  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__half, D)                                                   \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__nv_bfloat16, D)
 
 }  // namespace fa2
 }  // namespace cuda

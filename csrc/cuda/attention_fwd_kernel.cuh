@@ -3,13 +3,16 @@
 // kernel applies (fwd_fast_supported) and otherwise runs the simple kernel.
 //
 //   q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, D)  -> out (B, Sq, H, D), lse (B, H, Sq)
-//   Requirements (checked by the adapter): D == Dv in {32, 64, 96, 128}; q/k/v base pointers 16-byte
-//   aligned and their batch/row/head strides multiples of 8 elements (every 16-byte chunk
-//   of a row is aligned for cp.async); Sq, Sk > 0.
+//   (packed sequences: q (Tq, H, D) ..., out (Tq, H, D), lse (H, Tq), rows from cu_seqlens)
+//   Requirements (checked by the adapter): D == Dv in {32, 64, 96, 128, 256}; q/k/v base
+//   pointers 16-byte aligned and their batch/row/head strides multiples of 8 elements (every
+//   16-byte chunk of a row is aligned for cp.async); Sq, Sk > 0, Sq + Sk < 2^30 (32-bit tile math).
 //
 // Structure
-//   * One CTA per (query tile of kBlockM = 64 rows, head, batch); 4 warps, warp w owns query
-//     rows [16 w, 16 w + 16) of the tile, so every softmax statistic lives in one warp.
+//   * One CTA per (query tile of kBlockM = 64 rows, head, sequence); 4 warps, warp w owns
+//     query rows [16 w, 16 w + 16) of the tile, so every softmax statistic lives in one warp.
+//     Its sequence (packed rows, lengths, bottom-right offset) comes from Visibility::seq(b);
+//     CTAs past the end of a shorter packed sequence exit at once.
 //   * Q tile and two K and two V tiles (double buffering) in shared memory, filled with 16-byte
 //     cp.async; rows past Sq / Sk are zero-filled (src-size 0), so no NaN from stale memory
 //     ever reaches P.V.
@@ -18,15 +21,20 @@
 //     n8 tiles is exactly the A-fragment layout of one k16 step.
 //   * Online softmax in registers, in base 2 (scores times scale * log2 e), per-row max and sum
 //     reduced over the 4 lanes of a quad.
+//   * Masks (causal, window, key padding) come from the visibility layer
+//     (common/attention_mask.h), never from a rule of this file: a query tile visits the key
+//     tiles of band_keys_of_rows (none invisible by the band), skips those whose keys are all
+//     padded (padding bits by warp ballot), runs the tiles that classify() calls kFull
+//     (full_key_tiles: the same answer as one range per CTA, cheaper in registers than a
+//     classify per tile) without a predicate, and masks kPartial ones per element (TileBand
+//     and the key's padding bit). Rows that see no key give 0 and lse -inf; a hidden key's non-finite V
+//     never reaches a row (see pass 3). Grid (query tiles, H, B) with the query tile fastest:
+//     the CTAs in flight together are all the tiles of a few heads (their K/V stay in L2),
+//     and when masked the last query tiles (most keys, when causal) launch first.
 //   * Score terms (kTerms; issue 15): softcap, ALiBi and rel_bias through ScoreTerms::add
 //     (common/attention_mask.h) on every element of the score fragment, after the scaling and
 //     before the mask; sinks in the epilogue's normalisation (ScoreTerms::sink_normalise, as
 //     the simple and CPU kernels). Dropout is not here: the adapter runs the simple kernel.
-//   * Causal (bottom-right): a query tile visits only the key tiles some row of it can see, and
-//     masks only the tiles that cross the diagonal or the end of the keys. Grid (query tiles,
-//     H, B) with the query tile fastest: the CTAs in flight together are all the tiles of a
-//     few heads (their K/V stay in L2), and within a head the heaviest tiles (last rows, most
-//     keys) launch first.
 //
 // Tile choice: kBlockM = 64 query rows, 128 threads; kBlockN = 64 keys per step up to
 // D = 128, 32 at D = 256. 64 keys give each warp 8 n8 score tiles (32 fp32 registers) next to
@@ -82,15 +90,23 @@ struct FwdTraits {
 };
 
 // ---- the kernel ----------------------------------------------------------------------------
-// grid (num_m_blocks, H, B); blockIdx.x = 0 is the heaviest query tile of its head when causal.
+// grid (num_m_blocks, H, B); blockIdx.x = 0 is the heaviest query tile of its head when masked.
+// kMask (MaskMode, attention_launch.h): 0 no mask (Visibility::dense(): every key of the
+// sequence is visible, only the end of the keys masks), 1 a band (causal / window) without
+// key padding, 2 key padding (with or without a band). The padding code costs registers, so
+// the plain causal path (1) does not carry it. Packed sequences (varlen) run in every mode:
+// the CTA's sequence comes from seq(b).
 // kTerms: p.terms has softcap / ALiBi / rel_bias and / or sinks (and no dropout).
-template <typename T, int kHeadDim, bool kCausal, bool kTerms>
+template <typename T, int kHeadDim, int kMask, bool kTerms>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHeadDim>::kMinBlocks)
     fa2_fwd_kernel(AttentionParams p) {
   using Tr = FwdTraits<kHeadDim>;
+  constexpr bool kMasked = kMask != 0, kPadding = kMask == 2;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
   constexpr int kNTiles = kBlockN / 8;    // n8 score tiles per warp row block
   constexpr int kDTiles = kHeadDim / 8;   // n8 output tiles
+  constexpr int kKeyWords = kBlockN / 32;  // 32-bit words of a key tile's padding bits
+  static_assert(kBlockN % 32 == 0, "whole ballot words per key tile");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);  // (kBlockM, kStride)
@@ -99,38 +115,94 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t h = blockIdx.y, b = blockIdx.z;
-  const int64_t bh = b * p.H + h;
   const int64_t hkv = h / (p.H / p.Hkv);
-  const int64_t m_block = kCausal ? static_cast<int64_t>(gridDim.x) - 1 - blockIdx.x : blockIdx.x;
-  const int64_t m0 = m_block * kBlockM;
-  const int64_t Sq = p.Sq, Sk = p.Sk;
-  // causal: row i sees key j iff j <= i + diag (the visibility layer's bottom-right offset;
-  // this kernel runs unmasked, unpacked problems only, where every sequence has it)
-  const int64_t diag = p.visibility().seq(b).off;
+  const int m_block = kMasked ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+  const int m0 = m_block * kBlockM;
+  // Which keys a row sees: the visibility layer (common/attention_mask.h) only. sq: this
+  // CTA's sequence (its rows q0.., keys k0.. in the packed tensors; lengths; offset).
+  // Lengths and tile positions in 32 bits (the adapter checks Sq + Sk < 2^30); bands: the
+  // sequence's TileBand in 32-bit arithmetic.
+  const Visibility vis = p.visibility();
+  const SeqInfo sq = vis.seq(b);
+  const TileBands bands = vis.tile_bands(sq);
+  const int Sq = bands.Sq, Sk = bands.Sk;
+  if (m0 >= Sq) return;  // past the end of its (packed) sequence
+  const int m1 = m0 + kBlockM < Sq ? m0 + kBlockM : Sq;  // the tile's rows [m0, m1)
 
-  // keys [0, n_end) are seen by at least one row of this tile
-  int64_t n_end = Sk;
-  if (kCausal) {
-    const int64_t last_row_end = (m0 + kBlockM < Sq ? m0 + kBlockM : Sq) + diag;
-    n_end = last_row_end < Sk ? last_row_end : Sk;
+  // key tiles [n_begin, n_end) hold every key some row of this tile sees by the band (none of
+  // them is invisible by the band); classify() calls [full_lo, full_hi) of them kFull
+  // (full_key_tiles: the same answer as one range, computed once per CTA)
+  int n_begin = 0, n_end = 0, full_lo = 0, full_hi = 0;
+  if (!kMasked) {  // every key of the sequence is visible (dense())
+    n_end = full_hi = static_cast<int>((Sk + kBlockN - 1) / kBlockN);
+  } else if (Sk > 0) {
+    const Range keys = vis.band_keys_of_rows(sq, m0, m1);
+    if (keys.hi > keys.lo) {
+      n_begin = static_cast<int>(keys.lo / kBlockN);
+      n_end = static_cast<int>((keys.hi + kBlockN - 1) / kBlockN);
+      const Range full = vis.full_key_tiles(sq, m0, m1, kBlockN);
+      full_lo = static_cast<int>(full.lo);
+      full_hi = static_cast<int>(full.hi);
+    }
   }
-  const int n_tiles = n_end > 0 ? static_cast<int>((n_end + kBlockN - 1) / kBlockN) : 0;
+  // The class of key tile n (n_begin <= n < n_end) for this query tile: the band's, a tile
+  // past the end of the keys is partial (its zero-filled rows must not count), and with key
+  // padding the per-key flags: all padded -> invisible (skipped), some -> partial. kv[w] bit
+  // c: key n * kBlockN + 32 w + c takes part (every warp computes the same words by ballot).
+  auto tile_kind = [&](int n, uint32_t (&kv)[kKeyWords]) -> TileKind {
+    const int n0 = n * kBlockN;
+    const int n1 = n0 + kBlockN < Sk ? n0 + kBlockN : Sk;
+    TileKind kind = n >= full_lo && n < full_hi ? TileKind::kFull : TileKind::kPartial;
+    if (kind == TileKind::kFull && n0 + kBlockN > Sk) kind = TileKind::kPartial;
+#pragma unroll
+    for (int w = 0; w < kKeyWords; ++w) kv[w] = 0xffffffffu;
+    if constexpr (kPadding) {
+      if (kind != TileKind::kInvisible) {
+        int valid = 0;
+#pragma unroll
+        for (int w = 0; w < kKeyWords; ++w) {
+          const int j = n0 + 32 * w + lane;
+          kv[w] = __ballot_sync(0xffffffffu, j < n1 && vis.key_valid(b, j));
+          valid += __popc(kv[w]);
+        }
+        if (valid == 0) kind = TileKind::kInvisible;
+        else if (valid < n1 - n0) kind = TileKind::kPartial;
+      }
+    }
+    return kind;
+  };
 
-  const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-  const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
-  const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
-  T* gO = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride;
-  float* gLse = static_cast<float*>(p.lse) + bh * Sq;  // lse (B, H, Sq): row (b*H + h)
+  const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + sq.q0 * p.q_row_stride +
+                h * p.q_head_stride;
+  const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + sq.k0 * p.k_row_stride +
+                hkv * p.k_head_stride;
+  const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + sq.k0 * p.v_row_stride +
+                hkv * p.v_head_stride;
+  // out and lse (B, H, Sq), packed (H, Tq): row i of this sequence at gO()[i * row stride],
+  // gLse()[i] (computed where they are written, so they hold no register in the loop)
+  auto gO = [&]() {
+    return static_cast<T*>(p.out) + b * p.out_batch_stride + sq.q0 * p.out_row_stride +
+           h * p.out_head_stride;
+  };
+  auto gLse = [&]() {
+    return static_cast<float*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0;
+  };
 
-  // rows of this thread: quad row g = lane / 4 of the warp's 16, and g + 8
-  const int64_t row_a = m0 + warp * 16 + (lane >> 2);
-  const int64_t row_b = row_a + 8;
+  // rows of this thread: quad row g = lane / 4 of the warp's 16, and g + 8 (ra, rb: in the tile)
+  const int ra = warp * 16 + (lane >> 2), rb = ra + 8;
 
-  if (n_tiles == 0) {  // causal with Sq > Sk: no row of this tile sees a key
+  // the first tile that is not invisible
+  int n = n_begin;
+  for (; n < n_end; ++n) {
+    uint32_t kv[kKeyWords];
+    if (tile_kind(n, kv) != TileKind::kInvisible) break;
+  }
+
+  if (n >= n_end) {  // no row of this tile sees a key (Sq > Sk causal, padding, empty keys)
     for (int idx = tid; idx < kBlockM * kHeadDim; idx += Tr::kThreads) {
       const int64_t r = m0 + idx / kHeadDim;
       // +0.0 in fp16 and bf16 is the all-zero 16-bit pattern
-      if (r < Sq) reinterpret_cast<uint16_t*>(gO)[r * p.out_row_stride + idx % kHeadDim] = 0;
+      if (r < Sq) reinterpret_cast<uint16_t*>(gO())[r * p.out_row_stride + idx % kHeadDim] = 0;
     }
     if (tid < kBlockM && m0 + tid < Sq) {
       float lse_row = -INFINITY;
@@ -141,14 +213,15 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
           lse_row = static_cast<float>(lse_d);
         }
       }
-      gLse[m0 + tid] = lse_row;
+      gLse()[m0 + tid] = lse_row;
     }
     return;
   }
 
-  // prologue: Q and K tile 0 (one group)
+  // prologue: Q and K tile n (one group)
   load_rows<T, kHeadDim, kBlockM, Tr::kThreads>(sQ, gQ, p.q_row_stride, m0, Sq, tid);
-  load_rows<T, kHeadDim, kBlockN, Tr::kThreads>(sK, gK, p.k_row_stride, 0, Sk, tid);
+  load_rows<T, kHeadDim, kBlockN, Tr::kThreads>(sK, gK, p.k_row_stride,
+                                                static_cast<int64_t>(n) * kBlockN, Sk, tid);
   cp_async_commit();
 
   float acc_o[kDTiles][4];
@@ -164,11 +237,23 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
   const int krow = (lane & 7) + (lane >> 4) * 8;        // K: matrices 2,3 are the next 8 keys
   const int kcol = ((lane >> 3) & 1) * 8;               // K: matrices 1,3 are d + 8
 
-  for (int n = 0; n < n_tiles; ++n) {
-    const int buf = n & 1;
-    const int64_t n0 = static_cast<int64_t>(n) * kBlockN;
+  // Step it visits key tile n (the tiles that are not invisible, in order); buffers by step.
+  for (int it = 0; n < n_end; ++it) {
+    const int buf = it & 1;
+    const int n0 = n * kBlockN;
     const T* sKb = sK + buf * Tr::kTile;
     const T* sVb = sV + buf * Tr::kTile;
+
+    // this tile's class and padding bits (recomputed here rather than carried from the
+    // search: fewer live registers), then the next tile that is not invisible (found before
+    // S is live); its K is prefetched after pass 1.
+    uint32_t kv[kKeyWords];
+    const TileKind kind = tile_kind(n, kv);
+    int n_next = n + 1;
+    for (; n_next < n_end; ++n_next) {
+      uint32_t kv_next[kKeyWords];
+      if (tile_kind(n_next, kv_next) != TileKind::kInvisible) break;
+    }
 
     // V tile n -> its own group; it lands while S is computed
     load_rows<T, kHeadDim, kBlockN, Tr::kThreads>(sV + buf * Tr::kTile, gV, p.v_row_stride, n0,
@@ -199,24 +284,26 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
       }
     }
 
-    // K tile n + 1 -> the other buffer (last read in step n - 1, before this step's barrier).
-    // An empty group on the last step keeps the wait counts uniform.
-    if (n + 1 < n_tiles) {
+    // K of the next tile -> the other buffer (last read in step it - 1, before this step's
+    // barrier). An empty group on the last step keeps the wait counts uniform.
+    if (n_next < n_end) {
       load_rows<T, kHeadDim, kBlockN, Tr::kThreads>(sK + (buf ^ 1) * Tr::kTile, gK, p.k_row_stride,
-                                                    n0 + kBlockN, Sk, tid);
+                                                    static_cast<int64_t>(n_next) * kBlockN, Sk, tid);
     }
     cp_async_commit();
 
     // pass 2: scale to base 2, then mask (after scaling: scale may be 0 or negative), then the
     // online softmax. Accumulator element e of n8 tile t is (row g + 8 (e >= 2),
-    // key n0 + 8 t + 2 (lane % 4) + (e % 2)).
+    // key n0 + 8 t + 2 (lane % 4) + (e % 2)). A partial tile asks the visibility layer per
+    // element: the band in tile coordinates (TileBand) and the key's padding bit.
 #pragma unroll
     for (int t = 0; t < kNTiles; ++t) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[t][e] *= scale_log2;
     }
-    // score terms (natural units in ScoreTerms::add) at d = row + diag - key; keys past Sk
-    // get a term too (the table index is clamped) and are masked just below
+    // score terms (natural units in ScoreTerms::add) at d = row + off - key (the sequence's
+    // offset from the visibility layer); keys past Sk get a term too (the table index is
+    // clamped) and are masked just below
     if constexpr (kTerms) {
       if (p.terms.active()) {
 #pragma unroll
@@ -224,22 +311,24 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int64_t key = n0 + t * 8 + (lane & 3) * 2 + (e & 1);
-            const int64_t row = e < 2 ? row_a : row_b;
-            s[t][e] = p.terms.add<float>(s[t][e] * kLn2F, b, h, row + diag - key) * kLog2eF;
+            const int64_t row = m0 + (e < 2 ? ra : rb);
+            s[t][e] = p.terms.add<float>(s[t][e] * kLn2F, b, h, row + sq.off - key) * kLog2eF;
           }
         }
       }
     }
-    const bool need_mask =
-        (n0 + kBlockN > Sk) || (kCausal && n0 + kBlockN - 1 > m0 + diag);
-    if (need_mask) {
+    const bool partial = kind == TileKind::kPartial;
+    if (partial) {
+      const TileBand band = bands.at(m0, n0, kBlockM, kBlockN);
+      uint32_t kl[kKeyWords];  // this lane's padding bits: bit 8 (t % 4) + (e % 2) of word t / 4
+#pragma unroll
+      for (int w = 0; w < kKeyWords; ++w) kl[w] = kv[w] >> ((lane & 3) * 2);
 #pragma unroll
       for (int t = 0; t < kNTiles; ++t) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int64_t key = n0 + t * 8 + (lane & 3) * 2 + (e & 1);
-          const int64_t row = e < 2 ? row_a : row_b;
-          const bool ok = key < Sk && (!kCausal || key <= row + diag);
+          const int c = t * 8 + (lane & 3) * 2 + (e & 1);
+          const bool ok = band.ok(e < 2 ? ra : rb, c) && ((kl[t / 4] >> ((t % 4) * 8 + (e & 1))) & 1u);
           if (!ok) s[t][e] = -INFINITY;
         }
       }
@@ -270,22 +359,23 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
       }
     }
 
-    cp_async_wait<1>();  // V tile n (only the K tile n + 1 group may still be in flight)
+    cp_async_wait<1>();  // V tile n (only the next K tile's group may still be in flight)
     __syncthreads();
 
     // A hidden key's P is 0, but 0 * (inf or NaN) in its V row would reach rows that cannot
-    // see it (issue 18). In a masked tile whose V holds a non-finite value (rare: only then
+    // see it (issue 18). In a partial tile whose V holds a non-finite value (rare: only then
     // is the extra barrier paid), each thread first adds p * v of the visible (row, key)
     // pairs whose v is non-finite to its own columns exactly, then the non-finite values are
-    // zeroed in shared memory and the tile's P V runs as usual. (Without causal a masked
-    // tile only holds keys past Sk, zero-filled by the loads: nothing to do.)
-    if (kCausal && need_mask) {
+    // zeroed in shared memory and the tile's P V runs as usual. (Unmasked problems: a partial
+    // tile only hides keys past Sk, zero-filled by the loads: nothing to do.)
+    if (kMasked && partial) {
       bool bad = false;
       for (int idx = tid; idx < kBlockN * kHeadDim; idx += Tr::kThreads) {
         const float x = to_float(sVb[(idx / kHeadDim) * kStride + idx % kHeadDim]);
         bad |= !isfinite(x);
       }
       if (__syncthreads_or(bad)) {
+        const TileBand band = bands.at(m0, n0, kBlockM, kBlockN);
 #pragma unroll 1
         for (int kk = 0; kk < kBlockN; ++kk) {
           // P of key n0 + kk for rows a and b: element (kk % 2) (+2) of n8 tile kk / 8 on quad
@@ -301,9 +391,10 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
           const int src = (lane & ~3) | ((kk & 7) >> 1);
           pa = __shfl_sync(0xffffffffu, pa, src);
           pb = __shfl_sync(0xffffffffu, pb, src);
-          const int64_t key = n0 + kk;
-          const bool ok_a = key < Sk && (!kCausal || key <= row_a + diag);
-          const bool ok_b = key < Sk && (!kCausal || key <= row_b + diag);
+          const uint32_t word = kKeyWords == 1 || kk < 32 ? kv[0] : kv[kKeyWords - 1];
+          const bool key_ok = (word >> (kk & 31)) & 1u;
+          const bool ok_a = key_ok && band.ok(ra, kk);
+          const bool ok_b = key_ok && band.ok(rb, kk);
           const T* vrow = sVb + kk * kStride + (lane & 3) * 2;
 #pragma unroll
           for (int t = 0; t < kDTiles; ++t) {
@@ -340,6 +431,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
       a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
       mma_a_rowblock<T, kHeadDim, kStride>(acc_o, a, sVb + kk * 16 * kStride, lrow, lcol);
     }
+
+    n = n_next;
   }
   // The last committed group is empty; nothing is left in flight.
 
@@ -360,15 +453,15 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
         lse_row = static_cast<float>(lse_d);
       }
     }
-    const int64_t row = r == 0 ? row_a : row_b;
+    const int64_t row = m0 + (r == 0 ? ra : rb);
     if (row < Sq) {
-      T* orow = gO + row * p.out_row_stride + (lane & 3) * 2;
+      T* orow = gO() + row * p.out_row_stride + (lane & 3) * 2;
 #pragma unroll
       for (int t = 0; t < kDTiles; ++t) {
         *reinterpret_cast<uint32_t*>(orow + t * 8) =
             pack2<T>(acc_o[t][2 * r] * inv, acc_o[t][2 * r + 1] * inv);
       }
-      if ((lane & 3) == 0) gLse[row] = lse_row;
+      if ((lane & 3) == 0) gLse()[row] = lse_row;
     }
   }
 }
@@ -377,10 +470,10 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
 // Instantiated in attention_fa2_hdim{32,64,96,128,256}.cu (one head dim per translation unit,
 // so a parallel build compiles them side by side); dispatched from attention_launch.h.
 // T = __half or __nv_bfloat16.
-template <typename T, int kHeadDim, bool kCausal, bool kTerms>
+template <typename T, int kHeadDim, int kMask, bool kTerms>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
   using Tr = FwdTraits<kHeadDim>;
-  constexpr auto kernel = fa2_fwd_kernel<T, kHeadDim, kCausal, kTerms>;
+  constexpr auto kernel = fa2_fwd_kernel<T, kHeadDim, kMask, kTerms>;
   // above 48 KiB at D = 128: opt in (once per device)
   const cudaError_t e = ensure_dynamic_smem<kernel>(Tr::kSmemBytes);
   if (e != cudaSuccess) return e;
@@ -390,22 +483,31 @@ cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// One head dim's eight kernels (fp16 / bf16 x causal or not x score terms or not), for
-// attention_fa2_hdim*.cu.
-#define ATTN_EXT_INSTANTIATE_FA2_FWD_T(T, D)                                                   \
-  template cudaError_t launch_fa2_fwd_impl<T, D, false, false>(const AttentionParams&,       \
-                                                               cudaStream_t);               \
-  template cudaError_t launch_fa2_fwd_impl<T, D, true, false>(const AttentionParams&,        \
-                                                              cudaStream_t);                \
-  template cudaError_t launch_fa2_fwd_impl<T, D, false, true>(const AttentionParams&,        \
-                                                              cudaStream_t);                \
-  template cudaError_t launch_fa2_fwd_impl<T, D, true, true>(const AttentionParams&,         \
-                                                             cudaStream_t);
-#define ATTN_EXT_INSTANTIATE_FA2_FWD(D)                                                      \
+// One head dim's twelve kernels (fp16 / bf16 x the three mask modes x score terms or not),
+// for attention_fa2_hdim*.cu
+// (D = 256 has no score-term instances: fwd_fast_terms_head_dim in attention_launch.h.)
+#define ATTN_EXT_INSTANTIATE_FA2_FWD_MT(T, D, M, TERMS)                                      \
+  template cudaError_t launch_fa2_fwd_impl<T, D, M, TERMS>(const AttentionParams&,          \
+                                                           cudaStream_t);
+#define ATTN_EXT_INSTANTIATE_FA2_FWD_T(T, D, TERMS)                                          \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_MT(T, D, 0, TERMS)                                            \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_MT(T, D, 1, TERMS)                                            \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_MT(T, D, 2, TERMS)
+#define ATTN_EXT_INSTANTIATE_FA2_FWD_CHECKS(D)                                               \
   static_assert(FwdTraits<D>::kBlockM == kBlockM, "attention_launch.h's kBlockM is stale");  \
-  static_assert(FwdTraits<D>::kSmemBytes == fwd_smem_bytes(D), "fwd_smem_bytes is stale");    \
-  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__half, D)                                                  \
-  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__nv_bfloat16, D)
+  static_assert(FwdTraits<D>::kSmemBytes == fwd_smem_bytes(D), "fwd_smem_bytes is stale");
+#define ATTN_EXT_INSTANTIATE_FA2_FWD(D)                                                      \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_CHECKS(D)                                                     \
+  static_assert(fwd_fast_terms_head_dim(D), "use ATTN_EXT_INSTANTIATE_FA2_FWD_PLAIN");        \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__half, D, false)                                           \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__half, D, true)                                            \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__nv_bfloat16, D, false)                                    \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__nv_bfloat16, D, true)
+#define ATTN_EXT_INSTANTIATE_FA2_FWD_PLAIN(D)                                                \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_CHECKS(D)                                                     \
+  static_assert(!fwd_fast_terms_head_dim(D), "use ATTN_EXT_INSTANTIATE_FA2_FWD");            \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__half, D, false)                                           \
+  ATTN_EXT_INSTANTIATE_FA2_FWD_T(__nv_bfloat16, D, false)
 
 }  // namespace fa2
 }  // namespace cuda

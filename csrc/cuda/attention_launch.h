@@ -1,7 +1,7 @@
 // Host-side entry points of the CUDA attention kernels, shared by the stable-ABI adapter
 // (attention.cu) and the translation units that instantiate them:
 //   attention_simple.cu        simple::launch_simple_fwd / launch_simple_bwd, every dtype
-//   attention_fa2_hdim{32,64,96,128,256}.cu   fa2::launch_fa2_fwd_impl<T, D, causal>, T = __half, bf16
+//   attention_fa2_hdim{32,64,96,128,256}.cu   fa2::launch_fa2_fwd_impl<T, D, mask mode>, T = __half, bf16
 //   attention_fa2_bwd_hdim64.cu / attention_fa2_bwd_hdim128.cu   fa2::launch_fa2_bwd_impl
 // Each returns the launch's error code; the caller checks it. No ATen types.
 #pragma once
@@ -41,14 +41,35 @@ cudaError_t launch_simple_bwd(const AttentionBwdParams& bp, void* delta, void* d
 namespace fa2 {
 constexpr int kBlockM = 64;  // query rows per CTA (FwdTraits::kBlockM)
 
+// The fast kernels' mask modes (their template argument kMask): what code a kernel carries.
+enum MaskMode : int {
+  kMaskNone = 0,     // Visibility::dense(): every key of the sequence is visible
+  kMaskBand = 1,     // causal / window, no key padding
+  kMaskPadding = 2,  // key padding, with or without a band
+};
+inline int mask_mode(const AttentionParams& p) {
+  const Visibility v = p.visibility();
+  return v.dense() ? kMaskNone : (v.has_padding() ? kMaskPadding : kMaskBand);
+}
+
 // kTerms: softcap / ALiBi / rel_bias / sinks (attention_fwd_kernel.cuh); never dropout.
-template <typename T, int kHeadDim, bool kCausal, bool kTerms>
+template <typename T, int kHeadDim, int kMask, bool kTerms>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream);
+
+// The fast kernels count rows, keys and distances of a sequence in 32 bits (TileBands of
+// common/attention_mask.h): Sq + Sk (the longest sequences', when packed) plus the size of a
+// block's position shift (q_start / k_start) below 2^30, so every distance fits.
+constexpr int kMaxFastSeqLen = 1073741824;  // 2^30
+inline bool fast_lengths_ok(const AttentionParams& p) {
+  const int64_t shift = p.mask.pos_shift < 0 ? -p.mask.pos_shift : p.mask.pos_shift;
+  return p.Sq + p.Sk + shift < kMaxFastSeqLen;
+}
 
 // Grid (query tiles, H, B): y and z are limited to 65535.
 inline bool fwd_fast_grid_ok(const AttentionParams& p) {
   const int64_t m_blocks = (p.Sq + kBlockM - 1) / kBlockM;
-  return m_blocks <= 0x7fffffff && p.H <= 65535 && p.B <= 65535;
+  return m_blocks <= 0x7fffffff && p.H <= 65535 && p.B <= 65535 &&
+         fast_lengths_ok(p);
 }
 
 // Head dims with a fast forward kernel (attention_fa2_hdim{32,64,96,128,256}.cu).
@@ -56,21 +77,36 @@ inline bool fwd_fast_head_dim(int64_t d) {
   return d == 32 || d == 64 || d == 96 || d == 128 || d == 256;
 }
 
+// Head dims whose fast forward also has the score-term instances (kTerms): at D = 256 the
+// terms' registers spill (255 registers with masks), so such calls run the simple kernel.
+constexpr bool fwd_fast_terms_head_dim(int64_t d) { return d != 256; }
+
 // Dynamic shared memory of fa2_fwd_kernel (FwdTraits<D>::kSmemBytes; the instantiating .cu
 // files static_assert that they agree): the adapter compares it with the device's limit.
 constexpr int fwd_smem_bytes(int64_t head_dim) {
   return static_cast<int>((64 + 4 * (head_dim <= 128 ? 64 : 32)) * (head_dim + 8) * 2);
 }
 
+template <typename T, int kHeadDim, bool kTerms>
+cudaError_t launch_fa2_fwd_m(const AttentionParams& p, cudaStream_t stream) {
+  switch (mask_mode(p)) {
+    case kMaskNone: return launch_fa2_fwd_impl<T, kHeadDim, kMaskNone, kTerms>(p, stream);
+    case kMaskBand: return launch_fa2_fwd_impl<T, kHeadDim, kMaskBand, kTerms>(p, stream);
+    default: return launch_fa2_fwd_impl<T, kHeadDim, kMaskPadding, kTerms>(p, stream);
+  }
+}
+
 template <typename T, int kHeadDim>
 cudaError_t launch_fa2_fwd_d(const AttentionParams& p, cudaStream_t stream) {
   if (p.terms.has_dropout()) return cudaErrorInvalidValue;  // the adapter runs the simple kernel
   if (!p.terms.plain()) {
-    return p.causal ? launch_fa2_fwd_impl<T, kHeadDim, true, true>(p, stream)
-                    : launch_fa2_fwd_impl<T, kHeadDim, false, true>(p, stream);
+    if constexpr (fwd_fast_terms_head_dim(kHeadDim)) {
+      return launch_fa2_fwd_m<T, kHeadDim, true>(p, stream);
+    } else {
+      return cudaErrorInvalidValue;  // use_fast_forward sends these to the simple kernel
+    }
   }
-  return p.causal ? launch_fa2_fwd_impl<T, kHeadDim, true, false>(p, stream)
-                  : launch_fa2_fwd_impl<T, kHeadDim, false, false>(p, stream);
+  return launch_fa2_fwd_m<T, kHeadDim, false>(p, stream);
 }
 
 // T = __half or __nv_bfloat16; p.D == p.Dv and fwd_fast_head_dim(p.D) (the caller checked).
@@ -86,7 +122,7 @@ cudaError_t launch_fa2_fwd(const AttentionParams& p, cudaStream_t stream) {
   }
 }
 
-template <typename T, int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, int kMask>
 cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, float* dq_accum,
                                 cudaStream_t stream);
 
@@ -101,7 +137,8 @@ constexpr int bwd_smem_bytes(int64_t head_dim) {
 inline bool bwd_fast_grid_ok(const AttentionParams& p) {
   const int64_t n_blocks = (p.Sk + 127) / 128;
   const int64_t steps = (p.H / p.Hkv) * ((p.Sq + 63) / 64);
-  return n_blocks <= 0x7fffffff && steps <= 0x7fffffff && p.Hkv <= 65535 && p.B <= 65535;
+  return n_blocks <= 0x7fffffff && steps <= 0x7fffffff && p.Hkv <= 65535 && p.B <= 65535 &&
+         fast_lengths_ok(p);
 }
 
 // T = __half or __nv_bfloat16; D == Dv in {64, 128} (the caller checked). delta: (B, H, Sq)
@@ -109,14 +146,20 @@ inline bool bwd_fast_grid_ok(const AttentionParams& p) {
 template <typename T>
 cudaError_t launch_fa2_bwd(const AttentionBwdParams& bp, float* delta, float* dq_accum,
                            cudaStream_t stream) {
-  const bool causal = bp.fwd.causal;
+  const int mode = mask_mode(bp.fwd);
   if (bp.fwd.D == 64) {
-    return causal ? launch_fa2_bwd_impl<T, 64, true>(bp, delta, dq_accum, stream)
-                  : launch_fa2_bwd_impl<T, 64, false>(bp, delta, dq_accum, stream);
+    switch (mode) {
+      case kMaskNone: return launch_fa2_bwd_impl<T, 64, kMaskNone>(bp, delta, dq_accum, stream);
+      case kMaskBand: return launch_fa2_bwd_impl<T, 64, kMaskBand>(bp, delta, dq_accum, stream);
+      default: return launch_fa2_bwd_impl<T, 64, kMaskPadding>(bp, delta, dq_accum, stream);
+    }
   }
   if (bp.fwd.D != 128) return cudaErrorInvalidValue;
-  return causal ? launch_fa2_bwd_impl<T, 128, true>(bp, delta, dq_accum, stream)
-                : launch_fa2_bwd_impl<T, 128, false>(bp, delta, dq_accum, stream);
+  switch (mode) {
+    case kMaskNone: return launch_fa2_bwd_impl<T, 128, kMaskNone>(bp, delta, dq_accum, stream);
+    case kMaskBand: return launch_fa2_bwd_impl<T, 128, kMaskBand>(bp, delta, dq_accum, stream);
+    default: return launch_fa2_bwd_impl<T, 128, kMaskPadding>(bp, delta, dq_accum, stream);
+  }
 }
 }  // namespace fa2
 

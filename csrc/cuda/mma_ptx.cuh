@@ -119,6 +119,24 @@ __device__ __forceinline__ void load_rows(T* s, const T* g, int64_t stride, int6
   }
 }
 
+// True when one of the 16-byte chunks that this thread copied with load_rows (same kRows,
+// kThreads: the same chunks) holds an inf or NaN. Only the thread's own cp.async writes are
+// read, so after its cp_async_wait no barrier is needed; zero-filled rows are finite.
+template <typename T, int kHeadDim, int kRows, int kThreads>
+__device__ __forceinline__ bool own_rows_nonfinite(const T* s, int tid) {
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kStride = kHeadDim + 8;
+  bool bad = false;
+#pragma unroll
+  for (int it = 0; it < kRows * kChunksPerRow / kThreads; ++it) {
+    const int c = it * kThreads + tid;
+    const T* x = s + (c / kChunksPerRow) * kStride + (c % kChunksPerRow) * 8;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) bad |= !isfinite(to_acc(x[e]));
+  }
+  return bad;
+}
+
 // acc (16 x kNCols fp32, kNCols / 8 n8 tiles) += a (16 x 16, A fragments) * B, where B is the
 // 16 x kNCols block of a shared tile (row stride kStride elements) starting at `block`, with
 // the k dimension along the tile's rows ("row" layout, read with ldmatrix.trans: matrices
