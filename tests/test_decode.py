@@ -125,3 +125,38 @@ def test_decode_thread_count_independent():
         assert torch.equal(again[0], results[1][0]) and torch.equal(again[1], results[1][1])
     finally:
         torch.set_num_threads(old)
+
+
+_IN_PLACE_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import attn_ext  # noqa: F401
+torch.manual_seed(0)
+outs = []
+for B, Sk, H, Hkv in ((1, 1000, 8, 2), (2, 700, 4, 4), (1, 96, 16, 16)):
+    q = torch.randn(B, 1, H, 64)
+    k, v = torch.randn(B, Sk, Hkv, 64), torch.randn(B, Sk, Hkv, 64)
+    outs += list(torch.ops.attn_ext.attention_forward(q, k, v, False, None))
+    outs += list(torch.ops.attn_ext.attention_forward(q, k, v, True, None))
+torch.save(outs, sys.argv[2])
+"""
+
+
+def test_decode_in_place_reads_equal_packed_blocks(tmp_path):
+    """fp32 K/V read in place (full unmasked blocks) give the same bits as the packed blocks
+    (ATTN_EXT_CPU_DECODE_IN_PLACE=0): the same products in the same order."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "run.py"
+    script.write_text(_IN_PLACE_SCRIPT)
+    res = {}
+    for mode in ("1", "0"):
+        env = dict(os.environ, ATTN_EXT_CPU_DECODE_IN_PLACE=mode)
+        out = tmp_path / f"out{mode}.pt"
+        subprocess.run([sys.executable, str(script), root, str(out)], env=env, check=True, timeout=120)
+        res[mode] = torch.load(out)
+    for a, b in zip(res["1"], res["0"]):
+        assert torch.equal(a, b)

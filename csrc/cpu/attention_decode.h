@@ -63,6 +63,15 @@ inline bool decode_enabled() {
 
 inline int64_t decode_threads() { return num_threads(); }
 
+// ATTN_EXT_CPU_DECODE_IN_PLACE=0: always pack fp32 K/V blocks (for benchmarks comparing both).
+inline bool decode_in_place_enabled() {
+  static const bool on = [] {
+    const char* env = std::getenv("ATTN_EXT_CPU_DECODE_IN_PLACE");
+    return !(env != nullptr && std::strcmp(env, "0") == 0);
+  }();
+  return on;
+}
+
 inline bool decode_supported(const AttentionParams& p, bool is_double) {
   if (is_double || !cpu::use_avx2() || !decode_enabled()) return false;
   // score terms and dropout (issue 15) are in the tiled kernel only; sinks are not a
@@ -100,23 +109,26 @@ ATTN_EXT_AVX2 inline void pack_row(const scalar_t* src, int64_t n, float* dst) {
 // s[c * ld + r] = qs[c] . kb[r] for r in [0, nk) (nk a multiple of 8 after padding rows).
 // The backward (attention_bwd.cpp) computes its scores with this function too wherever the
 // forward is this kernel (decode_supported): it recomputes P = exp(s - lse) from the same bits.
+// ldk: the row stride of kb (Dp for a packed block; the cache's row stride when read in place:
+// the same products, so the same bits).
 ATTN_EXT_AVX2 inline void scores(const float* qs, int64_t C, int64_t Dp, const float* kb,
-                                 int64_t nk8, float* s, int64_t ld) {
+                                 int64_t nk8, float* s, int64_t ld, int64_t ldk = -1) {
+  if (ldk < 0) ldk = Dp;
   for (int64_t c = 0; c < C; ++c) {
     const float* qc = qs + c * Dp;
     for (int64_t r0 = 0; r0 < nk8; r0 += 8) {
-      const float* k0 = kb + r0 * Dp;
+      const float* k0 = kb + r0 * ldk;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
       for (int64_t d = 0; d < Dp; d += 8) {
         const __m256 q = _mm256_loadu_ps(qc + d);
-        a0 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 0 * Dp + d), a0);
-        a1 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 1 * Dp + d), a1);
-        a2 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 2 * Dp + d), a2);
-        a3 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 3 * Dp + d), a3);
-        a4 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 4 * Dp + d), a4);
-        a5 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 5 * Dp + d), a5);
-        a6 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 6 * Dp + d), a6);
-        a7 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 7 * Dp + d), a7);
+        a0 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 0 * ldk + d), a0);
+        a1 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 1 * ldk + d), a1);
+        a2 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 2 * ldk + d), a2);
+        a3 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 3 * ldk + d), a3);
+        a4 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 4 * ldk + d), a4);
+        a5 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 5 * ldk + d), a5);
+        a6 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 6 * ldk + d), a6);
+        a7 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 7 * ldk + d), a7);
       }
       _mm256_storeu_ps(s + c * ld + r0, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
     }
@@ -127,13 +139,13 @@ ATTN_EXT_AVX2 inline void scores(const float* qs, int64_t C, int64_t Dp, const f
 // non-finite v of a hidden key never meets a 0 probability).
 template <int NC>
 ATTN_EXT_AVX2 inline void pv_cols(const float* p, int64_t ld, const float* vb, int64_t Dvp,
-                                  const uint8_t* use, int64_t nk, float* o) {
+                                  const uint8_t* use, int64_t nk, float* o, int64_t ldv) {
   for (int64_t d = 0; d < Dvp; d += 8) {
     __m256 acc[NC];
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_loadu_ps(o + c * Dvp + d);
     for (int64_t r = 0; r < nk; ++r) {
       if (!use[r]) continue;
-      const __m256 vv = _mm256_loadu_ps(vb + r * Dvp + d);
+      const __m256 vv = _mm256_loadu_ps(vb + r * ldv + d);
       for (int c = 0; c < NC; ++c)
         acc[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + c * ld + r), vv, acc[c]);
     }
@@ -142,19 +154,21 @@ ATTN_EXT_AVX2 inline void pv_cols(const float* p, int64_t ld, const float* vb, i
 }
 
 ATTN_EXT_AVX2 inline void pv(const float* p, int64_t ld, int64_t C, const float* vb,
-                             int64_t Dvp, const uint8_t* use, int64_t nk, float* o) {
+                             int64_t Dvp, const uint8_t* use, int64_t nk, float* o,
+                             int64_t ldv = -1) {
+  if (ldv < 0) ldv = Dvp;
   for (int64_t c0 = 0; c0 < C; c0 += 8) {
     const float* pc = p + c0 * ld;
     float* oc = o + c0 * Dvp;
     switch (std::min<int64_t>(8, C - c0)) {
-      case 1: pv_cols<1>(pc, ld, vb, Dvp, use, nk, oc); break;
-      case 2: pv_cols<2>(pc, ld, vb, Dvp, use, nk, oc); break;
-      case 3: pv_cols<3>(pc, ld, vb, Dvp, use, nk, oc); break;
-      case 4: pv_cols<4>(pc, ld, vb, Dvp, use, nk, oc); break;
-      case 5: pv_cols<5>(pc, ld, vb, Dvp, use, nk, oc); break;
-      case 6: pv_cols<6>(pc, ld, vb, Dvp, use, nk, oc); break;
-      case 7: pv_cols<7>(pc, ld, vb, Dvp, use, nk, oc); break;
-      default: pv_cols<8>(pc, ld, vb, Dvp, use, nk, oc); break;
+      case 1: pv_cols<1>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      case 2: pv_cols<2>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      case 3: pv_cols<3>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      case 4: pv_cols<4>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      case 5: pv_cols<5>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      case 6: pv_cols<6>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      case 7: pv_cols<7>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      default: pv_cols<8>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
     }
   }
 }
@@ -255,6 +269,9 @@ void attention_decode_kernel(const AttentionParams& p) {
   const int64_t C = p.Sq * group;  // columns per kv head (hh * Sq + ii); rows past a shorter
                                    // packed sequence are hidden
   const int64_t Hkv = p.Hkv;
+  // K / V read in place (fp32, whole 8-float vectors per row, 4-byte aligned rows)
+  const bool kInPlace = std::is_same_v<scalar_t, float> && p.D == Dp && p.Dv == Dvp &&
+                        decode_in_place_enabled();
 
   // Keys some row of sequence b sees by the band (the same for every kv head).
   auto seq_keys = [&](const SeqInfo& s) -> Range {
@@ -346,15 +363,17 @@ void attention_decode_kernel(const AttentionParams& p) {
           edge = edge || (n_seen > 0 && n_seen < C);
         }
       }
-      // the block's rows of every kv head, row by row: one pass over a contiguous range of a
-      // BSHD cache (k first, then v)
-      for (int64_t r = 0; r < nk; ++r) {
+      // fp32 rows, a full block every key of which every column sees: read K and V where
+      // they are (no copy); else the block's rows of every kv head are packed, row by row: one
+      // pass over a contiguous range of a BSHD cache (k first, then v)
+      const bool in_place = kInPlace && !masked && nk == nb && nk % 8 == 0;
+      for (int64_t r = 0; r < nk && !in_place; ++r) {
         if (!w.use[r]) continue;
         for (int64_t hkv = 0; hkv < Hkv; ++hkv)
           pack_row(kseq + (j0 + r) * p.k_row_stride + hkv * p.k_head_stride, p.D,
                    w.kb.data() + (hkv * nb + r) * Dp);
       }
-      for (int64_t r = 0; r < nk; ++r) {
+      for (int64_t r = 0; r < nk && !in_place; ++r) {
         if (!w.use[r]) continue;
         for (int64_t hkv = 0; hkv < Hkv; ++hkv)
           pack_row(vseq + (j0 + r) * p.v_row_stride + hkv * p.v_head_stride, p.Dv,
@@ -365,11 +384,20 @@ void attention_decode_kernel(const AttentionParams& p) {
         float *o = part, *m = part + C * Dvp, *l = m + C;
         float* kbh = w.kb.data() + hkv * nb * Dp;
         const float* vbh = w.vb.data() + hkv * nb * Dvp;
-        for (int64_t r = 0; r < nk8; ++r) {  // hidden and padding rows: zero (finite scores)
-          if (r < nk && w.use[r]) continue;
-          std::fill(kbh + r * Dp, kbh + (r + 1) * Dp, 0.f);
+        int64_t ldk = Dp, ldv = Dvp;
+        if (in_place) {
+          kbh = const_cast<float*>(reinterpret_cast<const float*>(
+              kseq + j0 * p.k_row_stride + hkv * p.k_head_stride));  // read only
+          vbh = reinterpret_cast<const float*>(vseq + j0 * p.v_row_stride + hkv * p.v_head_stride);
+          ldk = p.k_row_stride;
+          ldv = p.v_row_stride;
+        } else {
+          for (int64_t r = 0; r < nk8; ++r) {  // hidden and padding rows: zero (finite scores)
+            if (r < nk && w.use[r]) continue;
+            std::fill(kbh + r * Dp, kbh + (r + 1) * Dp, 0.f);
+          }
         }
-        scores(w.qs.data() + hkv * C * Dp, C, Dp, kbh, nk8, w.s.data(), kDecodeKeys);
+        scores(w.qs.data() + hkv * C * Dp, C, Dp, kbh, nk8, w.s.data(), kDecodeKeys, ldk);
         if (masked) {
           for (int64_t c = 0; c < C; ++c)
             for (int64_t r = 0; r < nk; ++r)
@@ -379,7 +407,7 @@ void attention_decode_kernel(const AttentionParams& p) {
         // Hidden (c, r) have p = 0 exactly; a non-finite v there would give 0 * inf. Such keys
         // (only at the band's edges) go through the scalar path, which skips hidden pairs.
         if (!edge) {
-          pv(w.s.data(), kDecodeKeys, C, vbh, Dvp, w.use.data(), nk, o);
+          pv(w.s.data(), kDecodeKeys, C, vbh, Dvp, w.use.data(), nk, o, ldv);
         } else {
           for (int64_t c = 0; c < C; ++c) {
             float* oc = o + c * Dvp;
