@@ -211,19 +211,19 @@ struct Visibility {
   // overlap or touch) and take the full ones from here instead of classifying each tile
   // (tools/mask_probe.cpp checks the two against each other).
   ATTN_MASK_FN Range full_key_tiles(const SeqInfo& s, int64_t i0, int64_t i1, int64_t N) const {
-    const Range first = band_keys(s, i0), last = band_keys(s, i1 - 1);
-    // kFull: t N >= last.lo and min(t N + N, Sk) <= first.hi
-    const int64_t lo = (last.lo + N - 1) / N;
-    int64_t hi = first.hi >= s.Sk ? (s.Sk + N - 1) / N : first.hi / N;
-    if (hi < lo) hi = lo;
-    return {lo, hi};
+    return full_tiles(band_keys(s, i0), band_keys(s, i1 - 1), s.Sk, N);
   }
   // Likewise the query tiles of M rows in which every row sees every key of [j0, j1) by the
   // band (classify(t M, min(t M + M, Sq), j0, j1) == kFull).
   ATTN_MASK_FN Range full_row_tiles(const SeqInfo& s, int64_t j0, int64_t j1, int64_t M) const {
-    const Range first = band_rows(s, j0), last = band_rows(s, j1 - 1);
-    const int64_t lo = (last.lo + M - 1) / M;
-    int64_t hi = first.hi >= s.Sq ? (s.Sq + M - 1) / M : first.hi / M;
+    return full_tiles(band_rows(s, j0), band_rows(s, j1 - 1), s.Sq, M);
+  }
+  // Tiles t of N (of a dimension of length len) inside every range from `first` to `last`
+  // (both ends non-decreasing): t N >= last.lo and min(t N + N, len) <= first.hi.
+  ATTN_MASK_FN static Range full_tiles(const Range& first, const Range& last, int64_t len,
+                                       int64_t N) {
+    const int64_t lo = (last.lo + N - 1) / N;
+    int64_t hi = first.hi >= len ? (len + N - 1) / N : first.hi / N;
     if (hi < lo) hi = lo;
     return {lo, hi};
   }
