@@ -119,8 +119,8 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
   // deterministic=True selects bitwise-reproducible kernels (CUDA: the simple kernels instead
   // of the fast one's fp32 atomics; the CPU backward is always deterministic). The stable ABI
   // cannot read torch.are_deterministic_algorithms_enabled(), so the caller passes it: the
-  // Python autograd formula does; C++ / TorchScript callers pass it explicitly. It is the last
-  // argument of both backward schemas.
+  // Python autograd formula does; C++ / TorchScript callers pass it explicitly. It ends the
+  // varlen backward's schema; the dense one adds q_start / k_start after it (as the forward).
   m.def(
       "attention_backward("
       "    Tensor dout,"
