@@ -169,3 +169,15 @@ def test_block_position_bad_input():
     with pytest.raises(RuntimeError, match="sinks cannot be combined with q_start"):
         _ops.attention_forward(q, q, q, True, None, -1, -1, None, None, None, None,
                                torch.zeros(1), 0.0, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("causal,window,dropout_p", [(True, (300, 0), 0.3), (False, None, 0.2)])
+def test_block_on_the_split_paths(causal, window, dropout_p):
+    """One (batch, head): the forward cuts the keys into chunks (split-KV) and the backward
+    takes the FlashAttention-2 split (see explain()); positions reach both."""
+    torch.set_num_threads(2)
+    S, q0, sq, k0, sk = 1000, 600, 50, 100, 450
+    q, k, v = (randn(1, n, 1, 16, dtype=torch.float64) for n in (sq, sk, sk))
+    rel = randn(1, 41, dtype=torch.float64)
+    ours, ref = _block_fns(S, q0, k0, causal, window, alibi_slopes(1).double(), 2.0, dropout_p, 5, 9)
+    check_against_reference(ours, ref, [q, k, v, rel], ["dq", "dk", "dv", "drel_bias"])
