@@ -140,7 +140,32 @@ ATTN_EXT_AVX2 inline void scores(const float* qs, int64_t C, int64_t Dp, const f
 template <int NC>
 ATTN_EXT_AVX2 inline void pv_cols(const float* p, int64_t ld, const float* vb, int64_t Dvp,
                                   const uint8_t* use, int64_t nk, float* o, int64_t ldv) {
-  for (int64_t d = 0; d < Dvp; d += 8) {
+  int64_t d = 0;
+  if constexpr (NC <= 4) {
+    // two 8-float chunks of d at once: 2 NC independent accumulation chains (FMA latency)
+    for (; d + 16 <= Dvp; d += 16) {
+      __m256 acc[NC][2];
+      for (int c = 0; c < NC; ++c) {
+        acc[c][0] = _mm256_loadu_ps(o + c * Dvp + d);
+        acc[c][1] = _mm256_loadu_ps(o + c * Dvp + d + 8);
+      }
+      for (int64_t r = 0; r < nk; ++r) {
+        if (!use[r]) continue;
+        const __m256 v0 = _mm256_loadu_ps(vb + r * ldv + d);
+        const __m256 v1 = _mm256_loadu_ps(vb + r * ldv + d + 8);
+        for (int c = 0; c < NC; ++c) {
+          const __m256 pr = _mm256_broadcast_ss(p + c * ld + r);
+          acc[c][0] = _mm256_fmadd_ps(pr, v0, acc[c][0]);
+          acc[c][1] = _mm256_fmadd_ps(pr, v1, acc[c][1]);
+        }
+      }
+      for (int c = 0; c < NC; ++c) {
+        _mm256_storeu_ps(o + c * Dvp + d, acc[c][0]);
+        _mm256_storeu_ps(o + c * Dvp + d + 8, acc[c][1]);
+      }
+    }
+  }
+  for (; d < Dvp; d += 8) {
     __m256 acc[NC];
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_loadu_ps(o + c * Dvp + d);
     for (int64_t r = 0; r < nk; ++r) {
