@@ -175,9 +175,14 @@ def test_block_position_bad_input():
 def test_block_on_the_split_paths(causal, window, dropout_p):
     """One (batch, head): the forward cuts the keys into chunks (split-KV) and the backward
     takes the FlashAttention-2 split (see explain()); positions reach both."""
+    before = torch.get_num_threads()
     torch.set_num_threads(2)
-    S, q0, sq, k0, sk = 1000, 600, 50, 100, 450
-    q, k, v = (randn(1, n, 1, 16, dtype=torch.float64) for n in (sq, sk, sk))
-    rel = randn(1, 41, dtype=torch.float64)
-    ours, ref = _block_fns(S, q0, k0, causal, window, alibi_slopes(1).double(), 2.0, dropout_p, 5, 9)
-    check_against_reference(ours, ref, [q, k, v, rel], ["dq", "dk", "dv", "drel_bias"])
+    try:
+        S, q0, sq, k0, sk = 1000, 600, 50, 100, 450
+        q, k, v = (randn(1, n, 1, 16, dtype=torch.float64) for n in (sq, sk, sk))
+        rel = randn(1, 41, dtype=torch.float64)
+        ours, ref = _block_fns(S, q0, k0, causal, window, alibi_slopes(1).double(), 2.0,
+                               dropout_p, 5, 9)
+        check_against_reference(ours, ref, [q, k, v, rel], ["dq", "dk", "dv", "drel_bias"])
+    finally:
+        torch.set_num_threads(before)
