@@ -246,6 +246,24 @@ def _terms_reason(terms: tuple, what: str) -> str:
     return f"score terms {', '.join(terms)} (the fast {what} has none)"
 
 
+def _fast_input_reasons(s: Shape, dtype: torch.dtype, what: str, head_dims: tuple, aligned: bool,
+                        stride_rule: str) -> list:
+    """The input conditions the fast forward and backward share (use_fast_forward /
+    use_fast_backward): dtype, head dims, non-empty, alignment; the reasons they fail."""
+    reasons = []
+    if dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"dtype {str(dtype).replace('torch.', '')} (the fast {what} is fp16/bf16 only)")
+    if s.D != s.Dv:
+        reasons.append(f"D = {s.D} != Dv = {s.Dv}")
+    elif s.D not in head_dims:
+        reasons.append(f"head dim {s.D} not in {list(head_dims)}")
+    if s.Sk <= 0 or s.Sq <= 0:
+        reasons.append("no key or no query")
+    if not aligned:
+        reasons.append(f"q, k or v not 16-byte aligned or {stride_rule}")
+    return reasons
+
+
 def cuda_forward_choice(s: Shape, dtype: torch.dtype, aligned: bool, sms: int,
                         smem_optin: int, force_simple: bool = False, terms: tuple = ()):
     """(path, reason, details) of the CUDA forward (attention.cu attention_forward_cuda).
@@ -261,18 +279,8 @@ def cuda_forward_choice(s: Shape, dtype: torch.dtype, aligned: bool, sms: int,
             f"chunks of {split['chunk']}, one warp per (row, chunk), then merged"), split
     need = cuda_fwd_smem_bytes(s.D)
     details = dict(split, smem_needed=need, smem_optin=smem_optin)
-    reasons = []
-    if dtype not in (torch.float16, torch.bfloat16):
-        reasons.append(f"dtype {str(dtype).replace('torch.', '')} (the fast kernel is fp16/bf16 only)")
-    if s.D != s.Dv:
-        reasons.append(f"D = {s.D} != Dv = {s.Dv}")
-    elif s.D not in CUDA_FWD_FAST_HEAD_DIMS:
-        reasons.append(f"head dim {s.D} not in {list(CUDA_FWD_FAST_HEAD_DIMS)}")
-    if s.Sk <= 0 or s.Sq <= 0:
-        reasons.append("no key or no query")
-    if not aligned:
-        reasons.append("q, k or v not 16-byte aligned or a batch/row/head stride not a "
-                       "multiple of 8 elements")
+    reasons = _fast_input_reasons(s, dtype, "kernel", CUDA_FWD_FAST_HEAD_DIMS, aligned,
+                                  "a batch/row/head stride not a multiple of 8 elements")
     if not (_ceil_div(s.Sq, CUDA_FA2_BLOCK_M) <= 0x7FFFFFFF and s.H <= 65535 and s.B <= 65535):
         reasons.append(f"grid too large (B = {s.B}, H = {s.H} must be <= 65535)")
     if s.Sq + s.Sk >= CUDA_FAST_MAX_SEQ_LEN:
@@ -304,17 +312,8 @@ def cuda_backward_choice(s: Shape, dtype: torch.dtype, aligned: bool, smem_optin
     backward reads the sinks through lse)."""
     need = cuda_bwd_smem_bytes(s.D)
     details = {"smem_needed": need, "smem_optin": smem_optin, "deterministic": deterministic}
-    reasons = []
-    if dtype not in (torch.float16, torch.bfloat16):
-        reasons.append(f"dtype {str(dtype).replace('torch.', '')} (the fast backward is fp16/bf16 only)")
-    if s.D != s.Dv:
-        reasons.append(f"D = {s.D} != Dv = {s.Dv}")
-    elif s.D not in CUDA_BWD_FAST_HEAD_DIMS:
-        reasons.append(f"head dim {s.D} not in {list(CUDA_BWD_FAST_HEAD_DIMS)}")
-    if s.Sk <= 0 or s.Sq <= 0:
-        reasons.append("no key or no query")
-    if not aligned:
-        reasons.append("q, k or v not 16-byte aligned or a stride not a multiple of 8 elements")
+    reasons = _fast_input_reasons(s, dtype, "backward", CUDA_BWD_FAST_HEAD_DIMS, aligned,
+                                  "a stride not a multiple of 8 elements")
     if dout_aligned is False:
         reasons.append("dout not 16-byte aligned or a stride not a multiple of 8 elements")
     steps = (s.H // max(s.Hkv, 1)) * _ceil_div(s.Sq, 64)

@@ -4,7 +4,7 @@
 //
 //   off = Sk - Sq  (of the row's own sequence),  d = i + off - j
 //   (a block of a longer sequence, q_start / k_start of the dense ops: off = q_start - k_start,
-//    through MaskParams::pos_shift, so d is the global distance)
+//    through MaskParams::block, so d is the global distance)
 //   row i sees key j  iff  -right <= d <= left           (window; -1 = unbounded side;
 //                                                          causal is right = 0)
 //                      and key_padding_mask[b, j]        (when given; True = valid)
@@ -59,9 +59,11 @@ struct MaskParams {
   // When packed: the number of sequences and of packed q / k rows (Tq, Tk), against which
   // seq(b) checks the cu_seqlens values (on CUDA they are never read on the host).
   int64_t n_seq = 0, total_q = 0, total_k = 0;
-  // Added to every sequence's off = Sk - Sq: nonzero when the call is a block of a longer
-  // sequence at global positions (q_start, k_start), then off = q_start - k_start.
-  int64_t pos_shift = 0;
+  // A block of a longer sequence at global positions (q_start / k_start of the dense ops):
+  // then off = q_start - k_start instead of Sk - Sq, and dropout draws the bits of global rows
+  // q_start + i and keys k_start + j (AttentionParams::score_terms() hands them to ScoreTerms).
+  bool block = false;
+  int64_t q_start = 0, k_start = 0;
 };
 
 enum class TileKind : int { kInvisible = 0, kPartial = 1, kFull = 2 };
@@ -155,8 +157,14 @@ struct Visibility {
       s.Sq = Sq;
       s.Sk = Sk;
     }
-    s.off = s.Sk - s.Sq + m.pos_shift;
+    s.off = m.block ? m.q_start - m.k_start : s.Sk - s.Sq;
     return s;
+  }
+
+  // How far a block's offset is from the bottom-right alignment of its own lengths (0 unless
+  // block): off = Sk - Sq + pos_shift().
+  ATTN_MASK_FN int64_t pos_shift() const {
+    return m.block ? (m.q_start - m.k_start) - (Sk - Sq) : 0;
   }
 
   // Keys [lo, hi) that row i sees by the band: j >= i + off - left, j <= i + off + right.
@@ -302,9 +310,9 @@ struct ScoreTerms {
   const void* sinks = nullptr;    // (H,)
   double dropout_p = 0.0;         // drop probability in [0, 1)
   uint64_t dropout_seed = 0, dropout_offset = 0;
-  // Global index of the call's first query row / key (q_start / k_start; 0 otherwise): the
-  // keep bit is drawn for (b, h, row0 + i, col0 + j), so a block of a longer sequence drops
-  // what the whole-sequence call drops.
+  // Global index of the call's first query row / key (MaskParams' q_start / k_start, set by
+  // AttentionParams::score_terms(); 0 otherwise): the keep bit is drawn for (b, h, row0 + i,
+  // col0 + j), so a block of a longer sequence drops what the whole-sequence call drops.
   int64_t dropout_row0 = 0, dropout_col0 = 0;
 
   ATTN_MASK_FN bool active() const {

@@ -49,9 +49,8 @@ inline void fill_mask_params(AttentionParams& p, const AttentionShape& s, const 
 // then global: d = (q_start + i) - (k_start + j) for causal, window, ALiBi and rel_bias (off
 // = q_start - k_start instead of Sk - Sq), and dropout draws the keep bit of (q_start + i,
 // k_start + j). Both None: the call is the whole problem (off = Sk - Sq, dropout of (i, j)).
-// Call after fill_score_terms (it reads p.terms.sinks).
-inline void fill_block_position(AttentionParams& p, const AttentionShape& s,
-                                std::optional<int64_t> q_start, std::optional<int64_t> k_start) {
+inline void fill_block_position(AttentionParams& p, std::optional<int64_t> q_start,
+                                std::optional<int64_t> k_start, bool has_sinks) {
   STD_TORCH_CHECK(q_start.has_value() == k_start.has_value(),
                   "q_start and k_start must be given together (a block's global position) or "
                   "both be None, got q_start = ",
@@ -60,13 +59,13 @@ inline void fill_block_position(AttentionParams& p, const AttentionShape& s,
                   k_start.has_value() ? std::to_string(*k_start) : std::string("None"));
   if (!q_start.has_value()) return;
   STD_TORCH_CHECK(*q_start >= 0, "q_start must be >= 0, got ", *q_start);
-  STD_TORCH_CHECK(p.terms.sinks == nullptr,
+  STD_TORCH_CHECK(!has_sinks,
                   "sinks cannot be combined with q_start / k_start: a block's lse would count "
                   "the sink once per block (add it once, after merging the blocks)");
   STD_TORCH_CHECK(*k_start >= 0, "k_start must be >= 0, got ", *k_start);
-  p.mask.pos_shift = (*q_start - *k_start) - (s.Sk - s.Sq);
-  p.terms.dropout_row0 = *q_start;
-  p.terms.dropout_col0 = *k_start;
+  p.mask.block = true;
+  p.mask.q_start = *q_start;
+  p.mask.k_start = *k_start;
 }
 
 // dlse: the gradient of the forward's lse, same shape and dtype.

@@ -37,6 +37,10 @@ struct AttentionParams {
   ATTN_MASK_FN ScoreTerms score_terms() const {
     ScoreTerms t = terms;
     t.scale = scale;
+    if (mask.block) {
+      t.dropout_row0 = mask.q_start;
+      t.dropout_col0 = mask.k_start;
+    }
     return t;
   }
 };

@@ -332,16 +332,24 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
       std::fill(t + r * C + c.hi, t + (r + 1) * C, hidden);
     }
   };
-  // pass 1: st = kb qt on the visible column panels, then mask
-  if (decode_order) pass1_decode();
-  for (int64_t r0 = 0; r0 < nk && !decode_order; r0 += 6) {
-    const int64_t nr = std::min<int64_t>(6, nk - r0);
-    const Range pc = panel(r0, nr);
-    const int64_t c8 = pc.lo / 8 * 8, ce = std::min(C, round_up(pc.hi, 8));
-    if (c8 < ce) {
-      K.gemm(nr, ce - c8, D, s.kb.data() + r0 * Dp, Dp, 1, qt + c8, kBlockQ,
-             s.st.data() + r0 * C + c8, C, false);
+  // out (nk, C) = a (nk, depth; row stride lda) b (depth, C; row stride kBlockQ), on the
+  // column panels some of each 6 rows see (the rest is masked after)
+  auto panel_gemm = [&](const acc_t* a, int64_t lda, int64_t depth, const acc_t* b, acc_t* out) {
+    for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+      const int64_t nr = std::min<int64_t>(6, nk - r0);
+      const Range pc = panel(r0, nr);
+      const int64_t c8 = pc.lo / 8 * 8, ce = std::min(C, round_up(pc.hi, 8));
+      if (c8 < ce) {
+        K.gemm(nr, ce - c8, depth, a + r0 * lda, lda, 1, b + c8, kBlockQ, out + r0 * C + c8, C,
+               false);
+      }
     }
+  };
+  // pass 1: st = kb qt on the visible column panels, then mask
+  if (decode_order) {
+    pass1_decode();
+  } else {
+    panel_gemm(s.kb.data(), Dp, D, qt, s.st.data());
   }
   if (with_terms) pt.terms(s.st.data(), th);
   mask(s.st.data(), neg_inf);
@@ -352,15 +360,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
                  s.words.data(), thresh, inv_keep);
   }
   // pass 4: dP^T = v dout^T on the visible column panels, then 0 where hidden
-  for (int64_t r0 = 0; r0 < nk; r0 += 6) {
-    const int64_t nr = std::min<int64_t>(6, nk - r0);
-    const Range pc = panel(r0, nr);
-    const int64_t c8 = pc.lo / 8 * 8, ce = std::min(C, round_up(pc.hi, 8));
-    if (c8 < ce) {
-      K.gemm(nr, ce - c8, Dv, s.vb.data() + r0 * Dvp, Dvp, 1, dot + c8, kBlockQ,
-             s.dpt.data() + r0 * C + c8, C, false);
-    }
-  }
+  panel_gemm(s.vb.data(), Dvp, Dv, dot, s.dpt.data());
   mask(s.dpt.data(), acc_t(0));
   // pass 5: dS^T = P^T * (dP^T - Di), then exactly 0 where hidden (Di may be non-finite)
   pass5();
@@ -631,7 +631,7 @@ BwdResult attention_backward_cpu(
   const OptTensor no_sinks;
   fill_score_terms(bp.fwd, {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed,
                             dropout_offset}, q, s.B, s.H);
-  fill_block_position(bp.fwd, s, q_start, k_start);
+  fill_block_position(bp.fwd, q_start, k_start, /*has_sinks=*/false);
   Tensor drel_bias = make_drel_bias(rel_bias, q);
   if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
   if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv, drel_bias};

@@ -442,7 +442,7 @@ std::tuple<Tensor, Tensor> attention_forward_cpu(
   fill_mask_params(p, s, q, causal, window_left, window_right, key_padding_mask);
   fill_score_terms(p, {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset},
                    q, s.B, s.H);
-  fill_block_position(p, s, q_start, k_start);
+  fill_block_position(p, q_start, k_start, sinks.has_value());
   if (s.B * s.H * s.Sq == 0) return {out, lse};
   ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), "attention_forward",
                              [&] { attention_fwd_kernel<scalar_t>(p); });

@@ -202,6 +202,46 @@ bool use_fast_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
   return !force_simple();
 }
 
+// The forward's last step, dense and packed alike: the fast kernel when `fast` (fp16 / bf16
+// only), else the simple one.
+void launch_forward(const AttentionParams& p, ScalarType dtype, bool fast, cudaStream_t stream,
+                    const char* name) {
+  dispatch_cuda_type(dtype, name, [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
+      if (fast) {
+        ATTN_EXT_CUDA_CHECK(cuda::fa2::launch_fa2_fwd<T>(p, stream));
+        return;
+      }
+    }
+    ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_fwd<T>(p, stream));
+  });
+}
+
+// The backward's last step: the fast kernel adds dq with fp32 atomics into a zeroed buffer of
+// dq's shape, copied into dq after; the simple kernels write dq, dk, dv (and d rel_bias
+// through the diagonal workspace drel_diag, undefined without rel_bias) themselves.
+void launch_backward(const AttentionBwdParams& bp, ScalarType dtype, bool fast,
+                     const Tensor& delta, const Tensor& drel_diag, Tensor& dq,
+                     cudaStream_t stream, const char* name) {
+  Tensor dq_accum;
+  if (fast) dq_accum = alloc_zeros(delta, sizes_vec(dq), delta.scalar_type());  // fp32 atomics target
+  dispatch_cuda_type(dtype, name, [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
+      if (fast) {
+        ATTN_EXT_CUDA_CHECK(cuda::fa2::launch_fa2_bwd<T>(bp, static_cast<float*>(delta.data_ptr()),
+                                                         static_cast<float*>(dq_accum.data_ptr()),
+                                                         stream));
+        return;
+      }
+    }
+    ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(
+        bp, delta.data_ptr(), drel_diag.defined() ? drel_diag.data_ptr() : nullptr, stream));
+  });
+  if (fast) torch::stable::copy_(dq, dq_accum);
+}
+
 std::tuple<Tensor, Tensor> attention_forward_cuda(
     const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
     int64_t window_left, int64_t window_right, const OptTensor& key_padding_mask,
@@ -220,8 +260,8 @@ std::tuple<Tensor, Tensor> attention_forward_cuda(
   cudaStream_t stream = current_cuda_stream(q.get_device_index());
   AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
   fill_mask_params(p, s, q, causal, window_left, window_right, key_padding_mask);
-  p.terms = terms;  // before fill_block_position: it sets the dropout bases, checks sinks
-  fill_block_position(p, s, q_start, k_start);
+  p.terms = terms;
+  fill_block_position(p, q_start, k_start, sinks.has_value());
   const SplitPlan split = plan_split(p, q.get_device_index());
   if (split.n_split > 1) {
     const int64_t items = s.B * s.H * s.Sq * split.n_split;
@@ -235,17 +275,7 @@ std::tuple<Tensor, Tensor> attention_forward_cuda(
     });
     return {out, lse};
   }
-  const bool fast = use_fast_forward(q, k, v, p);
-  dispatch_cuda_type(q.scalar_type(), "attention_forward", [&](auto tag) {
-    using T = decltype(tag);
-    if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
-      if (fast) {
-        ATTN_EXT_CUDA_CHECK(cuda::fa2::launch_fa2_fwd<T>(p, stream));
-        return;
-      }
-    }
-    ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_fwd<T>(p, stream));
-  });
+  launch_forward(p, q.scalar_type(), use_fast_forward(q, k, v, p), stream, "attention_forward");
   return {out, lse};
 }
 
@@ -287,28 +317,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
   AttentionBwdParams bp =
       make_attention_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, s, causal, scale);
   fill_mask_params(bp.fwd, s, q, causal, window_left, window_right, key_padding_mask);
-  bp.fwd.terms = terms;  // before fill_block_position: it sets the dropout bases
-  fill_block_position(bp.fwd, s, q_start, k_start);
+  bp.fwd.terms = terms;
+  fill_block_position(bp.fwd, q_start, k_start, /*has_sinks=*/false);
   if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
   const Tensor drel_diag = drel_workspace(bp, lse);
   const Tensor dlse_c = dlse.has_value() ? torch::stable::contiguous(*dlse) : Tensor();
   if (dlse_c.defined()) bp.dlse = dlse_c.data_ptr();
-  const bool fast = use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
-  Tensor dq_accum;
-  if (fast) dq_accum = alloc_zeros(lse, {s.B, s.Sq, s.H, s.D}, lse.scalar_type());  // fp32 atomics target
-  dispatch_cuda_type(q.scalar_type(), "attention_backward", [&](auto tag) {
-    using T = decltype(tag);
-    if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
-      if (fast) {
-        ATTN_EXT_CUDA_CHECK(cuda::fa2::launch_fa2_bwd<T>(bp, static_cast<float*>(delta.data_ptr()),
-                                                    static_cast<float*>(dq_accum.data_ptr()), stream));
-        return;
-      }
-    }
-    ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(
-        bp, delta.data_ptr(), drel_diag.defined() ? drel_diag.data_ptr() : nullptr, stream));
-  });
-  if (fast) torch::stable::copy_(dq, dq_accum);
+  launch_backward(bp, q.scalar_type(), use_fast_backward(dout, q, k, v, bp.fwd, deterministic),
+                  delta, drel_diag, dq, stream, "attention_backward");
   return {dq, dk, dv, drel_bias};
 }
 
@@ -341,17 +357,8 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_cuda(
   make_params_packed(p, s, Tq, k.size(0), cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
   p.terms = terms;
   // p.Sq / p.Sk are the longest sequence's: the fast kernel's conditions on them hold for all
-  const bool fast = use_fast_forward(q, k, v, p);
-  dispatch_cuda_type(q.scalar_type(), "attention_varlen_forward", [&](auto tag) {
-    using T = decltype(tag);
-    if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
-      if (fast) {
-        ATTN_EXT_CUDA_CHECK(cuda::fa2::launch_fa2_fwd<T>(p, stream));
-        return;
-      }
-    }
-    ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_fwd<T>(p, stream));
-  });
+  launch_forward(p, q.scalar_type(), use_fast_forward(q, k, v, p), stream,
+                 "attention_varlen_forward");
   return {out, lse};
 }
 
@@ -392,22 +399,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
   const bool fast = use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
   // delta: (B, H, Sq) for the simple kernels; laid out as lse (H, Tq) for the fast one
   Tensor delta = fast ? alloc(lse, {s.H, Tq}) : alloc(lse, {s.B, s.H, s.Sq});
-  Tensor dq_accum;
-  if (fast) dq_accum = alloc_zeros(lse, {Tq, s.H, s.D}, lse.scalar_type());  // fp32 atomics target
-  dispatch_cuda_type(q.scalar_type(), "attention_varlen_backward", [&](auto tag) {
-    using T = decltype(tag);
-    if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
-      if (fast) {
-        ATTN_EXT_CUDA_CHECK(cuda::fa2::launch_fa2_bwd<T>(bp, static_cast<float*>(delta.data_ptr()),
-                                                         static_cast<float*>(dq_accum.data_ptr()),
-                                                         stream));
-        return;
-      }
-    }
-    ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_bwd<T>(
-        bp, delta.data_ptr(), drel_diag.defined() ? drel_diag.data_ptr() : nullptr, stream));
-  });
-  if (fast) torch::stable::copy_(dq, dq_accum);
+  launch_backward(bp, q.scalar_type(), fast, delta, drel_diag, dq, stream,
+                  "attention_varlen_backward");
   return {dq, dk, dv, drel_bias};
 }
 

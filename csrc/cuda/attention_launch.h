@@ -61,7 +61,7 @@ cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream);
 // block's position shift (q_start / k_start) below 2^30, so every distance fits.
 constexpr int kMaxFastSeqLen = 1073741824;  // 2^30
 inline bool fast_lengths_ok(const AttentionParams& p) {
-  const int64_t shift = p.mask.pos_shift < 0 ? -p.mask.pos_shift : p.mask.pos_shift;
+  const int64_t d = p.visibility().pos_shift(), shift = d < 0 ? -d : d;
   return p.Sq + p.Sk + shift < kMaxFastSeqLen;
 }
 

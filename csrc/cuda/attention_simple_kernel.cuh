@@ -564,11 +564,11 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
 }
 
 // The smallest distance d = i + off - j of any pair of a call: 1 - Sq, plus the block shift
-// of q_start / k_start (MaskParams::pos_shift; packed calls have none and each sequence's
+// of q_start / k_start (Visibility::pos_shift(); packed calls have none and each sequence's
 // distances lie in [1 - Sq, Sk - 1] of the max lengths). Diagonal t of the workspace is
 // d = drel_dmin(p) + t, t in [0, Sq + Sk - 1).
 __device__ __forceinline__ int64_t drel_dmin(const AttentionParams& p) {
-  return 1 - p.Sq + p.mask.pos_shift;
+  return 1 - p.Sq + p.visibility().pos_shift();
 }
 
 // Pass 3: one warp per (b, h, diagonal t), d = drel_dmin(p) + t with d = i + off - j; lane
