@@ -133,18 +133,23 @@ sys.path.insert(0, sys.argv[1])
 import attn_ext  # noqa: F401
 torch.manual_seed(0)
 outs = []
-for B, Sk, H, Hkv in ((1, 1000, 8, 2), (2, 700, 4, 4), (1, 96, 16, 16)):
-    q = torch.randn(B, 1, H, 64)
-    k, v = torch.randn(B, Sk, Hkv, 64), torch.randn(B, Sk, Hkv, 64)
-    outs += list(torch.ops.attn_ext.attention_forward(q, k, v, False, None))
-    outs += list(torch.ops.attn_ext.attention_forward(q, k, v, True, None))
+# group sizes 4, 1, 3 (an odd column count: the last column alone) and Sq = 2; every dtype
+# (bf16 / fp16 rows are widened in registers when read in place)
+for dt in (torch.float32, torch.bfloat16, torch.float16):
+    for B, Sq, Sk, H, Hkv in ((1, 1, 1000, 8, 2), (2, 1, 700, 4, 4), (1, 1, 96, 16, 16),
+                              (1, 1, 520, 6, 2), (1, 2, 300, 8, 4)):
+        q = torch.randn(B, Sq, H, 64).to(dt)
+        k, v = torch.randn(B, Sk, Hkv, 64).to(dt), torch.randn(B, Sk, Hkv, 64).to(dt)
+        outs += list(torch.ops.attn_ext.attention_forward(q, k, v, False, None))
+        outs += list(torch.ops.attn_ext.attention_forward(q, k, v, True, None))
 torch.save(outs, sys.argv[2])
 """
 
 
 def test_decode_in_place_reads_equal_packed_blocks(tmp_path):
-    """fp32 K/V read in place (full unmasked blocks) give the same bits as the packed blocks
-    (ATTN_EXT_CPU_DECODE_IN_PLACE=0): the same products in the same order."""
+    """K/V read in place (full unmasked blocks; fp32, or bf16 / fp16 widened in registers) give
+    the same bits as the packed blocks (ATTN_EXT_CPU_DECODE_IN_PLACE=0): the same products in
+    the same order."""
     import os
     import subprocess
     import sys
@@ -158,5 +163,6 @@ def test_decode_in_place_reads_equal_packed_blocks(tmp_path):
         out = tmp_path / f"out{mode}.pt"
         subprocess.run([sys.executable, str(script), root, str(out)], env=env, check=True, timeout=120)
         res[mode] = torch.load(out)
+    assert len(res["1"]) == len(res["0"]) == 60
     for a, b in zip(res["1"], res["0"]):
         assert torch.equal(a, b)

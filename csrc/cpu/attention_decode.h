@@ -11,15 +11,18 @@
 //            split into chunks so that there are >= 4 units per thread (split-K); each
 //            (unit, kv head) keeps its running (max, sum, unnormalised output) and a final
 //            pass merges the chunks in order.
-//   per block of nb keys (the block of every kv head in ~256 KiB):
-//     pack    kb (Hkv, nb, Dp), vb (Hkv, nb, Dvp) fp32, row by row in memory order
-//     per kv head:
-//       scores  s (C, nb) = qs (C, Dp) kb^T (8 keys x 1 column register tiles; the backward
-//               takes its scores from the same function)
-//       mask    hidden (c, j) -> -inf (visibility layer, decided once per block)
-//       softmax online per column: m, l, o rescale
-//       PV      o (C, Dvp) += p (C, nb) vb (d-chunk outer, columns in registers); keys hidden
-//               from some columns take a scalar path that skips hidden pairs
+//   per block of nb keys (the block of every kv head in ~256 KiB of fp32):
+//     full block, no mask, D and Dv multiples of 8 (any dtype): K and V read in place
+//       scores  s (Hkv, C, nb) = qs kb^T, 8 keys at a time across all kv heads (K in memory
+//               order: hardware prefetch streams in order; 4 keys x 2 columns register tiles,
+//               bf16 / fp16 widened in registers; the backward takes its scores from the same
+//               function)
+//       softmax online per (kv head, column): m, l, o rescale
+//       PV      o += p vb, 8 keys at a time across all kv heads (V in memory order)
+//     otherwise: pack kb (Hkv, nb, Dp), vb (Hkv, nb, Dvp) fp32 row by row in memory order,
+//     then per kv head scores, mask (hidden (c, j) -> -inf, visibility layer, decided once per
+//     block), softmax, PV (d-chunk outer, columns in registers; keys hidden from some columns
+//     take a scalar path that skips hidden pairs)
 //
 // Extra memory: per thread one block of K/V and q; the chunk partials are
 // (B, chunks, Hkv, C, Dvp + 2) floats. ATen-free; AVX2+FMA(+F16C) only: callers check
@@ -106,40 +109,74 @@ ATTN_EXT_AVX2 inline void pack_row(const scalar_t* src, int64_t n, float* dst) {
   for (; d % 8 != 0; ++d) dst[d] = 0.f;
 }
 
-// s[c * ld + r] = qs[c] . kb[r] for r in [0, nk) (nk a multiple of 8 after padding rows).
-// The backward (attention_bwd.cpp) computes its scores with this function too wherever the
-// forward is this kernel (decode_supported): it recomputes P = exp(s - lse) from the same bits.
-// ldk: the row stride of kb (Dp for a packed block; the cache's row stride when read in place:
-// the same products, so the same bits).
-ATTN_EXT_AVX2 inline void scores(const float* qs, int64_t C, int64_t Dp, const float* kb,
-                                 int64_t nk8, float* s, int64_t ld, int64_t ldk = -1) {
-  if (ldk < 0) ldk = Dp;
-  for (int64_t c = 0; c < C; ++c) {
-    const float* qc = qs + c * Dp;
-    for (int64_t r0 = 0; r0 < nk8; r0 += 8) {
-      const float* k0 = kb + r0 * ldk;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-      for (int64_t d = 0; d < Dp; d += 8) {
-        const __m256 q = _mm256_loadu_ps(qc + d);
-        a0 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 0 * ldk + d), a0);
-        a1 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 1 * ldk + d), a1);
-        a2 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 2 * ldk + d), a2);
-        a3 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 3 * ldk + d), a3);
-        a4 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 4 * ldk + d), a4);
-        a5 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 5 * ldk + d), a5);
-        a6 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 6 * ldk + d), a6);
-        a7 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k0 + 7 * ldk + d), a7);
+// s (NC columns, NK keys) for the keys [r0, r0 + NK): NK x NC = 8 accumulators, so one load
+// of each K vector serves NC columns. Measured (RESULTS.md, issue 16): pairs of columns (4 K
+// rows in flight, a bf16 / fp16 row widened once per pair) beat both 1 column x 8 keys (a
+// widened row converted once per column) and 4 columns x 2 keys (2 rows in flight: fewer
+// misses outstanding when K comes from memory). Each accumulator sums q_c . k_r over the
+// 8-float chunks of d in order and hsum8 reduces every lane the same way, so the bits do not
+// depend on NK / NC.
+template <typename kT, int NC>
+ATTN_EXT_AVX2 inline void scores_cols(const float* qs, int64_t Dp, const kT* kb, int64_t nk8,
+                                      float* s, int64_t ld, int64_t ldk) {
+  static_assert(NC == 1 || NC == 2, "8 / NC keys per group");
+  constexpr int NK = 8 / NC;
+  for (int64_t r0 = 0; r0 < nk8; r0 += NK) {
+    const kT* k0 = kb + r0 * ldk;
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < Dp; d += 8) {
+      __m256 kv[NK];
+#pragma GCC unroll 8
+      for (int r = 0; r < NK; ++r) kv[r] = cpu::Avx2IO<kT>::load(k0 + r * ldk + d);
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) {
+        __m256 q = _mm256_loadu_ps(qs + c * Dp + d);
+#if defined(__GNUC__)
+        if constexpr (NK > 1) asm("" : "+x"(q));  // one load of q, not one folded into each FMA
+#endif
+#pragma GCC unroll 8
+        for (int r = 0; r < NK; ++r) a[r * NC + c] = _mm256_fmadd_ps(q, kv[r], a[r * NC + c]);
       }
-      _mm256_storeu_ps(s + c * ld + r0, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
+    }
+    const __m256 h = hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+    if constexpr (NC == 1) {
+      _mm256_storeu_ps(s + r0, h);
+    } else {
+      alignas(32) float t[8];
+      _mm256_store_ps(t, h);
+#pragma GCC unroll 8
+      for (int r = 0; r < NK; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; ++c) s[c * ld + r0 + r] = t[r * NC + c];
     }
   }
 }
 
+// s[c * ld + r] = qs[c] . kb[r] for r in [0, nk8) (nk8 a multiple of 8 after padding rows).
+// The backward (attention_bwd.cpp) computes its scores with this function too wherever the
+// forward is this kernel (decode_supported): it recomputes P = exp(s - lse) from the same bits.
+// kb: fp32 (a packed block) or the cache's own rows (kT = its dtype, ldk = its row stride,
+// read in place: widening bf16 / fp16 is exact, so the same products and the same bits).
+template <typename kT = float>
+ATTN_EXT_AVX2 inline void scores(const float* qs, int64_t C, int64_t Dp, const kT* kb,
+                                 int64_t nk8, float* s, int64_t ld, int64_t ldk = -1) {
+  if (ldk < 0) ldk = Dp;
+  for (int64_t c = 0; c < C; c += 2) {
+    if (C - c >= 2)
+      scores_cols<kT, 2>(qs + c * Dp, Dp, kb, nk8, s + c * ld, ld, ldk);
+    else
+      scores_cols<kT, 1>(qs + c * Dp, Dp, kb, nk8, s + c * ld, ld, ldk);
+  }
+}
+
 // o (C, Dvp) += p (C, nk; ld) vb (nk, Dvp), for the keys r with use[r] (others skipped, so a
-// non-finite v of a hidden key never meets a 0 probability).
-template <int NC>
-ATTN_EXT_AVX2 inline void pv_cols(const float* p, int64_t ld, const float* vb, int64_t Dvp,
+// non-finite v of a hidden key never meets a 0 probability). vb: fp32 or the cache's rows.
+template <int NC, typename vT>
+ATTN_EXT_AVX2 inline void pv_cols(const float* p, int64_t ld, const vT* vb, int64_t Dvp,
                                   const uint8_t* use, int64_t nk, float* o, int64_t ldv) {
+  using IO = cpu::Avx2IO<vT>;
   int64_t d = 0;
   if constexpr (NC <= 4) {
     // two 8-float chunks of d at once: 2 NC independent accumulation chains (FMA latency)
@@ -151,8 +188,8 @@ ATTN_EXT_AVX2 inline void pv_cols(const float* p, int64_t ld, const float* vb, i
       }
       for (int64_t r = 0; r < nk; ++r) {
         if (!use[r]) continue;
-        const __m256 v0 = _mm256_loadu_ps(vb + r * ldv + d);
-        const __m256 v1 = _mm256_loadu_ps(vb + r * ldv + d + 8);
+        const __m256 v0 = IO::load(vb + r * ldv + d);
+        const __m256 v1 = IO::load(vb + r * ldv + d + 8);
         for (int c = 0; c < NC; ++c) {
           const __m256 pr = _mm256_broadcast_ss(p + c * ld + r);
           acc[c][0] = _mm256_fmadd_ps(pr, v0, acc[c][0]);
@@ -170,7 +207,7 @@ ATTN_EXT_AVX2 inline void pv_cols(const float* p, int64_t ld, const float* vb, i
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_loadu_ps(o + c * Dvp + d);
     for (int64_t r = 0; r < nk; ++r) {
       if (!use[r]) continue;
-      const __m256 vv = _mm256_loadu_ps(vb + r * ldv + d);
+      const __m256 vv = IO::load(vb + r * ldv + d);
       for (int c = 0; c < NC; ++c)
         acc[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + c * ld + r), vv, acc[c]);
     }
@@ -178,7 +215,8 @@ ATTN_EXT_AVX2 inline void pv_cols(const float* p, int64_t ld, const float* vb, i
   }
 }
 
-ATTN_EXT_AVX2 inline void pv(const float* p, int64_t ld, int64_t C, const float* vb,
+template <typename vT = float>
+ATTN_EXT_AVX2 inline void pv(const float* p, int64_t ld, int64_t C, const vT* vb,
                              int64_t Dvp, const uint8_t* use, int64_t nk, float* o,
                              int64_t ldv = -1) {
   if (ldv < 0) ldv = Dvp;
@@ -207,19 +245,24 @@ struct DecodeScratch {
   int64_t Dp, Dvp;
   AlignedVec<float> qs;   // (Hkv, C, Dp): scale * q of every column of every kv head
   int64_t nb;             // keys per block (block_keys)
-  AlignedVec<float> kb;   // (Hkv, nb, Dp): the block's k rows of every kv head
-  AlignedVec<float> vb;   // (Hkv, nb, Dvp)
-  AlignedVec<float> s;    // (C, kDecodeKeys): scores, then probabilities
+  AlignedVec<float> kb;   // (Hkv, nb, Dp): the block's k rows of every kv head; sized by
+  AlignedVec<float> vb;   // (Hkv, nb, Dvp)      pack_blocks() on the first packed block only
+                          // (blocks read in place need neither: no fresh pages to fault in)
+  AlignedVec<float> s;    // (Hkv, C, kDecodeKeys): scores, then probabilities
   std::vector<uint8_t> use;  // (kDecodeKeys): key seen by some column
   std::vector<uint8_t> seen; // (C, kDecodeKeys): column c sees key r (band and padding)
   DecodeScratch(int64_t Hkv, int64_t D, int64_t Dv)
       : Dp(round_up(D, 8)), Dvp(round_up(Dv, 8)),
         qs(static_cast<size_t>(Hkv * kDecodeCols * Dp)),
         nb(block_keys(Hkv, Dp, Dvp)),
-        kb(static_cast<size_t>(Hkv * nb * Dp), 0.f),
-        vb(static_cast<size_t>(Hkv * nb * Dvp), 0.f),
-        s(static_cast<size_t>(kDecodeCols * kDecodeKeys)),
-        use(kDecodeKeys), seen(static_cast<size_t>(kDecodeCols * kDecodeKeys)) {}
+        s(static_cast<size_t>(Hkv * kDecodeCols * kDecodeKeys)),
+        use(kDecodeKeys), seen(static_cast<size_t>(kDecodeCols * kDecodeKeys)), Hkv_(Hkv) {}
+  void pack_blocks() {
+    if (!kb.empty()) return;
+    kb.assign(static_cast<size_t>(Hkv_ * nb * Dp), 0.f);
+    vb.assign(static_cast<size_t>(Hkv_ * nb * Dvp), 0.f);
+  }
+  int64_t Hkv_;
 };
 
 // Online softmax of the block's scores s (C, nk; row stride kDecodeKeys) in place, natural
@@ -294,9 +337,8 @@ void attention_decode_kernel(const AttentionParams& p) {
   const int64_t C = p.Sq * group;  // columns per kv head (hh * Sq + ii); rows past a shorter
                                    // packed sequence are hidden
   const int64_t Hkv = p.Hkv;
-  // K / V read in place (fp32, whole 8-float vectors per row, 4-byte aligned rows)
-  const bool kInPlace = std::is_same_v<scalar_t, float> && p.D == Dp && p.Dv == Dvp &&
-                        decode_in_place_enabled();
+  // K / V read in place (whole 8-element vectors per row; bf16 / fp16 widened in registers)
+  const bool kInPlace = p.D == Dp && p.Dv == Dvp && decode_in_place_enabled();
 
   // Keys some row of sequence b sees by the band (the same for every kv head).
   auto seq_keys = [&](const SeqInfo& s) -> Range {
@@ -392,6 +434,7 @@ void attention_decode_kernel(const AttentionParams& p) {
       // they are (no copy); else the block's rows of every kv head are packed, row by row: one
       // pass over a contiguous range of a BSHD cache (k first, then v)
       const bool in_place = kInPlace && !masked && nk == nb && nk % 8 == 0;
+      if (!in_place) w.pack_blocks();
       for (int64_t r = 0; r < nk && !in_place; ++r) {
         if (!w.use[r]) continue;
         for (int64_t hkv = 0; hkv < Hkv; ++hkv)
@@ -404,45 +447,63 @@ void attention_decode_kernel(const AttentionParams& p) {
           pack_row(vseq + (j0 + r) * p.v_row_stride + hkv * p.v_head_stride, p.Dv,
                    w.vb.data() + (hkv * nb + r) * Dvp);
       }
+      const int64_t s_head = C * kDecodeKeys;  // scores of one kv head in w.s
+      if (in_place) {
+        // scores of every kv head first, 8 keys at a time across the heads: in a BSHD cache
+        // that reads K in memory order (one pass, hardware prefetch streams in order), each
+        // row once per pair of columns
+        for (int64_t r0 = 0; r0 < nk8; r0 += 8) {
+          for (int64_t hkv = 0; hkv < Hkv; ++hkv)
+            scores(w.qs.data() + hkv * C * Dp, C, Dp,
+                   kseq + (j0 + r0) * p.k_row_stride + hkv * p.k_head_stride, 8,
+                   w.s.data() + hkv * s_head + r0, kDecodeKeys, p.k_row_stride);
+        }
+      }
       for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+        float* sh = w.s.data() + hkv * s_head;
         float* part = part_of(b, chunk, hkv);
         float *o = part, *m = part + C * Dvp, *l = m + C;
-        float* kbh = w.kb.data() + hkv * nb * Dp;
-        const float* vbh = w.vb.data() + hkv * nb * Dvp;
-        int64_t ldk = Dp, ldv = Dvp;
-        if (in_place) {
-          kbh = const_cast<float*>(reinterpret_cast<const float*>(
-              kseq + j0 * p.k_row_stride + hkv * p.k_head_stride));  // read only
-          vbh = reinterpret_cast<const float*>(vseq + j0 * p.v_row_stride + hkv * p.v_head_stride);
-          ldk = p.k_row_stride;
-          ldv = p.v_row_stride;
-        } else {
+        float* kbh = in_place ? nullptr : w.kb.data() + hkv * nb * Dp;
+        const float* vbh = in_place ? nullptr : w.vb.data() + hkv * nb * Dvp;
+        if (!in_place) {
           for (int64_t r = 0; r < nk8; ++r) {  // hidden and padding rows: zero (finite scores)
             if (r < nk && w.use[r]) continue;
             std::fill(kbh + r * Dp, kbh + (r + 1) * Dp, 0.f);
           }
+          scores(w.qs.data() + hkv * C * Dp, C, Dp, static_cast<const float*>(kbh), nk8, sh,
+                 kDecodeKeys);
         }
-        scores(w.qs.data() + hkv * C * Dp, C, Dp, kbh, nk8, w.s.data(), kDecodeKeys, ldk);
         if (masked) {
           for (int64_t c = 0; c < C; ++c)
             for (int64_t r = 0; r < nk; ++r)
-              if (!w.seen[c * kDecodeKeys + r]) w.s[c * kDecodeKeys + r] = neg_inf;
+              if (!w.seen[c * kDecodeKeys + r]) sh[c * kDecodeKeys + r] = neg_inf;
         }
-        block_softmax(w.s.data(), C, nk, m, l, o, Dvp);
+        block_softmax(sh, C, nk, m, l, o, Dvp);
         // Hidden (c, r) have p = 0 exactly; a non-finite v there would give 0 * inf. Such keys
         // (only at the band's edges) go through the scalar path, which skips hidden pairs.
+        if (in_place) continue;  // PV of every head below, in memory order
         if (!edge) {
-          pv(w.s.data(), kDecodeKeys, C, vbh, Dvp, w.use.data(), nk, o, ldv);
+          pv(sh, kDecodeKeys, C, vbh, Dvp, w.use.data(), nk, o);
         } else {
           for (int64_t c = 0; c < C; ++c) {
             float* oc = o + c * Dvp;
             for (int64_t r = 0; r < nk; ++r) {
               if (!w.seen[c * kDecodeKeys + r]) continue;
-              const float pr = w.s[c * kDecodeKeys + r];
+              const float pr = sh[c * kDecodeKeys + r];
               const float* vr = vbh + r * Dvp;
               for (int64_t d = 0; d < Dvp; ++d) oc[d] += pr * vr[d];
             }
           }
+        }
+      }
+      if (in_place) {
+        // PV of every kv head, 8 keys at a time across the heads (V in memory order, as the
+        // scores read K); o of (c, d) takes the keys in the same order as one pass would
+        for (int64_t r0 = 0; r0 < nk8; r0 += 8) {
+          for (int64_t hkv = 0; hkv < Hkv; ++hkv)
+            pv(w.s.data() + hkv * s_head + r0, kDecodeKeys, C,
+               vseq + (j0 + r0) * p.v_row_stride + hkv * p.v_head_stride, Dvp, w.use.data() + r0,
+               8, part_of(b, chunk, hkv), p.v_row_stride);
         }
       }
     }
