@@ -67,16 +67,18 @@ TilePlan plan_tiles(const AttentionParams& p) {
   return t;
 }
 
-// Tile index -> tile; the row block varies slowest and runs backwards, so the causal tiles
-// with the most keys are handed out first. nq <= 0: the tile lies past its (packed)
-// sequence's end and does nothing.
+// Tile index -> tile. Tiles are handed out kv head by kv head (sequence and kv head vary
+// slowest), so a worker's consecutive tiles mostly share their K / V rows (HeadRows packs
+// them once per worker); within a head the row block runs backwards, so the causal tiles
+// with the most keys go first and the last tiles handed out are the cheapest (balance).
+// nq <= 0: the tile lies past its (packed) sequence's end and does nothing.
 QueryTile tile_at(const AttentionParams& p, const Visibility& vis, const TilePlan& t,
                   int64_t idx) {
-  const int64_t per_row_block = p.B * p.Hkv * t.n_head_blocks;
-  const int64_t rb = t.n_row_blocks - 1 - idx / per_row_block;
-  int64_t rest = idx % per_row_block;
-  const int64_t hb = rest % t.n_head_blocks;
-  rest /= t.n_head_blocks;
+  const int64_t per_head = t.n_row_blocks * t.n_head_blocks;
+  int64_t rest = idx / per_head;  // b * Hkv + hkv
+  const int64_t in_head = idx % per_head;
+  const int64_t rb = t.n_row_blocks - 1 - in_head / t.n_head_blocks;
+  const int64_t hb = in_head % t.n_head_blocks;
   QueryTile q{};
   q.hkv = rest % p.Hkv;
   q.b = rest / p.Hkv;
@@ -95,6 +97,38 @@ Range tile_keys(const Visibility& vis, const QueryTile& q) {
   return vis.band_keys_of_rows(q.s, q.i0, q.i0 + q.nq);
 }
 
+// The K or V rows of one (sequence, kv head) in the accumulation type, packed once per worker
+// and reused by every query tile of that head the worker runs (tile_at hands tiles out head
+// by head). Packing per tile instead converts each row once per query tile that sees it, and
+// at a row stride that aliases in the caches (a BSHD cache at 4 KiB) re-reads it from L3 each
+// time (issue 16 item 3). Only for heads of at most kHeadRowsBytes of K plus V per worker;
+// longer ones are packed tile by tile.
+constexpr int64_t kHeadRowsBytes = int64_t(4) << 20;
+
+template <typename acc_t>
+struct HeadRows {
+  const void* src = nullptr;  // the head's first row (identifies the head within one call)
+  AlignedVec<acc_t> rows;     // (n, ld); padding columns stay zero
+  std::vector<uint8_t> done;  // (n): row converted
+
+  // Rows [j0, j0 + nk) of the head starting at `head` (n rows), (nk, ld).
+  template <typename scalar_t>
+  const acc_t* get(const scalar_t* head, int64_t row_stride, int64_t n, int64_t cols, int64_t ld,
+                   int64_t j0, int64_t nk) {
+    if (head != src || static_cast<size_t>(n) > done.size()) {
+      src = head;
+      if (rows.size() < static_cast<size_t>(n * ld)) rows.assign(static_cast<size_t>(n * ld), acc_t(0));
+      done.assign(static_cast<size_t>(n), 0);
+    }
+    for (int64_t r = j0; r < j0 + nk; ++r) {
+      if (done[r]) continue;
+      convert_row(head + r * row_stride, cols, rows.data() + r * ld);
+      done[r] = 1;
+    }
+    return rows.data() + j0 * ld;
+  }
+};
+
 template <typename acc_t>
 struct FwdScratch {
   int64_t Dp, Dvp;
@@ -107,6 +141,7 @@ struct FwdScratch {
   AlignedVec<acc_t> tmp;    // (max(D, Dv)): one converted row
   std::vector<uint8_t> kvalid;  // (kBlockK): key padding of the key tile (1 = takes part)
   std::vector<uint64_t> rk, words;  // (kBlockQ): dropout row keys / words of the columns
+  HeadRows<acc_t> hk, hv;           // the current head's packed k / v rows
 
   FwdScratch(int64_t D, int64_t Dv)
       : Dp(round_up(D, 8)),
@@ -174,6 +209,7 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   const int64_t i0 = qt_.i0, nq = qt_.nq;
   const bool one_head = qt_.nh == 1;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  const bool head_rows = sq.Sk * (Dp + Dvp) * static_cast<int64_t>(sizeof(acc_t)) <= kHeadRowsBytes;
   for (int64_t j0 = kbeg; j0 < kend; j0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, kend - j0);
     TileKind kind = vis.classify(sq, i0, i0 + nq, j0, j0 + nk);
@@ -194,6 +230,9 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     if (std::is_same_v<scalar_t, acc_t> && rows_read_in_place(p.k_row_stride, D, sizeof(acc_t))) {
       kt = reinterpret_cast<const acc_t*>(kh + j0 * p.k_row_stride);
       ldk = p.k_row_stride;
+    } else if (head_rows) {
+      kt = s.hk.get(kh, p.k_row_stride, sq.Sk, D, Dp, j0, nk);
+      ldk = Dp;
     } else {
       load_rows(kh + j0 * p.k_row_stride, p.k_row_stride, nk, D, s.kb.data(), Dp);
       kt = s.kb.data();
@@ -203,6 +242,9 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
         rows_read_in_place(p.v_row_stride, Dv, sizeof(acc_t))) {
       vt = reinterpret_cast<const acc_t*>(vh + j0 * p.v_row_stride);
       ldv = p.v_row_stride;
+    } else if (head_rows) {
+      vt = s.hv.get(vh, p.v_row_stride, sq.Sk, Dv, Dvp, j0, nk);
+      ldv = Dvp;
     } else {
       load_rows(vh + j0 * p.v_row_stride, p.v_row_stride, nk, Dv, s.vb.data(), Dvp);
       vt = s.vb.data();
