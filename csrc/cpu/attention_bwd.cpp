@@ -37,6 +37,9 @@ struct BwdScratch {
   AlignedVec<acc_t> th;    // (kBlockK, kBlockQ): tanh(s / softcap) (softcap only)
   AlignedVec<acc_t> pz;    // (kBlockK, kBlockQ): P^T * Z / (1 - p) (dropout only)
   std::vector<uint64_t> rk, words;  // (kBlockQ): dropout row keys / words of the block's rows
+  HeadRows<acc_t> hk, hv;  // the current kv head's converted k / v rows (head_rows_fit)
+  const acc_t* kbp = nullptr;  // the key tile's k rows (nk, Dp): in kb or hk
+  const acc_t* vbp = nullptr;  // its v rows (nk, Dvp): in vb or hv
 
   BwdScratch(int64_t D, int64_t Dv, int64_t pack_size, const ScoreTerms& terms, bool decode_order)
       : Dp(round_up(D, 8)),
@@ -148,7 +151,8 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
   blk[L.fin] = all_finite(qr, nq, D, Dp) && all_finite(dor, nq, Dv, Dvp) ? acc_t(1) : acc_t(0);
 }
 
-// Loads key tile [j0, j0 + nk) of kv head hkv of sequence b into s.kb / s.vb / s.kvalid.
+// Loads key tile [j0, j0 + nk) of kv head hkv of sequence b: s.kbp / s.vbp (the head's rows
+// converted once per worker when they fit, else this tile's in s.kb / s.vb) and s.kvalid.
 // Returns the number of keys that take part (not padded); *k_finite: all of kb is finite.
 template <typename scalar_t, typename acc_t>
 int64_t load_key_tile(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq,
@@ -156,16 +160,24 @@ int64_t load_key_tile(const AttentionParams& p, const Visibility& vis, const Seq
                       bool* k_finite) {
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
-  load_rows(k + b * p.k_batch_stride + hkv * p.k_head_stride + (sq.k0 + j0) * p.k_row_stride,
-            p.k_row_stride, nk, p.D, s.kb.data(), s.Dp);
-  load_rows(v + b * p.v_batch_stride + hkv * p.v_head_stride + (sq.k0 + j0) * p.v_row_stride,
-            p.v_row_stride, nk, p.Dv, s.vb.data(), s.Dvp);
+  const scalar_t* kh = k + b * p.k_batch_stride + hkv * p.k_head_stride + sq.k0 * p.k_row_stride;
+  const scalar_t* vh = v + b * p.v_batch_stride + hkv * p.v_head_stride + sq.k0 * p.v_row_stride;
+  if (head_rows_fit(sq.Sk, s.Dp, s.Dvp, sizeof(acc_t))) {
+    s.kbp = s.hk.get(kh, p.k_row_stride, sq.Sk, p.D, s.Dp, j0, nk);
+    s.vbp = s.hv.get(vh, p.v_row_stride, sq.Sk, p.Dv, s.Dvp, j0, nk);
+    *k_finite = s.hk.finite(j0, nk);
+  } else {
+    load_rows(kh + j0 * p.k_row_stride, p.k_row_stride, nk, p.D, s.kb.data(), s.Dp);
+    load_rows(vh + j0 * p.v_row_stride, p.v_row_stride, nk, p.Dv, s.vb.data(), s.Dvp);
+    s.kbp = s.kb.data();
+    s.vbp = s.vb.data();
+    *k_finite = all_finite(s.kb.data(), nk, p.D, s.Dp);
+  }
   int64_t n_valid = nk;
   if (vis.has_padding()) {
     n_valid = 0;
     for (int64_t r = 0; r < nk; ++r) n_valid += (s.kvalid[r] = vis.key_valid(b, j0 + r));
   }
-  *k_finite = all_finite(s.kb.data(), nk, p.D, s.Dp);
   return n_valid;
 }
 
@@ -270,7 +282,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   auto pass1_decode = [&] {
 #if ATTN_EXT_HAVE_AVX2_PATH
     if constexpr (std::is_same_v<acc_t, float>) {
-      decode_detail::scores(blk + L.qs, nq, Dp, s.kb.data(), round_up(nk, 8), s.sc.data(), kBlockK);
+      decode_detail::scores(blk + L.qs, nq, Dp, s.kbp, round_up(nk, 8), s.sc.data(), kBlockK);
       for (int64_t r = 0; r < nk; ++r) {
         acc_t* row = s.st.data() + r * C;
         for (int64_t c = 0; c < nq; ++c) row[c] = s.sc[c * kBlockK + r];
@@ -295,7 +307,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     if (decode_order) {
       pass1_decode();                                                                 // pass 1
     } else {
-      K.gemm(nk, C, D, s.kb.data(), Dp, 1, qt, kBlockQ, s.st.data(), C, false);       // pass 1
+      K.gemm(nk, C, D, s.kbp, Dp, 1, qt, kBlockQ, s.st.data(), C, false);       // pass 1
     }
     if (with_terms) pt.terms(s.st.data(), th);
     K.exp_sub(s.st.data(), nk, C, blk + L.lse);                       // pass 2
@@ -304,11 +316,11 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
                    s.words.data(), thresh, inv_keep);
     }
     if (dvt != nullptr) K.gemm(nk, Dvp, nq, pv, C, 1, dor, Dvp, dvt, ldv, true);      // pass 3
-    K.gemm(nk, C, Dv, s.vb.data(), Dvp, 1, dot, kBlockQ, s.dpt.data(), C, false);   // pass 4
+    K.gemm(nk, C, Dv, s.vbp, Dvp, 1, dot, kBlockQ, s.dpt.data(), C, false);   // pass 4
     pass5();                                                                          // pass 5
     if (with_terms) pt.grad(s.dpt.data(), th, acc.db);
     if (dkt != nullptr) K.gemm(nk, Dp, nq, s.dpt.data(), C, 1, qr, Dp, dkt, ldk, true);    // 6
-    if (dqt != nullptr) K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kb.data(), Dp, dqt, Dp, true);  // 7
+    if (dqt != nullptr) K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kbp, Dp, dqt, Dp, true);  // 7
     return;
   }
   // Partial tile: key j0 + r is seen by the columns [cols(r).lo, cols(r).hi) (band) if it is
@@ -349,7 +361,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   if (decode_order) {
     pass1_decode();
   } else {
-    panel_gemm(s.kb.data(), Dp, D, qt, s.st.data());
+    panel_gemm(s.kbp, Dp, D, qt, s.st.data());
   }
   if (with_terms) pt.terms(s.st.data(), th);
   mask(s.st.data(), neg_inf);
@@ -360,7 +372,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
                  s.words.data(), thresh, inv_keep);
   }
   // pass 4: dP^T = v dout^T on the visible column panels, then 0 where hidden
-  panel_gemm(s.vb.data(), Dvp, Dv, dot, s.dpt.data());
+  panel_gemm(s.vbp, Dvp, Dv, dot, s.dpt.data());
   mask(s.dpt.data(), acc_t(0));
   // pass 5: dS^T = P^T * (dP^T - Di), then exactly 0 where hidden (Di may be non-finite)
   pass5();
@@ -381,7 +393,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
         if (dkt != nullptr)
           for (int64_t d = 0; d < D; ++d) dkt[r * ldk + d] += ds * qr[cc * Dp + d];
         if (dqt != nullptr)
-          for (int64_t d = 0; d < D; ++d) dqt[cc * Dp + d] += ds * s.kb[r * Dp + d];
+          for (int64_t d = 0; d < D; ++d) dqt[cc * Dp + d] += ds * s.kbp[r * Dp + d];
       }
     }
     return;
@@ -408,7 +420,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     const int64_t klo = std::clamp<int64_t>(keys.lo - j0, 0, nk);
     const int64_t khi = std::clamp<int64_t>(keys.hi - j0, 0, nk);
     if (khi > klo) {
-      K.gemm(mrows, Dp, khi - klo, s.dpt.data() + klo * C + c0, 1, C, s.kb.data() + klo * Dp, Dp,
+      K.gemm(mrows, Dp, khi - klo, s.dpt.data() + klo * C + c0, 1, C, s.kbp + klo * Dp, Dp,
              dqt + c0 * Dp, Dp, true);
     }
   }

@@ -122,6 +122,59 @@ bool all_finite(const acc_t* x, int64_t rows, int64_t cols, int64_t ld) {
   return true;
 }
 
+// The K or V rows of one (sequence, kv head) in the accumulation type, converted once per
+// worker and reused by every (query tile, key tile) of that head the worker runs: the
+// forward hands tiles out head by head (attention_fwd.cpp, tile_at) and the fused backward
+// gives a worker a whole kv head. Converting per tile instead converts each row once per
+// query tile that sees it, and at a row stride that aliases in the caches (a BSHD cache at
+// 4 KiB) re-reads it from L3 each time (issue 16 item 3). Only for heads of at most
+// kHeadRowsBytes of K plus V per worker (head_rows_fit); longer ones are packed tile by tile.
+constexpr int64_t kHeadRowsBytes = 4194304;  // 4 MiB
+
+inline bool head_rows_fit(int64_t n, int64_t Dp, int64_t Dvp, size_t acc_size) {
+  return n * (Dp + Dvp) * static_cast<int64_t>(acc_size) <= kHeadRowsBytes;  // (+ 8 rows)
+}
+
+template <typename acc_t>
+struct HeadRows {
+  const void* src = nullptr;  // the head's first row (identifies the head within one call)
+  AlignedVec<acc_t> rows;     // (n + 8, ld): padding columns and the 8 rows past n stay zero
+  std::vector<uint8_t> done;  // (n): 0 not converted, 1 converted and finite, 2 not finite
+  bool check_finite = true;   // false: finite() is not asked (1 means converted only)
+
+  // Rows [j0, j0 + nk) of the head starting at `head` (n rows), (nk, ld).
+  template <typename scalar_t>
+  const acc_t* get(const scalar_t* head, int64_t row_stride, int64_t n, int64_t cols, int64_t ld,
+                   int64_t j0, int64_t nk) {
+    if (head != src || static_cast<size_t>(n) > done.size()) {
+      src = head;
+      const size_t need = static_cast<size_t>((n + 8) * ld);
+      if (rows.size() < need) rows.assign(need, acc_t(0));
+      done.assign(static_cast<size_t>(n), 0);
+    }
+    const int64_t row_bytes = cols * static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t r = j0; r < j0 + nk; ++r) {
+      if (done[r]) continue;
+      // rows at a large stride lie in different pages, which the hardware prefetchers do not
+      // follow: ask for the row 8 ahead (several misses in flight instead of one)
+      if (r + 8 < n) {
+        const char* ahead = reinterpret_cast<const char*>(head + (r + 8) * row_stride);
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off);
+      }
+      acc_t* dst = rows.data() + r * ld;
+      convert_row(head + r * row_stride, cols, dst);
+      done[r] = !check_finite || all_finite(dst, 1, cols, ld) ? 1 : 2;
+    }
+    return rows.data() + j0 * ld;
+  }
+  // Rows [j0, j0 + nk), converted by get(), are all finite.
+  bool finite(int64_t j0, int64_t nk) const {
+    for (int64_t r = j0; r < j0 + nk; ++r)
+      if (done[r] != 1) return false;
+    return true;
+  }
+};
+
 // The score terms (softcap, ALiBi, rel_bias: ScoreTerms in common/attention_mask.h) on a
 // transposed tile st (nk key rows j0 .. j0 + nk - 1, leading dimension C) whose columns are
 // nh runs of nq query rows (column hh * nq + ii: head h0 + hh, row i0 + ii), scores in
@@ -200,6 +253,38 @@ void parallel_tasks(int64_t n, MakeScratch&& make_scratch, Task&& task) {
       if (t >= n) break;
       task(t, scratch);
     }
+  });
+}
+
+// Tasks in groups (task = group * per_group + k), dynamically scheduled with group affinity:
+// a worker takes a whole group and runs its tasks in order; when no group is left it helps
+// with the tasks the other workers have not reached yet (the last ones of each group). So a
+// worker's consecutive tasks share what a group shares (a head's converted K / V rows: the
+// forward) while the end stays balanced task by task. Each worker builds one Scratch.
+template <typename MakeScratch, typename Task>
+void parallel_groups(int64_t n_groups, int64_t per_group, MakeScratch&& make_scratch, Task&& task) {
+  if (n_groups <= 0 || per_group <= 0) return;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(num_threads(), n_groups * per_group));
+  std::vector<std::atomic<int64_t>> next(static_cast<size_t>(n_groups));
+  for (auto& a : next) a.store(0, std::memory_order_relaxed);
+  std::atomic<int64_t> next_group{0};
+  torch::stable::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    (void)begin;
+    (void)end;
+    auto scratch = make_scratch();
+    auto drain = [&](int64_t g) {
+      for (;;) {
+        const int64_t k = next[g].fetch_add(1, std::memory_order_relaxed);
+        if (k >= per_group) break;
+        task(g * per_group + k, scratch);
+      }
+    };
+    for (;;) {
+      const int64_t g = next_group.fetch_add(1, std::memory_order_relaxed);
+      if (g >= n_groups) break;
+      drain(g);
+    }
+    for (int64_t g = 0; g < n_groups; ++g) drain(g);  // help with what is left
   });
 }
 

@@ -97,38 +97,6 @@ Range tile_keys(const Visibility& vis, const QueryTile& q) {
   return vis.band_keys_of_rows(q.s, q.i0, q.i0 + q.nq);
 }
 
-// The K or V rows of one (sequence, kv head) in the accumulation type, packed once per worker
-// and reused by every query tile of that head the worker runs (tile_at hands tiles out head
-// by head). Packing per tile instead converts each row once per query tile that sees it, and
-// at a row stride that aliases in the caches (a BSHD cache at 4 KiB) re-reads it from L3 each
-// time (issue 16 item 3). Only for heads of at most kHeadRowsBytes of K plus V per worker;
-// longer ones are packed tile by tile.
-constexpr int64_t kHeadRowsBytes = int64_t(4) << 20;
-
-template <typename acc_t>
-struct HeadRows {
-  const void* src = nullptr;  // the head's first row (identifies the head within one call)
-  AlignedVec<acc_t> rows;     // (n, ld); padding columns stay zero
-  std::vector<uint8_t> done;  // (n): row converted
-
-  // Rows [j0, j0 + nk) of the head starting at `head` (n rows), (nk, ld).
-  template <typename scalar_t>
-  const acc_t* get(const scalar_t* head, int64_t row_stride, int64_t n, int64_t cols, int64_t ld,
-                   int64_t j0, int64_t nk) {
-    if (head != src || static_cast<size_t>(n) > done.size()) {
-      src = head;
-      if (rows.size() < static_cast<size_t>(n * ld)) rows.assign(static_cast<size_t>(n * ld), acc_t(0));
-      done.assign(static_cast<size_t>(n), 0);
-    }
-    for (int64_t r = j0; r < j0 + nk; ++r) {
-      if (done[r]) continue;
-      convert_row(head + r * row_stride, cols, rows.data() + r * ld);
-      done[r] = 1;
-    }
-    return rows.data() + j0 * ld;
-  }
-};
-
 template <typename acc_t>
 struct FwdScratch {
   int64_t Dp, Dvp;
@@ -157,7 +125,9 @@ struct FwdScratch {
         tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1))),
         kvalid(kBlockK),
         rk(kBlockQ),
-        words(kBlockQ) {}
+        words(kBlockQ) {
+    hk.check_finite = hv.check_finite = false;
+  }
 };
 
 // Runs the tile over keys [kbeg, kend): leaves the unnormalised output in s.o (cols, Dvp)
@@ -209,7 +179,7 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   const int64_t i0 = qt_.i0, nq = qt_.nq;
   const bool one_head = qt_.nh == 1;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-  const bool head_rows = sq.Sk * (Dp + Dvp) * static_cast<int64_t>(sizeof(acc_t)) <= kHeadRowsBytes;
+  const bool head_rows = head_rows_fit(sq.Sk, Dp, Dvp, sizeof(acc_t));
   for (int64_t j0 = kbeg; j0 < kend; j0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, kend - j0);
     TileKind kind = vis.classify(sq, i0, i0 + nq, j0, j0 + nk);
@@ -411,7 +381,10 @@ void attention_fwd_kernel(const AttentionParams& p) {
     n_split = std::min(ceil_div(2 * workers, plan.n_tiles), p.Sk / (2 * kBlockK));
   }
   if (n_split <= 1) {
-    parallel_tasks(plan.n_tiles, make_scratch, [&](int64_t idx, FwdScratch<acc_t>& s) {
+    // groups: the tiles of one (sequence, kv head) (tile_at's order), so a worker converts a
+    // head's K / V rows once (HeadRows) and the tiles with the most keys go first
+    const int64_t per_head = plan.n_row_blocks * plan.n_head_blocks;
+    parallel_groups(plan.n_tiles / per_head, per_head, make_scratch, [&](int64_t idx, FwdScratch<acc_t>& s) {
       const QueryTile t = tile_at(p, vis, plan, idx);
       if (t.nq <= 0) return;
       const Range keys = tile_keys(vis, t);
