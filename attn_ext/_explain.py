@@ -16,8 +16,9 @@ The rules below restate the kernels' dispatch in Python, so they can be read wit
   loss on lse.
 - Score terms (``alibi_slopes``, ``rel_bias``, ``softcap``, ``sinks``, ``dropout_p > 0``; issue
   15): split-KV and the simple kernels take all of them; the fast CUDA forward takes all but
-  dropout (``use_fast_forward``: ``has_dropout()``); the fast backward none
-  (``use_fast_backward``: unless ``ScoreTerms::plain()``; sinks reach the backward only
+  dropout (``use_fast_forward``: ``has_dropout()``); the fast backward all but dropout
+  (``use_fast_backward``: ``fa2::bwd_fast_terms_ok``; with rel_bias its shared memory grows by
+  the gradient's (2M + 1) floats, ``bwd_rel_smem_bytes``; sinks reach the backward only
   through lse and do not change its choice). The CPU decode kernel takes sinks only
   (``decode_supported``: not ``active()`` nor ``has_dropout()``; the CPU backward, not told
   the sinks, asks the same to recompute the decode kernel's scores).
@@ -44,6 +45,8 @@ CUDA_SIMPLE_MAX_HEAD_DIM = 256  # simple::kMaxHeadDim
 CUDA_FA2_BLOCK_M = 64  # fa2::kBlockM: query rows per CTA of the fast forward
 CUDA_FWD_FAST_HEAD_DIMS = (32, 64, 96, 128, 256)  # fa2::fwd_fast_head_dim
 CUDA_FWD_FAST_TERMS_HEAD_DIMS = (32, 64, 96, 128)  # fa2::fwd_fast_terms_head_dim (not 256)
+# score terms that send the CUDA backward to the simple kernels (fa2::bwd_fast_terms_ok)
+CUDA_BWD_SIMPLE_TERMS = ("dropout_p",)
 CUDA_BWD_FAST_HEAD_DIMS = (64, 128)  # fa2::launch_fa2_bwd
 CUDA_BWD_BLOCK_N = 128  # keys per CTA of the fast backward (bwd_fast_grid_ok)
 CUDA_FAST_MAX_SEQ_LEN = 1 << 30  # fa2::kMaxFastSeqLen: Sq + Sk below it (32-bit tile math)
@@ -242,10 +245,6 @@ def cuda_split_plan(s: Shape, sms: int, force_simple: bool = False) -> dict:
     return plan
 
 
-def _terms_reason(terms: tuple, what: str) -> str:
-    return f"score terms {', '.join(terms)} (the fast {what} has none)"
-
-
 def _fast_input_reasons(s: Shape, dtype: torch.dtype, what: str, head_dims: tuple, aligned: bool,
                         stride_rule: str) -> list:
     """The input conditions the fast forward and backward share (use_fast_forward /
@@ -305,12 +304,15 @@ def cuda_forward_choice(s: Shape, dtype: torch.dtype, aligned: bool, sms: int,
 
 def cuda_backward_choice(s: Shape, dtype: torch.dtype, aligned: bool, smem_optin: int,
                          deterministic: bool, force_simple: bool = False,
-                         dout_aligned: Optional[bool] = None, terms: tuple = ()):
+                         dout_aligned: Optional[bool] = None, terms: tuple = (),
+                         rel_max: int = 0):
     """(path, reason, details) of the CUDA backward (attention.cu use_fast_backward).
     ``dout_aligned`` None: dout not known yet (the gradient that autograd hands in, usually
     contiguous and aligned). ``terms``: the call's score terms other than sinks (the
-    backward reads the sinks through lse)."""
-    need = cuda_bwd_smem_bytes(s.D)
+    backward reads the sinks through lse); ``rel_max``: M of a (H, 2M + 1) rel_bias (its
+    gradient's accumulator takes (2M + 1) * 4 bytes of shared memory more,
+    fa2::bwd_rel_smem_bytes)."""
+    need = cuda_bwd_smem_bytes(s.D) + ((2 * rel_max + 1) * 4 if "rel_bias" in terms else 0)
     details = {"smem_needed": need, "smem_optin": smem_optin, "deterministic": deterministic}
     reasons = _fast_input_reasons(s, dtype, "backward", CUDA_BWD_FAST_HEAD_DIMS, aligned,
                                   "a stride not a multiple of 8 elements")
@@ -321,14 +323,17 @@ def cuda_backward_choice(s: Shape, dtype: torch.dtype, aligned: bool, smem_optin
             and _ceil_div(s.Sk, CUDA_BWD_BLOCK_N) <= 0x7FFFFFFF
             and s.Sq + s.Sk < CUDA_FAST_MAX_SEQ_LEN):
         reasons.append("grid too large")
-    if terms:
-        reasons.append(_terms_reason(terms, "backward"))
+    slow_terms = tuple(t for t in terms if t in CUDA_BWD_SIMPLE_TERMS)
+    if slow_terms:
+        reasons.append(f"score terms {', '.join(slow_terms)} (the fast backward has no "
+                       f"dropout)")
     if deterministic:
         reasons.append("torch.use_deterministic_algorithms(True) (the fast backward adds dq "
                        "with fp32 atomics)")
     if s.D == s.Dv and s.D in CUDA_BWD_FAST_HEAD_DIMS and need > smem_optin:
-        reasons.append(f"its shared memory ({need} bytes at D = {s.D}) exceeds the device's "
-                       f"opt-in limit ({smem_optin} bytes)")
+        with_rel = f" with d rel_bias's {2 * rel_max + 1} entries" if "rel_bias" in terms else ""
+        reasons.append(f"its shared memory ({need} bytes at D = {s.D}{with_rel}) exceeds the "
+                       f"device's opt-in limit ({smem_optin} bytes)")
     if force_simple:
         reasons.append(FORCE_SIMPLE_WHY)
     if not reasons:
@@ -339,7 +344,7 @@ def cuda_backward_choice(s: Shape, dtype: torch.dtype, aligned: bool, smem_optin
             "deterministic) because " + "; ".join(reasons), details)
 
 
-def _explain_cuda(s: Shape, q, k, v, dout, terms: tuple = ()) -> KernelChoice:
+def _explain_cuda(s: Shape, q, k, v, dout, terms: tuple = (), rel_max: int = 0) -> KernelChoice:
     if s.D > CUDA_SIMPLE_MAX_HEAD_DIM or s.Dv > CUDA_SIMPLE_MAX_HEAD_DIM:
         raise ValueError(f"head dims must be <= {CUDA_SIMPLE_MAX_HEAD_DIM} on CUDA, got "
                          f"D = {s.D}, Dv = {s.Dv} (the call would fail)")
@@ -354,7 +359,8 @@ def _explain_cuda(s: Shape, q, k, v, dout, terms: tuple = ()) -> KernelChoice:
     fwd, fwhy, fdet = cuda_forward_choice(s, q.dtype, aligned, sms, optin, force, terms)
     bwd, bwhy, bdet = cuda_backward_choice(
         s, q.dtype, aligned, optin, torch.are_deterministic_algorithms_enabled(), force,
-        None if dout is None else aligned16(dout), tuple(t for t in terms if t != "sinks"))
+        None if dout is None else aligned16(dout), tuple(t for t in terms if t != "sinks"),
+        rel_max)
     if s.Sk == 0:
         bwd, bwhy = "none", "no key: dq is zeros, no kernel runs"
     details = dict(fdet, backward=bdet)
@@ -409,8 +415,9 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     """Say which kernel ``attn_ext.attention(q, k, v, causal=..., scale=..., <score terms>)``
     will run for these tensors, and why (the forward and, for training, the backward).
     The score terms (``alibi_slopes``, ``rel_bias``, ``softcap``, ``sinks``, ``dropout_p``)
-    count only by being given: on CUDA dropout rules out the fast forward and any term but
-    sinks the fast backward; any term but sinks rules out the CPU decode kernel.
+    count only by being given (and rel_bias by its size, on CUDA): on CUDA dropout rules out
+    the fast forward and the fast backward (which takes softcap, ALiBi, rel_bias; sinks reach
+    it through lse); any term but sinks rules out the CPU decode kernel.
 
     Runs no kernel and reads no tensor values: only shapes, dtypes, strides, data pointers,
     the thread count (CPU), the device's properties and torch's deterministic flag (CUDA).
@@ -434,7 +441,8 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
             raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {list(t.stride())}")
     terms = score_terms_of(alibi_slopes, rel_bias, softcap, sinks, dropout_p)
     if q.device.type == "cuda":
-        return _explain_cuda(s, q, k, v, dout, terms)
+        rel_max = (rel_bias.shape[-1] - 1) // 2 if rel_bias is not None else 0
+        return _explain_cuda(s, q, k, v, dout, terms, rel_max)
     if q.device.type == "cpu":
         return _explain_cpu(s, q.dtype, torch.get_num_threads(), terms)
     raise ValueError(f"attn_ext has kernels for cpu and cuda, got q on {q.device}")

@@ -1,6 +1,6 @@
 """A few small attention calls for compute-sanitizer (memcheck / racecheck) on the GPU machine:
 the fast forward and the fast backward (both head dims, causal and not, ragged tile ends,
-Sq > Sk, GQA), the simple forward (forced and odd head dims) and the simple backward. Checks nothing itself beyond
+Sq > Sk, GQA; their softcap + ALiBi instances too), the simple forward (forced and odd head dims) and the simple backward. Checks nothing itself beyond
 finiteness; the sanitizer's report is the result.
 
   compute-sanitizer --tool memcheck python benchmarks/gpu_sanitize_case.py [--fast-only]
@@ -41,5 +41,13 @@ for B, Sq, Sk, H, Hkv, D, Dv, dt in cases:
                 grads = op.attention_backward(dout, q, k, v, out, lse, causal, None)
             assert all(torch.isfinite(g).all() for g in grads)
         assert not torch.isnan(out).any()
+    if dt in (torch.float16, torch.bfloat16) and D in (64, 128):
+        # the fast kernels' score-term instances (softcap + ALiBi), with and without a mask
+        slopes = torch.rand(H, device=dev) * 0.5
+        for kw in (dict(causal=False), dict(causal=True, window=(30, 0))):
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            out = attn_ext.attention(qg, kg, vg, alibi_slopes=slopes, softcap=5.0, **kw)
+            out.backward(torch.randn_like(out))
+            assert all(torch.isfinite(t.grad).all() for t in (qg, kg, vg))
 torch.cuda.synchronize()
 print("sanitize case done")

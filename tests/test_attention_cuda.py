@@ -882,7 +882,9 @@ def test_fast_varlen_bad_cu_seqlens_device_assert(cuda, tmp_path):
 # ---- score terms on CUDA (issue 15): softcap, ALiBi, rel_bias, sinks, dropout ---------------
 # The simple kernels (and the split-KV decode path) take every term through ScoreTerms /
 # dropout_rng.h; the fast forward takes all but dropout (its kTerms instances), the fast
-# backward none (a call with a term but sinks runs the simple backward).
+# backward softcap, ALiBi and rel_bias (its kTerms instances; d rel_bias by fp32 atomics, the
+# simple kernels' deterministic passes under deterministic mode; sinks reach it through lse),
+# not dropout.
 # Values, lse and every gradient (d rel_bias, d sinks included) against the float64 CPU
 # reference (tests/reference_checks.check_against_reference: float64 to 1e-9, low precision
 # by DESIGN.md's rule); dropout's keep bits equal the CPU kernel's and reference.py's bit for
@@ -931,9 +933,8 @@ class TestScoreTermsCuda:
     def test_terms_vs_reference(self, kind, mask, dtype, cuda):
         """Each term alone and all together, with no mask, causal, and a window with key
         padding (a fully padded batch row: with sinks its rows have lse = the sink); D = 64,
-        GQA, Sq != Sk. bf16 without window or padding takes the fast forward (its kTerms
-        instances) and the simple backward (the fast one with sinks alone); float32 / float64
-        and masked calls the simple kernels (as attention.cu dispatches today)."""
+        GQA, Sq != Sk. bf16 takes the fast forward and the fast backward (their kTerms
+        instances); float32 / float64 the simple kernels (as attention.cu dispatches)."""
         B, Sq, Sk, H, Hkv, D = 2, 70, 90, 4, 2, 64
         causal, window, padded = TERM_MASKS[mask]
         alibi, rel, cap, sinks = _term_tables(kind, B, H)
@@ -1033,6 +1034,76 @@ class TestScoreTermsCuda:
                 assert torch.equal(out[0, :3], torch.zeros_like(out[0, :3]))
                 assert torch.equal(lse[0, :, :3], sinks[:, None].expand(H, 3))
 
+    @pytest.mark.parametrize("D", [64, 128])
+    @pytest.mark.parametrize("mask", list(TERM_MASKS))
+    @pytest.mark.parametrize("kind,dtype", [("softcap", torch.bfloat16), ("alibi", torch.bfloat16),
+                                            ("alibi_batch", torch.float16), ("rel", torch.bfloat16),
+                                            ("rel+alibi+softcap+sinks", torch.bfloat16),
+                                            ("rel+alibi+softcap+sinks", torch.float16)], ids=str)
+    def test_fast_backward_terms(self, kind, dtype, mask, D, cuda):
+        """softcap / ALiBi / rel_bias (and sinks) on fa2_bwd_kernel's kTerms instances: the
+        kernel that ran, and every gradient, d rel_bias included (shared-memory sums per CTA,
+        then fp32 atomics), against the float64 reference (tile-crossing shapes, GQA, Sq != Sk,
+        every mask mode; M = 9 clamps most distances, M = 300 none)."""
+        if not fast_bwd_fits(D):
+            pytest.skip(f"the fast backward's shared memory at D={D} exceeds this device's limit")
+        B, Sq, Sk, H, Hkv = 2, 150, 200, 4, 2
+        causal, window, padded = TERM_MASKS[mask]
+        alibi, rel, cap, sinks = _term_tables(kind, B, H, M=9 if mask != "none" else 300)
+        kpm = None
+        if padded:
+            kpm = torch.rand(B, Sk) > 0.3
+            kpm[0, :50] = False
+        q, k, v = randn(B, Sq, H, D, dtype=dtype), randn(B, Sk, Hkv, D, dtype=dtype), randn(B, Sk, Hkv, D, dtype=dtype)
+        rel = None if rel is None else rel.to(dtype)
+        sinks = None if sinks is None else sinks.to(dtype)
+        kw = dict(causal=causal, window=window, key_padding_mask=None if kpm is None else kpm.cuda(),
+                  alibi_slopes=None if alibi is None else alibi.cuda(), softcap=cap)
+        qc, kc_, vc = (t.cuda().requires_grad_() for t in (q, k, v))
+        relc = None if rel is None else rel.cuda()
+        sinkc = None if sinks is None else sinks.cuda()
+        choice = attn_ext.explain(qc, kc_, vc, causal=causal, alibi_slopes=kw["alibi_slopes"],
+                                  rel_bias=relc, softcap=cap, sinks=sinkc)
+        assert choice.backward == "cuda.fa2", str(choice)
+        out = attn_ext.attention(qc, kc_, vc, rel_bias=relc, sinks=sinkc, **kw)
+        names = kernel_names(lambda: out.backward(torch.ones_like(out), retain_graph=True))
+        assert ran(names, "fa2_bwd_kernel") and did_not_run(names, "simple_bwd"), names
+
+        @_on_cuda
+        def ours(q, k, v, rel, sinks):
+            return attn_ext.attention(q, k, v, rel_bias=rel, sinks=sinks, return_lse=True, **kw)
+
+        def ref(q, k, v, rel, sinks):
+            a = None if alibi is None else alibi.to(q.dtype)
+            return reference.attention_with_lse(q, k, v, causal, None, window, kpm, a, rel, cap, sinks)
+
+        check_against_reference(ours, ref, [q, k, v, rel, sinks], _names(rel, sinks))
+
+    def test_fast_backward_rel_bias_deterministic_runs_simple(self, cuda):
+        """Under torch.use_deterministic_algorithms(True) rel_bias's backward is the simple
+        kernels' (per-diagonal passes, bitwise reproducible); otherwise the fast kernel's (fp32
+        atomics: equal within rounding)."""
+        q, k, v = (randn(1, 150, 2, 64, dtype=torch.bfloat16, device=cuda).requires_grad_()
+                   for _ in range(3))
+        rel = randn(2, 2 * 9 + 1, device=cuda).requires_grad_()
+        kw = dict(causal=True, rel_bias=rel, softcap=5.0, alibi_slopes=_alibi_slopes(2).cuda())
+        grads = {}
+        for det in (False, True):
+            prev = torch.are_deterministic_algorithms_enabled()
+            torch.use_deterministic_algorithms(det, warn_only=True)
+            try:
+                out = attn_ext.attention(q, k, v, **kw)
+                rel.grad = None
+                names = kernel_names(lambda: out.sum().backward())
+            finally:
+                torch.use_deterministic_algorithms(prev)
+            want, other = ("simple_bwd", "fa2_bwd_kernel") if det else ("fa2_bwd_kernel", "simple_bwd")
+            if det or fast_bwd_fits(64):
+                assert ran(names, want) and did_not_run(names, other), (det, names)
+            grads[det] = rel.grad.clone()
+        assert torch.isfinite(grads[True]).all()
+        assert max_err(grads[False], grads[True]) <= 1e-2 * (1.0 + float(grads[True].abs().max()))
+
     def test_gradcheck(self, cuda):
         B, Sq, Sk, H, Hkv, D = 1, 6, 9, 2, 1, 4
         q = randn(B, Sq, H, D, dtype=torch.float64, device=cuda).requires_grad_()
@@ -1083,14 +1154,26 @@ class TestScoreTermsCuda:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
     def test_rel_bias_grad_deterministic(self, dtype, cuda):
         """d rel_bias (pass 3 and 4 of the simple backward: no atomics) and dq, dk, dv are
-        bitwise identical from run to run, and deterministic mode accepts the call."""
+        bitwise identical from run to run, and deterministic mode accepts the call. (bf16
+        outside deterministic mode takes the fast backward, whose d rel_bias and dq use fp32
+        atomics: so bf16 runs in deterministic mode here.)"""
         q, k, v = (randn(2, 300, h, 64, dtype=dtype, device=cuda).requires_grad_() for h in (4, 2, 2))
         rel = randn(4, 2 * 40 + 1, device=cuda).requires_grad_()
         dout = randn(2, 300, 4, 64, dtype=dtype, device=cuda)
 
-        def grads():
+        def grads_any():
             out = attn_ext.attention(q, k, v, causal=True, rel_bias=rel, softcap=20.0)
             return torch.autograd.grad(out, (q, k, v, rel), dout)
+
+        def grads():
+            if dtype == torch.float32:
+                return grads_any()
+            prev = torch.are_deterministic_algorithms_enabled()
+            torch.use_deterministic_algorithms(True)
+            try:
+                return grads_any()
+            finally:
+                torch.use_deterministic_algorithms(prev)
 
         names = kernel_names(grads)
         assert ran(names, "simple_bwd_drel_diag_kernel") and ran(names, "simple_bwd_drel_reduce_kernel"), names
@@ -1228,7 +1311,7 @@ class TestScoreTermsCuda:
 
     # -- the kernel that ran is the one explain() names --
 
-    @pytest.mark.parametrize("case", ["rel_bias", "sinks", "dropout", "softcap_decode"])
+    @pytest.mark.parametrize("case", ["rel_bias", "sinks", "dropout", "softcap_decode", "softcap", "alibi"])
     def test_explain_names_the_kernel(self, case, cuda):
         D, Sq, Sk = 64, 150, 150
         if case == "softcap_decode":
@@ -1237,7 +1320,9 @@ class TestScoreTermsCuda:
         kw = {"rel_bias": dict(rel_bias=randn(2, 11, device=cuda)),
               "sinks": dict(sinks=randn(2, device=cuda)),
               "dropout": dict(dropout_p=0.1),
-              "softcap_decode": dict(softcap=10.0)}[case]
+              "softcap_decode": dict(softcap=10.0),
+              "softcap": dict(softcap=10.0),
+              "alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25], device=cuda))}[case]
         choice = attn_ext.explain(q, k, v, causal=True, **kw)
         names = kernel_names(lambda: attn_ext.attention(q, k, v, causal=True, **kw))
         want = _EXPLAINED_KERNEL[choice.forward]
@@ -1250,18 +1335,22 @@ class TestScoreTermsCuda:
             assert choice.forward == "cuda.simple" and "dropout_p" in choice.forward_reason, str(choice)
         elif fast_fwd_fits(D):
             assert choice.forward == "cuda.fa2" and "with the score terms" in choice.forward_reason, str(choice)
-        # backward: the simple kernels with any term but sinks (those reach it through lse)
+        # backward: the fast kernel with sinks (through lse), softcap, ALiBi and rel_bias (its
+        # kTerms instances); the simple kernels with dropout
         qg = q.detach().clone().requires_grad_()
         out = attn_ext.attention(qg, k, v, causal=True, **kw)
         dout = torch.randn_like(out)
         choice = attn_ext.explain(q, k, v, causal=True, dout=dout, **kw)
         names = kernel_names(lambda: out.backward(dout, retain_graph=True))
+        fast_cases = ("sinks", "softcap_decode", "softcap", "alibi", "rel_bias")
+        if fast_bwd_fits(D) and case in fast_cases:
+            assert choice.backward == "cuda.fa2", str(choice)
         if choice.backward == "cuda.fa2":
-            assert case == "sinks", str(choice)
+            assert case in fast_cases, str(choice)
             assert ran(names, "fa2_bwd_kernel") and did_not_run(names, "simple_bwd"), (str(choice), names)
         else:
             assert ran(names, "simple_bwd") and did_not_run(names, "fa2_bwd_kernel"), (str(choice), names)
-            if case != "sinks":
+            if case == "dropout":
                 assert "score terms" in choice.backward_reason, str(choice)
 
     @pytest.mark.parametrize("causal", [False, True])

@@ -82,13 +82,23 @@ def test_cuda_constants_match_the_headers():
         assert cond in fast_fwd, cond
     fast_bwd = kc.block(cu, r"bool\s+use_fast_backward\s*\([^)]*\)\s*\{")
     for cond in ("p.D != 64 && p.D != 128", "aligned16(dout)", "if (deterministic) return false;",
-                 "bwd_smem_bytes(p.D) > max_smem_optin", "force_simple()"):
+                 "bwd_smem_bytes(p.D) + cuda::fa2::bwd_rel_smem_bytes(p.score_terms()) >\n"
+                 "      max_smem_optin", "force_simple()"):
         assert cond in fast_bwd, cond
-    # score terms (issue 15): the fast forward has all but dropout, the fast backward none;
-    # the split-KV plan does not look
+    # score terms (issue 15): the fast forward and backward have all but dropout
+    # (bwd_fast_terms_ok = CUDA_BWD_SIMPLE_TERMS; rel_bias adds shared memory to the fast
+    # backward); the split-KV plan does not look
     assert "if (p.score_terms().has_dropout()) return false;" in fast_fwd
     assert "if (!p.terms.plain() && !cuda::fa2::fwd_fast_terms_head_dim(p.D)) return false;" in fast_fwd
-    assert "if (!p.score_terms().plain()) return false;" in fast_bwd
+    assert "if (!cuda::fa2::bwd_fast_terms_ok(p.score_terms())) return false;" in fast_bwd
+    terms_ok = kc.block(kc.source("csrc/cuda/attention_launch.h"),
+                        r"inline\s+bool\s+bwd_fast_terms_ok\s*\([^)]*\)\s*\{")
+    assert "return !t.has_dropout();" in terms_ok
+    assert X.CUDA_BWD_SIMPLE_TERMS == ("dropout_p",)
+    rel_smem = kc.block(kc.source("csrc/cuda/attention_launch.h"),
+                        r"inline\s+int64_t\s+bwd_rel_smem_bytes\s*\([^)]*\)\s*\{")
+    assert "return t.rel_bias == nullptr ? 0 : (2 * t.rel_max + 1) * 4;" in rel_smem
+    assert "cuda::fa2::bwd_rel_smem_bytes(p.score_terms())" in fast_bwd
     launch = kc.block(kc.source("csrc/cuda/attention_launch.h"),
                       r"cudaError_t\s+launch_fa2_fwd_d\s*\([^)]*\)\s*\{")
     assert "if (p.terms.has_dropout()) return cudaErrorInvalidValue;" in launch
@@ -243,8 +253,9 @@ def test_cuda_backward_rules():
 
 
 def test_score_terms_rules():
-    """Dropout turns the fast CUDA forward off, any term but sinks the fast backward (sinks
-    reach it through lse), any term the CPU decode kernel; split-KV keeps them all."""
+    """Dropout turns the fast CUDA forward and backward off (the backward takes softcap, ALiBi
+    and rel_bias, whose gradient needs shared memory; sinks reach it through lse); any term
+    the CPU decode kernel; split-KV keeps them all."""
     assert X.score_terms_of() == ()
     assert X.score_terms_of(rel_bias=torch.zeros(1, 3), softcap=2.0, dropout_p=0.1) == (
         "rel_bias", "softcap", "dropout_p")
@@ -258,9 +269,23 @@ def test_score_terms_rules():
     path, why, det = fwd(shape(Sq=1, Sk=4096, H=4, Hkv=1, D=128), torch.bfloat16, True,
                          terms=("alibi_slopes",), **H200)
     assert path == "cuda.split_kv" and det["n_split"] == 32, why
+    # the fast backward takes softcap, ALiBi and rel_bias (its gradient's (2M + 1) floats of
+    # shared memory on top); dropout sends it to the simple kernels
+    for ok in (("softcap",), ("alibi_slopes",), ("alibi_slopes", "softcap"), ("rel_bias",),
+               ("alibi_slopes", "rel_bias", "softcap")):
+        path, why, det = bwd(shape(D=128), torch.bfloat16, True, H200["smem_optin"], False,
+                             dout_aligned=True, terms=ok, rel_max=128)
+        assert path == "cuda.fa2", (ok, why)
+        assert det["smem_needed"] == X.cuda_bwd_smem_bytes(128) + (257 * 4 if "rel_bias" in ok else 0)
+    for slow in (("dropout_p",), ("softcap", "dropout_p"), ("rel_bias", "dropout_p")):
+        path, why, _ = bwd(shape(D=64), torch.float16, True, H200["smem_optin"], False,
+                           dout_aligned=True, terms=slow)
+        assert path == "cuda.simple" and "score terms dropout_p (the fast backward has no dropout)" in why, (slow, why)
+    # a table too large for shared memory: the simple kernels (at D = 128: 155 KiB + 4 (2M + 1))
+    big = (H200["smem_optin"] - X.cuda_bwd_smem_bytes(128)) // 8 + 1
     path, why, _ = bwd(shape(D=128), torch.bfloat16, True, H200["smem_optin"], False,
-                       dout_aligned=True, terms=("softcap",))
-    assert path == "cuda.simple" and "score terms softcap (the fast backward has none)" in why
+                       dout_aligned=True, terms=("rel_bias",), rel_max=big)
+    assert path == "cuda.simple" and f"with d rel_bias's {2 * big + 1} entries" in why, why
     assert bwd(shape(D=128), torch.bfloat16, True, H200["smem_optin"], False, dout_aligned=True,
                terms=())[0] == "cuda.fa2"
     # CPU: the decode kernel takes sinks, no other term

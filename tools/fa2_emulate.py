@@ -381,10 +381,13 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, mask, scale, m_block, out, lse):
                         lse[row[ln]] = -math.inf if empty[ln] else (row_max[r][ln] + math.log2(l[ln])) * math.log(2.0)
 
 
-def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc, dk, dv):
+def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc, dk, dv,
+                slopes=None, cap=None, rel=None, drel=None):
     """One CTA (key tile n_block, one kv head) of fa2_bwd_kernel. q, do: (group, Sq, D) (the
     query heads of the kv head); k, v: (Sk, D); lse, delta: (group, Sq); dq_acc: (group, Sq, D)
-    accumulated; dk, dv: (Sk, D) written for this tile's keys; mask: a Mask."""
+    accumulated; dk, dv: (Sk, D) written for this tile's keys; mask: a Mask. slopes (group,)
+    / cap / rel (group, 2M + 1): the kTerms instances' ALiBi, softcap and rel_bias (None: the
+    plain instances); drel (group, 2M + 1) accumulates d rel_bias (the CTA's shared sums)."""
     c = bwd_constants(D)
     kBlockM, kBlockN, kWarps = c["kBlockM"], c["kBlockN"], c["kWarps"]
     kStride, kDsStride = c["kStride"], c["kDsStride"]
@@ -426,9 +429,14 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
     g_, c2 = BWD_LANES["g"], BWD_LANES["c2"]
     acc_dk = np.zeros((kWarps, kDTiles, 32, 4))
     acc_dv = np.zeros((kWarps, kDTiles, 32, 4))
+    terms = slopes is not None or cap is not None or rel is not None
+    rel_m = (rel.shape[1] - 1) // 2 if rel is not None else 0
+    off = Sk - Sq  # TileBands::off (no block position in these cases)
     for st in range(steps):
         h = st // n_m
         m0 = (m_begin + st % n_m) * kBlockM
+        slope = 0.0 if slopes is None else slopes[h]
+        d_row_key = off - n0
         sQb = load_rows(q[h], m0, Sq, kBlockM)
         sdOb = load_rows(do[h], m0, Sq, kBlockM)
         sLseb = np.array([(math.inf if lse[h, m0 + t] == -math.inf else lse[h, m0 + t] * log2e)
@@ -458,13 +466,33 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
                     for e in range(4):
                         qc = q0 + t * 8 + c2 + (e & 1)  # (32,)
                         with np.errstate(over="ignore", invalid="ignore"):
-                            pr = np.exp2(s[t, :, e] * scale_log2 - sLseb[qc])
-                            ds = pr * (dp[t, :, e] - sDeltab[qc])
+                            if terms:
+                                th = np.zeros(32)
+                                x = s[t, :, e] * scale_log2 * math.log(2.0)
+                                if cap is not None:
+                                    th = np.tanh(x / cap)
+                                    x = cap * th
+                                kr = warp * 16 + g_ + (e >> 1) * 8  # kra / krb
+                                d = m0 + qc + d_row_key - kr
+                                x = x - slope * np.abs(d)
+                                rd = np.clip(d, -rel_m, rel_m)
+                                if rel is not None:
+                                    x = x + rel[h, rel_m + rd]
+                                pr = np.exp2(x * log2e - sLseb[qc])
+                                ds = pr * (dp[t, :, e] - sDeltab[qc])
+                                chain = 1.0 - th * th
+                            else:
+                                pr = np.exp2(s[t, :, e] * scale_log2 - sLseb[qc])
+                                ds = pr * (dp[t, :, e] - sDeltab[qc])
                         if need_mask:
                             kr = warp * 16 + g_ + (e >> 1) * 8
                             ok = kok[kr] & band_ok(band, qc, kr)
                             pr = np.where(ok, pr, 0.0)
                             ds = np.where(ok, ds, 0.0)
+                        if terms:
+                            if rel is not None:  # sDrel[rel_m + rd] += ds (shared atomics)
+                                np.add.at(drel[h], rel_m + rd, ds)
+                            ds = ds * chain
                         s[t, :, e] = pr
                         dp[t, :, e] = ds
                 for kk in range(kQSub // 16):
@@ -521,48 +549,75 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
                         dv[key, col: col + 2] = acc_dv[warp, t, l, 2 * r: 2 * r + 2]
 
 
-def reference_bwd(q, k, v, do, mask, scale):
-    """Gradients of out = softmax(scale q k^T (masked)) v for the query heads q (group, Sq, D)
-    sharing k, v (Sk, D); returns out, lse, dq, dk, dv."""
+def reference_bwd(q, k, v, do, mask, scale, slopes=None, cap=None, rel=None):
+    """Gradients of out = softmax(terms(scale q k^T) (masked)) v for the query heads q
+    (group, Sq, D) sharing k, v (Sk, D), terms = softcap (cap tanh(x / cap)) then ALiBi
+    (- slope_h |d|, d = i + Sk - Sq - j) then rel_bias (+ rel[h, M + clamp(d)]), as DESIGN.md;
+    returns out, lse, dq, dk, dv, drel."""
+    drel = None if rel is None else np.zeros_like(rel)
     dq = np.zeros_like(q)
     dk = np.zeros_like(k)
     dv = np.zeros_like(v)
     outs, lses = [], []
     vis = mask.visible()
+    Sq, Sk = q.shape[1], k.shape[0]
+    dsign = np.arange(Sq)[:, None] + (Sk - Sq) - np.arange(Sk)[None, :]
+    dist = np.abs(dsign)
+    rel_m = (rel.shape[1] - 1) // 2 if rel is not None else 0
     for h in range(q.shape[0]):
-        out, lse = reference(q[h], k, v, mask, scale)
-        s = np.where(vis, q[h] @ k.T * scale, -np.inf)
-        with np.errstate(invalid="ignore"):
+        x = q[h] @ k.T * scale
+        t = np.tanh(x / cap) if cap is not None else np.zeros_like(x)
+        y = cap * t if cap is not None else x
+        if slopes is not None:
+            y = y - slopes[h] * dist
+        if rel is not None:
+            y = y + rel[h, rel_m + np.clip(dsign, -rel_m, rel_m)]
+        s = np.where(vis, y, -np.inf)
+        m = np.where(vis.any(1), s.max(1), 0.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            e = np.where(vis, np.exp(s - m[:, None]), 0.0)
+            lse = np.where(vis.any(1), m + np.log(e.sum(1)), -np.inf)
             p = np.where(np.isfinite(lse)[:, None], np.exp(s - np.where(np.isfinite(lse), lse, 0)[:, None]), 0.0)
+        out = p @ v
         dp = do[h] @ v.T
-        ds = p * (dp - (do[h] * out).sum(1, keepdims=True))
+        dsy = p * (dp - (do[h] * out).sum(1, keepdims=True))
+        if rel is not None:
+            np.add.at(drel[h], rel_m + np.clip(dsign, -rel_m, rel_m), dsy)
+        ds = dsy * (1.0 - t * t)
         dq[h] = scale * ds @ k
         dk += scale * ds.T @ q[h]
         dv += p.T @ do[h]
         outs.append(out)
         lses.append(lse)
-    return np.stack(outs), np.stack(lses), dq, dk, dv
+    return np.stack(outs), np.stack(lses), dq, dk, dv, drel
 
 
-def check_bwd(rng, Sq, Sk, D, group, spec) -> bool:
+def check_bwd(rng, Sq, Sk, D, group, spec, terms=None) -> bool:
     q = rng.standard_normal((group, Sq, D))
     do = rng.standard_normal((group, Sq, D))
     k, v = rng.standard_normal((Sk, D)), rng.standard_normal((Sk, D))
     scale = 1 / math.sqrt(D)
     mask = Mask(Sq, Sk, spec, rng)
-    out, lse, r_dq, r_dk, r_dv = reference_bwd(q, k, v, do, mask, scale)
+    # terms: "alibi" (slopes per query head), "softcap" (a cap the scores reach), or both
+    slopes = 0.05 + 0.3 * rng.random(group) if terms and "alibi" in terms else None
+    cap = 1.5 if terms and "softcap" in terms else None
+    rel = rng.standard_normal((group, 2 * 40 + 1)) if terms and "rel" in terms else None
+    out, lse, r_dq, r_dk, r_dv, r_drel = reference_bwd(q, k, v, do, mask, scale, slopes, cap, rel)
+    drel = None if rel is None else np.zeros_like(rel)
     delta = (do * out).sum(-1)  # fa2_bwd_delta_kernel
     dq = np.zeros_like(q)
     dk = np.full_like(k, np.nan)
     dv = np.full_like(v, np.nan)
     kBlockN = bwd_constants(D)["kBlockN"]
     for n_block in range((Sk + kBlockN - 1) // kBlockN):
-        fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq, dk, dv)
-    errs = [np.abs(a - b).max() if not np.isnan(a).any() else np.inf
-            for a, b in ((dq, r_dq), (dk, r_dk), (dv, r_dv))]
+        fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq, dk, dv,
+                    slopes, cap, rel, drel)
+    pairs = [(dq, r_dq), (dk, r_dk), (dv, r_dv)] + ([(drel, r_drel)] if rel is not None else [])
+    errs = [np.abs(a - b).max() if not np.isnan(a).any() else np.inf for a, b in pairs]
     ok = max(errs) < 1e-9
-    print(f"bwd Sq={Sq:4d} Sk={Sk:4d} D={D:3d} group={group} {mask!s:14}: dq err {errs[0]:.2e}, "
-          f"dk err {errs[1]:.2e}, dv err {errs[2]:.2e}  {'ok' if ok else 'MISMATCH'}")
+    print(f"bwd Sq={Sq:4d} Sk={Sk:4d} D={D:3d} group={group} {mask!s:14} {terms or '':13}: dq err {errs[0]:.2e}, "
+          f"dk err {errs[1]:.2e}, dv err {errs[2]:.2e}"
+          f"{f', drel err {errs[3]:.2e}' if rel is not None else ''}  {'ok' if ok else 'MISMATCH'}")
     return ok
 
 
@@ -593,7 +648,12 @@ BWD_CASES = [(64, 128, 64, 1, False), (70, 130, 64, 2, True),
              (5, 200, 64, 1, True), (65, 1, 64, 1, True),
              (140, 150, 128, 2, True),
              (200, 300, 64, 1, (30, 0, None)), (150, 140, 64, 2, (10, 40, None)),
-             (100, 400, 64, 1, (-1, 0, "left")), (90, 200, 128, 1, (25, 25, "random"))]
+             (100, 400, 64, 1, (-1, 0, "left")), (90, 200, 128, 1, (25, 25, "random")),
+             # the kTerms instances (softcap, ALiBi): distances across tiles and Sq != Sk
+             (130, 200, 64, 2, True, "alibi"), (150, 70, 128, 1, False, "softcap"),
+             (140, 300, 128, 2, (40, 10, "random"), "alibi+softcap"),
+             (70, 130, 64, 1, (-1, 0, "left"), "alibi+softcap"),
+             (150, 170, 64, 2, True, "rel"), (100, 260, 128, 1, (50, 20, None), "rel+alibi+softcap")]
 
 
 def check_fwd(rng, Sq, Sk, D, spec) -> bool:
@@ -621,8 +681,8 @@ def main() -> int:
     bad = 0
     for Sq, Sk, D, spec in FWD_CASES:
         bad += not check_fwd(rng, Sq, Sk, D, spec)
-    for Sq, Sk, D, group, spec in BWD_CASES:
-        bad += not check_bwd(rng, Sq, Sk, D, group, spec)
+    for case in BWD_CASES:
+        bad += not check_bwd(rng, *case)
     for Sq, Sk, D, spec in [(70, 130, 64, True), (130, 70, 64, True), (200, 200, 32, True),
                             (100, 37, 128, False), (70, 100, 256, True), (5, 200, 64, True),
                             (150, 300, 64, (20, 0, None)), (130, 260, 128, (5, 70, None)),

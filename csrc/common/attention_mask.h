@@ -367,17 +367,27 @@ struct ScoreTerms {
   // 1 - th^2, as apply_row).
   template <typename T>
   ATTN_MASK_FN T add(T s, int64_t b, int64_t h, int64_t d, T* th = nullptr) const {
-    using std::tanh;
-    if (softcap > 0.0) {
-      const T t = tanh(s / static_cast<T>(softcap));
-      if (th != nullptr) *th = t;
-      s = static_cast<T>(softcap) * t;
-    }
-    if (alibi != nullptr) s -= slope<T>(b, h) * static_cast<T>(d < 0 ? -d : d);
+    if (softcap > 0.0) s = cap(s, th);
+    if (alibi != nullptr) s = alibi_add(s, slope<T>(b, h), d);
     if (rel_bias != nullptr) {
       s += static_cast<const T*>(rel_bias)[h * (2 * rel_max + 1) + rel_max + clamp_d(d, rel_max)];
     }
     return s;
+  }
+
+  // add()'s two first steps on their own, for a kernel that hoists the slope (the fast CUDA
+  // backward: softcap and ALiBi only, 32-bit distances): softcap * tanh(s / softcap), with
+  // tanh(s / softcap) to *th when th is given (softcap > 0); s - slope * |d|.
+  template <typename T>
+  ATTN_MASK_FN T cap(T s, T* th) const {
+    using std::tanh;
+    const T t = tanh(s / static_cast<T>(softcap));
+    if (th != nullptr) *th = t;
+    return static_cast<T>(softcap) * t;
+  }
+  template <typename T, typename I>
+  ATTN_MASK_FN static T alibi_add(T s, T slope, I d) {
+    return s - slope * static_cast<T>(d < 0 ? -d : d);
   }
 
   // The terms on one key's run of consecutive query rows: x[c], c in [0, n), is the score

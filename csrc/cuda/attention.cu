@@ -44,8 +44,9 @@
 // by common/score_checks.h as on the CPU): split-KV and the simple kernels take all of them;
 // the fast forward takes softcap, ALiBi, rel_bias and sinks (its kTerms instances; not at
 // D = 256, whose terms instances would spill) but not
-// dropout (dropout_p > 0: step 0 or 2); the fast backward takes none (any term but sinks,
-// which reach the backward only through lse: the simple kernels). The backward's d rel_bias
+// dropout (dropout_p > 0: step 0 or 2); the fast backward takes softcap, ALiBi and rel_bias
+// (its kTerms instances; d rel_bias by fp32 atomics, like dq; sinks reach the backward only
+// through lse) but not dropout (fa2::bwd_fast_terms_ok: the simple kernels). The simple backward's d rel_bias
 // is a fixed-order reduction (simple kernels' pass 3 and 4, no atomics): every gradient of the
 // simple kernels, d rel_bias included, is bitwise reproducible, so deterministic=True needs
 // nothing else.
@@ -195,10 +196,14 @@ bool use_fast_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
   if (p.Sk <= 0 || p.Sq <= 0) return false;
   if (!aligned16(q) || !aligned16(k) || !aligned16(v) || !aligned16(dout)) return false;
   if (!cuda::fa2::bwd_fast_grid_ok(p)) return false;
-  if (!p.score_terms().plain()) return false;  // score terms: the simple kernels have them
+  // softcap / ALiBi: the fast kernel's kTerms instances; rel_bias, dropout: the simple ones
+  if (!cuda::fa2::bwd_fast_terms_ok(p.score_terms())) return false;
   if (deterministic) return false;
-  // 155 KiB at D = 128: more than sm_86 / sm_89 / sm_120 allow per block
-  if (cuda::fa2::bwd_smem_bytes(p.D) > max_smem_optin(q.get_device_index())) return false;
+  // 155 KiB at D = 128: more than sm_86 / sm_89 / sm_120 allow per block (plus d rel_bias's
+  // accumulator with rel_bias)
+  if (cuda::fa2::bwd_smem_bytes(p.D) + cuda::fa2::bwd_rel_smem_bytes(p.score_terms()) >
+      max_smem_optin(q.get_device_index()))
+    return false;
   return !force_simple();
 }
 

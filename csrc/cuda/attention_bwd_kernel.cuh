@@ -47,8 +47,9 @@
 // (2 x 128 + 4 x 64) x (D + 8) x 2 + 128 x 72 x 2 + 1 KiB = 91 KiB at D = 64, 155 KiB at
 // D = 128 (fits sm_80 / sm_90's opt-in limits of 163 / 227 KiB, not the 99 KiB of sm_86 /
 // sm_89 / sm_120: the adapter checks the device's limit and otherwise runs the simple
-// kernels). Registers (ptxas): about 200 at D = 64, 255 at D = 128, so 1 CTA (8 warps) per
-// SM at both head dims.
+// kernels). Registers (ptxas): about 200-225 at D = 64, 253-255 at D = 128 (the kTerms
+// instances included: the slope is hoisted per step and d is 32-bit, which is what keeps the
+// masked D = 128 terms instances from spilling), so 1 CTA (8 warps) per SM at both head dims.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -116,7 +117,15 @@ __global__ void __launch_bounds__(256) fa2_bwd_delta_kernel(AttentionBwdParams b
 // grid (key tiles, Hkv, B). kMask (MaskMode, attention_launch.h): 0 no mask (dense()),
 // 1 a band (causal / window) without key padding, 2 key padding (with or without a band);
 // packed sequences run in every mode (seq(b)).
-template <typename T, int kHeadDim, int kMask>
+// kTerms (bwd_fast_terms_ok, attention_launch.h): softcap, ALiBi and rel_bias in ScoreTerms'
+// order (common/attention_mask.h: the forward's rule at the forward's d = row + off - key),
+// softcap's chain factor 1 - tanh^2 on dS, and d rel_bias[h, M + clamp(d)] += dS (before the
+// chain factor: the bias is added after the cap) summed per CTA in shared memory (2M + 1
+// floats after the fixed part, bwd_rel_smem_bytes) and added to bp.drel_bias (fp32, zeroed
+// by the caller) with one global atomic per entry and query head: not deterministic, as dq.
+// Never dropout. Sinks need nothing here: lse holds them (d sinks is computed from lse, out
+// and dout by the caller).
+template <typename T, int kHeadDim, int kMask, bool kTerms>
 __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHeadDim>::kMinBlocks)
     fa2_bwd_kernel(AttentionBwdParams bp, const float* delta, float* dq_accum) {
   using Tr = BwdTraits<kHeadDim>;
@@ -138,6 +147,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   T* sdS = sdO + 2 * kBlockM * kStride;    // (kBlockN, kDsStride): dS^T, keys x queries
   float* sLse = reinterpret_cast<float*>(sdS + kBlockN * kDsStride);  // 2 x kBlockM, base 2
   float* sDelta = sLse + 2 * kBlockM;                                 // 2 x kBlockM
+  float* sDrel = sDelta + 2 * kBlockM;  // kTerms with rel_bias: (2M + 1), the current head's
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t hkv = blockIdx.y, b = blockIdx.z;
@@ -240,6 +250,24 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   }
   const float scale = static_cast<float>(p.scale);
   const float scale_log2 = scale * kLog2eF;
+  const bool has_cap = kTerms && p.terms.softcap > 0.0;
+  // rel_bias (kTerms): the table and its gradient's accumulator of the current query head
+  const float* rel_tab = kTerms ? static_cast<const float*>(p.terms.rel_bias) : nullptr;
+  const int rel_m = kTerms ? static_cast<int>(p.terms.rel_max) : 0;
+  const int rel_n = 2 * rel_m + 1;
+  float* const gDrel = static_cast<float*>(bp.drel_bias);
+  if (kTerms && rel_tab != nullptr) {
+    for (int i = tid; i < rel_n; i += kThreads) sDrel[i] = 0.f;  // the first step's barrier orders it
+  }
+  // adds the CTA's d rel_bias of query head hh to the global table and clears it; every
+  // thread calls it between two barriers
+  auto flush_drel = [&](int64_t hh) {
+    for (int i = tid; i < rel_n; i += kThreads) {
+      const float x = sDrel[i];
+      if (x != 0.f) atomicAdd(gDrel + hh * rel_n + i, x);
+      sDrel[i] = 0.f;
+    }
+  };
 
   // ldmatrix lane offsets (as in the forward): "A-style" rows/cols of a 16x16 block read in
   // mma A order (matrices: rows +0/+8, then cols +0/+8), "B-style" of a block of two n8 tiles
@@ -288,8 +316,25 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
     }
     if (st + 1 < steps) load_step(st + 1);  // into the other buffer (last read in step st - 1)
     cp_async_commit();
+    if constexpr (kTerms) {
+      // a new query head: the previous one's d rel_bias goes out first (every warp is done
+      // with step st - 1: the barrier above; nobody adds before the barrier below)
+      if (rel_tab != nullptr && st > 0 && st % n_m == 0) {
+        flush_drel(h - 1);
+        __syncthreads();
+      }
+    }
     // the band in tile coordinates: query column qc, key row kr
     const TileBand band = bands.at(m0, n0, kBlockM, kBlockN);
+    // score terms of this step's query head: the ALiBi slope (0 without), and d = row + off -
+    // key as (m0 + qc) + d_row_key - (key row in the tile)
+    float slope = 0.f;
+    const float* rel_h = nullptr;  // the query head's row of the table
+    if constexpr (kTerms) {
+      if (p.terms.alibi != nullptr) slope = p.terms.slope<float>(b, h);
+      if (rel_tab != nullptr) rel_h = rel_tab + h * rel_n + rel_m;
+    }
+    const int d_row_key = bands.off - n0;
 
     // The query columns in two halves of kQSub = 32 (halves the live S^T / dP^T registers,
     // which sit next to the 2 x D/2 dK/dV accumulators; costs a second read of the K and V
@@ -329,12 +374,38 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qc = q0 + t * 8 + c2 + (e & 1);
-          float pr = fast_exp2(fmaf(s[t][e], scale_log2, -sLseb[qc]));
-          float ds = pr * (dp[t][e] - sDeltab[qc]);
+          float pr, ds;
+          float chain = 1.f;  // softcap: 1 - tanh^2
+          int rd = 0;         // rel_bias: clamp(d, -M, M)
+          if constexpr (kTerms) {
+            // the forward's score (fa2_fwd_kernel: base 2 to natural units, ScoreTerms'
+            // softcap, ALiBi, rel_bias at d = row + off - key, back to base 2); d in 32 bits
+            // as the bands
+            float th = 0.f;  // tanh(s / softcap) (0 without softcap: chain factor 1)
+            const int d = m0 + qc + d_row_key - (e < 2 ? kra : krb);
+            float x = s[t][e] * scale_log2 * kLn2F;
+            if (has_cap) x = p.terms.cap<float>(x, &th);
+            x = ScoreTerms::alibi_add(x, slope, d);
+            if (rel_h != nullptr) {
+              rd = d < -rel_m ? -rel_m : (d > rel_m ? rel_m : d);
+              x += __ldg(rel_h + rd);
+            }
+            pr = fast_exp2(x * kLog2eF - sLseb[qc]);
+            ds = pr * (dp[t][e] - sDeltab[qc]);
+            chain = 1.f - th * th;
+          } else {
+            pr = fast_exp2(fmaf(s[t][e], scale_log2, -sLseb[qc]));
+            ds = pr * (dp[t][e] - sDeltab[qc]);
+          }
           if (need_mask) {
             const bool ok = (e < 2 ? kok_a : kok_b) && band.ok(qc, e < 2 ? kra : krb);
             // masked: exactly 0, also when v or dout hold inf/NaN (0 * NaN would leak)
             if (!ok) pr = ds = 0.f;
+          }
+          if constexpr (kTerms) {
+            // d rel_bias: dS of the biased score (the bias comes after the cap)
+            if (rel_h != nullptr && ds != 0.f) atomicAdd(sDrel + rel_m + rd, ds);
+            ds *= chain;
           }
           s[t][e] = pr;
           dp[t][e] = ds;  // dS^T
@@ -472,6 +543,13 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   }
   cp_async_wait<0>();  // nothing may be in flight when the CTA exits
 
+  if constexpr (kTerms) {  // the last query head's d rel_bias
+    if (rel_tab != nullptr && steps > 0) {
+      __syncthreads();
+      flush_drel(hkv * group + (steps - 1) / n_m);
+    }
+  }
+
   // epilogue: dk = scale * acc_dk, dv = acc_dv (as dk / dv: (B, Sk, Hkv, D), packed
   // (Tk, Hkv, D), contiguous); keys past Sk skipped
   T* gdK = static_cast<T*>(bp.dk) + b * bp.dk_batch_stride;
@@ -495,7 +573,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
 // ---- launcher ------------------------------------------------------------------------------
 // Instantiated in attention_fa2_bwd_hdim64.cu / attention_fa2_bwd_hdim128.cu; dispatched from
 // attention_launch.h. delta: (B, H, Sq) fp32 workspace; dq_accum: (B, Sq, H, D) fp32, zeroed.
-template <typename T, int kHeadDim, int kMask>
+template <typename T, int kHeadDim, int kMask, bool kTerms>
 cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, float* dq_accum,
                                 cudaStream_t stream) {
   using Tr = BwdTraits<kHeadDim>;
@@ -506,28 +584,42 @@ cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, floa
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
 
-  constexpr auto kernel = fa2_bwd_kernel<T, kHeadDim, kMask>;
-  e = ensure_dynamic_smem<kernel>(Tr::kSmemBytes);
+  constexpr auto kernel = fa2_bwd_kernel<T, kHeadDim, kMask, kTerms>;
+  // the terms instances may take d rel_bias's accumulator on top (bwd_rel_smem_bytes): they
+  // are allowed the device's whole opt-in limit (the adapter checked the sum against it)
+  int limit = Tr::kSmemBytes;
+  if constexpr (kTerms) {
+    int dev = 0;
+    e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e != cudaSuccess) return e;
+  }
+  e = ensure_dynamic_smem<kernel>(limit);
   if (e != cudaSuccess) return e;
+  const int smem = Tr::kSmemBytes + (kTerms ? bwd_rel_smem_bytes(p.terms) : 0);
+  if (smem > limit) return cudaErrorInvalidValue;  // the adapter runs the simple kernels
   const dim3 grid(static_cast<unsigned>((p.Sk + Tr::kBlockN - 1) / Tr::kBlockN),
                   static_cast<unsigned>(p.Hkv), static_cast<unsigned>(p.B));
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(bp, delta, dq_accum);
+  kernel<<<grid, Tr::kThreads, smem, stream>>>(bp, delta, dq_accum);
   return cudaGetLastError();
 }
 
-// One head dim's six kernels (fp16 / bf16 x the three mask modes), for attention_fa2_bwd_hdim*.cu.
-#define ATTN_EXT_INSTANTIATE_FA2_BWD_T(T, D)                                                  \
-  template cudaError_t launch_fa2_bwd_impl<T, D, 0>(const AttentionBwdParams&, float*, float*, \
-                                                    cudaStream_t);                            \
-  template cudaError_t launch_fa2_bwd_impl<T, D, 1>(const AttentionBwdParams&, float*, float*, \
-                                                    cudaStream_t);                            \
-  template cudaError_t launch_fa2_bwd_impl<T, D, 2>(const AttentionBwdParams&, float*, float*, \
-                                                    cudaStream_t);
+// One head dim's twelve kernels (fp16 / bf16 x the three mask modes x score terms or not),
+// for attention_fa2_bwd_hdim*.cu.
+#define ATTN_EXT_INSTANTIATE_FA2_BWD_MT(T, D, M, TERMS)                                      \
+  template cudaError_t launch_fa2_bwd_impl<T, D, M, TERMS>(const AttentionBwdParams&, float*, \
+                                                           float*, cudaStream_t);
+#define ATTN_EXT_INSTANTIATE_FA2_BWD_T(T, D, TERMS)                                          \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_MT(T, D, 0, TERMS)                                            \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_MT(T, D, 1, TERMS)                                            \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_MT(T, D, 2, TERMS)
 #define ATTN_EXT_INSTANTIATE_FA2_BWD(D)                                                       \
   static_assert(BwdTraits<D>::kSmemBytes == bwd_smem_bytes(D),                              \
                 "attention_launch.h's bwd_smem_bytes is stale");                            \
-  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__half, D)                                                   \
-  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__nv_bfloat16, D)
+  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__half, D, false)                                            \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__half, D, true)                                             \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__nv_bfloat16, D, false)                                     \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__nv_bfloat16, D, true)
 
 }  // namespace fa2
 }  // namespace cuda

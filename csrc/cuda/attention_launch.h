@@ -122,9 +122,22 @@ cudaError_t launch_fa2_fwd(const AttentionParams& p, cudaStream_t stream) {
   }
 }
 
-template <typename T, int kHeadDim, int kMask>
+template <typename T, int kHeadDim, int kMask, bool kTerms>
 cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, float* dq_accum,
                                 cudaStream_t stream);
+
+// Score terms the fast backward takes (its kTerms instances): softcap, ALiBi, rel_bias (its
+// gradient by fp32 atomics: like dq, not deterministic; the adapter's deterministic mode runs
+// the simple kernels, whose per-diagonal passes are). Sinks are not the backward's business
+// (lse holds them); dropout runs the simple kernels.
+inline bool bwd_fast_terms_ok(const ScoreTerms& t) { return !t.has_dropout(); }
+
+// Extra dynamic shared memory of the kTerms instances: d rel_bias's (2M + 1) fp32
+// accumulator (0 without rel_bias). The adapter adds it to bwd_smem_bytes before comparing
+// with the device's opt-in limit.
+inline int64_t bwd_rel_smem_bytes(const ScoreTerms& t) {
+  return t.rel_bias == nullptr ? 0 : (2 * t.rel_max + 1) * 4;
+}
 
 // Backward grid (key tiles of 128, Hkv, B).
 // Dynamic shared memory of fa2_bwd_kernel (BwdTraits<D>::kSmemBytes; the instantiating .cu
@@ -143,23 +156,31 @@ inline bool bwd_fast_grid_ok(const AttentionParams& p) {
 
 // T = __half or __nv_bfloat16; D == Dv in {64, 128} (the caller checked). delta: (B, H, Sq)
 // fp32 workspace; dq_accum: (B, Sq, H, D) fp32, zeroed; the caller converts it to dq.
+template <typename T, int kHeadDim, bool kTerms>
+cudaError_t launch_fa2_bwd_m(const AttentionBwdParams& bp, float* delta, float* dq_accum,
+                             cudaStream_t stream) {
+  switch (mask_mode(bp.fwd)) {
+    case kMaskNone: return launch_fa2_bwd_impl<T, kHeadDim, kMaskNone, kTerms>(bp, delta, dq_accum, stream);
+    case kMaskBand: return launch_fa2_bwd_impl<T, kHeadDim, kMaskBand, kTerms>(bp, delta, dq_accum, stream);
+    default: return launch_fa2_bwd_impl<T, kHeadDim, kMaskPadding, kTerms>(bp, delta, dq_accum, stream);
+  }
+}
+
+template <typename T, int kHeadDim>
+cudaError_t launch_fa2_bwd_d(const AttentionBwdParams& bp, float* delta, float* dq_accum,
+                             cudaStream_t stream) {
+  const ScoreTerms t = bp.fwd.score_terms();
+  if (!bwd_fast_terms_ok(t)) return cudaErrorInvalidValue;  // the adapter runs the simple kernels
+  if (t.active()) return launch_fa2_bwd_m<T, kHeadDim, true>(bp, delta, dq_accum, stream);
+  return launch_fa2_bwd_m<T, kHeadDim, false>(bp, delta, dq_accum, stream);
+}
+
 template <typename T>
 cudaError_t launch_fa2_bwd(const AttentionBwdParams& bp, float* delta, float* dq_accum,
                            cudaStream_t stream) {
-  const int mode = mask_mode(bp.fwd);
-  if (bp.fwd.D == 64) {
-    switch (mode) {
-      case kMaskNone: return launch_fa2_bwd_impl<T, 64, kMaskNone>(bp, delta, dq_accum, stream);
-      case kMaskBand: return launch_fa2_bwd_impl<T, 64, kMaskBand>(bp, delta, dq_accum, stream);
-      default: return launch_fa2_bwd_impl<T, 64, kMaskPadding>(bp, delta, dq_accum, stream);
-    }
-  }
-  if (bp.fwd.D != 128) return cudaErrorInvalidValue;
-  switch (mode) {
-    case kMaskNone: return launch_fa2_bwd_impl<T, 128, kMaskNone>(bp, delta, dq_accum, stream);
-    case kMaskBand: return launch_fa2_bwd_impl<T, 128, kMaskBand>(bp, delta, dq_accum, stream);
-    default: return launch_fa2_bwd_impl<T, 128, kMaskPadding>(bp, delta, dq_accum, stream);
-  }
+  if (bp.fwd.D == 64) return launch_fa2_bwd_d<T, 64>(bp, delta, dq_accum, stream);
+  if (bp.fwd.D == 128) return launch_fa2_bwd_d<T, 128>(bp, delta, dq_accum, stream);
+  return cudaErrorInvalidValue;
 }
 }  // namespace fa2
 
