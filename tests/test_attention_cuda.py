@@ -786,13 +786,19 @@ def _fast_fwd_bwd(q, k, v, dout, **kw):
     return box[0], names
 
 
+@pytest.mark.parametrize("terms", ["plain", "softcap+alibi+rel"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
-def test_fast_nonfinite_at_padded_keys_stays_out(dtype, D, cuda):
+def test_fast_nonfinite_at_padded_keys_stays_out(dtype, D, terms, cuda):
     """inf / NaN / -inf in k and v at padded keys (and at keys outside every row's window)
     change nothing: out, lse, dq, dk, dv equal the run with finite values there (forward and
-    backward on the fast kernels; issue 18 item 4)."""
+    backward on the fast kernels; issue 18 item 4), also through the score-term instances
+    (a NaN score's softcap chain factor at a hidden pair must not reach dS)."""
     _fast_fits_or_skip(D)
+    H_ = 2
+    term_kw = {} if terms == "plain" else dict(
+        softcap=5.0, alibi_slopes=torch.tensor([0.3, 0.1], device=cuda),
+        rel_bias=randn(H_, 2 * 20 + 1, device=cuda))
     B, S, H = 2, 300, 2
     q, k, v, dout = [randn(B, S, H, D, dtype=dtype, device=cuda) for _ in range(4)]
     kpm = torch.ones(B, S, dtype=torch.bool, device=cuda)
@@ -807,12 +813,12 @@ def test_fast_nonfinite_at_padded_keys_stays_out(dtype, D, cuda):
     vb[0, 299] = float("-inf")
     for causal, window in ((True, None), (False, (60, 60))):
         clean, names = _fast_fwd_bwd(q, k, v, dout, causal=causal, window=window,
-                                     key_padding_mask=kpm)
+                                     key_padding_mask=kpm, **term_kw)
         assert ran(names, "fa2_fwd_kernel"), names
         if fast_bwd_fits(D):
             assert ran(names, "fa2_bwd_kernel"), names
         dirty, _ = _fast_fwd_bwd(q, kb, vb, dout, causal=causal, window=window,
-                                 key_padding_mask=kpm)
+                                 key_padding_mask=kpm, **term_kw)
         for what, a, c in zip(("out", "lse", "dq", "dk", "dv"), dirty, clean):
             fin = torch.isfinite(a) | (torch.isneginf(a) & torch.isneginf(c))
             assert fin.all(), f"{what}: a hidden non-finite value leaked (causal={causal})"

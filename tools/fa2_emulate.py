@@ -255,9 +255,13 @@ def check_rule_against_header(Sq, Sk, D, spec) -> bool:
     return ok
 
 
-def fa2_fwd_cta(q, k, v, Sq, Sk, D, mask, scale, m_block, out, lse):
+def fa2_fwd_cta(q, k, v, Sq, Sk, D, mask, scale, m_block, out, lse, slope=None, cap=None,
+                rel=None):
     """One CTA (query tile m_block) of fa2_fwd_kernel for one (b, h); q (Sq, D), k/v (Sk, D);
-    mask: a Mask (the kernel's kMasked is mask.masked)."""
+    mask: a Mask (the kernel's kMasked is mask.masked). slope / cap / rel (the head's table
+    row, 2M + 1): the kTerms instances' ALiBi, softcap and rel_bias (None: plain)."""
+    terms = slope is not None or cap is not None or rel is not None
+    rel_m = (len(rel) - 1) // 2 if rel is not None else 0
     c = fwd_constants(D)
     kBlockM, kBlockN, kStride = c["kBlockM"], c["kBlockN"], c["kStride"]
     kNTiles, kDTiles = c["kNTiles"], c["kDTiles"]
@@ -333,6 +337,19 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, mask, scale, m_block, out, lse):
                     mma(s[2 * nn], a, bk[:, 0], bk[:, 1])
                     mma(s[2 * nn + 1], a, bk[:, 2], bk[:, 3])
             s *= scale_log2
+            if terms:  # ScoreTerms::add_row at d = row + off - key, 32-bit as the kernel
+                d_row_key = (Sk - Sq) - n0 - (lane & 3) * 2
+                for t in range(kNTiles):
+                    for e in range(4):
+                        d = m0 + (ra if e < 2 else rb) + d_row_key - (t * 8 + (e & 1))
+                        x = s[t, :, e] * math.log(2.0)
+                        if cap is not None:
+                            x = cap * np.tanh(x / cap)
+                        if slope is not None:
+                            x = x - slope * np.abs(d)
+                        if rel is not None:
+                            x = x + rel[rel_m + np.clip(d, -rel_m, rel_m)]
+                        s[t, :, e] = x * log2e
             if kind == PARTIAL:
                 band = hdr["tile"][(m0, n0)]
                 for t in range(kNTiles):
@@ -489,6 +506,8 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
                             ok = kok[kr] & band_ok(band, qc, kr)
                             pr = np.where(ok, pr, 0.0)
                             ds = np.where(ok, ds, 0.0)
+                            if terms:
+                                chain = np.where(ok, chain, 1.0)
                         if terms:
                             if rel is not None:  # sDrel[rel_m + rd] += ds (shared atomics)
                                 np.add.at(drel[h], rel_m + rd, ds)
@@ -621,8 +640,18 @@ def check_bwd(rng, Sq, Sk, D, group, spec, terms=None) -> bool:
     return ok
 
 
-def reference(q, k, v, mask, scale):
-    s = np.where(mask.visible(), q @ k.T * scale, -np.inf)
+def reference(q, k, v, mask, scale, slope=None, cap=None, rel=None):
+    Sq, Sk = q.shape[0], k.shape[0]
+    x = q @ k.T * scale
+    dsign = np.arange(Sq)[:, None] + (Sk - Sq) - np.arange(Sk)[None, :]
+    if cap is not None:
+        x = cap * np.tanh(x / cap)
+    if slope is not None:
+        x = x - slope * np.abs(dsign)
+    if rel is not None:
+        m = (len(rel) - 1) // 2
+        x = x + rel[m + np.clip(dsign, -m, m)]
+    s = np.where(mask.visible(), x, -np.inf)
     mx = s.max(axis=1, keepdims=True)
     mx = np.where(np.isinf(mx), 0, mx)
     p = np.exp(s - mx)
@@ -641,7 +670,10 @@ FWD_CASES = [(64, 64, 64, False), (70, 130, 64, True), (130, 70, 32, True),
              (90, 150, 96, True), (70, 100, 256, True),
              (150, 200, 64, (20, 0, None)), (130, 260, 32, (5, 9, None)),
              (100, 300, 64, (-1, 0, "left")), (90, 90, 64, (30, 30, "random")),
-             (70, 70, 128, (-1, -1, "random"))]
+             (70, 70, 128, (-1, -1, "random")),
+             # the kTerms instances (not built at D = 256: fwd_fast_terms_head_dim)
+             (130, 200, 64, True, "rel+alibi+softcap"), (100, 37, 128, False, "rel"),
+             (90, 260, 32, (30, 5, "random"), "alibi+softcap"), (70, 70, 96, True, "rel+alibi")]
 # (Sq, Sk, D, group, mask): likewise for the fast backward (launch_fa2_bwd), with GQA.
 BWD_CASES = [(64, 128, 64, 1, False), (70, 130, 64, 2, True),
              (130, 70, 64, 1, True), (100, 37, 128, 1, False),
@@ -656,22 +688,25 @@ BWD_CASES = [(64, 128, 64, 1, False), (70, 130, 64, 2, True),
              (150, 170, 64, 2, True, "rel"), (100, 260, 128, 1, (50, 20, None), "rel+alibi+softcap")]
 
 
-def check_fwd(rng, Sq, Sk, D, spec) -> bool:
+def check_fwd(rng, Sq, Sk, D, spec, terms=None) -> bool:
     q, k, v = (rng.standard_normal((n, D)) for n in (Sq, Sk, Sk))
     scale = 1 / math.sqrt(D)
     mask = Mask(Sq, Sk, spec, rng)
     out = np.full((Sq, D), np.nan)
     lse = np.full(Sq, np.nan)
     kBlockM = fwd_constants(D)["kBlockM"]
+    tk = dict(slope=0.05 + 0.3 * rng.random() if terms and "alibi" in terms else None,
+              cap=1.5 if terms and "softcap" in terms else None,
+              rel=rng.standard_normal(2 * 40 + 1) if terms and "rel" in terms else None)
     for m_block in range((Sq + kBlockM - 1) // kBlockM):
-        fa2_fwd_cta(q, k, v, Sq, Sk, D, mask, scale, m_block, out, lse)
-    r_out, r_lse = reference(q, k, v, mask, scale)
+        fa2_fwd_cta(q, k, v, Sq, Sk, D, mask, scale, m_block, out, lse, **tk)
+    r_out, r_lse = reference(q, k, v, mask, scale, **tk)
     e_out = np.nanmax(np.abs(out - r_out)) if not np.isnan(out).any() else np.inf
     same_inf = np.array_equal(np.isinf(lse), np.isinf(r_lse))
     fin = np.isfinite(r_lse)
     e_lse = np.abs(lse[fin] - r_lse[fin]).max() if fin.any() else 0.0
     ok = e_out < 1e-9 and same_inf and e_lse < 1e-9 and not np.isnan(lse).any()
-    print(f"Sq={Sq:4d} Sk={Sk:4d} D={D:3d} {mask!s:14}: out err {e_out:.2e}, "
+    print(f"Sq={Sq:4d} Sk={Sk:4d} D={D:3d} {mask!s:14} {terms or '':17}: out err {e_out:.2e}, "
           f"lse err {e_lse:.2e}, -inf rows match {same_inf}  {'ok' if ok else 'MISMATCH'}")
     return ok
 
@@ -679,8 +714,8 @@ def check_fwd(rng, Sq, Sk, D, spec) -> bool:
 def main() -> int:
     rng = np.random.default_rng(0)
     bad = 0
-    for Sq, Sk, D, spec in FWD_CASES:
-        bad += not check_fwd(rng, Sq, Sk, D, spec)
+    for case in FWD_CASES:
+        bad += not check_fwd(rng, *case)
     for case in BWD_CASES:
         bad += not check_bwd(rng, *case)
     for Sq, Sk, D, spec in [(70, 130, 64, True), (130, 70, 64, True), (200, 200, 32, True),

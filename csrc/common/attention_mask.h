@@ -367,17 +367,35 @@ struct ScoreTerms {
   // 1 - th^2, as apply_row).
   template <typename T>
   ATTN_MASK_FN T add(T s, int64_t b, int64_t h, int64_t d, T* th = nullptr) const {
-    if (softcap > 0.0) s = cap(s, th);
-    if (alibi != nullptr) s = alibi_add(s, slope<T>(b, h), d);
-    if (rel_bias != nullptr) {
-      s += static_cast<const T*>(rel_bias)[h * (2 * rel_max + 1) + rel_max + clamp_d(d, rel_max)];
-    }
-    return s;
+    return add_row<T, int64_t>(s, alibi != nullptr ? slope<T>(b, h) : T(0), rel_row<T>(h), d, th);
   }
 
-  // add()'s two first steps on their own, for a kernel that hoists the slope (the fast CUDA
-  // backward: softcap and ALiBi only, 32-bit distances): softcap * tanh(s / softcap), with
-  // tanh(s / softcap) to *th when th is given (softcap > 0); s - slope * |d|.
+  // add() with its (b, h) lookups done once by the caller (the fast CUDA kernels: per CTA or
+  // per step, in 32-bit distances): slope = slope<T>(b, h) (unused without ALiBi), row =
+  // rel_row<T>(h) (nullptr without rel_bias). *rd = clamp(d, -M, M) when rel_bias (the
+  // backward's d rel_bias index).
+  template <typename T>
+  ATTN_MASK_FN const T* rel_row(int64_t h) const {
+    return rel_bias == nullptr ? nullptr : static_cast<const T*>(rel_bias) + h * (2 * rel_max + 1) + rel_max;
+  }
+  template <typename T, typename I>
+  ATTN_MASK_FN T add_row(T s, T slope_bh, const T* row, I d, T* th = nullptr, I* rd = nullptr) const {
+    if (softcap > 0.0) s = cap(s, th);
+    if (alibi != nullptr) s = alibi_add(s, slope_bh, d);
+    if (row != nullptr) s = rel_add(s, row, static_cast<I>(rel_max), d, rd);
+    return s;
+  }
+  // add_row's last step: s + row[clamp(d, -m, m)] (row centred, m = rel_max), the clamped
+  // index to *rd when given
+  template <typename T, typename I>
+  ATTN_MASK_FN static T rel_add(T s, const T* row, I m, I d, I* rd = nullptr) {
+    const I c = d < -m ? -m : (d > m ? m : d);
+    if (rd != nullptr) *rd = c;
+    return s + row[c];
+  }
+
+  // add()'s first two steps: softcap * tanh(s / softcap), with tanh(s / softcap) to *th when
+  // th is given (softcap > 0); s - slope * |d|.
   template <typename T>
   ATTN_MASK_FN T cap(T s, T* th) const {
     using std::tanh;

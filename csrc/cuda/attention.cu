@@ -196,7 +196,7 @@ bool use_fast_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
   if (p.Sk <= 0 || p.Sq <= 0) return false;
   if (!aligned16(q) || !aligned16(k) || !aligned16(v) || !aligned16(dout)) return false;
   if (!cuda::fa2::bwd_fast_grid_ok(p)) return false;
-  // softcap / ALiBi: the fast kernel's kTerms instances; rel_bias, dropout: the simple ones
+  // softcap / ALiBi / rel_bias: the fast kernel's kTerms instances; dropout: the simple ones
   if (!cuda::fa2::bwd_fast_terms_ok(p.score_terms())) return false;
   if (deterministic) return false;
   // 155 KiB at D = 128: more than sm_86 / sm_89 / sm_120 allow per block (plus d rel_bias's
@@ -325,11 +325,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
   bp.fwd.terms = terms;
   fill_block_position(bp.fwd, q_start, k_start, /*has_sinks=*/false);
   if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
-  const Tensor drel_diag = drel_workspace(bp, lse);
   const Tensor dlse_c = dlse.has_value() ? torch::stable::contiguous(*dlse) : Tensor();
   if (dlse_c.defined()) bp.dlse = dlse_c.data_ptr();
-  launch_backward(bp, q.scalar_type(), use_fast_backward(dout, q, k, v, bp.fwd, deterministic),
-                  delta, drel_diag, dq, stream, "attention_backward");
+  const bool fast = use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
+  // the simple kernels' d rel_bias diagonals (the fast kernel sums per CTA in shared memory)
+  const Tensor drel_diag = fast ? Tensor() : drel_workspace(bp, lse);
+  launch_backward(bp, q.scalar_type(), fast, delta, drel_diag, dq, stream, "attention_backward");
   return {dq, dk, dv, drel_bias};
 }
 
@@ -400,8 +401,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
                                                  window_left, window_right);
   bp.fwd.terms = terms;
   if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
-  const Tensor drel_diag = drel_workspace(bp, lse);
   const bool fast = use_fast_backward(dout, q, k, v, bp.fwd, deterministic);
+  const Tensor drel_diag = fast ? Tensor() : drel_workspace(bp, lse);
   // delta: (B, H, Sq) for the simple kernels; laid out as lse (H, Tq) for the fast one
   Tensor delta = fast ? alloc(lse, {s.H, Tq}) : alloc(lse, {s.B, s.H, s.Sq});
   launch_backward(bp, q.scalar_type(), fast, delta, drel_diag, dq, stream,

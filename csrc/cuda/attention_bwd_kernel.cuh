@@ -329,10 +329,10 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
     // score terms of this step's query head: the ALiBi slope (0 without), and d = row + off -
     // key as (m0 + qc) + d_row_key - (key row in the tile)
     float slope = 0.f;
-    const float* rel_h = nullptr;  // the query head's row of the table
+    const float* rel_h = nullptr;  // the query head's row of the table (centred)
     if constexpr (kTerms) {
       if (p.terms.alibi != nullptr) slope = p.terms.slope<float>(b, h);
-      if (rel_tab != nullptr) rel_h = rel_tab + h * rel_n + rel_m;
+      rel_h = p.terms.rel_row<float>(h);
     }
     const int d_row_key = bands.off - n0;
 
@@ -378,18 +378,16 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
           float chain = 1.f;  // softcap: 1 - tanh^2
           int rd = 0;         // rel_bias: clamp(d, -M, M)
           if constexpr (kTerms) {
-            // the forward's score (fa2_fwd_kernel: base 2 to natural units, ScoreTerms'
-            // softcap, ALiBi, rel_bias at d = row + off - key, back to base 2); d in 32 bits
-            // as the bands
+            // the forward's score (fa2_fwd_kernel: base 2 to natural units, ScoreTerms::add_row's
+            // steps in its order with the flags hoisted, at d = row + off - key, back to base
+            // 2); d in 32 bits as the bands. (add_row itself, which re-reads the flags per
+            // element, costs the D = 128 masked instances 12 bytes of spills on sm_80.)
             float th = 0.f;  // tanh(s / softcap) (0 without softcap: chain factor 1)
             const int d = m0 + qc + d_row_key - (e < 2 ? kra : krb);
             float x = s[t][e] * scale_log2 * kLn2F;
             if (has_cap) x = p.terms.cap<float>(x, &th);
-            x = ScoreTerms::alibi_add(x, slope, d);
-            if (rel_h != nullptr) {
-              rd = d < -rel_m ? -rel_m : (d > rel_m ? rel_m : d);
-              x += __ldg(rel_h + rd);
-            }
+            x = ScoreTerms::alibi_add(x, slope, d);  // slope 0 without ALiBi
+            if (rel_h != nullptr) x = ScoreTerms::rel_add(x, rel_h, rel_m, d, &rd);
             pr = fast_exp2(x * kLog2eF - sLseb[qc]);
             ds = pr * (dp[t][e] - sDeltab[qc]);
             chain = 1.f - th * th;
@@ -405,7 +403,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
           if constexpr (kTerms) {
             // d rel_bias: dS of the biased score (the bias comes after the cap)
             if (rel_h != nullptr && ds != 0.f) atomicAdd(sDrel + rel_m + rd, ds);
-            ds *= chain;
+            // a masked 0 stays 0 even when the hidden score was NaN (its chain factor too)
+            ds = ds != 0.f ? ds * chain : 0.f;
           }
           s[t][e] = pr;
           dp[t][e] = ds;  // dS^T

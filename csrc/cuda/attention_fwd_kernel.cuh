@@ -230,6 +230,13 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
   float row_max[2] = {-INFINITY, -INFINITY};  // base-2 scaled
   float row_sum[2] = {0.f, 0.f};               // this thread's partial sums (quad-reduced at end)
   const float scale_log2 = static_cast<float>(p.scale) * kLog2eF;
+  // score terms of this CTA's query head (kTerms): ALiBi slope, rel_bias row (centred)
+  float slope_h = 0.f;
+  const float* rel_h = nullptr;
+  if constexpr (kTerms) {
+    if (p.terms.alibi != nullptr) slope_h = p.terms.slope<float>(b, h);
+    rel_h = p.terms.rel_row<float>(h);
+  }
 
   // ldmatrix row/column offsets of this lane (see the fragment maps in the comments below)
   const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8;  // A (Q) and V^T: matrices 1,3 rows +8
@@ -306,13 +313,15 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
     // clamped) and are masked just below
     if constexpr (kTerms) {
       if (p.terms.active()) {
+        // ScoreTerms::add_row with the head's slope and table row looked up once per CTA, d in
+        // 32 bits as the bands (the backward recomputes the same: attention_bwd_kernel.cuh)
+        const int d_row_key = bands.off - n0 - (lane & 3) * 2;
 #pragma unroll
         for (int t = 0; t < kNTiles; ++t) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int64_t key = n0 + t * 8 + (lane & 3) * 2 + (e & 1);
-            const int64_t row = m0 + (e < 2 ? ra : rb);
-            s[t][e] = p.terms.add<float>(s[t][e] * kLn2F, b, h, row + sq.off - key) * kLog2eF;
+            const int d = m0 + (e < 2 ? ra : rb) + d_row_key - (t * 8 + (e & 1));
+            s[t][e] = p.terms.add_row<float, int>(s[t][e] * kLn2F, slope_h, rel_h, d) * kLog2eF;
           }
         }
       }
