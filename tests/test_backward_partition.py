@@ -13,6 +13,7 @@ import torch
 
 import attn_ext
 from attn_ext import reference
+from tests.utils import with_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,15 +23,6 @@ def _grads(fn, q, k, v, dout, dlse):
     out, lse = fn(q, k, v)
     loss = (out * dout).sum() + (lse.masked_fill(torch.isneginf(lse), 0) * dlse).sum()
     return torch.autograd.grad(loss, (q, k, v))
-
-
-def _with_threads(n, f):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return f()
-    finally:
-        torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("threads", [1, 3, 16, 64])  # 16, 64 > B * Hkv: the split partition
@@ -51,7 +43,7 @@ def test_backward_partitions_match_reference(threads, case):
     v = torch.randn(B, Sk, Hkv, Dv, dtype=torch.float64)
     dout = torch.randn(B, Sq, H, Dv, dtype=torch.float64)
     dlse = torch.randn(B, H, Sq, dtype=torch.float64)
-    ours = _with_threads(threads, lambda: _grads(
+    ours = with_threads(threads, lambda: _grads(
         lambda a, b, c: attn_ext.attention(a, b, c, return_lse=True, **kw), q, k, v, dout, dlse))
     ref = _grads(lambda a, b, c: reference.attention_with_lse(a, b, c, **kw), q, k, v, dout, dlse)
     for name, a, r in zip(("dq", "dk", "dv"), ours, ref):
@@ -69,7 +61,7 @@ def test_varlen_backward_partitions(threads):
     v = torch.randn(int(ck[-1]), Hkv, D, dtype=torch.float64)
     dout = torch.randn(int(cq[-1]), H, D, dtype=torch.float64)
     dlse = torch.randn(H, int(cq[-1]), dtype=torch.float64)
-    ours = _with_threads(threads, lambda: _grads(
+    ours = with_threads(threads, lambda: _grads(
         lambda a, b, c: attn_ext.attention_varlen(a, b, c, cq, ck, max(lens_q), max(lens_k),
                                                   causal=True, return_lse=True),
         q, k, v, dout, dlse))
@@ -89,9 +81,9 @@ def test_backward_bitwise_reproducible(threads, dtype):
     dlse = torch.zeros(1, 4, 300)
     f = lambda: _grads(lambda a, b, c: attn_ext.attention(a, b, c, causal=True, return_lse=True),
                        q, k, v, dout, dlse)
-    first = _with_threads(threads, f)
+    first = with_threads(threads, f)
     for _ in range(2):
-        again = _with_threads(threads, f)
+        again = with_threads(threads, f)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
 
@@ -120,7 +112,7 @@ def _peak_extra_mib(threads):
     return float(out.strip().splitlines()[-1])
 
 
-def test_backward_extra_memory_does_not_grow_with_threads():
+def test_backward_extra_memory_does_not_growwith_threads():
     # (1, 2048, 4, 64) fp32: the gradients are 3 x 2 MiB. A per-worker dq copy would add
     # 2 MiB per thread (32 MiB more at 16 threads; measured on the old kernel: 16.4 MiB at 1
     # thread, 48.4 at 16). What may grow is O(threads x tile): ~0.25 MiB of tiles per worker.

@@ -9,15 +9,7 @@ import torch
 
 import attn_ext
 from attn_ext import reference
-
-
-def _with_threads(n, f):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return f()
-    finally:
-        torch.set_num_threads(old)
+from tests.utils import with_threads
 
 
 # BSHD contiguous with H * D * 4 bytes = 1 KiB (fp32) / 512 B (bf16) per row: fp32 rows alias
@@ -40,14 +32,14 @@ def test_forward_partition_threads(dtype, causal, window):
     ref_out, ref_lse = reference.attention_with_lse(q.double(), k.double(), v.double(),
                                                     causal=causal, window=window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    results = {n: _with_threads(n, f) for n in (1, 2, 16, 64)}
+    results = {n: with_threads(n, f) for n in (1, 2, 16, 64)}
     for n, (out, lse) in results.items():
         assert (out.double() - ref_out).abs().max().item() < tol, n
         assert (lse.double() - ref_lse).abs().max().item() < 1e-4, n
     # B * Hkv * 8 row blocks = 32 tiles: no key split up to 16 threads -> the same bits
     for n in (2, 16):
         assert torch.equal(results[n][0], results[1][0]) and torch.equal(results[n][1], results[1][1])
-    again = _with_threads(64, f)
+    again = with_threads(64, f)
     assert torch.equal(again[0], results[64][0]) and torch.equal(again[1], results[64][1])
 
 

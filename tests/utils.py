@@ -37,3 +37,13 @@ def assert_close_rule(ours: torch.Tensor, ref64: torch.Tensor, ref_low: torch.Te
 def randn(*shape, dtype=torch.float32, device="cpu", scale=1.0):
     """Random normal input, never zeros (fresh per call)."""
     return (torch.randn(*shape, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
+
+
+def with_threads(n: int, f):
+    """f() with torch's intra-op thread count set to n, restored after."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return f()
+    finally:
+        torch.set_num_threads(old)
