@@ -22,7 +22,7 @@ import torch
 import attn_ext  # noqa: F401  (registers the ops)
 from attn_ext import reference
 from tests.profiling import did_not_run, kernel_names, ran
-from tests.utils import assert_close_rule, max_err, randn
+from tests.utils import assert_close_rule, max_err, randn, with_deterministic
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import kernel_constants as kc  # noqa: E402  (the kernels' constants, read from the headers)
@@ -1095,14 +1095,9 @@ class TestScoreTermsCuda:
         kw = dict(causal=True, rel_bias=rel, softcap=5.0, alibi_slopes=_alibi_slopes(2).cuda())
         grads = {}
         for det in (False, True):
-            prev = torch.are_deterministic_algorithms_enabled()
-            torch.use_deterministic_algorithms(det, warn_only=True)
-            try:
-                out = attn_ext.attention(q, k, v, **kw)
-                rel.grad = None
-                names = kernel_names(lambda: out.sum().backward())
-            finally:
-                torch.use_deterministic_algorithms(prev)
+            out = attn_ext.attention(q, k, v, **kw)
+            rel.grad = None
+            names = with_deterministic(det, lambda: kernel_names(lambda: out.sum().backward()))
             want, other = ("simple_bwd", "fa2_bwd_kernel") if det else ("fa2_bwd_kernel", "simple_bwd")
             if det or fast_bwd_fits(64):
                 assert ran(names, want) and did_not_run(names, other), (det, names)
@@ -1172,14 +1167,7 @@ class TestScoreTermsCuda:
             return torch.autograd.grad(out, (q, k, v, rel), dout)
 
         def grads():
-            if dtype == torch.float32:
-                return grads_any()
-            prev = torch.are_deterministic_algorithms_enabled()
-            torch.use_deterministic_algorithms(True)
-            try:
-                return grads_any()
-            finally:
-                torch.use_deterministic_algorithms(prev)
+            return grads_any() if dtype == torch.float32 else with_deterministic(True, grads_any)
 
         names = kernel_names(grads)
         assert ran(names, "simple_bwd_drel_diag_kernel") and ran(names, "simple_bwd_drel_reduce_kernel"), names

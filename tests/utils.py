@@ -39,11 +39,23 @@ def randn(*shape, dtype=torch.float32, device="cpu", scale=1.0):
     return (torch.randn(*shape, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
 
 
-def with_threads(n: int, f):
-    """f() with torch's intra-op thread count set to n, restored after."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
+
+def _with_setting(get, set_, value, f):
+    """f() with a global torch setting (get / set_) at value, the previous one restored after."""
+    prev = get()
+    set_(value)
     try:
         return f()
     finally:
-        torch.set_num_threads(old)
+        set_(prev)
+
+
+def with_threads(n: int, f):
+    """f() with torch's intra-op thread count set to n."""
+    return _with_setting(torch.get_num_threads, torch.set_num_threads, n, f)
+
+
+def with_deterministic(flag: bool, f):
+    """f() under torch.use_deterministic_algorithms(flag)."""
+    return _with_setting(torch.are_deterministic_algorithms_enabled,
+                         torch.use_deterministic_algorithms, flag, f)
