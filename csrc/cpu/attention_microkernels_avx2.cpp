@@ -7,6 +7,7 @@
 // compiled for AVX2 here and then picked by the linker for the generic code paths.
 #include "cpu/attention_microkernels.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include "cpu/cpu_features.h"
 #include "cpu/simd.h"
@@ -31,34 +32,56 @@ using cpu::exp2_ps;  // csrc/cpu/simd.h
 // Register-blocked tile C (MR, 8 * NV) of gemm_avx2: MR * NV accumulators stay in ymm
 // registers across the whole K loop (6 x 16 = 12 accumulators + 2 B vectors + 1 broadcast
 // fills the 16 registers). A is read by scalar broadcasts, so its strides are free.
+// The K loop runs in blocks of kGemmKBlock: each block's FMA chain starts from zero and is
+// added to C after, so an output is a sum of chains of at most 64 products plus one add per
+// block, not one chain of K (a score at D = 128 and |s| >> 1 rounded more than the
+// reference's blocked sgemm: TESTING.md, the fuzz item). Only for K > kGemmKSplit: the
+// products over keys (K <= kBlockK = 96) and D <= 96 keep one chain (no extra tile pass),
+// so the split costs only the score products at D = 128 / 256, one load / add / store of the
+// tile per block.
+constexpr int64_t kGemmKBlock = 64;
+constexpr int64_t kGemmKSplit = 96;
+
 template <int MR, int NV>
 ATTN_AVX2 inline void gemm_tile(int64_t K, const float* A, int64_t a_row, int64_t a_col,
                                 const float* B, int64_t ldb, float* C, int64_t ldc,
                                 bool accumulate) {
-  __m256 acc[MR][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
-#pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) {
-      acc[r][v] = accumulate ? _mm256_loadu_ps(C + r * ldc + 8 * v) : _mm256_setzero_ps();
-    }
-  }
-  for (int64_t t = 0; t < K; ++t) {
-    __m256 b[NV];
-#pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) b[v] = _mm256_loadu_ps(B + t * ldb + 8 * v);
-    const float* a = A + t * a_col;
+  // K <= kGemmKSplit (the key-tile products, D <= 96): one chain, started from C when
+  // accumulating; longer K (the score products at D = 128, 256): blocks of kGemmKBlock
+  const int64_t kb = K <= kGemmKSplit ? std::max<int64_t>(K, 1) : kGemmKBlock;
+  for (int64_t t0 = 0; t0 < K || t0 == 0; t0 += kb) {
+    const int64_t t1 = std::min(K, t0 + kb);
+    const bool one_chain = kb >= K;
+    // blocked: the first block of a non-accumulating call writes C, every other adds to it
+    const bool add = !one_chain && (accumulate || t0 > 0);
+    __m256 acc[MR][NV];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const __m256 ar = _mm256_broadcast_ss(a + r * a_row);
 #pragma GCC unroll 2
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(ar, b[v], acc[r][v]);
+      for (int v = 0; v < NV; ++v) {
+        acc[r][v] = one_chain && accumulate ? _mm256_loadu_ps(C + r * ldc + 8 * v) : _mm256_setzero_ps();
+      }
     }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
+    for (int64_t t = t0; t < t1; ++t) {
+      __m256 b[NV];
 #pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(C + r * ldc + 8 * v, acc[r][v]);
+      for (int v = 0; v < NV; ++v) b[v] = _mm256_loadu_ps(B + t * ldb + 8 * v);
+      const float* a = A + t * a_col;
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m256 ar = _mm256_broadcast_ss(a + r * a_row);
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(ar, b[v], acc[r][v]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) {
+        float* c = C + r * ldc + 8 * v;
+        _mm256_storeu_ps(c, add ? _mm256_add_ps(_mm256_loadu_ps(c), acc[r][v]) : acc[r][v]);
+      }
+    }
   }
 }
 
