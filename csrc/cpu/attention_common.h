@@ -138,7 +138,10 @@ inline bool head_rows_fit(int64_t n, int64_t Dp, int64_t Dvp, size_t acc_size) {
 template <typename acc_t>
 struct HeadRows {
   const void* src = nullptr;  // the head's first row (identifies the head within one call)
-  AlignedVec<acc_t> rows;     // (n + 8, ld): padding columns and the 8 rows past n stay zero
+  AlignedVec<acc_t> rows;     // (n + 8, ld): padding columns stay zero; the 8 rows past n
+                              // (any values: a shorter head may follow a longer one) are read
+                              // only by the decode-order scores of the backward, whose results
+                              // for them are dropped
   std::vector<uint8_t> done;  // (n): 0 not converted, 1 converted and finite, 2 not finite
   bool check_finite = true;   // false: finite() is not asked (1 means converted only)
 
