@@ -15,11 +15,12 @@ The rules below restate the kernels' dispatch in Python, so they can be read wit
   there is no split-KV path) run on the same kernels under the same conditions, and so does a
   loss on lse.
 - Score terms (``alibi_slopes``, ``rel_bias``, ``softcap``, ``sinks``, ``dropout_p > 0``; issue
-  15): split-KV and the simple kernels take all of them; the fast CUDA forward takes all but
-  dropout (``use_fast_forward``: ``has_dropout()``); the fast backward all but dropout
-  (``use_fast_backward``: ``fa2::bwd_fast_terms_ok``; with rel_bias its shared memory grows by
-  the gradient's (2M + 1) floats, ``bwd_rel_smem_bytes``; sinks reach the backward only
-  through lse and do not change its choice). The CPU decode kernel takes sinks only
+  15): split-KV and the simple kernels take all of them; the fast CUDA forward takes all
+  (its terms instances, not at D = 256); the fast backward all, dropout at D = 64 only
+  (``use_fast_backward``: ``fa2::bwd_fast_terms_ok`` / ``bwd_fast_dropout_head_dim``; its
+  shared memory grows by d rel_bias's (2M + 1) floats and dropout's 1 KiB of row keys,
+  ``bwd_terms_smem_bytes``; sinks reach the backward only through lse and do not change its
+  choice). The CPU decode kernel takes sinks only
   (``decode_supported``: not ``active()`` nor ``has_dropout()``; the CPU backward, not told
   the sinks, asks the same to recompute the decode kernel's scores).
 
@@ -45,8 +46,8 @@ CUDA_SIMPLE_MAX_HEAD_DIM = 256  # simple::kMaxHeadDim
 CUDA_FA2_BLOCK_M = 64  # fa2::kBlockM: query rows per CTA of the fast forward
 CUDA_FWD_FAST_HEAD_DIMS = (32, 64, 96, 128, 256)  # fa2::fwd_fast_head_dim
 CUDA_FWD_FAST_TERMS_HEAD_DIMS = (32, 64, 96, 128)  # fa2::fwd_fast_terms_head_dim (not 256)
-# score terms that send the CUDA backward to the simple kernels (fa2::bwd_fast_terms_ok)
-CUDA_BWD_SIMPLE_TERMS = ("dropout_p",)
+# head dims whose fast CUDA backward takes dropout (fa2::bwd_fast_terms_ok)
+CUDA_BWD_DROPOUT_HEAD_DIMS = (64,)  # fa2::bwd_fast_dropout_head_dim (128 would spill)
 CUDA_BWD_FAST_HEAD_DIMS = (64, 128)  # fa2::launch_fa2_bwd
 CUDA_BWD_BLOCK_N = 128  # keys per CTA of the fast backward (bwd_fast_grid_ok)
 CUDA_FAST_MAX_SEQ_LEN = 1 << 30  # fa2::kMaxFastSeqLen: Sq + Sk below it (32-bit tile math)
@@ -268,7 +269,7 @@ def cuda_forward_choice(s: Shape, dtype: torch.dtype, aligned: bool, sms: int,
     """(path, reason, details) of the CUDA forward (attention.cu attention_forward_cuda).
     ``aligned``: aligned16() of q, k and v; ``smem_optin``: the device's opt-in shared
     memory per block (0 if unknown); ``terms``: the names of the call's score terms (the
-    split-KV path takes them all, the fast kernel all but dropout)."""
+    split-KV path takes them all, the fast kernel too but not at D = 256)."""
     split = cuda_split_plan(s, sms, force_simple)
     if split["n_split"] > 1:
         return "cuda.split_kv", (
@@ -284,9 +285,7 @@ def cuda_forward_choice(s: Shape, dtype: torch.dtype, aligned: bool, sms: int,
         reasons.append(f"grid too large (B = {s.B}, H = {s.H} must be <= 65535)")
     if s.Sq + s.Sk >= CUDA_FAST_MAX_SEQ_LEN:
         reasons.append("Sq + Sk >= 2^30 (the fast kernels count rows, keys and distances in 32 bits)")
-    if "dropout_p" in terms:
-        reasons.append("dropout_p (the fast kernel has no dropout)")
-    elif terms and s.D == s.Dv and s.D in CUDA_FWD_FAST_HEAD_DIMS and s.D not in CUDA_FWD_FAST_TERMS_HEAD_DIMS:
+    if terms and s.D == s.Dv and s.D in CUDA_FWD_FAST_HEAD_DIMS and s.D not in CUDA_FWD_FAST_TERMS_HEAD_DIMS:
         reasons.append(f"score terms at D = {s.D} (the fast kernel's terms instances exist for D in "
                        f"{list(CUDA_FWD_FAST_TERMS_HEAD_DIMS)}: at 256 their registers spill)")
     if s.D == s.Dv and s.D in CUDA_FWD_FAST_HEAD_DIMS and need > smem_optin:
@@ -310,9 +309,10 @@ def cuda_backward_choice(s: Shape, dtype: torch.dtype, aligned: bool, smem_optin
     ``dout_aligned`` None: dout not known yet (the gradient that autograd hands in, usually
     contiguous and aligned). ``terms``: the call's score terms other than sinks (the
     backward reads the sinks through lse); ``rel_max``: M of a (H, 2M + 1) rel_bias (its
-    gradient's accumulator takes (2M + 1) * 4 bytes of shared memory more,
-    fa2::bwd_rel_smem_bytes)."""
-    need = cuda_bwd_smem_bytes(s.D) + ((2 * rel_max + 1) * 4 if "rel_bias" in terms else 0)
+    gradient's accumulator takes (2M + 1) * 4 bytes of shared memory more, dropout's row keys
+    1 KiB: fa2::bwd_terms_smem_bytes)."""
+    need = (cuda_bwd_smem_bytes(s.D) + ((2 * rel_max + 1) * 4 if "rel_bias" in terms else 0)
+            + (2 * 64 * 8 if "dropout_p" in terms else 0))
     details = {"smem_needed": need, "smem_optin": smem_optin, "deterministic": deterministic}
     reasons = _fast_input_reasons(s, dtype, "backward", CUDA_BWD_FAST_HEAD_DIMS, aligned,
                                   "a stride not a multiple of 8 elements")
@@ -323,10 +323,11 @@ def cuda_backward_choice(s: Shape, dtype: torch.dtype, aligned: bool, smem_optin
             and _ceil_div(s.Sk, CUDA_BWD_BLOCK_N) <= 0x7FFFFFFF
             and s.Sq + s.Sk < CUDA_FAST_MAX_SEQ_LEN):
         reasons.append("grid too large")
-    slow_terms = tuple(t for t in terms if t in CUDA_BWD_SIMPLE_TERMS)
-    if slow_terms:
-        reasons.append(f"score terms {', '.join(slow_terms)} (the fast backward has no "
-                       f"dropout)")
+    if "dropout_p" in terms and s.D == s.Dv and s.D in CUDA_BWD_FAST_HEAD_DIMS \
+            and s.D not in CUDA_BWD_DROPOUT_HEAD_DIMS:
+        reasons.append(f"dropout_p at D = {s.D} (the fast backward's dropout instances exist "
+                       f"for D in {list(CUDA_BWD_DROPOUT_HEAD_DIMS)}: at 128 their registers "
+                       f"spill)")
     if deterministic:
         reasons.append("torch.use_deterministic_algorithms(True) (the fast backward adds dq "
                        "with fp32 atomics)")
@@ -415,9 +416,9 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     """Say which kernel ``attn_ext.attention(q, k, v, causal=..., scale=..., <score terms>)``
     will run for these tensors, and why (the forward and, for training, the backward).
     The score terms (``alibi_slopes``, ``rel_bias``, ``softcap``, ``sinks``, ``dropout_p``)
-    count only by being given (and rel_bias by its size, on CUDA): on CUDA dropout rules out
-    the fast forward and the fast backward (which takes softcap, ALiBi, rel_bias; sinks reach
-    it through lse); any term but sinks rules out the CPU decode kernel.
+    count only by being given (and rel_bias by its size, on CUDA): on CUDA any term rules
+    out the fast forward at D = 256 and dropout the fast backward at D = 128 (sinks reach the
+    backward through lse); any term but sinks rules out the CPU decode kernel.
 
     Runs no kernel and reads no tensor values: only shapes, dtypes, strides, data pointers,
     the thread count (CPU), the device's properties and torch's deterministic flag (CUDA).

@@ -1279,6 +1279,70 @@ class TestScoreTermsCuda:
             assert a.shape == b.shape, name
             assert max_err(a, b) < 1e-10, f"{name}: {max_err(a, b):.3e}"
 
+    @pytest.mark.parametrize("block", [None, (7, 5)])
+    def test_dropout_fast_forward_bits(self, block, cuda):
+        """The fast forward's keep bits (bf16, D = 64: fa2_fwd_kernel's terms instances) equal
+        the CPU kernel's, also at a block position whose first key is odd (a lane's key pair
+        then straddles two 64-bit words)."""
+        if not fast_fwd_fits(64):
+            pytest.skip("the fast forward's shared memory exceeds this device's limit")
+        B, Sq, Sk, H, Hkv, D = 2, 150, 192, 4, 2, 64
+        p, seed, offset = 0.3, 4242, 7
+        q = torch.zeros(B, Sq, H, D, dtype=torch.bfloat16)
+        k = randn(B, Sk, Hkv, D, dtype=torch.bfloat16)
+        pos = () if block is None else block
+
+        def bits(dev):
+            out_bits = []
+            for c0 in range(0, Sk, D):  # v = identity on keys [c0, c0 + 64): out > 0 iff kept
+                v = torch.zeros(B, Sk, Hkv, D, dtype=torch.bfloat16)
+                v[:, c0:c0 + D] = torch.eye(D, dtype=torch.bfloat16)[None, :, None, :]
+                out, _ = torch.ops.attn_ext.attention_forward(
+                    q.to(dev), k.to(dev), v.to(dev), False, None, -1, -1, None, None, None, None,
+                    None, p, seed, offset, *pos)
+                out_bits.append(out.cpu() > 0)
+            return torch.cat(out_bits, dim=-1)
+
+        names = kernel_names(lambda: bits(cuda))
+        assert ran(names, "fa2_fwd_kernel") and did_not_run(names, "simple_fwd_kernel"), names
+        got, want = bits(cuda), bits("cpu")
+        assert torch.equal(got, want)
+        if block is None:
+            ref = reference.dropout_keep_mask(seed, offset, B, H, range(Sq), range(Sk), p)
+            assert torch.equal(got.permute(0, 2, 1, 3), ref)
+
+    @pytest.mark.parametrize("D", [64, 128])
+    def test_dropout_fast_kernels_vs_reference(self, D, cuda):
+        """bf16 with dropout and rel_bias + softcap: the fast forward, and the fast backward at
+        D = 64 (bwd_fast_dropout_head_dim; the simple backward at D = 128), against the float64
+        reference with reference.dropout_keep_mask's bits."""
+        if not (fast_fwd_fits(D) and fast_bwd_fits(D)):
+            pytest.skip("the fast kernels' shared memory exceeds this device's limit")
+        B, Sq, Sk, H, Hkv = 2, 130, 150, 4, 2
+        p = 0.2
+        q, k, v = (randn(B, S, h, D, dtype=torch.bfloat16) for S, h in ((Sq, H), (Sk, Hkv), (Sk, Hkv)))
+        rel = randn(H, 21, dtype=torch.bfloat16)
+        torch.manual_seed(5)
+        seed, offset = _ops._dropout_seed_offset(cuda)
+        mask = reference.dropout_keep_mask(seed, offset, B, H, range(Sq), range(Sk), p)
+        qc, kc_, vc = (t.cuda().requires_grad_() for t in (q, k, v))
+        torch.manual_seed(5)
+        out = attn_ext.attention(qc, kc_, vc, causal=True, rel_bias=rel.cuda(), softcap=5.0, dropout_p=p)
+        names = kernel_names(lambda: out.backward(torch.ones_like(out)))
+        assert ran(names, "fa2_bwd_kernel" if D == 64 else "simple_bwd"), names
+
+        @_on_cuda
+        def ours(q, k, v, rel):
+            torch.manual_seed(5)  # the wrapper draws the same seed/offset
+            return attn_ext.attention(q, k, v, causal=True, rel_bias=rel, softcap=5.0, dropout_p=p,
+                                      return_lse=True)
+
+        def ref(q, k, v, rel):
+            return reference.attention_with_lse(q, k, v, True, None, None, None, None, rel, 5.0,
+                                                None, p, mask)
+
+        check_against_reference(ours, ref, [q, k, v, rel], ["dq", "dk", "dv", "drel_bias"])
+
     @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
     def test_dropout_vs_reference(self, dtype, cuda):
         """Through the wrapper: seed/offset drawn from the CUDA generator (torch.manual_seed
@@ -1325,18 +1389,16 @@ class TestScoreTermsCuda:
             assert did_not_run(names, other), (str(choice), names)
         if case == "softcap_decode":
             assert choice.forward == "cuda.split_kv", str(choice)
-        elif case == "dropout":
-            assert choice.forward == "cuda.simple" and "dropout_p" in choice.forward_reason, str(choice)
         elif fast_fwd_fits(D):
             assert choice.forward == "cuda.fa2" and "with the score terms" in choice.forward_reason, str(choice)
-        # backward: the fast kernel with sinks (through lse), softcap, ALiBi and rel_bias (its
-        # kTerms instances); the simple kernels with dropout
+        # backward: the fast kernel with sinks (through lse), softcap, ALiBi, rel_bias and (at
+        # D = 64) dropout: its kTerms instances
         qg = q.detach().clone().requires_grad_()
         out = attn_ext.attention(qg, k, v, causal=True, **kw)
         dout = torch.randn_like(out)
         choice = attn_ext.explain(q, k, v, causal=True, dout=dout, **kw)
         names = kernel_names(lambda: out.backward(dout, retain_graph=True))
-        fast_cases = ("sinks", "softcap_decode", "softcap", "alibi", "rel_bias")
+        fast_cases = ("sinks", "softcap_decode", "softcap", "alibi", "rel_bias", "dropout")
         if fast_bwd_fits(D) and case in fast_cases:
             assert choice.backward == "cuda.fa2", str(choice)
         if choice.backward == "cuda.fa2":
@@ -1344,8 +1406,6 @@ class TestScoreTermsCuda:
             assert ran(names, "fa2_bwd_kernel") and did_not_run(names, "simple_bwd"), (str(choice), names)
         else:
             assert ran(names, "simple_bwd") and did_not_run(names, "fa2_bwd_kernel"), (str(choice), names)
-            if case == "dropout":
-                assert "score terms" in choice.backward_reason, str(choice)
 
     @pytest.mark.parametrize("causal", [False, True])
     @pytest.mark.parametrize("D", [32, 64, 96, 128, 256])

@@ -82,26 +82,27 @@ def test_cuda_constants_match_the_headers():
         assert cond in fast_fwd, cond
     fast_bwd = kc.block(cu, r"bool\s+use_fast_backward\s*\([^)]*\)\s*\{")
     for cond in ("p.D != 64 && p.D != 128", "aligned16(dout)", "if (deterministic) return false;",
-                 "bwd_smem_bytes(p.D) + cuda::fa2::bwd_rel_smem_bytes(p.score_terms()) >\n"
+                 "bwd_smem_bytes(p.D) + cuda::fa2::bwd_terms_smem_bytes(p.score_terms()) >\n"
                  "      max_smem_optin", "force_simple()"):
         assert cond in fast_bwd, cond
-    # score terms (issue 15): the fast forward and backward have all but dropout
-    # (bwd_fast_terms_ok = CUDA_BWD_SIMPLE_TERMS; rel_bias adds shared memory to the fast
-    # backward); the split-KV plan does not look
-    assert "if (p.score_terms().has_dropout()) return false;" in fast_fwd
+    # score terms (issue 15): the fast forward has all (its terms instances, not at D = 256),
+    # the fast backward all with dropout only at bwd_fast_dropout_head_dim (=
+    # CUDA_BWD_DROPOUT_HEAD_DIMS); rel_bias and dropout add shared memory to the fast
+    # backward; the split-KV plan does not look
+    assert "has_dropout" not in fast_fwd
     assert "if (!p.terms.plain() && !cuda::fa2::fwd_fast_terms_head_dim(p.D)) return false;" in fast_fwd
-    assert "if (!cuda::fa2::bwd_fast_terms_ok(p.score_terms())) return false;" in fast_bwd
-    terms_ok = kc.block(kc.source("csrc/cuda/attention_launch.h"),
-                        r"inline\s+bool\s+bwd_fast_terms_ok\s*\([^)]*\)\s*\{")
-    assert "return !t.has_dropout();" in terms_ok
-    assert X.CUDA_BWD_SIMPLE_TERMS == ("dropout_p",)
-    rel_smem = kc.block(kc.source("csrc/cuda/attention_launch.h"),
-                        r"inline\s+int64_t\s+bwd_rel_smem_bytes\s*\([^)]*\)\s*\{")
-    assert "return t.rel_bias == nullptr ? 0 : (2 * t.rel_max + 1) * 4;" in rel_smem
-    assert "cuda::fa2::bwd_rel_smem_bytes(p.score_terms())" in fast_bwd
-    launch = kc.block(kc.source("csrc/cuda/attention_launch.h"),
-                      r"cudaError_t\s+launch_fa2_fwd_d\s*\([^)]*\)\s*\{")
-    assert "if (p.terms.has_dropout()) return cudaErrorInvalidValue;" in launch
+    assert "if (!cuda::fa2::bwd_fast_terms_ok(p.score_terms(), p.D)) return false;" in fast_bwd
+    launch_h = kc.source("csrc/cuda/attention_launch.h")
+    terms_ok = kc.block(launch_h, r"inline\s+bool\s+bwd_fast_terms_ok\s*\([^)]*\)\s*\{")
+    assert "return !t.has_dropout() || bwd_fast_dropout_head_dim(head_dim);" in terms_ok
+    drop_dims = kc.block(launch_h, r"constexpr\s+bool\s+bwd_fast_dropout_head_dim\s*\([^)]*\)\s*\{")
+    assert "return d == 64;" in drop_dims and X.CUDA_BWD_DROPOUT_HEAD_DIMS == (64,)
+    rel_smem = kc.block(launch_h, r"inline\s+int64_t\s+bwd_terms_smem_bytes\s*\([^)]*\)\s*\{")
+    assert ("return (t.has_dropout() ? 2 * 64 * 8 : 0) + (t.rel_bias == nullptr ? 0 : "
+            "(2 * t.rel_max + 1) * 4);") in rel_smem
+    assert "cuda::fa2::bwd_terms_smem_bytes(p.score_terms())" in fast_bwd
+    launch = kc.block(launch_h, r"cudaError_t\s+launch_fa2_fwd_d\s*\([^)]*\)\s*\{")
+    assert "has_dropout" not in launch
     assert "if (!p.terms.plain()) {" in launch and "fwd_fast_terms_head_dim(kHeadDim)" in launch
     assert "score_terms" not in split and "terms" not in split
     # the backward never sees the sinks (they reach it through lse), so they cannot turn the
@@ -265,22 +266,29 @@ def test_score_terms_rules():
     path, why, _ = fwd(shape(D=128), torch.bfloat16, True, terms=("rel_bias", "softcap", "sinks"), **H200)
     assert path == "cuda.fa2" and "with the score terms rel_bias, softcap, sinks" in why
     path, why, _ = fwd(shape(D=64), torch.float16, True, terms=("sinks", "dropout_p"), **H200)
-    assert path == "cuda.simple" and "dropout_p (the fast kernel has no dropout)" in why
+    assert path == "cuda.fa2" and "with the score terms sinks, dropout_p" in why
+    path, why, _ = fwd(shape(D=256), torch.float16, True, terms=("dropout_p",), **H200)
+    assert path == "cuda.simple" and "score terms at D = 256" in why
     path, why, det = fwd(shape(Sq=1, Sk=4096, H=4, Hkv=1, D=128), torch.bfloat16, True,
                          terms=("alibi_slopes",), **H200)
     assert path == "cuda.split_kv" and det["n_split"] == 32, why
     # the fast backward takes softcap, ALiBi and rel_bias (its gradient's (2M + 1) floats of
-    # shared memory on top); dropout sends it to the simple kernels
+    # shared memory on top), and dropout at D = 64 (1 KiB of row keys on top); dropout at
+    # D = 128 sends it to the simple kernels
     for ok in (("softcap",), ("alibi_slopes",), ("alibi_slopes", "softcap"), ("rel_bias",),
                ("alibi_slopes", "rel_bias", "softcap")):
         path, why, det = bwd(shape(D=128), torch.bfloat16, True, H200["smem_optin"], False,
                              dout_aligned=True, terms=ok, rel_max=128)
         assert path == "cuda.fa2", (ok, why)
         assert det["smem_needed"] == X.cuda_bwd_smem_bytes(128) + (257 * 4 if "rel_bias" in ok else 0)
-    for slow in (("dropout_p",), ("softcap", "dropout_p"), ("rel_bias", "dropout_p")):
-        path, why, _ = bwd(shape(D=64), torch.float16, True, H200["smem_optin"], False,
-                           dout_aligned=True, terms=slow)
-        assert path == "cuda.simple" and "score terms dropout_p (the fast backward has no dropout)" in why, (slow, why)
+    for drop in (("dropout_p",), ("softcap", "dropout_p"), ("rel_bias", "dropout_p")):
+        path, why, det = bwd(shape(D=64), torch.float16, True, H200["smem_optin"], False,
+                             dout_aligned=True, terms=drop, rel_max=10)
+        assert path == "cuda.fa2", (drop, why)
+        assert det["smem_needed"] == X.cuda_bwd_smem_bytes(64) + 1024 + (21 * 4 if "rel_bias" in drop else 0)
+        path, why, _ = bwd(shape(D=128), torch.float16, True, H200["smem_optin"], False,
+                           dout_aligned=True, terms=drop, rel_max=10)
+        assert path == "cuda.simple" and "dropout_p at D = 128 (the fast backward's dropout" in why, (drop, why)
     # a table too large for shared memory: the simple kernels (at D = 128: 155 KiB + 4 (2M + 1))
     big = (H200["smem_optin"] - X.cuda_bwd_smem_bytes(128)) // 8 + 1
     path, why, _ = bwd(shape(D=128), torch.bfloat16, True, H200["smem_optin"], False,

@@ -43,6 +43,43 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_constants as kc  # noqa: E402
 
+# ---- dropout (common/dropout_rng.h), for the kernels' word / field logic and the reference --
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(z):
+    z = np.asarray(z, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _row_key(seed, offset, b, h, i):
+    """dropout::row_key of global row(s) i (numpy uint64)."""
+    r = _mix(_mix(np.uint64(seed)) ^ np.uint64(offset))
+    r = _mix(_mix(r ^ np.uint64(b)) ^ np.uint64(h))
+    return _mix(r ^ np.asarray(i, dtype=np.uint64))
+
+
+def _word(rk, col):
+    with np.errstate(over="ignore"):
+        return _mix(rk ^ ((np.asarray(col, dtype=np.int64) >> 2).astype(np.uint64) * _GOLDEN))
+
+
+def _field(w, col):
+    return (w >> (np.uint64(16) * (np.asarray(col, dtype=np.int64) & 3).astype(np.uint64))) & np.uint64(0xFFFF)
+
+
+def keep_mask(drop, Sq, Sk, h=0):
+    """(Sq, Sk) keep bits of DESIGN.md's rule written out per element (the reference side):
+    drop = (p, seed, offset, row0, col0), batch 0, head h, global rows row0 + i, keys col0 + j."""
+    p, seed, offset, row0, col0 = drop
+    rk = _row_key(seed, offset, 0, h, row0 + np.arange(Sq))[:, None]
+    col = col0 + np.arange(Sk)[None, :]
+    return _field(_word(rk, col), col) >= np.uint64(int(p * 65536.0 + 0.5))
+
+
 G = np.arange(32) // 4  # quad row of each lane (the mma C fragment map)
 T4 = np.arange(32) % 4  # column pair of each lane
 
@@ -256,7 +293,7 @@ def check_rule_against_header(Sq, Sk, D, spec) -> bool:
 
 
 def fa2_fwd_cta(q, k, v, Sq, Sk, D, mask, scale, m_block, out, lse, slope=None, cap=None,
-                rel=None):
+                rel=None, drop=None):
     """One CTA (query tile m_block) of fa2_fwd_kernel for one (b, h); q (Sq, D), k/v (Sk, D);
     mask: a Mask (the kernel's kMasked is mask.masked). slope / cap / rel (the head's table
     row, 2M + 1): the kTerms instances' ALiBi, softcap and rel_bias (None: plain)."""
@@ -371,6 +408,20 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, mask, scale, m_block, out, lse, slope=None, 
                 s[:, :, 2 * r] = np.exp2(s[:, :, 2 * r] - m_use)
                 s[:, :, 2 * r + 1] = np.exp2(s[:, :, 2 * r + 1] - m_use)
                 row_sum[r] += (s[:, :, 2 * r] + s[:, :, 2 * r + 1]).sum(axis=0)
+            if drop is not None:  # the kernel's pair logic: one word per pair unless it straddles
+                p_, seed, offset, row0, col0 = drop
+                thresh = np.uint64(int(p_ * 65536.0 + 0.5))
+                col_base = col0 + n0 + (lane & 3) * 2
+                for t in range(kNTiles):
+                    col = col_base + t * 8
+                    for r in range(2):
+                        rk = _row_key(seed, offset, 0, 0, row0 + m0 + (ra if r == 0 else rb))
+                        w0 = _word(rk, col)
+                        w1 = np.where((col & 3) == 3, _word(rk, col + 1), w0)
+                        k0 = _field(w0, col) >= thresh
+                        k1 = _field(w1, col + 1) >= thresh
+                        s[t, :, 2 * r] = np.where(k0, s[t, :, 2 * r] / (1 - p_), 0.0)
+                        s[t, :, 2 * r + 1] = np.where(k1, s[t, :, 2 * r + 1] / (1 - p_), 0.0)
             for kk in range(kBlockN // 16):
                 a = np.zeros((32, 4, 2))
                 a[:, 0] = s[2 * kk][:, 0:2]
@@ -399,7 +450,7 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, mask, scale, m_block, out, lse, slope=None, 
 
 
 def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc, dk, dv,
-                slopes=None, cap=None, rel=None, drel=None):
+                slopes=None, cap=None, rel=None, drel=None, drop=None):
     """One CTA (key tile n_block, one kv head) of fa2_bwd_kernel. q, do: (group, Sq, D) (the
     query heads of the kv head); k, v: (Sk, D); lse, delta: (group, Sq); dq_acc: (group, Sq, D)
     accumulated; dk, dv: (Sk, D) written for this tile's keys; mask: a Mask. slopes (group,)
@@ -446,7 +497,7 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
     g_, c2 = BWD_LANES["g"], BWD_LANES["c2"]
     acc_dk = np.zeros((kWarps, kDTiles, 32, 4))
     acc_dv = np.zeros((kWarps, kDTiles, 32, 4))
-    terms = slopes is not None or cap is not None or rel is not None
+    terms = slopes is not None or cap is not None or rel is not None or drop is not None
     rel_m = (rel.shape[1] - 1) // 2 if rel is not None else 0
     off = Sk - Sq  # TileBands::off (no block position in these cases)
     for st in range(steps):
@@ -454,6 +505,11 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
         m0 = (m_begin + st % n_m) * kBlockM
         slope = 0.0 if slopes is None else slopes[h]
         d_row_key = off - n0
+        if drop is not None:  # sRk of the step: the row keys of its 64 rows
+            p_, seed, offset, row0, col0 = drop
+            sRkb = _row_key(seed, offset, 0, h, row0 + m0 + np.arange(kBlockM))
+            drop_col0 = col0 + n0
+            drop_thresh = np.uint64(int(p_ * 65536.0 + 0.5))
         sQb = load_rows(q[h], m0, Sq, kBlockM)
         sdOb = load_rows(do[h], m0, Sq, kBlockM)
         sLseb = np.array([(math.inf if lse[h, m0 + t] == -math.inf else lse[h, m0 + t] * log2e)
@@ -496,7 +552,14 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
                                 if rel is not None:
                                     x = x + rel[h, rel_m + rd]
                                 pr = np.exp2(x * log2e - sLseb[qc])
-                                ds = pr * (dp[t, :, e] - sDeltab[qc])
+                                if drop is not None:
+                                    col = drop_col0 + kr
+                                    z = np.where(_field(_word(sRkb[qc], col), col) >= drop_thresh,
+                                                 1.0 / (1 - p_), 0.0)
+                                    ds = pr * (z * dp[t, :, e] - sDeltab[qc])
+                                    pr = pr * z
+                                else:
+                                    ds = pr * (dp[t, :, e] - sDeltab[qc])
                                 chain = 1.0 - th * th
                             else:
                                 pr = np.exp2(s[t, :, e] * scale_log2 - sLseb[qc])
@@ -568,7 +631,7 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
                         dv[key, col: col + 2] = acc_dv[warp, t, l, 2 * r: 2 * r + 2]
 
 
-def reference_bwd(q, k, v, do, mask, scale, slopes=None, cap=None, rel=None):
+def reference_bwd(q, k, v, do, mask, scale, slopes=None, cap=None, rel=None, drop=None):
     """Gradients of out = softmax(terms(scale q k^T) (masked)) v for the query heads q
     (group, Sq, D) sharing k, v (Sk, D), terms = softcap (cap tanh(x / cap)) then ALiBi
     (- slope_h |d|, d = i + Sk - Sq - j) then rel_bias (+ rel[h, M + clamp(d)]), as DESIGN.md;
@@ -597,15 +660,16 @@ def reference_bwd(q, k, v, do, mask, scale, slopes=None, cap=None, rel=None):
             e = np.where(vis, np.exp(s - m[:, None]), 0.0)
             lse = np.where(vis.any(1), m + np.log(e.sum(1)), -np.inf)
             p = np.where(np.isfinite(lse)[:, None], np.exp(s - np.where(np.isfinite(lse), lse, 0)[:, None]), 0.0)
-        out = p @ v
+        z = np.ones_like(p) if drop is None else keep_mask(drop, Sq, Sk, h) / (1 - drop[0])
+        out = (p * z) @ v
         dp = do[h] @ v.T
-        dsy = p * (dp - (do[h] * out).sum(1, keepdims=True))
+        dsy = p * (z * dp - (do[h] * out).sum(1, keepdims=True))
         if rel is not None:
             np.add.at(drel[h], rel_m + np.clip(dsign, -rel_m, rel_m), dsy)
         ds = dsy * (1.0 - t * t)
         dq[h] = scale * ds @ k
         dk += scale * ds.T @ q[h]
-        dv += p.T @ do[h]
+        dv += (p * z).T @ do[h]
         outs.append(out)
         lses.append(lse)
     return np.stack(outs), np.stack(lses), dq, dk, dv, drel
@@ -621,7 +685,8 @@ def check_bwd(rng, Sq, Sk, D, group, spec, terms=None) -> bool:
     slopes = 0.05 + 0.3 * rng.random(group) if terms and "alibi" in terms else None
     cap = 1.5 if terms and "softcap" in terms else None
     rel = rng.standard_normal((group, 2 * 40 + 1)) if terms and "rel" in terms else None
-    out, lse, r_dq, r_dk, r_dv, r_drel = reference_bwd(q, k, v, do, mask, scale, slopes, cap, rel)
+    drop = (0.3, 77, 2, 6, 3) if terms and "dropout" in terms else None
+    out, lse, r_dq, r_dk, r_dv, r_drel = reference_bwd(q, k, v, do, mask, scale, slopes, cap, rel, drop)
     drel = None if rel is None else np.zeros_like(rel)
     delta = (do * out).sum(-1)  # fa2_bwd_delta_kernel
     dq = np.zeros_like(q)
@@ -630,7 +695,7 @@ def check_bwd(rng, Sq, Sk, D, group, spec, terms=None) -> bool:
     kBlockN = bwd_constants(D)["kBlockN"]
     for n_block in range((Sk + kBlockN - 1) // kBlockN):
         fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq, dk, dv,
-                    slopes, cap, rel, drel)
+                    slopes, cap, rel, drel, drop)
     pairs = [(dq, r_dq), (dk, r_dk), (dv, r_dv)] + ([(drel, r_drel)] if rel is not None else [])
     errs = [np.abs(a - b).max() if not np.isnan(a).any() else np.inf for a, b in pairs]
     ok = max(errs) < 1e-9
@@ -640,7 +705,7 @@ def check_bwd(rng, Sq, Sk, D, group, spec, terms=None) -> bool:
     return ok
 
 
-def reference(q, k, v, mask, scale, slope=None, cap=None, rel=None):
+def reference(q, k, v, mask, scale, slope=None, cap=None, rel=None, drop=None):
     Sq, Sk = q.shape[0], k.shape[0]
     x = q @ k.T * scale
     dsign = np.arange(Sq)[:, None] + (Sk - Sq) - np.arange(Sk)[None, :]
@@ -656,7 +721,8 @@ def reference(q, k, v, mask, scale, slope=None, cap=None, rel=None):
     mx = np.where(np.isinf(mx), 0, mx)
     p = np.exp(s - mx)
     l = p.sum(axis=1, keepdims=True)
-    out = np.where(l > 0, p @ v / np.where(l > 0, l, 1), 0)
+    pv = p if drop is None else p * keep_mask(drop, Sq, Sk) / (1 - drop[0])
+    out = np.where(l > 0, pv @ v / np.where(l > 0, l, 1), 0)
     lse = np.where(l[:, 0] > 0, np.log(np.where(l[:, 0] > 0, l[:, 0], 1)) + mx[:, 0], -np.inf)
     return out, lse
 
@@ -673,7 +739,8 @@ FWD_CASES = [(64, 64, 64, False), (70, 130, 64, True), (130, 70, 32, True),
              (70, 70, 128, (-1, -1, "random")),
              # the kTerms instances (not built at D = 256: fwd_fast_terms_head_dim)
              (130, 200, 64, True, "rel+alibi+softcap"), (100, 37, 128, False, "rel"),
-             (90, 260, 32, (30, 5, "random"), "alibi+softcap"), (70, 70, 96, True, "rel+alibi")]
+             (90, 260, 32, (30, 5, "random"), "alibi+softcap"), (70, 70, 96, True, "rel+alibi"),
+             (100, 150, 64, (-1, -1, "random"), "dropout"), (130, 90, 128, True, "rel+dropout")]
 # (Sq, Sk, D, group, mask): likewise for the fast backward (launch_fa2_bwd), with GQA.
 BWD_CASES = [(64, 128, 64, 1, False), (70, 130, 64, 2, True),
              (130, 70, 64, 1, True), (100, 37, 128, 1, False),
@@ -685,7 +752,9 @@ BWD_CASES = [(64, 128, 64, 1, False), (70, 130, 64, 2, True),
              (130, 200, 64, 2, True, "alibi"), (150, 70, 128, 1, False, "softcap"),
              (140, 300, 128, 2, (40, 10, "random"), "alibi+softcap"),
              (70, 130, 64, 1, (-1, 0, "left"), "alibi+softcap"),
-             (150, 170, 64, 2, True, "rel"), (100, 260, 128, 1, (50, 20, None), "rel+alibi+softcap")]
+             (150, 170, 64, 2, True, "rel"), (100, 260, 128, 1, (50, 20, None), "rel+alibi+softcap"),
+             # dropout (bwd_fast_dropout_head_dim: D = 64)
+             (130, 200, 64, 2, (-1, -1, "random"), "dropout"), (90, 140, 64, 1, True, "rel+softcap+dropout")]
 
 
 def check_fwd(rng, Sq, Sk, D, spec, terms=None) -> bool:
@@ -697,7 +766,9 @@ def check_fwd(rng, Sq, Sk, D, spec, terms=None) -> bool:
     kBlockM = fwd_constants(D)["kBlockM"]
     tk = dict(slope=0.05 + 0.3 * rng.random() if terms and "alibi" in terms else None,
               cap=1.5 if terms and "softcap" in terms else None,
-              rel=rng.standard_normal(2 * 40 + 1) if terms and "rel" in terms else None)
+              rel=rng.standard_normal(2 * 40 + 1) if terms and "rel" in terms else None,
+              # dropout at a block position whose first key is odd: pairs straddle words
+              drop=(0.3, 1234, 5, 3, 5) if terms and "dropout" in terms else None)
     for m_block in range((Sq + kBlockM - 1) // kBlockM):
         fa2_fwd_cta(q, k, v, Sq, Sk, D, mask, scale, m_block, out, lse, **tk)
     r_out, r_lse = reference(q, k, v, mask, scale, **tk)

@@ -42,11 +42,11 @@
 // position (q_start / k_start) too: the offset comes from seq(b).off.
 // Score terms (issue 15: alibi_slopes, rel_bias, softcap, sinks, dropout_p; checked and filled
 // by common/score_checks.h as on the CPU): split-KV and the simple kernels take all of them;
-// the fast forward takes softcap, ALiBi, rel_bias and sinks (its kTerms instances; not at
-// D = 256, whose terms instances would spill) but not
-// dropout (dropout_p > 0: step 0 or 2); the fast backward takes softcap, ALiBi and rel_bias
+// the fast forward takes softcap, ALiBi, rel_bias, sinks and dropout (its kTerms instances;
+// not at D = 256, whose terms instances would spill); the fast backward takes softcap, ALiBi and rel_bias
 // (its kTerms instances; d rel_bias by fp32 atomics, like dq; sinks reach the backward only
-// through lse) but not dropout (fa2::bwd_fast_terms_ok: the simple kernels). The simple backward's d rel_bias
+// through lse) and dropout at D = 64 (fa2::bwd_fast_terms_ok; at D = 128 the simple kernels).
+// The simple backward's d rel_bias
 // is a fixed-order reduction (simple kernels' pass 3 and 4, no atomics): every gradient of the
 // simple kernels, d rel_bias included, is bitwise reproducible, so deterministic=True needs
 // nothing else.
@@ -183,7 +183,6 @@ bool use_fast_forward(const Tensor& q, const Tensor& k, const Tensor& v,
   if (p.Sk <= 0 || p.Sq <= 0) return false;
   if (!aligned16(q) || !aligned16(k) || !aligned16(v)) return false;
   if (!cuda::fa2::fwd_fast_grid_ok(p)) return false;
-  if (p.score_terms().has_dropout()) return false;  // dropout: the simple kernel has it
   if (cuda::fa2::fwd_smem_bytes(p.D) > max_smem_optin(q.get_device_index())) return false;
   return !force_simple();
 }
@@ -196,12 +195,12 @@ bool use_fast_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
   if (p.Sk <= 0 || p.Sq <= 0) return false;
   if (!aligned16(q) || !aligned16(k) || !aligned16(v) || !aligned16(dout)) return false;
   if (!cuda::fa2::bwd_fast_grid_ok(p)) return false;
-  // softcap / ALiBi / rel_bias: the fast kernel's kTerms instances; dropout: the simple ones
-  if (!cuda::fa2::bwd_fast_terms_ok(p.score_terms())) return false;
+  // score terms: the fast kernel's kTerms instances; dropout at D = 128: the simple ones
+  if (!cuda::fa2::bwd_fast_terms_ok(p.score_terms(), p.D)) return false;
   if (deterministic) return false;
   // 155 KiB at D = 128: more than sm_86 / sm_89 / sm_120 allow per block (plus d rel_bias's
   // accumulator with rel_bias)
-  if (cuda::fa2::bwd_smem_bytes(p.D) + cuda::fa2::bwd_rel_smem_bytes(p.score_terms()) >
+  if (cuda::fa2::bwd_smem_bytes(p.D) + cuda::fa2::bwd_terms_smem_bytes(p.score_terms()) >
       max_smem_optin(q.get_device_index()))
     return false;
   return !force_simple();

@@ -121,13 +121,18 @@ __global__ void __launch_bounds__(256) fa2_bwd_delta_kernel(AttentionBwdParams b
 // order (common/attention_mask.h: the forward's rule at the forward's d = row + off - key),
 // softcap's chain factor 1 - tanh^2 on dS, and d rel_bias[h, M + clamp(d)] += dS (before the
 // chain factor: the bias is added after the cap) summed per CTA in shared memory (2M + 1
-// floats after the fixed part, bwd_rel_smem_bytes) and added to bp.drel_bias (fp32, zeroed
+// floats after the fixed part, bwd_terms_smem_bytes) and added to bp.drel_bias (fp32, zeroed
 // by the caller) with one global atomic per entry and query head: not deterministic, as dq.
-// Never dropout. Sinks need nothing here: lse holds them (d sinks is computed from lse, out
-// and dout by the caller).
-template <typename T, int kHeadDim, int kMask, bool kTerms>
+// Dropout: the forward's keep bit Z of (row, key) (common/dropout_rng.h; the steps' row keys
+// in shared memory), dV from P Z / (1 - p), dS = P (Z / (1 - p) dP - delta). Sinks need
+// nothing here: lse holds them (d sinks is computed from lse, out and dout by the caller).
+// kDropout (with kTerms; bwd_fast_dropout_head_dim: D = 64 only, at D = 128 its registers
+// spill 44-56 bytes): the dropout code is compiled in; the instances without it reject
+// dropout (the adapter runs the simple kernels).
+template <typename T, int kHeadDim, int kMask, bool kTerms, bool kDropout>
 __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHeadDim>::kMinBlocks)
     fa2_bwd_kernel(AttentionBwdParams bp, const float* delta, float* dq_accum) {
+  static_assert(kTerms || !kDropout, "dropout comes with the terms instances");
   using Tr = BwdTraits<kHeadDim>;
   constexpr bool kMasked = kMask != 0, kPadding = kMask == 2;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
@@ -147,7 +152,12 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   T* sdS = sdO + 2 * kBlockM * kStride;    // (kBlockN, kDsStride): dS^T, keys x queries
   float* sLse = reinterpret_cast<float*>(sdS + kBlockN * kDsStride);  // 2 x kBlockM, base 2
   float* sDelta = sLse + 2 * kBlockM;                                 // 2 x kBlockM
-  float* sDrel = sDelta + 2 * kBlockM;  // kTerms with rel_bias: (2M + 1), the current head's
+  // kTerms, after the fixed part (bwd_terms_smem_bytes): with dropout the steps' row keys,
+  // 2 x kBlockM uint64 (8-byte aligned: the fixed part is a multiple of 16 bytes), then with
+  // rel_bias d rel_bias's (2M + 1) floats of the current query head
+  const bool drop = kDropout && p.terms.has_dropout();
+  uint64_t* sRk = reinterpret_cast<uint64_t*>(sDelta + 2 * kBlockM);
+  float* sDrel = reinterpret_cast<float*>(sRk + (drop ? 2 * kBlockM : 0));
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t hkv = blockIdx.y, b = blockIdx.z;
@@ -237,6 +247,9 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
       }
       sLse[buf * kBlockM + tid] = l2;
       sDelta[buf * kBlockM + tid] = dl;
+      if constexpr (kDropout) {  // the row's key (rows past Sq are never kept: P = 0)
+        if (drop) sRk[buf * kBlockM + tid] = p.score_terms().dropout_row_key(b, h, row);
+      }
     }
   };
   if (steps > 0) load_step(0);
@@ -251,6 +264,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   const float scale = static_cast<float>(p.scale);
   const float scale_log2 = scale * kLog2eF;
   const bool has_cap = kTerms && p.terms.softcap > 0.0;
+  const uint32_t drop_thresh = drop ? dropout::threshold(p.terms.dropout_p) : 0u;
+  const float drop_scale = drop ? static_cast<float>(1.0 / (1.0 - p.terms.dropout_p)) : 1.f;
   // rel_bias (kTerms): the table and its gradient's accumulator of the current query head
   const float* rel_tab = kTerms ? static_cast<const float*>(p.terms.rel_bias) : nullptr;
   const int rel_m = kTerms ? static_cast<int>(p.terms.rel_max) : 0;
@@ -292,6 +307,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
     T* sdOb = sdO + buf * kBlockM * kStride;
     const float* sLseb = sLse + buf * kBlockM;
     const float* sDeltab = sDelta + buf * kBlockM;
+    const uint64_t* sRkb = sRk + buf * kBlockM;
     // the (query tile, key tile) class by the band (the tiles of band_rows_of_keys are never
     // invisible); rows past Sq, keys past Sk or a padded key make a full tile partial (the
     // predicate then masks them)
@@ -335,6 +351,10 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
       rel_h = p.terms.rel_row<float>(h);
     }
     const int d_row_key = bands.off - n0;
+    int64_t drop_col0 = 0;  // dropout: the global column of the tile's first key
+    if constexpr (kDropout) {
+      if (drop) drop_col0 = p.score_terms().dropout_col(n0);
+    }
 
     // The query columns in two halves of kQSub = 32 (halves the live S^T / dP^T registers,
     // which sit next to the 2 x D/2 dK/dV accumulators; costs a second read of the K and V
@@ -389,7 +409,16 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
             x = ScoreTerms::alibi_add(x, slope, d);  // slope 0 without ALiBi
             if (rel_h != nullptr) x = ScoreTerms::rel_add(x, rel_h, rel_m, d, &rd);
             pr = fast_exp2(x * kLog2eF - sLseb[qc]);
-            ds = pr * (dp[t][e] - sDeltab[qc]);
+            if (kDropout && drop) {
+              // the forward's keep bit of (row, key) (common/dropout_rng.h): dV takes
+              // P Z / (1 - p), dS = P (Z / (1 - p) dP - delta)
+              const int64_t col = drop_col0 + (e < 2 ? kra : krb);
+              const float z = dropout::keep(sRkb[qc], col, drop_thresh) ? drop_scale : 0.f;
+              ds = pr * (z * dp[t][e] - sDeltab[qc]);
+              pr *= z;
+            } else {
+              ds = pr * (dp[t][e] - sDeltab[qc]);
+            }
             chain = 1.f - th * th;
           } else {
             pr = fast_exp2(fmaf(s[t][e], scale_log2, -sLseb[qc]));
@@ -572,7 +601,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
 // ---- launcher ------------------------------------------------------------------------------
 // Instantiated in attention_fa2_bwd_hdim64.cu / attention_fa2_bwd_hdim128.cu; dispatched from
 // attention_launch.h. delta: (B, H, Sq) fp32 workspace; dq_accum: (B, Sq, H, D) fp32, zeroed.
-template <typename T, int kHeadDim, int kMask, bool kTerms>
+template <typename T, int kHeadDim, int kMask, bool kTerms, bool kDropout>
 cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, float* dq_accum,
                                 cudaStream_t stream) {
   using Tr = BwdTraits<kHeadDim>;
@@ -583,8 +612,8 @@ cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, floa
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
 
-  constexpr auto kernel = fa2_bwd_kernel<T, kHeadDim, kMask, kTerms>;
-  // the terms instances may take d rel_bias's accumulator on top (bwd_rel_smem_bytes): they
+  constexpr auto kernel = fa2_bwd_kernel<T, kHeadDim, kMask, kTerms, kDropout>;
+  // the terms instances may take d rel_bias's accumulator on top (bwd_terms_smem_bytes): they
   // are allowed the device's whole opt-in limit (the adapter checked the sum against it)
   int limit = Tr::kSmemBytes;
   if constexpr (kTerms) {
@@ -595,7 +624,7 @@ cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, floa
   }
   e = ensure_dynamic_smem<kernel>(limit);
   if (e != cudaSuccess) return e;
-  const int smem = Tr::kSmemBytes + (kTerms ? bwd_rel_smem_bytes(p.terms) : 0);
+  const int smem = Tr::kSmemBytes + (kTerms ? static_cast<int>(bwd_terms_smem_bytes(p.terms)) : 0);
   if (smem > limit) return cudaErrorInvalidValue;  // the adapter runs the simple kernels
   const dim3 grid(static_cast<unsigned>((p.Sk + Tr::kBlockN - 1) / Tr::kBlockN),
                   static_cast<unsigned>(p.Hkv), static_cast<unsigned>(p.B));
@@ -603,22 +632,28 @@ cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, floa
   return cudaGetLastError();
 }
 
-// One head dim's twelve kernels (fp16 / bf16 x the three mask modes x score terms or not),
-// for attention_fa2_bwd_hdim*.cu.
-#define ATTN_EXT_INSTANTIATE_FA2_BWD_MT(T, D, M, TERMS)                                      \
-  template cudaError_t launch_fa2_bwd_impl<T, D, M, TERMS>(const AttentionBwdParams&, float*, \
-                                                           float*, cudaStream_t);
-#define ATTN_EXT_INSTANTIATE_FA2_BWD_T(T, D, TERMS)                                          \
-  ATTN_EXT_INSTANTIATE_FA2_BWD_MT(T, D, 0, TERMS)                                            \
-  ATTN_EXT_INSTANTIATE_FA2_BWD_MT(T, D, 1, TERMS)                                            \
-  ATTN_EXT_INSTANTIATE_FA2_BWD_MT(T, D, 2, TERMS)
+// One head dim's kernels for attention_fa2_bwd_hdim*.cu: fp16 / bf16 x the three mask modes
+// x (plain, score terms, and where bwd_fast_dropout_head_dim: score terms with dropout).
+#define ATTN_EXT_INSTANTIATE_FA2_BWD_MT(T, D, M, TERMS, DROP)                                 \
+  template cudaError_t launch_fa2_bwd_impl<T, D, M, TERMS, DROP>(const AttentionBwdParams&, \
+                                                                 float*, float*, cudaStream_t);
+#define ATTN_EXT_INSTANTIATE_FA2_BWD_T(T, D, TERMS, DROP)                                    \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_MT(T, D, 0, TERMS, DROP)                                      \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_MT(T, D, 1, TERMS, DROP)                                      \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_MT(T, D, 2, TERMS, DROP)
+#define ATTN_EXT_INSTANTIATE_FA2_BWD_D(T, D)                                                  \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_T(T, D, false, false)                                          \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_T(T, D, true, false)
 #define ATTN_EXT_INSTANTIATE_FA2_BWD(D)                                                       \
   static_assert(BwdTraits<D>::kSmemBytes == bwd_smem_bytes(D),                              \
                 "attention_launch.h's bwd_smem_bytes is stale");                            \
-  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__half, D, false)                                            \
-  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__half, D, true)                                             \
-  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__nv_bfloat16, D, false)                                     \
-  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__nv_bfloat16, D, true)
+  ATTN_EXT_INSTANTIATE_FA2_BWD_D(__half, D)                                                   \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_D(__nv_bfloat16, D)
+// the dropout instances, for the head dims of bwd_fast_dropout_head_dim
+#define ATTN_EXT_INSTANTIATE_FA2_BWD_DROPOUT(D)                                               \
+  static_assert(bwd_fast_dropout_head_dim(D), "no dropout instances at this head dim");     \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__half, D, true, true)                                       \
+  ATTN_EXT_INSTANTIATE_FA2_BWD_T(__nv_bfloat16, D, true, true)
 
 }  // namespace fa2
 }  // namespace cuda

@@ -96,7 +96,8 @@ struct FwdTraits {
 // key padding, 2 key padding (with or without a band). The padding code costs registers, so
 // the plain causal path (1) does not carry it. Packed sequences (varlen) run in every mode:
 // the CTA's sequence comes from seq(b).
-// kTerms: p.terms has softcap / ALiBi / rel_bias and / or sinks (and no dropout).
+// kTerms: p.terms has softcap / ALiBi / rel_bias, sinks and / or dropout (the keep bits of
+// common/dropout_rng.h on P after the row sums, as every other kernel: the same mask).
 template <typename T, int kHeadDim, int kMask, bool kTerms>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHeadDim>::kMinBlocks)
     fa2_fwd_kernel(AttentionParams p) {
@@ -230,12 +231,24 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
   float row_max[2] = {-INFINITY, -INFINITY};  // base-2 scaled
   float row_sum[2] = {0.f, 0.f};               // this thread's partial sums (quad-reduced at end)
   const float scale_log2 = static_cast<float>(p.scale) * kLog2eF;
-  // score terms of this CTA's query head (kTerms): ALiBi slope, rel_bias row (centred)
+  // score terms of this CTA's query head (kTerms): ALiBi slope, rel_bias row (centred);
+  // dropout: the row keys of this thread's two rows, the keep threshold and the rescaling
   float slope_h = 0.f;
   const float* rel_h = nullptr;
+  uint64_t drop_ka = 0, drop_kb = 0;
+  uint32_t drop_thresh = 0;
+  float drop_scale = 1.f;
+  const bool drop = kTerms && p.terms.has_dropout();
   if constexpr (kTerms) {
     if (p.terms.alibi != nullptr) slope_h = p.terms.slope<float>(b, h);
     rel_h = p.terms.rel_row<float>(h);
+    if (drop) {
+      const ScoreTerms dt = p.score_terms();  // the dropout bases of a block position
+      drop_ka = dt.dropout_row_key(b, h, m0 + ra);
+      drop_kb = dt.dropout_row_key(b, h, m0 + rb);
+      drop_thresh = dropout::threshold(dt.dropout_p);
+      drop_scale = static_cast<float>(1.0 / (1.0 - dt.dropout_p));
+    }
   }
 
   // ldmatrix row/column offsets of this lane (see the fragment maps in the comments below)
@@ -365,6 +378,28 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
         s[t][2 * r] = fast_exp2(s[t][2 * r] - m_use);
         s[t][2 * r + 1] = fast_exp2(s[t][2 * r + 1] - m_use);
         row_sum[r] += s[t][2 * r] + s[t][2 * r + 1];
+      }
+    }
+    // dropout on P after the sums (the sums are of the undropped probabilities): key j of the
+    // pair (j, j + 1) this lane holds in n8 tile t is n0 + 8 t + 2 (lane % 4); the global
+    // column dropout_col(j) picks the 16-bit field of one 64-bit word per 4 columns
+    if constexpr (kTerms) {
+      if (drop) {
+        const int64_t col_base = p.score_terms().dropout_col(n0 + (lane & 3) * 2);
+#pragma unroll
+        for (int t = 0; t < kNTiles; ++t) {
+          const int64_t col = col_base + t * 8;
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const uint64_t rk = r == 0 ? drop_ka : drop_kb;
+            const uint64_t w0 = dropout::word(rk, col);
+            const uint64_t w1 = (col & 3) == 3 ? dropout::word(rk, col + 1) : w0;
+            const bool k0 = dropout::field(w0, col) >= drop_thresh;
+            const bool k1 = dropout::field(w1, col + 1) >= drop_thresh;
+            s[t][2 * r] = k0 ? s[t][2 * r] * drop_scale : 0.f;
+            s[t][2 * r + 1] = k1 ? s[t][2 * r + 1] * drop_scale : 0.f;
+          }
+        }
       }
     }
 

@@ -52,7 +52,7 @@ inline int mask_mode(const AttentionParams& p) {
   return v.dense() ? kMaskNone : (v.has_padding() ? kMaskPadding : kMaskBand);
 }
 
-// kTerms: softcap / ALiBi / rel_bias / sinks (attention_fwd_kernel.cuh); never dropout.
+// kTerms: softcap / ALiBi / rel_bias / sinks / dropout (attention_fwd_kernel.cuh).
 template <typename T, int kHeadDim, int kMask, bool kTerms>
 cudaError_t launch_fa2_fwd_impl(const AttentionParams& p, cudaStream_t stream);
 
@@ -98,8 +98,7 @@ cudaError_t launch_fa2_fwd_m(const AttentionParams& p, cudaStream_t stream) {
 
 template <typename T, int kHeadDim>
 cudaError_t launch_fa2_fwd_d(const AttentionParams& p, cudaStream_t stream) {
-  if (p.terms.has_dropout()) return cudaErrorInvalidValue;  // the adapter runs the simple kernel
-  if (!p.terms.plain()) {
+  if (!p.terms.plain()) {  // score terms, sinks, dropout
     if constexpr (fwd_fast_terms_head_dim(kHeadDim)) {
       return launch_fa2_fwd_m<T, kHeadDim, true>(p, stream);
     } else {
@@ -122,21 +121,27 @@ cudaError_t launch_fa2_fwd(const AttentionParams& p, cudaStream_t stream) {
   }
 }
 
-template <typename T, int kHeadDim, int kMask, bool kTerms>
+template <typename T, int kHeadDim, int kMask, bool kTerms, bool kDropout>
 cudaError_t launch_fa2_bwd_impl(const AttentionBwdParams& bp, float* delta, float* dq_accum,
                                 cudaStream_t stream);
 
+// Head dims whose fast backward has dropout instances: at D = 128 the dropout code spills
+// (44-56 bytes with a band mask), so dropout there runs the simple kernels.
+constexpr bool bwd_fast_dropout_head_dim(int64_t d) { return d == 64; }
+
 // Score terms the fast backward takes (its kTerms instances): softcap, ALiBi, rel_bias (its
 // gradient by fp32 atomics: like dq, not deterministic; the adapter's deterministic mode runs
-// the simple kernels, whose per-diagonal passes are). Sinks are not the backward's business
-// (lse holds them); dropout runs the simple kernels.
-inline bool bwd_fast_terms_ok(const ScoreTerms& t) { return !t.has_dropout(); }
+// the simple kernels, whose per-diagonal passes are), and dropout (the forward's keep bits)
+// where bwd_fast_dropout_head_dim. Sinks are not the backward's business (lse holds them).
+inline bool bwd_fast_terms_ok(const ScoreTerms& t, int64_t head_dim) {
+  return !t.has_dropout() || bwd_fast_dropout_head_dim(head_dim);
+}
 
-// Extra dynamic shared memory of the kTerms instances: d rel_bias's (2M + 1) fp32
-// accumulator (0 without rel_bias). The adapter adds it to bwd_smem_bytes before comparing
-// with the device's opt-in limit.
-inline int64_t bwd_rel_smem_bytes(const ScoreTerms& t) {
-  return t.rel_bias == nullptr ? 0 : (2 * t.rel_max + 1) * 4;
+// Extra dynamic shared memory of the kTerms instances: with dropout the steps' row keys
+// (2 x 64 uint64), with rel_bias d rel_bias's (2M + 1) fp32 accumulator. The adapter adds it
+// to bwd_smem_bytes before comparing with the device's opt-in limit.
+inline int64_t bwd_terms_smem_bytes(const ScoreTerms& t) {
+  return (t.has_dropout() ? 2 * 64 * 8 : 0) + (t.rel_bias == nullptr ? 0 : (2 * t.rel_max + 1) * 4);
 }
 
 // Backward grid (key tiles of 128, Hkv, B).
@@ -156,13 +161,13 @@ inline bool bwd_fast_grid_ok(const AttentionParams& p) {
 
 // T = __half or __nv_bfloat16; D == Dv in {64, 128} (the caller checked). delta: (B, H, Sq)
 // fp32 workspace; dq_accum: (B, Sq, H, D) fp32, zeroed; the caller converts it to dq.
-template <typename T, int kHeadDim, bool kTerms>
+template <typename T, int kHeadDim, bool kTerms, bool kDropout>
 cudaError_t launch_fa2_bwd_m(const AttentionBwdParams& bp, float* delta, float* dq_accum,
                              cudaStream_t stream) {
   switch (mask_mode(bp.fwd)) {
-    case kMaskNone: return launch_fa2_bwd_impl<T, kHeadDim, kMaskNone, kTerms>(bp, delta, dq_accum, stream);
-    case kMaskBand: return launch_fa2_bwd_impl<T, kHeadDim, kMaskBand, kTerms>(bp, delta, dq_accum, stream);
-    default: return launch_fa2_bwd_impl<T, kHeadDim, kMaskPadding, kTerms>(bp, delta, dq_accum, stream);
+    case kMaskNone: return launch_fa2_bwd_impl<T, kHeadDim, kMaskNone, kTerms, kDropout>(bp, delta, dq_accum, stream);
+    case kMaskBand: return launch_fa2_bwd_impl<T, kHeadDim, kMaskBand, kTerms, kDropout>(bp, delta, dq_accum, stream);
+    default: return launch_fa2_bwd_impl<T, kHeadDim, kMaskPadding, kTerms, kDropout>(bp, delta, dq_accum, stream);
   }
 }
 
@@ -170,9 +175,16 @@ template <typename T, int kHeadDim>
 cudaError_t launch_fa2_bwd_d(const AttentionBwdParams& bp, float* delta, float* dq_accum,
                              cudaStream_t stream) {
   const ScoreTerms t = bp.fwd.score_terms();
-  if (!bwd_fast_terms_ok(t)) return cudaErrorInvalidValue;  // the adapter runs the simple kernels
-  if (t.active()) return launch_fa2_bwd_m<T, kHeadDim, true>(bp, delta, dq_accum, stream);
-  return launch_fa2_bwd_m<T, kHeadDim, false>(bp, delta, dq_accum, stream);
+  if (!bwd_fast_terms_ok(t, kHeadDim)) return cudaErrorInvalidValue;  // the adapter runs the simple kernels
+  if (t.has_dropout()) {
+    if constexpr (bwd_fast_dropout_head_dim(kHeadDim)) {
+      return launch_fa2_bwd_m<T, kHeadDim, true, true>(bp, delta, dq_accum, stream);
+    } else {
+      return cudaErrorInvalidValue;
+    }
+  }
+  if (t.active()) return launch_fa2_bwd_m<T, kHeadDim, true, false>(bp, delta, dq_accum, stream);
+  return launch_fa2_bwd_m<T, kHeadDim, false, false>(bp, delta, dq_accum, stream);
 }
 
 template <typename T>
