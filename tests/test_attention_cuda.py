@@ -1322,18 +1322,27 @@ class TestScoreTermsCuda:
         p = 0.2
         q, k, v = (randn(B, S, h, D, dtype=torch.bfloat16) for S, h in ((Sq, H), (Sk, Hkv), (Sk, Hkv)))
         rel = randn(H, 21, dtype=torch.bfloat16)
-        torch.manual_seed(5)
-        seed, offset = _ops._dropout_seed_offset(cuda)
-        mask = reference.dropout_keep_mask(seed, offset, B, H, range(Sq), range(Sk), p)
         qc, kc_, vc = (t.cuda().requires_grad_() for t in (q, k, v))
         torch.manual_seed(5)
         out = attn_ext.attention(qc, kc_, vc, causal=True, rel_bias=rel.cuda(), softcap=5.0, dropout_p=p)
         names = kernel_names(lambda: out.backward(torch.ones_like(out)))
         assert ran(names, "fa2_bwd_kernel" if D == 64 else "simple_bwd"), names
+        self._dropout_vs_reference(q, k, v, rel, p, 5, cuda)
+
+    @staticmethod
+    def _dropout_vs_reference(q, k, v, rel, p, torch_seed, cuda):
+        """Causal attention with rel_bias, softcap 5 and dropout p through the wrapper (seed /
+        offset drawn from the CUDA generator after torch.manual_seed(torch_seed)) against the
+        float64 reference with reference.dropout_keep_mask's bits."""
+        B, Sq, H = q.shape[:3]
+        Sk = k.shape[1]
+        torch.manual_seed(torch_seed)
+        seed, offset = _ops._dropout_seed_offset(cuda)
+        mask = reference.dropout_keep_mask(seed, offset, B, H, range(Sq), range(Sk), p)
 
         @_on_cuda
         def ours(q, k, v, rel):
-            torch.manual_seed(5)  # the wrapper draws the same seed/offset
+            torch.manual_seed(torch_seed)  # the wrapper draws the same seed/offset
             return attn_ext.attention(q, k, v, causal=True, rel_bias=rel, softcap=5.0, dropout_p=p,
                                       return_lse=True)
 
@@ -1348,24 +1357,8 @@ class TestScoreTermsCuda:
         """Through the wrapper: seed/offset drawn from the CUDA generator (torch.manual_seed
         reproduces them), forward and backward with the bits of reference.dropout_keep_mask."""
         B, Sq, Sk, H, Hkv, D = 2, 80, 110, 4, 2, 32
-        p = 0.2
         q, k, v = randn(B, Sq, H, D, dtype=dtype), randn(B, Sk, Hkv, D, dtype=dtype), randn(B, Sk, Hkv, D, dtype=dtype)
-        rel = randn(H, 21, dtype=dtype)
-        torch.manual_seed(11)
-        seed, offset = _ops._dropout_seed_offset(cuda)
-        mask = reference.dropout_keep_mask(seed, offset, B, H, range(Sq), range(Sk), p)
-
-        @_on_cuda
-        def ours(q, k, v, rel):
-            torch.manual_seed(11)  # the wrapper draws the same seed/offset
-            return attn_ext.attention(q, k, v, causal=True, rel_bias=rel, softcap=5.0, dropout_p=p,
-                                      return_lse=True)
-
-        def ref(q, k, v, rel):
-            return reference.attention_with_lse(q, k, v, True, None, None, None, None, rel, 5.0,
-                                                None, p, mask)
-
-        check_against_reference(ours, ref, [q, k, v, rel], ["dq", "dk", "dv", "drel_bias"])
+        self._dropout_vs_reference(q, k, v, randn(H, 21, dtype=dtype), 0.2, 11, cuda)
 
     # -- the kernel that ran is the one explain() names --
 

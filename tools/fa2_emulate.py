@@ -47,12 +47,18 @@ import kernel_constants as kc  # noqa: E402
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-def _mix(z):
-    z = np.asarray(z, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+def _load_reference_mix():
+    """attn_ext/reference.py's SplitMix64 finaliser (the file alone: no extension needed)."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "attn_ext",
+                        "reference.py")
+    spec = importlib.util.spec_from_file_location("attn_ext_reference_for_emulation", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod._mix64
+
+
+_mix = _load_reference_mix()
 
 
 def _row_key(seed, offset, b, h, i):
