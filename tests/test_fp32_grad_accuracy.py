@@ -13,30 +13,21 @@ units and products (P = 1 exactly where the forward's is), and Di is summed in d
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
-import attn_ext
-from attn_ext import reference as R
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import fp32_grad_study as S  # noqa: E402
 
 EPS = torch.finfo(torch.float32).eps
 
 
-def _grads(q, k, v, dout, causal, scale, dtype):
-    q, k, v = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out, _ = R.attention_with_lse(q, k, v, causal, scale)
-    out.backward(dout.to(dtype))
-    return q.grad, k.grad, v.grad
-
-
-def _ours(q, k, v, dout, causal, scale):
-    qg, kg, vg = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    attn_ext.attention(qg, kg, vg, causal=causal, scale=scale).backward(dout)
-    return qg.grad, kg.grad, vg.grad
-
-
-def _err(a, b):
-    return float((a.double() - b.double()).abs().max())
+# the study's helpers and case distribution (tools/fp32_grad_study.py): the same gradients of
+# the textbook, of ours, the same error measure, the same draws
+_grads, _ours, _err, random_case = S.textbook, S.ours, S.err, S.random_case
 
 
 # Sq = 1: the decode forward; Sq = 40: the tiled forward. Sk = 40: every query block sees one
@@ -74,20 +65,9 @@ def test_tiny_shapes_rule():
     Di now equals dP bitwise (test_peaked_rows_exact); the old kernel's worst ratios here were
     1e14."""
     g = torch.Generator().manual_seed(18)
-
-    def ri(lo, hi):
-        return int(torch.randint(lo, hi + 1, (1,), generator=g))
-
     n, over, worst = 300, {"dq": 0, "dk": 0, "dv": 0}, {"dq": 0.0, "dk": 0.0, "dv": 0.0}
     for _ in range(n):
-        B, Hkv = ri(1, 2), ri(1, 2)
-        H = Hkv * ri(1, 2)
-        Sq, Sk, D = ri(1, 2), ri(2, 3), ri(1, 80)
-        causal = bool(ri(0, 1))
-        scale = None if ri(0, 1) else float(torch.empty(1).uniform_(0.01, 2.0, generator=g))
-        q, k, v, dout = [torch.randn(*sh, generator=g, dtype=torch.float64).float()
-                         for sh in ((B, Sq, H, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D),
-                                    (B, Sq, H, D))]
+        (Sq, Sk, D, causal, scale), (q, k, v, dout) = random_case(g)
         ours = _ours(q, k, v, dout, causal, scale)
         r64 = _grads(q, k, v, dout, causal, scale, torch.float64)
         r32 = _grads(q, k, v, dout, causal, scale, torch.float32)

@@ -104,22 +104,31 @@ def ours(q, k, v, dout, causal, scale):
     return qg.grad, kg.grad, vg.grad
 
 
-def main(n: int) -> None:
-    gen = torch.Generator().manual_seed(1)
+def random_case(gen: torch.Generator):
+    """One draw of the study's distribution (tests/test_fp32_grad_accuracy.py draws the same):
+    B, Hkv in 1-2, group 1-2, Sq 1-2, Sk 2-3, D 1-80, causal or not, scale the default or
+    uniform in [0.01, 2]; fp32 inputs rounded from float64 normals. Returns (Sq, Sk, D,
+    causal, scale) and (q, k, v, dout)."""
 
     def ri(lo, hi):
         return int(torch.randint(lo, hi + 1, (1,), generator=gen))
 
+    B, Hkv = ri(1, 2), ri(1, 2)
+    H = Hkv * ri(1, 2)
+    Sq, Sk, D = ri(1, 2), ri(2, 3), ri(1, 80)
+    causal = bool(ri(0, 1))
+    scale = None if ri(0, 1) else float(torch.empty(1).uniform_(0.01, 2.0, generator=gen))
+    tensors = [(torch.randn(*sh, generator=gen, dtype=torch.float64)).float()
+               for sh in ((B, Sq, H, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), (B, Sq, H, D))]
+    return (Sq, Sk, D, causal, scale), tensors
+
+
+def main(n: int) -> None:
+    gen = torch.Generator().manual_seed(1)
     rows = []  # (case, {method: (err dq, err dk, err dv)}, mags)
     for _ in range(n):
-        B, Hkv = ri(1, 2), ri(1, 2)
-        H = Hkv * ri(1, 2)
-        Sq, Sk, D = ri(1, 2), ri(2, 3), ri(1, 80)
-        causal = bool(ri(0, 1))
-        scale = None if ri(0, 1) else float(torch.empty(1).uniform_(0.01, 2.0, generator=gen))
+        (Sq, Sk, D, causal, scale), (q, k, v, dout) = random_case(gen)
         s_ = scale if scale is not None else D ** -0.5
-        q, k, v, dout = [(torch.randn(*sh, generator=gen, dtype=torch.float64)).float()
-                         for sh in ((B, Sq, H, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), (B, Sq, H, D))]
         r64 = textbook(q, k, v, dout, causal, scale, torch.float64)
         res = {
             "ours": ours(q, k, v, dout, causal, scale),

@@ -236,6 +236,37 @@ struct Visibility {
     return {lo, hi};
   }
 
+  // The tiles a fast CUDA kernel walks (32-bit: Sq + Sk < 2^30 there), for the rows [i0, i1)
+  // over key tiles of N (key_tile_span) or the keys [j0, j1) over query tiles of M
+  // (row_tile_span): [begin, end) the tiles holding a pair the band shows (band_keys_of_rows /
+  // band_rows_of_keys; empty when it shows none), [full_lo, full_hi) the kFull ones among them
+  // (full_key_tiles / full_row_tiles). TileSpan::dense: every tile of len, all full.
+  struct TileSpan {
+    int begin = 0, end = 0, full_lo = 0, full_hi = 0;
+    ATTN_MASK_FN static TileSpan dense(int64_t len, int64_t N) {
+      TileSpan t;
+      t.end = t.full_hi = static_cast<int>((len + N - 1) / N);
+      return t;
+    }
+  };
+  // (i0 < i1, j0 < j1)
+  ATTN_MASK_FN TileSpan key_tile_span(const SeqInfo& s, int64_t i0, int64_t i1, int64_t N) const {
+    return tile_span(band_keys_of_rows(s, i0, i1), full_key_tiles(s, i0, i1, N), N);
+  }
+  ATTN_MASK_FN TileSpan row_tile_span(const SeqInfo& s, int64_t j0, int64_t j1, int64_t M) const {
+    return tile_span(band_rows_of_keys(s, j0, j1), full_row_tiles(s, j0, j1, M), M);
+  }
+  ATTN_MASK_FN static TileSpan tile_span(const Range& band, const Range& full, int64_t N) {
+    TileSpan t;
+    if (band.hi > band.lo) {
+      t.begin = static_cast<int>(band.lo / N);
+      t.end = static_cast<int>((band.hi + N - 1) / N);
+      t.full_lo = static_cast<int>(full.lo);
+      t.full_hi = static_cast<int>(full.hi);
+    }
+    return t;
+  }
+
   ATTN_MASK_FN bool key_valid(int64_t b, int64_t j) const {
     return m.key_padding == nullptr ||
            m.key_padding[b * m.kpm_batch_stride + j * m.kpm_key_stride] != 0;

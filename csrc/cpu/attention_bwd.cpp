@@ -162,17 +162,10 @@ int64_t load_key_tile(const AttentionParams& p, const Visibility& vis, const Seq
   const auto* v = static_cast<const scalar_t*>(p.v);
   const scalar_t* kh = k + b * p.k_batch_stride + hkv * p.k_head_stride + sq.k0 * p.k_row_stride;
   const scalar_t* vh = v + b * p.v_batch_stride + hkv * p.v_head_stride + sq.k0 * p.v_row_stride;
-  if (head_rows_fit(sq.Sk, s.Dp, s.Dvp, sizeof(acc_t))) {
-    s.kbp = s.hk.get(kh, p.k_row_stride, sq.Sk, p.D, s.Dp, j0, nk);
-    s.vbp = s.hv.get(vh, p.v_row_stride, sq.Sk, p.Dv, s.Dvp, j0, nk);
-    *k_finite = s.hk.finite(j0, nk);
-  } else {
-    load_rows(kh + j0 * p.k_row_stride, p.k_row_stride, nk, p.D, s.kb.data(), s.Dp);
-    load_rows(vh + j0 * p.v_row_stride, p.v_row_stride, nk, p.Dv, s.vb.data(), s.Dvp);
-    s.kbp = s.kb.data();
-    s.vbp = s.vb.data();
-    *k_finite = all_finite(s.kb.data(), nk, p.D, s.Dp);
-  }
+  const bool whole = head_rows_fit(sq.Sk, s.Dp, s.Dvp, sizeof(acc_t));
+  s.kbp = s.hk.tile(whole, kh, p.k_row_stride, sq.Sk, p.D, s.Dp, j0, nk, s.kb);
+  s.vbp = s.hv.tile(whole, vh, p.v_row_stride, sq.Sk, p.Dv, s.Dvp, j0, nk, s.vb);
+  *k_finite = whole ? s.hk.finite(j0, nk) : all_finite(s.kbp, nk, p.D, s.Dp);
   int64_t n_valid = nk;
   if (vis.has_padding()) {
     n_valid = 0;

@@ -135,6 +135,12 @@ inline bool head_rows_fit(int64_t n, int64_t Dp, int64_t Dvp, size_t acc_size) {
   return n * (Dp + Dvp) * static_cast<int64_t>(acc_size) <= kHeadRowsBytes;  // (+ 8 rows)
 }
 
+// Software prefetch of [p, p + bytes), one request per 64-byte line (a read, kept in the caches).
+inline void prefetch_range(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
+}
+
 template <typename acc_t>
 struct HeadRows {
   const void* src = nullptr;  // the head's first row (identifies the head within one call)
@@ -160,10 +166,7 @@ struct HeadRows {
       if (done[r]) continue;
       // rows at a large stride lie in different pages, which the hardware prefetchers do not
       // follow: ask for the row 8 ahead (several misses in flight instead of one)
-      if (r + 8 < n) {
-        const char* ahead = reinterpret_cast<const char*>(head + (r + 8) * row_stride);
-        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off);
-      }
+      if (r + 8 < n) prefetch_range(head + (r + 8) * row_stride, row_bytes);
       acc_t* dst = rows.data() + r * ld;
       convert_row(head + r * row_stride, cols, dst);
       done[r] = !check_finite || all_finite(dst, 1, cols, ld) ? 1 : 2;
@@ -175,6 +178,15 @@ struct HeadRows {
     for (int64_t r = j0; r < j0 + nk; ++r)
       if (done[r] != 1) return false;
     return true;
+  }
+  // The key tile [j0, j0 + nk) of the head at `head` as (nk, ld) rows: from this head's rows
+  // when `whole` (head_rows_fit), else converted into `tile` alone (the per-tile packing).
+  template <typename scalar_t>
+  const acc_t* tile(bool whole, const scalar_t* head, int64_t row_stride, int64_t n, int64_t cols,
+                    int64_t ld, int64_t j0, int64_t nk, AlignedVec<acc_t>& tile_rows) {
+    if (whole) return get(head, row_stride, n, cols, ld, j0, nk);
+    load_rows(head + j0 * row_stride, row_stride, nk, cols, tile_rows.data(), ld);
+    return tile_rows.data();
   }
 };
 

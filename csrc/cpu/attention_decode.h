@@ -244,10 +244,7 @@ inline void prefetch_rows(const T* base, int64_t r0, int64_t r1, int64_t kend, i
                           int64_t Hkv, int64_t head_stride, int64_t n) {
   const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
   for (int64_t r = r0; r < std::min(r1, kend); ++r)
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const char* row = reinterpret_cast<const char*>(base + r * row_stride + h * head_stride);
-      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
-    }
+    for (int64_t h = 0; h < Hkv; ++h) prefetch_range(base + r * row_stride + h * head_stride, bytes);
 }
 
 // Keys per block: the block of every kv head in ~256 KiB of fp32 (L2), 8..kDecodeKeys.

@@ -200,24 +200,16 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     if (std::is_same_v<scalar_t, acc_t> && rows_read_in_place(p.k_row_stride, D, sizeof(acc_t))) {
       kt = reinterpret_cast<const acc_t*>(kh + j0 * p.k_row_stride);
       ldk = p.k_row_stride;
-    } else if (head_rows) {
-      kt = s.hk.get(kh, p.k_row_stride, sq.Sk, D, Dp, j0, nk);
-      ldk = Dp;
     } else {
-      load_rows(kh + j0 * p.k_row_stride, p.k_row_stride, nk, D, s.kb.data(), Dp);
-      kt = s.kb.data();
+      kt = s.hk.tile(head_rows, kh, p.k_row_stride, sq.Sk, D, Dp, j0, nk, s.kb);
       ldk = Dp;
     }
     if (std::is_same_v<scalar_t, acc_t> && Dv == Dvp &&
         rows_read_in_place(p.v_row_stride, Dv, sizeof(acc_t))) {
       vt = reinterpret_cast<const acc_t*>(vh + j0 * p.v_row_stride);
       ldv = p.v_row_stride;
-    } else if (head_rows) {
-      vt = s.hv.get(vh, p.v_row_stride, sq.Sk, Dv, Dvp, j0, nk);
-      ldv = Dvp;
     } else {
-      load_rows(vh + j0 * p.v_row_stride, p.v_row_stride, nk, Dv, s.vb.data(), Dvp);
-      vt = s.vb.data();
+      vt = s.hv.tile(head_rows, vh, p.v_row_stride, sq.Sk, Dv, Dvp, j0, nk, s.vb);
       ldv = Dvp;
     }
     // Columns [a, b) of head block hh that see key j0 + r by the band.

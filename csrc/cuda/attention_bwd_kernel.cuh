@@ -196,19 +196,13 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   // query tiles [m_begin, m_end) hold every row that sees some key of this tile by the band
   // (none of them invisible by the band); classify() calls [full_lo, full_hi) of them kFull
   // (full_row_tiles: the same answer as one range, computed once per CTA)
-  int m_begin = 0, m_end = 0, full_lo = 0, full_hi = 0;
+  Visibility::TileSpan span;
   if (!kMasked) {  // every pair of the sequence is visible (dense())
-    m_end = full_hi = (Sq + kBlockM - 1) / kBlockM;
+    span = Visibility::TileSpan::dense(Sq, kBlockM);
   } else if (Sq > 0 && any_key) {
-    const Range rows = vis.band_rows_of_keys(sq, n0, n1);
-    if (rows.hi > rows.lo) {
-      m_begin = static_cast<int>(rows.lo / kBlockM);
-      m_end = static_cast<int>((rows.hi + kBlockM - 1) / kBlockM);
-      const Range full = vis.full_row_tiles(sq, n0, n1, kBlockM);
-      full_lo = static_cast<int>(full.lo);
-      full_hi = static_cast<int>(full.hi);
-    }
+    span = vis.row_tile_span(sq, n0, n1, kBlockM);
   }
+  const int m_begin = span.begin, m_end = span.end, full_lo = span.full_lo, full_hi = span.full_hi;
   // step st = (query head hkv * group + st / n_m, query tile m_begin + st % n_m); 32-bit
   // (the adapter checks group * n_m < 2^31)
   const int n_m = m_end - m_begin;

@@ -133,19 +133,13 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
   // key tiles [n_begin, n_end) hold every key some row of this tile sees by the band (none of
   // them is invisible by the band); classify() calls [full_lo, full_hi) of them kFull
   // (full_key_tiles: the same answer as one range, computed once per CTA)
-  int n_begin = 0, n_end = 0, full_lo = 0, full_hi = 0;
+  Visibility::TileSpan span;
   if (!kMasked) {  // every key of the sequence is visible (dense())
-    n_end = full_hi = static_cast<int>((Sk + kBlockN - 1) / kBlockN);
+    span = Visibility::TileSpan::dense(Sk, kBlockN);
   } else if (Sk > 0) {
-    const Range keys = vis.band_keys_of_rows(sq, m0, m1);
-    if (keys.hi > keys.lo) {
-      n_begin = static_cast<int>(keys.lo / kBlockN);
-      n_end = static_cast<int>((keys.hi + kBlockN - 1) / kBlockN);
-      const Range full = vis.full_key_tiles(sq, m0, m1, kBlockN);
-      full_lo = static_cast<int>(full.lo);
-      full_hi = static_cast<int>(full.hi);
-    }
+    span = vis.key_tile_span(sq, m0, m1, kBlockN);
   }
+  const int n_begin = span.begin, n_end = span.end, full_lo = span.full_lo, full_hi = span.full_hi;
   // The class of key tile n (n_begin <= n < n_end) for this query tile: the band's, a tile
   // past the end of the keys is partial (its zero-filled rows must not count), and with key
   // padding the per-key flags: all padded -> invisible (skipped), some -> partial. kv[w] bit
