@@ -166,3 +166,20 @@ def test_decode_in_place_reads_equal_packed_blocks(tmp_path):
     assert len(res["1"]) == len(res["0"]) == 60
     for a, b in zip(res["1"], res["0"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("B,Sq,Sk,H,Hkv,D,Dv", [
+    (1, 1, 300, 8, 2, 40, 40),     # two whole 16-element chunks and a natural-order tail of 8
+    (2, 2, 200, 8, 4, 128, 72),    # whole chunks only for q / k, a tail for v
+    (1, 1, 130, 4, 4, 24, 16),     # MHA, one chunk and a tail
+])
+def test_decode_bf16_decode_order_forward_and_backward(B, Sq, Sk, H, Hkv, D, Dv):
+    """bf16 rows are widened 16 at a time into the even then the odd elements
+    (attention_decode.h, decode_pos): the output must come back in natural order, and the
+    backward, which recomputes the forward's scores in that element order, must still give the
+    textbook's gradients."""
+    from tests.test_attention import check, make_qkv
+    q, k, v = make_qkv(B, Sq, Sk, H, Hkv, D, Dv, torch.bfloat16, "cpu")
+    assert attn_ext.explain(q, k, v, causal=False).forward == "cpu.decode"
+    for causal in (False, True):
+        check(q, k, v, causal)

@@ -33,6 +33,8 @@ struct BwdScratch {
   AlignedVec<acc_t> dqt;   // (kBlockQ, Dp): dq accumulator of the query block (unscaled)
   AlignedVec<acc_t> tmp;   // (max(D, Dv)): one converted row
   AlignedVec<acc_t> sc;    // (kBlockQ, kBlockK): scores in the decode kernel's layout (decode order)
+  AlignedVec<acc_t> kdo;   // (kBlockK, Dp): the key tile's k rows in the decode kernel's element
+                           // order where it is not natural (bf16: decode_detail::decode_pos)
   std::vector<uint8_t> kvalid;  // (kBlockK): key padding of the tile's keys (1 = takes part)
   AlignedVec<acc_t> th;    // (kBlockK, kBlockQ): tanh(s / softcap) (softcap only)
   AlignedVec<acc_t> pz;    // (kBlockK, kBlockQ): P^T * Z / (1 - p) (dropout only)
@@ -41,7 +43,8 @@ struct BwdScratch {
   const acc_t* kbp = nullptr;  // the key tile's k rows (nk, Dp): in kb or hk
   const acc_t* vbp = nullptr;  // its v rows (nk, Dvp): in vb or hv
 
-  BwdScratch(int64_t D, int64_t Dv, int64_t pack_size, const ScoreTerms& terms, bool decode_order)
+  BwdScratch(int64_t D, int64_t Dv, int64_t pack_size, const ScoreTerms& terms, bool decode_order,
+             bool decode_pairs)
       : Dp(round_up(D, 8)),
         Dvp(round_up(Dv, 8)),
         kb(static_cast<size_t>(kBlockK * Dp), acc_t(0)),
@@ -52,6 +55,7 @@ struct BwdScratch {
         dqt(static_cast<size_t>(kBlockQ * Dp)),
         tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1))),
         sc(decode_order ? static_cast<size_t>(kBlockQ * kBlockK) : 0),
+        kdo(decode_pairs ? static_cast<size_t>(kBlockK * Dp) : 0),
         kvalid(kBlockK, 1),
         th(terms.softcap > 0.0 ? static_cast<size_t>(kBlockK * kBlockQ) : 0),
         pz(terms.has_dropout() ? static_cast<size_t>(kBlockK * kBlockQ) : 0),
@@ -64,7 +68,8 @@ struct BwdScratch {
 // zero:
 //   qt   (D, kBlockQ)    scale * q^T (the forward's scores, bitwise; natural-log units, like lse)
 //   qr   (kBlockQ, Dp)   q rows
-//   qs   (kBlockQ, Dp)   scale * q rows (the decode kernel's operand; see decode_order)
+//   qs   (kBlockQ, Dp)   scale * q rows in the decode kernel's element order (its operand;
+//                        see decode_order)
 //   dot  (Dv, kBlockQ)   dout^T
 //   dor  (kBlockQ, Dvp)  dout rows
 //   lse  (kBlockQ)       lse; +inf for padding rows and rows that see no key (P = 0)
@@ -116,7 +121,9 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     acc_t* qrow = qr + ii * Dp;
     convert_row(qh + ii * p.q_row_stride, D, qrow);
     for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + ii] = qrow[d] * qscale;
-    for (int64_t d = 0; d < D; ++d) blk[L.qs + ii * Dp + d] = qrow[d] * qscale;
+    for (int64_t d = 0; d < D; ++d)
+      blk[L.qs + ii * Dp + decode_detail::decode_pos(decode_detail::kDecodePairs<scalar_t>, d, D)] =
+          qrow[d] * qscale;
     acc_t* drow = dor + ii * Dvp;
     convert_row(dh + ii * bp.dout_row_stride, Dv, drow);
     for (int64_t d = 0; d < Dv; ++d) dot[d * kBlockQ + ii] = drow[d];
@@ -275,7 +282,14 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   auto pass1_decode = [&] {
 #if ATTN_EXT_HAVE_AVX2_PATH
     if constexpr (std::is_same_v<acc_t, float>) {
-      decode_detail::scores(blk + L.qs, nq, Dp, s.kbp, round_up(nk, 8), s.sc.data(), kBlockK);
+      const int64_t nk8 = round_up(nk, 8);
+      const acc_t* kd = s.kbp;
+      if (!s.kdo.empty()) {  // the forward's element order (bf16)
+        for (int64_t r = 0; r < nk8; ++r)
+          decode_detail::to_decode_order<c10::BFloat16>(s.kbp + r * Dp, D, s.kdo.data() + r * Dp);
+        kd = s.kdo.data();
+      }
+      decode_detail::scores(blk + L.qs, nq, Dp, kd, nk8, s.sc.data(), kBlockK);
       for (int64_t r = 0; r < nk; ++r) {
         acc_t* row = s.st.data() + r * C;
         for (int64_t c = 0; c < nq; ++c) row[c] = s.sc[c * kBlockK + r];
@@ -465,7 +479,10 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   // The forward of these shapes was the decode kernel (attention_decode.h): the scores are
   // recomputed in its summation order, so that P = exp(s - lse) meets the forward's bits.
   const bool decode_order = decode_supported(p, std::is_same_v<acc_t, double>);
-  auto make_scratch = [&] { return BwdScratch<acc_t>(p.D, p.Dv, L.size, terms, decode_order); };
+  const bool decode_pairs = decode_order && decode_detail::kDecodePairs<scalar_t>;
+  auto make_scratch = [&] {
+    return BwdScratch<acc_t>(p.D, p.Dv, L.size, terms, decode_order, decode_pairs);
+  };
 
   // dk / dv accumulators of (b, hkv): rows j at kacc(b, hkv) + j * ld.
   const bool in_place = std::is_same_v<scalar_t, acc_t> && p.D == Dp && p.Dv == Dvp;

@@ -85,6 +85,34 @@ inline bool decode_supported(const AttentionParams& p, bool is_double) {
   return p.Sq * (p.H / p.Hkv) <= kDecodeCols;
 }
 
+namespace decode_detail {
+
+// The decode order of a row (every K / V / q row the decode kernel reads, and its output
+// accumulators): bf16 is widened 16 elements at a time from one 32-byte load, by a shift (the
+// even elements) and a mask (the odd ones), so within each whole 16-element chunk of a bf16 row
+// positions [0, 8) hold elements 0, 2, ..., 14 and positions [8, 16) elements 1, 3, ..., 15;
+// the tail past the last whole chunk, and fp32 / fp16 rows, are in natural order. Packed rows
+// (pack_row) and the backward's operands (attention_bwd.cpp) are put in the same order, so the
+// scores are the same FMA chains whether K is read in place or packed.
+template <typename T>
+constexpr bool kDecodePairs = std::is_same_v<T, c10::BFloat16>;
+
+// Position in decode order of element d of a row of n elements.
+inline int64_t decode_pos(bool pairs, int64_t d, int64_t n) {
+  if (!pairs || d >= n / 16 * 16) return d;
+  return (d & ~int64_t(15)) + ((d & 1) << 3) + ((d & 15) >> 1);
+}
+
+// A natural-order fp32 row of n elements (round_up(n, 8) with its zero tail) in the decode
+// order of T (the backward's operands: attention_bwd.cpp).
+template <typename T>
+inline void to_decode_order(const float* src, int64_t n, float* dst) {
+  const int64_t n8 = round_up(n, 8);
+  for (int64_t d = 0; d < n8; ++d) dst[decode_pos(kDecodePairs<T>, d, n)] = src[d];
+}
+
+}  // namespace decode_detail
+
 #if ATTN_EXT_HAVE_AVX2_PATH
 
 namespace decode_detail {
@@ -99,14 +127,72 @@ ATTN_EXT_AVX2 inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// dst[0, n) = src[0, n) as fp32, n a multiple of 8 is not required; dst has room for
-// round_up(n, 8) and the tail is zero-filled.
+// 16 elements of a row of T as two 8-float vectors in decode order.
+template <typename T>
+struct DecodeIO {
+  ATTN_EXT_AVX2 static inline __m256 lo(const T* p) { return cpu::Avx2IO<T>::load(p); }
+  ATTN_EXT_AVX2 static inline __m256 hi(const T* p) { return cpu::Avx2IO<T>::load(p + 8); }
+};
+template <>
+struct DecodeIO<c10::BFloat16> {
+  ATTN_EXT_AVX2 static inline __m256i raw(const c10::BFloat16* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  ATTN_EXT_AVX2 static inline __m256 lo(const c10::BFloat16* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(raw(p), 16));
+  }
+  ATTN_EXT_AVX2 static inline __m256 hi(const c10::BFloat16* p) {
+    return _mm256_castsi256_ps(_mm256_and_si256(raw(p), _mm256_set1_epi32(int32_t(0xffff0000u))));
+  }
+};
+
+// Chunk d of a row in decode order: Part 0 / 1 the low / high half of the 16-element chunk
+// at d / d - 8, Part 2 the 8 elements at d (the tail).
+template <typename T, int Part>
+ATTN_EXT_AVX2 inline __m256 load_part(const T* row, int64_t d) {
+  if constexpr (Part == 0) return DecodeIO<T>::lo(row + d);
+  if constexpr (Part == 1) return DecodeIO<T>::hi(row + d - 8);
+  return cpu::Avx2IO<T>::load(row + d);
+}
+
+// Positions [d, d + 8) (d a multiple of 8) of a row of n elements of T in decode order.
+template <typename T>
+ATTN_EXT_AVX2 inline __m256 decode_load8(const T* row, int64_t d, int64_t n) {
+  if (d + 8 > n / 16 * 16) return load_part<T, 2>(row, d);
+  return (d & 15) == 0 ? load_part<T, 0>(row, d) : load_part<T, 1>(row, d);
+}
+
+// dst[0, n) = src[0, n) as fp32 in decode order; dst has room for round_up(n, 8) and the tail
+// is zero-filled.
 template <typename scalar_t>
 ATTN_EXT_AVX2 inline void pack_row(const scalar_t* src, int64_t n, float* dst) {
   int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    _mm256_storeu_ps(dst + d, DecodeIO<scalar_t>::lo(src + d));
+    _mm256_storeu_ps(dst + d + 8, DecodeIO<scalar_t>::hi(src + d));
+  }
   for (; d + 8 <= n; d += 8) _mm256_storeu_ps(dst + d, cpu::Avx2IO<scalar_t>::load(src + d));
   for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
   for (; d % 8 != 0; ++d) dst[d] = 0.f;
+}
+
+// One 8-float chunk d of NK rows against NC columns: a[r * NC + c] += q_c[d..] * k_r[d..].
+template <typename kT, int NC, int Part>
+ATTN_EXT_AVX2 inline void scores_step(const float* qs, int64_t Dp, const kT* k0, int64_t ldk,
+                                      int64_t d, __m256* a) {
+  constexpr int NK = 8 / NC;
+  __m256 kv[NK];
+#pragma GCC unroll 8
+  for (int r = 0; r < NK; ++r) kv[r] = load_part<kT, Part>(k0 + r * ldk, d);
+#pragma GCC unroll 4
+  for (int c = 0; c < NC; ++c) {
+    __m256 q = _mm256_loadu_ps(qs + c * Dp + d);
+#if defined(__GNUC__)
+    if constexpr (NK > 1) asm("" : "+x"(q));  // one load of q, not one folded into each FMA
+#endif
+#pragma GCC unroll 8
+    for (int r = 0; r < NK; ++r) a[r * NC + c] = _mm256_fmadd_ps(q, kv[r], a[r * NC + c]);
+  }
 }
 
 // s (NC columns, NK keys) for the keys [r0, r0 + NK): NK x NC = 8 accumulators, so one load
@@ -114,32 +200,25 @@ ATTN_EXT_AVX2 inline void pack_row(const scalar_t* src, int64_t n, float* dst) {
 // rows in flight, a bf16 / fp16 row widened once per pair) beat both 1 column x 8 keys (a
 // widened row converted once per column) and 4 columns x 2 keys (2 rows in flight: fewer
 // misses outstanding when K comes from memory). Each accumulator sums q_c . k_r over the
-// 8-float chunks of d in order and hsum8 reduces every lane the same way, so the bits do not
-// depend on NK / NC.
+// 8-float chunks of d in decode order and hsum8 reduces every lane the same way, so the bits
+// do not depend on NK / NC, nor on whether kb is the cache's rows or a packed copy.
 template <typename kT, int NC>
 ATTN_EXT_AVX2 inline void scores_cols(const float* qs, int64_t Dp, const kT* kb, int64_t nk8,
                                       float* s, int64_t ld, int64_t ldk) {
   static_assert(NC == 1 || NC == 2, "8 / NC keys per group");
   constexpr int NK = 8 / NC;
+  const int64_t D16 = Dp / 16 * 16;
   for (int64_t r0 = 0; r0 < nk8; r0 += NK) {
     const kT* k0 = kb + r0 * ldk;
     __m256 a[8];
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < Dp; d += 8) {
-      __m256 kv[NK];
-#pragma GCC unroll 8
-      for (int r = 0; r < NK; ++r) kv[r] = cpu::Avx2IO<kT>::load(k0 + r * ldk + d);
-#pragma GCC unroll 4
-      for (int c = 0; c < NC; ++c) {
-        __m256 q = _mm256_loadu_ps(qs + c * Dp + d);
-#if defined(__GNUC__)
-        if constexpr (NK > 1) asm("" : "+x"(q));  // one load of q, not one folded into each FMA
-#endif
-#pragma GCC unroll 8
-        for (int r = 0; r < NK; ++r) a[r * NC + c] = _mm256_fmadd_ps(q, kv[r], a[r * NC + c]);
-      }
+    int64_t d = 0;
+    for (; d < D16; d += 16) {
+      scores_step<kT, NC, 0>(qs, Dp, k0, ldk, d, a);
+      scores_step<kT, NC, 1>(qs, Dp, k0, ldk, d + 8, a);
     }
+    if (d < Dp) scores_step<kT, NC, 2>(qs, Dp, k0, ldk, d, a);
     const __m256 h = hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
     if constexpr (NC == 1) {
       _mm256_storeu_ps(s + r0, h);
@@ -176,7 +255,6 @@ ATTN_EXT_AVX2 inline void scores(const float* qs, int64_t C, int64_t Dp, const k
 template <int NC, typename vT>
 ATTN_EXT_AVX2 inline void pv_cols(const float* p, int64_t ld, const vT* vb, int64_t Dvp,
                                   const uint8_t* use, int64_t nk, float* o, int64_t ldv) {
-  using IO = cpu::Avx2IO<vT>;
   int64_t d = 0;
   if constexpr (NC <= 4) {
     // two 8-float chunks of d at once: 2 NC independent accumulation chains (FMA latency)
@@ -188,8 +266,8 @@ ATTN_EXT_AVX2 inline void pv_cols(const float* p, int64_t ld, const vT* vb, int6
       }
       for (int64_t r = 0; r < nk; ++r) {
         if (!use[r]) continue;
-        const __m256 v0 = IO::load(vb + r * ldv + d);
-        const __m256 v1 = IO::load(vb + r * ldv + d + 8);
+        const __m256 v0 = DecodeIO<vT>::lo(vb + r * ldv + d);
+        const __m256 v1 = DecodeIO<vT>::hi(vb + r * ldv + d);
         for (int c = 0; c < NC; ++c) {
           const __m256 pr = _mm256_broadcast_ss(p + c * ld + r);
           acc[c][0] = _mm256_fmadd_ps(pr, v0, acc[c][0]);
@@ -207,7 +285,7 @@ ATTN_EXT_AVX2 inline void pv_cols(const float* p, int64_t ld, const vT* vb, int6
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_loadu_ps(o + c * Dvp + d);
     for (int64_t r = 0; r < nk; ++r) {
       if (!use[r]) continue;
-      const __m256 vv = IO::load(vb + r * ldv + d);
+      const __m256 vv = decode_load8(vb + r * ldv, d, Dvp);
       for (int c = 0; c < NC; ++c)
         acc[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + c * ld + r), vv, acc[c]);
     }
@@ -236,15 +314,16 @@ ATTN_EXT_AVX2 inline void pv(const float* p, int64_t ld, int64_t C, const vT* vb
   }
 }
 
-// Software prefetch of rows [r0, min(r1, kend)) of every kv head: the next group of 8 keys
-// while one is computed (measured: +3-6 % GB/s at 2 threads, RESULTS.md; a whole block ahead
-// or a head ahead was slower).
+// Software prefetch of rows [r0, min(r1, kend)) of one kv head: the head's next group of 8
+// keys, just before its current group is computed, so that the prefetches of a group spread
+// over its kv heads instead of coming in one burst. Measured (RESULTS.md, sixth session): a
+// burst for every kv head at once, before the group, lost to no prefetch at all for fp32 and
+// gained less for bf16.
 template <typename T>
 inline void prefetch_rows(const T* base, int64_t r0, int64_t r1, int64_t kend, int64_t row_stride,
-                          int64_t Hkv, int64_t head_stride, int64_t n) {
+                          int64_t n) {
   const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
-  for (int64_t r = r0; r < std::min(r1, kend); ++r)
-    for (int64_t h = 0; h < Hkv; ++h) prefetch_range(base + r * row_stride + h * head_stride, bytes);
+  for (int64_t r = r0; r < std::min(r1, kend); ++r) prefetch_range(base + r * row_stride, bytes);
 }
 
 // Keys per block: the block of every kv head in ~256 KiB of fp32 (L2), 8..kDecodeKeys.
@@ -464,11 +543,12 @@ void attention_decode_kernel(const AttentionParams& p) {
         // that reads K in memory order (one pass, hardware prefetch streams in order), each
         // row once per pair of columns
         for (int64_t r0 = 0; r0 < nk8; r0 += 8) {
-          prefetch_rows(kseq, j0 + r0 + 8, j0 + r0 + 16, kend, p.k_row_stride, Hkv, p.k_head_stride, p.D);
-          for (int64_t hkv = 0; hkv < Hkv; ++hkv)
-            scores(w.qs.data() + hkv * C * Dp, C, Dp,
-                   kseq + (j0 + r0) * p.k_row_stride + hkv * p.k_head_stride, 8,
+          for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+            const scalar_t* kh = kseq + hkv * p.k_head_stride;
+            prefetch_rows(kh, j0 + r0 + 8, j0 + r0 + 16, kend, p.k_row_stride, p.D);
+            scores(w.qs.data() + hkv * C * Dp, C, Dp, kh + (j0 + r0) * p.k_row_stride, 8,
                    w.s.data() + hkv * s_head + r0, kDecodeKeys, p.k_row_stride);
+          }
         }
       }
       for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
@@ -512,11 +592,12 @@ void attention_decode_kernel(const AttentionParams& p) {
         // PV of every kv head, 8 keys at a time across the heads (V in memory order, as the
         // scores read K); o of (c, d) takes the keys in the same order as one pass would
         for (int64_t r0 = 0; r0 < nk8; r0 += 8) {
-          prefetch_rows(vseq, j0 + r0 + 8, j0 + r0 + 16, kend, p.v_row_stride, Hkv, p.v_head_stride, p.Dv);
-          for (int64_t hkv = 0; hkv < Hkv; ++hkv)
-            pv(w.s.data() + hkv * s_head + r0, kDecodeKeys, C,
-               vseq + (j0 + r0) * p.v_row_stride + hkv * p.v_head_stride, Dvp, w.use.data() + r0,
-               8, part_of(b, chunk, hkv), p.v_row_stride);
+          for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+            const scalar_t* vh = vseq + hkv * p.v_head_stride;
+            prefetch_rows(vh, j0 + r0 + 8, j0 + r0 + 16, kend, p.v_row_stride, p.Dv);
+            pv(w.s.data() + hkv * s_head + r0, kDecodeKeys, C, vh + (j0 + r0) * p.v_row_stride,
+               Dvp, w.use.data() + r0, 8, part_of(b, chunk, hkv), p.v_row_stride);
+          }
         }
       }
     }
@@ -564,7 +645,8 @@ void attention_decode_kernel(const AttentionParams& p) {
             h, static_cast<double>(mx) * kLog2e, static_cast<double>(l), seen, &lse_c));
       }
       scalar_t* orow = out + b * p.out_batch_stride + (sq.q0 + ii) * p.out_row_stride + h * p.out_head_stride;
-      for (int64_t d = 0; d < p.Dv; ++d) orow[d] = static_cast<scalar_t>(acc[d] * inv);
+      for (int64_t d = 0; d < p.Dv; ++d)  // acc in decode order
+        orow[d] = static_cast<scalar_t>(acc[decode_pos(kDecodePairs<scalar_t>, d, p.Dv)] * inv);
       lse[b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + ii] = static_cast<float>(lse_c);
     }
   });
