@@ -304,7 +304,8 @@ def main():
 
         parts = {"decode": limits.part_decode, "layout": limits.part_layout,
                  "train": limits.part_train, "memory": limits.part_memory}
-        largs = argparse.Namespace(quick=args.quick, repeats=2 if args.quick else max(args.repeats, 5))
+        largs = argparse.Namespace(quick=args.quick, repeats=2 if args.quick else max(args.repeats, 5),
+                                   decode_caches="interleaved")
         for name in args.limits.split(","):
             if name not in parts:
                 raise SystemExit(f"--limits: unknown part {name!r}; choose from {sorted(parts)}")
