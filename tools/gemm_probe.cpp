@@ -1,0 +1,141 @@
+// Rates of the CPU attention's AVX2 gemm micro-kernel (csrc/cpu/attention_microkernels_avx2.cpp)
+// on the shapes the prefill forward and the backward give it at D = 128, one thread, no Python:
+// where the fp32 prefill / training time goes (benchmarks/RESULTS.md, sixth session).
+//
+//   g++ -O3 -std=c++20 -I csrc -I "$(python -c 'import torch, os; print(os.path.dirname(torch.__file__))')/include" \
+//       tools/gemm_probe.cpp csrc/cpu/attention_microkernels_avx2.cpp csrc/cpu/cpu_features.cpp -o gemm_probe
+//   ./gemm_probe [reps]
+//
+// Prints GFLOP/s (best of `reps` timings, default 5) for
+//   pass  one gemm of a (query block, key tile) pair of 96 x 96 at D = 128, operands hot;
+//   fwd   the forward's tile pairs of one query block against NT key tiles (pass 1, online
+//         softmax and rescale, pass 3), NT = 2 (K / V hot) and NT = 43 (K / V of S = 4096 from
+//         L3), with and without the softmax; FLOPs of the two gemms counted;
+//   bwd   the backward's five gemms of one query block against NT key tiles, dk / dv
+//         accumulated at a row stride of 8 heads x 128 (the in-place BSHD gradients), NT = 2
+//         and 43, and at NT = 43 with the dk / dv tiles or the K / V tiles held hot.
+// The FMA peak of this machine is 7.33 G FMA instructions / s per core = 117 GFLOP/s fp32
+// (benchmarks/RESULTS.md, fifth session).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <vector>
+
+#include "cpu/attention_microkernels.h"
+
+namespace {
+
+using attn_ext::mk::gemm_avx2;
+using attn_ext::mk::softmax_avx2;
+
+constexpr int64_t D = 128, Q = 96, KB = 96;
+
+// Best rate of `reps` timings of f, which does `flops` floating-point operations.
+double best_gflops(int reps, double flops, const std::function<void()>& f) {
+  f();  // warm-up
+  double best = 0;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, flops / s / 1e9);
+  }
+  return best;
+}
+
+std::vector<float> filled(int64_t n, float scale) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) x = scale * static_cast<float>(std::rand() % 100);
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int reps = argc > 1 ? std::atoi(argv[1]) : 5;
+  if (!attn_ext::mk::cpu_has_avx2_fma()) {
+    std::printf("no AVX2 / FMA on this CPU (or ATTN_EXT_CPU_SIMD=0): nothing to measure\n");
+    return 0;
+  }
+  const int64_t NT_MAX = 43, ldkv = 8 * D;  // dk / dv rows of 8 kv heads (BSHD)
+  auto K = filled(NT_MAX * KB * D, 1e-3f), V = filled(NT_MAX * KB * D, 1e-2f);
+  auto dk = filled(NT_MAX * KB * ldkv, 0.f), dv = filled(NT_MAX * KB * ldkv, 0.f);
+  auto qt = filled(D * Q, 1e-3f), qr = filled(Q * D, 1e-3f), dot = filled(D * Q, 1e-3f),
+       dor = filled(Q * D, 1e-3f), st = filled(KB * Q, 0.f), dpt = filled(KB * Q, 1e-3f),
+       dq = filled(Q * D, 0.f), o = filled(Q * D, 0.f);
+  std::vector<float> m(Q), l(Q), alpha(Q);
+  const double pair = 2.0 * KB * Q * D;  // FLOPs of one gemm of a pair
+  const int n = 200;
+
+  std::printf("pass (one gemm, operands hot, x%d)\n", n);
+  struct Pass { const char* name; int64_t M, N, K; const float* A; int64_t ar, ac; const float* B;
+                int64_t ldb; float* C; int64_t ldc; bool acc; };
+  const Pass passes[] = {
+      {"s = k q^T      (K = D)      ", KB, Q, D, K.data(), D, 1, qt.data(), Q, st.data(), Q, false},
+      {"dv += P^T dout (K = queries)", KB, D, Q, st.data(), Q, 1, dor.data(), D, dv.data(), D, true},
+      {"  same, dv rows 4 KiB apart ", KB, D, Q, st.data(), Q, 1, dor.data(), D, dv.data(), ldkv, true},
+      {"dq += dS k     (K = keys)   ", Q, D, KB, dpt.data(), 1, Q, K.data(), D, dq.data(), D, true},
+  };
+  for (const Pass& c : passes) {
+    const double g = best_gflops(reps, n * pair, [&] {
+      for (int i = 0; i < n; ++i) gemm_avx2(c.M, c.N, c.K, c.A, c.ar, c.ac, c.B, c.ldb, c.C, c.ldc, c.acc);
+    });
+    std::printf("  %s %6.1f GFLOP/s\n", c.name, g);
+  }
+
+  std::printf("fwd (tile pairs of one query block, 2 gemms counted)\n");
+  for (int64_t NT : {int64_t(2), NT_MAX}) {
+    for (bool softmax : {true, false}) {
+      const int rounds = static_cast<int>(std::max<int64_t>(1, 200 / NT));
+      const double g = best_gflops(reps, rounds * NT * 2 * pair, [&] {
+        for (int i = 0; i < rounds; ++i) {
+          std::fill(m.begin(), m.end(), -INFINITY);
+          std::fill(l.begin(), l.end(), 0.f);
+          std::fill(o.begin(), o.end(), 0.f);
+          for (int64_t t = 0; t < NT; ++t) {
+            gemm_avx2(KB, Q, D, K.data() + t * KB * D, D, 1, qt.data(), Q, st.data(), Q, false);
+            if (softmax) {
+              softmax_avx2(st.data(), KB, Q, m.data(), l.data(), alpha.data());
+              for (int64_t c = 0; c < Q; ++c)
+                if (alpha[c] != 1.f)
+                  for (int64_t d = 0; d < D; ++d) o[c * D + d] *= alpha[c];
+            }
+            gemm_avx2(Q, D, KB, st.data(), 1, Q, V.data() + t * KB * D, D, o.data(), D, true);
+          }
+        }
+      });
+      std::printf("  NT %2ld, %s %6.1f GFLOP/s\n", static_cast<long>(NT),
+                  softmax ? "with softmax   " : "without softmax", g);
+    }
+  }
+
+  std::printf("bwd (tile pairs of one query block, 5 gemms)\n");
+  // hot: 0 none, 1 the dk / dv tiles (two tiles reused), 2 the K / V tiles
+  const struct { int64_t NT; int hot; const char* name; } cases[] = {
+      {2, 0, "NT  2                     "}, {NT_MAX, 0, "NT 43                     "},
+      {NT_MAX, 1, "NT 43, dk / dv tiles hot  "}, {NT_MAX, 2, "NT 43, K / V tiles hot    "}};
+  for (const auto& c : cases) {
+    const int rounds = static_cast<int>(std::max<int64_t>(1, 100 / c.NT));
+    const double g = best_gflops(reps, rounds * c.NT * 5 * pair, [&] {
+      for (int i = 0; i < rounds; ++i) {
+        for (int64_t t = 0; t < c.NT; ++t) {
+          const int64_t tk = c.hot == 2 ? t % 2 : t, td = c.hot == 1 ? t % 2 : t;
+          const float* kb = K.data() + tk * KB * D;
+          const float* vb = V.data() + tk * KB * D;
+          float* dkt = dk.data() + td * KB * ldkv;
+          float* dvt = dv.data() + td * KB * ldkv;
+          gemm_avx2(KB, Q, D, kb, D, 1, qt.data(), Q, st.data(), Q, false);       // s
+          gemm_avx2(KB, D, Q, st.data(), Q, 1, dor.data(), D, dvt, ldkv, true);   // dv
+          gemm_avx2(KB, Q, D, vb, D, 1, dot.data(), Q, dpt.data(), Q, false);     // dP
+          gemm_avx2(KB, D, Q, dpt.data(), Q, 1, qr.data(), D, dkt, ldkv, true);   // dk
+          gemm_avx2(Q, D, KB, dpt.data(), 1, Q, kb, D, dq.data(), D, true);       // dq
+        }
+      }
+    });
+    std::printf("  %s %6.1f GFLOP/s\n", c.name, g);
+  }
+  return 0;
+}
