@@ -14,15 +14,16 @@
 //   per block of nb keys (the block of every kv head in ~256 KiB of fp32):
 //     full block, no mask, D and Dv multiples of 8 (any dtype): K and V read in place
 //       scores  s (Hkv, C, nb) = qs kb^T, 8 keys at a time across all kv heads (K in memory
-//               order: hardware prefetch streams in order; 4 keys x 2 columns register tiles,
-//               bf16 / fp16 widened in registers; the backward takes its scores from the same
-//               function)
+//               order; the next 8 keys of each kv head prefetched just before its current
+//               8; 4 keys x 2 columns register tiles, bf16 / fp16 widened in registers, bf16
+//               16 elements at a time in the decode order (decode_pos); the backward takes its
+//               scores from the same function)
 //       softmax online per (kv head, column): m, l, o rescale
 //       PV      o += p vb, 8 keys at a time across all kv heads (V in memory order)
-//     otherwise: pack kb (Hkv, nb, Dp), vb (Hkv, nb, Dvp) fp32 row by row in memory order,
-//     then per kv head scores, mask (hidden (c, j) -> -inf, visibility layer, decided once per
-//     block), softmax, PV (d-chunk outer, columns in registers; keys hidden from some columns
-//     take a scalar path that skips hidden pairs)
+//     otherwise: pack kb (Hkv, nb, Dp), vb (Hkv, nb, Dvp) fp32 in the decode order, row by
+//     row in memory order, then per kv head scores, mask (hidden (c, j) -> -inf, visibility
+//     layer, decided once per block), softmax, PV (d-chunk outer, columns in registers; keys
+//     hidden from some columns take a scalar path that skips hidden pairs)
 //
 // Extra memory: per thread one block of K/V and q; the chunk partials are
 // (B, chunks, Hkv, C, Dvp + 2) floats. ATen-free; AVX2+FMA(+F16C) only: callers check
