@@ -88,6 +88,55 @@ def test_backward_bitwise_reproducible(threads, dtype):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("case", ["causal_mha", "gqa_window_padding", "decode_gqa", "dropout_alibi",
+                                  "rel_bias_softcap", "varlen"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_query_block_grouping_keeps_the_bits(case, dtype, monkeypatch):
+    """The fused backward visits the key tiles for kBwdJobs query blocks at a time
+    (ATTN_EXT_CPU_BWD_JOBS, read on each call): every gradient must be bitwise the one of one
+    block at a time, whatever the grouping (blocks of one head, of several heads of a GQA
+    group, blocks that see different key tiles)."""
+    g = torch.Generator().manual_seed(5)
+    B, Sq, Sk, H, Hkv, D = 2, 290, 290, 4, 2, 32
+    kw = {}
+    if case == "causal_mha":
+        H = Hkv = 2
+        kw = dict(causal=True)
+    elif case == "gqa_window_padding":
+        kpm = torch.rand(B, Sk, generator=g) > 0.2
+        kpm[1, :100] = False
+        kw = dict(window=(120, 5), key_padding_mask=kpm)
+    elif case == "decode_gqa":
+        Sq, H, Hkv = 1, 8, 2
+    elif case == "dropout_alibi":
+        kw = dict(causal=True, dropout_p=0.3, alibi_slopes=torch.rand(H, generator=g))
+    elif case == "rel_bias_softcap":
+        kw = dict(causal=True, rel_bias=torch.randn(H, 2 * 64 + 1, generator=g), softcap=5.0)
+    q = torch.randn(B, Sq, H, D, generator=g).to(dtype)
+    k = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype)
+    dout = torch.randn(B, Sq, H, D, generator=g).to(dtype)
+
+    def run():
+        if case == "varlen":
+            cu = torch.tensor([0, 100, 290], dtype=torch.int32)
+            qv, kv_, vv = (t[0].detach().clone().requires_grad_() for t in (q, k, v))
+            out = attn_ext.attention_varlen(qv, kv_, vv, cu, cu, 190, 190, causal=True)
+            return (out, *torch.autograd.grad(out, (qv, kv_, vv), dout[0]))
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        torch.manual_seed(11)  # the dropout seed
+        out = attn_ext.attention(qq, kk, vv, **kw)
+        return (out, *torch.autograd.grad(out, (qq, kk, vv), dout))
+
+    results = {}
+    for jobs in ("1", "2", "3", "4"):
+        monkeypatch.setenv("ATTN_EXT_CPU_BWD_JOBS", jobs)
+        results[jobs] = with_threads(2, run)  # B * Hkv >= 2: the fused partition
+    for jobs in ("2", "3", "4"):
+        for a, b in zip(results["1"], results[jobs]):
+            assert torch.equal(a, b), (case, jobs)
+
+
 _MEM_PROBE = textwrap.dedent("""
     import resource, sys, torch
     import attn_ext

@@ -10,6 +10,8 @@
 // passes of one (query block, key tile) pair. Bitwise identical from run to run for a given
 // thread count (fused: for any thread count).
 
+#include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include "common/attention_checks.h"
@@ -22,6 +24,21 @@ namespace attn_ext {
 namespace cpu_attn {
 namespace {
 
+// Query blocks that visit the key tiles together in the fused backward: a key tile's K / V
+// rows and its dk / dv accumulators come from L3 once for all of them instead of once per
+// block. Measured (RESULTS.md, sixth session; alternated call by call): 4 blocks 3-7 % faster
+// than 1 at (1, 8, 4096, 128) fp32, 2 threads; 2 and 3 in between. The results are bitwise
+// those of one block at a time (visit).
+constexpr int kBwdJobs = 4;
+
+// ATTN_EXT_CPU_BWD_JOBS=n (1..kBwdJobs; default kBwdJobs): query blocks per visit, read on each
+// call (tests/test_backward_partition.py checks that the grouping leaves the bits alone).
+inline int bwd_jobs() {
+  const char* env = std::getenv("ATTN_EXT_CPU_BWD_JOBS");
+  if (env == nullptr) return kBwdJobs;
+  return std::clamp(std::atoi(env), 1, kBwdJobs);
+}
+
 template <typename acc_t>
 struct BwdScratch {
   int64_t Dp, Dvp;
@@ -29,8 +46,15 @@ struct BwdScratch {
   AlignedVec<acc_t> vb;    // (kBlockK, Dvp): v rows of the key tile
   AlignedVec<acc_t> st;    // (kBlockK, kBlockQ): scores, then P^T
   AlignedVec<acc_t> dpt;   // (kBlockK, kBlockQ): dP^T, then dS^T
-  AlignedVec<acc_t> blk;   // one packed query block (QueryPackLayout::size)
-  AlignedVec<acc_t> dqt;   // (kBlockQ, Dp): dq accumulator of the query block (unscaled)
+  // kBwdJobs query blocks visit the key tiles together (attention_bwd_kernel): per block
+  struct Job {
+    AlignedVec<acc_t> blk;          // the packed query block (QueryPackLayout::size)
+    AlignedVec<acc_t> dqt;          // (kBlockQ, Dp): its dq accumulator (unscaled)
+    std::vector<uint64_t> rk;       // (kBlockQ): dropout row keys of its rows
+    int64_t h = 0, i0 = 0, nq = 0;  // query head and rows [i0, i0 + nq)
+    double* db = nullptr;           // its head's d rel_bias row in the work unit (or nullptr)
+  };
+  Job jobs[kBwdJobs];
   AlignedVec<acc_t> tmp;   // (max(D, Dv)): one converted row
   AlignedVec<acc_t> sc;    // (kBlockQ, kBlockK): scores in the decode kernel's layout (decode order)
   AlignedVec<acc_t> kdo;   // (kBlockK, Dp): the key tile's k rows in the decode kernel's element
@@ -38,7 +62,7 @@ struct BwdScratch {
   std::vector<uint8_t> kvalid;  // (kBlockK): key padding of the tile's keys (1 = takes part)
   AlignedVec<acc_t> th;    // (kBlockK, kBlockQ): tanh(s / softcap) (softcap only)
   AlignedVec<acc_t> pz;    // (kBlockK, kBlockQ): P^T * Z / (1 - p) (dropout only)
-  std::vector<uint64_t> rk, words;  // (kBlockQ): dropout row keys / words of the block's rows
+  std::vector<uint64_t> words;  // (kBlockQ): dropout words of the pair's rows
   HeadRows<acc_t> hk, hv;  // the current kv head's converted k / v rows (head_rows_fit)
   const acc_t* kbp = nullptr;  // the key tile's k rows (nk, Dp): in kb or hk
   const acc_t* vbp = nullptr;  // its v rows (nk, Dvp): in vb or hv
@@ -51,16 +75,19 @@ struct BwdScratch {
         vb(static_cast<size_t>(kBlockK * Dvp), acc_t(0)),
         st(static_cast<size_t>(kBlockK * kBlockQ)),
         dpt(static_cast<size_t>(kBlockK * kBlockQ)),
-        blk(static_cast<size_t>(pack_size), acc_t(0)),
-        dqt(static_cast<size_t>(kBlockQ * Dp)),
         tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1))),
         sc(decode_order ? static_cast<size_t>(kBlockQ * kBlockK) : 0),
         kdo(decode_pairs ? static_cast<size_t>(kBlockK * Dp) : 0),
         kvalid(kBlockK, 1),
         th(terms.softcap > 0.0 ? static_cast<size_t>(kBlockK * kBlockQ) : 0),
         pz(terms.has_dropout() ? static_cast<size_t>(kBlockK * kBlockQ) : 0),
-        rk(kBlockQ),
-        words(kBlockQ) {}
+        words(kBlockQ) {
+    for (Job& j : jobs) {
+      j.blk.assign(static_cast<size_t>(pack_size), acc_t(0));
+      j.dqt.resize(static_cast<size_t>(kBlockQ * Dp));
+      j.rk.resize(kBlockQ);
+    }
+  }
 };
 
 // Query-side operands of one (batch, head, query block of kBlockQ rows), packed into the
@@ -256,7 +283,7 @@ template <typename acc_t>
 void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq, int64_t b,
               int64_t h, int64_t i0, int64_t nq, int64_t j0, int64_t nk, int64_t n_valid,
               bool k_finite, bool decode_order, const QueryPackLayout& L,
-              const acc_t* blk,
+              const acc_t* blk, const uint64_t* rk,
               const KeyAcc<acc_t>& acc, acc_t* dqt, const mk::Kernels<acc_t>& K,
               BwdScratch<acc_t>& s) {
   const int64_t D = p.D, Dv = p.Dv, Dp = s.Dp, Dvp = s.Dvp;
@@ -319,7 +346,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     if (with_terms) pt.terms(s.st.data(), th);
     K.exp_sub(s.st.data(), nk, C, blk + L.lse);                       // pass 2
     if (dropout) {
-      dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, terms.dropout_col(j0), s.rk.data(),
+      dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, terms.dropout_col(j0), rk,
                    s.words.data(), thresh, inv_keep);
     }
     if (dvt != nullptr) K.gemm(nk, Dvp, nq, pv, C, 1, dor, Dvp, dvt, ldv, true);      // pass 3
@@ -375,7 +402,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   // pass 2: P^T (0 where hidden)
   K.exp_sub(s.st.data(), nk, C, blk + L.lse);
   if (dropout) {
-    dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, terms.dropout_col(j0), s.rk.data(),
+    dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, terms.dropout_col(j0), rk,
                  s.words.data(), thresh, inv_keep);
   }
   // pass 4: dP^T = v dout^T on the visible column panels, then 0 where hidden
@@ -449,10 +476,12 @@ void write_dq(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64_
 // The backward, parallel over work units that each own the gradients they write, so no
 // gradient has per-worker copies and the result does not depend on scheduling:
 //
-//   fused (B * Hkv >= threads): a unit is one (batch, kv head). For each query head of its
-//     GQA group and each query block: pack the block, visit every key tile the block sees
-//     (passes 1-7), accumulate dk / dv of the kv head in place and dq of the block in the
-//     worker's tile, then write dq. Every gradient element is summed in one fixed order.
+//   fused (B * Hkv >= threads): a unit is one (batch, kv head). Its query blocks (each query
+//     head of its GQA group, each block of rows) go kBwdJobs at a time: pack the blocks, visit
+//     every key tile some of them see, each block that sees it in turn (passes 1-7),
+//     accumulate dk / dv of the kv head in place and dq of each block in its tile, then write
+//     the dq. Every gradient element is summed in one fixed order, the order of one block at a
+//     time.
 //   split (fewer (batch, kv head) pairs than threads, e.g. one long sequence of one head):
 //     the FlashAttention-2 way. Phase 1, units (batch, kv head, chunk of key tiles): dk / dv
 //     of the chunk (passes 1-6). Phase 2, units (batch, query head, query block): dq (passes
@@ -460,7 +489,8 @@ void write_dq(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64_
 //
 // Extra memory: dk / dv accumulate in the outputs when those are the accumulation type with
 // D, Dv multiples of 8; otherwise in one fp32 (B, Hkv, Sk, Dp + Dvp) buffer. Beyond that,
-// one query block, one key tile and one dq tile per worker: independent of the thread count.
+// kBwdJobs query blocks with their dq tiles and one key tile per worker (about 1.2 MiB at
+// D = 128): independent of the thread count.
 template <typename scalar_t>
 void attention_bwd_kernel(const AttentionBwdParams& bp) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -515,46 +545,85 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     return db_parts.data() + (((b * p.Hkv + hkv) * n_chunks + c) * group + h % group) * nbias;
   };
 
-  // Visits key tiles [kt0, kt1) that rows [i0, i0 + nq) of head h see, for one packed query
-  // block; db: the unit's d rel_bias row of head h (or nullptr).
-  auto visit = [&](BwdScratch<acc_t>& s, const SeqInfo& sq, int64_t b, int64_t h, int64_t i0,
-                   int64_t nq, int64_t kt0, int64_t kt1, bool want_kv, bool want_dq, double* db) {
-    const int64_t hkv = h / group;
+  // Packs query block (h, i0) into job j of the scratch (its dq tile zeroed, its dropout row
+  // keys set).
+  using Job = typename BwdScratch<acc_t>::Job;
+  auto start_job = [&](BwdScratch<acc_t>& s, int j, const SeqInfo& sq, int64_t b, int64_t h,
+                       int64_t i0, double* db) -> Job& {
+    Job& job = s.jobs[j];
+    job.h = h;
+    job.i0 = i0;
+    job.nq = std::min(kBlockQ, sq.Sq - i0);
+    job.db = db;
+    pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, job.nq, job.blk.data(), s.tmp.data(),
+                                      fused_dp);
+    std::fill(job.dqt.begin(), job.dqt.begin() + job.nq * Dp, acc_t(0));
     if (terms.has_dropout()) {
-      for (int64_t c = 0; c < nq; ++c) {
-        s.rk[c] = terms.dropout_row_key(b, h, i0 + c);
-      }
+      for (int64_t c = 0; c < job.nq; ++c) job.rk[c] = terms.dropout_row_key(b, h, i0 + c);
     }
-    const Range keys = vis.band_keys_of_rows(sq, i0, i0 + nq);
-    const int64_t lo = std::max(kt0, keys.lo / kBlockK);
-    const int64_t hi = std::min(kt1, ceil_div(keys.hi, kBlockK));
+    return job;
+  };
+
+  // Visits key tiles [kt0, kt1) for jobs [0, n_jobs) of the scratch (packed query blocks of
+  // heads of kv head hkv): each key tile some of them see is loaded once, and the jobs that see
+  // it take it in job order, so every dk / dv element receives the blocks' terms in the order
+  // one block after another would give, and each block's dq its key tiles in order.
+  auto visit = [&](BwdScratch<acc_t>& s, int n_jobs, const SeqInfo& sq, int64_t b, int64_t hkv,
+                   int64_t kt0, int64_t kt1, bool want_kv, bool want_dq) {
+    Range tiles[kBwdJobs];
+    int64_t lo = kt1, hi = kt0;
+    for (int j = 0; j < n_jobs; ++j) {
+      const Job& job = s.jobs[j];
+      const Range keys = vis.band_keys_of_rows(sq, job.i0, job.i0 + job.nq);
+      tiles[j] = {std::max(kt0, keys.lo / kBlockK), std::min(kt1, ceil_div(keys.hi, kBlockK))};
+      lo = std::min(lo, tiles[j].lo);
+      hi = std::max(hi, tiles[j].hi);
+    }
     for (int64_t kt = lo; kt < hi; ++kt) {
       const int64_t j0 = kt * kBlockK;
       const int64_t nk = std::min(kBlockK, sq.Sk - j0);
       if (nk <= 0) break;
-      if (vis.classify(sq, i0, i0 + nq, j0, j0 + nk) == TileKind::kInvisible) continue;
+      bool sees[kBwdJobs] = {};
+      bool any = false;
+      for (int j = 0; j < n_jobs; ++j) {
+        const Job& job = s.jobs[j];
+        sees[j] = kt >= tiles[j].lo && kt < tiles[j].hi &&
+                  vis.classify(sq, job.i0, job.i0 + job.nq, j0, j0 + nk) != TileKind::kInvisible;
+        any = any || sees[j];
+      }
+      if (!any) continue;
       bool k_finite = true;
       const int64_t n_valid = load_key_tile<scalar_t, acc_t>(p, vis, sq, b, hkv, j0, nk, s, &k_finite);
       KeyAcc<acc_t> acc = want_kv ? key_acc(b, hkv, sq, j0) : KeyAcc<acc_t>{nullptr, 0, nullptr, 0, nullptr};
-      acc.db = db;
-      bwd_pair<acc_t>(p, vis, sq, b, h, i0, nq, j0, nk, n_valid, k_finite, decode_order, L,
-                      s.blk.data(), acc,
-                      want_dq ? s.dqt.data() : nullptr, kern, s);
+      for (int j = 0; j < n_jobs; ++j) {
+        if (!sees[j]) continue;
+        Job& job = s.jobs[j];
+        acc.db = job.db;
+        bwd_pair<acc_t>(p, vis, sq, b, job.h, job.i0, job.nq, j0, nk, n_valid, k_finite,
+                        decode_order, L, job.blk.data(), job.rk.data(), acc,
+                        want_dq ? job.dqt.data() : nullptr, kern, s);
+      }
     }
   };
 
   if (!split) {
+    const int jobs = bwd_jobs();
     parallel_tasks(p.B * p.Hkv, make_scratch, [&](int64_t t, BwdScratch<acc_t>& s) {
       const int64_t b = t / p.Hkv, hkv = t % p.Hkv;
       const SeqInfo sq = vis.seq(b);
-      for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
-        for (int64_t i0 = 0; i0 < sq.Sq; i0 += kBlockQ) {
-          const int64_t nq = std::min(kBlockQ, sq.Sq - i0);
-          pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, nq, s.blk.data(), s.tmp.data(),
-                                            fused_dp);
-          std::fill(s.dqt.begin(), s.dqt.begin() + nq * Dp, acc_t(0));
-          visit(s, sq, b, h, i0, nq, 0, n_kb, true, true, db_row(b, h, 0));
-          write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, nq, s.dqt.data(), Dp);
+      // the unit's query blocks, head by head, kBwdJobs at a time (one visit of the key tiles)
+      const int64_t per_head = ceil_div(sq.Sq, kBlockQ);
+      const int64_t n_blocks = group * per_head;
+      for (int64_t x0 = 0; x0 < n_blocks; x0 += jobs) {
+        const int n_jobs = static_cast<int>(std::min<int64_t>(jobs, n_blocks - x0));
+        for (int j = 0; j < n_jobs; ++j) {
+          const int64_t h = hkv * group + (x0 + j) / per_head;
+          start_job(s, j, sq, b, h, ((x0 + j) % per_head) * kBlockQ, db_row(b, h, 0));
+        }
+        visit(s, n_jobs, sq, b, hkv, 0, n_kb, true, true);
+        for (int j = 0; j < n_jobs; ++j) {
+          const Job& job = s.jobs[j];
+          write_dq<scalar_t, acc_t>(bp, sq, b, job.h, job.i0, job.nq, job.dqt.data(), Dp);
         }
       }
     });
@@ -571,10 +640,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       const Range rows = vis.band_rows_of_keys(sq, j0, j1);  // rows that see some key of it
       for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
         for (int64_t i0 = rows.lo / kBlockQ * kBlockQ; i0 < rows.hi; i0 += kBlockQ) {
-          const int64_t nq = std::min(kBlockQ, sq.Sq - i0);
-          pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, nq, s.blk.data(), s.tmp.data(),
-                                            fused_dp);
-          visit(s, sq, b, h, i0, nq, kt0, kt1, true, false, db_row(b, h, c));
+          start_job(s, 0, sq, b, h, i0, db_row(b, h, c));
+          visit(s, 1, sq, b, hkv, kt0, kt1, true, false);
         }
       }
     });
@@ -584,13 +651,10 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       const int64_t b = bh / p.H, h = bh % p.H;
       const SeqInfo sq = vis.seq(b);
       const int64_t i0 = qb * kBlockQ;
-      const int64_t nq = std::min(kBlockQ, sq.Sq - i0);
-      if (nq <= 0) return;
-      pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, nq, s.blk.data(), s.tmp.data(),
-                                            fused_dp);
-      std::fill(s.dqt.begin(), s.dqt.begin() + nq * Dp, acc_t(0));
-      visit(s, sq, b, h, i0, nq, 0, n_kb, false, true, nullptr);
-      write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, nq, s.dqt.data(), Dp);
+      if (i0 >= sq.Sq) return;
+      const Job& job = start_job(s, 0, sq, b, h, i0, nullptr);
+      visit(s, 1, sq, b, h / group, 0, n_kb, false, true);
+      write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, job.nq, job.dqt.data(), Dp);
     });
   }
 
