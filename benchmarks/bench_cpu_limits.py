@@ -90,9 +90,9 @@ def gemm_gflops():
 
 
 def part_decode(args):
-    how = ("cold: K / V, and the roof's tensor, evicted from the caches before every timed call"
-           if args.decode_caches == "cold" else "interleaved calls, no eviction")
-    print(f"\n## decode (Sq = 1); caches {how}\n")
+    how = ("caches evicted before every timed call (--decode-caches cold)"
+           if args.decode_caches == "cold" else "interleaved calls, caches not evicted")
+    print(f"\n## decode (Sq = 1): {how}\n")
     print("| B | Sk | H/Hkv | D | dtype | K+V MiB | read roof GB/s | ours ms | ours GB/s | % roof | SDPA ms | ours/SDPA |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     shapes = DECODE[:2] if args.quick else DECODE
