@@ -81,13 +81,20 @@ struct BwdScratch {
         kvalid(kBlockK, 1),
         th(terms.softcap > 0.0 ? static_cast<size_t>(kBlockK * kBlockQ) : 0),
         pz(terms.has_dropout() ? static_cast<size_t>(kBlockK * kBlockQ) : 0),
-        words(kBlockQ) {
-    for (Job& j : jobs) {
-      j.blk.assign(static_cast<size_t>(pack_size), acc_t(0));
-      j.dqt.resize(static_cast<size_t>(kBlockQ * Dp));
-      j.rk.resize(kBlockQ);
+        words(kBlockQ),
+        pack_size_(pack_size) {}
+  // Job j, its buffers allocated on first use (the split partition uses job 0 only). The pack
+  // starts zeroed: its padding columns are never written.
+  Job& job(int j) {
+    Job& x = jobs[j];
+    if (x.blk.empty()) {
+      x.blk.assign(static_cast<size_t>(pack_size_), acc_t(0));
+      x.dqt.resize(static_cast<size_t>(kBlockQ * Dp));
+      x.rk.resize(kBlockQ);
     }
+    return x;
   }
+  int64_t pack_size_;
 };
 
 // Query-side operands of one (batch, head, query block of kBlockQ rows), packed into the
@@ -550,7 +557,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   using Job = typename BwdScratch<acc_t>::Job;
   auto start_job = [&](BwdScratch<acc_t>& s, int j, const SeqInfo& sq, int64_t b, int64_t h,
                        int64_t i0, double* db) -> Job& {
-    Job& job = s.jobs[j];
+    Job& job = s.job(j);
     job.h = h;
     job.i0 = i0;
     job.nq = std::min(kBlockQ, sq.Sq - i0);
