@@ -89,13 +89,13 @@ def test_backward_bitwise_reproducible(threads, dtype):
 
 
 @pytest.mark.parametrize("case", ["causal_mha", "gqa_window_padding", "decode_gqa", "dropout_alibi",
-                                  "rel_bias_softcap", "varlen"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+                                  "rel_bias_softcap", "rel_bias_small_m", "varlen"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_backward_query_block_grouping_keeps_the_bits(case, dtype, monkeypatch):
     """The fused backward visits the key tiles for kBwdJobs query blocks at a time
-    (ATTN_EXT_CPU_BWD_JOBS, read on each call): every gradient must be bitwise the one of one
-    block at a time, whatever the grouping (blocks of one head, of several heads of a GQA
-    group, blocks that see different key tiles)."""
+    (ATTN_EXT_CPU_BWD_JOBS, read on each call): every gradient, d rel_bias included, must be
+    bitwise the one of one block at a time, whatever the grouping (blocks of one head, of
+    several heads of a GQA group, blocks that see different key tiles)."""
     g = torch.Generator().manual_seed(5)
     B, Sq, Sk, H, Hkv, D = 2, 290, 290, 4, 2, 32
     kw = {}
@@ -112,6 +112,8 @@ def test_backward_query_block_grouping_keeps_the_bits(case, dtype, monkeypatch):
         kw = dict(causal=True, dropout_p=0.3, alibi_slopes=torch.rand(H, generator=g))
     elif case == "rel_bias_softcap":
         kw = dict(causal=True, rel_bias=torch.randn(H, 2 * 64 + 1, generator=g), softcap=5.0)
+    elif case == "rel_bias_small_m":  # most distances clamp: the table's ends take many terms
+        kw = dict(causal=True, rel_bias=torch.randn(H, 2 * 4 + 1, generator=g))
     q = torch.randn(B, Sq, H, D, generator=g).to(dtype)
     k = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype)
     v = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype)
@@ -124,9 +126,15 @@ def test_backward_query_block_grouping_keeps_the_bits(case, dtype, monkeypatch):
             out = attn_ext.attention_varlen(qv, kv_, vv, cu, cu, 190, 190, causal=True)
             return (out, *torch.autograd.grad(out, (qv, kv_, vv), dout[0]))
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        args = dict(kw)
+        leaves = [qq, kk, vv]
+        if "rel_bias" in args:
+            args["rel_bias"] = args["rel_bias"].to(dtype if dtype == torch.float64 else torch.float32)
+            args["rel_bias"] = args["rel_bias"].detach().clone().requires_grad_()
+            leaves.append(args["rel_bias"])
         torch.manual_seed(11)  # the dropout seed
-        out = attn_ext.attention(qq, kk, vv, **kw)
-        return (out, *torch.autograd.grad(out, (qq, kk, vv), dout))
+        out = attn_ext.attention(qq, kk, vv, **args)
+        return (out, *torch.autograd.grad(out, leaves, dout))
 
     results = {}
     for jobs in ("1", "2", "3", "4"):

@@ -28,7 +28,7 @@ namespace {
 // rows and its dk / dv accumulators come from L3 once for all of them instead of once per
 // block. Measured (RESULTS.md, sixth session; alternated call by call): 4 blocks 3-7 % faster
 // than 1 at (1, 8, 4096, 128) fp32, 2 threads; 2 and 3 in between. The results are bitwise
-// those of one block at a time (visit).
+// those of one block at a time (visit; d rel_bias through each block's own row).
 constexpr int kBwdJobs = 4;
 
 // ATTN_EXT_CPU_BWD_JOBS=n (1..kBwdJobs; default kBwdJobs): query blocks per visit, read on each
@@ -53,12 +53,17 @@ struct BwdScratch {
     std::vector<uint64_t> rk;       // (kBlockQ): dropout row keys of its rows
     int64_t h = 0, i0 = 0, nq = 0;  // query head and rows [i0, i0 + nq)
     double* db = nullptr;           // its head's d rel_bias row in the work unit (or nullptr)
+    std::vector<double> dbj;        // (2M + 1): the block's own d rel_bias sums, added to db
+                                    // after its visit (so the row's sum does not depend on
+                                    // which blocks visit together)
   };
   Job jobs[kBwdJobs];
   AlignedVec<acc_t> tmp;   // (max(D, Dv)): one converted row
   AlignedVec<acc_t> sc;    // (kBlockQ, kBlockK): scores in the decode kernel's layout (decode order)
   AlignedVec<acc_t> kdo;   // (kBlockK, Dp): the key tile's k rows in the decode kernel's element
                            // order where it is not natural (bf16: decode_detail::decode_pos)
+  int64_t tile = 0;        // key tiles loaded so far (load_key_tile)
+  int64_t kdo_tile = -1;   // the tile kdo holds
   std::vector<uint8_t> kvalid;  // (kBlockK): key padding of the tile's keys (1 = takes part)
   AlignedVec<acc_t> th;    // (kBlockK, kBlockQ): tanh(s / softcap) (softcap only)
   AlignedVec<acc_t> pz;    // (kBlockK, kBlockQ): P^T * Z / (1 - p) (dropout only)
@@ -204,6 +209,7 @@ int64_t load_key_tile(const AttentionParams& p, const Visibility& vis, const Seq
   const scalar_t* kh = k + b * p.k_batch_stride + hkv * p.k_head_stride + sq.k0 * p.k_row_stride;
   const scalar_t* vh = v + b * p.v_batch_stride + hkv * p.v_head_stride + sq.k0 * p.v_row_stride;
   const bool whole = head_rows_fit(sq.Sk, s.Dp, s.Dvp, sizeof(acc_t));
+  ++s.tile;
   s.kbp = s.hk.tile(whole, kh, p.k_row_stride, sq.Sk, p.D, s.Dp, j0, nk, s.kb);
   s.vbp = s.hv.tile(whole, vh, p.v_row_stride, sq.Sk, p.Dv, s.Dvp, j0, nk, s.vb);
   *k_finite = whole ? s.hk.finite(j0, nk) : all_finite(s.kbp, nk, p.D, s.Dp);
@@ -318,9 +324,12 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     if constexpr (std::is_same_v<acc_t, float>) {
       const int64_t nk8 = round_up(nk, 8);
       const acc_t* kd = s.kbp;
-      if (!s.kdo.empty()) {  // the forward's element order (bf16)
-        for (int64_t r = 0; r < nk8; ++r)
-          decode_detail::to_decode_order<c10::BFloat16>(s.kbp + r * Dp, D, s.kdo.data() + r * Dp);
+      if (!s.kdo.empty()) {  // the forward's element order (bf16), once per key tile
+        if (s.kdo_tile != s.tile) {
+          for (int64_t r = 0; r < nk8; ++r)
+            decode_detail::to_decode_order<c10::BFloat16>(s.kbp + r * Dp, D, s.kdo.data() + r * Dp);
+          s.kdo_tile = s.tile;
+        }
         kd = s.kdo.data();
       }
       decode_detail::scores(blk + L.qs, nq, Dp, kd, nk8, s.sc.data(), kBlockK);
@@ -537,9 +546,11 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     return {base + j0 * Dp, Dp, base + p.Sk * Dp + j0 * Dvp, Dvp, nullptr};
   };
 
-  // d rel_bias: each work unit that computes dk / dv (fused: (b, hkv); split phase 1:
-  // (b, hkv, chunk)) sums its pairs' dS into its own (group, 2M + 1) partial table; the
-  // tables are reduced in unit order at the end (deterministic for a given thread count).
+  // d rel_bias: each query block visit sums its pairs' dS into its own (2M + 1) row (in key
+  // tile order), which is added to its work unit's (group, 2M + 1) partial table after the
+  // visit, in block order (fused units: (b, hkv); split phase 1: (b, hkv, chunk)); the tables
+  // are reduced in unit order at the end. Deterministic for a given thread count, and the same
+  // whichever blocks visit the key tiles together.
   const int64_t nbias = terms.rel_bias != nullptr ? 2 * terms.rel_max + 1 : 0;
   const int64_t workers = std::max<int64_t>(1, num_threads());
   const bool split = p.B * p.Hkv < workers && n_kb > 1;
@@ -562,6 +573,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     job.i0 = i0;
     job.nq = std::min(kBlockQ, sq.Sq - i0);
     job.db = db;
+    if (db != nullptr) job.dbj.assign(static_cast<size_t>(nbias), 0.0);
     pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, job.nq, job.blk.data(), s.tmp.data(),
                                       fused_dp);
     std::fill(job.dqt.begin(), job.dqt.begin() + job.nq * Dp, acc_t(0));
@@ -605,11 +617,16 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       for (int j = 0; j < n_jobs; ++j) {
         if (!sees[j]) continue;
         Job& job = s.jobs[j];
-        acc.db = job.db;
+        acc.db = job.db != nullptr ? job.dbj.data() : nullptr;
         bwd_pair<acc_t>(p, vis, sq, b, job.h, job.i0, job.nq, j0, nk, n_valid, k_finite,
                         decode_order, L, job.blk.data(), job.rk.data(), acc,
                         want_dq ? job.dqt.data() : nullptr, kern, s);
       }
+    }
+    for (int j = 0; j < n_jobs; ++j) {  // the blocks' d rel_bias sums, in block order
+      const Job& job = s.jobs[j];
+      if (job.db == nullptr) continue;
+      for (int64_t x = 0; x < nbias; ++x) job.db[x] += job.dbj[static_cast<size_t>(x)];
     }
   };
 
