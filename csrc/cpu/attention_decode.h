@@ -11,7 +11,8 @@
 //            split into chunks so that there are >= 4 units per thread (split-K); each
 //            (unit, kv head) keeps its running (max, sum, unnormalised output) and a final
 //            pass merges the chunks in order.
-//   per block of nb keys (the block of every kv head in ~256 KiB of fp32):
+//   per block of nb keys (the block of every kv head in ~256 KiB of fp32; kDecodeKeysInPlace
+//   keys where every block of the unit can be read in place):
 //     full block, no mask, D and Dv multiples of 8 (any dtype): K and V read in place
 //       scores  s (Hkv, C, nb) = qs kb^T, 8 keys at a time across all kv heads (K in memory
 //               order; the next 8 keys of each kv head prefetched just before its current
@@ -49,9 +50,15 @@ namespace cpu_attn {
 // Query columns per kv head the decode kernel takes (group * Sq): 8 columns per register
 // pass of the PV product, two passes at most.
 constexpr int64_t kDecodeCols = 16;
-// Keys per block: a unit reads the block for every kv head (rows lie next to each other in a
-// BSHD cache): 32 keys x 8 kv heads x D = 128 fp32 of K and V are 256 KiB, in L2.
+// Keys per packed block at most: a unit packs the block for every kv head (rows lie next to
+// each other in a BSHD cache): 32 keys x 8 kv heads x D = 128 fp32 of K and V are 256 KiB, in
+// L2 (block_keys).
 constexpr int64_t kDecodeKeys = 32;
+// Keys per block when every block of a unit can be read in place (no scratch copy to keep in
+// L2): fewer blocks, so fewer per-block softmax passes and loop setups. Measured (RESULTS.md,
+// sixth session; alternated call by call): against block_keys' 32 (GQA) / 8 (MHA) keys,
+// bf16 +4-8 %, fp32 +0-3 %; 64 in between.
+constexpr int64_t kDecodeKeysInPlace = 128;
 // Keys per chunk at least (a chunk's fixed costs: q packing, merge).
 constexpr int64_t kDecodeMinChunk = 256;
 
@@ -335,37 +342,42 @@ inline int64_t block_keys(int64_t Hkv, int64_t Dp, int64_t Dvp) {
 struct DecodeScratch {
   int64_t Dp, Dvp;
   AlignedVec<float> qs;   // (Hkv, C, Dp): scale * q of every column of every kv head
-  int64_t nb;             // keys per block (block_keys)
-  AlignedVec<float> kb;   // (Hkv, nb, Dp): the block's k rows of every kv head; sized by
-  AlignedVec<float> vb;   // (Hkv, nb, Dvp)      pack_blocks() on the first packed block only
-                          // (blocks read in place need neither: no fresh pages to fault in)
-  AlignedVec<float> s;    // (Hkv, C, kDecodeKeys): scores, then probabilities
-  std::vector<uint8_t> use;  // (kDecodeKeys): key seen by some column
-  std::vector<uint8_t> seen; // (C, kDecodeKeys): column c sees key r (band and padding)
-  DecodeScratch(int64_t Hkv, int64_t D, int64_t Dv)
+  int64_t nb;             // keys per block where some block may be packed (block_keys)
+  int64_t ks;             // keys per block at most: nb, or kDecodeKeysInPlace (big_blocks)
+  int64_t pack_cap;       // keys a packed block holds: nb, or ks when the big blocks are
+                          // packed too (ATTN_EXT_CPU_DECODE_IN_PLACE=0)
+  AlignedVec<float> kb;   // (Hkv, pack_cap, Dp): the block's k rows of every kv head; sized
+  AlignedVec<float> vb;   // (Hkv, pack_cap, Dvp)   by pack_blocks() on the first packed block
+                          // only (blocks read in place need neither: no fresh pages to fault in)
+  AlignedVec<float> s;    // (Hkv, C, ks): scores, then probabilities
+  std::vector<uint8_t> use;  // (ks): key seen by some column
+  std::vector<uint8_t> seen; // (C, ks): column c sees key r (band and padding)
+  DecodeScratch(int64_t Hkv, int64_t C, int64_t D, int64_t Dv, bool big_blocks, bool pack_big)
       : Dp(round_up(D, 8)), Dvp(round_up(Dv, 8)),
-        qs(static_cast<size_t>(Hkv * kDecodeCols * Dp)),
+        qs(static_cast<size_t>(Hkv * C * Dp)),
         nb(block_keys(Hkv, Dp, Dvp)),
-        s(static_cast<size_t>(Hkv * kDecodeCols * kDecodeKeys)),
-        use(kDecodeKeys), seen(static_cast<size_t>(kDecodeCols * kDecodeKeys)), Hkv_(Hkv) {}
+        ks(big_blocks ? std::max(nb, kDecodeKeysInPlace) : nb),
+        pack_cap(pack_big ? ks : nb),
+        s(static_cast<size_t>(Hkv * C * ks)),
+        use(static_cast<size_t>(ks)), seen(static_cast<size_t>(C * ks)), Hkv_(Hkv) {}
   void pack_blocks() {
     if (!kb.empty()) return;
-    kb.assign(static_cast<size_t>(Hkv_ * nb * Dp), 0.f);
-    vb.assign(static_cast<size_t>(Hkv_ * nb * Dvp), 0.f);
+    kb.assign(static_cast<size_t>(Hkv_ * pack_cap * Dp), 0.f);
+    vb.assign(static_cast<size_t>(Hkv_ * pack_cap * Dvp), 0.f);
   }
   int64_t Hkv_;
 };
 
-// Online softmax of the block's scores s (C, nk; row stride kDecodeKeys) in place, natural
+// Online softmax of the block's scores s (C, nk; row stride ks) in place, natural
 // units as the tiled kernels (exp(x) = exp2(x * log2 e) after the difference), -inf hidden;
 // vectorised over the keys (exp2 from simd.h). A NaN score (a NaN input
 // the column sees) makes the column NaN for good.
-ATTN_EXT_AVX2 inline void block_softmax(float* s, int64_t C, int64_t nk, float* m, float* l,
-                                        float* o, int64_t Dvp) {
+ATTN_EXT_AVX2 inline void block_softmax(float* s, int64_t ks, int64_t C, int64_t nk, float* m,
+                                        float* l, float* o, int64_t Dvp) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t nk8 = round_up(nk, 8);
   for (int64_t c = 0; c < C; ++c) {
-    float* sc = s + c * kDecodeKeys;
+    float* sc = s + c * ks;
     for (int64_t r = nk; r < nk8; ++r) sc[r] = neg_inf;  // the tail of the last vector
     if (std::isnan(m[c])) {  // NaN already: stays NaN, nothing more to add
       std::fill(sc, sc + nk8, 0.f);
@@ -458,7 +470,13 @@ void attention_decode_kernel(const AttentionParams& p) {
   const float qscale = static_cast<float>(p.score_terms().scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  parallel_tasks(p.B * n_chunks, [&] { return DecodeScratch(Hkv, p.D, p.Dv); },
+  // Blocks of up to kDecodeKeysInPlace keys for the units whose blocks can all be read in
+  // place (whole 8-element rows, no key padding, every column sees every key). The block
+  // structure depends on that only, not on ATTN_EXT_CPU_DECODE_IN_PLACE, so reading in place
+  // and packing give the same bits.
+  const bool big_blocks = p.D == Dp && p.Dv == Dvp && !vis.has_padding();
+  parallel_tasks(p.B * n_chunks,
+                 [&] { return DecodeScratch(Hkv, C, p.D, p.Dv, big_blocks, big_blocks && !kInPlace); },
                  [&](int64_t task, DecodeScratch& w) {
     const int64_t chunk = task % n_chunks, b = task / n_chunks;
     const SeqInfo sq = vis.seq(b);
@@ -495,11 +513,18 @@ void attention_decode_kernel(const AttentionParams& p) {
       band_full = band_full && ck[c].lo <= kbeg && ck[c].hi >= kend;
     }
 
-    const int64_t nb = w.nb;
+    // every block of the unit can be read in place: blocks of up to w.ks keys, else w.nb
+    const int64_t nb = w.nb, pc = w.pack_cap;
+    const int64_t step = big_blocks && band_full ? w.ks : nb;
+    const int64_t ks = w.ks;  // row stride of the scores in w.s
     const scalar_t* kseq = k + b * p.k_batch_stride + sq.k0 * p.k_row_stride;
     const scalar_t* vseq = v + b * p.v_batch_stride + sq.k0 * p.v_row_stride;
-    for (int64_t j0 = kbeg; j0 < kend; j0 += nb) {
-      const int64_t nk = std::min(nb, kend - j0);
+    for (int64_t j0 = kbeg, nk = 0; j0 < kend; j0 += nk) {
+      // a block longer than nb is one of whole 8-key groups (read in place unless
+      // ATTN_EXT_CPU_DECODE_IN_PLACE=0): the last few keys of the unit come as a block of
+      // their own
+      nk = std::min(step, kend - j0);
+      if (nk > nb) nk = nk / 8 * 8;
       const int64_t nk8 = round_up(nk, 8);
       // which keys take part (padding) and which column sees which key: the same for every
       // kv head, decided once per block
@@ -514,31 +539,31 @@ void attention_decode_kernel(const AttentionParams& p) {
           int64_t n_seen = 0;
           for (int64_t c = 0; c < C; ++c) {
             const bool sc = w.use[r] && j >= ck[c].lo && j < ck[c].hi;
-            w.seen[c * kDecodeKeys + r] = sc ? 1 : 0;
+            w.seen[c * ks + r] = sc ? 1 : 0;
             n_seen += sc;
           }
           w.use[r] = n_seen > 0 ? 1 : 0;
           edge = edge || (n_seen > 0 && n_seen < C);
         }
       }
-      // fp32 rows, a full block every key of which every column sees: read K and V where
-      // they are (no copy); else the block's rows of every kv head are packed, row by row: one
-      // pass over a contiguous range of a BSHD cache (k first, then v)
-      const bool in_place = kInPlace && !masked && nk == nb && nk % 8 == 0;
+      // whole 8-key groups every key of which every column sees: read K and V where they are
+      // (no copy); else the block's rows of every kv head are packed, row by row: one pass
+      // over a contiguous range of a BSHD cache (k first, then v)
+      const bool in_place = kInPlace && !masked && nk % 8 == 0;
       if (!in_place) w.pack_blocks();
       for (int64_t r = 0; r < nk && !in_place; ++r) {
         if (!w.use[r]) continue;
         for (int64_t hkv = 0; hkv < Hkv; ++hkv)
           pack_row(kseq + (j0 + r) * p.k_row_stride + hkv * p.k_head_stride, p.D,
-                   w.kb.data() + (hkv * nb + r) * Dp);
+                   w.kb.data() + (hkv * pc + r) * Dp);
       }
       for (int64_t r = 0; r < nk && !in_place; ++r) {
         if (!w.use[r]) continue;
         for (int64_t hkv = 0; hkv < Hkv; ++hkv)
           pack_row(vseq + (j0 + r) * p.v_row_stride + hkv * p.v_head_stride, p.Dv,
-                   w.vb.data() + (hkv * nb + r) * Dvp);
+                   w.vb.data() + (hkv * pc + r) * Dvp);
       }
-      const int64_t s_head = C * kDecodeKeys;  // scores of one kv head in w.s
+      const int64_t s_head = C * ks;  // scores of one kv head in w.s
       if (in_place) {
         // scores of every kv head first, 8 keys at a time across the heads: in a BSHD cache
         // that reads K in memory order (one pass, hardware prefetch streams in order), each
@@ -548,7 +573,7 @@ void attention_decode_kernel(const AttentionParams& p) {
             const scalar_t* kh = kseq + hkv * p.k_head_stride;
             prefetch_rows(kh, j0 + r0 + 8, j0 + r0 + 16, kend, p.k_row_stride, p.D);
             scores(w.qs.data() + hkv * C * Dp, C, Dp, kh + (j0 + r0) * p.k_row_stride, 8,
-                   w.s.data() + hkv * s_head + r0, kDecodeKeys, p.k_row_stride);
+                   w.s.data() + hkv * s_head + r0, ks, p.k_row_stride);
           }
         }
       }
@@ -556,33 +581,33 @@ void attention_decode_kernel(const AttentionParams& p) {
         float* sh = w.s.data() + hkv * s_head;
         float* part = part_of(b, chunk, hkv);
         float *o = part, *m = part + C * Dvp, *l = m + C;
-        float* kbh = in_place ? nullptr : w.kb.data() + hkv * nb * Dp;
-        const float* vbh = in_place ? nullptr : w.vb.data() + hkv * nb * Dvp;
+        float* kbh = in_place ? nullptr : w.kb.data() + hkv * pc * Dp;
+        const float* vbh = in_place ? nullptr : w.vb.data() + hkv * pc * Dvp;
         if (!in_place) {
           for (int64_t r = 0; r < nk8; ++r) {  // hidden and padding rows: zero (finite scores)
             if (r < nk && w.use[r]) continue;
             std::fill(kbh + r * Dp, kbh + (r + 1) * Dp, 0.f);
           }
           scores(w.qs.data() + hkv * C * Dp, C, Dp, static_cast<const float*>(kbh), nk8, sh,
-                 kDecodeKeys);
+                 ks);
         }
         if (masked) {
           for (int64_t c = 0; c < C; ++c)
             for (int64_t r = 0; r < nk; ++r)
-              if (!w.seen[c * kDecodeKeys + r]) sh[c * kDecodeKeys + r] = neg_inf;
+              if (!w.seen[c * ks + r]) sh[c * ks + r] = neg_inf;
         }
-        block_softmax(sh, C, nk, m, l, o, Dvp);
+        block_softmax(sh, ks, C, nk, m, l, o, Dvp);
         // Hidden (c, r) have p = 0 exactly; a non-finite v there would give 0 * inf. Such keys
         // (only at the band's edges) go through the scalar path, which skips hidden pairs.
         if (in_place) continue;  // PV of every head below, in memory order
         if (!edge) {
-          pv(sh, kDecodeKeys, C, vbh, Dvp, w.use.data(), nk, o);
+          pv(sh, ks, C, vbh, Dvp, w.use.data(), nk, o);
         } else {
           for (int64_t c = 0; c < C; ++c) {
             float* oc = o + c * Dvp;
             for (int64_t r = 0; r < nk; ++r) {
-              if (!w.seen[c * kDecodeKeys + r]) continue;
-              const float pr = sh[c * kDecodeKeys + r];
+              if (!w.seen[c * ks + r]) continue;
+              const float pr = sh[c * ks + r];
               const float* vr = vbh + r * Dvp;
               for (int64_t d = 0; d < Dvp; ++d) oc[d] += pr * vr[d];
             }
@@ -596,7 +621,7 @@ void attention_decode_kernel(const AttentionParams& p) {
           for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
             const scalar_t* vh = vseq + hkv * p.v_head_stride;
             prefetch_rows(vh, j0 + r0 + 8, j0 + r0 + 16, kend, p.v_row_stride, p.Dv);
-            pv(w.s.data() + hkv * s_head + r0, kDecodeKeys, C, vh + (j0 + r0) * p.v_row_stride,
+            pv(w.s.data() + hkv * s_head + r0, ks, C, vh + (j0 + r0) * p.v_row_stride,
                Dvp, w.use.data() + r0, 8, part_of(b, chunk, hkv), p.v_row_stride);
           }
         }
