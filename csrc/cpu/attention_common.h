@@ -135,10 +135,20 @@ inline bool head_rows_fit(int64_t n, int64_t Dp, int64_t Dvp, size_t acc_size) {
   return n * (Dp + Dvp) * static_cast<int64_t>(acc_size) <= kHeadRowsBytes;  // (+ 8 rows)
 }
 
-// Software prefetch of [p, p + bytes), one request per 64-byte line (a read, kept in the caches).
+// Software prefetch of [p, p + bytes), one request per 64-byte line (a read into L2, kept in
+// the caches). On x86 through a volatile asm, not __builtin_prefetch: GCC's IPA pure-const pass
+// counts the builtin as free of side effects, so a call to a function that only prefetches is
+// dead code to it when the function is not inlined first. GCC 12 dropped the decode kernel's
+// prefetches that way (RESULTS.md, sixth session); an asm volatile stays where it is written.
 inline void prefetch_range(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
+  for (int64_t off = 0; off < bytes; off += 64) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    asm volatile("prefetcht1 %0" : : "m"(*(c + off)));
+#else
+    __builtin_prefetch(c + off, 0, 2);
+#endif
+  }
 }
 
 template <typename acc_t>

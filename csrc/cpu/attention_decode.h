@@ -15,10 +15,11 @@
 //   keys where every block of the unit can be read in place):
 //     full block, no mask, D and Dv multiples of 8 (any dtype): K and V read in place
 //       scores  s (Hkv, C, nb) = qs kb^T, 8 keys at a time across all kv heads (K in memory
-//               order; the next 8 keys of each kv head prefetched just before its current
-//               8; 4 keys x 2 columns register tiles, bf16 / fp16 widened in registers, bf16
-//               16 elements at a time in the decode order (decode_pos); the backward takes its
-//               scores from the same function)
+//               order; the next 8 keys of the kv heads prefetched in parts, head by head,
+//               as the current 8 are computed (prefetch_next_group); 4 keys x 2 columns
+//               register tiles, bf16 / fp16 widened in registers, bf16 16 elements at a time
+//               in the decode order (decode_pos); the backward takes its scores from the same
+//               function)
 //       softmax online per (kv head, column): m, l, o rescale
 //       PV      o += p vb, 8 keys at a time across all kv heads (V in memory order)
 //     otherwise: pack kb (Hkv, nb, Dp), vb (Hkv, nb, Dvp) fp32 in the decode order, row by
@@ -322,16 +323,35 @@ ATTN_EXT_AVX2 inline void pv(const float* p, int64_t ld, int64_t C, const vT* vb
   }
 }
 
-// Software prefetch of rows [r0, min(r1, kend)) of one kv head: the head's next group of 8
-// keys, just before its current group is computed, so that the prefetches of a group spread
-// over its kv heads instead of coming in one burst. Measured (RESULTS.md, sixth session): a
-// burst for every kv head at once, before the group, lost to no prefetch at all for fp32 and
-// gained less for bf16.
+// Software prefetch of rows [r0, min(r1, kend)) of one kv head.
 template <typename T>
 inline void prefetch_rows(const T* base, int64_t r0, int64_t r1, int64_t kend, int64_t row_stride,
                           int64_t n) {
   const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
   for (int64_t r = r0; r < std::min(r1, kend); ++r) prefetch_range(base + r * row_stride, bytes);
+}
+
+// The prefetch of the next 8-key group, issued at kv head hkv's step of the current group
+// (keys [g0, g0 + 8)): the next group's rows of heads hkv, hkv - 1, ..., hkv - P + 1 (mod Hkv),
+// 8 / P rows each (head hkv - i: the rows [8 i / P, 8 (i + 1) / P) of the group). So each head's
+// next rows are asked for in P parts over P steps, the last part one step before the head's
+// turn. Measured (RESULTS.md, sixth session; alternated call by call), against all 8 rows of
+// head hkv at its own step (P = 1), which already beat one burst for every head before the
+// group: fp32 GQA +13-16 % with P = 8 (MHA -3 %, at the read roof either way); bf16 +0-9 % with
+// P = 2 and slower at P = 8 (its steps are shorter: half the bytes for the same arithmetic).
+template <typename T>
+constexpr int kPrefetchParts = sizeof(T) == 4 ? 8 : 2;
+
+template <typename T>
+inline void prefetch_next_group(const T* seq, int64_t hkv, int64_t Hkv, int64_t g0, int64_t kend,
+                                int64_t row_stride, int64_t head_stride, int64_t n) {
+  constexpr int P = kPrefetchParts<T>;
+  for (int i = 0; i < P; ++i) {
+    int64_t h = hkv - i;  // mod Hkv, without a division (this runs once per head and 8 keys)
+    while (h < 0) h += Hkv;
+    prefetch_rows(seq + h * head_stride, g0 + 8 + i * 8 / P, g0 + 8 + (i + 1) * 8 / P, kend,
+                  row_stride, n);
+  }
 }
 
 // Keys per block: the block of every kv head in ~256 KiB of fp32 (L2), 8..kDecodeKeys.
@@ -571,7 +591,7 @@ void attention_decode_kernel(const AttentionParams& p) {
         for (int64_t r0 = 0; r0 < nk8; r0 += 8) {
           for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
             const scalar_t* kh = kseq + hkv * p.k_head_stride;
-            prefetch_rows(kh, j0 + r0 + 8, j0 + r0 + 16, kend, p.k_row_stride, p.D);
+            prefetch_next_group(kseq, hkv, Hkv, j0 + r0, kend, p.k_row_stride, p.k_head_stride, p.D);
             scores(w.qs.data() + hkv * C * Dp, C, Dp, kh + (j0 + r0) * p.k_row_stride, 8,
                    w.s.data() + hkv * s_head + r0, ks, p.k_row_stride);
           }
@@ -620,7 +640,7 @@ void attention_decode_kernel(const AttentionParams& p) {
         for (int64_t r0 = 0; r0 < nk8; r0 += 8) {
           for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
             const scalar_t* vh = vseq + hkv * p.v_head_stride;
-            prefetch_rows(vh, j0 + r0 + 8, j0 + r0 + 16, kend, p.v_row_stride, p.Dv);
+            prefetch_next_group(vseq, hkv, Hkv, j0 + r0, kend, p.v_row_stride, p.v_head_stride, p.Dv);
             pv(w.s.data() + hkv * s_head + r0, ks, C, vh + (j0 + r0) * p.v_row_stride,
                Dvp, w.use.data() + r0, 8, part_of(b, chunk, hkv), p.v_row_stride);
           }
