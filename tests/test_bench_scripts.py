@@ -145,3 +145,14 @@ def test_gemm_probe_builds_and_measures(tmp_path):
     assert all(r > 0 for r in rates), out
     for section in ("pass ", "fwd ", "bwd "):
         assert section in out
+
+
+def test_bench_switch_ab_smoke():
+    """benchmarks/bench_switch_ab.py (the ATTN_EXT_CPU_BWD_JOBS A/B RESULTS.md quotes) runs,
+    checks the values' gradients bitwise equal, and prints a row per shape."""
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_switch_ab.py"),
+                          "--quick", "--threads", "2"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("# commit: "), res.stdout[:300]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| 1, 2, 256, 32 |")]
+    assert len(rows) == 1, res.stdout

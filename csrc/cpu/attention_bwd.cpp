@@ -61,9 +61,8 @@ struct BwdScratch {
   AlignedVec<acc_t> tmp;   // (max(D, Dv)): one converted row
   AlignedVec<acc_t> sc;    // (kBlockQ, kBlockK): scores in the decode kernel's layout (decode order)
   AlignedVec<acc_t> kdo;   // (kBlockK, Dp): the key tile's k rows in the decode kernel's element
-                           // order where it is not natural (bf16: decode_detail::decode_pos)
-  int64_t tile = 0;        // key tiles loaded so far (load_key_tile)
-  int64_t kdo_tile = -1;   // the tile kdo holds
+                           // order where it is not natural (bf16: decode_detail::decode_pos);
+                           // filled by load_key_tile
   std::vector<uint8_t> kvalid;  // (kBlockK): key padding of the tile's keys (1 = takes part)
   AlignedVec<acc_t> th;    // (kBlockK, kBlockQ): tanh(s / softcap) (softcap only)
   AlignedVec<acc_t> pz;    // (kBlockK, kBlockQ): P^T * Z / (1 - p) (dropout only)
@@ -209,8 +208,12 @@ int64_t load_key_tile(const AttentionParams& p, const Visibility& vis, const Seq
   const scalar_t* kh = k + b * p.k_batch_stride + hkv * p.k_head_stride + sq.k0 * p.k_row_stride;
   const scalar_t* vh = v + b * p.v_batch_stride + hkv * p.v_head_stride + sq.k0 * p.v_row_stride;
   const bool whole = head_rows_fit(sq.Sk, s.Dp, s.Dvp, sizeof(acc_t));
-  ++s.tile;
   s.kbp = s.hk.tile(whole, kh, p.k_row_stride, sq.Sk, p.D, s.Dp, j0, nk, s.kb);
+  if constexpr (std::is_same_v<acc_t, float>) {
+    // pass1_decode's operand in the forward's element order (bf16), once per tile
+    for (int64_t r = 0; r < round_up(nk, 8) && !s.kdo.empty(); ++r)
+      decode_detail::to_decode_order<c10::BFloat16>(s.kbp + r * s.Dp, p.D, s.kdo.data() + r * s.Dp);
+  }
   s.vbp = s.hv.tile(whole, vh, p.v_row_stride, sq.Sk, p.Dv, s.Dvp, j0, nk, s.vb);
   *k_finite = whole ? s.hk.finite(j0, nk) : all_finite(s.kbp, nk, p.D, s.Dp);
   int64_t n_valid = nk;
@@ -323,15 +326,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
 #if ATTN_EXT_HAVE_AVX2_PATH
     if constexpr (std::is_same_v<acc_t, float>) {
       const int64_t nk8 = round_up(nk, 8);
-      const acc_t* kd = s.kbp;
-      if (!s.kdo.empty()) {  // the forward's element order (bf16), once per key tile
-        if (s.kdo_tile != s.tile) {
-          for (int64_t r = 0; r < nk8; ++r)
-            decode_detail::to_decode_order<c10::BFloat16>(s.kbp + r * Dp, D, s.kdo.data() + r * Dp);
-          s.kdo_tile = s.tile;
-        }
-        kd = s.kdo.data();
-      }
+      const acc_t* kd = s.kdo.empty() ? s.kbp : s.kdo.data();  // bf16: load_key_tile's copy
       decode_detail::scores(blk + L.qs, nq, Dp, kd, nk8, s.sc.data(), kBlockK);
       for (int64_t r = 0; r < nk; ++r) {
         acc_t* row = s.st.data() + r * C;
