@@ -147,6 +147,30 @@ def test_gemm_probe_builds_and_measures(tmp_path):
         assert section in out
 
 
+def test_exp2_check_builds_and_passes(tmp_path):
+    """tools/exp2_check.cpp (the accuracy simd.h's exp2_ps comment quotes) builds as its header
+    says; on 1e6 points exp2_ps stays under 1 ulp of exp2 in double and gives the special
+    values the softmax relies on (2^0 = 1, masked -inf -> 0, NaN -> NaN)."""
+    import re
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    exe = tmp_path / "exp2_check"
+    torch_inc = os.path.join(os.path.dirname(torch.__file__), "include")
+    subprocess.run(["g++", "-O2", "-std=c++20", "-I", os.path.join(ROOT, "csrc"), "-I", torch_inc,
+                    os.path.join(ROOT, "tools", "exp2_check.cpp"),
+                    os.path.join(ROOT, "csrc", "cpu", "cpu_features.cpp"), "-o", str(exe)],
+                   check=True, timeout=300)
+    res = subprocess.run([str(exe), "1000000"], capture_output=True, text=True, timeout=120)
+    if res.returncode == 2:
+        pytest.skip("no AVX2 / FMA")
+    assert res.returncode == 0, res.stdout + res.stderr
+    ulp = float(re.search(r"max error ([0-9.]+) ulp", res.stdout).group(1))
+    assert 0 < ulp < 1.0, res.stdout
+    assert "special values:" in res.stdout and res.stdout.rstrip().endswith(": ok"), res.stdout
+
+
 def test_bench_switch_ab_smoke():
     """benchmarks/bench_switch_ab.py (the ATTN_EXT_CPU_BWD_JOBS A/B RESULTS.md quotes) runs,
     checks the values' gradients bitwise equal, and prints a row per shape."""

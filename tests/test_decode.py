@@ -147,10 +147,12 @@ torch.save(outs, sys.argv[2])
 """
 
 
-def test_decode_in_place_reads_equal_packed_blocks(tmp_path):
+@pytest.mark.parametrize("switch", ["ATTN_EXT_CPU_DECODE_IN_PLACE", "ATTN_EXT_CPU_DECODE_QUADS"])
+def test_decode_in_place_reads_equal_packed_blocks(tmp_path, switch):
     """K/V read in place (full unmasked blocks; fp32, or bf16 / fp16 widened in registers) give
     the same bits as the packed blocks (ATTN_EXT_CPU_DECODE_IN_PLACE=0): the same products in
-    the same order."""
+    the same order. Likewise the scores of 4 columns x 2 keys against pairs of columns x 4 keys
+    (ATTN_EXT_CPU_DECODE_QUADS=0; the shapes with group 4, or 2 rows x 2 heads, take quads)."""
     import os
     import subprocess
     import sys
@@ -160,7 +162,7 @@ def test_decode_in_place_reads_equal_packed_blocks(tmp_path):
     script.write_text(_IN_PLACE_SCRIPT)
     res = {}
     for mode in ("1", "0"):
-        env = dict(os.environ, ATTN_EXT_CPU_DECODE_IN_PLACE=mode)
+        env = dict(os.environ, **{switch: mode})
         out = tmp_path / f"out{mode}.pt"
         subprocess.run([sys.executable, str(script), root, str(out)], env=env, check=True, timeout=120)
         res[mode] = torch.load(out)

@@ -16,8 +16,9 @@
 //     full block, no mask, D and Dv multiples of 8 (any dtype): K and V read in place
 //       scores  s (Hkv, C, nb) = qs kb^T, 8 keys at a time across all kv heads (K in memory
 //               order; the next 8 keys of the kv heads prefetched in parts, head by head,
-//               as the current 8 are computed (prefetch_next_group); 4 keys x 2 columns
-//               register tiles, bf16 / fp16 widened in registers, bf16 16 elements at a time
+//               as the current 8 are computed (prefetch_next_group); 2 keys x 4 columns
+//               register tiles (4 keys x 2 columns, 8 keys x 1 column where fewer columns
+//               are left), bf16 / fp16 widened in registers, bf16 16 elements at a time
 //               in the decode order (decode_pos); the backward takes its scores from the same
 //               function)
 //       softmax online per (kv head, column): m, l, o rescale
@@ -33,6 +34,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -126,6 +128,19 @@ inline void to_decode_order(const float* src, int64_t n, float* dst) {
 
 namespace decode_detail {
 
+// ATTN_EXT_CPU_DECODE_QUADS=0: score 4+ columns by pairs (NC = 2) as before the seventh session,
+// for benchmarks comparing both (the bits are the same). Read at every decode call (so an A/B
+// can alternate it call by call) into this process-wide flag.
+inline std::atomic<bool>& decode_quads_flag() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+inline void read_decode_quads_env() {
+  const char* env = std::getenv("ATTN_EXT_CPU_DECODE_QUADS");
+  decode_quads_flag().store(!(env != nullptr && std::strcmp(env, "0") == 0), std::memory_order_relaxed);
+}
+inline bool decode_quads() { return decode_quads_flag().load(std::memory_order_relaxed); }
+
 // Sum of each of 8 vectors -> one vector [sum(a0), ..., sum(a7)].
 ATTN_EXT_AVX2 inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
                                   __m256 a5, __m256 a6, __m256 a7) {
@@ -186,10 +201,9 @@ ATTN_EXT_AVX2 inline void pack_row(const scalar_t* src, int64_t n, float* dst) {
 }
 
 // One 8-float chunk d of NK rows against NC columns: a[r * NC + c] += q_c[d..] * k_r[d..].
-template <typename kT, int NC, int Part>
+template <typename kT, int NC, int NK, int Part>
 ATTN_EXT_AVX2 inline void scores_step(const float* qs, int64_t Dp, const kT* k0, int64_t ldk,
                                       int64_t d, __m256* a) {
-  constexpr int NK = 8 / NC;
   __m256 kv[NK];
 #pragma GCC unroll 8
   for (int r = 0; r < NK; ++r) kv[r] = load_part<kT, Part>(k0 + r * ldk, d);
@@ -204,41 +218,50 @@ ATTN_EXT_AVX2 inline void scores_step(const float* qs, int64_t Dp, const kT* k0,
   }
 }
 
-// s (NC columns, NK keys) for the keys [r0, r0 + NK): NK x NC = 8 accumulators, so one load
-// of each K vector serves NC columns. Measured (RESULTS.md, issue 16): pairs of columns (4 K
-// rows in flight, a bf16 / fp16 row widened once per pair) beat both 1 column x 8 keys (a
-// widened row converted once per column) and 4 columns x 2 keys (2 rows in flight: fewer
-// misses outstanding when K comes from memory). Each accumulator sums q_c . k_r over the
-// 8-float chunks of d in decode order and hsum8 reduces every lane the same way, so the bits
-// do not depend on NK / NC, nor on whether kb is the cache's rows or a packed copy.
+// s (NC columns, NK = 8 / NC keys) for the keys [0, NK) of k0: 8 accumulators, so one load of
+// each K vector serves NC columns. Each accumulator sums q_c . k_r over the 8-float chunks of
+// d in decode order and hsum8 reduces every lane the same way, so the bits do not depend on
+// NK / NC, nor on whether kb is the cache's rows or a packed copy.
+template <typename kT, int NC>
+ATTN_EXT_AVX2 inline void scores_keys(const float* qs, int64_t Dp, const kT* k0, int64_t ldk,
+                                      float* s, int64_t ld) {
+  constexpr int NK = 8 / NC;
+  const int64_t D16 = Dp / 16 * 16;
+  __m256 a[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d < D16; d += 16) {
+    scores_step<kT, NC, NK, 0>(qs, Dp, k0, ldk, d, a);
+    scores_step<kT, NC, NK, 1>(qs, Dp, k0, ldk, d + 8, a);
+  }
+  if (d < Dp) scores_step<kT, NC, NK, 2>(qs, Dp, k0, ldk, d, a);
+  const __m256 h = hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+  if constexpr (NC == 1) {
+    _mm256_storeu_ps(s, h);
+  } else {
+    alignas(32) float t[8];
+    _mm256_store_ps(t, h);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) s[(i % NC) * ld + i / NC] = t[i];
+  }
+}
+
+// s (NC columns, nk8 keys), 8 / NC keys at a time. scores() takes 4 columns x 2 keys wherever
+// there are 4 columns left (GQA 4+, or 2 query rows x 2 heads), else pairs of columns x 4 keys,
+// and 1 column x 8 keys (MHA). Measured (RESULTS.md, seventh session; alternated call by
+// call): 4 x 2 against pairs, bf16 GQA +1-5 % (every K row widened once for the 4 columns,
+// not once per pair), fp32 +0-2 %; in a one-thread probe on hot rows 47 against 48 cycles per
+// bf16 K row, 48 against 83 per fp32 row. 4 x 3 keys (12 accumulators) spilled: 60-65.
 template <typename kT, int NC>
 ATTN_EXT_AVX2 inline void scores_cols(const float* qs, int64_t Dp, const kT* kb, int64_t nk8,
                                       float* s, int64_t ld, int64_t ldk) {
-  static_assert(NC == 1 || NC == 2, "8 / NC keys per group");
-  constexpr int NK = 8 / NC;
-  const int64_t D16 = Dp / 16 * 16;
-  for (int64_t r0 = 0; r0 < nk8; r0 += NK) {
+  static_assert(NC == 1 || NC == 2 || NC == 4, "1, 2 or 4 columns");
+  for (int64_t r0 = 0; r0 < nk8; r0 += 8) {
     const kT* k0 = kb + r0 * ldk;
-    __m256 a[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-    int64_t d = 0;
-    for (; d < D16; d += 16) {
-      scores_step<kT, NC, 0>(qs, Dp, k0, ldk, d, a);
-      scores_step<kT, NC, 1>(qs, Dp, k0, ldk, d + 8, a);
-    }
-    if (d < Dp) scores_step<kT, NC, 2>(qs, Dp, k0, ldk, d, a);
-    const __m256 h = hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
-    if constexpr (NC == 1) {
-      _mm256_storeu_ps(s + r0, h);
-    } else {
-      alignas(32) float t[8];
-      _mm256_store_ps(t, h);
-#pragma GCC unroll 8
-      for (int r = 0; r < NK; ++r)
 #pragma GCC unroll 4
-        for (int c = 0; c < NC; ++c) s[c * ld + r0 + r] = t[r * NC + c];
-    }
+    for (int g = 0; g < 8; g += 8 / NC)
+      scores_keys<kT, NC>(qs, Dp, k0 + g * ldk, ldk, s + r0 + g, ld);
   }
 }
 
@@ -251,7 +274,10 @@ template <typename kT = float>
 ATTN_EXT_AVX2 inline void scores(const float* qs, int64_t C, int64_t Dp, const kT* kb,
                                  int64_t nk8, float* s, int64_t ld, int64_t ldk = -1) {
   if (ldk < 0) ldk = Dp;
-  for (int64_t c = 0; c < C; c += 2) {
+  int64_t c0 = 0;
+  if (decode_quads())
+    for (; c0 + 4 <= C; c0 += 4) scores_cols<kT, 4>(qs + c0 * Dp, Dp, kb, nk8, s + c0 * ld, ld, ldk);
+  for (int64_t c = c0; c < C; c += 2) {
     if (C - c >= 2)
       scores_cols<kT, 2>(qs + c * Dp, Dp, kb, nk8, s + c * ld, ld, ldk);
     else
@@ -462,6 +488,7 @@ void attention_decode_kernel(const AttentionParams& p) {
   const int64_t Hkv = p.Hkv;
   // K / V read in place (whole 8-element vectors per row; bf16 / fp16 widened in registers)
   const bool kInPlace = p.D == Dp && p.Dv == Dvp && decode_in_place_enabled();
+  read_decode_quads_env();
 
   // Keys some row of sequence b sees by the band (the same for every kv head).
   auto seq_keys = [&](const SeqInfo& s) -> Range {
