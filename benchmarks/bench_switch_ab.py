@@ -1,13 +1,20 @@
-"""A/B of the CPU backward's ATTN_EXT_CPU_BWD_JOBS (query blocks per visit of the key tiles in
-the fused partition, csrc/cpu/attention_bwd.cpp kBwdJobs; read on every call), alternated call by
-call in one process: this machine's speed drifts by +-15 % between runs, so the values are only
-compared within a round.
+"""A/B of a CPU kernel switch read on every call, alternated call by call in one process: this
+machine's speed drifts by +-15 % between runs, so the values are only compared within a round.
 
-    python benchmarks/bench_switch_ab.py [--repeats N] [--threads T] [--values 1,4] [--quick]
+    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads] [--repeats N]
+                                         [--threads T] [--values A,B] [--quick]
 
-Rows: the backward alone, fp32 causal, q / k / v as BHSD transpose views, at (1, 8, 4096, 128)
-and (1, 16, 2048, 64); every value's gradients are checked bitwise equal first; medians over the
-rounds, and the ratios to the first value.
+--switch bwd-jobs (default): ATTN_EXT_CPU_BWD_JOBS, query blocks per visit of the key tiles in
+the fused backward partition (csrc/cpu/attention_bwd.cpp kBwdJobs). Rows: the backward alone,
+fp32 causal, q / k / v as BHSD transpose views, at (1, 8, 4096, 128) and (1, 16, 2048, 64).
+
+--switch decode-quads: ATTN_EXT_CPU_DECODE_QUADS, the decode kernel's scores by 4 columns x 2
+keys (1) or by pairs of columns (0) (csrc/cpu/attention_decode.h scores()). Rows: the decode
+forward (Sq = 1, BSHD cache, D = 128) at issue 16's GQA shapes, fp32 and bf16, and bytes of K + V
+read per second.
+
+Every value's outputs are checked bitwise equal first; the order of the values alternates from
+round to round; medians over the rounds, and the ratios to the first value.
 """
 
 from __future__ import annotations
@@ -28,57 +35,101 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _env import print_env_header  # noqa: E402
 
 SHAPES = [(1, 8, 4096, 128), (1, 16, 2048, 64)]  # (B, H, S, D)
+DECODE_SHAPES = [(1, 4096, 32, 8), (4, 2048, 32, 8), (16, 2048, 32, 8), (1, 32768, 32, 8)]
+SWITCHES = {"bwd-jobs": ("ATTN_EXT_CPU_BWD_JOBS", "1,4"),
+            "decode-quads": ("ATTN_EXT_CPU_DECODE_QUADS", "0,1")}
+
+
+def alternate(var, values, repeats, fn):
+    """fn()'s results for every value (bitwise equal, asserted) and its median seconds."""
+    first = {}
+    for x in values:  # warm-up, and the results of every value must be the same bits
+        os.environ[var] = x
+        first[x] = fn()
+    for x in values[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first[values[0]], first[x])), x
+    times = {x: [] for x in values}
+    for r in range(repeats):
+        for x in (values if r % 2 == 0 else values[::-1]):
+            os.environ[var] = x
+            t = time.perf_counter()
+            fn()
+            times[x].append(time.perf_counter() - t)
+    return [statistics.median(times[x]) for x in values]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--switch", choices=sorted(SWITCHES), default="bwd-jobs")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--values", default="1,4", help="ATTN_EXT_CPU_BWD_JOBS values to alternate")
+    ap.add_argument("--values", default=None, help="values to alternate (bwd-jobs: 1,4; "
+                                                   "decode-quads: 0,1)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds (a smoke test)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print_env_header("cpu")
-    values = args.values.split(",")
-    shapes = [(1, 2, 256, 32)] if args.quick else SHAPES
+    var, default_values = SWITCHES[args.switch]
+    values = (args.values or default_values).split(",")
     repeats = 2 if args.quick else args.repeats
-    print(f"\n## backward, ATTN_EXT_CPU_BWD_JOBS in {values}, {args.threads} threads, "
+    old = os.environ.get(var)
+    try:
+        if args.switch == "bwd-jobs":
+            bench_bwd_jobs(var, values, repeats, args)
+        else:
+            bench_decode_quads(var, values, repeats, args)
+    finally:
+        if old is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old
+
+
+def bench_bwd_jobs(var, values, repeats, args):
+    shapes = [(1, 2, 256, 32)] if args.quick else SHAPES
+    print(f"\n## backward, {var} in {values}, {args.threads} threads, "
           f"medians of {repeats} rounds\n")
     print("| B, H, S, D | " + " | ".join(f"jobs {v} ms" for v in values) + " | ratio to the first |")
     print("|---|" + "---|" * (len(values) + 1))
-    old = os.environ.get("ATTN_EXT_CPU_BWD_JOBS")
-    try:
-        for B, H, S, D in shapes:
-            q, k, v = (torch.randn(B, H, S, D).transpose(1, 2) for _ in range(3))
-            out, lse = torch.ops.attn_ext.attention_forward(q, k, v, True, None)
-            dout = torch.randn_like(out)
+    for B, H, S, D in shapes:
+        q, k, v = (torch.randn(B, H, S, D).transpose(1, 2) for _ in range(3))
+        out, lse = torch.ops.attn_ext.attention_forward(q, k, v, True, None)
+        dout = torch.randn_like(out)
 
-            def bwd():
-                return ops._lib.attention_backward(dout, q, k, v, out, lse, True, None, -1, -1,
-                                                   None, None, None, None, None, 0.0, 0, 0, False,
-                                                   0, 0)
+        def bwd():
+            return ops._lib.attention_backward(dout, q, k, v, out, lse, True, None, -1, -1,
+                                               None, None, None, None, None, 0.0, 0, 0, False,
+                                               0, 0)
 
-            times = {x: [] for x in values}
-            first = {}
-            for x in values:  # warm-up, and the results of every value must be the same bits
-                os.environ["ATTN_EXT_CPU_BWD_JOBS"] = x
-                first[x] = bwd()
-            for x in values[1:]:
-                assert all(torch.equal(a, b) for a, b in zip(first[values[0]], first[x])), x
-            for _ in range(repeats):
-                for x in values:
-                    os.environ["ATTN_EXT_CPU_BWD_JOBS"] = x
-                    t = time.perf_counter()
-                    bwd()
-                    times[x].append(time.perf_counter() - t)
-            med = [statistics.median(times[x]) for x in values]
-            print(f"| {B}, {H}, {S}, {D} | " + " | ".join(f"{m * 1e3:.1f}" for m in med) + " | "
+        med = alternate(var, values, repeats, bwd)
+        print(f"| {B}, {H}, {S}, {D} | " + " | ".join(f"{m * 1e3:.1f}" for m in med) + " | "
+              + " / ".join(f"{m / med[0]:.3f}" for m in med) + " |", flush=True)
+
+
+def bench_decode_quads(var, values, repeats, args):
+    shapes = [(1, 512, 8, 2)] if args.quick else DECODE_SHAPES
+    D = 128
+    print(f"\n## decode (Sq = 1, BSHD cache, D = {D}), {var} in {values}, {args.threads} threads, "
+          f"medians of {repeats} rounds (each round: every value once, in alternating order)\n")
+    print("| dtype | B | Sk | H/Hkv | " + " | ".join(f"{v}: ms (GB/s of K + V)" for v in values)
+          + " | ratio to the first |")
+    print("|---|---|---|---|" + "---|" * (len(values) + 1))
+    for dt in (torch.float32, torch.bfloat16):
+        for B, Sk, H, Hkv in shapes:
+            q = torch.randn(B, 1, H, D).to(dt)
+            k, v = torch.randn(B, Sk, Hkv, D).to(dt), torch.randn(B, Sk, Hkv, D).to(dt)
+
+            def dec():
+                return torch.ops.attn_ext.attention_forward(q, k, v, False, None)
+
+            # enough rounds for short calls: about 0.2 s of each value per round count
+            reps = repeats if args.quick else max(repeats, int(0.2 / max(1e-4, B * Sk * 2e-7)))
+            med = alternate(var, values, reps, dec)
+            gbs = 2 * k.numel() * k.element_size() / 1e9
+            name = "fp32" if dt == torch.float32 else "bf16"
+            print(f"| {name} | {B} | {Sk} | {H}/{Hkv} | "
+                  + " | ".join(f"{m * 1e3:.3f} ({gbs / m:.1f})" for m in med) + " | "
                   + " / ".join(f"{m / med[0]:.3f}" for m in med) + " |", flush=True)
-    finally:
-        if old is None:
-            os.environ.pop("ATTN_EXT_CPU_BWD_JOBS", None)
-        else:
-            os.environ["ATTN_EXT_CPU_BWD_JOBS"] = old
 
 
 if __name__ == "__main__":

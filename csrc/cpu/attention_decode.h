@@ -16,9 +16,9 @@
 //     full block, no mask, D and Dv multiples of 8 (any dtype): K and V read in place
 //       scores  s (Hkv, C, nb) = qs kb^T, 8 keys at a time across all kv heads (K in memory
 //               order; the next 8 keys of the kv heads prefetched in parts, head by head,
-//               as the current 8 are computed (prefetch_next_group); 2 keys x 4 columns
-//               register tiles (4 keys x 2 columns, 8 keys x 1 column where fewer columns
-//               are left), bf16 / fp16 widened in registers, bf16 16 elements at a time
+//               as the current 8 are computed (prefetch_next_group); 4 keys x 2 columns
+//               register tiles (bf16 / fp16: 2 keys x 4 columns where 4 columns are left;
+//               8 keys x 1 column for a last odd column), bf16 / fp16 widened in registers, bf16 16 elements at a time
 //               in the decode order (decode_pos); the backward takes its scores from the same
 //               function)
 //       softmax online per (kv head, column): m, l, o rescale
@@ -128,8 +128,8 @@ inline void to_decode_order(const float* src, int64_t n, float* dst) {
 
 namespace decode_detail {
 
-// ATTN_EXT_CPU_DECODE_QUADS=0: score 4+ columns by pairs (NC = 2) as before the seventh session,
-// for benchmarks comparing both (the bits are the same). Read at every decode call (so an A/B
+// ATTN_EXT_CPU_DECODE_QUADS=0: score 4+ columns of bf16 / fp16 rows by pairs (NC = 2) as before
+// the seventh session, for benchmarks comparing both (the bits are the same). Read at every decode call (so an A/B
 // can alternate it call by call) into this process-wide flag.
 inline std::atomic<bool>& decode_quads_flag() {
   static std::atomic<bool> on{true};
@@ -247,12 +247,14 @@ ATTN_EXT_AVX2 inline void scores_keys(const float* qs, int64_t Dp, const kT* k0,
   }
 }
 
-// s (NC columns, nk8 keys), 8 / NC keys at a time. scores() takes 4 columns x 2 keys wherever
-// there are 4 columns left (GQA 4+, or 2 query rows x 2 heads), else pairs of columns x 4 keys,
-// and 1 column x 8 keys (MHA). Measured (RESULTS.md, seventh session; alternated call by
-// call): 4 x 2 against pairs, bf16 GQA +1-5 % (every K row widened once for the 4 columns,
-// not once per pair), fp32 +0-2 %; in a one-thread probe on hot rows 47 against 48 cycles per
-// bf16 K row, 48 against 83 per fp32 row. 4 x 3 keys (12 accumulators) spilled: 60-65.
+// s (NC columns, nk8 keys), 8 / NC keys at a time. scores() takes pairs of columns x 4 keys,
+// 1 column x 8 keys for a last odd column (MHA: every column), and for bf16 / fp16 rows read
+// in place 4 columns x 2 keys wherever 4 columns are left (GQA 4+, or 2 query rows x 2 heads):
+// each row is then widened once for 4 columns instead of once per pair. Measured (RESULTS.md,
+// seventh session; bench_switch_ab.py --switch decode-quads, alternated call by call): bf16
+// 4 x 2 against pairs -0.6 to -1.3 % time at 1 thread, -3 to +1 % at 2 (the 2-thread decode
+// waits on memory as much as on the FMAs); fp32, with nothing to widen, +1 to +3 % at 1 thread,
+// so it keeps the pairs. 4 x 3 keys (12 accumulators, all 16 registers) spilled: slower.
 template <typename kT, int NC>
 ATTN_EXT_AVX2 inline void scores_cols(const float* qs, int64_t Dp, const kT* kb, int64_t nk8,
                                       float* s, int64_t ld, int64_t ldk) {
@@ -275,7 +277,7 @@ ATTN_EXT_AVX2 inline void scores(const float* qs, int64_t C, int64_t Dp, const k
                                  int64_t nk8, float* s, int64_t ld, int64_t ldk = -1) {
   if (ldk < 0) ldk = Dp;
   int64_t c0 = 0;
-  if (decode_quads())
+  if (sizeof(kT) == 2 && decode_quads())
     for (; c0 + 4 <= C; c0 += 4) scores_cols<kT, 4>(qs + c0 * Dp, Dp, kb, nk8, s + c0 * ld, ld, ldk);
   for (int64_t c = c0; c < C; c += 2) {
     if (C - c >= 2)
