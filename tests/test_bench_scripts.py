@@ -121,21 +121,28 @@ def test_bench_score_terms_smoke(tmp_path):
         assert f"| {name} |" in res.stdout, res.stdout
 
 
-def test_gemm_probe_builds_and_measures(tmp_path):
-    """tools/gemm_probe.cpp (the micro-kernel rates RESULTS.md quotes) builds from the kernel
-    sources as its header says and prints a positive rate for every case."""
-    import re
+def _build_tool(tmp_path, tool, *kernel_sources):
+    """tools/<tool>.cpp built with the kernel sources named (paths under csrc/cpu), as the
+    tool's header says: the executable's path (the test skips without g++)."""
     import shutil
 
     if shutil.which("g++") is None:
         pytest.skip("no g++")
-    exe = tmp_path / "gemm_probe"
+    exe = tmp_path / tool
     torch_inc = os.path.join(os.path.dirname(torch.__file__), "include")
+    sources = [os.path.join(ROOT, "tools", f"{tool}.cpp")]
+    sources += [os.path.join(ROOT, "csrc", "cpu", name) for name in kernel_sources]
     subprocess.run(["g++", "-O2", "-std=c++20", "-I", os.path.join(ROOT, "csrc"), "-I", torch_inc,
-                    os.path.join(ROOT, "tools", "gemm_probe.cpp"),
-                    os.path.join(ROOT, "csrc", "cpu", "attention_microkernels_avx2.cpp"),
-                    os.path.join(ROOT, "csrc", "cpu", "cpu_features.cpp"), "-o", str(exe)],
-                   check=True, timeout=300)
+                    *sources, "-o", str(exe)], check=True, timeout=300)
+    return exe
+
+
+def test_gemm_probe_builds_and_measures(tmp_path):
+    """tools/gemm_probe.cpp (the micro-kernel rates RESULTS.md quotes) builds from the kernel
+    sources as its header says and prints a positive rate for every case."""
+    import re
+
+    exe = _build_tool(tmp_path, "gemm_probe", "attention_microkernels_avx2.cpp", "cpu_features.cpp")
     out = subprocess.run([str(exe), "1"], capture_output=True, text=True, check=True,
                          timeout=120).stdout
     if "nothing to measure" in out:
@@ -152,16 +159,8 @@ def test_exp2_check_builds_and_passes(tmp_path):
     says; on 1e6 points exp2_ps stays under 1 ulp of exp2 in double and gives the special
     values the softmax relies on (2^0 = 1, masked -inf -> 0, NaN -> NaN)."""
     import re
-    import shutil
 
-    if shutil.which("g++") is None:
-        pytest.skip("no g++")
-    exe = tmp_path / "exp2_check"
-    torch_inc = os.path.join(os.path.dirname(torch.__file__), "include")
-    subprocess.run(["g++", "-O2", "-std=c++20", "-I", os.path.join(ROOT, "csrc"), "-I", torch_inc,
-                    os.path.join(ROOT, "tools", "exp2_check.cpp"),
-                    os.path.join(ROOT, "csrc", "cpu", "cpu_features.cpp"), "-o", str(exe)],
-                   check=True, timeout=300)
+    exe = _build_tool(tmp_path, "exp2_check", "cpu_features.cpp")
     res = subprocess.run([str(exe), "1000000"], capture_output=True, text=True, timeout=120)
     if res.returncode == 2:
         pytest.skip("no AVX2 / FMA")
