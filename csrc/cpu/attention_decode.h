@@ -222,10 +222,11 @@ ATTN_EXT_AVX2 inline void scores_step(const float* qs, int64_t Dp, const kT* k0,
 // each K vector serves NC columns. Each accumulator sums q_c . k_r over the 8-float chunks of
 // d in decode order and hsum8 reduces every lane the same way, so the bits do not depend on
 // NK / NC, nor on whether kb is the cache's rows or a packed copy.
-template <typename kT, int NC>
-ATTN_EXT_AVX2 inline void scores_keys(const float* qs, int64_t Dp, const kT* k0, int64_t ldk,
+template <typename kT, int NC, int DC>
+ATTN_EXT_AVX2 inline void scores_keys(const float* qs, int64_t Dp_, const kT* k0, int64_t ldk,
                                       float* s, int64_t ld) {
   constexpr int NK = 8 / NC;
+  const int64_t Dp = DC ? DC : Dp_;
   const int64_t D16 = Dp / 16 * 16;
   __m256 a[8];
 #pragma GCC unroll 8
@@ -255,7 +256,7 @@ ATTN_EXT_AVX2 inline void scores_keys(const float* qs, int64_t Dp, const kT* k0,
 // 4 x 2 against pairs -0.6 to -1.3 % time at 1 thread, -3 to +1 % at 2 (the 2-thread decode
 // waits on memory as much as on the FMAs); fp32, with nothing to widen, +1 to +3 % at 1 thread,
 // so it keeps the pairs. 4 x 3 keys (12 accumulators, all 16 registers) spilled: slower.
-template <typename kT, int NC>
+template <typename kT, int NC, int DC>
 ATTN_EXT_AVX2 inline void scores_cols(const float* qs, int64_t Dp, const kT* kb, int64_t nk8,
                                       float* s, int64_t ld, int64_t ldk) {
   static_assert(NC == 1 || NC == 2 || NC == 4, "1, 2 or 4 columns");
@@ -263,7 +264,22 @@ ATTN_EXT_AVX2 inline void scores_cols(const float* qs, int64_t Dp, const kT* kb,
     const kT* k0 = kb + r0 * ldk;
 #pragma GCC unroll 4
     for (int g = 0; g < 8; g += 8 / NC)
-      scores_keys<kT, NC>(qs, Dp, k0 + g * ldk, ldk, s + r0 + g, ld);
+      scores_keys<kT, NC, DC>(qs, Dp, k0 + g * ldk, ldk, s + r0 + g, ld);
+  }
+}
+
+// scores() for one row length: DC = Dp known at compile time (0: Dp at run time).
+template <typename kT, int DC>
+ATTN_EXT_AVX2 inline void scores_dc(const float* qs, int64_t C, int64_t Dp, const kT* kb,
+                                    int64_t nk8, float* s, int64_t ld, int64_t ldk) {
+  int64_t c0 = 0;
+  if (sizeof(kT) == 2 && decode_quads())
+    for (; c0 + 4 <= C; c0 += 4) scores_cols<kT, 4, DC>(qs + c0 * Dp, Dp, kb, nk8, s + c0 * ld, ld, ldk);
+  for (int64_t c = c0; c < C; c += 2) {
+    if (C - c >= 2)
+      scores_cols<kT, 2, DC>(qs + c * Dp, Dp, kb, nk8, s + c * ld, ld, ldk);
+    else
+      scores_cols<kT, 1, DC>(qs + c * Dp, Dp, kb, nk8, s + c * ld, ld, ldk);
   }
 }
 
@@ -272,26 +288,25 @@ ATTN_EXT_AVX2 inline void scores_cols(const float* qs, int64_t Dp, const kT* kb,
 // forward is this kernel (decode_supported): it recomputes P = exp(s - lse) from the same bits.
 // kb: fp32 (a packed block) or the cache's own rows (kT = its dtype, ldk = its row stride,
 // read in place: widening bf16 / fp16 is exact, so the same products and the same bits).
+// Rows of 64 and 128 take instances with the length fixed at compile time (the same
+// operations in the same order: the same bits). Measured (RESULTS.md, seventh session;
+// alternated call by call through a temporary switch), with pv() likewise: GQA decode at
+// D = 128 +2.5-3 % (bf16) and +3.5-7 % (fp32) at 1 thread, +1.5-7 % / 0-5 % at 2; MHA
+// unchanged.
 template <typename kT = float>
 ATTN_EXT_AVX2 inline void scores(const float* qs, int64_t C, int64_t Dp, const kT* kb,
                                  int64_t nk8, float* s, int64_t ld, int64_t ldk = -1) {
   if (ldk < 0) ldk = Dp;
-  int64_t c0 = 0;
-  if (sizeof(kT) == 2 && decode_quads())
-    for (; c0 + 4 <= C; c0 += 4) scores_cols<kT, 4>(qs + c0 * Dp, Dp, kb, nk8, s + c0 * ld, ld, ldk);
-  for (int64_t c = c0; c < C; c += 2) {
-    if (C - c >= 2)
-      scores_cols<kT, 2>(qs + c * Dp, Dp, kb, nk8, s + c * ld, ld, ldk);
-    else
-      scores_cols<kT, 1>(qs + c * Dp, Dp, kb, nk8, s + c * ld, ld, ldk);
-  }
+  if (Dp == 128) return scores_dc<kT, 128>(qs, C, Dp, kb, nk8, s, ld, ldk);
+  if (Dp == 64) return scores_dc<kT, 64>(qs, C, Dp, kb, nk8, s, ld, ldk);
+  scores_dc<kT, 0>(qs, C, Dp, kb, nk8, s, ld, ldk);
 }
-
 // o (C, Dvp) += p (C, nk; ld) vb (nk, Dvp), for the keys r with use[r] (others skipped, so a
 // non-finite v of a hidden key never meets a 0 probability). vb: fp32 or the cache's rows.
-template <int NC, typename vT>
-ATTN_EXT_AVX2 inline void pv_cols(const float* p, int64_t ld, const vT* vb, int64_t Dvp,
+template <int NC, int DC, typename vT>
+ATTN_EXT_AVX2 inline void pv_cols(const float* p, int64_t ld, const vT* vb, int64_t Dvp_,
                                   const uint8_t* use, int64_t nk, float* o, int64_t ldv) {
+  const int64_t Dvp = DC ? DC : Dvp_;
   int64_t d = 0;
   if constexpr (NC <= 4) {
     // two 8-float chunks of d at once: 2 NC independent accumulation chains (FMA latency)
@@ -330,25 +345,36 @@ ATTN_EXT_AVX2 inline void pv_cols(const float* p, int64_t ld, const vT* vb, int6
   }
 }
 
+// pv() for one row length: DC = Dvp known at compile time (0: Dvp at run time).
+template <int DC, typename vT>
+ATTN_EXT_AVX2 inline void pv_dc(const float* p, int64_t ld, int64_t C, const vT* vb,
+                                int64_t Dvp, const uint8_t* use, int64_t nk, float* o,
+                                int64_t ldv) {
+  for (int64_t c0 = 0; c0 < C; c0 += 8) {
+    const float* pc = p + c0 * ld;
+    float* oc = o + c0 * Dvp;
+    switch (std::min<int64_t>(8, C - c0)) {
+      case 1: pv_cols<1, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      case 2: pv_cols<2, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      case 3: pv_cols<3, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      case 4: pv_cols<4, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      case 5: pv_cols<5, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      case 6: pv_cols<6, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      case 7: pv_cols<7, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      default: pv_cols<8, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+    }
+  }
+}
+
+// Rows of 64 and 128 take instances with the length fixed at compile time (same bits).
 template <typename vT = float>
 ATTN_EXT_AVX2 inline void pv(const float* p, int64_t ld, int64_t C, const vT* vb,
                              int64_t Dvp, const uint8_t* use, int64_t nk, float* o,
                              int64_t ldv = -1) {
   if (ldv < 0) ldv = Dvp;
-  for (int64_t c0 = 0; c0 < C; c0 += 8) {
-    const float* pc = p + c0 * ld;
-    float* oc = o + c0 * Dvp;
-    switch (std::min<int64_t>(8, C - c0)) {
-      case 1: pv_cols<1>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      case 2: pv_cols<2>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      case 3: pv_cols<3>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      case 4: pv_cols<4>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      case 5: pv_cols<5>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      case 6: pv_cols<6>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      case 7: pv_cols<7>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      default: pv_cols<8>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-    }
-  }
+  if (Dvp == 128) return pv_dc<128>(p, ld, C, vb, Dvp, use, nk, o, ldv);
+  if (Dvp == 64) return pv_dc<64>(p, ld, C, vb, Dvp, use, nk, o, ldv);
+  pv_dc<0>(p, ld, C, vb, Dvp, use, nk, o, ldv);
 }
 
 // Software prefetch of rows [r0, min(r1, kend)) of one kv head.
