@@ -170,6 +170,19 @@ def test_exp2_check_builds_and_passes(tmp_path):
     assert "special values:" in res.stdout and res.stdout.rstrip().endswith(": ok"), res.stdout
 
 
+def test_gemm_at_check_builds_and_passes(tmp_path):
+    """tools/gemm_at_check.cpp: the forward's fused pass 3 (gemm_at_avx2: o = alpha * o +
+    st^T v) gives the same bits as the rescale loop plus gemm_avx2 it replaced, on 400 random
+    shapes (misaligned B, the blocked K path, inf / NaN accumulators rescaled by 0)."""
+    exe = _build_tool(tmp_path, "gemm_at_check", "attention_microkernels_avx2.cpp",
+                      "cpu_features.cpp")
+    res = subprocess.run([str(exe), "400"], capture_output=True, text=True, timeout=120)
+    if res.returncode == 2:
+        pytest.skip("no AVX2 / FMA")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "400 cases, 0 with an output that differs in a bit" in res.stdout, res.stdout
+
+
 def test_bench_switch_ab_smoke():
     """benchmarks/bench_switch_ab.py (the ATTN_EXT_CPU_BWD_JOBS A/B RESULTS.md quotes) runs,
     checks the values' gradients bitwise equal, and prints a row per shape."""

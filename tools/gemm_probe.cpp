@@ -9,8 +9,9 @@
 // Prints GFLOP/s (best of `reps` timings, default 5) for
 //   pass  one gemm of a (query block, key tile) pair of 96 x 96 at D = 128, operands hot;
 //   fwd   the forward's tile pairs of one query block against NT key tiles (pass 1, online
-//         softmax and rescale, pass 3), NT = 2 (K / V hot) and NT = 43 (K / V of S = 4096 from
-//         L3), with and without the softmax; FLOPs of the two gemms counted;
+//         softmax, pass 3 with the rescale fused in: gemm_at_avx2), NT = 2 (K / V hot) and
+//         NT = 43 (K / V of S = 4096 from L3), with and without the softmax; FLOPs of the two
+//         gemms counted;
 //   bwd   the backward's five gemms of one query block against NT key tiles, dk / dv
 //         accumulated at a row stride of 8 heads x 128 (the in-place BSHD gradients), NT = 2
 //         and 43, and at NT = 43 with the dk / dv tiles or the K / V tiles held hot.
@@ -22,12 +23,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <new>
 #include <vector>
 
 #include "cpu/attention_microkernels.h"
 
 namespace {
 
+using attn_ext::mk::gemm_at_avx2;
 using attn_ext::mk::gemm_avx2;
 using attn_ext::mk::softmax_avx2;
 
@@ -46,8 +49,25 @@ double best_gflops(int reps, double flops, const std::function<void()>& f) {
   return best;
 }
 
-std::vector<float> filled(int64_t n, float scale) {
-  std::vector<float> v(static_cast<size_t>(n));
+// 64-byte aligned storage, as the kernels' scratch (AlignedVec) and torch's CPU tensors are: a
+// std::vector of 2 MiB comes from mmap 16 bytes past a line boundary, and then every 16-float
+// row of a B panel spans two cache lines (split loads cost the 96-key gemms about 10 % of their
+// rate: the sixth session's probe numbers carry that, RESULTS.md seventh session).
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const Aligned64&) const { return true; }
+  bool operator!=(const Aligned64&) const { return false; }
+};
+using Buf = std::vector<float, Aligned64<float>>;
+
+Buf filled(int64_t n, float scale) {
+  Buf v(static_cast<size_t>(n));
   for (auto& x : v) x = scale * static_cast<float>(std::rand() % 100);
   return v;
 }
@@ -97,13 +117,10 @@ int main(int argc, char** argv) {
           std::fill(o.begin(), o.end(), 0.f);
           for (int64_t t = 0; t < NT; ++t) {
             gemm_avx2(KB, Q, D, K.data() + t * KB * D, D, 1, qt.data(), Q, st.data(), Q, false);
-            if (softmax) {
-              softmax_avx2(st.data(), KB, Q, m.data(), l.data(), alpha.data());
-              for (int64_t c = 0; c < Q; ++c)
-                if (alpha[c] != 1.f)
-                  for (int64_t d = 0; d < D; ++d) o[c * D + d] *= alpha[c];
-            }
-            gemm_avx2(Q, D, KB, st.data(), 1, Q, V.data() + t * KB * D, D, o.data(), D, true);
+            if (softmax) softmax_avx2(st.data(), KB, Q, m.data(), l.data(), alpha.data());
+            // pass 3 as the forward's full tiles run it: the rescale of o fused in
+            gemm_at_avx2(Q, D, KB, st.data(), Q, V.data() + t * KB * D, D, o.data(), D,
+                         softmax ? alpha.data() : nullptr);
           }
         }
       });

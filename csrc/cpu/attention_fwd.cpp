@@ -261,7 +261,17 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
                    s.words.data(),
                    thresh, inv_keep);
     }
-    // pass 3: o = alpha * o + st^T vb
+    // pass 3: o = alpha * o + st^T vb. One gemm covers every column unless the tile is
+    // partial and either v holds a non-finite value (then a hidden key's must not meet a 0
+    // probability) or the tile is one head's band (then each 6 columns take their keys).
+    const bool v_finite = !partial || all_finite(vt, nk, Dv, ldv);
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (K.gemm == &mk::gemm_avx2 && v_finite && (!partial || !one_head)) {
+        // the rescale fused into the gemm's load of o: the same bits as the pass below
+        mk::gemm_at_avx2(cols, Dvp, nk, s.st.data(), C, vt, ldv, s.o.data(), Dvp, s.alpha.data());
+        continue;
+      }
+    }
     for (int64_t c = 0; c < cols; ++c) {
       const acc_t a = s.alpha[c];
       if (a != acc_t(1)) {
@@ -271,7 +281,7 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     }
     if (!partial) {
       K.gemm(cols, Dvp, nk, s.st.data(), 1, C, vt, ldv, s.o.data(), Dvp, true);
-    } else if (!all_finite(vt, nk, Dv, ldv)) {
+    } else if (!v_finite) {
       // A non-finite value in a hidden key's v must not reach the rows that cannot see it
       // (0 * inf): sum over each column's visible keys only.
       for (int64_t c = 0; c < cols; ++c) {

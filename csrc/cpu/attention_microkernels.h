@@ -140,6 +140,11 @@ void bias_rows_generic(T* st, int64_t rows, int64_t n, int64_t ld, int64_t d0, T
 bool cpu_has_avx2_fma();  // AVX2 + FMA + F16C and not ATTN_EXT_CPU_SIMD=0 (cpu::simd_enabled)
 void gemm_avx2(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_row, int64_t a_col,
                const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate);
+// The forward's pass 3, o = alpha * o + st^T v: C (M, N; ldc) = C * scale[m] (row-wise; scale
+// may be nullptr) + A' (M, K) B (K, N; ldb) with A'(m, t) = A[m + t * a_col]. The same bits as
+// `C[m][:] *= scale[m]` followed by gemm_avx2(M, N, K, A, 1, a_col, B, ldb, C, ldc, true).
+void gemm_at_avx2(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_col, const float* B,
+                  int64_t ldb, float* C, int64_t ldc, const float* scale);
 void softmax_avx2(float* st, int64_t rows, int64_t cols, float* m, float* l, float* alpha);
 void exp_sub_avx2(float* st, int64_t rows, int64_t cols, const float* sub);
 void ds_avx2(const float* p, float* ds, int64_t rows, int64_t cols, const float* d);

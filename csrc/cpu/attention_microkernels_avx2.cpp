@@ -8,6 +8,7 @@
 #include "cpu/attention_microkernels.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include "cpu/cpu_features.h"
 #include "cpu/simd.h"
@@ -105,6 +106,66 @@ ATTN_AVX2 inline void gemm_cols(int64_t M, int64_t K, const float* A, int64_t a_
   }
 }
 
+// Tile of gemm_at_avx2 (the forward's pass 3): gemm_tile's one-chain path for A = a transposed
+// view with a_row == 1 known at compile time, so the MR broadcasts of step t read
+// A[t * a_col + 0 .. MR - 1] at fixed offsets from one pointer (no per-row address arithmetic in
+// the K loop), and C's rows first scaled by scale[r] in registers when scale != nullptr (the
+// online softmax's rescale of o: one multiply, the rounding of a separate `o *= alpha` pass).
+// Then one FMA chain per output started from C, as gemm_tile with accumulate and K <= 96.
+template <int MR, int NV>
+ATTN_AVX2 inline void gemm_at_tile(int64_t K, const float* A, int64_t a_col, const float* B,
+                                   int64_t ldb, float* C, int64_t ldc, const float* scale) {
+  __m256 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const __m256 sr = scale != nullptr ? _mm256_broadcast_ss(scale + r) : _mm256_setzero_ps();
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      const __m256 c = _mm256_loadu_ps(C + r * ldc + 8 * v);
+      acc[r][v] = scale != nullptr ? _mm256_mul_ps(c, sr) : c;
+    }
+  }
+  for (int64_t t = 0; t < K; ++t) {
+    __m256 b[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) b[v] = _mm256_loadu_ps(B + t * ldb + 8 * v);
+    const float* a = A + t * a_col;
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 ar = _mm256_broadcast_ss(a + r);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(ar, b[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(C + r * ldc + 8 * v, acc[r][v]);
+  }
+}
+
+template <int NV>
+ATTN_AVX2 inline void gemm_at_cols(int64_t M, int64_t K, const float* A, int64_t a_col,
+                                   const float* B, int64_t ldb, float* C, int64_t ldc,
+                                   const float* scale) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) {
+    gemm_at_tile<6, NV>(K, A + m, a_col, B, ldb, C + m * ldc, ldc,
+                        scale != nullptr ? scale + m : nullptr);
+  }
+  const float* a = A + m;
+  float* c = C + m * ldc;
+  const float* sc = scale != nullptr ? scale + m : nullptr;
+  switch (M - m) {
+    case 5: gemm_at_tile<5, NV>(K, a, a_col, B, ldb, c, ldc, sc); break;
+    case 4: gemm_at_tile<4, NV>(K, a, a_col, B, ldb, c, ldc, sc); break;
+    case 3: gemm_at_tile<3, NV>(K, a, a_col, B, ldb, c, ldc, sc); break;
+    case 2: gemm_at_tile<2, NV>(K, a, a_col, B, ldb, c, ldc, sc); break;
+    case 1: gemm_at_tile<1, NV>(K, a, a_col, B, ldb, c, ldc, sc); break;
+    default: break;
+  }
+}
+
 }  // namespace
 
 ATTN_AVX2 void gemm_avx2(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_row,
@@ -114,6 +175,44 @@ ATTN_AVX2 void gemm_avx2(int64_t M, int64_t N, int64_t K, const float* A, int64_
   int64_t n = 0;
   for (; n + 16 <= N; n += 16) gemm_cols<2>(M, K, A, a_row, a_col, B + n, ldb, C + n, ldc, accumulate);
   if (n < N) gemm_cols<1>(M, K, A, a_row, a_col, B + n, ldb, C + n, ldc, accumulate);
+}
+
+// The forward's pass 3 with the online softmax's rescale of o fused in: semantics in
+// attention_microkernels.h. Measured (RESULTS.md, seventh session; one-thread probe, 64-byte
+// aligned operands): the forward's pass 3 (M = 96 columns, N = 128, K = 96 keys) 113 against
+// 111 GFLOP/s for gemm_avx2 after a separate rescale pass; the tile pair with the softmax
+// +1-4 %. B rows that are not all 64-byte aligned (a v view at an odd offset) are copied panel
+// by panel into an aligned buffer first: a 16-float row across two cache lines costs the
+// gemm about 10 % of its rate. The sums are the same either way.
+ATTN_AVX2 void gemm_at_avx2(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_col,
+                            const float* B, int64_t ldb, float* C, int64_t ldc,
+                            const float* scale) {
+  if (K > kGemmKSplit) {  // blocked chains: the rescale first, then gemm_avx2 (its bits)
+    if (scale != nullptr) {
+      for (int64_t m = 0; m < M; ++m) {
+        const __m256 sm = _mm256_broadcast_ss(scale + m);
+        for (int64_t n = 0; n < N; n += 8)
+          _mm256_storeu_ps(C + m * ldc + n, _mm256_mul_ps(_mm256_loadu_ps(C + m * ldc + n), sm));
+      }
+    }
+    gemm_avx2(M, N, K, A, 1, a_col, B, ldb, C, ldc, true);
+    return;
+  }
+  const bool pack = (reinterpret_cast<uintptr_t>(B) | static_cast<uintptr_t>(ldb * 4)) % 64 != 0;
+  alignas(64) float panel[kGemmKSplit * 16];
+  int64_t n = 0;
+  for (; n + 16 <= N; n += 16) {
+    if (pack) {
+      for (int64_t t = 0; t < K; ++t) {
+        _mm256_store_ps(panel + 16 * t, _mm256_loadu_ps(B + t * ldb + n));
+        _mm256_store_ps(panel + 16 * t + 8, _mm256_loadu_ps(B + t * ldb + n + 8));
+      }
+      gemm_at_cols<2>(M, K, A, a_col, panel, 16, C + n, ldc, scale);
+    } else {
+      gemm_at_cols<2>(M, K, A, a_col, B + n, ldb, C + n, ldc, scale);
+    }
+  }
+  if (n < N) gemm_at_cols<1>(M, K, A, a_col, B + n, ldb, C + n, ldc, scale);
 }
 
 ATTN_AVX2 void softmax_avx2(float* st, int64_t rows, int64_t cols, float* m, float* l,
@@ -281,6 +380,8 @@ ATTN_AVX2 void half_to_float_avx2(const uint16_t* src, int64_t n, float* dst) {
 bool cpu_has_avx2_fma() { return false; }
 void gemm_avx2(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const float*, int64_t,
                float*, int64_t, bool) {}
+void gemm_at_avx2(int64_t, int64_t, int64_t, const float*, int64_t, const float*, int64_t, float*,
+                  int64_t, const float*) {}
 void softmax_avx2(float*, int64_t, int64_t, float*, float*, float*) {}
 void exp_sub_avx2(float*, int64_t, int64_t, const float*) {}
 void ds_avx2(const float*, float*, int64_t, int64_t, const float*) {}

@@ -1,0 +1,74 @@
+// Bit check of mk::gemm_at_avx2 (csrc/cpu/attention_microkernels_avx2.cpp), the forward's pass 3
+// with the online softmax's rescale fused in, against what it replaces: `C[m][:] *= scale[m]`
+// (skipped where scale[m] == 1, as attention_fwd.cpp's loop does) followed by
+// gemm_avx2(M, N, K, A, 1, a_col, B, ldb, C, ldc, true).
+//
+//   g++ -O2 -std=c++20 -I csrc -I "$(python -c 'import torch, os; print(os.path.dirname(torch.__file__))')/include" \
+//       tools/gemm_at_check.cpp csrc/cpu/attention_microkernels_avx2.cpp csrc/cpu/cpu_features.cpp -o gemm_at_check
+//   ./gemm_at_check [cases]
+//
+// Random shapes (M 1-100, N 8-144 in steps of 8, K 1-130: one chain and the blocked path past
+// K = 96), strides with slack, B at 0-48 bytes past a 64-byte boundary (the packed-panel
+// fallback), scale on or off with some rows at exactly 1, and some cases with inf / NaN in C
+// and a scale of 0. Exits 1 on any output that differs in a bit, 2 without AVX2 / FMA.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <random>
+#include <vector>
+
+#include "cpu/attention_microkernels.h"
+
+int main(int argc, char** argv) {
+  using namespace attn_ext::mk;
+  if (!cpu_has_avx2_fma()) {
+    std::printf("nothing to check: no AVX2 / FMA\n");
+    return 2;
+  }
+  const int cases = argc > 1 ? std::atoi(argv[1]) : 3000;
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  int differ = 0;
+  for (int i = 0; i < cases; ++i) {
+    const int64_t M = 1 + gen() % 100, N = 8 * (1 + gen() % 18), K = 1 + gen() % 130;
+    const int64_t a_col = M + gen() % 5, ldb = N + 4 * (gen() % 5), ldc = N + 8 * (gen() % 2);
+    const int64_t b_off = 4 * (gen() % 4);  // floats past the 64-byte boundary: 0, 16, 32, 48 B
+    std::vector<float> A(static_cast<size_t>(K * a_col)), c0(static_cast<size_t>(M * ldc)),
+        scale(static_cast<size_t>(M));
+    for (float& x : A) x = uni(gen);
+    for (float& x : c0) x = 10.f * uni(gen);
+    for (float& x : scale) x = gen() % 3 == 0 ? 1.f : std::fabs(uni(gen));
+    if (i % 10 == 0) {  // non-finite accumulators meeting a rescale by 0 (and by 1)
+      c0[0] = INFINITY;
+      c0[static_cast<size_t>(M * ldc) / 2] = NAN;
+      scale[0] = 0.f;
+    }
+    const size_t nb = static_cast<size_t>(K * ldb + b_off);
+    float* bbuf = static_cast<float*>(::operator new(nb * sizeof(float), std::align_val_t(64)));
+    for (size_t j = 0; j < nb; ++j) bbuf[j] = uni(gen);
+    const float* B = bbuf + b_off;
+    const bool use_scale = gen() % 2 == 0;
+    std::vector<float> ref = c0, got = c0;
+    if (use_scale) {
+      for (int64_t m = 0; m < M; ++m)
+        if (scale[m] != 1.f)
+          for (int64_t n = 0; n < N; ++n) ref[m * ldc + n] *= scale[m];
+    }
+    gemm_avx2(M, N, K, A.data(), 1, a_col, B, ldb, ref.data(), ldc, true);
+    gemm_at_avx2(M, N, K, A.data(), a_col, B, ldb, got.data(), ldc, use_scale ? scale.data() : nullptr);
+    if (std::memcmp(ref.data(), got.data(), ref.size() * sizeof(float)) != 0) {
+      if (++differ <= 5) {
+        std::printf("differs: M %ld N %ld K %ld a_col %ld ldb %ld ldc %ld B +%ld B scale %d\n",
+                    static_cast<long>(M), static_cast<long>(N), static_cast<long>(K),
+                    static_cast<long>(a_col), static_cast<long>(ldb), static_cast<long>(ldc),
+                    static_cast<long>(4 * b_off), use_scale ? 1 : 0);
+      }
+    }
+    ::operator delete(bbuf, std::align_val_t(64));
+  }
+  std::printf("%d cases, %d with an output that differs in a bit\n", cases, differ);
+  return differ == 0 ? 0 : 1;
+}
