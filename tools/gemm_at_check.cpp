@@ -7,10 +7,11 @@
 //       tools/gemm_at_check.cpp csrc/cpu/attention_microkernels_avx2.cpp csrc/cpu/cpu_features.cpp -o gemm_at_check
 //   ./gemm_at_check [cases]
 //
-// Random shapes (M 1-100, N 8-144 in steps of 8, K 1-130: one chain and the blocked path past
+// Random shapes (M 1-100, N 8-144 in steps of 8, K 0-130: one chain and the blocked path past
 // K = 96), strides with slack, B at 0-48 bytes past a 64-byte boundary (the packed-panel
-// fallback), scale on or off with some rows at exactly 1, and some cases with inf / NaN in C
-// and a scale of 0. Exits 1 on any output that differs in a bit, 2 without AVX2 / FMA.
+// fallback), scale on or off with some rows at exactly 1, some cases with inf / NaN in C and a
+// scale of 0, and some with scales of -0, inf, NaN and a denormal. Exits 1 on any output that differs in a bit, 2 without AVX2 / FMA.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -33,10 +34,10 @@ int main(int argc, char** argv) {
   std::uniform_real_distribution<float> uni(-1.f, 1.f);
   int differ = 0;
   for (int i = 0; i < cases; ++i) {
-    const int64_t M = 1 + gen() % 100, N = 8 * (1 + gen() % 18), K = 1 + gen() % 130;
+    const int64_t M = 1 + gen() % 100, N = 8 * (1 + gen() % 18), K = gen() % 131;
     const int64_t a_col = M + gen() % 5, ldb = N + 4 * (gen() % 5), ldc = N + 8 * (gen() % 2);
     const int64_t b_off = 4 * (gen() % 4);  // floats past the 64-byte boundary: 0, 16, 32, 48 B
-    std::vector<float> A(static_cast<size_t>(K * a_col)), c0(static_cast<size_t>(M * ldc)),
+    std::vector<float> A(static_cast<size_t>(std::max<int64_t>(K, 1) * a_col)), c0(static_cast<size_t>(M * ldc)),
         scale(static_cast<size_t>(M));
     for (float& x : A) x = uni(gen);
     for (float& x : c0) x = 10.f * uni(gen);
@@ -46,7 +47,11 @@ int main(int argc, char** argv) {
       c0[static_cast<size_t>(M * ldc) / 2] = NAN;
       scale[0] = 0.f;
     }
-    const size_t nb = static_cast<size_t>(K * ldb + b_off);
+    if (i % 10 == 5) {  // special scales: -0, inf, NaN, a denormal
+      const float special[4] = {-0.f, INFINITY, NAN, 1e-40f};
+      for (int64_t m = 0; m < M; m += 3) scale[m] = special[(m / 3) % 4];
+    }
+    const size_t nb = static_cast<size_t>(std::max<int64_t>(K, 1) * ldb + b_off);
     float* bbuf = static_cast<float*>(::operator new(nb * sizeof(float), std::align_val_t(64)));
     for (size_t j = 0; j < nb; ++j) bbuf[j] = uni(gen);
     const float* B = bbuf + b_off;

@@ -26,6 +26,7 @@
 #include <new>
 #include <vector>
 
+#include "cpu/aligned_vec.h"
 #include "cpu/attention_microkernels.h"
 
 namespace {
@@ -49,22 +50,11 @@ double best_gflops(int reps, double flops, const std::function<void()>& f) {
   return best;
 }
 
-// 64-byte aligned storage, as the kernels' scratch (AlignedVec) and torch's CPU tensors are: a
-// std::vector of 2 MiB comes from mmap 16 bytes past a line boundary, and then every 16-float
-// row of a B panel spans two cache lines (split loads cost the 96-key gemms about 10 % of their
-// rate: the sixth session's probe numbers carry that, RESULTS.md seventh session).
-template <typename T>
-struct Aligned64 {
-  using value_type = T;
-  Aligned64() = default;
-  template <typename U>
-  Aligned64(const Aligned64<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
-  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
-  bool operator==(const Aligned64&) const { return true; }
-  bool operator!=(const Aligned64&) const { return false; }
-};
-using Buf = std::vector<float, Aligned64<float>>;
+// 64-byte aligned storage, as the kernels' scratch and torch's CPU tensors are: a std::vector of
+// 2 MiB comes from mmap 16 bytes past a line boundary, and then every 16-float row of a B panel
+// spans two cache lines (split loads cost the 96-key gemms about 10 % of their rate: the sixth
+// session's probe numbers carry that, RESULTS.md seventh session).
+using Buf = attn_ext::cpu_attn::AlignedVec<float>;
 
 Buf filled(int64_t n, float scale) {
   Buf v(static_cast<size_t>(n));

@@ -17,6 +17,7 @@
 
 #include "common/attention_mask.h"
 #include "common/dropout_rng.h"
+#include "cpu/aligned_vec.h"
 #include "cpu/attention_microkernels.h"
 
 namespace attn_ext {
@@ -35,29 +36,7 @@ constexpr double kLn2 = 0.69314718055994530942;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Allocator of cache-line (64-byte) aligned scratch: tile rows are multiples of 16 floats, so
-// with an aligned base no 32-byte vector load or store of a tile straddles two cache lines.
-template <typename T>
-struct CacheLineAllocator {
-  using value_type = T;
-  CacheLineAllocator() = default;
-  template <typename U>
-  CacheLineAllocator(const CacheLineAllocator<U>&) {}
-  T* allocate(size_t n) {
-    const size_t bytes = std::max<size_t>(64, (n * sizeof(T) + 63) / 64 * 64);
-    void* ptr = std::aligned_alloc(64, bytes);
-    if (ptr == nullptr) throw std::bad_alloc();
-    return static_cast<T*>(ptr);
-  }
-  void deallocate(T* ptr, size_t) { std::free(ptr); }
-  template <typename U>
-  bool operator==(const CacheLineAllocator<U>&) const { return true; }
-  template <typename U>
-  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
-};
-
-template <typename T>
-using AlignedVec = std::vector<T, CacheLineAllocator<T>>;
+// AlignedVec (64-byte aligned scratch): cpu/aligned_vec.h
 inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
 // Whether a tile's rows (row_stride elements apart, cols used) may be read in place by the

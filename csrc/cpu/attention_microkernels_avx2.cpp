@@ -43,6 +43,23 @@ using cpu::exp2_ps;  // csrc/cpu/simd.h
 constexpr int64_t kGemmKBlock = 64;
 constexpr int64_t kGemmKSplit = 96;
 
+// One step t of a register tile: acc[r][v] += A(r, t) * B(t, 8 v .. 8 v + 7), where a points
+// at A(0, t) and A(r, t) = a[r * a_row] (broadcast), b at B's row t. Shared by gemm_tile and
+// gemm_at_tile (a_row = 1 there: the six broadcasts at fixed offsets from one pointer).
+template <int MR, int NV>
+ATTN_AVX2 inline void tile_step(const float* a, int64_t a_row, const float* b,
+                                __m256 (&acc)[MR][NV]) {
+  __m256 bv[NV];
+#pragma GCC unroll 2
+  for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_ps(b + 8 * v);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const __m256 ar = _mm256_broadcast_ss(a + r * a_row);
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(ar, bv[v], acc[r][v]);
+  }
+}
+
 template <int MR, int NV>
 ATTN_AVX2 inline void gemm_tile(int64_t K, const float* A, int64_t a_row, int64_t a_col,
                                 const float* B, int64_t ldb, float* C, int64_t ldc,
@@ -63,18 +80,7 @@ ATTN_AVX2 inline void gemm_tile(int64_t K, const float* A, int64_t a_row, int64_
         acc[r][v] = one_chain && accumulate ? _mm256_loadu_ps(C + r * ldc + 8 * v) : _mm256_setzero_ps();
       }
     }
-    for (int64_t t = t0; t < t1; ++t) {
-      __m256 b[NV];
-#pragma GCC unroll 2
-      for (int v = 0; v < NV; ++v) b[v] = _mm256_loadu_ps(B + t * ldb + 8 * v);
-      const float* a = A + t * a_col;
-#pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        const __m256 ar = _mm256_broadcast_ss(a + r * a_row);
-#pragma GCC unroll 2
-        for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(ar, b[v], acc[r][v]);
-      }
-    }
+    for (int64_t t = t0; t < t1; ++t) tile_step<MR, NV>(A + t * a_col, a_row, B + t * ldb, acc);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 2
@@ -125,18 +131,7 @@ ATTN_AVX2 inline void gemm_at_tile(int64_t K, const float* A, int64_t a_col, con
       acc[r][v] = scale != nullptr ? _mm256_mul_ps(c, sr) : c;
     }
   }
-  for (int64_t t = 0; t < K; ++t) {
-    __m256 b[NV];
-#pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) b[v] = _mm256_loadu_ps(B + t * ldb + 8 * v);
-    const float* a = A + t * a_col;
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const __m256 ar = _mm256_broadcast_ss(a + r);
-#pragma GCC unroll 2
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(ar, b[v], acc[r][v]);
-    }
-  }
+  for (int64_t t = 0; t < K; ++t) tile_step<MR, NV>(A + t * a_col, 1, B + t * ldb, acc);
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 2

@@ -101,7 +101,7 @@ struct Avx2IO<c10::BFloat16> {
 // degree-6 polynomial, 2^n through the exponent bits. The polynomial is a minimax fit of 2^f
 // on [-1/2, 1/2] in relative error, with p(0) = 1 exactly (so the key of a row's maximum gets
 // exactly 1): 2.0e-9 in exact arithmetic, under 1 ulp in fp32 (checked against exp2 in
-// double on 3.2e7 points of [-126, 0]: 0.95 ulp at most; the degree-7 Taylor polynomial it
+// double on 3.2e7 points of [-126, 127]: 0.95 ulp at most; the degree-7 Taylor polynomial it
 // replaced was 0.87 ulp with one more FMA; tools/exp2_check.cpp). x is clamped to [-127, 127]
 // first: n = -127 gives the exponent field 0, i.e. exactly 0 for x < -126.5 (-inf included)
 // with no compare and mask, and denormal values on [-126.5, -126) (round to even: n(-126.5)
