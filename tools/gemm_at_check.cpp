@@ -17,10 +17,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <new>
 #include <random>
 #include <vector>
 
+#include "cpu/aligned_vec.h"
 #include "cpu/attention_microkernels.h"
 
 int main(int argc, char** argv) {
@@ -51,10 +51,9 @@ int main(int argc, char** argv) {
       const float special[4] = {-0.f, INFINITY, NAN, 1e-40f};
       for (int64_t m = 0; m < M; m += 3) scale[m] = special[(m / 3) % 4];
     }
-    const size_t nb = static_cast<size_t>(std::max<int64_t>(K, 1) * ldb + b_off);
-    float* bbuf = static_cast<float*>(::operator new(nb * sizeof(float), std::align_val_t(64)));
-    for (size_t j = 0; j < nb; ++j) bbuf[j] = uni(gen);
-    const float* B = bbuf + b_off;
+    attn_ext::cpu_attn::AlignedVec<float> bbuf(static_cast<size_t>(std::max<int64_t>(K, 1) * ldb + b_off));
+    for (float& x : bbuf) x = uni(gen);
+    const float* B = bbuf.data() + b_off;
     const bool use_scale = gen() % 2 == 0;
     std::vector<float> ref = c0, got = c0;
     if (use_scale) {
@@ -72,7 +71,6 @@ int main(int argc, char** argv) {
                     static_cast<long>(4 * b_off), use_scale ? 1 : 0);
       }
     }
-    ::operator delete(bbuf, std::align_val_t(64));
   }
   std::printf("%d cases, %d with an output that differs in a bit\n", cases, differ);
   return differ == 0 ? 0 : 1;

@@ -18,9 +18,9 @@
 //               order; the next 8 keys of the kv heads prefetched in parts, head by head,
 //               as the current 8 are computed (prefetch_next_group); 4 keys x 2 columns
 //               register tiles (bf16 / fp16: 2 keys x 4 columns where 4 columns are left;
-//               8 keys x 1 column for a last odd column), bf16 / fp16 widened in registers, bf16 16 elements at a time
-//               in the decode order (decode_pos); the backward takes its scores from the same
-//               function)
+//               8 keys x 1 column for a last odd column), bf16 / fp16 widened in registers,
+//               bf16 16 elements at a time in the decode order (decode_pos); the backward
+//               takes its scores from the same function)
 //       softmax online per (kv head, column): m, l, o rescale
 //       PV      o += p vb, 8 keys at a time across all kv heads (V in memory order)
 //     otherwise: pack kb (Hkv, nb, Dp), vb (Hkv, nb, Dvp) fp32 in the decode order, row by
@@ -34,7 +34,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -129,17 +128,22 @@ inline void to_decode_order(const float* src, int64_t n, float* dst) {
 namespace decode_detail {
 
 // ATTN_EXT_CPU_DECODE_QUADS=0: score 4+ columns of bf16 / fp16 rows by pairs (NC = 2) as before
-// the seventh session, for benchmarks comparing both (the bits are the same). Read at every decode call (so an A/B
-// can alternate it call by call) into this process-wide flag.
-inline std::atomic<bool>& decode_quads_flag() {
-  static std::atomic<bool> on{true};
-  return on;
-}
-inline void read_decode_quads_env() {
+// the seventh session, for benchmarks comparing both (the bits are the same). Read on every
+// decode call, so that an A/B can alternate it call by call (bench_switch_ab.py).
+inline bool decode_quads_enabled() {
   const char* env = std::getenv("ATTN_EXT_CPU_DECODE_QUADS");
-  decode_quads_flag().store(!(env != nullptr && std::strcmp(env, "0") == 0), std::memory_order_relaxed);
+  return !(env != nullptr && std::strcmp(env, "0") == 0);
 }
-inline bool decode_quads() { return decode_quads_flag().load(std::memory_order_relaxed); }
+
+// f(std::integral_constant<int, n>{}) for the row lengths n that have instances fixed at
+// compile time (64, 128), else f(std::integral_constant<int, 0>{}) (the length at run time):
+// the one list scores() and pv() dispatch on.
+template <typename F>
+ATTN_EXT_AVX2 inline void with_fixed_length(int64_t n, F&& f) {
+  if (n == 128) return f(std::integral_constant<int, 128>{});
+  if (n == 64) return f(std::integral_constant<int, 64>{});
+  f(std::integral_constant<int, 0>{});
+}
 
 // Sum of each of 8 vectors -> one vector [sum(a0), ..., sum(a7)].
 ATTN_EXT_AVX2 inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
@@ -271,9 +275,9 @@ ATTN_EXT_AVX2 inline void scores_cols(const float* qs, int64_t Dp, const kT* kb,
 // scores() for one row length: DC = Dp known at compile time (0: Dp at run time).
 template <typename kT, int DC>
 ATTN_EXT_AVX2 inline void scores_dc(const float* qs, int64_t C, int64_t Dp, const kT* kb,
-                                    int64_t nk8, float* s, int64_t ld, int64_t ldk) {
+                                    int64_t nk8, float* s, int64_t ld, int64_t ldk, bool quads) {
   int64_t c0 = 0;
-  if (sizeof(kT) == 2 && decode_quads())
+  if (sizeof(kT) == 2 && quads)
     for (; c0 + 4 <= C; c0 += 4) scores_cols<kT, 4, DC>(qs + c0 * Dp, Dp, kb, nk8, s + c0 * ld, ld, ldk);
   for (int64_t c = c0; c < C; c += 2) {
     if (C - c >= 2)
@@ -288,18 +292,20 @@ ATTN_EXT_AVX2 inline void scores_dc(const float* qs, int64_t C, int64_t Dp, cons
 // forward is this kernel (decode_supported): it recomputes P = exp(s - lse) from the same bits.
 // kb: fp32 (a packed block) or the cache's own rows (kT = its dtype, ldk = its row stride,
 // read in place: widening bf16 / fp16 is exact, so the same products and the same bits).
-// Rows of 64 and 128 take instances with the length fixed at compile time (the same
-// operations in the same order: the same bits). Measured (RESULTS.md, seventh session;
-// alternated call by call through a temporary switch), with pv() likewise: GQA decode at
-// D = 128 +2.5-3 % (bf16) and +3.5-7 % (fp32) at 1 thread, +1.5-7 % / 0-5 % at 2; MHA
+// quads: 4-column tiles for 2-byte rows (decode_quads_enabled; the same bits either way).
+// Rows of 64 and 128 take instances with the length fixed at compile time (with_fixed_length;
+// the same operations in the same order: the same bits). Measured (RESULTS.md, seventh
+// session; alternated call by call through a temporary switch), with pv() likewise: GQA decode
+// at D = 128 +2.5-3 % (bf16) and +3.5-7 % (fp32) at 1 thread, +1.5-7 % / 0-5 % at 2; MHA
 // unchanged.
 template <typename kT = float>
 ATTN_EXT_AVX2 inline void scores(const float* qs, int64_t C, int64_t Dp, const kT* kb,
-                                 int64_t nk8, float* s, int64_t ld, int64_t ldk = -1) {
+                                 int64_t nk8, float* s, int64_t ld, int64_t ldk = -1,
+                                 bool quads = false) {
   if (ldk < 0) ldk = Dp;
-  if (Dp == 128) return scores_dc<kT, 128>(qs, C, Dp, kb, nk8, s, ld, ldk);
-  if (Dp == 64) return scores_dc<kT, 64>(qs, C, Dp, kb, nk8, s, ld, ldk);
-  scores_dc<kT, 0>(qs, C, Dp, kb, nk8, s, ld, ldk);
+  with_fixed_length(Dp, [&](auto dc) ATTN_EXT_AVX2 {
+    scores_dc<kT, decltype(dc)::value>(qs, C, Dp, kb, nk8, s, ld, ldk, quads);
+  });
 }
 // o (C, Dvp) += p (C, nk; ld) vb (nk, Dvp), for the keys r with use[r] (others skipped, so a
 // non-finite v of a hidden key never meets a 0 probability). vb: fp32 or the cache's rows.
@@ -366,15 +372,16 @@ ATTN_EXT_AVX2 inline void pv_dc(const float* p, int64_t ld, int64_t C, const vT*
   }
 }
 
-// Rows of 64 and 128 take instances with the length fixed at compile time (same bits).
+// Rows of 64 and 128 take instances with the length fixed at compile time (with_fixed_length;
+// same bits).
 template <typename vT = float>
 ATTN_EXT_AVX2 inline void pv(const float* p, int64_t ld, int64_t C, const vT* vb,
                              int64_t Dvp, const uint8_t* use, int64_t nk, float* o,
                              int64_t ldv = -1) {
   if (ldv < 0) ldv = Dvp;
-  if (Dvp == 128) return pv_dc<128>(p, ld, C, vb, Dvp, use, nk, o, ldv);
-  if (Dvp == 64) return pv_dc<64>(p, ld, C, vb, Dvp, use, nk, o, ldv);
-  pv_dc<0>(p, ld, C, vb, Dvp, use, nk, o, ldv);
+  with_fixed_length(Dvp, [&](auto dc) ATTN_EXT_AVX2 {
+    pv_dc<decltype(dc)::value>(p, ld, C, vb, Dvp, use, nk, o, ldv);
+  });
 }
 
 // Software prefetch of rows [r0, min(r1, kend)) of one kv head.
@@ -516,7 +523,7 @@ void attention_decode_kernel(const AttentionParams& p) {
   const int64_t Hkv = p.Hkv;
   // K / V read in place (whole 8-element vectors per row; bf16 / fp16 widened in registers)
   const bool kInPlace = p.D == Dp && p.Dv == Dvp && decode_in_place_enabled();
-  read_decode_quads_env();
+  const bool quads = decode_quads_enabled();
 
   // Keys some row of sequence b sees by the band (the same for every kv head).
   auto seq_keys = [&](const SeqInfo& s) -> Range {
@@ -642,13 +649,13 @@ void attention_decode_kernel(const AttentionParams& p) {
       if (in_place) {
         // scores of every kv head first, 8 keys at a time across the heads: in a BSHD cache
         // that reads K in memory order (one pass, hardware prefetch streams in order), each
-        // row once per pair of columns
+        // row once per pair of columns (bf16 / fp16 with quads: once per 4 columns)
         for (int64_t r0 = 0; r0 < nk8; r0 += 8) {
           for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
             const scalar_t* kh = kseq + hkv * p.k_head_stride;
             prefetch_next_group(kseq, hkv, Hkv, j0 + r0, kend, p.k_row_stride, p.k_head_stride, p.D);
             scores(w.qs.data() + hkv * C * Dp, C, Dp, kh + (j0 + r0) * p.k_row_stride, 8,
-                   w.s.data() + hkv * s_head + r0, ks, p.k_row_stride);
+                   w.s.data() + hkv * s_head + r0, ks, p.k_row_stride, quads);
           }
         }
       }
