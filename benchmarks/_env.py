@@ -89,6 +89,31 @@ def machine() -> str:
     return f"{model}, {platform.system()} {platform.release()}"
 
 
+def cpu_isa() -> str:
+    """Which vector ISA each side of a CPU comparison runs: attn_ext's kernels (AVX2 + FMA +
+    F16C when the CPU has them and ATTN_EXT_CPU_SIMD=0 is not set, else the portable C++ path;
+    the same test as csrc/cpu/cpu_features.cpp) and torch's ATen kernels (SDPA's flash kernel
+    and the reductions of the roofs: ATEN_CPU_CAPABILITY may lower it), with the CPU's flags
+    that matter to either."""
+    import torch
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        flags = []
+    ours_ok = all(x in flags for x in ("avx2", "fma", "f16c"))
+    ours = ("AVX2+FMA+F16C" if ours_ok and os.environ.get("ATTN_EXT_CPU_SIMD") != "0"
+            else "portable C++ (no SIMD path)")
+    try:
+        aten = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        aten = "unknown"
+    shown = [x for x in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16") if x in flags]
+    return (f"attn_ext kernels {ours}; torch ATen {aten}; "
+            f"CPU flags {' '.join(shown) if shown else 'unknown'}")
+
+
 def load() -> str:
     try:
         return " ".join(f"{v:.2f}" for v in os.getloadavg())
@@ -107,6 +132,7 @@ def describe(device: str = "cpu") -> List[Tuple[str, str]]:
         ("threads", threads()),
         ("allocator", allocator_mode(device)),
         ("machine", machine()),
+        ("cpu isa", cpu_isa()),
     ]
     if device == "cuda" and torch.cuda.is_available():
         rows.append(("gpu", torch.cuda.get_device_name()))

@@ -75,6 +75,15 @@ def test_env_header_fields():
     assert info["threads"].startswith(f"{torch.get_num_threads()} intra-op")
     assert "malloc" in info["allocator"] or "preloaded" in info["allocator"]
     assert buf.getvalue().splitlines()[0] == f"# commit: {info['commit']}"
+    # which ISA each side of a CPU comparison runs (ours: AVX2 or portable; torch's ATen level)
+    assert info["cpu isa"].startswith("attn_ext kernels "), info["cpu isa"]
+    assert f"torch ATen {torch.backends.cpu.get_cpu_capability()}" in info["cpu isa"]
+
+
+def test_env_cpu_isa_follows_the_simd_switch(monkeypatch):
+    env = _load("_env.py")
+    monkeypatch.setenv("ATTN_EXT_CPU_SIMD", "0")
+    assert env.cpu_isa().startswith("attn_ext kernels portable C++")
 
 
 def test_env_allocator_mode_reports_the_knobs(monkeypatch):
@@ -152,6 +161,22 @@ def test_gemm_probe_builds_and_measures(tmp_path):
     assert all(r > 0 for r in rates), out
     for section in ("pass ", "fwd ", "bwd "):
         assert section in out
+
+
+def test_isa_probe_builds_and_checks_its_arithmetic(tmp_path):
+    """tools/isa_probe.cpp (the per-ISA peak rates RESULTS.md quotes: fp32 FMA on ymm and zmm,
+    bf16 dot products) builds as its header says, checks each case's sums (exit 0) and prints
+    a positive rate or "not supported" for each of its three cases."""
+    import re
+
+    exe = _build_tool(tmp_path, "isa_probe")
+    res = subprocess.run([str(exe), "0.02"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 3, res.stdout
+    for line in lines:
+        m = re.search(r"([0-9.]+) GFLOP/s$", line)
+        assert (m is not None and float(m.group(1)) > 0) or line.endswith("not supported"), line
 
 
 def test_exp2_check_builds_and_passes(tmp_path):
