@@ -163,6 +163,19 @@ def test_gemm_probe_builds_and_measures(tmp_path):
         assert section in out
 
 
+def test_transpose_check_builds_and_passes(tmp_path):
+    """tools/transpose_check.cpp: the AVX2 q^T / dout^T pack (mk::transpose_rows_avx2, the CPU
+    forward's and backward's) gives the generic loop's bits on 500 random shapes, with NaN,
+    inf, -0 and denormal values and scales, and writes nothing outside its block."""
+    exe = _build_tool(tmp_path, "transpose_check", "attention_microkernels_avx2.cpp",
+                      "cpu_features.cpp")
+    res = subprocess.run([str(exe), "500"], capture_output=True, text=True, timeout=120)
+    if res.returncode == 2:
+        pytest.skip("no AVX2 / FMA")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "500 cases, 0 with an element that differs in a bit" in res.stdout, res.stdout
+
+
 def test_isa_probe_builds_and_checks_its_arithmetic(tmp_path):
     """tools/isa_probe.cpp (the per-ISA peak rates RESULTS.md quotes: fp32 FMA on ymm and zmm,
     bf16 dot products) builds as its header says, checks each case's sums (exit 0) and prints

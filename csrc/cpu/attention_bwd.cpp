@@ -107,7 +107,7 @@ struct BwdScratch {
 //   qt   (D, kBlockQ)    scale * q^T (the forward's scores, bitwise; natural-log units, like lse)
 //   qr   (kBlockQ, Dp)   q rows
 //   qs   (kBlockQ, Dp)   scale * q rows in the decode kernel's element order (its operand;
-//                        see decode_order)
+//                        filled only where decode_order, else left zero and unused)
 //   dot  (Dv, kBlockQ)   dout^T
 //   dor  (kBlockQ, Dvp)  dout rows
 //   lse  (kBlockQ)       lse; +inf for padding rows and rows that see no key (P = 0)
@@ -137,7 +137,7 @@ struct QueryPackLayout {
 template <typename scalar_t, typename acc_t>
 void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, const SeqInfo& sq,
                       int64_t b, int64_t h, int64_t i0, int64_t nq, acc_t* blk, acc_t* tmp,
-                      bool fused_dp) {
+                      bool fused_dp, bool decode_order) {
   const AttentionParams& p = bp.fwd;
   const int64_t D = p.D, Dv = p.Dv, Dp = round_up(D, 8), Dvp = round_up(Dv, 8);
   const auto* q = static_cast<const scalar_t*>(p.q);
@@ -158,13 +158,11 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
   for (int64_t ii = 0; ii < nq; ++ii) {
     acc_t* qrow = qr + ii * Dp;
     convert_row(qh + ii * p.q_row_stride, D, qrow);
-    for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + ii] = qrow[d] * qscale;
-    for (int64_t d = 0; d < D; ++d)
+    for (int64_t d = 0; decode_order && d < D; ++d)
       blk[L.qs + ii * Dp + decode_detail::decode_pos(decode_detail::kDecodePairs<scalar_t>, d, D)] =
           qrow[d] * qscale;
     acc_t* drow = dor + ii * Dvp;
     convert_row(dh + ii * bp.dout_row_stride, Dv, drow);
-    for (int64_t d = 0; d < Dv; ++d) dot[d * kBlockQ + ii] = drow[d];
     convert_row(oh + ii * bp.o_row_stride, Dv, tmp);
     // Di in the order (and with the rounding) of the dP gemm's chain over d, so that where
     // out equals one key's v (a row whose probability sits on that key) Di equals its dP
@@ -180,6 +178,9 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     const acc_t l = lse[stat + ii];
     blk[L.lse + ii] = l == neg_inf ? pos_inf : l;
   }
+  // qt = scale * q^T and dot = dout^T from the converted rows (one rounding, as the forward's qt)
+  mk::transpose_rows<acc_t>(qr, Dp, nq, D, qscale, true, qt, kBlockQ);
+  mk::transpose_rows<acc_t>(dor, Dvp, nq, Dv, acc_t(1), false, dot, kBlockQ);
   // rows [nq, kBlockQ): a shorter block (the last of a sequence) after a full one left values
   // there; make them padding again
   for (int64_t ii = nq; ii < kBlockQ; ++ii) {
@@ -570,7 +571,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     job.db = db;
     if (db != nullptr) job.dbj.assign(static_cast<size_t>(nbias), 0.0);
     pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, job.nq, job.blk.data(), s.tmp.data(),
-                                      fused_dp);
+                                      fused_dp, decode_order);
     std::fill(job.dqt.begin(), job.dqt.begin() + job.nq * Dp, acc_t(0));
     if (terms.has_dropout()) {
       for (int64_t c = 0; c < job.nq; ++c) job.rk[c] = terms.dropout_row_key(b, h, i0 + c);

@@ -79,16 +79,6 @@ inline void load_rows(const scalar_t* src, int64_t row_stride, int64_t rows, int
   for (int64_t r = 0; r < rows; ++r) convert_row(src + r * row_stride, cols, dst + r * ld);
 }
 
-// dst (cols, ld) = mul * transpose(src rows (rows, cols)); tmp holds one converted row.
-template <typename scalar_t, typename acc_t>
-inline void load_rows_transposed(const scalar_t* src, int64_t row_stride, int64_t rows,
-                                 int64_t cols, acc_t mul, acc_t* dst, int64_t ld, acc_t* tmp) {
-  for (int64_t r = 0; r < rows; ++r) {
-    convert_row(src + r * row_stride, cols, tmp);
-    for (int64_t d = 0; d < cols; ++d) dst[d * ld + r] = tmp[d] * mul;
-  }
-}
-
 // True when every value of the (rows, cols; ld) block is finite.
 template <typename acc_t>
 bool all_finite(const acc_t* x, int64_t rows, int64_t cols, int64_t ld) {

@@ -107,6 +107,8 @@ struct FwdScratch {
   AlignedVec<acc_t> o;      // (kBlockQ, Dvp): unnormalised output accumulator
   AlignedVec<acc_t> m, l, alpha;  // (kBlockQ): running max, sum, rescale
   AlignedVec<acc_t> tmp;    // (max(D, Dv)): one converted row
+  AlignedVec<acc_t> qrows;  // (kBlockQ, Dp): the tile's q rows converted (q not acc_t; sized
+                            // on first use)
   std::vector<uint8_t> kvalid;  // (kBlockK): key padding of the key tile (1 = takes part)
   std::vector<uint64_t> rk, words;  // (kBlockQ): dropout row keys / words of the columns
   HeadRows<acc_t> hk, hv;           // the current head's packed k / v rows
@@ -146,17 +148,22 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
 
-  // qt (D, C) = scale * q^T; padding columns are zero.
+  // qt (D, C) = scale * q^T (mk::transpose_rows, the backward's too); padding columns zero.
   const acc_t qscale = static_cast<acc_t>(p.score_terms().scale);
-  std::fill(s.qt.begin(), s.qt.begin() + D * C, acc_t(0));
+  for (int64_t d = 0; cols < C && d < D; ++d)
+    std::fill(s.qt.begin() + d * C + cols, s.qt.begin() + (d + 1) * C, acc_t(0));
   for (int64_t hh = 0; hh < qt_.nh; ++hh) {
     const scalar_t* qh = q + qt_.b * p.q_batch_stride + (qt_.h0 + hh) * p.q_head_stride +
                          (sq.q0 + qt_.i0) * p.q_row_stride;
-    for (int64_t ii = 0; ii < qt_.nq; ++ii) {
-      convert_row(qh + ii * p.q_row_stride, D, s.tmp.data());
-      const int64_t c = hh * qt_.nq + ii;
-      for (int64_t d = 0; d < D; ++d) s.qt[d * C + c] = s.tmp[d] * qscale;
+    const acc_t* rows = reinterpret_cast<const acc_t*>(qh);
+    int64_t ld = p.q_row_stride;
+    if constexpr (!std::is_same_v<scalar_t, acc_t>) {  // converted first, row by row
+      if (s.qrows.empty()) s.qrows.resize(static_cast<size_t>(kBlockQ * s.Dp));
+      load_rows(qh, p.q_row_stride, qt_.nq, D, s.qrows.data(), s.Dp);
+      rows = s.qrows.data();
+      ld = s.Dp;
     }
+    mk::transpose_rows<acc_t>(rows, ld, qt_.nq, D, qscale, true, s.qt.data() + hh * qt_.nq, C);
   }
   // score terms and dropout (common/attention_mask.h)
   const ScoreTerms terms = p.score_terms();

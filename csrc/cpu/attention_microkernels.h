@@ -135,6 +135,20 @@ void bias_rows_generic(T* st, int64_t rows, int64_t n, int64_t ld, int64_t d0, T
   }
 }
 
+// dst[d * ldd + c] = src[c * lds + d] * scale (scaled) or src[c * lds + d] (not), c < rows,
+// d < cols: rows transposed into columns, as the forward and the backward pack q^T (scaled)
+// and dout^T. One multiply per element (or none), so every path gives the same bits.
+template <typename T>
+inline void transpose_rows_generic(const T* src, int64_t lds, int64_t rows, int64_t cols,
+                                   T scale, bool scaled, T* dst, int64_t ldd) {
+  for (int64_t c = 0; c < rows; ++c) {
+    for (int64_t d = 0; d < cols; ++d) {
+      const T x = src[c * lds + d];
+      dst[d * ldd + c] = scaled ? x * scale : x;
+    }
+  }
+}
+
 // ---- AVX2 implementations (attention_microkernels_avx2.cpp) --------------------------
 
 bool cpu_has_avx2_fma();  // AVX2 + FMA + F16C and not ATTN_EXT_CPU_SIMD=0 (cpu::simd_enabled)
@@ -154,6 +168,9 @@ void bias_rows_avx2(float* st, int64_t rows, int64_t n, int64_t ld, int64_t d0, 
 // dst[c] = ((words[c] >> shift) & 0xffff) >= thresh ? src[c] * inv_keep : 0.
 void dropout_row_avx2(const float* src, float* dst, int64_t n, const uint64_t* words, int shift,
                       uint32_t thresh, float inv_keep);
+// transpose_rows_generic by 8 x 8 blocks transposed in registers (the same bits).
+void transpose_rows_avx2(const float* src, int64_t lds, int64_t rows, int64_t cols, float scale,
+                         bool scaled, float* dst, int64_t ldd);
 // n bfloat16 / float16 values (raw bits) to float.
 void bf16_to_float_avx2(const uint16_t* src, int64_t n, float* dst);
 void half_to_float_avx2(const uint16_t* src, int64_t n, float* dst);
@@ -165,6 +182,15 @@ inline void bias_rows(T* st, int64_t rows, int64_t n, int64_t ld, int64_t d0, T 
     if (cpu_has_avx2_fma()) return bias_rows_avx2(st, rows, n, ld, d0, slope, tab, M);
   }
   bias_rows_generic<T>(st, rows, n, ld, d0, slope, tab, M);
+}
+
+template <typename T>
+inline void transpose_rows(const T* src, int64_t lds, int64_t rows, int64_t cols, T scale,
+                           bool scaled, T* dst, int64_t ldd) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (cpu_has_avx2_fma()) return transpose_rows_avx2(src, lds, rows, cols, scale, scaled, dst, ldd);
+  }
+  transpose_rows_generic<T>(src, lds, rows, cols, scale, scaled, dst, ldd);
 }
 
 template <typename T>

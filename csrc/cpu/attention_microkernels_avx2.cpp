@@ -210,6 +210,56 @@ ATTN_AVX2 void gemm_at_avx2(int64_t M, int64_t N, int64_t K, const float* A, int
   if (n < N) gemm_at_cols<1>(M, K, A, a_col, B + n, ldb, C + n, ldc, scale);
 }
 
+// 8 rows x 8 columns of src transposed in registers per block (unpack pairs, then 64-bit
+// shuffles, then 128-bit lane swaps); the edges element by element, as the generic version.
+ATTN_AVX2 void transpose_rows_avx2(const float* src, int64_t lds, int64_t rows, int64_t cols,
+                                   float scale, bool scaled, float* dst, int64_t ldd) {
+  const __m256 sv = _mm256_set1_ps(scale);
+  int64_t c = 0;
+  for (; c + 8 <= rows; c += 8) {
+    const float* s0 = src + c * lds;
+    int64_t d = 0;
+    for (; d + 8 <= cols; d += 8) {
+      __m256 r[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(s0 + i * lds + d);
+      // t: pairs of rows interleaved; u: 4-element groups; then the 128-bit halves
+      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+      __m256 o[8];
+      o[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+      o[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+      o[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+      o[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+      o[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+      o[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+      o[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+      o[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i)
+        _mm256_storeu_ps(dst + (d + i) * ldd + c, scaled ? _mm256_mul_ps(o[i], sv) : o[i]);
+    }
+    for (; d < cols; ++d) {
+      for (int i = 0; i < 8; ++i) {
+        const float x = s0[i * lds + d];
+        dst[d * ldd + c + i] = scaled ? x * scale : x;
+      }
+    }
+  }
+  for (; c < rows; ++c) {
+    for (int64_t d = 0; d < cols; ++d) {
+      const float x = src[c * lds + d];
+      dst[d * ldd + c] = scaled ? x * scale : x;
+    }
+  }
+}
+
 ATTN_AVX2 void softmax_avx2(float* st, int64_t rows, int64_t cols, float* m, float* l,
                             float* alpha) {
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -384,6 +434,7 @@ void bias_rows_avx2(float*, int64_t, int64_t, int64_t, int64_t, float, const flo
 void dropout_row_avx2(const float*, float*, int64_t, const uint64_t*, int, uint32_t, float) {}
 void bf16_to_float_avx2(const uint16_t*, int64_t, float*) {}
 void half_to_float_avx2(const uint16_t*, int64_t, float*) {}
+void transpose_rows_avx2(const float*, int64_t, int64_t, int64_t, float, bool, float*, int64_t) {}
 
 #endif
 
