@@ -146,6 +146,17 @@ def _build_tool(tmp_path, tool, *kernel_sources):
     return exe
 
 
+def _run_check_tool(tmp_path, tool, arg, *kernel_sources):
+    """Builds tools/<tool>.cpp (_build_tool) and runs it with `arg`: its stdout. Exit 2 (no
+    AVX2 / FMA on this CPU) skips the test; any other failure fails it."""
+    exe = _build_tool(tmp_path, tool, *kernel_sources)
+    res = subprocess.run([str(exe), arg], capture_output=True, text=True, timeout=120)
+    if res.returncode == 2:
+        pytest.skip("no AVX2 / FMA")
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
 def test_gemm_probe_builds_and_measures(tmp_path):
     """tools/gemm_probe.cpp (the micro-kernel rates RESULTS.md quotes) builds from the kernel
     sources as its header says and prints a positive rate for every case."""
@@ -167,13 +178,9 @@ def test_transpose_check_builds_and_passes(tmp_path):
     """tools/transpose_check.cpp: the AVX2 q^T / dout^T pack (mk::transpose_rows_avx2, the CPU
     forward's and backward's) gives the generic loop's bits on 500 random shapes, with NaN,
     inf, -0 and denormal values and scales, and writes nothing outside its block."""
-    exe = _build_tool(tmp_path, "transpose_check", "attention_microkernels_avx2.cpp",
-                      "cpu_features.cpp")
-    res = subprocess.run([str(exe), "500"], capture_output=True, text=True, timeout=120)
-    if res.returncode == 2:
-        pytest.skip("no AVX2 / FMA")
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "500 cases, 0 with an element that differs in a bit" in res.stdout, res.stdout
+    out = _run_check_tool(tmp_path, "transpose_check", "500", "attention_microkernels_avx2.cpp",
+                          "cpu_features.cpp")
+    assert "500 cases, 0 with an element that differs in a bit" in out, out
 
 
 def test_isa_probe_builds_and_checks_its_arithmetic(tmp_path):
@@ -198,27 +205,19 @@ def test_exp2_check_builds_and_passes(tmp_path):
     values the softmax relies on (2^0 = 1, masked -inf -> 0, NaN -> NaN)."""
     import re
 
-    exe = _build_tool(tmp_path, "exp2_check", "cpu_features.cpp")
-    res = subprocess.run([str(exe), "1000000"], capture_output=True, text=True, timeout=120)
-    if res.returncode == 2:
-        pytest.skip("no AVX2 / FMA")
-    assert res.returncode == 0, res.stdout + res.stderr
-    ulp = float(re.search(r"max error ([0-9.]+) ulp", res.stdout).group(1))
-    assert 0 < ulp < 1.0, res.stdout
-    assert "special values:" in res.stdout and res.stdout.rstrip().endswith(": ok"), res.stdout
+    out = _run_check_tool(tmp_path, "exp2_check", "1000000", "cpu_features.cpp")
+    ulp = float(re.search(r"max error ([0-9.]+) ulp", out).group(1))
+    assert 0 < ulp < 1.0, out
+    assert "special values:" in out and out.rstrip().endswith(": ok"), out
 
 
 def test_gemm_at_check_builds_and_passes(tmp_path):
     """tools/gemm_at_check.cpp: the forward's fused pass 3 (gemm_at_avx2: o = alpha * o +
     st^T v) gives the same bits as the rescale loop plus gemm_avx2 it replaced, on 400 random
     shapes (misaligned B, the blocked K path, inf / NaN accumulators rescaled by 0)."""
-    exe = _build_tool(tmp_path, "gemm_at_check", "attention_microkernels_avx2.cpp",
-                      "cpu_features.cpp")
-    res = subprocess.run([str(exe), "400"], capture_output=True, text=True, timeout=120)
-    if res.returncode == 2:
-        pytest.skip("no AVX2 / FMA")
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "400 cases, 0 with an output that differs in a bit" in res.stdout, res.stdout
+    out = _run_check_tool(tmp_path, "gemm_at_check", "400", "attention_microkernels_avx2.cpp",
+                          "cpu_features.cpp")
+    assert "400 cases, 0 with an output that differs in a bit" in out, out
 
 
 def test_bench_switch_ab_smoke():
