@@ -143,15 +143,20 @@ CPU_DECODE_COLS = 16  # kDecodeCols (csrc/cpu/attention_decode.h): query columns
 CPU_DECODE_MIN_CHUNK = 256  # kDecodeMinChunk: keys per split-K chunk at least
 
 
+def cpu_flags() -> list:
+    """The CPU's feature flags (/proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return []
+
+
 def cpu_simd_enabled() -> bool:
     """csrc/cpu/cpu_features.cpp's detector: AVX2, FMA and F16C, unless ATTN_EXT_CPU_SIMD=0."""
     if os.environ.get("ATTN_EXT_CPU_SIMD") == "0":
         return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = cpu_flags()
     return all(x in flags for x in ("avx2", "fma", "f16c"))
 
 

@@ -91,26 +91,20 @@ def machine() -> str:
 
 def cpu_isa() -> str:
     """Which vector ISA each side of a CPU comparison runs: attn_ext's kernels (AVX2 + FMA +
-    F16C when the CPU has them and ATTN_EXT_CPU_SIMD=0 is not set, else the portable C++ path;
-    the same test as csrc/cpu/cpu_features.cpp) and torch's ATen kernels (SDPA's flash kernel
-    and the reductions of the roofs: ATEN_CPU_CAPABILITY may lower it), with the CPU's flags
-    that matter to either."""
+    F16C, or the portable C++ path: attn_ext._explain.cpu_simd_enabled, the mirror of
+    csrc/cpu/cpu_features.cpp) and torch's ATen kernels (SDPA's flash kernel and the roofs'
+    reductions; ATEN_CPU_CAPABILITY may lower it), with the CPU's flags that matter to either."""
     import torch
 
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    ours_ok = all(x in flags for x in ("avx2", "fma", "f16c"))
-    ours = ("AVX2+FMA+F16C" if ours_ok and os.environ.get("ATTN_EXT_CPU_SIMD") != "0"
-            else "portable C++ (no SIMD path)")
-    try:
-        aten = torch.backends.cpu.get_cpu_capability()
-    except (AttributeError, RuntimeError):
-        aten = "unknown"
+        from attn_ext._explain import cpu_flags, cpu_simd_enabled
+    except Exception as e:  # noqa: BLE001 (the attn_ext line says why; keep the header going)
+        return f"attn_ext not importable ({type(e).__name__}); torch ATen " + \
+            torch.backends.cpu.get_cpu_capability()
+    ours = "AVX2+FMA+F16C" if cpu_simd_enabled() else "portable C++ (no SIMD path)"
+    flags = cpu_flags()
     shown = [x for x in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16") if x in flags]
-    return (f"attn_ext kernels {ours}; torch ATen {aten}; "
+    return (f"attn_ext kernels {ours}; torch ATen {torch.backends.cpu.get_cpu_capability()}; "
             f"CPU flags {' '.join(shown) if shown else 'unknown'}")
 
 

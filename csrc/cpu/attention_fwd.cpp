@@ -155,15 +155,14 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   for (int64_t hh = 0; hh < qt_.nh; ++hh) {
     const scalar_t* qh = q + qt_.b * p.q_batch_stride + (qt_.h0 + hh) * p.q_head_stride +
                          (sq.q0 + qt_.i0) * p.q_row_stride;
-    const acc_t* rows = reinterpret_cast<const acc_t*>(qh);
-    int64_t ld = p.q_row_stride;
-    if constexpr (!std::is_same_v<scalar_t, acc_t>) {  // converted first, row by row
+    acc_t* qcols = s.qt.data() + hh * qt_.nq;
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {  // q rows read in place
+      mk::transpose_rows<acc_t>(qh, p.q_row_stride, qt_.nq, D, qscale, true, qcols, C);
+    } else {  // converted first
       if (s.qrows.empty()) s.qrows.resize(static_cast<size_t>(kBlockQ * s.Dp));
       load_rows(qh, p.q_row_stride, qt_.nq, D, s.qrows.data(), s.Dp);
-      rows = s.qrows.data();
-      ld = s.Dp;
+      mk::transpose_rows<acc_t>(s.qrows.data(), s.Dp, qt_.nq, D, qscale, true, qcols, C);
     }
-    mk::transpose_rows<acc_t>(rows, ld, qt_.nq, D, qscale, true, s.qt.data() + hh * qt_.nq, C);
   }
   // score terms and dropout (common/attention_mask.h)
   const ScoreTerms terms = p.score_terms();

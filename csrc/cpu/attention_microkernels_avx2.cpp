@@ -211,7 +211,7 @@ ATTN_AVX2 void gemm_at_avx2(int64_t M, int64_t N, int64_t K, const float* A, int
 }
 
 // 8 rows x 8 columns of src transposed in registers per block (unpack pairs, then 64-bit
-// shuffles, then 128-bit lane swaps); the edges element by element, as the generic version.
+// shuffles, then 128-bit lane swaps); the edges by the generic version.
 ATTN_AVX2 void transpose_rows_avx2(const float* src, int64_t lds, int64_t rows, int64_t cols,
                                    float scale, bool scaled, float* dst, int64_t ldd) {
   const __m256 sv = _mm256_set1_ps(scale);
@@ -245,19 +245,9 @@ ATTN_AVX2 void transpose_rows_avx2(const float* src, int64_t lds, int64_t rows, 
       for (int i = 0; i < 8; ++i)
         _mm256_storeu_ps(dst + (d + i) * ldd + c, scaled ? _mm256_mul_ps(o[i], sv) : o[i]);
     }
-    for (; d < cols; ++d) {
-      for (int i = 0; i < 8; ++i) {
-        const float x = s0[i * lds + d];
-        dst[d * ldd + c + i] = scaled ? x * scale : x;
-      }
-    }
+    transpose_rows_generic<float>(s0 + d, lds, 8, cols - d, scale, scaled, dst + d * ldd + c, ldd);
   }
-  for (; c < rows; ++c) {
-    for (int64_t d = 0; d < cols; ++d) {
-      const float x = src[c * lds + d];
-      dst[d * ldd + c] = scaled ? x * scale : x;
-    }
-  }
+  transpose_rows_generic<float>(src + c * lds, lds, rows - c, cols, scale, scaled, dst + c, ldd);
 }
 
 ATTN_AVX2 void softmax_avx2(float* st, int64_t rows, int64_t cols, float* m, float* l,
