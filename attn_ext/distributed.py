@@ -116,9 +116,20 @@ def shard_sequence(x: torch.Tensor, dim: int = 1, group=None, layout: str = "zig
     return _shard(x, dim, rank, world, layout)
 
 
+def _seq_dim(x: torch.Tensor, dim: int, fn: str) -> int:
+    """``dim`` as an index of x's dims (negative counts from the end); out of range is an error,
+    not a silent wrap-around onto another dim."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: x must be a Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{fn}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
+                         f"{list(x.shape)}, got {dim!r}")
+    return dim % x.dim()
+
+
 def _shard(x: torch.Tensor, dim: int, rank: int, world: int, layout: str) -> torch.Tensor:
     n = world * chunks_per_rank(layout)
-    dim = dim % x.dim() if x.dim() else dim
+    dim = _seq_dim(x, dim, "shard_sequence")
     S = x.size(dim)
     if S % n:
         raise ValueError(
@@ -162,7 +173,7 @@ def unshard_sequence(x: torch.Tensor, dim: int = 1, group=None, layout: str = "z
     order): the inverse of :func:`shard_sequence`. Every rank gets the full tensor.
     Differentiable (the gradient of the full tensor is summed over ranks)."""
     _check_layout(layout)
-    dim = dim % x.dim()
+    dim = _seq_dim(x, dim, "unshard_sequence")
     _, world = _rank_world(group)
     if x.size(dim) % chunks_per_rank(layout):
         raise ValueError(
@@ -512,6 +523,22 @@ def _check_inputs(q, k, v, S_local_multiple: int, layout: str) -> None:
             raise TypeError(f"ring_attention: {name} must be a Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"ring_attention: {name} must have 4 dims {dims}, got shape {list(t.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"ring_attention: k and v must have q's dtype {q.dtype}, got k {k.dtype}, "
+                         f"v {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"ring_attention: k and v must be on q's device {q.device}, got k "
+                         f"{k.device}, v {v.device}")
+    B, _, H, D = q.shape
+    Hkv = k.size(2)
+    if k.size(0) != B or v.size(0) != B:
+        raise ValueError(f"ring_attention: k and v must have q's batch size B = {B}, got k "
+                         f"{list(k.shape)}, v {list(v.shape)}")
+    if k.size(3) != D:
+        raise ValueError(f"ring_attention: k must have q's head dim D = {D}, got k {list(k.shape)}")
+    if Hkv <= 0 or H % Hkv or v.size(2) != Hkv:
+        raise ValueError(f"ring_attention: k and v must have Hkv heads dividing q's H = {H} "
+                         f"(GQA), got k {list(k.shape)}, v {list(v.shape)}")
     if k.size(1) != q.size(1) or v.size(1) != q.size(1):
         raise ValueError(
             "ring_attention: q, k and v must be shards of the same sequence (equal S_local), got "
@@ -573,7 +600,18 @@ def ring_attention(
     from attn_ext.ops import _score_term_args, _window_args
 
     _check_layout(layout)
-    _check_inputs(q, k, v, chunks_per_rank(layout), layout)
+    squeeze = isinstance(q, torch.Tensor) and q.dim() == 3  # (B, S_local, D): one head
+    if squeeze:
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == 3
+                and v.dim() == 3):
+            raise ValueError("ring_attention: with 3-D q (B, S_local, D), k and v must be 3-D too")
+        q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
+    try:
+        _check_inputs(q, k, v, chunks_per_rank(layout), layout)
+        error = None
+    except (TypeError, ValueError) as e:
+        error = e
+    _agree_on_inputs(q, k, v, group, error)
     left, right = _window_args(window)
     win = None if (left, right) == (-1, -1) else (left, right)
     alibi_t, rel_t, softcap, _, dropout_p, seed, offset = _score_term_args(
@@ -583,7 +621,43 @@ def ring_attention(
         seed, offset = _broadcast_seed_offset(seed, offset, group, q.device)
     terms = _Terms(alibi_t, None, softcap, dropout_p, seed, offset)
     out, lse = _RingAttention.apply(q, k, v, rel_t, group, bool(causal), scale, layout, win, terms)
+    if squeeze:
+        out, lse = out.squeeze(2), lse.squeeze(1)
     return (out, lse) if return_lse else out
+
+
+def _agree_on_inputs(q, k, v, group, error) -> None:
+    """One small all_gather before the ring starts: every rank learns whether every other
+    rank's q / k / v passed the checks and have the same shapes and dtype, and all raise
+    together otherwise. (A rank failing alone would leave its neighbours waiting on transfers
+    that never come; shards of different lengths would fail inside the transport.)"""
+    _, world = _rank_world(group)
+    if world == 1:
+        if error is not None:
+            raise error
+        return
+    ok = error is None
+    dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    sig = [int(ok)] + ([*q.shape, *k.shape, *v.shape, _DTYPE_CODES.get(q.dtype, -1)] if ok
+                       else [0] * 13)
+    mine = torch.tensor(sig, dtype=torch.int64, device=dev)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    rows = [t.tolist() for t in every]
+    if error is not None:
+        raise error
+    bad = [r for r, row in enumerate(rows) if not row[0]]
+    if bad:
+        raise ValueError(f"ring_attention: the inputs of rank(s) {bad} of the group failed their "
+                         "checks (see the error raised there); no rank started the ring")
+    if any(row != rows[0] for row in rows):
+        desc = "; ".join(f"rank {r}: q {row[1:5]}, k {row[5:9]}, v {row[9:13]}"
+                         for r, row in enumerate(rows))
+        raise ValueError("ring_attention: every rank's shards must have the same shapes and "
+                         f"dtype (equal S_local), got {desc}")
+
+
+_DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 
 
 def _check_term_shapes(q, alibi, rel) -> None:

@@ -122,8 +122,14 @@ class TinyGPT(nn.Module):
         return shard_positions(idx.size(1), self.context_parallel_group,
                                self.context_parallel_layout, idx.device)
 
+    @torch.jit.export
     def new_caches(self, batch: int, max_len: int) -> List[KVCache]:
-        return [blk.attn.new_kv_cache(batch, max_len) for blk in self.blocks]
+        """One empty :class:`KVCache` per layer (exported to TorchScript; a cache crosses the
+        Python / TorchScript boundary by copy: see :class:`KVCache`)."""
+        caches: List[KVCache] = []
+        for blk in self.blocks:
+            caches.append(blk.attn.new_kv_cache(batch, max_len))
+        return caches
 
     def forward(self, idx: Tensor, caches: Optional[List[KVCache]] = None,
                 attention_mask: Optional[Tensor] = None) -> Tensor:

@@ -17,6 +17,7 @@ The hot path of :class:`MultiHeadAttention` makes no copy of q, k, v or the outp
 from __future__ import annotations
 
 import math
+import numbers
 from typing import List, Optional, Tuple
 
 import torch
@@ -55,6 +56,12 @@ class KVCache:
     update. Row ``b``'s tokens then occupy slots ``[start[b], length)``: the padding slots
     are masked out of attention (:meth:`key_padding_mask`) and the tokens' positions
     (:meth:`positions`) count from the row's first real token.
+
+    TorchScript: a KVCache passed between Python and a ``torch.jit.script``-ed module is
+    copied at the boundary (TorchScript classes are), so a scripted layer called from Python
+    writes the new keys / values into the cache's tensors but the Python object's ``length``
+    does not advance. Run the decoding loop inside TorchScript (a scripted method that owns
+    its caches), or set ``cache.length += s`` after each scripted call.
     """
 
     def __init__(self, k: Tensor, v: Tensor):
@@ -71,7 +78,16 @@ class KVCache:
             raise ValueError(
                 f"start must have shape (B,) = ({self.k.size(0)},), got {list(start.shape)}"
             )
-        self.start = start.to(device=self.k.device, dtype=torch.long)
+        if start.is_floating_point() or start.is_complex() or start.dtype == torch.bool:
+            raise ValueError(f"start must be an integer tensor (B,), got dtype {start.dtype}")
+        start = start.to(device=self.k.device, dtype=torch.long)
+        if start.numel() > 0:
+            lo, hi = int(start.min().item()), int(start.max().item())
+            if lo < 0 or hi > self.k.size(1):
+                raise ValueError(
+                    f"start must lie in [0, max_len = {self.k.size(1)}] (padding slots per row), "
+                    f"got values in [{lo}, {hi}]")
+        self.start = start
 
     def lengths(self) -> Tensor:
         """``(B,)`` number of real tokens of each row."""
@@ -97,6 +113,17 @@ class KVCache:
         return (slots[None, :] - start[:, None]).clamp(min=0)
 
     def update(self, k_new: Tensor, v_new: Tensor) -> Tuple[Tensor, Tensor]:
+        # exact shapes: copy_ would broadcast a batch or head dim of 1 silently
+        kb, vb = self.k.shape, self.v.shape
+        if k_new.dim() != 4 or k_new.size(0) != kb[0] or k_new.size(2) != kb[2] or k_new.size(3) != kb[3]:
+            raise ValueError(
+                f"k_new must have shape (B, s, Hkv, D) = ({kb[0]}, s, {kb[2]}, {kb[3]}) (the cache's), "
+                f"got {list(k_new.shape)}")
+        if (v_new.dim() != 4 or v_new.size(0) != vb[0] or v_new.size(1) != k_new.size(1)
+                or v_new.size(2) != vb[2] or v_new.size(3) != vb[3]):
+            raise ValueError(
+                f"v_new must have shape (B, s, Hkv, Dv) = ({vb[0]}, {k_new.size(1)}, {vb[2]}, {vb[3]}) "
+                f"(the cache's, s from k_new), got {list(v_new.shape)}")
         s = k_new.size(1)
         end = self.length + s
         if end > self.k.size(1):
@@ -187,7 +214,9 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
         """Rotate one ``(B, S, H, D)`` tensor: in place when no gradient is needed."""
         cos, sin = self._tables_for(x, offset, positions)
-        if torch.is_grad_enabled() and x.requires_grad:
+        # out of place under torch.jit.trace as well: the trace checker reruns the module
+        # without grad, and both runs must record the same graph
+        if (torch.is_grad_enabled() and x.requires_grad) or torch.jit.is_tracing():
             return torch.ops.attn_ext.rope(x, cos, sin, positions, offset, self.interleaved)
         torch.ops.attn_ext.rope_(x, cos, sin, positions, offset, self.interleaved)
         return x
@@ -197,7 +226,7 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``q (B, S, H, D)`` and ``k (B, S, Hkv, D)``: in place (one call, returns the
         same tensors) when no gradient is needed, else out of place (differentiable)."""
         cos, sin = self._tables_for(q, offset, positions)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)) or torch.jit.is_tracing():
             q = torch.ops.attn_ext.rope(q, cos, sin, positions, offset, self.interleaved)
             k = torch.ops.attn_ext.rope(k, cos, sin, positions, offset, self.interleaved)
             return q, k
@@ -279,6 +308,8 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = d
         self.v_dim = dv
         self.causal = causal
+        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
         self.dropout = float(dropout)
         self.scale = 1.0 / math.sqrt(d)
         self.cross_attention = cross_attention
@@ -419,14 +450,18 @@ class MultiHeadAttention(nn.Module):
                 layer.out_proj.bias.copy_(mha.out_proj.bias)
         return layer
 
+    @torch.jit.export
     def new_kv_cache(self, batch: int, max_len: int, dtype: Optional[torch.dtype] = None,
                      device: Optional[torch.device] = None) -> KVCache:
-        """An empty preallocated :class:`KVCache` for this layer."""
+        """An empty preallocated :class:`KVCache` for this layer.
+
+        (Exported to TorchScript, so a scripted decoding loop can make its caches. A cache
+        crosses the Python / TorchScript boundary by copy: see :class:`KVCache`.)"""
         w = self.out_proj.weight
-        dtype = dtype or w.dtype
-        device = device or w.device
-        k = torch.empty(batch, max_len, self.num_kv_heads, self.head_dim, dtype=dtype, device=device)
-        v = torch.empty(batch, max_len, self.num_kv_heads, self.v_dim, dtype=dtype, device=device)
+        dt = w.dtype if dtype is None else dtype
+        dev = w.device if device is None else device
+        k = torch.empty(batch, max_len, self.num_kv_heads, self.head_dim, dtype=dt, device=dev)
+        v = torch.empty(batch, max_len, self.num_kv_heads, self.v_dim, dtype=dt, device=dev)
         return KVCache(k, v)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -469,6 +504,8 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         key_padding_mask: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
+        if x.dim() != 3:
+            raise ValueError(f"x must have 3 dims (B, S, d_model), got shape {list(x.shape)}")
         B, Sq = x.size(0), x.size(1)
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_dim
         if self.qkv is not None:

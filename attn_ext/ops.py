@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from typing import Optional, Tuple
 
 import torch
@@ -15,6 +16,36 @@ import torch
 from .reference import add_score_terms, score_distance, visibility_mask
 
 _lib = torch.ops.attn_ext
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong Python type (None or a list where a tensor belongs, a string
+    where a number belongs): both a TypeError and a ValueError, so either ``except`` catches it."""
+
+
+def _check_tensor(t, name: str, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor {what}, got {type(t).__name__}")
+
+
+def _check_inplace_target(x: torch.Tensor, name: str, op: str) -> None:
+    """An in-place op is not differentiable: refuse a tensor autograd tracks (its gradient
+    would silently miss the op) instead of writing into it."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise RuntimeError(
+            f"attn_ext.{op}: {name} requires grad, and the in-place op is not differentiable "
+            f"(its gradient would silently skip it); use the out-of-place attn_ext."
+            f"{op.rstrip('_')} in training, or call it under torch.no_grad()")
+
+
+def _bump_version(*ts: torch.Tensor) -> None:
+    """Tell autograd that the in-place op wrote these tensors, so a graph that saved one of
+    them refuses to backward through the stale value (as for torch's own in-place ops)."""
+    if torch.compiler.is_compiling():
+        return  # functionalisation tracks the mutation; no version counter to keep
+    for t in ts:
+        if not t.is_inference():  # inference tensors keep no version counter
+            torch.autograd.graph.increment_version(t)
 
 # ---------------------------------------------------------------------------------------
 # sinusoidal positional encoding
@@ -42,6 +73,7 @@ def sinusoidal_pe(
     Returns a new contiguous tensor of ``x``'s shape and dtype. Differentiable in ``x``
     (the gradient passes through unchanged).
     """
+    _check_tensor(x, "x", "(B, S, D) or (S, D)")
     return _lib.sinusoidal_pe(x, positions, offset, base)
 
 
@@ -54,8 +86,11 @@ def sinusoidal_pe_(
     """In-place :func:`sinusoidal_pe`: adds the encoding into ``x`` and returns ``x``.
 
     ``x``'s last dim must be contiguous. Not differentiable (use the out-of-place op in
-    training)."""
+    training; a tensor that requires grad is refused)."""
+    _check_tensor(x, "x", "(B, S, D) or (S, D)")
+    _check_inplace_target(x, "x", "sinusoidal_pe_")
     _lib.sinusoidal_pe_(x, positions, offset, base)
+    _bump_version(x)
     return x
 
 
@@ -74,14 +109,27 @@ def sinusoidal_table(
     return sinusoidal_pe_(zeros, None, 0, base)
 
 
+def _fake_same_device(ref, ref_name, **others):
+    """The kernels' device check, in the fake kernels too: the Meta key wins the dispatch when
+    one argument is a meta tensor, and an unchecked fake would return an uninitialised tensor
+    on the other arguments' device."""
+    for name, t in others.items():
+        if t is not None:
+            torch._check(t.device == ref.device,
+                         lambda: f"{name} must be on the same device as {ref_name} ({ref.device}), "
+                                 f"got {t.device}")
+
+
 @torch.library.register_fake("attn_ext::sinusoidal_pe")
 def _sinusoidal_pe_fake(x, positions=None, offset=0, base=10000.0):
     torch._check(x.dim() in (2, 3), lambda: f"x must have 3 dims (B, S, D) or 2 dims (S, D), got shape {list(x.shape)}")
+    _fake_same_device(x, "x", positions=positions)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("attn_ext::sinusoidal_pe_")
 def _sinusoidal_pe_inplace_fake(x, positions=None, offset=0, base=10000.0):
+    _fake_same_device(x, "x", positions=positions)
     return None
 
 
@@ -150,6 +198,9 @@ def rope(
 
     Differentiable in ``x`` (the backward is the inverse rotation); not in cos/sin.
     """
+    _check_tensor(x, "x", "(B, S, H, D) or (B, S, D)")
+    _check_tensor(cos, "cos", "(S_max, rotary_dim/2)")
+    _check_tensor(sin, "sin", "(S_max, rotary_dim/2)")
     _check_tables_no_grad(cos, sin)
     out = _lib.rope(_rope_4d(x), cos, sin, positions, offset, interleaved)
     return out.squeeze(2) if x.dim() == 3 else out
@@ -164,8 +215,14 @@ def rope_(
     interleaved: bool = False,
 ) -> torch.Tensor:
     """In-place :func:`rope`: rotates ``x`` where it lies (channels past ``rotary_dim`` and
-    the rest of a packed buffer are untouched) and returns ``x``. Not differentiable."""
+    the rest of a packed buffer are untouched) and returns ``x``. Not differentiable (a
+    tensor that requires grad is refused: use :func:`rope` in training)."""
+    _check_tensor(x, "x", "(B, S, H, D) or (B, S, D)")
+    _check_tensor(cos, "cos", "(S_max, rotary_dim/2)")
+    _check_tensor(sin, "sin", "(S_max, rotary_dim/2)")
+    _check_inplace_target(x, "x", "rope_")
     _lib.rope_(_rope_4d(x), cos, sin, positions, offset, interleaved)
+    _bump_version(x)
     return x
 
 
@@ -182,10 +239,18 @@ def rope_qk(
     """Rotate ``q (B, S, H, D)`` and ``k (B, S, Hkv, Dk)`` with the same tables and positions.
 
     ``inplace=True`` rotates both in one parallel region (one kernel launch on CUDA) and
-    returns ``(q, k)`` themselves; otherwise returns two new tensors (differentiable in q, k).
+    returns ``(q, k)`` themselves (not differentiable: tensors that require grad are
+    refused); otherwise returns two new tensors (differentiable in q, k).
     """
+    _check_tensor(q, "q", "(B, S, H, D) or (B, S, D)")
+    _check_tensor(k, "k", "(B, S, Hkv, D) or (B, S, D)")
     if inplace:
+        _check_tensor(cos, "cos", "(S_max, rotary_dim/2)")
+        _check_tensor(sin, "sin", "(S_max, rotary_dim/2)")
+        _check_inplace_target(q, "q", "rope_qk_")
+        _check_inplace_target(k, "k", "rope_qk_")
         _lib.rope_qk_(_rope_4d(q), _rope_4d(k), cos, sin, positions, offset, interleaved)
+        _bump_version(q, k)
         return q, k
     return (
         rope(q, cos, sin, positions, offset, interleaved),
@@ -201,10 +266,18 @@ def rope_inv_freq(
 ):
     """``(inv_freq (rotary_dim/2,) float64, attention_factor)`` for a scaling dict; see
     :func:`rope_cache` for the formulas."""
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral):
+        raise ArgumentTypeError(f"rotary_dim must be an int, got {type(rotary_dim).__name__}")
     if rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
+    if isinstance(base, bool) or not isinstance(base, numbers.Real):
+        raise ArgumentTypeError(f"base must be a number, got {type(base).__name__}")
     if not (math.isfinite(base) and base > 0):
         raise ValueError(f"base must be a positive finite number, got {base}")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ArgumentTypeError(
+            f"scaling must be a dict such as {{'type': 'linear', 'factor': 2.0}} or None, got "
+            f"{type(scaling).__name__} {scaling!r}")
     dim = rotary_dim
     exps = torch.arange(0, dim, 2, dtype=torch.float64) / dim  # 2i / dim
 
@@ -216,14 +289,23 @@ def rope_inv_freq(
     kind = scaling.get("type", scaling.get("rope_type"))
     if kind not in _SCALING_TYPES:
         raise ValueError(f"scaling['type'] must be one of {_SCALING_TYPES}, got {kind!r}")
-    factor = float(scaling.get("factor", 1.0))
-    if not factor > 0:
-        raise ValueError(f"scaling['factor'] must be > 0, got {factor}")
+    def number(key, default, positive=True):
+        v = scaling.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or (
+                positive and not v > 0):
+            raise ValueError(f"scaling[{key!r}] must be a finite number{' > 0' if positive else ''}"
+                             f" for scaling type {kind!r}, got {v!r}")
+        return float(v)
+
+    factor = number("factor", 1.0)
 
     def orig(default=None):
         v = scaling.get("original_max_position_embeddings", default)
         if v is None:
             raise ValueError(f"scaling type {kind!r} needs 'original_max_position_embeddings'")
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+            raise ValueError(f"scaling['original_max_position_embeddings'] must be an int > 0, "
+                             f"got {v!r}")
         return int(v)
 
     if kind == "linear":
@@ -233,13 +315,16 @@ def rope_inv_freq(
         # Dynamic NTK (HF "dynamic"): base' = base * (factor*L/L0 - (factor-1))^(dim/(dim-2))
         # with L = max(seq_len, L0): unchanged up to the original context L0.
         L0 = orig()
+        if dim <= 2:
+            raise ValueError(f"scaling type {kind!r} needs rotary_dim > 2 (the exponent is "
+                             f"d / (d - 2)), got rotary_dim = {dim}")
         L = max(seq_len, L0)
         new_base = base * ((factor * L / L0) - (factor - 1)) ** (dim / (dim - 2))
         return inv(new_base), 1.0
     if kind == "yarn":
         L0 = orig()
-        beta_fast = float(scaling.get("beta_fast", 32.0))
-        beta_slow = float(scaling.get("beta_slow", 1.0))
+        beta_fast = number("beta_fast", 32.0)
+        beta_slow = number("beta_slow", 1.0)
 
         def mscale(scale, m=1.0):
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -264,8 +349,8 @@ def rope_inv_freq(
         return f / factor * (1 - extrapolate) + f * extrapolate, float(attn)
     # llama3
     L0 = orig(8192)
-    low_ff = float(scaling.get("low_freq_factor", 1.0))
-    high_ff = float(scaling.get("high_freq_factor", 4.0))
+    low_ff = number("low_freq_factor", 1.0)
+    high_ff = number("high_freq_factor", 4.0)
     if not high_ff > low_ff:
         raise ValueError(f"llama3 scaling needs high_freq_factor > low_freq_factor, got {high_ff}, {low_ff}")
     f = inv(base)
@@ -312,6 +397,8 @@ def rope_cache(
       ``w_i < L0/high`` unchanged, ``w_i > L0/low`` divided by ``f``, in between
       ``(1 - t) * inv_freq_i / f + t * inv_freq_i`` with ``t = (L0/w_i - low)/(high - low)``.
     """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral):
+        raise ArgumentTypeError(f"seq_len must be an int, got {type(seq_len).__name__}")
     if seq_len < 0:
         raise ValueError(f"seq_len must be >= 0, got {seq_len}")
     inv_freq, attn = rope_inv_freq(rotary_dim, base, scaling, seq_len)
@@ -322,29 +409,32 @@ def rope_cache(
     return cos, sin
 
 
-def _rope_fake_out(x, cos, sin, name="x"):
+def _rope_fake_out(x, cos, sin, name="x", positions=None):
     torch._check(x.dim() == 4, lambda: f"{name} must have 4 dims (B, S, H, D), got shape {list(x.shape)}")
     torch._check(cos.dim() == 2, lambda: f"cos must have 2 dims (S_max, rotary_dim/2), got shape {list(cos.shape)}")
+    _fake_same_device(x, name, cos=cos, sin=sin, positions=positions)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("attn_ext::rope")
 def _rope_fake(x, cos, sin, positions=None, offset=0, interleaved=False):
-    return _rope_fake_out(x, cos, sin)
+    return _rope_fake_out(x, cos, sin, positions=positions)
 
 
 @torch.library.register_fake("attn_ext::_rope_backward")
 def _rope_backward_fake(grad, cos, sin, positions=None, offset=0, interleaved=False):
-    return _rope_fake_out(grad, cos, sin, "grad")
+    return _rope_fake_out(grad, cos, sin, "grad", positions)
 
 
 @torch.library.register_fake("attn_ext::rope_")
 def _rope_inplace_fake(x, cos, sin, positions=None, offset=0, interleaved=False):
+    _fake_same_device(x, "x", cos=cos, sin=sin, positions=positions)
     return None
 
 
 @torch.library.register_fake("attn_ext::rope_qk_")
 def _rope_qk_inplace_fake(q, k, cos, sin, positions=None, offset=0, interleaved=False):
+    _fake_same_device(q, "q", k=k, cos=cos, sin=sin, positions=positions)
     return None
 
 
@@ -393,6 +483,12 @@ torch.library.register_autograd(
 # ---------------------------------------------------------------------------------------
 # scaled dot-product attention
 # ---------------------------------------------------------------------------------------
+
+
+def _check_qkv(q, k, v, q_what: str, k_what: str, v_what: str) -> None:
+    _check_tensor(q, "q", q_what)
+    _check_tensor(k, "k", k_what)
+    _check_tensor(v, "v", v_what)
 
 
 def _heads_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -455,12 +551,12 @@ def _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
     rel_bias = table(rel_bias, "rel_bias", "(H, 2M + 1)")
     sinks = table(sinks, "sinks", "(H,)")
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not (
             math.isfinite(softcap) and softcap > 0
         ):
             raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
         softcap = float(softcap)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not (
         0.0 <= dropout_p < 1.0
     ):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
@@ -554,6 +650,7 @@ def attention(
     for float64 inputs. Differentiable in q, k, v through ``out`` and ``lse`` (the lse
     gradient folds into the backward's row term).
     """
+    _check_qkv(q, k, v, "(B, Sq, H, D) or (B, Sq, D)", "(B, Sk, Hkv, D)", "(B, Sk, Hkv, Dv)")
     q, k, v, squeeze = _heads_4d(q, k, v)
     left, right = _window_args(window)
     terms = _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
@@ -605,6 +702,12 @@ def attention_varlen(
     A row never sees another sequence's keys. Returns ``out (Tq, H, Dv)`` and with
     ``return_lse`` also ``lse (H, Tq)``. Differentiable in q, k, v (through out and lse).
     """
+    _check_qkv(q, k, v, "(Tq, H, D)", "(Tk, Hkv, D)", "(Tk, Hkv, Dv)")
+    _check_tensor(cu_seqlens_q, "cu_seqlens_q", "int32 (N + 1,)")
+    _check_tensor(cu_seqlens_k, "cu_seqlens_k", "int32 (N + 1,)")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral):
+            raise ArgumentTypeError(f"{name} must be an int, got {type(m).__name__}")
     left, right = _window_args(window)
     terms = _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
     out, lse = _lib.attention_varlen_forward(
@@ -619,6 +722,7 @@ def causal_attention(
 ) -> torch.Tensor:
     """:func:`attention` with ``causal=True`` (bottom-right aligned mask; see there);
     ``scale`` is keyword-only."""
+    _check_qkv(q, k, v, "(B, Sq, H, D) or (B, Sq, D)", "(B, Sk, Hkv, D)", "(B, Sk, Hkv, Dv)")
     q, k, v, squeeze = _heads_4d(q, k, v)
     out = _lib.causal_attention(q, k, v, scale)
     return out.squeeze(2) if squeeze else out
@@ -641,6 +745,8 @@ def _attention_forward_fake(q, k, v, causal, scale=None, window_left=-1, window_
             key_padding_mask.dim() == 2,
             lambda: f"key_padding_mask must have shape (B, Sk), got shape {list(key_padding_mask.shape)}",
         )
+    _fake_same_device(q, "q", k=k, v=v, key_padding_mask=key_padding_mask,
+                      alibi_slopes=alibi_slopes, rel_bias=rel_bias, sinks=sinks)
     B, Sq, H, _ = q.shape
     out = q.new_empty((B, Sq, H, v.shape[3]))
     lse = q.new_empty((B, H, Sq), dtype=_lse_dtype(q.dtype))
@@ -666,6 +772,9 @@ def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None, window
                              alibi_slopes=None, rel_bias=None, softcap=None, dropout_p=0.0,
                              dropout_seed=0, dropout_offset=0, deterministic=False,
                              q_start=None, k_start=None):
+    _fake_same_device(q, "q", dout=dout, k=k, v=v, out=out, lse=lse, dlse=dlse,
+                      key_padding_mask=key_padding_mask, alibi_slopes=alibi_slopes,
+                      rel_bias=rel_bias)
     return _grads_like(q, k, v, rel_bias)
 
 
@@ -678,6 +787,8 @@ def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
     torch._check(q.dim() == 3, lambda: f"q must have 3 dims (Tq, H, D), got shape {list(q.shape)}")
     torch._check(k.dim() == 3, lambda: f"k must have 3 dims (Tk, Hkv, D), got shape {list(k.shape)}")
     torch._check(v.dim() == 3, lambda: f"v must have 3 dims (Tk, Hkv, Dv), got shape {list(v.shape)}")
+    _fake_same_device(q, "q", k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      alibi_slopes=alibi_slopes, rel_bias=rel_bias, sinks=sinks)
     Tq, H, _ = q.shape
     out = q.new_empty((Tq, H, v.shape[2]))
     lse = q.new_empty((H, Tq), dtype=_lse_dtype(q.dtype))
@@ -691,6 +802,9 @@ def _attention_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
                                     alibi_slopes=None, rel_bias=None, softcap=None,
                                     dropout_p=0.0, dropout_seed=0, dropout_offset=0,
                                     deterministic=False):
+    _fake_same_device(q, "q", dout=dout, k=k, v=v, out=out, lse=lse, dlse=dlse,
+                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      alibi_slopes=alibi_slopes, rel_bias=rel_bias)
     return _grads_like(q, k, v, rel_bias)
 
 
@@ -707,7 +821,9 @@ def _sinks_grad(sinks, lse, out, dout, dlse, rows_dims, head_first):
     g = -di if dlse is None else dlse - di
     shape = [1] * lse.dim()
     shape[head_first] = -1
-    p_sink = torch.exp(sinks.to(lse.dtype).view(shape) - lse)
+    sk = sinks.to(lse.dtype).view(shape)
+    # a sink of -inf (no sink) has probability 0 even in a row that sees no key (lse -inf)
+    p_sink = torch.where(torch.isneginf(sk), torch.zeros_like(lse), torch.exp(sk - lse))
     return (p_sink * g).sum(dim=rows_dims).to(sinks.dtype)
 
 
@@ -802,6 +918,26 @@ torch.library.register_autograd(
 )
 
 
+# Double backward (a gradient of the gradients) is not implemented: the backward ops refuse it
+# clearly when it is asked for, instead of autograd's fallback silently giving zeros.
+def _no_double_backward(name):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"attn_ext: double backward through attention is not supported ({name} has no "
+            "derivative); a gradient of the gradients (create_graph=True, then backward again) "
+            "needs attn_ext.reference.attention")
+    return backward
+
+
+def _no_double_backward_setup(ctx, inputs, output):
+    pass
+
+
+for _name in ("attention_backward", "attention_varlen_backward"):
+    torch.library.register_autograd(f"attn_ext::{_name}", _no_double_backward(_name),
+                                    setup_context=_no_double_backward_setup)
+
+
 # ---------------------------------------------------------------------------------------
 # attention probabilities for inspection (need_weights)
 # ---------------------------------------------------------------------------------------
@@ -833,6 +969,25 @@ def _check_weights_inputs(q: torch.Tensor, k: torch.Tensor, scale: Optional[floa
         raise ValueError(f"scale must be finite, got {scale}")
 
 
+def _weights_terms(q, alibi_slopes, rel_bias, softcap):
+    """attention_weights' score terms under attention's rules (_score_term_args, and the shape
+    checks of csrc/common/score_checks.h), so that the two accept the same arguments."""
+    alibi_slopes, rel_bias, softcap = _score_term_args(q, alibi_slopes, rel_bias, softcap, None,
+                                                       0.0)[:3]
+    B, H = q.size(0), q.size(2)
+    for name, t in (("alibi_slopes", alibi_slopes), ("rel_bias", rel_bias)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+    if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((H,), (B, H)):
+        raise ValueError(f"alibi_slopes must have shape (H,) = ({H},) or (B, H) = ({B}, {H}), "
+                         f"got shape {list(alibi_slopes.shape)}")
+    if rel_bias is not None and (rel_bias.dim() != 2 or rel_bias.size(0) != H
+                                 or rel_bias.size(1) % 2 != 1):
+        raise ValueError(f"rel_bias must have shape (H, 2M + 1) with H = {H} and an odd number "
+                         f"of distances, got shape {list(rel_bias.shape)}")
+    return alibi_slopes, rel_bias, softcap
+
+
 def attention_weights(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -861,6 +1016,10 @@ def attention_weights(
     Rows that see no key (causal with ``Sq > Sk``) are 0, as in :func:`attention`. A NaN or
     infinite input is not hidden: it shows in the rows it reaches.
     """
+    _check_tensor(q, "q", "(B, Sq, H, D) or (B, Sq, D)")
+    _check_tensor(k, "k", "(B, Sk, Hkv, D) or (B, Sk, D)")
+    if lse is not None:
+        _check_tensor(lse, "lse", "(B, H, Sq)")
     squeeze = q.dim() == 3
     if squeeze:
         if k.dim() != 3:
@@ -889,6 +1048,7 @@ def attention_weights(
             got = (f"dtype {key_padding_mask.dtype}, shape {list(key_padding_mask.shape)}"
                    if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__)
             raise ValueError(f"key_padding_mask must be bool (B, Sk) = ({B}, {Sk}), got {got}")
+    alibi_slopes, rel_bias, softcap = _weights_terms(q, alibi_slopes, rel_bias, softcap)
     probs = _attention_probs(q, k, causal, scale, lse, alibi_slopes, rel_bias, softcap, left,
                              right, key_padding_mask)
     return probs.squeeze(1) if squeeze else probs

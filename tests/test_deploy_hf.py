@@ -237,3 +237,20 @@ def test_dropout_runs_in_the_kernel():
     want = attn_ext.attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2),
                               causal=True, dropout_p=0.1)
     assert torch.equal(out, want)
+
+
+def test_chunked_prefill_on_a_cache_without_a_mask_matches_eager(models):
+    """A second prompt chunk on a DynamicCache, no attention_mask: the chunk's queries see the
+    cached keys (bottom-right causal), not only the first q_len keys (a static cache's empty
+    prefill, the one case transformers sends no mask with more keys than queries)."""
+    ours, ref = models
+    idx = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        got, want = [], []
+        for model, out in ((ours, got), (ref, want)):
+            cache = transformers.DynamicCache(config=model.config)
+            model(idx[:, :5], cache=cache, use_cache=True)
+            out.append(model(idx[:, 5:], cache=cache, use_cache=True).logits)
+            out.append(model(idx[:, -1:], cache=cache, use_cache=True).logits)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)

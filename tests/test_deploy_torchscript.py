@@ -93,3 +93,15 @@ def test_scripted_tinygpt_keeps_grad_path():
     gpt(idx).square().mean().backward()
     for n, p in gpt.named_parameters():
         torch.testing.assert_close(grads[n], 2 * p.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_trace_with_grad_enabled_records_one_graph():
+    """torch.jit.trace outside no_grad: the trace checker reruns the model without grad, so
+    RoPE must not switch between its in-place and out-of-place ops while tracing (it takes
+    the out-of-place one); the traced model matches eager and still trains."""
+    gpt = tiny_gpt(seed=5)
+    traced = torch.jit.trace(gpt, (torch.randint(0, 100, (2, 10)),))  # check_trace on
+    idx = torch.randint(0, 100, (2, 10))
+    torch.testing.assert_close(traced(idx), gpt(idx), rtol=1e-5, atol=1e-6)
+    traced(idx).square().mean().backward()
+    assert all(p.grad is not None for p in gpt.parameters() if p.requires_grad)

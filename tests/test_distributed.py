@@ -188,12 +188,47 @@ def _case_errors(rank, world):
     _expect(NotImplementedError, "kv_cache", mha, x, None, mha.new_kv_cache(1, 8))
     _expect(NotImplementedError, "need_weights", mha, x, None, None, True)
     _expect(ValueError, "layout must be one of", mha.set_context_parallel, dist.group.WORLD, "x")
-    _expect(ValueError, "q must have 4 dims", cp.ring_attention, q[0], q, q)
+    _expect(ValueError, "q must have 4 dims", cp.ring_attention, q[0, 0], q, q)
+    _expect(ValueError, "k and v must be 3-D too", cp.ring_attention, q[0], q, q)
     _expect(ValueError, "equal S_local", cp.ring_attention, q, q[:, :2], q[:, :2])
     _expect(ValueError, "multiple of 2", cp.ring_attention, q[:, :3], q[:, :3], q[:, :3])
     _expect(ValueError, "layout must be one of", cp.ring_attention, q, q, q, layout="striped")
     _expect(ValueError, f"multiple of {2 * world}", cp.shard_sequence, torch.randn(2, 2 * world + 1), 1)
     _expect(ValueError, "layout must be one of", cp.shard_sequence, torch.randn(2, 8), 1, None, "x")
+
+
+def _case_input_agreement(rank, world):
+    """Bad q / k / v are refused on every rank before the ring starts, so the group stays
+    usable; shards whose shapes differ between ranks are refused on all of them (they used to
+    abort one rank inside gloo and hang the others); 3-D input is the one-head form."""
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    good = lambda: cp.ring_attention(q, q, q, causal=True)
+    _expect(ValueError, "head dim", cp.ring_attention, q, torch.randn(1, 4, 2, 16, dtype=torch.float64),
+            torch.randn(1, 4, 2, 16, dtype=torch.float64), causal=True)
+    good()
+    _expect(ValueError, "dtype", cp.ring_attention, q, q.float(), q.float())
+    _expect(ValueError, "GQA", cp.ring_attention, torch.randn(1, 4, 3, 8, dtype=torch.float64), q, q)
+    good()
+    # rank 0 alone passes a bad k: every rank raises (no hang), then the group still works
+    k = q[:, :, :, :4] if rank == 0 else q
+    _expect(ValueError, "head dim" if rank == 0 else "failed their checks", cp.ring_attention, q, k, k)
+    good()
+    s_local = 4 if rank == 0 else 6
+    x = torch.randn(1, s_local, 2, 8, dtype=torch.float64)
+    _expect(ValueError, "same shapes", cp.ring_attention, x, x, x, causal=True)
+    good()
+    q3 = torch.randn(2, 4, 8, dtype=torch.float64)
+    out3, lse3 = cp.ring_attention(q3, q3, q3, causal=True, return_lse=True)
+    out4, lse4 = cp.ring_attention(q3[:, :, None], q3[:, :, None], q3[:, :, None], causal=True,
+                                   return_lse=True)
+    assert out3.shape == (2, 4, 8) and lse3.shape == (2, 4)
+    assert torch.equal(out3, out4[:, :, 0]) and torch.equal(lse3, lse4[:, 0])
+    full = torch.arange(24.0 * world).view(4, 6 * world)
+    for dim in (2, -3, 5):
+        _expect(ValueError, "dim must be an int in", cp.shard_sequence, full, dim, None, "contiguous")
+        _expect(ValueError, "dim must be an int in", cp.unshard_sequence, full, dim, None, "contiguous")
+    assert torch.equal(cp.shard_sequence(full, -1, None, "contiguous"),
+                       cp.shard_sequence(full, 1, None, "contiguous"))
 
 
 def _case_subgroups(rank, world):
@@ -345,6 +380,7 @@ CASES = {
     "shard_roundtrip": _case_shard_roundtrip,
     "subgroups": _case_subgroups,
     "errors": _case_errors,
+    "input_agreement": _case_input_agreement,
     "tinygpt_cp_rope_zigzag": _case_tinygpt_cp,
     "tinygpt_cp_learned_contiguous": lambda r, w: _case_tinygpt_cp(r, w, layout="contiguous", pos="learned", steps=2),
     "tinygpt_cp_relative_zigzag": lambda r, w: _case_tinygpt_cp(r, w, pos="relative", steps=2),

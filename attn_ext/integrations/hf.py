@@ -237,7 +237,14 @@ def attn_ext_mask(
         band = band & (q_pos - k_pos < local_size)
     for pattern in (band, torch.ones_like(band)):  # causal (with window), bidirectional
         if torch.equal(full[..., :n], pattern[None, None] & pad[:, None, None, :]):
-            return pad if attention_mask is not None else None
+            # No mask only where no past keys precede several queries: the attention
+            # function reads a missing mask with more keys than queries (q_len > 1) as an
+            # empty static cache's prefill (transformers' own convention) and drops the keys
+            # past q_len; a chunk after cached keys keeps them through the all-True padding
+            # mask. (One decoding query sees every key either way.)
+            if attention_mask is None and (n == q_length or q_length == 1):
+                return None
+            return pad
     return full
 
 

@@ -373,6 +373,16 @@ struct ScoreTerms {
     using std::log2;
     constexpr double kLog2e_ = 1.4426950408889634074, kLn2_ = 0.69314718055994530942;
     const double sink2 = static_cast<double>(sink<T>(h)) * kLog2e_;
+    // A sink of -inf is no sink (a row with no key keeps lse = -inf); +inf takes all the
+    // weight (out 0, lse +inf). Without these two cases inf - inf below would give NaN.
+    if (sink2 == INFINITY) {
+      *lse = INFINITY;
+      return 0.0;
+    }
+    if (sink2 == -INFINITY && !seen) {
+      *lse = -INFINITY;
+      return 0.0;
+    }
     const double mc = seen ? m2 : -INFINITY;
     const double mm = mc > sink2 ? mc : sink2;
     const double w = seen ? exp2(mc - mm) : 0.0;  // weight of the keys' part

@@ -17,6 +17,14 @@ inline void check_window(int64_t left, int64_t right) {
               left, ", ", right, ")");
 }
 
+// Bounds that keep the band's index sums (i + off + right, j - off + left, ...) far from
+// int64 overflow. A block's global start (q_start / k_start) is below 2^60, so every distance
+// d = i + off - j a call can have is below 2^60 + its lengths in magnitude, and a window side
+// of 2^61 or more reaches every key: it is stored as -1 (unbounded), the same visibility.
+constexpr int64_t kMaxBlockStart = int64_t(1) << 60;
+constexpr int64_t kWindowUnboundedFrom = int64_t(1) << 61;
+inline int64_t window_side(int64_t w) { return w >= kWindowUnboundedFrom ? -1 : w; }
+
 inline void check_key_padding_mask(const Tensor& kpm, const Tensor& q,
                                    const AttentionShape& s) {
   STD_TORCH_CHECK(kpm.scalar_type() == ScalarType::Bool,
@@ -33,8 +41,8 @@ inline void fill_mask_params(AttentionParams& p, const AttentionShape& s, const 
                              bool causal, int64_t window_left, int64_t window_right,
                              const OptTensor& key_padding_mask) {
   check_window(window_left, window_right);
-  p.mask.left = window_left;
-  p.mask.right = causal ? 0 : window_right;
+  p.mask.left = window_side(window_left);
+  p.mask.right = causal ? 0 : window_side(window_right);
   if (key_padding_mask.has_value()) {
     const Tensor& kpm = *key_padding_mask;
     check_key_padding_mask(kpm, q, s);
@@ -58,11 +66,13 @@ inline void fill_block_position(AttentionParams& p, std::optional<int64_t> q_sta
                   ", k_start = ",
                   k_start.has_value() ? std::to_string(*k_start) : std::string("None"));
   if (!q_start.has_value()) return;
-  STD_TORCH_CHECK(*q_start >= 0, "q_start must be >= 0, got ", *q_start);
+  STD_TORCH_CHECK(*q_start >= 0 && *q_start < kMaxBlockStart, "q_start must be >= 0 (and < 2^60), got ",
+                  *q_start);
   STD_TORCH_CHECK(!has_sinks,
                   "sinks cannot be combined with q_start / k_start: a block's lse would count "
                   "the sink once per block (add it once, after merging the blocks)");
-  STD_TORCH_CHECK(*k_start >= 0, "k_start must be >= 0, got ", *k_start);
+  STD_TORCH_CHECK(*k_start >= 0 && *k_start < kMaxBlockStart, "k_start must be >= 0 (and < 2^60), got ",
+                  *k_start);
   p.mask.block = true;
   p.mask.q_start = *q_start;
   p.mask.k_start = *k_start;
@@ -123,8 +133,10 @@ inline AttentionShape check_varlen_inputs(const Tensor& q, const Tensor& k,
               "cu_seqlens_k must have as many sequences as cu_seqlens_q (", cu_seqlens_q.size(0),
               " entries), got ", cu_seqlens_k.size(0));
   s.B = cu_seqlens_q.size(0) - 1;
-  s.Sq = max_seqlen_q;
-  s.Sk = max_seqlen_k;
+  // No sequence is longer than all the packed rows: a loose bound (FlashAttention's callers
+  // often pass one) is clamped, so the tiling never plans work for rows that do not exist.
+  s.Sq = std::min(max_seqlen_q, q.size(0));
+  s.Sk = std::min(max_seqlen_k, k.size(0));
   return s;
 }
 
@@ -140,8 +152,8 @@ inline void make_params_packed(AttentionParams& p, const AttentionShape& s, int6
   p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.out_batch_stride = 0;
   p.lse_batch_stride = 0;
   p.lse_head_stride = Tq;
-  p.mask.left = window_left;
-  p.mask.right = causal ? 0 : window_right;
+  p.mask.left = window_side(window_left);
+  p.mask.right = causal ? 0 : window_side(window_right);
   p.mask.cu_seqlens_q = static_cast<const int32_t*>(cu_seqlens_q.data_ptr());
   p.mask.cu_seqlens_k = static_cast<const int32_t*>(cu_seqlens_k.data_ptr());
   p.mask.n_seq = s.B;

@@ -144,6 +144,30 @@ inline void check_no_internal_overlap(const Tensor& t, const char* name, const c
                   "expand()ed view), got shape ", shape_of(t), " and strides ", strides_of(t));
 }
 
+// `read` (an input the in-place op only reads, e.g. rope_'s cos / sin tables, possibly of
+// another dtype) must not lie in the bytes `written` spans: their address ranges must be
+// disjoint (a table written while it is read would give a wrong rotation, no error).
+inline void check_disjoint_from_written(const Tensor& written, const char* w_name,
+                                        const Tensor& read, const char* r_name, const char* op) {
+  if (written.numel() == 0 || read.numel() == 0) return;
+  auto range = [](const Tensor& t) {
+    int64_t lo = 0, hi = 0;  // element offsets reached, from the data pointer
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t ext = (t.size(d) - 1) * t.stride(d);
+      (ext < 0 ? lo : hi) += ext;
+    }
+    const auto p = reinterpret_cast<intptr_t>(t.data_ptr());
+    const auto es = static_cast<intptr_t>(t.element_size());
+    return std::pair<intptr_t, intptr_t>{p + lo * es, p + (hi + 1) * es};
+  };
+  const auto [wa, wb] = range(written);
+  const auto [ra, rb] = range(read);
+  STD_TORCH_CHECK(wb <= ra || rb <= wa, r_name, " must not overlap ", w_name, " (", op, " writes ",
+                  w_name, " in place while it reads ", r_name, "), got ", r_name,
+                  " inside the memory of ", w_name, " (shape ", shape_of(written), ", strides ",
+                  strides_of(written), ")");
+}
+
 // a and b (same dtype, each free of internal overlap) must not share an element.
 inline void check_no_overlap(const Tensor& a, const char* a_name, const Tensor& b,
                              const char* b_name, const char* op) {

@@ -108,6 +108,8 @@ void rope_inplace_with(Run&& run, const Tensor& x, const Tensor& cos,
   check_rope_input(x, "x");
   check_no_internal_overlap(x, "x", "rope_");
   RopeParams p = make_rope_params(x, cos, sin, positions, offset, interleaved, false);
+  check_disjoint_from_written(x, "x", cos, "cos", "rope_");
+  check_disjoint_from_written(x, "x", sin, "sin", "rope_");
   add_rope_tensor(p, x, x, "x");
   run(x, cos, p);
 }
@@ -127,6 +129,10 @@ void rope_qk_inplace_with(Run&& run, const Tensor& q, const Tensor& k,
   check_no_internal_overlap(k, "k", "rope_qk_");
   check_no_overlap(q, "q", k, "k", "rope_qk_");
   RopeParams p = make_rope_params(q, cos, sin, positions, offset, interleaved, false);
+  check_disjoint_from_written(q, "q", cos, "cos", "rope_qk_");
+  check_disjoint_from_written(q, "q", sin, "sin", "rope_qk_");
+  check_disjoint_from_written(k, "k", cos, "cos", "rope_qk_");
+  check_disjoint_from_written(k, "k", sin, "sin", "rope_qk_");
   add_rope_tensor(p, q, q, "q");
   add_rope_tensor(p, k, k, "k");
   run(q, cos, p);

@@ -92,7 +92,7 @@ inline bool decode_supported(const AttentionParams& p, bool is_double) {
   const ScoreTerms terms = p.score_terms();
   if (terms.active() || terms.has_dropout()) return false;
   if (p.Hkv <= 0 || p.D <= 0 || p.D > 512 || p.Dv > 512) return false;
-  return p.Sq * (p.H / p.Hkv) <= kDecodeCols;
+  return p.Sq <= kDecodeCols / std::max<int64_t>(1, p.H / p.Hkv);  // Sq * group <= kDecodeCols
 }
 
 namespace decode_detail {

@@ -1,0 +1,260 @@
+"""Bad input found by an audit against DESIGN.md ("never a crash, hang, silent wrong answer";
+"differentiable ... or the op refuses the gradient clearly"): each case here once crashed,
+hung, returned garbage or a wrong gradient, or leaked an unclear Python error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import attn_ext as A
+from attn_ext import reference as R
+
+f64 = torch.float64
+
+
+def _qkv(dtype=torch.float32):
+    torch.manual_seed(0)
+    return (torch.randn(2, 8, 4, 16, dtype=dtype), torch.randn(2, 8, 2, 16, dtype=dtype),
+            torch.randn(2, 8, 2, 16, dtype=dtype))
+
+
+def _packed():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(10, 4, 16, dtype=f64), torch.randn(12, 2, 16, dtype=f64), torch.randn(12, 2, 16, dtype=f64)
+    return q, k, v, torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bound", [2**40, 2**62, 2**63 - 1])
+def test_varlen_loose_max_seqlen_is_a_bound_not_a_size(bound, causal):
+    # used to hang (2**40: the tiling planned max_seqlen / 96 tiles) or crash (2**62: an
+    # int64 overflow sent the call to the decode kernel)
+    q, k, v, cq, ck = _packed()
+    want = A.attention_varlen(q, k, v, cq, ck, 6, 7, causal=causal)
+    got = A.attention_varlen(q, k, v, cq, ck, bound, bound, causal=causal)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    qg = q.clone().requires_grad_()
+    A.attention_varlen(qg, k, v, cq, ck, bound, bound, causal=causal).sum().backward()
+    qr = q.clone().requires_grad_()
+    A.attention_varlen(qr, k, v, cq, ck, 6, 7, causal=causal).sum().backward()
+    torch.testing.assert_close(qg.grad, qr.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("window,causal,same_as", [
+    ((-1, 2**63 - 1), False, None), ((2**63 - 8, 2**63 - 8), False, None),
+    ((2**63 - 1, 0), False, "causal"), ((2**62, 2**61), False, None),
+])
+def test_huge_window_sides_mean_unbounded(window, causal, same_as):
+    # the band's index sums overflowed int64 and hid keys silently
+    q, k, v = _qkv(f64)
+    want = A.attention(q, k, v, causal=same_as == "causal")
+    torch.testing.assert_close(A.attention(q, k, v, window=window, causal=causal), want)
+    qp, kp, vp, cq, ck = _packed()
+    torch.testing.assert_close(A.attention_varlen(qp, kp, vp, cq, ck, 6, 7, window=window),
+                               A.attention_varlen(qp, kp, vp, cq, ck, 6, 7, causal=same_as == "causal"))
+
+
+def test_block_start_bounds():
+    q, k, v = _qkv(f64)
+    for name, qs, ks in (("q_start", 2**60, 0), ("k_start", 0, 2**62)):
+        with pytest.raises(RuntimeError, match=name):
+            torch.ops.attn_ext.attention_forward(q, k, v, False, None, q_start=qs, k_start=ks)
+
+
+@pytest.mark.parametrize("case", ["attention", "rope", "sinusoidal"])
+def test_one_meta_argument_among_cpu_ones_is_an_error(case):
+    # the Meta key won the dispatch and the unchecked fake returned uninitialised CPU memory
+    q, k, v = _qkv()
+    cos, sin = A.rope_cache(8, 16)
+    with pytest.raises(RuntimeError, match="same device"):
+        if case == "attention":
+            A.attention(q, k.to("meta"), v)
+        elif case == "rope":
+            A.rope(q, cos.to("meta"), sin)
+        else:
+            A.sinusoidal_pe(torch.randn(2, 4, 8), torch.arange(4, device="meta"))
+
+
+def test_in_place_ops_refuse_tensors_that_need_grad():
+    cos, sin = A.rope_cache(8, 16)
+    w = torch.randn(2, 4, 2, 16, requires_grad=True)
+    for call in (lambda: A.rope_(w * 1, cos, sin),
+                 lambda: A.rope_qk(w * 1, torch.randn(2, 4, 2, 16), cos, sin, inplace=True),
+                 lambda: A.sinusoidal_pe_(torch.randn(4, 8, requires_grad=True))):
+        with pytest.raises(RuntimeError, match="requires grad"):
+            call()
+    with torch.no_grad():  # allowed where no gradient is recorded
+        x = w.detach().clone()
+        A.rope_(x, cos, sin)
+        torch.testing.assert_close(x, A.rope(w.detach(), cos, sin))
+
+
+def test_in_place_ops_bump_the_version_counter():
+    # a graph that saved x must refuse to backward through the overwritten value
+    cos, sin = A.rope_cache(8, 16)
+    for op in (lambda x: A.rope_(x, cos, sin), lambda x: A.rope_qk(x, x.clone(), cos, sin, inplace=True)):
+        x = torch.randn(2, 4, 2, 16)
+        w = torch.randn(2, 4, 2, 16, requires_grad=True)
+        y = (x * w).sum()
+        v0 = x._version
+        op(x)
+        assert x._version > v0
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+    with torch.inference_mode():  # inference tensors keep no version counter: still fine
+        x = torch.randn(2, 4, 2, 16)
+        A.rope_(x, cos, sin)
+
+
+def test_rope_in_place_refuses_tables_inside_x():
+    buf = torch.randn(256)
+    x = buf.view(2, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="cos must not overlap x"):
+        A.rope_(x, buf[:64].view(8, 8), torch.randn(8, 8))
+    with pytest.raises(RuntimeError, match="sin must not overlap k"):
+        A.rope_qk(torch.randn(2, 4, 2, 16), x, torch.randn(8, 8), buf[64:128].view(8, 8), inplace=True)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_double_backward_is_refused_clearly(varlen):
+    # autograd's fallback used to return zeros (with a warning only)
+    if varlen:
+        q, k, v, cq, ck = _packed()
+        f = lambda q: A.attention_varlen(q, k, v, cq, ck, 6, 7, causal=True)
+    else:
+        q, k, v = _qkv(f64)
+        f = lambda q: A.attention(q, k, v, causal=True)
+    qq = q.clone().requires_grad_()
+    g, = torch.autograd.grad(f(qq).sum(), qq, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad((g ** 2).sum(), qq)
+    # the first-order gradient itself is unaffected
+    qr = q.clone().requires_grad_()
+    g1, = torch.autograd.grad(f(qr).sum(), qr)
+    torch.testing.assert_close(g.detach(), g1)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(softcap=0.0), "softcap"), (dict(softcap=-1.0), "softcap"),
+    (dict(alibi_slopes=torch.ones(1)), "alibi_slopes"),
+    (dict(alibi_slopes=torch.ones(1, 4)), "alibi_slopes"),
+    (dict(alibi_slopes=torch.ones(4, dtype=torch.int64)), "alibi_slopes"),
+    (dict(rel_bias=torch.randn(4, 4)), "rel_bias"), (dict(rel_bias=torch.randn(1, 5)), "rel_bias"),
+    (dict(rel_bias=torch.randn(5)), "rel_bias"),
+])
+def test_attention_weights_takes_attentions_score_term_rules(kw, match):
+    q, k, _ = _qkv()
+    with pytest.raises(ValueError, match=match):
+        A.attention_weights(q, k, **kw)
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        A.attention(q, k, k, **kw)
+
+
+def test_attention_weights_with_terms_still_matches_attention():
+    q, k, v = _qkv(f64)
+    kw = dict(causal=True, alibi_slopes=torch.rand(2, 4), rel_bias=torch.randn(4, 7), softcap=3.0)
+    p = A.attention_weights(q, k, **kw)
+    got = torch.einsum("bhij,bjhd->bihd", p, v.repeat_interleave(2, dim=2))
+    torch.testing.assert_close(got, A.attention(q, k, v, **kw))
+
+
+def test_kv_cache_checks_shapes_and_padding():
+    c = A.MultiHeadAttention(32, 4, 2).new_kv_cache(2, 8)
+    with pytest.raises(ValueError, match="k_new"):
+        c.update(torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8))  # B = 1 would broadcast
+    with pytest.raises(ValueError, match="k_new"):
+        c.update(torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8))  # Hkv = 1 likewise
+    with pytest.raises(ValueError, match="v_new"):
+        c.update(torch.randn(2, 3, 2, 8), torch.randn(2, 2, 2, 8))
+    for bad in (torch.tensor([-3, 0]), torch.tensor([100, 0]), torch.tensor([1.5, 0.0])):
+        with pytest.raises(ValueError, match="start"):
+            c.set_left_padding(bad)
+    c.set_left_padding(torch.tensor([2, 0]))
+    k, v = c.update(torch.randn(2, 3, 2, 8), torch.randn(2, 3, 2, 8))
+    assert k.shape == (2, 3, 2, 8) and c.length == 3
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda q, k, v: A.attention(None, k, v), "q"),
+    (lambda q, k, v: A.attention(q, [1], v), "k"),
+    (lambda q, k, v: A.causal_attention(q, k, None), "v"),
+    (lambda q, k, v: A.attention_weights(None, k), "q"),
+    (lambda q, k, v: A.rope([1], *A.rope_cache(8, 16)), "x"),
+    (lambda q, k, v: A.rope(q, None, None), "cos"),
+    (lambda q, k, v: A.sinusoidal_pe(None), "x"),
+    (lambda q, k, v: A.rope_cache(8, "8"), "rotary_dim"),
+    (lambda q, k, v: A.rope_cache("8", 8), "seq_len"),
+    (lambda q, k, v: A.rope_cache(8, 8, scaling="linear"), "scaling"),
+])
+def test_wrong_python_types_name_the_argument(call, name):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=name) as e:  # ArgumentTypeError: a TypeError too
+        call(q, k, v)
+    assert isinstance(e.value, TypeError)
+
+
+def test_varlen_wrong_python_types():
+    q, k, v, cq, ck = _packed()
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        A.attention_varlen(q, k, v, None, ck, 6, 7)
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        A.attention_varlen(q, k, v, cq, ck, 6, 7.0)
+
+
+@pytest.mark.parametrize("scaling,match", [
+    ({"type": "ntk", "factor": 2, "original_max_position_embeddings": 4}, "rotary_dim > 2"),
+    ({"type": "dynamic", "factor": 2, "original_max_position_embeddings": 0}, "original_max"),
+    ({"type": "llama3", "factor": 2, "low_freq_factor": 0}, "low_freq_factor"),
+    ({"type": "yarn", "factor": 2, "original_max_position_embeddings": 4, "beta_fast": 0}, "beta_fast"),
+    ({"type": "yarn", "factor": 2, "original_max_position_embeddings": -4}, "original_max"),
+    ({"type": "linear", "factor": float("nan")}, "factor"),
+])
+def test_rope_scaling_parameters_are_checked(scaling, match):
+    rotary = 2 if "rotary_dim" in match else 8
+    with pytest.raises(ValueError, match=match):
+        A.rope_cache(16, rotary, scaling=scaling)
+
+
+def test_numpy_scalars_are_numbers_and_modules_check_their_arguments():
+    q, k, v = _qkv()
+    torch.manual_seed(3)
+    a = A.attention(q, k, v, dropout_p=np.float32(0.25), softcap=np.float32(5.0))
+    torch.manual_seed(3)
+    b = A.attention(q, k, v, dropout_p=0.25, softcap=5.0)
+    torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="dropout"):
+        A.MultiHeadAttention(32, 4, dropout=-1)
+    with pytest.raises(ValueError, match="x must have 3 dims"):
+        A.MultiHeadAttention(32, 4)(torch.randn(8, 32))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_infinite_sinks_give_the_references_lse_never_nan(varlen):
+    # a sink of -inf (no sink for that head) gave NaN lse in rows that see no key, and a NaN
+    # sink gradient; +inf gave NaN lse everywhere
+    torch.manual_seed(4)
+    q = torch.randn(1, 4, 2, 8, dtype=f64)
+    k = torch.randn(1, 2, 2, 8, dtype=f64)  # causal with Sq > Sk: rows 0, 1 see no key
+    for sink0 in (float("-inf"), float("inf")):
+        s = torch.tensor([sink0, 0.5], dtype=f64, requires_grad=True)
+        if varlen:
+            cu_q, cu_k = torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+            out, lse = A.attention_varlen(q[0], k[0], k[0], cu_q, cu_k, 4, 2, causal=True,
+                                          sinks=s, return_lse=True)
+            out, lse = out[None], lse[None]
+        else:
+            out, lse = A.attention(q, k, k, causal=True, sinks=s, return_lse=True)
+        ref_out, ref_lse = R.attention_with_lse(q, k, k, causal=True, sinks=s.detach())
+        assert not lse.isnan().any()
+        torch.testing.assert_close(lse, ref_lse.to(lse.dtype))
+        torch.testing.assert_close(out, ref_out)
+        if sink0 < 0:
+            out.sum().backward()
+            assert not s.grad.isnan().any()
+            assert s.grad[0] == 0  # no sink, no gradient
+            ss = s.detach().clone()[1:].requires_grad_()  # head 1 alone, against the reference
+            R.attention_with_lse(q[:, :, 1:], k[:, :, 1:], k[:, :, 1:], causal=True,
+                                 sinks=ss)[0].sum().backward()
+            torch.testing.assert_close(s.grad[1:], ss.grad)
