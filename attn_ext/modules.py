@@ -40,7 +40,12 @@ def _dropout_seed_offset(device: torch.device) -> Tuple[int, int]:
     """Seed and offset of one attention-dropout call from torch's generator of ``device``
     (as ``attn_ext.attention`` draws them; TorchScript-clean)."""
     r = torch.randint(0, 4611686018427387904, (2,), dtype=torch.int64, device=device)
-    return int(r[0].item()), int(r[1].item())
+    if torch.jit.is_scripting():
+        return int(r[0].item()), int(r[1].item())
+    # eager / torch.compile / torch.export: no int(), which would guard on a data-dependent
+    # value under tracing (the ops' dropout_seed / dropout_offset are SymInt)
+    seed, offset = r.tolist()
+    return seed, offset
 
 
 class KVCache:

@@ -526,8 +526,10 @@ def _dropout_seed_offset(device) -> tuple:
     """``(seed, offset)`` of one dropout call, drawn from torch's generator of ``device`` (so
     ``torch.manual_seed`` reproduces a run); the kernels' keep bits are a pure function of
     them and the position (csrc/common/dropout_rng.h, reference.dropout_keep_mask)."""
+    # (no int(): under torch.compile / torch.export these are the graph's own random values,
+    # data-dependent SymInts that the ops' SymInt arguments take as they are)
     seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device).tolist()
-    return int(seed), int(offset)
+    return seed, offset
 
 
 def _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):

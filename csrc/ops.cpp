@@ -105,8 +105,8 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
       "    float? softcap=None,"
       "    Tensor? sinks=None,"
       "    float dropout_p=0.0,"
-      "    int dropout_seed=0,"
-      "    int dropout_offset=0,"
+      "    SymInt dropout_seed=0,"
+      "    SymInt dropout_offset=0,"
       "    int? q_start=None,"
       "    int? k_start=None"
       ") -> (Tensor out, Tensor lse)");
@@ -139,8 +139,8 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
       "    Tensor? rel_bias=None,"
       "    float? softcap=None,"
       "    float dropout_p=0.0,"
-      "    int dropout_seed=0,"
-      "    int dropout_offset=0,"
+      "    SymInt dropout_seed=0,"
+      "    SymInt dropout_offset=0,"
       "    bool deterministic=False,"
       "    int? q_start=None,"
       "    int? k_start=None"
@@ -169,8 +169,8 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
       "    float? softcap=None,"
       "    Tensor? sinks=None,"
       "    float dropout_p=0.0,"
-      "    int dropout_seed=0,"
-      "    int dropout_offset=0"
+      "    SymInt dropout_seed=0,"
+      "    SymInt dropout_offset=0"
       ") -> (Tensor out, Tensor lse)");
   m.def(
       "attention_varlen_backward("
@@ -193,8 +193,8 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
       "    Tensor? rel_bias=None,"
       "    float? softcap=None,"
       "    float dropout_p=0.0,"
-      "    int dropout_seed=0,"
-      "    int dropout_offset=0,"
+      "    SymInt dropout_seed=0,"
+      "    SymInt dropout_offset=0,"
       "    bool deterministic=False"
       ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor drel_bias)");
   // out of attention_forward. Composite (csrc/attention_composite.cpp): differentiable

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
+import attn_ext
 from deploy_utils import JIT_DEPRECATION, rope_attention, tiny_gpt
 
 # Importing inductor imports torch.utils.mkldnn, whose ScriptModules use the deprecated
@@ -80,3 +81,35 @@ def test_inductor_fullgraph_forward_and_backward_match_eager():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx, wx, rtol=1e-4, atol=1e-5)
     assert g_qkv is None  # autograd.grad: nothing accumulated
+
+
+def test_attention_dropout_compiles_fullgraph_and_exports():
+    """Training with attention dropout: fullgraph compile (forward and backward) draws the
+    seed / offset inside the graph (the ops' SymInt arguments), so each call gets a fresh mask
+    and, under the same torch.manual_seed, eager's exact bits; torch.export of a train-mode
+    layer with dropout runs too."""
+    torch._dynamo.reset()
+    q0 = torch.randn(1, 16, 2, 8)
+
+    def f(q):
+        return attn_ext.attention(q, q, q, causal=True, dropout_p=0.25)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    grads = []
+    for fn in (compiled, f):
+        q = q0.clone().requires_grad_()
+        torch.manual_seed(5)
+        out = fn(q)
+        out.square().sum().backward()
+        grads.append((out.detach(), q.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    torch.manual_seed(6)
+    assert not torch.equal(compiled(q0), grads[0][0])  # another seed, another mask
+
+    m = attn_ext.MultiHeadAttention(16, 2, dropout=0.2).train()
+    x = torch.randn(1, 8, 16, requires_grad=True)
+    torch.compile(m, fullgraph=True, backend="aot_eager")(x)[0].sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    ep = torch.export.export(m, (torch.randn(2, 12, 16),))
+    y = ep.module()(torch.randn(2, 12, 16))[0]
+    assert y.shape == (2, 12, 16) and torch.isfinite(y).all()
