@@ -38,14 +38,6 @@ def _check_inplace_target(x: torch.Tensor, name: str, op: str) -> None:
             f"{op.rstrip('_')} in training, or call it under torch.no_grad()")
 
 
-def _bump_version(*ts: torch.Tensor) -> None:
-    """Tell autograd that the in-place op wrote these tensors, so a graph that saved one of
-    them refuses to backward through the stale value (as for torch's own in-place ops)."""
-    if torch.compiler.is_compiling():
-        return  # functionalisation tracks the mutation; no version counter to keep
-    for t in ts:
-        if not t.is_inference():  # inference tensors keep no version counter
-            torch.autograd.graph.increment_version(t)
 
 # ---------------------------------------------------------------------------------------
 # sinusoidal positional encoding
@@ -90,7 +82,6 @@ def sinusoidal_pe_(
     _check_tensor(x, "x", "(B, S, D) or (S, D)")
     _check_inplace_target(x, "x", "sinusoidal_pe_")
     _lib.sinusoidal_pe_(x, positions, offset, base)
-    _bump_version(x)
     return x
 
 
@@ -222,7 +213,6 @@ def rope_(
     _check_tensor(sin, "sin", "(S_max, rotary_dim/2)")
     _check_inplace_target(x, "x", "rope_")
     _lib.rope_(_rope_4d(x), cos, sin, positions, offset, interleaved)
-    _bump_version(x)
     return x
 
 
@@ -250,7 +240,6 @@ def rope_qk(
         _check_inplace_target(q, "q", "rope_qk_")
         _check_inplace_target(k, "k", "rope_qk_")
         _lib.rope_qk_(_rope_4d(q), _rope_4d(k), cos, sin, positions, offset, interleaved)
-        _bump_version(q, k)
         return q, k
     return (
         rope(q, cos, sin, positions, offset, interleaved),
@@ -481,6 +470,57 @@ torch.library.register_autograd(
 
 
 # ---------------------------------------------------------------------------------------
+# the in-place ops under autograd (rope_, rope_qk_, sinusoidal_pe_; also when called as
+# torch.ops.attn_ext.* or from TorchScript)
+# ---------------------------------------------------------------------------------------
+#
+# The C++ library registers only their CPU / CUDA kernels, and torch's fallbacks neither
+# refuse a written tensor that autograd tracks nor bump its version counter: a gradient
+# through it silently skipped the rotation, and a graph that had saved it backpropagated
+# through the overwritten values. The two kernels below do what torch does for its own
+# in-place ops (and torch.library.custom_op for mutating ones): the Autograd kernel refuses a
+# written argument that requires grad (the ops are not differentiable; the out-of-place ops
+# are), the ADInplaceOrView kernel bumps the written arguments' versions.
+
+_INPLACE_WRITES = {"rope_": ("x",), "rope_qk_": ("q", "k"), "sinusoidal_pe_": ("x",)}
+_inplace_lib = torch.library.Library("attn_ext", "IMPL")
+
+
+def _inplace_kernels(name, written):
+    op = getattr(_lib, name).default
+    positions = [i for i, a in enumerate(op._schema.arguments) if a.name in written]
+
+    def targets(args, kwargs):  # the written tensors, passed by position or by name
+        return [(args[i] if i < len(args) else kwargs[nm], nm) for i, nm in zip(positions, written)]
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        if torch.is_grad_enabled():
+            for t, arg_name in targets(args, kwargs):
+                if t.requires_grad:
+                    raise RuntimeError(
+                        f"attn_ext::{name}: {arg_name} requires grad, and the in-place op is not "
+                        f"differentiable (its gradient would silently skip it); use the "
+                        f"out-of-place op in training, or call it under torch.no_grad()")
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    def inplace_or_view_kernel(keyset, *args, **kwargs):
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            out = op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
+        for t, _ in targets(args, kwargs):
+            if not t.is_inference():  # inference tensors keep no version counter
+                torch.autograd.graph.increment_version(t)
+        return out
+
+    _inplace_lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    _inplace_lib.impl(name, inplace_or_view_kernel, "ADInplaceOrView", with_keyset=True)
+
+
+for _name, _written in _INPLACE_WRITES.items():
+    _inplace_kernels(_name, _written)
+
+
+# ---------------------------------------------------------------------------------------
 # scaled dot-product attention
 # ---------------------------------------------------------------------------------------
 
@@ -547,6 +587,10 @@ def _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
             raise ValueError(f"{name} must be a floating-point tensor {shape}, got {got}")
         return t.to(acc).contiguous()
 
+    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.requires_grad and torch.is_grad_enabled():
+        # refused rather than silently detached (DESIGN: no gradient for ALiBi slopes)
+        raise ValueError("alibi_slopes get no gradient (ALiBi's slopes are fixed); pass "
+                         "alibi_slopes.detach(), or use rel_bias for a learnable position bias")
     alibi_slopes = table(alibi_slopes, "alibi_slopes", "(H,) or (B, H)")
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.detach()  # ALiBi slopes are fixed (no gradient)
@@ -629,7 +673,8 @@ def attention(
         softcap: ``s = softcap * tanh(s / softcap)`` on the scaled score, before the biases
             and the mask (Gemma 2). Must be > 0.
         alibi_slopes: ``(H,)`` or ``(B, H)``: ``s -= slope[b, h] * |d|`` (ALiBi, Press et al.;
-            :func:`attn_ext.alibi_slopes`). No gradient. The lse is exact (not shifted).
+            :func:`attn_ext.alibi_slopes`). No gradient (slopes that require grad are refused).
+            The lse is exact (not shifted).
         rel_bias: ``(H, 2M + 1)`` learnable relative position bias ``b_{i-j}``:
             ``s += rel_bias[h, M + clamp(d, -M, M)]`` (:class:`attn_ext.RelativePositionBias`
             builds it, T5 buckets included). Differentiable: its gradient is computed inside

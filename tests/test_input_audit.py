@@ -258,3 +258,49 @@ def test_infinite_sinks_give_the_references_lse_never_nan(varlen):
             R.attention_with_lse(q[:, :, 1:], k[:, :, 1:], k[:, :, 1:], causal=True,
                                  sinks=ss)[0].sum().backward()
             torch.testing.assert_close(s.grad[1:], ss.grad)
+
+
+@pytest.mark.parametrize("op", ["rope_", "rope_qk_", "sinusoidal_pe_"])
+def test_raw_in_place_ops_refuse_grad_and_bump_versions(op):
+    # torch.ops.attn_ext.* directly (as TorchScript calls them), not only the Python wrappers
+    cos, sin = A.rope_cache(8, 16)
+
+    def call(x, **kw):
+        if op == "rope_":
+            torch.ops.attn_ext.rope_(x, cos, sin, **kw)
+        elif op == "rope_qk_":
+            torch.ops.attn_ext.rope_qk_(x[:, :, :1], x[:, :, 1:], cos, sin, **kw)
+        else:
+            torch.ops.attn_ext.sinusoidal_pe_(x.view(1, 8, 32), **kw)
+
+    a = torch.randn(1, 8, 2, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        call(a * 1.0)
+    x = torch.randn(1, 8, 2, 16)
+    w = torch.randn(1, 8, 2, 16, requires_grad=True)
+    loss = (x * w).sum()
+    v0 = x._version
+    call(x)
+    assert x._version > v0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with torch.no_grad():  # no gradient recorded: allowed, and the values are the op's
+        y = a.detach().clone()
+        call(y)
+        if op == "rope_":
+            torch.testing.assert_close(y, A.rope(a.detach(), cos, sin))
+    with torch.inference_mode():
+        call(torch.randn(1, 8, 2, 16))
+
+
+def test_alibi_slopes_that_require_grad_are_refused_not_detached():
+    q, k, v = _qkv()
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True)
+    with pytest.raises(ValueError, match="alibi_slopes get no gradient"):
+        A.attention(q, k, v, causal=True, alibi_slopes=slopes)
+    torch.testing.assert_close(A.attention(q, k, v, causal=True, alibi_slopes=slopes.detach()),
+                               R.attention(q.double(), k.double(), v.double(), causal=True,
+                                           alibi_slopes=slopes.detach().double()).float(),
+                               rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        A.attention(q, k, v, causal=True, alibi_slopes=slopes)
