@@ -91,18 +91,24 @@ def test_in_place_ops_refuse_tensors_that_need_grad():
         torch.testing.assert_close(x, A.rope(w.detach(), cos, sin))
 
 
+def _assert_saved_tensor_guard(op, shape):
+    """op(x) writes x in place: it must bump x's version, so that a graph which saved x
+    refuses to backward through the overwritten values."""
+    x = torch.randn(*shape)
+    w = torch.randn(*shape, requires_grad=True)
+    loss = (x * w).sum()  # saves x for w's gradient
+    v0 = x._version
+    op(x)
+    assert x._version > v0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_in_place_ops_bump_the_version_counter():
     # a graph that saved x must refuse to backward through the overwritten value
     cos, sin = A.rope_cache(8, 16)
     for op in (lambda x: A.rope_(x, cos, sin), lambda x: A.rope_qk(x, x.clone(), cos, sin, inplace=True)):
-        x = torch.randn(2, 4, 2, 16)
-        w = torch.randn(2, 4, 2, 16, requires_grad=True)
-        y = (x * w).sum()
-        v0 = x._version
-        op(x)
-        assert x._version > v0
-        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            y.backward()
+        _assert_saved_tensor_guard(op, (2, 4, 2, 16))
     with torch.inference_mode():  # inference tensors keep no version counter: still fine
         x = torch.randn(2, 4, 2, 16)
         A.rope_(x, cos, sin)
@@ -276,14 +282,7 @@ def test_raw_in_place_ops_refuse_grad_and_bump_versions(op):
     a = torch.randn(1, 8, 2, 16, requires_grad=True)
     with pytest.raises(RuntimeError, match="requires grad"):
         call(a * 1.0)
-    x = torch.randn(1, 8, 2, 16)
-    w = torch.randn(1, 8, 2, 16, requires_grad=True)
-    loss = (x * w).sum()
-    v0 = x._version
-    call(x)
-    assert x._version > v0
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        loss.backward()
+    _assert_saved_tensor_guard(call, (1, 8, 2, 16))
     with torch.no_grad():  # no gradient recorded: allowed, and the values are the op's
         y = a.detach().clone()
         call(y)
