@@ -172,6 +172,9 @@ class TinyGPT(nn.Module):
         ``attention_mask (B, S)``: a left-padded batch of prompts (1 = real token); each row
         continues as it would alone."""
         B, S = idx.shape
+        if S == 0:
+            raise ValueError("generate: idx must hold a prompt of at least one token per row, got "
+                             f"shape {list(idx.shape)}")
         caches = self.new_caches(B, S + max_new_tokens)
         logits = self(idx, caches, attention_mask)
         out = [idx]

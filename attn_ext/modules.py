@@ -511,6 +511,19 @@ class MultiHeadAttention(nn.Module):
     ) -> Tuple[Tensor, Optional[Tensor]]:
         if x.dim() != 3:
             raise ValueError(f"x must have 3 dims (B, S, d_model), got shape {list(x.shape)}")
+        if self.qkv is not None:
+            d_in = self.qkv.weight.size(1)
+        else:
+            assert self.q_proj is not None
+            d_in = self.q_proj.weight.size(1)
+        if x.size(2) != d_in:
+            raise ValueError(f"x must have d_model = {d_in} features, got shape {list(x.shape)}")
+        if memory is not None and self.kv_proj is not None:
+            kv_in = self.kv_proj.weight.size(1)
+            if memory.dim() != 3 or memory.size(0) != x.size(0) or memory.size(2) != kv_in:
+                raise ValueError(
+                    f"memory must have shape (B, Sk, kv_dim) = ({x.size(0)}, Sk, {kv_in}) "
+                    f"(B from x), got {list(memory.shape)}")
         B, Sq = x.size(0), x.size(1)
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_dim
         if self.qkv is not None:
@@ -559,12 +572,21 @@ class MultiHeadAttention(nn.Module):
                 positions = self._context_parallel_positions(x, kv_cache, need_weights,
                                                              key_padding_mask)
             if rotary is not None:
+                if positions is not None and kv_cache is not None and self.context_parallel_group is None:
+                    # a left-padded cache's positions are below past + Sq (known here without
+                    # reading them): grow the tables to that, as the offset path does
+                    rotary.tables(past + Sq, q.dtype)
                 q, k = rotary(q, k, past if positions is None else 0, positions)
             if kv_cache is not None:
                 k, v = kv_cache.update(k, v)  # (B, past + Sq, Hkv, D) views of the cache
-        elif rotary is not None:  # cross-attention without a cache: positions from 0
-            q = rotary.rotate(q, 0)
-            k = rotary.rotate(k, 0)
+        elif rotary is not None:
+            # cross-attention without a cache: query i and key j at the library's distance
+            # d = i + (Sk - Sq) - j (DESIGN.md; the masks and the score terms use the same d, and
+            # so does reference.MultiHeadAttentionRef), i.e. q from Sk - Sq and k from 0, or
+            # equivalently (RoPE sees only differences) q from 0 and k from Sq - Sk when Sq > Sk
+            shift = k.size(1) - Sq
+            q = rotary.rotate(q, max(shift, 0))
+            k = rotary.rotate(k, max(-shift, 0))
         if kv_cache is not None:
             cache_mask = kv_cache.key_padding_mask()
             if cache_mask is not None:
@@ -600,6 +622,9 @@ class SinusoidalPositionalEncoding(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
+        if x.size(-1) != self.d_model:
+            raise ValueError(f"x must have d_model = {self.d_model} features in its last dim, got "
+                             f"shape {list(x.shape)}")
         return self.dropout(torch.ops.attn_ext.sinusoidal_pe(x, positions, offset, self.base))
 
 

@@ -26,8 +26,8 @@ def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32,
     """ALiBi's head slopes: the geometric sequence ``2^(-8/n), 2^(-16/n), ...`` for ``n`` a
     power of two; otherwise the ``2^floor(log2 H)`` sequence followed by every other slope of
     the next power's sequence (the paper's recipe). Returns ``(num_heads,)``."""
-    if num_heads <= 0:
-        raise ValueError(f"num_heads must be positive, got {num_heads}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
 
     def geometric(n: int):
         start = 2.0 ** (-8.0 / n)

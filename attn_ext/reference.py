@@ -331,8 +331,9 @@ class MultiHeadAttentionRef(nn.Module):
     """Q/K/V/O projections, split heads, scaled dot-product attention, concat heads.
 
     ``forward(x, memory=None)``: self-attention on ``x (B, S, d_model)``, or cross-attention
-    with queries from ``x`` and keys/values from ``memory``. ``rope=(cos, sin, interleaved)``
-    rotates q and k (positions 0..S-1) before attention.
+    with queries from ``x`` and keys/values from ``memory``. ``rope_tables=(cos, sin,
+    interleaved)`` rotates q and k before attention, at positions whose difference is the
+    library's distance ``d = i + (Sk - Sq) - j`` (self-attention: both at 0..S-1).
     """
 
     def __init__(
@@ -364,9 +365,12 @@ class MultiHeadAttentionRef(nn.Module):
         k = self.w_k(memory).view(B, Sk, self.hkv, self.d)
         v = self.w_v(memory).view(B, Sk, self.hkv, self.dv)
         if rope_tables is not None:
+            # query i at position i + (Sk - Sq), key j at j: RoPE's relative position is the
+            # library's d = i + (Sk - Sq) - j. RoPE sees only differences, so with Sq > Sk the
+            # same d comes from q at i and k at j + (Sq - Sk) (no negative table row).
             cos, sin, interleaved = rope_tables
-            q = rope(q, cos, sin, interleaved=interleaved, offset=Sk - Sq)
-            k = rope(k, cos, sin, interleaved=interleaved)
+            q = rope(q, cos, sin, interleaved=interleaved, offset=max(Sk - Sq, 0))
+            k = rope(k, cos, sin, interleaved=interleaved, offset=max(Sq - Sk, 0))
         out = attention(q, k, v, causal=self.causal)  # (B, Sq, H, Dv)
         return self.w_o(out.reshape(B, Sq, self.h * self.dv))
 

@@ -213,3 +213,56 @@ def test_from_torch_matches_nn_multihead_attention(causal):
     mask = torch.nn.Transformer.generate_square_subsequent_mask(9, dtype=f64) if causal else None
     want, _ = mha(x, x, x, attn_mask=mask, need_weights=False, is_causal=causal)
     torch.testing.assert_close(ours(x)[0], want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("sq, sk", [(5, 11), (11, 5), (7, 7)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cross_attention_with_rope_matches_textbook(sq, sk, causal):
+    """RoPE in cross-attention puts query i and key j at the library's distance
+    d = i + (Sk - Sq) - j, the one the masks and score terms use, in the module and in the
+    textbook layer alike (for Sq > Sk too)."""
+    d_model, B = 32, 2
+    textbook = ref.MultiHeadAttentionRef(d_model, 4, 2, causal=causal).to(torch.float64)
+    ours = MultiHeadAttention(d_model, 4, 2, causal=causal, cross_attention=True,
+                              rotary=RotaryEmbedding(8)).to(torch.float64)
+    _copy_weights(ours, textbook)
+    x = torch.randn(B, sq, d_model, dtype=f64)
+    mem = torch.randn(B, sk, d_model, dtype=f64)
+    cos, sin = ref.rope_cache(64, 8)
+    torch.testing.assert_close(ours(x, mem)[0], textbook(x, memory=mem, rope_tables=(cos, sin, False)),
+                               rtol=1e-10, atol=1e-10)
+
+
+def test_rope_tables_grow_for_a_left_padded_cache():
+    """Positions from a left-padded KVCache are below past + Sq: the tables grow to that
+    (they used to stay at max_seq_len and the op refused the positions past it)."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 4, rotary=RotaryEmbedding(8, max_seq_len=4)).eval().to(f64)
+    c = m.new_kv_cache(1, 12)
+    c.set_left_padding(torch.tensor([0]))
+    x = torch.randn(1, 9, 32, dtype=f64)
+    with torch.no_grad():
+        steps = [m(x[:, :3], kv_cache=c)[0], m(x[:, 3:6], kv_cache=c)[0], m(x[:, 6:], kv_cache=c)[0]]
+        full = m(x)[0]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-10, atol=1e-10)
+    g = TinyGPT(40, d_model=32, num_heads=4, max_len=8, pos="rope").eval()
+    p = torch.randint(0, 40, (2, 5))
+    am = torch.ones(2, 5, dtype=torch.long)
+    am[0, :2] = 0
+    with torch.no_grad():
+        out = g.generate(p, 12, attention_mask=am)
+        alone = g.generate(p[1:], 12)
+    assert out.shape == (2, 17) and torch.equal(out[1:], alone)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: MultiHeadAttention(32, 4, cross_attention=True)(torch.randn(2, 3, 32), torch.randn(3, 4, 32)), "memory"),
+    (lambda: MultiHeadAttention(32, 4, cross_attention=True, kv_dim=16)(torch.randn(2, 3, 32), torch.randn(2, 4, 32)), "kv_dim"),
+    (lambda: MultiHeadAttention(32, 4)(torch.randn(2, 3, 16)), "d_model"),
+    (lambda: SinusoidalPositionalEncoding(16)(torch.randn(2, 5, 8)), "d_model"),
+    (lambda: attn_ext.alibi_slopes(2.5), "num_heads"),
+    (lambda: TinyGPT(40, d_model=32, num_heads=4, max_len=8).generate(torch.zeros(2, 0, dtype=torch.long), 3), "prompt"),
+])
+def test_module_errors_name_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
