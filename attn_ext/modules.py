@@ -343,7 +343,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
         self.rel_bias = rel_bias
         self.softcap: Optional[float] = None if softcap is None else float(softcap)
-        self.register_buffer("alibi_slopes", alibi_slopes(num_heads) if alibi else None,
+        # float64: exact for .double() layers; every use casts it to the accumulation type
+        self.register_buffer("alibi_slopes", alibi_slopes(num_heads, torch.float64) if alibi else None,
                              persistent=False)
         # Context parallelism (attn_ext.distributed): None, or the process group whose ranks
         # hold shards of the sequence; set with set_context_parallel.

@@ -266,3 +266,19 @@ def test_rope_tables_grow_for_a_left_padded_cache():
 def test_module_errors_name_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_alibi_layer_in_float64_is_exact():
+    """The layer's ALiBi slopes are kept in float64, so a .double() layer matches the float64
+    reference to rounding (a float32 buffer up-cast was 1e-8 off)."""
+    torch.manual_seed(0)
+    ours = MultiHeadAttention(48, 12, alibi=True).double()
+    x = torch.randn(2, 40, 48, dtype=f64)
+    qkv = ours.qkv(x)
+    q, k, v = qkv.split(48, dim=-1)
+    q, k, v = (t.view(2, 40, 12, 4) for t in (q, k, v))
+    want = ref.attention(q, k, v, causal=True, alibi_slopes=attn_ext.alibi_slopes(12, f64))
+    want = ours.out_proj(want.reshape(2, 40, 48))
+    torch.testing.assert_close(ours(x)[0], want, rtol=1e-12, atol=1e-12)
+    y = MultiHeadAttention(48, 12, alibi=True)(x.float())[0]  # float32 layers unchanged
+    assert y.dtype == torch.float32
