@@ -516,29 +516,20 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, drel, None, None, None, None, None, None
 
 
-def _check_inputs(q, k, v, S_local_multiple: int, layout: str) -> None:
+def _check_inputs(q, k, v, S_local_multiple: int, layout: str, scale) -> None:
+    from attn_ext.ops import _check_qk_inputs
+
     for name, t, dims in (("q", q, "(B, S_local, H, D)"), ("k", k, "(B, S_local, Hkv, D)"),
                           ("v", v, "(B, S_local, Hkv, Dv)")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"ring_attention: {name} must be a Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"ring_attention: {name} must have 4 dims {dims}, got shape {list(t.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"ring_attention: k and v must have q's dtype {q.dtype}, got k {k.dtype}, "
-                         f"v {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"ring_attention: k and v must be on q's device {q.device}, got k "
-                         f"{k.device}, v {v.device}")
-    B, _, H, D = q.shape
-    Hkv = k.size(2)
-    if k.size(0) != B or v.size(0) != B:
-        raise ValueError(f"ring_attention: k and v must have q's batch size B = {B}, got k "
-                         f"{list(k.shape)}, v {list(v.shape)}")
-    if k.size(3) != D:
-        raise ValueError(f"ring_attention: k must have q's head dim D = {D}, got k {list(k.shape)}")
-    if Hkv <= 0 or H % Hkv or v.size(2) != Hkv:
-        raise ValueError(f"ring_attention: k and v must have Hkv heads dividing q's H = {H} "
-                         f"(GQA), got k {list(k.shape)}, v {list(v.shape)}")
+    _check_qk_inputs(q, k, scale)  # the kernels' rules, before any transfer is posted
+    if v.dtype != q.dtype or v.device != q.device or v.size(0) != q.size(0) or v.size(2) != k.size(2):
+        raise ValueError(f"ring_attention: v must have q's dtype {q.dtype} and device {q.device}, "
+                         f"and k's batch size and kv heads (GQA), got v {v.dtype} {v.device} "
+                         f"{list(v.shape)}, k {list(k.shape)}")
     if k.size(1) != q.size(1) or v.size(1) != q.size(1):
         raise ValueError(
             "ring_attention: q, k and v must be shards of the same sequence (equal S_local), got "
@@ -597,7 +588,7 @@ def ring_attention(
     Returns ``out (B, S_local, H, Dv)`` contiguous, q's dtype (and ``lse``). Differentiable in
     q, k, v (and rel_bias): the backward passes k/v round the ring again and sends dk/dv back.
     """
-    from attn_ext.ops import _score_term_args, _window_args
+    from attn_ext.ops import _check_term_shapes, _score_term_args, _window_args
 
     _check_layout(layout)
     squeeze = isinstance(q, torch.Tensor) and q.dim() == 3  # (B, S_local, D): one head
@@ -607,7 +598,7 @@ def ring_attention(
             raise ValueError("ring_attention: with 3-D q (B, S_local, D), k and v must be 3-D too")
         q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
     try:
-        _check_inputs(q, k, v, chunks_per_rank(layout), layout)
+        _check_inputs(q, k, v, chunks_per_rank(layout), layout, scale)
         error = None
     except (TypeError, ValueError) as e:
         error = e
@@ -616,7 +607,9 @@ def ring_attention(
     win = None if (left, right) == (-1, -1) else (left, right)
     alibi_t, rel_t, softcap, _, dropout_p, seed, offset = _score_term_args(
         q, alibi_slopes, rel_bias, softcap, None, dropout_p)
-    _check_term_shapes(q, alibi_t, rel_t)
+    # the kernels check these too, but only once the ring has started: a failure there would
+    # leave the neighbours' transfers pending. Checked here first, on every rank alike.
+    _check_term_shapes(q, alibi_t, rel_t, "ring_attention: ")
     if dropout_p > 0:
         seed, offset = _broadcast_seed_offset(seed, offset, group, q.device)
     terms = _Terms(alibi_t, None, softcap, dropout_p, seed, offset)
@@ -658,18 +651,6 @@ def _agree_on_inputs(q, k, v, group, error) -> None:
 
 
 _DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
-
-
-def _check_term_shapes(q, alibi, rel) -> None:
-    """The kernels check these too, but only once the ring has started: a failure there would
-    leave the neighbours' transfers pending. Checked here first, on every rank alike."""
-    B, H = q.size(0), q.size(2)
-    if alibi is not None and tuple(alibi.shape) not in ((H,), (B, H)):
-        raise ValueError(f"ring_attention: alibi_slopes must have shape (H,) = ({H},) or (B, H) = "
-                         f"({B}, {H}), got shape {list(alibi.shape)}")
-    if rel is not None and (rel.dim() != 2 or rel.size(0) != H or rel.size(1) % 2 != 1):
-        raise ValueError(f"ring_attention: rel_bias must have shape (H, 2M + 1) with H = {H} and an "
-                         f"odd number of distances, got shape {list(rel.shape)}")
 
 
 def _broadcast_seed_offset(seed: int, offset: int, group, device) -> Tuple[int, int]:

@@ -28,17 +28,6 @@ def _check_tensor(t, name: str, what: str) -> None:
         raise ArgumentTypeError(f"{name} must be a torch.Tensor {what}, got {type(t).__name__}")
 
 
-def _check_inplace_target(x: torch.Tensor, name: str, op: str) -> None:
-    """An in-place op is not differentiable: refuse a tensor autograd tracks (its gradient
-    would silently miss the op) instead of writing into it."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        raise RuntimeError(
-            f"attn_ext.{op}: {name} requires grad, and the in-place op is not differentiable "
-            f"(its gradient would silently skip it); use the out-of-place attn_ext."
-            f"{op.rstrip('_')} in training, or call it under torch.no_grad()")
-
-
-
 # ---------------------------------------------------------------------------------------
 # sinusoidal positional encoding
 # ---------------------------------------------------------------------------------------
@@ -80,7 +69,6 @@ def sinusoidal_pe_(
     ``x``'s last dim must be contiguous. Not differentiable (use the out-of-place op in
     training; a tensor that requires grad is refused)."""
     _check_tensor(x, "x", "(B, S, D) or (S, D)")
-    _check_inplace_target(x, "x", "sinusoidal_pe_")
     _lib.sinusoidal_pe_(x, positions, offset, base)
     return x
 
@@ -211,7 +199,6 @@ def rope_(
     _check_tensor(x, "x", "(B, S, H, D) or (B, S, D)")
     _check_tensor(cos, "cos", "(S_max, rotary_dim/2)")
     _check_tensor(sin, "sin", "(S_max, rotary_dim/2)")
-    _check_inplace_target(x, "x", "rope_")
     _lib.rope_(_rope_4d(x), cos, sin, positions, offset, interleaved)
     return x
 
@@ -237,8 +224,6 @@ def rope_qk(
     if inplace:
         _check_tensor(cos, "cos", "(S_max, rotary_dim/2)")
         _check_tensor(sin, "sin", "(S_max, rotary_dim/2)")
-        _check_inplace_target(q, "q", "rope_qk_")
-        _check_inplace_target(k, "k", "rope_qk_")
         _lib.rope_qk_(_rope_4d(q), _rope_4d(k), cos, sin, positions, offset, interleaved)
         return q, k
     return (
@@ -990,9 +975,10 @@ for _name in ("attention_backward", "attention_varlen_backward"):
 # ---------------------------------------------------------------------------------------
 
 
-def _check_weights_inputs(q: torch.Tensor, k: torch.Tensor, scale: Optional[float]) -> None:
-    """The input checks of the attention ops (csrc/common/attention_checks.h) for the
-    4-D ``(B, S, H, D)`` q and k of :func:`attention_weights`."""
+def _check_qk_inputs(q: torch.Tensor, k: torch.Tensor, scale: Optional[float]) -> None:
+    """The input checks of the attention ops (csrc/common/attention_checks.h) for 4-D
+    ``(B, S, H, D)`` q and k, in Python: for :func:`attention_weights` (no kernel) and
+    ``ring_attention`` (which must refuse them before its ring starts)."""
     if q.dim() != 4:
         raise ValueError(f"q must have 4 dims (B, Sq, H, D) or 3 dims (B, Sq, D), got shape {list(q.shape)}")
     if k.dim() != 4:
@@ -1016,22 +1002,29 @@ def _check_weights_inputs(q: torch.Tensor, k: torch.Tensor, scale: Optional[floa
         raise ValueError(f"scale must be finite, got {scale}")
 
 
-def _weights_terms(q, alibi_slopes, rel_bias, softcap):
-    """attention_weights' score terms under attention's rules (_score_term_args, and the shape
-    checks of csrc/common/score_checks.h), so that the two accept the same arguments."""
-    alibi_slopes, rel_bias, softcap = _score_term_args(q, alibi_slopes, rel_bias, softcap, None,
-                                                       0.0)[:3]
+def _check_term_shapes(q, alibi_slopes, rel_bias, who: str = "") -> None:
+    """The shape and device rules of csrc/common/score_checks.h for the ALiBi / rel_bias
+    tables, in Python: for the callers that must refuse them before any kernel runs
+    (attention_weights, which has no kernel; ring_attention, whose kernels run mid-ring)."""
     B, H = q.size(0), q.size(2)
     for name, t in (("alibi_slopes", alibi_slopes), ("rel_bias", rel_bias)):
         if t is not None and t.device != q.device:
-            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+            raise ValueError(f"{who}{name} must be on the same device as q ({q.device}), got {t.device}")
     if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((H,), (B, H)):
-        raise ValueError(f"alibi_slopes must have shape (H,) = ({H},) or (B, H) = ({B}, {H}), "
+        raise ValueError(f"{who}alibi_slopes must have shape (H,) = ({H},) or (B, H) = ({B}, {H}), "
                          f"got shape {list(alibi_slopes.shape)}")
     if rel_bias is not None and (rel_bias.dim() != 2 or rel_bias.size(0) != H
                                  or rel_bias.size(1) % 2 != 1):
-        raise ValueError(f"rel_bias must have shape (H, 2M + 1) with H = {H} and an odd number "
-                         f"of distances, got shape {list(rel_bias.shape)}")
+        raise ValueError(f"{who}rel_bias must have shape (H, 2M + 1) with H = {H} and an odd "
+                         f"number of distances, got shape {list(rel_bias.shape)}")
+
+
+def _weights_terms(q, alibi_slopes, rel_bias, softcap):
+    """attention_weights' score terms under attention's rules, so that the two accept the same
+    arguments."""
+    alibi_slopes, rel_bias, softcap = _score_term_args(q, alibi_slopes, rel_bias, softcap, None,
+                                                       0.0)[:3]
+    _check_term_shapes(q, alibi_slopes, rel_bias)
     return alibi_slopes, rel_bias, softcap
 
 
@@ -1076,7 +1069,7 @@ def attention_weights(
             if lse.dim() != 2:
                 raise ValueError(f"with 3-D q, lse must have 2 dims (B, Sq), got shape {list(lse.shape)}")
             lse = lse.unsqueeze(1)
-    _check_weights_inputs(q, k, scale)
+    _check_qk_inputs(q, k, scale)
     B, Sq, H, D = q.shape
     Sk, Hkv = k.size(1), k.size(2)
     if lse is not None:

@@ -25,6 +25,13 @@ constexpr int64_t kMaxBlockStart = int64_t(1) << 60;
 constexpr int64_t kWindowUnboundedFrom = int64_t(1) << 61;
 inline int64_t window_side(int64_t w) { return w >= kWindowUnboundedFrom ? -1 : w; }
 
+// The window (causal: right = 0) of a dense or packed call into its MaskParams.
+inline void fill_window(MaskParams& m, bool causal, int64_t window_left, int64_t window_right) {
+  check_window(window_left, window_right);
+  m.left = window_side(window_left);
+  m.right = causal ? 0 : window_side(window_right);
+}
+
 inline void check_key_padding_mask(const Tensor& kpm, const Tensor& q,
                                    const AttentionShape& s) {
   STD_TORCH_CHECK(kpm.scalar_type() == ScalarType::Bool,
@@ -40,9 +47,7 @@ inline void check_key_padding_mask(const Tensor& kpm, const Tensor& q,
 inline void fill_mask_params(AttentionParams& p, const AttentionShape& s, const Tensor& q,
                              bool causal, int64_t window_left, int64_t window_right,
                              const OptTensor& key_padding_mask) {
-  check_window(window_left, window_right);
-  p.mask.left = window_side(window_left);
-  p.mask.right = causal ? 0 : window_side(window_right);
+  fill_window(p.mask, causal, window_left, window_right);
   if (key_padding_mask.has_value()) {
     const Tensor& kpm = *key_padding_mask;
     check_key_padding_mask(kpm, q, s);
@@ -145,15 +150,13 @@ inline AttentionShape check_varlen_inputs(const Tensor& q, const Tensor& k,
 inline void make_params_packed(AttentionParams& p, const AttentionShape& s, int64_t Tq,
                                int64_t Tk, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
                                bool causal, int64_t window_left, int64_t window_right) {
-  check_window(window_left, window_right);
+  fill_window(p.mask, causal, window_left, window_right);
   p.B = s.B;
   p.Sq = s.Sq;
   p.Sk = s.Sk;
   p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.out_batch_stride = 0;
   p.lse_batch_stride = 0;
   p.lse_head_stride = Tq;
-  p.mask.left = window_side(window_left);
-  p.mask.right = causal ? 0 : window_side(window_right);
   p.mask.cu_seqlens_q = static_cast<const int32_t*>(cu_seqlens_q.data_ptr());
   p.mask.cu_seqlens_k = static_cast<const int32_t*>(cu_seqlens_k.data_ptr());
   p.mask.n_seq = s.B;

@@ -128,6 +128,12 @@ inline int64_t span_elems(const Tensor& t) {  // offset of the last element + 1
   return last + 1;
 }
 
+// [first byte, one past the last byte) that a non-empty tensor with non-negative strides spans.
+inline std::pair<intptr_t, intptr_t> byte_range(const Tensor& t) {
+  const auto p = reinterpret_cast<intptr_t>(t.data_ptr());
+  return {p, p + span_elems(t) * static_cast<intptr_t>(t.element_size())};
+}
+
 }  // namespace overlap
 
 // `name` must not address one element twice (in-place argument).
@@ -150,18 +156,8 @@ inline void check_no_internal_overlap(const Tensor& t, const char* name, const c
 inline void check_disjoint_from_written(const Tensor& written, const char* w_name,
                                         const Tensor& read, const char* r_name, const char* op) {
   if (written.numel() == 0 || read.numel() == 0) return;
-  auto range = [](const Tensor& t) {
-    int64_t lo = 0, hi = 0;  // element offsets reached, from the data pointer
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      const int64_t ext = (t.size(d) - 1) * t.stride(d);
-      (ext < 0 ? lo : hi) += ext;
-    }
-    const auto p = reinterpret_cast<intptr_t>(t.data_ptr());
-    const auto es = static_cast<intptr_t>(t.element_size());
-    return std::pair<intptr_t, intptr_t>{p + lo * es, p + (hi + 1) * es};
-  };
-  const auto [wa, wb] = range(written);
-  const auto [ra, rb] = range(read);
+  const auto [wa, wb] = overlap::byte_range(written);
+  const auto [ra, rb] = overlap::byte_range(read);
   STD_TORCH_CHECK(wb <= ra || rb <= wa, r_name, " must not overlap ", w_name, " (", op, " writes ",
                   w_name, " in place while it reads ", r_name, "), got ", r_name,
                   " inside the memory of ", w_name, " (shape ", shape_of(written), ", strides ",
@@ -173,10 +169,8 @@ inline void check_no_overlap(const Tensor& a, const char* a_name, const Tensor& 
                              const char* b_name, const char* op) {
   if (a.numel() == 0 || b.numel() == 0) return;
   const auto esize = static_cast<int64_t>(a.element_size());
-  const auto pa = reinterpret_cast<intptr_t>(a.data_ptr());
-  const auto pb = reinterpret_cast<intptr_t>(b.data_ptr());
-  const intptr_t a_end = pa + overlap::span_elems(a) * esize;
-  const intptr_t b_end = pb + overlap::span_elems(b) * esize;
+  const auto [pa, a_end] = overlap::byte_range(a);
+  const auto [pb, b_end] = overlap::byte_range(b);
   if (a_end <= pb || b_end <= pa) return;  // disjoint address ranges
   bool shared = true;
   const intptr_t delta_bytes = pb - pa;
