@@ -37,6 +37,8 @@ from typing import Optional
 
 import torch
 
+from .ops import _check_key_padding_mask, _window_args
+
 # csrc/cpu/attention_common.h
 CPU_BLOCK_Q = 96  # kBlockQ: score columns (head, query row) per query tile
 CPU_BLOCK_K = 96  # kBlockK: keys per key tile
@@ -414,12 +416,19 @@ def score_terms_of(alibi_slopes=None, rel_bias=None, softcap=None, sinks=None,
 
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-            scale: Optional[float] = None, dout: Optional[torch.Tensor] = None,
+            scale: Optional[float] = None, window=None,
+            key_padding_mask: Optional[torch.Tensor] = None,
             alibi_slopes: Optional[torch.Tensor] = None, rel_bias: Optional[torch.Tensor] = None,
             softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
-            dropout_p: float = 0.0) -> KernelChoice:
-    """Say which kernel ``attn_ext.attention(q, k, v, causal=..., scale=..., <score terms>)``
-    will run for these tensors, and why (the forward and, for training, the backward).
+            dropout_p: float = 0.0, return_lse: bool = False,
+            dout: Optional[torch.Tensor] = None) -> KernelChoice:
+    """Say which kernel ``attn_ext.attention(q, k, v, **keywords)`` will run for these tensors,
+    and why (the forward and, for training, the backward). It takes every keyword of
+    :func:`attn_ext.attention`, so a call can be mirrored as it is.
+
+    The masks (``causal``, ``window``, ``key_padding_mask``) and ``return_lse`` do not change
+    the choice (see the module docstring); they are checked as attention checks them and
+    listed in ``details["masks"]``.
     The score terms (``alibi_slopes``, ``rel_bias``, ``softcap``, ``sinks``, ``dropout_p``)
     count only by being given (and rel_bias by its size, on CUDA): on CUDA any term rules
     out the fast forward at D = 256 and dropout the fast backward at D = 128 (sinks reach the
@@ -442,6 +451,18 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     s = _check(q, k, v)
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
+    left, right = _window_args(window)
+    _check_key_padding_mask(key_padding_mask, s.B, s.Sk)
+    masks = tuple(name for name, on in (("causal", bool(causal)),
+                                        ("window", (left, right) != (-1, -1)),
+                                        ("key_padding_mask", key_padding_mask is not None)) if on)
+    choice = _explain(s, q, k, v, dout, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
+    choice.details["masks"] = masks
+    choice.details["return_lse"] = bool(return_lse)
+    return choice
+
+
+def _explain(s: Shape, q, k, v, dout, alibi_slopes, rel_bias, softcap, sinks, dropout_p) -> KernelChoice:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.size(-1) > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {list(t.stride())}")

@@ -36,6 +36,7 @@ Backends: gloo (CPU) is tested; NCCL (GPU) uses the same calls but is untested h
 
 from __future__ import annotations
 
+import struct
 import time
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -590,26 +591,29 @@ def ring_attention(
     """
     from attn_ext.ops import _check_term_shapes, _score_term_args, _window_args
 
-    _check_layout(layout)
     squeeze = isinstance(q, torch.Tensor) and q.dim() == 3  # (B, S_local, D): one head
     if squeeze:
         if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == 3
                 and v.dim() == 3):
             raise ValueError("ring_attention: with 3-D q (B, S_local, D), k and v must be 3-D too")
         q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
+    # Every check runs before the first collective, on every rank alike: a rank failing alone
+    # once the ring has started would leave its neighbours waiting on transfers that never come.
+    # (The kernels check the terms too, but only inside the ring.)
     try:
+        _check_layout(layout)
         _check_inputs(q, k, v, chunks_per_rank(layout), layout, scale)
+        left, right = _window_args(window)
+        alibi_t, rel_t, softcap, _, dropout_p, seed, offset = _score_term_args(
+            q, alibi_slopes, rel_bias, softcap, None, dropout_p)
+        _check_term_shapes(q, alibi_t, rel_t, "ring_attention: ")
+        keywords = _keyword_signature(bool(causal), scale, layout, left, right, alibi_t, rel_t,
+                                      softcap, dropout_p)
         error = None
     except (TypeError, ValueError) as e:
-        error = e
-    _agree_on_inputs(q, k, v, group, error)
-    left, right = _window_args(window)
+        error, keywords = e, None
+    _agree_on_inputs(q, k, v, group, error, keywords)
     win = None if (left, right) == (-1, -1) else (left, right)
-    alibi_t, rel_t, softcap, _, dropout_p, seed, offset = _score_term_args(
-        q, alibi_slopes, rel_bias, softcap, None, dropout_p)
-    # the kernels check these too, but only once the ring has started: a failure there would
-    # leave the neighbours' transfers pending. Checked here first, on every rank alike.
-    _check_term_shapes(q, alibi_t, rel_t, "ring_attention: ")
     if dropout_p > 0:
         seed, offset = _broadcast_seed_offset(seed, offset, group, q.device)
     terms = _Terms(alibi_t, None, softcap, dropout_p, seed, offset)
@@ -619,20 +623,52 @@ def ring_attention(
     return (out, lse) if return_lse else out
 
 
-def _agree_on_inputs(q, k, v, group, error) -> None:
+# the keywords every rank of a ring must pass alike (values of alibi_slopes / rel_bias are
+# not compared, only their shapes: reading them would cost a host copy of each)
+_KEYWORD_FIELDS = ("causal", "scale", "layout", "window left", "window right", "alibi_slopes shape",
+                   "alibi_slopes shape", "rel_bias shape", "rel_bias shape", "softcap", "dropout_p")
+
+
+def _float_bits(x: Optional[float]) -> int:
+    """An int64 that is equal for equal floats (None: a value no float64 has: a NaN payload)."""
+    if x is None:
+        return 0x7FF8_DEAD_0000_0001
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _keyword_signature(causal: bool, scale, layout: str, left: int, right: int, alibi_t, rel_t,
+                       softcap, dropout_p) -> List[int]:
+    """The ring's keywords as ints, one per _KEYWORD_FIELDS entry (shapes: two dims each,
+    -1 for an absent term)."""
+    def dims2(t) -> List[int]:
+        if t is None:
+            return [-1, -1]
+        shape = list(t.shape)
+        return [shape[0], shape[1] if len(shape) > 1 else -2]
+    return ([int(causal), _float_bits(scale), LAYOUTS.index(layout), left, right]
+            + dims2(alibi_t) + dims2(rel_t) + [_float_bits(softcap), _float_bits(dropout_p)])
+
+
+def _agree_on_inputs(q, k, v, group, error, keywords: Optional[List[int]] = None) -> None:
     """One small all_gather before the ring starts: every rank learns whether every other
-    rank's q / k / v passed the checks and have the same shapes and dtype, and all raise
-    together otherwise. (A rank failing alone would leave its neighbours waiting on transfers
-    that never come; shards of different lengths would fail inside the transport.)"""
+    rank's q / k / v and keywords passed the checks, and whether all ranks have the same shapes,
+    dtype and keywords (``_KEYWORD_FIELDS``); all raise together otherwise. (A rank failing
+    alone would leave its neighbours waiting on transfers that never come; shards of different
+    lengths would fail inside the transport; ranks with different keywords would compute
+    different attentions, or hang where only some of them broadcast a dropout seed.)"""
     _, world = _rank_world(group)
     if world == 1:
         if error is not None:
             raise error
         return
     ok = error is None
+    n_kw = len(_KEYWORD_FIELDS)
     dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    sig = [int(ok)] + ([*q.shape, *k.shape, *v.shape, _DTYPE_CODES.get(q.dtype, -1)] if ok
-                       else [0] * 13)
+    backend = dist.get_backend(group)
+    if backend != "nccl":
+        dev = torch.device("cpu")
+    sig = [int(ok)] + ([*q.shape, *k.shape, *v.shape, _DTYPE_CODES.get(q.dtype, -1)] + list(keywords)
+                       if ok else [0] * (13 + n_kw))
     mine = torch.tensor(sig, dtype=torch.int64, device=dev)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
@@ -643,11 +679,16 @@ def _agree_on_inputs(q, k, v, group, error) -> None:
     if bad:
         raise ValueError(f"ring_attention: the inputs of rank(s) {bad} of the group failed their "
                          "checks (see the error raised there); no rank started the ring")
-    if any(row != rows[0] for row in rows):
+    if any(row[:14] != rows[0][:14] for row in rows):
         desc = "; ".join(f"rank {r}: q {row[1:5]}, k {row[5:9]}, v {row[9:13]}"
                          for r, row in enumerate(rows))
         raise ValueError("ring_attention: every rank's shards must have the same shapes and "
                          f"dtype (equal S_local), got {desc}")
+    differ = sorted({_KEYWORD_FIELDS[i] for row in rows for i in range(n_kw)
+                     if row[14 + i] != rows[0][14 + i]})
+    if differ:
+        raise ValueError("ring_attention: every rank of the group must pass the same keywords; "
+                         f"the ranks differ in {', '.join(differ)}")
 
 
 _DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}

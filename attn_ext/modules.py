@@ -527,6 +527,13 @@ class MultiHeadAttention(nn.Module):
                     f"(B from x), got {list(memory.shape)}")
         B, Sq = x.size(0), x.size(1)
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_dim
+        # a context-parallel layer: the global positions of this rank's rows, checked before
+        # anything is projected (cross-attention, kv_cache, need_weights and key_padding_mask
+        # are refused here, whichever branch below the layer would take)
+        cp_positions: Optional[Tensor] = None
+        if self.context_parallel_group is not None:
+            cp_positions = self._context_parallel_positions(x, kv_cache, need_weights,
+                                                            key_padding_mask)
         if self.qkv is not None:
             if memory is not None:
                 raise ValueError("memory is only for cross_attention=True layers")
@@ -570,8 +577,7 @@ class MultiHeadAttention(nn.Module):
             # per-row positions of a left-padded cache (None: positions past + i)
             positions = None if kv_cache is None else kv_cache.positions(Sq)
             if self.context_parallel_group is not None:
-                positions = self._context_parallel_positions(x, kv_cache, need_weights,
-                                                             key_padding_mask)
+                positions = cp_positions
             if rotary is not None:
                 if positions is not None and kv_cache is not None and self.context_parallel_group is None:
                     # a left-padded cache's positions are below past + Sq (known here without

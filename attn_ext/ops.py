@@ -547,6 +547,18 @@ def _window_args(window) -> tuple:
     return left, right
 
 
+def _check_key_padding_mask(key_padding_mask, B: int, Sk: int) -> None:
+    """A key_padding_mask checked on the host (where no kernel checks it first): None, or
+    bool of shape (B, Sk)."""
+    if key_padding_mask is None:
+        return
+    if (not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool
+            or tuple(key_padding_mask.shape) != (B, Sk)):
+        got = (f"dtype {key_padding_mask.dtype}, shape {list(key_padding_mask.shape)}"
+               if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__)
+        raise ValueError(f"key_padding_mask must be bool (B, Sk) = ({B}, {Sk}), got {got}")
+
+
 def _dropout_seed_offset(device) -> tuple:
     """``(seed, offset)`` of one dropout call, drawn from torch's generator of ``device`` (so
     ``torch.manual_seed`` reproduces a run); the kernels' keep bits are a pure function of
@@ -1082,12 +1094,7 @@ def attention_weights(
         if not lse.is_floating_point():
             raise ValueError(f"lse must be a floating-point tensor, got {lse.dtype}")
     left, right = _window_args(window)
-    if key_padding_mask is not None:
-        if (not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool
-                or tuple(key_padding_mask.shape) != (B, Sk)):
-            got = (f"dtype {key_padding_mask.dtype}, shape {list(key_padding_mask.shape)}"
-                   if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__)
-            raise ValueError(f"key_padding_mask must be bool (B, Sk) = ({B}, {Sk}), got {got}")
+    _check_key_padding_mask(key_padding_mask, B, Sk)
     alibi_slopes, rel_bias, softcap = _weights_terms(q, alibi_slopes, rel_bias, softcap)
     probs = _attention_probs(q, k, causal, scale, lse, alibi_slopes, rel_bias, softcap, left,
                              right, key_padding_mask)

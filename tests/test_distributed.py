@@ -187,6 +187,12 @@ def _case_errors(rank, world):
     x = torch.randn(1, 4, 16, dtype=torch.float64)
     _expect(NotImplementedError, "kv_cache", mha, x, None, mha.new_kv_cache(1, 8))
     _expect(NotImplementedError, "need_weights", mha, x, None, None, True)
+    # a cross-attention layer is refused too, whatever its memory (it used to run the ring at
+    # local RoPE positions and return a silently wrong answer)
+    cross = attn_ext.MultiHeadAttention(16, 2, cross_attention=True, rotary=8).double()
+    cross.set_context_parallel(dist.group.WORLD)
+    _expect(NotImplementedError, "self-attention", cross, x, x)
+    _expect(NotImplementedError, "self-attention", cross, x, torch.randn(1, 4 * world, 16, dtype=torch.float64))
     _expect(ValueError, "layout must be one of", mha.set_context_parallel, dist.group.WORLD, "x")
     _expect(ValueError, "q must have 4 dims", cp.ring_attention, q[0, 0], q, q)
     _expect(ValueError, "k and v must be 3-D too", cp.ring_attention, q[0], q, q)
@@ -216,6 +222,23 @@ def _case_input_agreement(rank, world):
     s_local = 4 if rank == 0 else 6
     x = torch.randn(1, s_local, 2, 8, dtype=torch.float64)
     _expect(ValueError, "same shapes", cp.ring_attention, x, x, x, causal=True)
+    good()
+    # keywords that only rank 0 gets wrong: every rank raises before the ring
+    _expect(ValueError, "window must be" if rank == 0 else "failed their checks",
+            cp.ring_attention, q, q, q, window=(-5, 0) if rank == 0 else None)
+    _expect(ValueError, "layout must be one of" if rank == 0 else "failed their checks",
+            cp.ring_attention, q, q, q, layout="x" if rank == 0 else "zigzag")
+    good()
+    # valid keywords that differ between ranks: refused on all of them, naming what differs
+    # (dropout on some ranks only used to hang the group in the seed broadcast; the others
+    # returned a mix of two attentions)
+    for kw in ({"dropout_p": 0.1 if rank == 0 else 0.0}, {"causal": rank == 0},
+               {"window": (2, 0) if rank == 0 else (3, 0)}, {"softcap": 5.0 + rank},
+               {"scale": 0.5 if rank == 0 else None},
+               {"alibi_slopes": torch.ones(2, dtype=torch.float64) if rank == 0 else None},
+               {"layout": "zigzag" if rank == 0 else "contiguous"}):
+        name = next(iter(kw))
+        _expect(ValueError, f"differ in {name}", cp.ring_attention, q, q, q, **kw)
     good()
     q3 = torch.randn(2, 4, 8, dtype=torch.float64)
     out3, lse3 = cp.ring_attention(q3, q3, q3, causal=True, return_lse=True)

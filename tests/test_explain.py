@@ -312,3 +312,30 @@ def test_score_terms_rules():
         torch.set_num_threads(prev)
     assert (choice.forward == "cpu.decode") == X.cpu_simd_enabled(), str(choice)
     assert choice.forward == X._explain_cpu(s, torch.float32, 2, ("sinks",)).forward
+
+
+def test_explain_takes_every_keyword_of_attention():
+    """A call to attention can be mirrored into explain as it is (issue 18 item 6): every
+    keyword of attn_ext.attention is a keyword of explain; the masks and return_lse do not
+    change the choice, are checked as attention checks them, and are listed in details."""
+    import inspect
+
+    att = {n for n, p in inspect.signature(attn_ext.attention).parameters.items()
+           if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    exp = set(inspect.signature(attn_ext.explain).parameters)
+    assert att <= exp, f"explain lacks {sorted(att - exp)}"
+    q = randn(1, 64, 4, 64)
+    kpm = torch.ones(1, 64, dtype=torch.bool)
+    kpm[0, 50:] = False
+    plain = attn_ext.explain(q, q, q, causal=True)
+    masked = attn_ext.explain(q, q, q, causal=True, window=(8, 0), key_padding_mask=kpm,
+                              return_lse=True)
+    assert (masked.forward, masked.backward) == (plain.forward, plain.backward)
+    assert masked.details["masks"] == ("causal", "window", "key_padding_mask")
+    assert masked.details["return_lse"] is True and plain.details["masks"] == ("causal",)
+    with pytest.raises(ValueError, match="window must be"):
+        attn_ext.explain(q, q, q, window=(-3, 0))
+    with pytest.raises(ValueError, match="key_padding_mask must be bool"):
+        attn_ext.explain(q, q, q, key_padding_mask=kpm.float())
+    with pytest.raises(ValueError, match="key_padding_mask must be bool"):
+        attn_ext.explain(q, q, q, key_padding_mask=torch.ones(2, 64, dtype=torch.bool))

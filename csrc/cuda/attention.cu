@@ -1,10 +1,12 @@
 // attn_ext::attention_forward / attention_backward on CUDA: stable-ABI adapter (checks shared with
 // the CPU adapter, outputs, dtype and kernel dispatch, device guard, current stream). Device
-// code: attention_fwd_kernel.cuh (fast forward) and attention_simple_kernel.cuh (everything
-// else, and the backward).
+// code: attention_fwd_kernel.cuh (fast forward), attention_bwd_kernel.cuh (fast backward) and
+// attention_simple_kernel.cuh (everything else).
 //
-// Kernels are instantiated in attention_simple.cu and attention_fa2_hdim{64,128}.cu
-// (declared in attention_launch.h); this file holds no device code.
+// Kernels are instantiated in attention_simple.cu, the fast forward's
+// attention_fa2_hdim32 / 64 / 96 / 128 / 256.cu and the fast backward's
+// attention_fa2_bwd_hdim64 / 128.cu (declared in attention_launch.h); this file holds no
+// device code.
 //
 // Forward dispatch, in order:
 //   0. split-KV decode path (simple::launch_simple_fwd_split) when Sq <= 16, Sk >= 512 and the

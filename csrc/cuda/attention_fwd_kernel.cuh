@@ -1,6 +1,6 @@
 // Fast attention forward for fp16 / bf16 on sm_80+ (FlashAttention-2 structure, our own code).
 // Pointers, strides and a stream; no ATen types. The adapter (attention.cu) decides when this
-// kernel applies (fwd_fast_supported) and otherwise runs the simple kernel.
+// kernel applies (use_fast_forward) and otherwise runs the simple kernel.
 //
 //   q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, D)  -> out (B, Sq, H, D), lse (B, H, Sq)
 //   (packed sequences: q (Tq, H, D) ..., out (Tq, H, D), lse (H, Tq), rows from cu_seqlens)
