@@ -42,6 +42,7 @@ from .ops import _check_key_padding_mask, _window_args
 # csrc/cpu/attention_common.h
 CPU_BLOCK_Q = 96  # kBlockQ: score columns (head, query row) per query tile
 CPU_BLOCK_K = 96  # kBlockK: keys per key tile
+CPU_DROPOUT_SPLIT_WORKERS = 16  # kDropoutSplitWorkers: the split plan's workers with dropout
 
 # csrc/cuda/attention_launch.h
 CUDA_SIMPLE_MAX_HEAD_DIM = 256  # simple::kMaxHeadDim
@@ -127,16 +128,18 @@ class KernelChoice:
 # ---- CPU ---------------------------------------------------------------------------------
 
 
-def cpu_forward_plan(s: Shape, threads: int) -> dict:
+def cpu_forward_plan(s: Shape, threads: int, dropout: bool = False) -> dict:
     """The CPU forward's tile plan and split decision (attention_fwd.cpp plan_tiles and
-    attention_fwd_kernel), for ``threads`` = at::get_num_threads()."""
+    attention_fwd_kernel), for ``threads`` = at::get_num_threads(). With dropout the split
+    plan counts CPU_DROPOUT_SPLIT_WORKERS instead of the threads (thread-independent bits)."""
     group = s.H // s.Hkv
     rows = max(1, min(s.Sq, CPU_BLOCK_Q))
     heads = max(1, min(group, CPU_BLOCK_Q // rows))
     n_tiles = s.B * s.Hkv * _ceil_div(group, heads) * _ceil_div(s.Sq, rows)
+    workers = CPU_DROPOUT_SPLIT_WORKERS if dropout else threads
     n_split = 1
-    if n_tiles < threads and s.Sk >= 4 * CPU_BLOCK_K:
-        n_split = min(_ceil_div(2 * threads, n_tiles), s.Sk // (2 * CPU_BLOCK_K))
+    if n_tiles < workers and s.Sk >= 4 * CPU_BLOCK_K:
+        n_split = min(_ceil_div(2 * workers, n_tiles), s.Sk // (2 * CPU_BLOCK_K))
     return {"threads": threads, "query_tiles": n_tiles, "rows_per_tile": rows,
             "heads_per_tile": heads, "n_split": max(n_split, 1)}
 
@@ -189,7 +192,7 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = ()) 
     if s.B * s.H * s.Sq == 0:
         return KernelChoice("cpu", "none", "empty output (B * H * Sq = 0): no kernel runs",
                             "none", "nothing to differentiate", {"threads": threads})
-    plan = cpu_forward_plan(s, threads)
+    plan = cpu_forward_plan(s, threads, dropout="dropout_p" in terms)
     plan["accumulation"] = acc
     decode = cpu_decode_plan(s, dtype, threads, terms)
     if decode is not None:
@@ -202,13 +205,17 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = ()) 
             "chunk order; float32 accumulation "
             "(ATTN_EXT_CPU_DECODE=0 turns it off)")
     elif plan["n_split"] > 1:
+        workers = (f"{CPU_DROPOUT_SPLIT_WORKERS} planned workers (dropout: the same chunks at "
+                   "every thread count)" if "dropout_p" in terms else f"{threads} threads")
         fwd, why = "cpu.split_kv", (
-            f"{plan['query_tiles']} query tile(s) < {threads} threads and Sk = {s.Sk} >= "
+            f"{plan['query_tiles']} query tile(s) < {workers} and Sk = {s.Sk} >= "
             f"{4 * CPU_BLOCK_K}: the keys of each tile are cut into {plan['n_split']} chunks "
             f"run in parallel and merged through their (max, sum); {acc} accumulation, {inner}")
     else:
-        reason = (f"{plan['query_tiles']} query tile(s) >= {threads} threads"
-                  if plan["query_tiles"] >= threads else
+        workers = CPU_DROPOUT_SPLIT_WORKERS if "dropout_p" in terms else threads
+        reason = (f"{plan['query_tiles']} query tile(s) >= {workers} "
+                  f"{'planned workers (dropout)' if 'dropout_p' in terms else 'threads'}"
+                  if plan["query_tiles"] >= workers else
                   f"Sk = {s.Sk} < {4 * CPU_BLOCK_K}, too few keys to split")
         fwd, why = "cpu.tiled", (
             f"{reason}: one task per query tile of up to {CPU_BLOCK_Q} (head, row) columns, "

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import tempfile
 import time
 import types
@@ -426,5 +427,12 @@ def main(argv=None) -> dict:
             "equivariance_err": equivariance_err, "torchscript_diff": diff, "pictures": written}
 
 
+def cli(argv=None) -> int:
+    """The ``attn-ext-demo`` console script: runs :func:`main` and exits 0 (the script's
+    wrapper calls ``sys.exit`` on what this returns, so it must not be main's results dict)."""
+    main(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -48,7 +48,8 @@ def sinusoidal_pe(
             Any ``D`` works; for odd ``D`` the last column is a sin.
         positions: optional int64 ``(S,)`` or ``(B, S)`` position of each row. Without it
             row ``s`` is at position ``offset + s`` (e.g. the next tokens of a KV cache).
-        offset: position of the first row when ``positions`` is not given.
+        offset: position of the first row when ``positions`` is not given (must be 0 with
+            ``positions``, which are absolute).
         base: the wavelength base (10000 in the paper).
 
     Returns a new contiguous tensor of ``x``'s shape and dtype. Differentiable in ``x``
@@ -171,7 +172,8 @@ def rope(
             ``rotary_dim = 2 * cos.size(-1) <= D``; channels past it pass through.
         positions: optional int64 ``(S,)`` or ``(B, S)`` table row of each token; every
             entry must be in ``[0, S_max)`` (checked on CPU; a device assert on CUDA).
-            Without it row ``s`` uses table row ``offset + s``.
+            Without it row ``s`` uses table row ``offset + s``; with it ``offset`` must be 0
+            (positions are absolute: a nonzero offset is refused, not ignored).
         interleaved: False pairs channel ``i`` with ``i + rotary_dim/2`` (GPT-NeoX / Hugging
             Face LLaMA, ``rotate_half``); True pairs ``2i, 2i+1`` (GPT-J / RoFormer / Meta).
 
@@ -274,12 +276,17 @@ def rope_inv_freq(
     factor = number("factor", 1.0)
 
     def orig(default=None):
-        v = scaling.get("original_max_position_embeddings", default)
+        # HF's dynamic NTK reads L0 from the config's max_position_embeddings (its
+        # rope_parameters have no original_max_position_embeddings): either key is taken
+        key = "original_max_position_embeddings"
+        if key not in scaling and kind in ("ntk", "dynamic") and "max_position_embeddings" in scaling:
+            key = "max_position_embeddings"
+        v = scaling.get(key, default)
         if v is None:
-            raise ValueError(f"scaling type {kind!r} needs 'original_max_position_embeddings'")
+            raise ValueError(f"scaling type {kind!r} needs 'original_max_position_embeddings'"
+                             + (" (or 'max_position_embeddings')" if kind in ("ntk", "dynamic") else ""))
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
-            raise ValueError(f"scaling['original_max_position_embeddings'] must be an int > 0, "
-                             f"got {v!r}")
+            raise ValueError(f"scaling[{key!r}] must be an int > 0, got {v!r}")
         return int(v)
 
     if kind == "linear":
@@ -355,7 +362,8 @@ def rope_cache(
 
     - ``{"type": "linear", "factor": f}``: position interpolation, ``inv_freq_i / f``
       (same as positions ``p / f``).
-    - ``{"type": "ntk" | "dynamic", "factor": f, "original_max_position_embeddings": L0}``:
+    - ``{"type": "ntk" | "dynamic", "factor": f, "original_max_position_embeddings": L0}``
+      (or ``"max_position_embeddings": L0``, where Hugging Face's config keeps it):
       *dynamic* NTK (HF ``"dynamic"``): ``base' = base * (f*L/L0 - (f-1))^(d/(d-2))`` with
       ``L = max(seq_len, L0)`` and ``d = rotary_dim``, so tables up to ``L0`` are unscaled.
       (The fixed NTK-aware variant ``base * f^(d/(d-2))`` is not this one.)

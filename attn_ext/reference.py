@@ -107,6 +107,9 @@ def attention_with_lse(
     # 0; a NaN anywhere in a row still makes that row NaN.
     probs, lse = softmax_with_sinks(scores, sinks)  # lse (B, H, Sq); -inf for an empty row
     if dropout_p > 0:
+        if dropout_mask is None:
+            raise ValueError("dropout_p > 0 needs dropout_mask (B, H, Sq, Sk), True = kept "
+                             "(dropout_keep_mask gives the kernels' mask)")
         probs = probs * dropout_mask.to(probs.device) / (1.0 - dropout_p)
     out = probs @ vh  # (B, H, Sq, Dv)
     return out.transpose(1, 2), lse

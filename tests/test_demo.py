@@ -24,3 +24,23 @@ def test_demo_quick(tmp_path):
     for name in ("sinusoidal_pe.png", "learned_pe_similarity.png", "attention_maps.png",
                  "loss_curves.png", "rope_relative.png", "relative_bias.png"):
         assert (tmp_path / name).stat().st_size > 10_000, name
+
+
+def test_console_script_exits_zero(monkeypatch):
+    """`attn-ext-demo` (pyproject's console script) ends with exit status 0: pip's wrapper
+    passes the target's return value to sys.exit, so the target must return 0, not main's
+    results dict (which sys.exit prints to stderr with status 1)."""
+    import importlib
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    target = re.search(r'^attn-ext-demo\s*=\s*"([\w.]+):(\w+)"', text, re.M)
+    assert target, "pyproject.toml has no attn-ext-demo console script"
+    module = importlib.import_module(target.group(1))
+    calls = []
+    monkeypatch.setattr(demo, "main", lambda argv=None: calls.append(argv) or {"a": 1})
+    with pytest.raises(SystemExit) as e:
+        import sys
+        sys.exit(getattr(module, target.group(2))(["--quick"]))
+    assert e.value.code in (0, None) and calls == [["--quick"]]

@@ -40,8 +40,10 @@ def test_cpu_constants_match_the_header():
     assert (c["kBlockQ"], c["kBlockK"]) == (X.CPU_BLOCK_Q, X.CPU_BLOCK_K)
     # the split rule's shape in attention_fwd_kernel
     src = kc.source("csrc/cpu/attention_fwd.cpp")
-    assert "if (plan.n_tiles < workers && p.Sk >= 4 * kBlockK)" in src
-    assert "n_split = std::min(ceil_div(2 * workers, plan.n_tiles), p.Sk / (2 * kBlockK));" in src
+    assert c["kDropoutSplitWorkers"] == X.CPU_DROPOUT_SPLIT_WORKERS
+    assert "p.score_terms().has_dropout() ? kDropoutSplitWorkers : workers;" in src
+    assert "if (plan.n_tiles < plan_workers && p.Sk >= 4 * kBlockK)" in src
+    assert "n_split = std::min(ceil_div(2 * plan_workers, plan.n_tiles), p.Sk / (2 * kBlockK));" in src
 
 
 def test_cuda_constants_match_the_headers():

@@ -19,6 +19,8 @@ import sys
 import pytest
 import torch
 
+import attn_ext
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import fp32_grad_study as S  # noqa: E402
 
@@ -78,3 +80,30 @@ def test_tiny_shapes_rule():
             worst[name] = max(worst[name], ratio)
     assert over["dv"] == 0, (over, worst)
     assert worst["dq"] < 1000 and worst["dk"] < 1000, (over, worst)
+
+
+@pytest.mark.parametrize("D", [64, 96, 104, 128, 200, 256])
+@pytest.mark.parametrize("kind", ["window00", "causal_one_key", "one_padded_key", "sk1"])
+def test_one_visible_key_gradients_exactly_zero(D, kind):
+    """A row that sees one key has P = 1 on it, so dq and dk are exactly 0 (the fp32 textbook
+    gives exactly 0 too). Di must then equal that key's dP bitwise at every head dim: above
+    96 the AVX2 gemm sums dP in chains of 64 (mk::gemm_chain_length), and Di used to be one
+    chain there (dq, dk ~1e-6 at D = 128 / 256)."""
+    g = torch.Generator().manual_seed(D * 10 + len(kind))
+    Sq, Sk, kw = {"window00": (37, 37, {"window": (0, 0)}),
+                  "causal_one_key": (1, 1, {"causal": True}),
+                  "one_padded_key": (9, 13, {}),
+                  "sk1": (8, 1, {})}[kind]
+    if kind == "one_padded_key":
+        m = torch.zeros(2, Sk, dtype=torch.bool)
+        m[:, 5] = True
+        kw = {"key_padding_mask": m}
+    q = torch.randn(2, Sq, 2, D, generator=g)
+    k = torch.randn(2, Sk, 2, D, generator=g)
+    v = torch.randn(2, Sk, 2, D, generator=g)
+    dout = torch.randn(2, Sq, 2, D, generator=g)
+    ts = [t.clone().requires_grad_() for t in (q, k, v)]
+    dq, dk, dv = torch.autograd.grad(attn_ext.attention(*ts, **kw), ts, dout)
+    assert torch.count_nonzero(dq) == 0 and torch.count_nonzero(dk) == 0, (
+        f"max |dq| {dq.abs().max():.2e}, max |dk| {dk.abs().max():.2e}")
+    assert torch.count_nonzero(dv) > 0

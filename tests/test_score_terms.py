@@ -363,6 +363,32 @@ def test_dropout_reproducible_and_thread_independent():
     assert not torch.equal(a[0], d[0])  # another draw, another mask
 
 
+@pytest.mark.parametrize("Sq,Hkv,Sk", [(1, 1, 1500), (3, 1, 1500), (17, 1, 700), (5, 2, 2000)])
+def test_dropout_bitwise_across_thread_counts_few_tiles(Sq, Hkv, Sk):
+    """Issue 15: CPU dropout is bitwise identical across thread counts, also where the
+    forward splits the keys of few query tiles (decode-like shapes, B * Hkv small): with
+    dropout the split plan counts kDropoutSplitWorkers, not the threads (the merge's sums
+    depended on the chunking)."""
+    from tests.utils import with_threads
+
+    q, k, v = randn(1, Sq, 4, 64), randn(1, Sk, Hkv, 64), randn(1, Sk, Hkv, 64)
+
+    def run():
+        torch.manual_seed(11)
+        ts = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attn_ext.attention(*ts, causal=True, dropout_p=0.2)
+        out.square().sum().backward()
+        return [out.detach()] + [t.grad for t in ts]
+
+    one = with_threads(1, run)
+    for n in (2, 3, 16):
+        other = with_threads(n, run)
+        for name, x, y in zip(("out", "dq", "dk", "dv"), one, other):
+            assert torch.equal(x, y), f"{name} differs at {n} threads vs 1"
+    assert attn_ext.explain(q, k, v, causal=True, dropout_p=0.2).details["n_split"] == \
+        with_threads(16, lambda: attn_ext.explain(q, k, v, causal=True, dropout_p=0.2).details["n_split"])
+
+
 # ---- bad input ----------------------------------------------------------------------------
 
 

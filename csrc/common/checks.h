@@ -36,9 +36,12 @@ inline void check_last_dim_contiguous(const Tensor& t, const char* name) {
                   " must have a contiguous last dim (stride 1), got strides ", strides_of(t));
 }
 
-// positions: int64, shape (S,) or (B, S); returns true when it is per batch (B, S).
+// positions: int64, shape (S,) or (B, S); returns true when it is per batch (B, S). They are
+// absolute, so an offset beside them (which they would silently override) is refused.
 inline bool check_positions(const Tensor& positions, const Tensor& x, int64_t B, int64_t S,
-                            bool allow_batched) {
+                            bool allow_batched, int64_t offset) {
+  STD_TORCH_CHECK(offset == 0, "offset must be 0 when positions are given (positions are "
+                  "absolute; add the offset to them), got offset = ", offset);
   STD_TORCH_CHECK(positions.scalar_type() == dtype::kLong, "positions must be int64, got ",
                   positions.scalar_type());
   check_same_device(positions, x, "positions", "x");

@@ -53,13 +53,14 @@ inline RopeParams make_rope_params(const Tensor& x, const Tensor& cos,
   p.positions = nullptr;
   if (positions.has_value()) {
     const Tensor& pos = *positions;
-    const bool per_batch = check_positions(pos, x, p.B, p.S, /*allow_batched=*/true);
+    const bool per_batch = check_positions(pos, x, p.B, p.S, /*allow_batched=*/true, offset);
     p.positions = static_cast<const int64_t*>(pos.data_ptr());
     p.pos_batch_stride = per_batch ? pos.stride(0) : 0;
     p.pos_row_stride = pos.stride(-1);
   } else if (p.S > 0) {
     // offset <= S_max - S, not offset + S <= S_max: a huge offset must not wrap around.
-    STD_TORCH_CHECK(offset >= 0 && offset <= p.S_max - p.S, "offset + S = ", offset, " + ", p.S,
+    STD_TORCH_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
+    STD_TORCH_CHECK(offset <= p.S_max - p.S, "offset + S = ", offset, " + ", p.S,
                 " must lie in [0, cos.size(0) = ", p.S_max,
                 "] (the cos/sin tables have no rows past that)");
   }

@@ -49,7 +49,7 @@ inline SinusoidalParams make_sinusoidal_params(const Tensor& x, const Tensor& ou
   p.positions = nullptr;
   if (positions.has_value()) {
     const Tensor& pos = *positions;
-    const bool per_batch = check_positions(pos, x, p.B, p.S, batched_x);
+    const bool per_batch = check_positions(pos, x, p.B, p.S, batched_x, offset);
     p.positions = static_cast<const int64_t*>(pos.data_ptr());
     p.pos_batch_stride = per_batch ? pos.stride(0) : 0;
     p.pos_row_stride = pos.stride(-1);

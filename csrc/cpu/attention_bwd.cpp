@@ -164,12 +164,18 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     acc_t* drow = dor + ii * Dvp;
     convert_row(dh + ii * bp.dout_row_stride, Dv, drow);
     convert_row(oh + ii * bp.o_row_stride, Dv, tmp);
-    // Di in the order (and with the rounding) of the dP gemm's chain over d, so that where
-    // out equals one key's v (a row whose probability sits on that key) Di equals its dP
-    // bitwise and dS = P * (dP - Di) is 0 there, as in the textbook.
+    // Di in the order (and with the rounding) of the dP gemm's chains over d
+    // (mk::gemm_chain_length), so that where out equals one key's v (a row whose probability
+    // sits on that key) Di equals its dP bitwise and dS = P * (dP - Di) is 0 there, as in the
+    // textbook.
     acc_t di = 0;
     if (fused_dp) {
-      for (int64_t d = 0; d < Dv; ++d) di = std::fma(tmp[d], drow[d], di);
+      const int64_t chain = mk::gemm_chain_length(Dv);
+      for (int64_t d0 = 0; d0 < Dv; d0 += chain) {
+        acc_t c = 0;
+        for (int64_t d = d0; d < std::min(Dv, d0 + chain); ++d) c = std::fma(tmp[d], drow[d], c);
+        di = d0 == 0 ? c : di + c;
+      }
     } else {
       for (int64_t d = 0; d < Dv; ++d) di += tmp[d] * drow[d];
     }

@@ -30,6 +30,10 @@ namespace cpu_attn {
 constexpr int64_t kBlockQ = 96;
 // Key tile: rows of the transposed score tile per online-softmax step.
 constexpr int64_t kBlockK = 96;
+// The forward's split-KV plan (attention_fwd_kernel) counts this many workers, not the
+// thread count, for calls with dropout, so that their outputs are bitwise the same at every
+// thread count (issue 15: the chunk merge's sums depend on the chunking, not the keep bits).
+constexpr int64_t kDropoutSplitWorkers = 16;
 
 constexpr double kLog2e = 1.4426950408889634074;
 constexpr double kLn2 = 0.69314718055994530942;

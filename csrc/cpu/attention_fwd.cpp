@@ -383,10 +383,13 @@ void attention_fwd_kernel(const AttentionParams& p) {
   const int64_t workers = num_threads();
   auto make_scratch = [&] { return FwdScratch<acc_t>(p.D, p.Dv); };
 
-  // Split-KV when there are fewer tiles than threads and enough keys to share.
+  // Split-KV when there are fewer tiles than threads and enough keys to share. With dropout
+  // the plan counts kDropoutSplitWorkers instead of the threads (bitwise the same output at
+  // any thread count).
+  const int64_t plan_workers = p.score_terms().has_dropout() ? kDropoutSplitWorkers : workers;
   int64_t n_split = 1;
-  if (plan.n_tiles < workers && p.Sk >= 4 * kBlockK) {
-    n_split = std::min(ceil_div(2 * workers, plan.n_tiles), p.Sk / (2 * kBlockK));
+  if (plan.n_tiles < plan_workers && p.Sk >= 4 * kBlockK) {
+    n_split = std::min(ceil_div(2 * plan_workers, plan.n_tiles), p.Sk / (2 * kBlockK));
   }
   if (n_split <= 1) {
     // groups: the tiles of one (sequence, kv head) (tile_at's order), so a worker converts a

@@ -23,6 +23,19 @@
 namespace attn_ext {
 namespace mk {
 
+// The AVX2 gemm's FMA chains over K: for K > kGemmKSplit it sums K in chains of kGemmKBlock
+// products, each started from zero and added to the output in order (((c0 + c1) + c2) ...),
+// not in one chain of K (a score at D = 128 and |s| >> 1 rounded more than the reference's
+// blocked sgemm: TESTING.md, the fuzz item). The products over keys (K <= kBlockK = 96) and
+// D <= 96 keep one chain (no extra tile pass), so the split costs only the score products at
+// D = 128 / 256. Sums that must equal a gemm output bitwise (the backward's row term Di
+// against its dP) follow the same chains.
+constexpr int64_t kGemmKBlock = 64;
+constexpr int64_t kGemmKSplit = 96;
+constexpr int64_t gemm_chain_length(int64_t K) {
+  return K <= kGemmKSplit ? std::max<int64_t>(K, 1) : kGemmKBlock;
+}
+
 // C (M, N; ldc) = [C +] A (M, K) * B (K, N; ldb), where A's element (m, t) is
 // A[m * a_row + t * a_col] (so A may be a transposed view). N must be a multiple of 8.
 template <typename T>

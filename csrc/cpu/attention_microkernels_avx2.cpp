@@ -33,15 +33,8 @@ using cpu::exp2_ps;  // csrc/cpu/simd.h
 // Register-blocked tile C (MR, 8 * NV) of gemm_avx2: MR * NV accumulators stay in ymm
 // registers across the whole K loop (6 x 16 = 12 accumulators + 2 B vectors + 1 broadcast
 // fills the 16 registers). A is read by scalar broadcasts, so its strides are free.
-// The K loop runs in blocks of kGemmKBlock: each block's FMA chain starts from zero and is
-// added to C after, so an output is a sum of chains of at most 64 products plus one add per
-// block, not one chain of K (a score at D = 128 and |s| >> 1 rounded more than the
-// reference's blocked sgemm: TESTING.md, the fuzz item). Only for K > kGemmKSplit: the
-// products over keys (K <= kBlockK = 96) and D <= 96 keep one chain (no extra tile pass),
-// so the split costs only the score products at D = 128 / 256, one load / add / store of the
-// tile per block.
-constexpr int64_t kGemmKBlock = 64;
-constexpr int64_t kGemmKSplit = 96;
+// The K loop runs in the chains of gemm_chain_length (attention_microkernels.h): each chain
+// starts from zero and is added to C after (one load / add / store of the tile per chain).
 
 // One step t of a register tile: acc[r][v] += A(r, t) * B(t, 8 v .. 8 v + 7), where a points
 // at A(0, t) and A(r, t) = a[r * a_row] (broadcast), b at B's row t. Shared by gemm_tile and
@@ -66,7 +59,7 @@ ATTN_AVX2 inline void gemm_tile(int64_t K, const float* A, int64_t a_row, int64_
                                 bool accumulate) {
   // K <= kGemmKSplit (the key-tile products, D <= 96): one chain, started from C when
   // accumulating; longer K (the score products at D = 128, 256): blocks of kGemmKBlock
-  const int64_t kb = K <= kGemmKSplit ? std::max<int64_t>(K, 1) : kGemmKBlock;
+  const int64_t kb = gemm_chain_length(K);
   for (int64_t t0 = 0; t0 < K || t0 == 0; t0 += kb) {
     const int64_t t1 = std::min(K, t0 + kb);
     const bool one_chain = kb >= K;
