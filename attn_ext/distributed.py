@@ -301,10 +301,10 @@ def _kernel_forward(q, k, v, args: BlockArgs, scale, terms: _Terms = NO_TERMS):
 
 
 def _kernel_backward(dout, q, k, v, out, lse, dlse, args: BlockArgs, scale, terms: _Terms = NO_TERMS):
-    """One block's ``attention_backward`` (global out and lse; dlse the gradient of the global
+    """One block's ``attention_backward_rel_bias`` (global out and lse; dlse the gradient of the global
     lse, or None) with :func:`block_call`'s arguments: ``(dq, dk, dv, d rel_bias)``."""
     left, right = _window_ops(args)
-    return _ops.attention_backward(
+    return _ops.attention_backward_rel_bias(
         dout, q, k, v, out, lse, args.causal, scale, left, right, None, dlse, terms.alibi_slopes,
         terms.rel_bias, terms.softcap, terms.dropout_p, terms.dropout_seed, terms.dropout_offset,
         torch.are_deterministic_algorithms_enabled(), args.q_start, args.k_start)

@@ -219,11 +219,12 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
         """Rotate one ``(B, S, H, D)`` tensor: in place when no gradient is needed."""
         cos, sin = self._tables_for(x, offset, positions)
+        off = _op_offset(offset, positions)
         # out of place under torch.jit.trace as well: the trace checker reruns the module
         # without grad, and both runs must record the same graph
         if (torch.is_grad_enabled() and x.requires_grad) or torch.jit.is_tracing():
-            return torch.ops.attn_ext.rope(x, cos, sin, positions, offset, self.interleaved)
-        torch.ops.attn_ext.rope_(x, cos, sin, positions, offset, self.interleaved)
+            return torch.ops.attn_ext.rope(x, cos, sin, positions, off, self.interleaved)
+        torch.ops.attn_ext.rope_(x, cos, sin, positions, off, self.interleaved)
         return x
 
     def forward(self, q: Tensor, k: Tensor, offset: int = 0,
@@ -231,11 +232,12 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``q (B, S, H, D)`` and ``k (B, S, Hkv, D)``: in place (one call, returns the
         same tensors) when no gradient is needed, else out of place (differentiable)."""
         cos, sin = self._tables_for(q, offset, positions)
+        off = _op_offset(offset, positions)
         if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)) or torch.jit.is_tracing():
-            q = torch.ops.attn_ext.rope(q, cos, sin, positions, offset, self.interleaved)
-            k = torch.ops.attn_ext.rope(k, cos, sin, positions, offset, self.interleaved)
+            q = torch.ops.attn_ext.rope(q, cos, sin, positions, off, self.interleaved)
+            k = torch.ops.attn_ext.rope(k, cos, sin, positions, off, self.interleaved)
             return q, k
-        torch.ops.attn_ext.rope_qk_(q, k, cos, sin, positions, offset, self.interleaved)
+        torch.ops.attn_ext.rope_qk_(q, k, cos, sin, positions, off, self.interleaved)
         return q, k
 
 
@@ -618,6 +620,12 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(out.view(B, Sq, H * Dv)), weights
 
 
+def _op_offset(offset: int, positions: Optional[Tensor]) -> int:
+    """The modules' rule: a positions tensor replaces offset (left-padded caches pass both);
+    the ops themselves refuse a nonzero offset beside positions."""
+    return offset if positions is None else 0
+
+
 class SinusoidalPositionalEncoding(nn.Module):
     """``dropout(x + PE)`` with the sinusoidal encoding computed on the fly: no table, no
     maximum length. ``forward(x, offset=0, positions=None)`` for ``x (B, S, d_model)``."""
@@ -632,7 +640,8 @@ class SinusoidalPositionalEncoding(nn.Module):
         if x.size(-1) != self.d_model:
             raise ValueError(f"x must have d_model = {self.d_model} features in its last dim, got "
                              f"shape {list(x.shape)}")
-        return self.dropout(torch.ops.attn_ext.sinusoidal_pe(x, positions, offset, self.base))
+        return self.dropout(torch.ops.attn_ext.sinusoidal_pe(x, positions, _op_offset(offset, positions),
+                                                             self.base))
 
 
 class LearnedPositionalEmbedding(nn.Module):

@@ -83,10 +83,24 @@ def sinusoidal_table(
 ) -> torch.Tensor:
     """The ``(seq_len, dim)`` sinusoidal encoding matrix (for inspection and plots),
     produced by the same kernel as :func:`sinusoidal_pe` applied to zeros."""
-    if seq_len < 0 or dim < 0:
-        raise ValueError(f"seq_len and dim must be >= 0, got seq_len={seq_len}, dim={dim}")
-    zeros = torch.zeros(seq_len, dim, dtype=dtype or torch.get_default_dtype(), device=device)
+    for name, n in (("seq_len", seq_len), ("dim", dim)):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise ArgumentTypeError(f"{name} must be an int, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"{name} must be >= 0, got {n}")
+    dtype = dtype or torch.get_default_dtype()
+    _check_table_dtype(dtype)
+    zeros = torch.zeros(int(seq_len), int(dim), dtype=dtype, device=device)
     return sinusoidal_pe_(zeros, None, 0, base)
+
+
+_TABLE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _check_table_dtype(dtype) -> None:
+    """dtype of a table builder (sinusoidal_table, rope_cache): a floating dtype the ops take."""
+    if dtype not in _TABLE_DTYPES:
+        raise ValueError(f"dtype must be float32, float64, float16 or bfloat16, got {dtype}")
 
 
 def _fake_same_device(ref, ref_name, **others):
@@ -223,6 +237,9 @@ def rope_qk(
     """
     _check_tensor(q, "q", "(B, S, H, D) or (B, S, D)")
     _check_tensor(k, "k", "(B, S, Hkv, D) or (B, S, D)")
+    if k.shape[:2] != q.shape[:2]:  # one rule for both paths (the in-place op checks it too)
+        raise ValueError(f"k must have B = {q.size(0)} and S = {q.size(1)} (the first two dims "
+                         f"of q), got shape {list(k.shape)}")
     if inplace:
         _check_tensor(cos, "cos", "(S_max, rotary_dim/2)")
         _check_tensor(sin, "sin", "(S_max, rotary_dim/2)")
@@ -383,9 +400,10 @@ def rope_cache(
         raise ArgumentTypeError(f"seq_len must be an int, got {type(seq_len).__name__}")
     if seq_len < 0:
         raise ValueError(f"seq_len must be >= 0, got {seq_len}")
+    dtype = dtype or torch.float32
+    _check_table_dtype(dtype)
     inv_freq, attn = rope_inv_freq(rotary_dim, base, scaling, seq_len)
     angle = torch.arange(seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    dtype = dtype or torch.float32
     cos = (torch.cos(angle) * attn).to(dtype=dtype, device=device)
     sin = (torch.sin(angle) * attn).to(dtype=dtype, device=device)
     return cos, sin
@@ -818,7 +836,7 @@ def _grads_like(q, k, v, rel_bias):
     )
 
 
-@torch.library.register_fake("attn_ext::attention_backward")
+@torch.library.register_fake("attn_ext::attention_backward_rel_bias")
 def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None, window_left=-1,
                              window_right=-1, key_padding_mask=None, dlse=None,
                              alibi_slopes=None, rel_bias=None, softcap=None, dropout_p=0.0,
@@ -828,6 +846,11 @@ def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None, window
                       key_padding_mask=key_padding_mask, alibi_slopes=alibi_slopes,
                       rel_bias=rel_bias)
     return _grads_like(q, k, v, rel_bias)
+
+
+@torch.library.register_fake("attn_ext::attention_backward")
+def _attention_backward3_fake(*args, **kwargs):
+    return _attention_backward_fake(*args, **kwargs)[:3]
 
 
 @torch.library.register_fake("attn_ext::attention_varlen_forward")
@@ -847,7 +870,7 @@ def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
     return out, lse
 
 
-@torch.library.register_fake("attn_ext::attention_varlen_backward")
+@torch.library.register_fake("attn_ext::attention_varlen_backward_rel_bias")
 def _attention_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, causal=False, scale=None,
                                     window_left=-1, window_right=-1, dlse=None,
@@ -858,6 +881,11 @@ def _attention_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       alibi_slopes=alibi_slopes, rel_bias=rel_bias)
     return _grads_like(q, k, v, rel_bias)
+
+
+@torch.library.register_fake("attn_ext::attention_varlen_backward")
+def _attention_varlen_backward3_fake(*args, **kwargs):
+    return _attention_varlen_backward_fake(*args, **kwargs)[:3]
 
 
 def _row_contiguous(g):
@@ -913,7 +941,7 @@ def _attention_forward_backward(ctx, dout, dlse):
     q, k, v, out, lse, key_padding_mask, alibi_slopes, rel_bias, sinks = ctx.saved_tensors
     softcap, dropout_p, seed, offset = ctx.terms
     dout = torch.zeros_like(out) if dout is None else _row_contiguous(dout)
-    dq, dk, dv, drel_bias = _lib.attention_backward(
+    dq, dk, dv, drel_bias = _lib.attention_backward_rel_bias(
         dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.window[0], ctx.window[1],
         key_padding_mask, dlse, alibi_slopes, rel_bias, softcap, dropout_p, seed, offset,
         # The stable ABI cannot query torch.are_deterministic_algorithms_enabled() from C++,
@@ -951,7 +979,7 @@ def _attention_varlen_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes, rel_bias, sinks = ctx.saved_tensors
     softcap, dropout_p, seed, offset = ctx.terms
     dout = torch.zeros_like(out) if dout is None else _row_contiguous(dout)
-    dq, dk, dv, drel_bias = _lib.attention_varlen_backward(
+    dq, dk, dv, drel_bias = _lib.attention_varlen_backward_rel_bias(
         dout, q, k, v, out, lse, cu_q, cu_k, ctx.max_seqlen[0], ctx.max_seqlen[1], ctx.causal,
         ctx.scale, ctx.window[0], ctx.window[1], dlse, alibi_slopes, rel_bias, softcap,
         dropout_p, seed, offset, torch.are_deterministic_algorithms_enabled(),
@@ -985,7 +1013,8 @@ def _no_double_backward_setup(ctx, inputs, output):
     pass
 
 
-for _name in ("attention_backward", "attention_varlen_backward"):
+for _name in ("attention_backward", "attention_backward_rel_bias", "attention_varlen_backward",
+              "attention_varlen_backward_rel_bias"):
     torch.library.register_autograd(f"attn_ext::{_name}", _no_double_backward(_name),
                                     setup_context=_no_double_backward_setup)
 

@@ -115,14 +115,41 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
   // last dim contiguous; dlse: lse's shape and dtype, None = zero. The mask and term arguments
   // are the forward's (sinks need none: lse holds them; their gradient is
   // exp(sink - lse) * (dlse - rowsum(dout * out)) summed over rows, computed by the caller).
-  // drel_bias: d rel_bias (H, 2M + 1), or an empty (0,) tensor without rel_bias.
   // deterministic=True selects bitwise-reproducible kernels (CUDA: the simple kernels instead
   // of the fast one's fp32 atomics; the CPU backward is always deterministic). The stable ABI
   // cannot read torch.are_deterministic_algorithms_enabled(), so the caller passes it: the
   // Python autograd formula does; C++ / TorchScript callers pass it explicitly. It ends the
   // varlen backward's schema; the dense one adds q_start / k_start after it (as the forward).
+  // attention_backward returns the three gradients (issue 4's schema);
+  // attention_backward_rel_bias, the same call, also d rel_bias (H, 2M + 1), or an
+  // empty (0,) tensor without rel_bias (autograd uses it). One kernel serves both
+  // (common/attention_checks.h without_drel).
   m.def(
       "attention_backward("
+      "    Tensor dout,"
+      "    Tensor q,"
+      "    Tensor k,"
+      "    Tensor v,"
+      "    Tensor out,"
+      "    Tensor lse,"
+      "    bool causal,"
+      "    float? scale=None,"
+      "    int window_left=-1,"
+      "    int window_right=-1,"
+      "    Tensor? key_padding_mask=None,"
+      "    Tensor? dlse=None,"
+      "    Tensor? alibi_slopes=None,"
+      "    Tensor? rel_bias=None,"
+      "    float? softcap=None,"
+      "    float dropout_p=0.0,"
+      "    SymInt dropout_seed=0,"
+      "    SymInt dropout_offset=0,"
+      "    bool deterministic=False,"
+      "    int? q_start=None,"
+      "    int? k_start=None"
+      ") -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "attention_backward_rel_bias("
       "    Tensor dout,"
       "    Tensor q,"
       "    Tensor k,"
@@ -172,8 +199,37 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
       "    SymInt dropout_seed=0,"
       "    SymInt dropout_offset=0"
       ") -> (Tensor out, Tensor lse)");
+  // attention_varlen_backward returns the three gradients (issue 4's schema);
+  // attention_varlen_backward_rel_bias, the same call, also d rel_bias (H, 2M + 1), or an
+  // empty (0,) tensor without rel_bias (autograd uses it). One kernel serves both
+  // (common/attention_checks.h without_drel).
   m.def(
       "attention_varlen_backward("
+      "    Tensor dout,"
+      "    Tensor q,"
+      "    Tensor k,"
+      "    Tensor v,"
+      "    Tensor out,"
+      "    Tensor lse,"
+      "    Tensor cu_seqlens_q,"
+      "    Tensor cu_seqlens_k,"
+      "    SymInt max_seqlen_q,"
+      "    SymInt max_seqlen_k,"
+      "    bool causal=False,"
+      "    float? scale=None,"
+      "    int window_left=-1,"
+      "    int window_right=-1,"
+      "    Tensor? dlse=None,"
+      "    Tensor? alibi_slopes=None,"
+      "    Tensor? rel_bias=None,"
+      "    float? softcap=None,"
+      "    float dropout_p=0.0,"
+      "    SymInt dropout_seed=0,"
+      "    SymInt dropout_offset=0,"
+      "    bool deterministic=False"
+      ") -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "attention_varlen_backward_rel_bias("
       "    Tensor dout,"
       "    Tensor q,"
       "    Tensor k,"

@@ -83,7 +83,7 @@ close("attention", ops.attention(q, k, v, False, 0.3), ref.attention(q.double(),
 close("causal_attention", ops.causal_attention(q, k, v, None),
       ref.attention(q.double(), kr, vr, causal=True))
 dout = torch.randn_like(out)
-dq, dk, dv, _ = ops.attention_backward(dout, q, k, v, out, lse, True, None, deterministic=False)
+dq, dk, dv = ops.attention_backward(dout, q, k, v, out, lse, True, None, deterministic=False)
 qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
 r = ref.attention(qd, kd.repeat_interleave(2, dim=2), vd.repeat_interleave(2, dim=2), causal=True)
 r.backward(dout.double())

@@ -417,3 +417,42 @@ def test_torchscript(device):
     want = reference.attention(q, k, v, causal=True)
     assert max_err(got, want) <= 1e-12
     assert "attn_ext::causal_attention" in str(scripted.graph)
+
+
+def test_attention_backward_schema_is_issue_4s_three_gradients():
+    """Issue 4: attention_backward(dout, q, k, v, out, lse, causal, scale=None) -> (dq, dk, dv).
+    attention_backward_rel_bias is the same call with d rel_bias as a fourth output (what
+    autograd uses); both run one kernel, so the three gradients are bitwise equal. The varlen
+    pair is alike."""
+    lib = torch.ops.attn_ext
+    assert str(lib.attention_backward.default._schema).endswith("-> (Tensor dq, Tensor dk, Tensor dv)")
+    assert str(lib.attention_varlen_backward.default._schema).endswith(
+        "-> (Tensor dq, Tensor dk, Tensor dv)")
+    q, k, v = randn(2, 9, 4, 16), randn(2, 11, 2, 16), randn(2, 11, 2, 8)
+    out, lse = lib.attention_forward(q, k, v, True)
+    dout = torch.randn_like(out)
+    grads = lib.attention_backward(dout, q, k, v, out, lse, True)
+    assert len(grads) == 3
+    dq, dk, dv = grads
+    rel = torch.randn(4, 7)
+    out_r, lse_r = lib.attention_forward(q, k, v, True, None, -1, -1, None, None, rel)
+    full = lib.attention_backward_rel_bias(dout, q, k, v, out_r, lse_r, True, None, -1, -1, None,
+                                           None, None, rel)
+    three = lib.attention_backward(dout, q, k, v, out_r, lse_r, True, None, -1, -1, None, None,
+                                   None, rel)
+    assert len(full) == 4 and full[3].shape == rel.shape
+    for a, b in zip(three, full[:3]):
+        assert torch.equal(a, b)
+    qd, kd, vd = [t.clone().requires_grad_() for t in (q, k, v)]
+    attn_ext.attention(qd, kd, vd, causal=True).backward(dout)
+    for ours, ref_grad in zip((dq, dk, dv), (qd.grad, kd.grad, vd.grad)):
+        assert torch.equal(ours, ref_grad)
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 11], dtype=torch.int32)
+    vo, vl = lib.attention_varlen_forward(q[0], k[0], v[0], cu_q, cu_k, 5, 6, True)
+    vg = lib.attention_varlen_backward(torch.ones_like(vo), q[0], k[0], v[0], vo, vl, cu_q, cu_k,
+                                       5, 6, True)
+    vf = lib.attention_varlen_backward_rel_bias(torch.ones_like(vo), q[0], k[0], v[0], vo, vl,
+                                                cu_q, cu_k, 5, 6, True)
+    assert len(vg) == 3 and all(torch.equal(a, b) for a, b in zip(vg, vf[:3]))
+    torch.library.opcheck(lib.attention_backward.default, (dout, q, k, v, out, lse, True, None))

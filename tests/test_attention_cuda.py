@@ -263,7 +263,7 @@ def test_backward(shape, dtype, causal, cuda):
     v = randn(B, Sk, Hkv, Dv, dtype=dtype, device=cuda)
     dout = randn(B, Sq, H, Dv, dtype=dtype, device=cuda)
     out, lse = fwd(q, k, v, causal)
-    dq, dk, dv, _ = torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, causal, None)
+    dq, dk, dv = torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, causal, None)
     _, *g64 = _grads(q, k, v, dout, causal, torch.float64)
     _, *glow = _grads(q, k, v, dout, causal, dtype)
     for name, ours, r64, rlow in zip(("dq", "dk", "dv"), (dq, dk, dv), g64, glow):
@@ -1139,7 +1139,7 @@ class TestScoreTermsCuda:
         args = (q, k, v, True, None, -1, -1, None, slopes, rel, 3.0, sinks, 0.2, 123, 7)
         torch.library.opcheck(lib.attention_forward.default, args)
         out, lse = lib.attention_forward(*args)
-        torch.library.opcheck(lib.attention_backward.default,
+        torch.library.opcheck(lib.attention_backward_rel_bias.default,
                               (torch.randn_like(out), q, k, v, out, lse, True, None, -1, -1, None,
                                torch.randn_like(lse), slopes, rel, 3.0, 0.2, 123, 7))
         cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=cuda)
@@ -1148,7 +1148,7 @@ class TestScoreTermsCuda:
         vargs = (qv, kv, vv, cu, cuk, 4, 6, True, None, -1, -1, slopes, rel, 3.0, sinks, 0.2, 5, 9)
         torch.library.opcheck(lib.attention_varlen_forward.default, vargs)
         out, lse = lib.attention_varlen_forward(*vargs)
-        torch.library.opcheck(lib.attention_varlen_backward.default,
+        torch.library.opcheck(lib.attention_varlen_backward_rel_bias.default,
                               (torch.randn_like(out), qv, kv, vv, out, lse, cu, cuk, 4, 6, True, None,
                                -1, -1, None, slopes, rel, 3.0, 0.2, 5, 9))
 
@@ -1271,8 +1271,8 @@ class TestScoreTermsCuda:
             out, lse = lib.attention_forward(*t, True, None, 40, -1, None, s, r, cap, None, p,
                                              seed, offset)
             dout = torch.ones_like(out).mul_(0.5) + out
-            grads = lib.attention_backward(dout, *t, out, lse, True, None, 40, -1, None, None, s,
-                                           r, cap, p, seed, offset)
+            grads = lib.attention_backward_rel_bias(dout, *t, out, lse, True, None, 40, -1, None,
+                                                    None, s, r, cap, p, seed, offset)
             return [x.cpu() for x in (out, lse, *grads)]
 
         for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "drel_bias"], run(cuda), run("cpu")):
@@ -1475,8 +1475,8 @@ class TestScoreTermsCuda:
                                              0.2, 99, 5, q0, k0)
             dout = torch.ones_like(out).mul_(0.5) + out
             dlse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse * 0.1)
-            grads = lib.attention_backward(dout, *t, out, lse, causal, None, left, right, None,
-                                           dlse, s, r, 6.0, 0.2, 99, 5, False, q0, k0)
+            grads = lib.attention_backward_rel_bias(dout, *t, out, lse, causal, None, left, right,
+                                                    None, dlse, s, r, 6.0, 0.2, 99, 5, False, q0, k0)
             return [x.cpu() for x in (out, lse, *grads)]
 
         for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "drel_bias"], run(cuda), run("cpu")):

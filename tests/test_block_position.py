@@ -153,7 +153,7 @@ def test_block_position_gradcheck_and_opcheck():
     torch.library.opcheck(_ops.attention_forward, args)
     out, lse = _ops.attention_forward(*args)
     torch.library.opcheck(
-        _ops.attention_backward,
+        _ops.attention_backward_rel_bias,
         (torch.randn_like(out), *args[:3], out, lse, True, None, 5, -1, None, None, None,
          args[9], 2.0, 0.3, 1, 2, False, 7, 2))
 

@@ -303,3 +303,65 @@ def test_alibi_slopes_that_require_grad_are_refused_not_detached():
                                rtol=1e-4, atol=1e-5)
     with torch.no_grad():
         A.attention(q, k, v, causal=True, alibi_slopes=slopes)
+
+
+# ---- second audit round -------------------------------------------------------------------
+
+
+def test_rope_and_sinusoidal_refuse_an_offset_beside_positions():
+    """positions are absolute: an offset next to them used to be ignored silently."""
+    x = torch.randn(1, 4, 2, 8)
+    cos, sin = A.rope_cache(16, 8)
+    pos = torch.arange(4)
+    with pytest.raises(RuntimeError, match="offset must be 0 when positions are given"):
+        A.rope(x, cos, sin, positions=pos, offset=3)
+    with pytest.raises(RuntimeError, match="offset must be 0 when positions are given"):
+        A.rope_qk(x, x.clone(), cos, sin, positions=pos, offset=3, inplace=True)
+    with pytest.raises(RuntimeError, match="offset must be 0 when positions are given"):
+        A.sinusoidal_pe(torch.zeros(1, 4, 8), positions=pos, offset=1)
+    torch.testing.assert_close(A.rope(x, cos, sin, positions=pos + 3), A.rope(x, cos, sin, offset=3),
+                               rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="offset must be >= 0, got -1"):
+        A.rope(x, cos, sin, offset=-1)
+    with pytest.raises(RuntimeError, match="offset"):
+        A.sinusoidal_pe(torch.zeros(1, 5, 4, dtype=torch.float64), offset=2**63 - 1)
+    big = A.sinusoidal_pe(torch.zeros(1, 1, 4, dtype=torch.float64), offset=2**63 - 1)
+    assert torch.isfinite(big).all()
+
+
+def test_rope_qk_checks_k_alike_in_place_and_out_of_place():
+    cos, sin = A.rope_cache(16, 8)
+    q, k = torch.randn(2, 5, 3, 8), torch.randn(2, 4, 3, 8)
+    for inplace in (False, True):
+        with pytest.raises((ValueError, RuntimeError), match="k must have B = 2 and S = 5"):
+            A.rope_qk(q, k, cos, sin, offset=2, inplace=inplace)
+
+
+def test_table_builders_name_bad_arguments():
+    with pytest.raises(ValueError, match="dtype must be float32"):
+        A.sinusoidal_table(5, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="dtype must be float32"):
+        A.rope_cache(16, 8, dtype=torch.int64)
+    with pytest.raises(TypeError, match="seq_len must be an int"):
+        A.sinusoidal_table(5.5, 8)
+    with pytest.raises(TypeError, match="dim must be an int"):
+        A.sinusoidal_table(16, 8.0)
+    assert A.sinusoidal_table(3, 4, dtype=torch.float64).dtype == torch.float64
+
+
+def test_rope_cache_dynamic_takes_hugging_faces_parameters():
+    """HF's dynamic NTK reads L0 from config.max_position_embeddings; its rope_parameters
+    dict has no original_max_position_embeddings. Both spellings give the same tables."""
+    a = A.rope_cache(128, 16, scaling={"rope_type": "dynamic", "factor": 2.0,
+                                       "max_position_embeddings": 64})
+    b = A.rope_cache(128, 16, scaling={"type": "dynamic", "factor": 2.0,
+                                       "original_max_position_embeddings": 64})
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        A.rope_cache(128, 16, scaling={"type": "dynamic", "factor": 2.0})
+
+
+def test_reference_dropout_needs_its_mask():
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="dropout_mask"):
+        R.attention(q, q, q, dropout_p=0.1)

@@ -186,7 +186,7 @@ def test_opcheck():
     args = (q, k, v, True, None, -1, -1, None, slopes, rel, 3.0, sinks, 0.2, 123, 7)
     torch.library.opcheck(lib.attention_forward.default, args)
     out, lse = (t.detach() for t in lib.attention_forward(*args))
-    torch.library.opcheck(lib.attention_backward.default,
+    torch.library.opcheck(lib.attention_backward_rel_bias.default,
                           (torch.randn_like(out), q, k, v, out, lse, True, None, -1, -1, None,
                            torch.randn_like(lse), slopes, rel.detach(), 3.0, 0.2, 123, 7))
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
@@ -195,7 +195,7 @@ def test_opcheck():
     vargs = (qv, kv, vv, cu, cuk, 4, 6, True, None, -1, -1, slopes, rel, 3.0, sinks, 0.2, 5, 9)
     torch.library.opcheck(lib.attention_varlen_forward.default, vargs)
     out, lse = (t.detach() for t in lib.attention_varlen_forward(*vargs))
-    torch.library.opcheck(lib.attention_varlen_backward.default,
+    torch.library.opcheck(lib.attention_varlen_backward_rel_bias.default,
                           (torch.randn_like(out), qv, kv, vv, out, lse, cu, cuk, 4, 6, True, None,
                            -1, -1, None, slopes, rel.detach(), 3.0, 0.2, 5, 9))
 

@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <optional>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/attention_params.h"
@@ -153,5 +155,21 @@ inline AttentionBwdParams make_attention_bwd_params(
   bp.dv = dv.data_ptr();
   return bp;
 }
+
+// attention_backward / attention_varlen_backward (three gradients, issue 4's schema) from the
+// backend's *_rel_bias kernel (dq, dk, dv, d rel_bias), for each backend's registration:
+// m.impl("attention_backward", TORCH_BOX(without_drel<&attention_backward_cpu>)).
+template <auto F, typename Sig>
+struct WithoutDrel;
+template <auto F, typename... Args>
+struct WithoutDrel<F, std::tuple<Tensor, Tensor, Tensor, Tensor>(Args...)> {
+  static std::tuple<Tensor, Tensor, Tensor> call(Args... args) {
+    auto grads = F(std::forward<Args>(args)...);
+    return {std::move(std::get<0>(grads)), std::move(std::get<1>(grads)),
+            std::move(std::get<2>(grads))};
+  }
+};
+template <auto F>
+constexpr auto without_drel = &WithoutDrel<F, std::remove_pointer_t<decltype(F)>>::call;
 
 }  // namespace attn_ext

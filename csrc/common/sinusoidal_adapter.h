@@ -4,6 +4,7 @@
 
 
 #include <cmath>
+#include <limits>
 #include <optional>
 
 #include "common/checks.h"
@@ -53,6 +54,11 @@ inline SinusoidalParams make_sinusoidal_params(const Tensor& x, const Tensor& ou
     p.positions = static_cast<const int64_t*>(pos.data_ptr());
     p.pos_batch_stride = per_batch ? pos.stride(0) : 0;
     p.pos_row_stride = pos.stride(-1);
+  } else if (p.S > 0) {
+    // positions offset + s for s < S must be int64 (no wrap-around to negative positions)
+    STD_TORCH_CHECK(offset <= std::numeric_limits<int64_t>::max() - (p.S - 1),
+                    "offset + S - 1 = ", offset, " + ", p.S - 1,
+                    " overflows int64 (the position of the last row)");
   }
   return p;
 }

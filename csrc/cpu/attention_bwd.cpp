@@ -801,8 +801,11 @@ BwdResult attention_varlen_backward_cpu(
 }  // namespace cpu_attn
 
 STABLE_TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
-  m.impl("attention_backward", TORCH_BOX(&cpu_attn::attention_backward_cpu));
-  m.impl("attention_varlen_backward", TORCH_BOX(&cpu_attn::attention_varlen_backward_cpu));
+  m.impl("attention_backward_rel_bias", TORCH_BOX(&cpu_attn::attention_backward_cpu));
+  m.impl("attention_backward", TORCH_BOX(without_drel<&cpu_attn::attention_backward_cpu>));
+  m.impl("attention_varlen_backward_rel_bias", TORCH_BOX(&cpu_attn::attention_varlen_backward_cpu));
+  m.impl("attention_varlen_backward",
+         TORCH_BOX(without_drel<&cpu_attn::attention_varlen_backward_cpu>));
 }
 
 }  // namespace attn_ext

@@ -415,9 +415,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
 
 STABLE_TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
   m.impl("attention_forward", TORCH_BOX(&attention_forward_cuda));
-  m.impl("attention_backward", TORCH_BOX(&attention_backward_cuda));
+  m.impl("attention_backward_rel_bias", TORCH_BOX(&attention_backward_cuda));
+  m.impl("attention_backward", TORCH_BOX(without_drel<&attention_backward_cuda>));
   m.impl("attention_varlen_forward", TORCH_BOX(&attention_varlen_forward_cuda));
-  m.impl("attention_varlen_backward", TORCH_BOX(&attention_varlen_backward_cuda));
+  m.impl("attention_varlen_backward_rel_bias", TORCH_BOX(&attention_varlen_backward_cuda));
+  m.impl("attention_varlen_backward", TORCH_BOX(without_drel<&attention_varlen_backward_cuda>));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(attn_ext, CompositeExplicitAutograd, m) {
