@@ -188,6 +188,13 @@ def _extensions():
             },
             py_limited_api=True,
         ))
+        # CUDAExtension always links c10_cuda / torch_cuda. A CPU torch has neither (the link
+        # failed after every .cu had compiled), and the stable-ABI code needs neither at link
+        # time: keep the torch libraries this torch has (with a CUDA torch: all of them)
+        torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+        present = set(os.listdir(torch_lib)) if os.path.isdir(torch_lib) else set()
+        exts[-1].libraries = [lib for lib in exts[-1].libraries
+                              if lib == "cudart" or f"lib{lib}.so" in present]
         print(f"attn_ext: building the CPU ops and the CUDA kernels ({reason}; "
               f"TORCH_CUDA_ARCH_LIST={arch_list})")
     else:

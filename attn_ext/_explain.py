@@ -69,8 +69,9 @@ FORCE_SIMPLE_WHY = "attn_ext.ops._simple_cuda_kernels() is active"
 
 def _cuda_kernel_mode() -> int:
     """The CUDA attention kernel mode (0 automatic, 1 simple only); 0 without the CUDA library."""
-    name = f"attn_ext::{FORCE_SIMPLE_OP}"
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd"):
+    from .ops import _cuda_library_loaded
+
+    if not _cuda_library_loaded():
         return 0
     op = getattr(torch.ops.attn_ext, FORCE_SIMPLE_OP)
     mode = op(1)  # set returns the previous mode; put it back

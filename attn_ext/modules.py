@@ -21,6 +21,7 @@ import numbers
 from typing import List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .ops import _attention_probs, _window_args, rope_inv_freq
@@ -213,6 +214,13 @@ class RotaryEmbedding(nn.Module):
         # max_seq_len (or what they have grown to) and the S rows of x; a position past them
         # raises on CPU and device-asserts on CUDA (the op's range check), and
         # tables(n) grows them ahead of time.
+        if not torch.jit.is_scripting():
+            if positions is None and torch.compiler.is_exporting():
+                # torch.export: the rows [0, offset + S) built in the graph (the same float64
+                # ops as _build, so the same bits as the cache's rows); growing the cache on
+                # the host would bound the exported sequence dim by the cache's length
+                want = torch.float64 if x.dtype == torch.float64 else torch.float32
+                return self._build(offset + x.size(1), self.cos.device, want)
         needed = offset + x.size(1) if positions is None else x.size(1)
         return self.tables(needed, x.dtype)
 
@@ -367,10 +375,12 @@ class MultiHeadAttention(nn.Module):
 
     @torch.jit.unused
     def _context_parallel_positions(self, x: Tensor, kv_cache: Optional[KVCache], need_weights: bool,
-                                    key_padding_mask: Optional[Tensor] = None) -> Tensor:
+                                    key_padding_mask: Optional[Tensor] = None,
+                                    memory: Optional[Tensor] = None) -> Tensor:
         from .distributed import shard_positions
 
-        if kv_cache is not None or need_weights or self.cross_attention or key_padding_mask is not None:
+        if (kv_cache is not None or need_weights or self.cross_attention or memory is not None
+                or key_padding_mask is not None):
             raise NotImplementedError(
                 "context-parallel MultiHeadAttention supports self-attention (with window, "
                 "rel_bias, alibi, softcap and attention dropout at global positions) without "
@@ -512,6 +522,19 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         key_padding_mask: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
+        if not torch.jit.is_scripting():
+            # issue 6 also spells forward(x, kv_cache=None, need_weights=False): a KVCache in
+            # memory's place, or a bool in kv_cache's, is read in that order (eager only;
+            # TorchScript checks the types)
+            if isinstance(memory, KVCache):
+                if isinstance(kv_cache, bool):
+                    need_weights = need_weights or kv_cache
+                elif kv_cache is not None:
+                    raise ValueError("kv_cache given twice (positionally in memory's place and "
+                                     "by keyword)")
+                memory, kv_cache = None, memory
+            elif isinstance(kv_cache, bool):
+                kv_cache, need_weights = None, need_weights or kv_cache
         if x.dim() != 3:
             raise ValueError(f"x must have 3 dims (B, S, d_model), got shape {list(x.shape)}")
         if self.qkv is not None:
@@ -521,8 +544,8 @@ class MultiHeadAttention(nn.Module):
             d_in = self.q_proj.weight.size(1)
         if x.size(2) != d_in:
             raise ValueError(f"x must have d_model = {d_in} features, got shape {list(x.shape)}")
-        if memory is not None and self.kv_proj is not None:
-            kv_in = self.kv_proj.weight.size(1)
+        if memory is not None:
+            kv_in = self.kv_proj.weight.size(1) if self.kv_proj is not None else d_in
             if memory.dim() != 3 or memory.size(0) != x.size(0) or memory.size(2) != kv_in:
                 raise ValueError(
                     f"memory must have shape (B, Sk, kv_dim) = ({x.size(0)}, Sk, {kv_in}) "
@@ -535,10 +558,26 @@ class MultiHeadAttention(nn.Module):
         cp_positions: Optional[Tensor] = None
         if self.context_parallel_group is not None:
             cp_positions = self._context_parallel_positions(x, kv_cache, need_weights,
-                                                            key_padding_mask)
-        if self.qkv is not None:
-            if memory is not None:
-                raise ValueError("memory is only for cross_attention=True layers")
+                                                            key_padding_mask, memory)
+        fused_cross = self.qkv is not None and memory is not None
+        if fused_cross:
+            # a fused layer attending to memory (issue 6's forward(x, memory)): q from x and
+            # k / v from memory through the row blocks of the one QKV weight (no copy)
+            assert self.qkv is not None and memory is not None
+            if kv_cache is not None:
+                raise ValueError(
+                    "kv_cache with memory needs a cross_attention=True layer (it keeps the "
+                    "memory's keys/values once); a fused self-attention layer takes memory "
+                    "without a cache")
+            w, b = self.qkv.weight, self.qkv.bias
+            bq: Optional[Tensor] = None if b is None else b[: self.q_size]
+            bkv: Optional[Tensor] = None if b is None else b[self.q_size :]
+            Sk = memory.size(1)
+            q = F.linear(x, w[: self.q_size], bq).view(B, Sq, H, D)
+            kv = F.linear(memory, w[self.q_size :], bkv)  # (B, Sk, Hkv * (D + Dv))
+            k = kv[:, :, : self.k_size].view(B, Sk, Hkv, D)
+            v = kv[:, :, self.k_size :].view(B, Sk, Hkv, Dv)
+        elif self.qkv is not None:
             qkv = self.qkv(x)  # (B, Sq, (H + Hkv) * D + Hkv * Dv)
             q = qkv[:, :, : self.q_size].view(B, Sq, H, D)
             k = qkv[:, :, self.q_size : self.q_size + self.k_size].view(B, Sq, Hkv, D)
@@ -574,7 +613,7 @@ class MultiHeadAttention(nn.Module):
                     k, v = kv_cache.update(k, v)  # the memory, stored once
 
         rotary = self.rotary
-        if self.qkv is not None:
+        if self.qkv is not None and not fused_cross:
             past = 0 if kv_cache is None else kv_cache.length
             # per-row positions of a left-padded cache (None: positions past + i)
             positions = None if kv_cache is None else kv_cache.positions(Sq)

@@ -907,14 +907,19 @@ def _sinks_grad(sinks, lse, out, dout, dlse, rows_dims, head_first):
     return (p_sink * g).sum(dim=rows_dims).to(sinks.dtype)
 
 
+def _cuda_library_loaded() -> bool:
+    """Whether the CUDA library is loaded: it alone defines _set_cuda_attention_kernels."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(
+        "attn_ext::_set_cuda_attention_kernels", "CompositeExplicitAutograd"
+    ) if hasattr(torch.ops.attn_ext, "_set_cuda_attention_kernels") else False
+
+
 @contextlib.contextmanager
 def _simple_cuda_kernels():
     """Inside the block every CUDA attention call uses the simple kernels (tests and benchmarks
     compare them with the fast ones on the same inputs). Without the CUDA library loaded
     there are no CUDA kernels to choose between, and the block runs unchanged."""
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(
-        "attn_ext::_set_cuda_attention_kernels", "CompositeExplicitAutograd"
-    ):
+    if not _cuda_library_loaded():
         yield
         return
     prev = _lib._set_cuda_attention_kernels(1)

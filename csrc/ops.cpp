@@ -276,9 +276,6 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
   // Runs a torch::stable::parallel_for over n items and returns how many distinct threads took
   // part: proves the kernels really run on torch's intra-op pool.
   m.def("_parallel_threads(int n) -> int");
-  // Which CUDA attention kernels later calls in this process use: 0 = the dispatch rules of
-  // csrc/cuda/attention.cu (fast where supported), 1 = the simple kernels only (tests and
-  // benchmarks compare the kernels on the same inputs). Returns the previous mode.
-  // Implemented by the CUDA library (attn_ext/_C_cuda): without it there is no kernel.
-  m.def("_set_cuda_attention_kernels(int mode) -> int");
+  // (_set_cuda_attention_kernels, the CUDA kernel switch, is defined by the CUDA library
+  // itself, csrc/cuda/attention.cu: a CPU build has no schema without a kernel.)
 }

@@ -147,3 +147,38 @@ def test_decode_kernel_keeps_its_prefetches():
     for dtype in ("float", "c10::BFloat16", "c10::Half"):
         name = f"attention_decode_kernel<{dtype}>"
         assert any(name in f for f in hits), f"no prefetcht1 in {name}"
+
+
+_LIBS_PROBE = r"""
+import os, runpy, setuptools, sys
+captured = {}
+setuptools.setup = lambda **kw: captured.update(kw)
+sys.argv = ["setup.py", "--version"]
+runpy.run_path(os.path.join(ROOT, "setup.py"), run_name="__main__")
+for e in captured["ext_modules"]:
+    print(e.name, ",".join(e.libraries))
+"""
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA torch has every CUDA library")
+def test_forced_cuda_build_with_a_cpu_torch_links_only_libraries_it_has(tmp_path):
+    """ATTN_EXT_CUDA=1 with a CPU torch (README: the kernels are built for nvcc's CUDA major):
+    the CUDA library must not ask the linker for c10_cuda / torch_cuda, which a CPU torch does
+    not ship (the build used to fail at the link, after every .cu had compiled)."""
+    import shutil
+
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not os.path.exists(nvcc):
+        pytest.skip("no nvcc")
+    work = tmp_path / "src"
+    shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns("build", ".git", "*.so"))
+    env = dict(os.environ, ATTN_EXT_CUDA="1")
+    proc = subprocess.run([sys.executable, "-c", _LIBS_PROBE.replace("ROOT", repr(str(work)))],
+                          cwd=work, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    libs = dict(line.split(" ", 1) for line in proc.stdout.strip().splitlines() if line.startswith("attn_ext."))
+    cuda_libs = libs["attn_ext._C_cuda"].split(",")
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for lib in cuda_libs:
+        assert lib == "cudart" or os.path.exists(os.path.join(torch_lib, f"lib{lib}.so")), cuda_libs
+    assert "cudart" in cuda_libs and "torch_cuda" not in cuda_libs and "c10_cuda" not in cuda_libs

@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"),
 ]
 
-MAX_LEN = 64  # RoPE table rows: the exported S must stay within it (see the README)
+MAX_LEN = 64  # RoPE cache rows at construction, and the declared maximum of the seq dim
 
 
 def _export(model):
@@ -57,10 +57,24 @@ def test_exported_program_keeps_our_ops_and_matches_eager(exported):
             torch.testing.assert_close(run(idx), model(idx), rtol=1e-5, atol=1e-6)
 
 
-def test_export_rejects_lengths_past_the_rope_table(exported):
+def test_export_rejects_lengths_past_the_declared_maximum(exported):
     _, ep = exported
     with pytest.raises(Exception, match=f"<= {MAX_LEN}"):  # a shape guard, not a wrong answer
         ep.module()(torch.randint(0, 100, (1, MAX_LEN + 1)))
+
+
+def test_export_with_an_unbounded_sequence_dim():
+    """Issue 7: a dynamic batch and sequence dim, Dim("S") without a maximum. RoPE's tables
+    are built in the graph while exporting, so the program runs past the cache's length and
+    matches eager (which grows its cache) exactly."""
+    model = tiny_gpt(seed=22, max_len=MAX_LEN, num_kv_heads=2)
+    idx = torch.randint(0, 100, (2, 8))
+    with torch.no_grad():
+        ep = torch.export.export(model, (idx,), dynamic_shapes={"idx": {0: Dim("B"), 1: Dim("S")}})
+        run = ep.module()
+        for b, s in ((2, 8), (3, MAX_LEN + 37), (1, 4 * MAX_LEN)):
+            idx = torch.randint(0, 100, (b, s))
+            torch.testing.assert_close(run(idx), model(idx), rtol=0, atol=0)
 
 
 _LOAD = r"""

@@ -365,3 +365,14 @@ def test_reference_dropout_needs_its_mask():
     q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="dropout_mask"):
         R.attention(q, q, q, dropout_p=0.1)
+
+
+def test_every_schema_has_a_kernel():
+    """Issue 2: no schema without a kernel. In a CPU build every attn_ext op has a CPU or a
+    composite kernel (the CUDA kernel switch is defined by the CUDA library, with its kernel)."""
+    names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("attn_ext::"))
+    assert "attn_ext::attention_forward" in names
+    keys = ("CPU", "CUDA", "CompositeImplicitAutograd", "CompositeExplicitAutograd")
+    missing = [n for n in names
+               if not any(torch._C._dispatch_has_kernel_for_dispatch_key(n, k) for k in keys)]
+    assert not missing, f"schemas without a kernel: {missing}"

@@ -282,3 +282,48 @@ def test_alibi_layer_in_float64_is_exact():
     torch.testing.assert_close(ours(x)[0], want, rtol=1e-12, atol=1e-12)
     y = MultiHeadAttention(48, 12, alibi=True)(x.float())[0]  # float32 layers unchanged
     assert y.dtype == torch.float32
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rotary", [None, 8])
+def test_fused_layer_attends_to_memory_like_the_textbook(causal, rotary):
+    """Issue 6's cross-attention form forward(x, memory) on a fused (from_linears) layer: q
+    from x, k / v from memory through the row blocks of its QKV weight, equal to
+    MultiHeadAttentionRef with the same weights (it used to raise "memory is only for
+    cross_attention=True layers")."""
+    textbook = ref.MultiHeadAttentionRef(32, 4, 2, causal=causal).to(f64)
+    ours = MultiHeadAttention.from_linears(textbook.w_q, textbook.w_k, textbook.w_v, textbook.w_o,
+                                           4, num_kv_heads=2, causal=causal,
+                                           rotary=RotaryEmbedding(rotary) if rotary else None).to(f64)
+    tables = (*ref.rope_cache(64, rotary), False) if rotary else None
+    x = torch.randn(2, 5, 32, dtype=f64, requires_grad=True)
+    mem = torch.randn(2, 9, 32, dtype=f64, requires_grad=True)
+    got, want = ours(x, mem)[0], textbook(x, memory=mem, rope_tables=tables)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(got)
+    torch.testing.assert_close(torch.autograd.grad(got, (x, mem), g),
+                               torch.autograd.grad(want, (x, mem), g), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.jit.script(ours)(x, mem)[0], got, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="kv_cache with memory needs a cross_attention=True"):
+        ours(x, mem, ours.new_kv_cache(2, 9))
+    with pytest.raises(ValueError, match="memory must have shape"):
+        ours(x, mem[:1])
+
+
+def test_forward_takes_issue_6s_positional_order():
+    """forward(x, kv_cache=None, need_weights=False) positionally (issue 6) as well as
+    forward(x, memory) (eager; TorchScript checks the argument types)."""
+    layer = MultiHeadAttention(32, 4, 2).to(f64).eval()
+    x = torch.randn(2, 6, 32, dtype=f64)
+    a, b = layer.new_kv_cache(2, 8), layer.new_kv_cache(2, 8)
+    y1, _ = layer(x[:, :4], a)
+    y2, _ = layer(x[:, :4], kv_cache=b)
+    assert torch.equal(y1, y2) and a.length == b.length == 4
+    out, w = layer(x, None, True)
+    assert w is not None and w.shape == (2, 4, 6, 6)
+    c = layer.new_kv_cache(2, 8)
+    out, w = layer(x, c, True)
+    assert w is not None and c.length == 6
+    torch.testing.assert_close(out, layer(x)[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="kv_cache given twice"):
+        layer(x, a, layer.new_kv_cache(2, 8))

@@ -422,6 +422,14 @@ STABLE_TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
   m.impl("attention_varlen_backward", TORCH_BOX(without_drel<&attention_varlen_backward_cuda>));
 }
 
+// Which CUDA attention kernels later calls in this process use: 0 = the dispatch rules above
+// (fast where supported), 1 = the simple kernels only (tests and benchmarks compare the
+// kernels on the same inputs). Returns the previous mode. Defined here, not in csrc/ops.cpp,
+// so that the op exists exactly when its kernel does (this library loaded).
+STABLE_TORCH_LIBRARY_FRAGMENT(attn_ext, m) {
+  m.def("_set_cuda_attention_kernels(int mode) -> int");
+}
+
 STABLE_TORCH_LIBRARY_IMPL(attn_ext, CompositeExplicitAutograd, m) {
   m.impl("_set_cuda_attention_kernels", TORCH_BOX(&set_cuda_attention_kernels));
 }
