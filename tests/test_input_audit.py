@@ -376,3 +376,37 @@ def test_every_schema_has_a_kernel():
     missing = [n for n in names
                if not any(torch._C._dispatch_has_kernel_for_dispatch_key(n, k) for k in keys)]
     assert not missing, f"schemas without a kernel: {missing}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("masking", ["padding", "window"])
+def test_a_hidden_non_finite_key_leaves_visible_rows_bitwise_alone(dtype, masking):
+    """DESIGN: a key a row cannot see never affects that row. With inf / NaN in a hidden key's
+    k and v, every visible row's out and lse and dq are bitwise what they are with a finite
+    value there (the exact masked product of the non-finite case follows the gemm's FMA chain;
+    it used to differ in the last bits)."""
+    torch.manual_seed(0)
+    B, S, H, D = 1, 150, 2, 32
+    q, k, v = (torch.randn(B, S, H, D).to(dtype) for _ in range(3))
+    hidden = 100
+    kw = {"key_padding_mask": torch.ones(B, S, dtype=torch.bool)}
+    if masking == "padding":
+        kw["key_padding_mask"][:, hidden] = False
+        rows = torch.ones(S, dtype=torch.bool)
+    else:  # causal window (3, 0): key 100 is seen by rows 100..103 only
+        kw = {"causal": True, "window": (3, 0)}
+        rows = torch.ones(S, dtype=torch.bool)
+        rows[hidden:hidden + 4] = False
+
+    def run(val):
+        k2, v2 = k.clone(), v.clone()
+        k2[:, hidden], v2[:, hidden] = val, val
+        qd = q.clone().requires_grad_()
+        out, lse = A.attention(qd, k2, v2, return_lse=True, **kw)
+        out.float().square().sum().backward()
+        return out[:, rows], lse[:, :, rows], qd.grad[:, rows]
+
+    base = run(0.5)
+    for val in (float("inf"), float("nan"), 123.0):
+        for name, a, b in zip(("out", "lse", "dq"), run(val), base):
+            assert torch.equal(a, b), f"{name} of visible rows changed with a hidden key of {val}"

@@ -435,17 +435,28 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   }
   if (!(k_finite && blk[L.fin] != acc_t(0))) {
     // A non-finite k, q or dout: 0 (hidden pair) times it must not reach dk, dv or dq of the
-    // other side, so the products of pass 3, 6, 7 run over visible pairs only.
+    // other side, so the products of pass 3, 6, 7 run over visible pairs only. Each sum keeps
+    // the gemms' order and rounding (the AVX2 gemm: one FMA chain from the accumulator over
+    // the tile's queries, or keys, where a hidden pair adds exactly nothing), so a visible
+    // pair's gradients get the bits they get when the hidden values are finite.
+    static_assert(kBlockK <= mk::kGemmKSplit && kBlockQ <= mk::kGemmKSplit,
+                  "a tile's products are one chain");
+    bool fma_chain = false;
+    if constexpr (std::is_same_v<acc_t, float>) fma_chain = K.gemm == &mk::gemm_avx2;
+    auto axpy = [fma_chain](acc_t* y, acc_t a, const acc_t* x, int64_t n) {
+      if (fma_chain) {
+        for (int64_t d = 0; d < n; ++d) y[d] = std::fma(a, x[d], y[d]);
+      } else {
+        for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
+      }
+    };
     for (int64_t r = 0; r < nk; ++r) {
       const Range c = cols(r);
       for (int64_t cc = c.lo; cc < c.hi; ++cc) {
         const acc_t pr = pv[r * C + cc], ds = s.dpt[r * C + cc];
-        if (dvt != nullptr)
-          for (int64_t d = 0; d < Dv; ++d) dvt[r * ldv + d] += pr * dor[cc * Dvp + d];
-        if (dkt != nullptr)
-          for (int64_t d = 0; d < D; ++d) dkt[r * ldk + d] += ds * qr[cc * Dp + d];
-        if (dqt != nullptr)
-          for (int64_t d = 0; d < D; ++d) dqt[cc * Dp + d] += ds * s.kbp[r * Dp + d];
+        if (dvt != nullptr) axpy(dvt + r * ldv, pr, dor + cc * Dvp, Dv);
+        if (dkt != nullptr) axpy(dkt + r * ldk, ds, qr + cc * Dp, D);
+        if (dqt != nullptr) axpy(dqt + cc * Dp, ds, s.kbp + r * Dp, D);
       }
     }
     return;

@@ -289,14 +289,25 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
       K.gemm(cols, Dvp, nk, s.st.data(), 1, C, vt, ldv, s.o.data(), Dvp, true);
     } else if (!v_finite) {
       // A non-finite value in a hidden key's v must not reach the rows that cannot see it
-      // (0 * inf): sum over each column's visible keys only.
+      // (0 * inf): sum over each column's visible keys only, in the gemm's order and rounding
+      // (the AVX2 gemm: one FMA chain over the tile's keys from o, where a hidden key's 0
+      // probability adds exactly nothing), so a visible row gets the bits it gets when the
+      // hidden value is finite.
+      static_assert(kBlockK <= mk::kGemmKSplit, "a key tile's products are one chain");
+      bool fma_chain = false;
+      if constexpr (std::is_same_v<acc_t, float>) fma_chain = K.gemm == &mk::gemm_avx2;
       for (int64_t c = 0; c < cols; ++c) {
         const int64_t i = i0 + c % nq;
         acc_t* orow = s.o.data() + c * Dvp;
         for (int64_t r = 0; r < nk; ++r) {
           if (!vis.visible(sq, qt_.b, i, j0 + r)) continue;
           const acc_t w = s.st[r * C + c];
-          for (int64_t d = 0; d < Dv; ++d) orow[d] += w * vt[r * ldv + d];
+          const acc_t* vr = vt + r * ldv;
+          if (fma_chain) {
+            for (int64_t d = 0; d < Dv; ++d) orow[d] = std::fma(w, vr[d], orow[d]);
+          } else {
+            for (int64_t d = 0; d < Dv; ++d) orow[d] += w * vr[d];
+          }
         }
       }
     } else if (!one_head) {
