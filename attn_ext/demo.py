@@ -78,9 +78,24 @@ def kback_batch(batch: int, length: int, vocab: int, k: int, device: str):
     return x, y
 
 
+# Learning-rate multiplier of the relative position bias tables b_{i-j}. Each entry is one
+# scalar per (head, distance) that moves about lr per Adam step, so at the network's lr the
+# table stays too flat for the sharp positional pattern reversal needs: 55 % token accuracy
+# after 400 steps (seeds 0-2), against 100 % with 10x (measured for the reversal task with the
+# settings below; the k-back task learns either way).
+REL_BIAS_LR_MULT = 10.0
+
+
 def train(model, make_batch, steps: int, lr: float, desc: str) -> List[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    tables = {id(p) for m in model.modules() if isinstance(m, attn_ext.RelativePositionBias)
+              for p in m.parameters()}
+    groups = [{"params": [p for p in model.parameters() if id(p) not in tables], "lr": lr}]
+    if tables:
+        groups.append({"params": [p for p in model.parameters() if id(p) in tables],
+                       "lr": lr * REL_BIAS_LR_MULT})
+    opt = torch.optim.AdamW(groups, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[g["lr"] for g in groups],
+                                                total_steps=steps, pct_start=0.1)
     losses = []
     model.train()
     for _ in _progress(range(steps), desc, steps):

@@ -314,6 +314,9 @@ class MultiHeadAttention(nn.Module):
         hkv = num_kv_heads if num_kv_heads is not None else num_heads
         if num_heads <= 0 or hkv <= 0 or num_heads % hkv:
             raise ValueError(f"num_kv_heads must divide num_heads, got num_heads={num_heads}, num_kv_heads={hkv}")
+        if qk_dim is None and d_model % num_heads:
+            raise ValueError(f"d_model must be divisible by num_heads (or give qk_dim), got "
+                             f"d_model={d_model}, num_heads={num_heads}")
         d = qk_dim if qk_dim is not None else d_model // num_heads
         dv = v_dim if v_dim is not None else d
         if d <= 0 or dv <= 0:

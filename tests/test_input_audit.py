@@ -410,3 +410,9 @@ def test_a_hidden_non_finite_key_leaves_visible_rows_bitwise_alone(dtype, maskin
     for val in (float("inf"), float("nan"), 123.0):
         for name, a, b in zip(("out", "lse", "dq"), run(val), base):
             assert torch.equal(a, b), f"{name} of visible rows changed with a hidden key of {val}"
+
+
+def test_multihead_attention_refuses_an_indivisible_d_model():
+    with pytest.raises(ValueError, match="d_model must be divisible by num_heads"):
+        A.MultiHeadAttention(30, 4)
+    assert A.MultiHeadAttention(30, 4, qk_dim=8).head_dim == 8

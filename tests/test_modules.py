@@ -284,6 +284,7 @@ def test_alibi_layer_in_float64_is_exact():
     assert y.dtype == torch.float32
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("rotary", [None, 8])
 def test_fused_layer_attends_to_memory_like_the_textbook(causal, rotary):
