@@ -299,8 +299,10 @@ def test_module_errors():
         attn_ext.MultiHeadAttention(64, num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match=r"num_kv_heads must divide num_heads"):
         attn_ext.MultiHeadAttention(64, num_heads=4, num_kv_heads=0)
-    with pytest.raises(ValueError, match=r"head dims must be positive"):
+    with pytest.raises(ValueError, match=r"d_model must be divisible by num_heads"):
         attn_ext.MultiHeadAttention(2, num_heads=4)
+    with pytest.raises(ValueError, match=r"head dims must be positive"):
+        attn_ext.MultiHeadAttention(2, num_heads=4, qk_dim=0)
     with pytest.raises(TypeError, match=r"rotary must be None, an int rotary_dim or a RotaryEmbedding"):
         attn_ext.MultiHeadAttention(64, num_heads=4, rotary="yes")
     with pytest.raises(ValueError, match=r"rotary_dim 32 must be <= head dim 16"):
