@@ -86,8 +86,9 @@ def test_inductor_fullgraph_forward_and_backward_match_eager():
 def test_attention_dropout_compiles_fullgraph_and_exports():
     """Training with attention dropout: fullgraph compile (forward and backward) draws the
     seed / offset inside the graph (the ops' SymInt arguments), so each call gets a fresh mask
-    and, under the same torch.manual_seed, eager's exact bits; torch.export of a train-mode
-    layer with dropout runs too."""
+    and, under the same torch.manual_seed, eager's exact bits with aot_eager (inductor's
+    default lowers torch.randint to its own generator; with fallback_random it gives eager's
+    bits too: README); torch.export of a train-mode layer with dropout runs too."""
     torch._dynamo.reset()
     q0 = torch.randn(1, 16, 2, 8)
 
