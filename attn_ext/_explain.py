@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from .ops import _check_key_padding_mask, _window_args
+from .ops import _FLOAT_DTYPES, _check_key_padding_mask, _window_args
 
 # csrc/cpu/attention_common.h
 CPU_BLOCK_Q = 96  # kBlockQ: score columns (head, query row) per query tile
@@ -142,7 +142,7 @@ def cpu_forward_plan(s: Shape, threads: int, dropout: bool = False) -> dict:
     if n_tiles < workers and s.Sk >= 4 * CPU_BLOCK_K:
         n_split = min(_ceil_div(2 * workers, n_tiles), s.Sk // (2 * CPU_BLOCK_K))
     return {"threads": threads, "query_tiles": n_tiles, "rows_per_tile": rows,
-            "heads_per_tile": heads, "n_split": max(n_split, 1)}
+            "heads_per_tile": heads, "split_workers": workers, "n_split": max(n_split, 1)}
 
 
 CPU_DECODE_COLS = 16  # kDecodeCols (csrc/cpu/attention_decode.h): query columns per kv head
@@ -196,6 +196,8 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = ()) 
     plan = cpu_forward_plan(s, threads, dropout="dropout_p" in terms)
     plan["accumulation"] = acc
     decode = cpu_decode_plan(s, dtype, threads, terms)
+    workers_text = (f"{plan['split_workers']} planned workers (dropout: the same chunks at every "
+                    "thread count)" if "dropout_p" in terms else f"{threads} threads")
     if decode is not None:
         plan.update(decode)
         fwd, why = "cpu.decode", (
@@ -206,17 +208,13 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = ()) 
             "chunk order; float32 accumulation "
             "(ATTN_EXT_CPU_DECODE=0 turns it off)")
     elif plan["n_split"] > 1:
-        workers = (f"{CPU_DROPOUT_SPLIT_WORKERS} planned workers (dropout: the same chunks at "
-                   "every thread count)" if "dropout_p" in terms else f"{threads} threads")
         fwd, why = "cpu.split_kv", (
-            f"{plan['query_tiles']} query tile(s) < {workers} and Sk = {s.Sk} >= "
+            f"{plan['query_tiles']} query tile(s) < {workers_text} and Sk = {s.Sk} >= "
             f"{4 * CPU_BLOCK_K}: the keys of each tile are cut into {plan['n_split']} chunks "
             f"run in parallel and merged through their (max, sum); {acc} accumulation, {inner}")
     else:
-        workers = CPU_DROPOUT_SPLIT_WORKERS if "dropout_p" in terms else threads
-        reason = (f"{plan['query_tiles']} query tile(s) >= {workers} "
-                  f"{'planned workers (dropout)' if 'dropout_p' in terms else 'threads'}"
-                  if plan["query_tiles"] >= workers else
+        reason = (f"{plan['query_tiles']} query tile(s) >= {workers_text}"
+                  if plan["query_tiles"] >= plan["split_workers"] else
                   f"Sk = {s.Sk} < {4 * CPU_BLOCK_K}, too few keys to split")
         fwd, why = "cpu.tiled", (
             f"{reason}: one task per query tile of up to {CPU_BLOCK_Q} (head, row) columns, "
@@ -398,7 +396,7 @@ def _check(q, k, v):
             raise ValueError(f"{name} must have the same dtype as q ({q.dtype}), got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
-    if q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+    if q.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"q must be float32, float64, float16 or bfloat16, got {q.dtype}")
     B, Sq, H, D = q.shape
     _, Sk, Hkv, Dk = k.shape

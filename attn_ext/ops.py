@@ -94,12 +94,12 @@ def sinusoidal_table(
     return sinusoidal_pe_(zeros, None, 0, base)
 
 
-_TABLE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # what the ops take
 
 
 def _check_table_dtype(dtype) -> None:
     """dtype of a table builder (sinusoidal_table, rope_cache): a floating dtype the ops take."""
-    if dtype not in _TABLE_DTYPES:
+    if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype must be float32, float64, float16 or bfloat16, got {dtype}")
 
 
@@ -909,9 +909,7 @@ def _sinks_grad(sinks, lse, out, dout, dlse, rows_dims, head_first):
 
 def _cuda_library_loaded() -> bool:
     """Whether the CUDA library is loaded: it alone defines _set_cuda_attention_kernels."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(
-        "attn_ext::_set_cuda_attention_kernels", "CompositeExplicitAutograd"
-    ) if hasattr(torch.ops.attn_ext, "_set_cuda_attention_kernels") else False
+    return hasattr(torch.ops.attn_ext, "_set_cuda_attention_kernels")
 
 
 @contextlib.contextmanager
@@ -1037,7 +1035,7 @@ def _check_qk_inputs(q: torch.Tensor, k: torch.Tensor, scale: Optional[float]) -
         raise ValueError(f"q must have 4 dims (B, Sq, H, D) or 3 dims (B, Sq, D), got shape {list(q.shape)}")
     if k.dim() != 4:
         raise ValueError(f"k must have 4 dims (B, Sk, Hkv, D), got shape {list(k.shape)}")
-    if q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+    if q.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"q must be float32, float64, float16 or bfloat16, got {q.dtype}")
     if k.dtype != q.dtype:
         raise ValueError(f"k must have the same dtype as q ({q.dtype}), got {k.dtype}")

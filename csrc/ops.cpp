@@ -3,7 +3,68 @@
 // Python in attn_ext/ops.py. Semantics: ../shared/DESIGN.md. Stable ABI: common/stable.h.
 #include "common/stable.h"
 
+#include <string>
+
+namespace {
+
+// The arguments of each pair of backward schemas (attention_backward and
+// attention_backward_rel_bias, and the varlen pair; their meaning at the definitions below):
+// one list per pair, so the two cannot drift apart. (def copies the schema text.)
+constexpr const char* kBackwardArgs =
+      "    Tensor dout,"
+      "    Tensor q,"
+      "    Tensor k,"
+      "    Tensor v,"
+      "    Tensor out,"
+      "    Tensor lse,"
+      "    bool causal,"
+      "    float? scale=None,"
+      "    int window_left=-1,"
+      "    int window_right=-1,"
+      "    Tensor? key_padding_mask=None,"
+      "    Tensor? dlse=None,"
+      "    Tensor? alibi_slopes=None,"
+      "    Tensor? rel_bias=None,"
+      "    float? softcap=None,"
+      "    float dropout_p=0.0,"
+      "    SymInt dropout_seed=0,"
+      "    SymInt dropout_offset=0,"
+      "    bool deterministic=False,"
+      "    int? q_start=None,"
+      "    int? k_start=None";
+constexpr const char* kVarlenBackwardArgs =
+      "    Tensor dout,"
+      "    Tensor q,"
+      "    Tensor k,"
+      "    Tensor v,"
+      "    Tensor out,"
+      "    Tensor lse,"
+      "    Tensor cu_seqlens_q,"
+      "    Tensor cu_seqlens_k,"
+      "    SymInt max_seqlen_q,"
+      "    SymInt max_seqlen_k,"
+      "    bool causal=False,"
+      "    float? scale=None,"
+      "    int window_left=-1,"
+      "    int window_right=-1,"
+      "    Tensor? dlse=None,"
+      "    Tensor? alibi_slopes=None,"
+      "    Tensor? rel_bias=None,"
+      "    float? softcap=None,"
+      "    float dropout_p=0.0,"
+      "    SymInt dropout_seed=0,"
+      "    SymInt dropout_offset=0,"
+      "    bool deterministic=False";
+
+}  // namespace
+
 STABLE_TORCH_LIBRARY(attn_ext, m) {
+  // name(args) -> (dq, dk, dv) and name_rel_bias(args) -> (dq, dk, dv, drel_bias)
+  auto def_backward_pair = [&m](const std::string& name, const char* args) {
+    m.def((name + "(" + args + ") -> (Tensor dq, Tensor dk, Tensor dv)").c_str());
+    m.def((name + "_rel_bias(" + args +
+           ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor drel_bias)").c_str());
+  };
   // ---- positional encodings -------------------------------------------------------------
   // out = x + PE, PE(pos, 2i) = sin(pos / base^(2i/D)), PE(pos, 2i+1) = cos(...), computed on
   // the fly. x: (B, S, D) or (S, D); positions: int64 (S,) or (B, S); else pos = offset + s.
@@ -124,54 +185,7 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
   // attention_backward_rel_bias, the same call, also d rel_bias (H, 2M + 1), or an
   // empty (0,) tensor without rel_bias (autograd uses it). One kernel serves both
   // (common/attention_checks.h without_drel).
-  m.def(
-      "attention_backward("
-      "    Tensor dout,"
-      "    Tensor q,"
-      "    Tensor k,"
-      "    Tensor v,"
-      "    Tensor out,"
-      "    Tensor lse,"
-      "    bool causal,"
-      "    float? scale=None,"
-      "    int window_left=-1,"
-      "    int window_right=-1,"
-      "    Tensor? key_padding_mask=None,"
-      "    Tensor? dlse=None,"
-      "    Tensor? alibi_slopes=None,"
-      "    Tensor? rel_bias=None,"
-      "    float? softcap=None,"
-      "    float dropout_p=0.0,"
-      "    SymInt dropout_seed=0,"
-      "    SymInt dropout_offset=0,"
-      "    bool deterministic=False,"
-      "    int? q_start=None,"
-      "    int? k_start=None"
-      ") -> (Tensor dq, Tensor dk, Tensor dv)");
-  m.def(
-      "attention_backward_rel_bias("
-      "    Tensor dout,"
-      "    Tensor q,"
-      "    Tensor k,"
-      "    Tensor v,"
-      "    Tensor out,"
-      "    Tensor lse,"
-      "    bool causal,"
-      "    float? scale=None,"
-      "    int window_left=-1,"
-      "    int window_right=-1,"
-      "    Tensor? key_padding_mask=None,"
-      "    Tensor? dlse=None,"
-      "    Tensor? alibi_slopes=None,"
-      "    Tensor? rel_bias=None,"
-      "    float? softcap=None,"
-      "    float dropout_p=0.0,"
-      "    SymInt dropout_seed=0,"
-      "    SymInt dropout_offset=0,"
-      "    bool deterministic=False,"
-      "    int? q_start=None,"
-      "    int? k_start=None"
-      ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor drel_bias)");
+  def_backward_pair("attention_backward", kBackwardArgs);
   // Packed sequences (FlashAttention's varlen convention): q (Tq, H, D), k (Tk, Hkv, D),
   // v (Tk, Hkv, Dv); sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and
   // [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k / v (int32 (N + 1,), from 0, non-decreasing,
@@ -203,56 +217,7 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
   // attention_varlen_backward_rel_bias, the same call, also d rel_bias (H, 2M + 1), or an
   // empty (0,) tensor without rel_bias (autograd uses it). One kernel serves both
   // (common/attention_checks.h without_drel).
-  m.def(
-      "attention_varlen_backward("
-      "    Tensor dout,"
-      "    Tensor q,"
-      "    Tensor k,"
-      "    Tensor v,"
-      "    Tensor out,"
-      "    Tensor lse,"
-      "    Tensor cu_seqlens_q,"
-      "    Tensor cu_seqlens_k,"
-      "    SymInt max_seqlen_q,"
-      "    SymInt max_seqlen_k,"
-      "    bool causal=False,"
-      "    float? scale=None,"
-      "    int window_left=-1,"
-      "    int window_right=-1,"
-      "    Tensor? dlse=None,"
-      "    Tensor? alibi_slopes=None,"
-      "    Tensor? rel_bias=None,"
-      "    float? softcap=None,"
-      "    float dropout_p=0.0,"
-      "    SymInt dropout_seed=0,"
-      "    SymInt dropout_offset=0,"
-      "    bool deterministic=False"
-      ") -> (Tensor dq, Tensor dk, Tensor dv)");
-  m.def(
-      "attention_varlen_backward_rel_bias("
-      "    Tensor dout,"
-      "    Tensor q,"
-      "    Tensor k,"
-      "    Tensor v,"
-      "    Tensor out,"
-      "    Tensor lse,"
-      "    Tensor cu_seqlens_q,"
-      "    Tensor cu_seqlens_k,"
-      "    SymInt max_seqlen_q,"
-      "    SymInt max_seqlen_k,"
-      "    bool causal=False,"
-      "    float? scale=None,"
-      "    int window_left=-1,"
-      "    int window_right=-1,"
-      "    Tensor? dlse=None,"
-      "    Tensor? alibi_slopes=None,"
-      "    Tensor? rel_bias=None,"
-      "    float? softcap=None,"
-      "    float dropout_p=0.0,"
-      "    SymInt dropout_seed=0,"
-      "    SymInt dropout_offset=0,"
-      "    bool deterministic=False"
-      ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor drel_bias)");
+  def_backward_pair("attention_varlen_backward", kVarlenBackwardArgs);
   // out of attention_forward. Composite (csrc/attention_composite.cpp): differentiable
   // through attention_forward's autograd formula, so a backend implements only
   // attention_forward / attention_backward.

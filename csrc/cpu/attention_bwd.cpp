@@ -441,22 +441,14 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     // pair's gradients get the bits they get when the hidden values are finite.
     static_assert(kBlockK <= mk::kGemmKSplit && kBlockQ <= mk::kGemmKSplit,
                   "a tile's products are one chain");
-    bool fma_chain = false;
-    if constexpr (std::is_same_v<acc_t, float>) fma_chain = K.gemm == &mk::gemm_avx2;
-    auto axpy = [fma_chain](acc_t* y, acc_t a, const acc_t* x, int64_t n) {
-      if (fma_chain) {
-        for (int64_t d = 0; d < n; ++d) y[d] = std::fma(a, x[d], y[d]);
-      } else {
-        for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
-      }
-    };
+    const bool fused = mk::gemm_fuses(K);
     for (int64_t r = 0; r < nk; ++r) {
       const Range c = cols(r);
       for (int64_t cc = c.lo; cc < c.hi; ++cc) {
         const acc_t pr = pv[r * C + cc], ds = s.dpt[r * C + cc];
-        if (dvt != nullptr) axpy(dvt + r * ldv, pr, dor + cc * Dvp, Dv);
-        if (dkt != nullptr) axpy(dkt + r * ldk, ds, qr + cc * Dp, D);
-        if (dqt != nullptr) axpy(dqt + cc * Dp, ds, s.kbp + r * Dp, D);
+        if (dvt != nullptr) mk::axpy_as_gemm(dvt + r * ldv, pr, dor + cc * Dvp, Dv, fused);
+        if (dkt != nullptr) mk::axpy_as_gemm(dkt + r * ldk, ds, qr + cc * Dp, D, fused);
+        if (dqt != nullptr) mk::axpy_as_gemm(dqt + cc * Dp, ds, s.kbp + r * Dp, D, fused);
       }
     }
     return;
@@ -526,8 +518,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const AttentionParams& p = bp.fwd;
   const mk::Kernels<acc_t> kern = mk::kernels<acc_t>();
   // whether the gemm forming dP multiplies and adds in one rounding (the AVX2 FMA kernel)
-  bool fused_dp = false;
-  if constexpr (std::is_same_v<acc_t, float>) fused_dp = kern.gemm == &mk::gemm_avx2;
+  const bool fused_dp = mk::gemm_fuses(kern);
   const int64_t Dp = round_up(p.D, 8), Dvp = round_up(p.Dv, 8);
   const int64_t group = p.H / p.Hkv;
   const int64_t n_qb = ceil_div(p.Sq, kBlockQ);

@@ -294,20 +294,13 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
       // probability adds exactly nothing), so a visible row gets the bits it gets when the
       // hidden value is finite.
       static_assert(kBlockK <= mk::kGemmKSplit, "a key tile's products are one chain");
-      bool fma_chain = false;
-      if constexpr (std::is_same_v<acc_t, float>) fma_chain = K.gemm == &mk::gemm_avx2;
+      const bool fused = mk::gemm_fuses(K);
       for (int64_t c = 0; c < cols; ++c) {
         const int64_t i = i0 + c % nq;
         acc_t* orow = s.o.data() + c * Dvp;
         for (int64_t r = 0; r < nk; ++r) {
           if (!vis.visible(sq, qt_.b, i, j0 + r)) continue;
-          const acc_t w = s.st[r * C + c];
-          const acc_t* vr = vt + r * ldv;
-          if (fma_chain) {
-            for (int64_t d = 0; d < Dv; ++d) orow[d] = std::fma(w, vr[d], orow[d]);
-          } else {
-            for (int64_t d = 0; d < Dv; ++d) orow[d] += w * vr[d];
-          }
+          mk::axpy_as_gemm(orow, s.st[r * C + c], vt + r * ldv, Dv, fused);
         }
       }
     } else if (!one_head) {

@@ -214,5 +214,24 @@ inline Kernels<T> kernels() {
   return {gemm_generic<T>, softmax_generic<T>, exp_sub_generic<T>, ds_generic<T>};
 }
 
+// Whether k's gemm multiplies and adds in one rounding (the AVX2 FMA kernel). Sums that must
+// equal its outputs bitwise (the backward's row term, the exact masked products) follow it.
+template <typename T>
+inline bool gemm_fuses(const Kernels<T>& k) {
+  if constexpr (std::is_same_v<T, float>) return k.gemm == &gemm_avx2;
+  return false;
+}
+
+// y[0, n) += a * x[0, n) in the rounding of one step of a gemm chain: std::fma when the gemm
+// fuses (gemm_fuses), else a product and an add (the generic gemm's loop).
+template <typename T>
+inline void axpy_as_gemm(T* y, T a, const T* x, int64_t n, bool fused) {
+  if (fused) {
+    for (int64_t d = 0; d < n; ++d) y[d] = std::fma(a, x[d], y[d]);
+  } else {
+    for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
+  }
+}
+
 }  // namespace mk
 }  // namespace attn_ext
