@@ -29,7 +29,10 @@ arguments: an invisible block (entirely in the future, or outside the window) is
 fully visible one or the diagonal of equal chunks runs as a plain / causal call, and any other
 block (or every block, when a term reads positions) runs with the ops' ``q_start`` /
 ``k_start``, which make the kernel apply the global rule at the block's global position.
-``sinks`` are not offered: they belong to a row once, not once per block.
+``key_padding_mask`` is sharded like the keys and travels round the ring with its k/v block
+(one message). ``sinks`` belong to a row once, not once per block: the blocks are merged
+without them and the sink joins each row's merged log-sum-exp at the end (its gradient is
+``P_sink * (dlse - delta)`` per row, ``delta = dout . out``, as in the single-process ops).
 
 Backends: gloo (CPU) is tested; NCCL (GPU) uses the same calls but is untested here.
 """
@@ -291,21 +294,23 @@ def _window_ops(args: BlockArgs) -> Tuple[int, int]:
     return args.window if args.window is not None else (-1, -1)
 
 
-def _kernel_forward(q, k, v, args: BlockArgs, scale, terms: _Terms = NO_TERMS):
-    """One block's ``attention_forward`` with the arguments :func:`block_call` chose."""
+def _kernel_forward(q, k, v, args: BlockArgs, scale, terms: _Terms = NO_TERMS, kpm=None):
+    """One block's ``attention_forward`` with the arguments :func:`block_call` chose (``kpm``:
+    the block's keys' part of the key_padding_mask, or None)."""
     left, right = _window_ops(args)
     return _ops.attention_forward(
-        q, k, v, args.causal, scale, left, right, None, terms.alibi_slopes, terms.rel_bias,
+        q, k, v, args.causal, scale, left, right, kpm, terms.alibi_slopes, terms.rel_bias,
         terms.softcap, None, terms.dropout_p, terms.dropout_seed, terms.dropout_offset,
         args.q_start, args.k_start)
 
 
-def _kernel_backward(dout, q, k, v, out, lse, dlse, args: BlockArgs, scale, terms: _Terms = NO_TERMS):
+def _kernel_backward(dout, q, k, v, out, lse, dlse, args: BlockArgs, scale, terms: _Terms = NO_TERMS,
+                     kpm=None):
     """One block's ``attention_backward_rel_bias`` (global out and lse; dlse the gradient of the global
     lse, or None) with :func:`block_call`'s arguments: ``(dq, dk, dv, d rel_bias)``."""
     left, right = _window_ops(args)
     return _ops.attention_backward_rel_bias(
-        dout, q, k, v, out, lse, args.causal, scale, left, right, None, dlse, terms.alibi_slopes,
+        dout, q, k, v, out, lse, args.causal, scale, left, right, kpm, dlse, terms.alibi_slopes,
         terms.rel_bias, terms.softcap, terms.dropout_p, terms.dropout_seed, terms.dropout_offset,
         torch.are_deterministic_algorithms_enabled(), args.q_start, args.k_start)
 
@@ -383,19 +388,40 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _pack(k: torch.Tensor, v: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """One flat contiguous buffer holding k then v (one message per ring step)."""
-    buf = torch.empty(k.numel() + v.numel(), dtype=dtype or k.dtype, device=k.device)
+def _pack(k: torch.Tensor, v: torch.Tensor, kpm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One flat contiguous buffer holding k, then v, then the key_padding_mask's 0 / 1 as k's
+    dtype when there is one (one message per ring step)."""
+    nm = 0 if kpm is None else kpm.numel()
+    buf = torch.empty(k.numel() + v.numel() + nm, dtype=k.dtype, device=k.device)
     buf[: k.numel()].view(k.shape).copy_(k)
-    buf[k.numel():].view(v.shape).copy_(v)
+    buf[k.numel(): k.numel() + v.numel()].view(v.shape).copy_(v)
+    if kpm is not None:
+        buf[k.numel() + v.numel():].view(kpm.shape).copy_(kpm)
     return buf
 
 
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
 def _unpack(buf: torch.Tensor, k_shape, v_shape) -> Tuple[torch.Tensor, torch.Tensor]:
-    nk = 1
-    for s in k_shape:
-        nk *= s
-    return buf[:nk].view(k_shape), buf[nk:].view(v_shape)
+    nk, nv = _numel(k_shape), _numel(v_shape)
+    return buf[:nk].view(k_shape), buf[nk: nk + nv].view(v_shape)
+
+
+def _unpack_mask(buf: torch.Tensor, k_shape, v_shape) -> Optional[torch.Tensor]:
+    """The key_padding_mask ``(B, S_local)`` that :func:`_pack` put after k and v, or None."""
+    start = _numel(k_shape) + _numel(v_shape)
+    if buf.numel() == start:
+        return None
+    return buf[start:].view(k_shape[0], k_shape[1]) != 0
+
+
+def _block_mask(mask: Optional[torch.Tensor], k0: int, k1: int) -> Optional[torch.Tensor]:
+    return None if mask is None else mask[:, k0:k1].contiguous()
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, r0: int, r1: int, blk_out, blk_lse) -> None:
@@ -417,7 +443,8 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.size(-1) <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-def _ring_forward(q, k, v, group, causal, scale, layout, window, terms: _Terms):
+def _ring_forward(q, k, v, group, causal, scale, layout, window, terms: _Terms, kpm=None):
+    """The merged ``(out, lse)`` of every block, both in the accumulation dtype."""
     ring = _Ring(group)
     W, r = ring.world, ring.rank
     B, S, H, _ = q.shape
@@ -427,24 +454,26 @@ def _ring_forward(q, k, v, group, causal, scale, layout, window, terms: _Terms):
     out = torch.zeros(B, S, H, v.size(-1), dtype=acc, device=q.device)
     lse = torch.full((B, H, S), float("-inf"), dtype=acc, device=q.device)
     q_ids = chunk_ids(r, W, layout)
-    kv = _pack(k, v)
+    kv = _pack(k, v, kpm)
     spare = torch.empty_like(kv) if W > 1 else None
     for step in range(W):
         src = (r - step) % W
         works = ring.start(kv, spare, _TAG_KV) if step + 1 < W else None
         k_cur, v_cur = _unpack(kv, k.shape, v.shape)
+        m_cur = _unpack_mask(kv, k.shape, v.shape)
         for q0, q1, k0, k1, kc in _step_calls(q_ids, chunk_ids(src, W, layout), c, causal,
                                               window, terms.positional):
-            bo, bl = _kernel_forward(q[:, q0:q1], k_cur[:, k0:k1], v_cur[:, k0:k1], kc, scale, terms)
+            bo, bl = _kernel_forward(q[:, q0:q1], k_cur[:, k0:k1], v_cur[:, k0:k1], kc, scale, terms,
+                                     _block_mask(m_cur, k0, k1))
             _merge(out, lse, q0, q1, bo, bl)
         if works is not None:
             ring.wait(works)
             kv, spare = spare, kv
-    return out.to(q.dtype), lse
+    return out, lse
 
 
 def _ring_backward(dout, dlse, q, k, v, out, lse, group, causal, scale, layout, window,
-                   terms: _Terms):
+                   terms: _Terms, kpm=None):
     ring = _Ring(group)
     W, r = ring.world, ring.rank
     S = q.size(1)
@@ -455,7 +484,7 @@ def _ring_backward(dout, dlse, q, k, v, out, lse, group, causal, scale, layout, 
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     drel = None if terms.rel_bias is None else torch.zeros_like(terms.rel_bias)
     q_ids = chunk_ids(r, W, layout)
-    kv = _pack(k, v)
+    kv = _pack(k, v, kpm)
     spare = torch.empty_like(kv) if W > 1 else None
     dkv = None  # accumulator of the block here now; travels round the ring with it
     dkv_works, dkv_recv = None, None
@@ -463,7 +492,8 @@ def _ring_backward(dout, dlse, q, k, v, out, lse, group, causal, scale, layout, 
         src = (r - step) % W
         works = ring.start(kv, spare, _TAG_KV) if step + 1 < W else None
         k_cur, v_cur = _unpack(kv, k.shape, v.shape)
-        local = torch.zeros(kv.numel(), dtype=acc, device=q.device)
+        m_cur = _unpack_mask(kv, k.shape, v.shape)
+        local = torch.zeros(k.numel() + v.numel(), dtype=acc, device=q.device)
         dk_loc, dv_loc = _unpack(local, k.shape, v.shape)
         for q0, q1, k0, k1, kc in _step_calls(q_ids, chunk_ids(src, W, layout), c, causal,
                                               window, terms.positional):
@@ -471,6 +501,7 @@ def _ring_backward(dout, dlse, q, k, v, out, lse, group, causal, scale, layout, 
                 dout[:, q0:q1], q[:, q0:q1], k_cur[:, k0:k1], v_cur[:, k0:k1],
                 out[:, q0:q1], lse[:, :, q0:q1],
                 None if dlse is None else dlse[:, :, q0:q1].contiguous(), kc, scale, terms,
+                _block_mask(m_cur, k0, k1),
             )
             dq[:, q0:q1] += dq_b
             dk_loc[:, k0:k1] += dk_b
@@ -496,25 +527,54 @@ def _ring_backward(dout, dlse, q, k, v, out, lse, group, causal, scale, layout, 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), drel
 
 
+def _add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """The sink logit of each head joins every row's merged softmax: ``lse' = logaddexp(lse,
+    sink_h)`` and ``out' = exp(lse - lse') out`` (a row that saw no key keeps out 0 and gets
+    lse' = sink_h). In place on the accumulation-dtype ``out`` (B, S, H, Dv), ``lse`` (B, H, S)."""
+    s = sinks.detach().to(lse.dtype).view(1, -1, 1).expand_as(lse)
+    lse_s = torch.logaddexp(lse, s)
+    w = torch.where(torch.isneginf(lse_s), torch.zeros_like(lse_s), torch.exp(lse - lse_s))
+    out.mul_(w.transpose(1, 2).unsqueeze(-1))
+    lse.copy_(lse_s)
+
+
+def _sinks_grad(dout, dlse, out, lse, sinks) -> torch.Tensor:
+    """d sinks of this rank's rows: sum over (b, i) of ``P_sink (dlse - delta)``, with ``P_sink =
+    exp(sink_h - lse)`` and ``delta = dout . out`` (the row term of the backward)."""
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # (B, H, S)
+    s = sinks.detach().to(acc).view(1, -1, 1)
+    p_sink = torch.where(torch.isneginf(lse), torch.zeros_like(lse), torch.exp(s - lse))
+    term = -delta if dlse is None else dlse.to(acc) - delta
+    return (p_sink * term).sum(dim=(0, 2)).to(sinks.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rel_bias, group, causal, scale, layout, window, terms):
+    def forward(ctx, q, k, v, rel_bias, sinks, kpm, group, causal, scale, layout, window, terms):
         terms = terms._replace(rel_bias=rel_bias)
-        out, lse = _ring_forward(q, k, v, group, causal, scale, layout, window, terms)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = _ring_forward(q, k, v, group, causal, scale, layout, window, terms, kpm)
+        if sinks is not None:
+            _add_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, kpm)
         ctx.cfg = (group, causal, scale, layout, window, terms)
         ctx.set_materialize_grads(False)  # dout / dlse are None when unused
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks, kpm = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
         # dlse joins each block's row term (delta - dlse): every block's probabilities are
-        # recomputed from the merged lse, so the blocks' terms add up to the whole row's.
-        dq, dk, dv, drel = _ring_backward(dout, dlse, q, k, v, out, lse, *ctx.cfg)
-        return dq, dk, dv, drel, None, None, None, None, None, None
+        # recomputed from the merged lse (with the sink's term, when there is one), so the
+        # blocks' terms add up to the whole row's.
+        dq, dk, dv, drel = _ring_backward(dout, dlse, q, k, v, out, lse, *ctx.cfg, kpm)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[4]:
+            dsinks = _sinks_grad(dout, dlse, out, lse, sinks)
+        return dq, dk, dv, drel, dsinks, None, None, None, None, None, None, None
 
 
 def _check_inputs(q, k, v, S_local_multiple: int, layout: str, scale) -> None:
@@ -553,9 +613,11 @@ def ring_attention(
     scale: Optional[float] = None,
     layout: str = "zigzag",
     window=None,
+    key_padding_mask=None,
     alibi_slopes=None,
     rel_bias=None,
     softcap=None,
+    sinks=None,
     dropout_p: float = 0.0,
     return_lse: bool = False,
 ):
@@ -582,6 +644,13 @@ def ring_attention(
             run). Blocks outside the window are skipped like causal ones. ``rel_bias`` is
             differentiable: each rank's gradient is its own rows' part (sum it over the group,
             as for any replicated parameter; DDP/FSDP do).
+        key_padding_mask: ``(B, S_local)`` bool, this rank's shard of the global ``(B, S)``
+            mask (True = the key takes part), sharded like k (``shard_sequence(mask, 1)``); it
+            travels round the ring with its k/v block.
+        sinks: ``(H,)`` per-head sink logits, as in :func:`attn_ext.attention`: each joins the
+            softmax denominator of every row once (the merged one); differentiable, each
+            rank's gradient being its own rows' part (sum it over the group, like rel_bias).
+            The returned lse includes the sink term.
         return_lse: also return the global log-sum-exp ``(B, H, S_local)`` of each local row
             (fp32; fp64 for fp64 inputs); differentiable (its gradient joins the backward's row
             term, as in the single-process ops).
@@ -604,11 +673,12 @@ def ring_attention(
         _check_layout(layout)
         _check_inputs(q, k, v, chunks_per_rank(layout), layout, scale)
         left, right = _window_args(window)
-        alibi_t, rel_t, softcap, _, dropout_p, seed, offset = _score_term_args(
-            q, alibi_slopes, rel_bias, softcap, None, dropout_p)
+        alibi_t, rel_t, softcap, sinks_t, dropout_p, seed, offset = _score_term_args(
+            q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
         _check_term_shapes(q, alibi_t, rel_t, "ring_attention: ")
+        _check_ring_mask_sinks(q, key_padding_mask, sinks_t)
         keywords = _keyword_signature(bool(causal), scale, layout, left, right, alibi_t, rel_t,
-                                      softcap, dropout_p)
+                                      softcap, dropout_p, key_padding_mask, sinks_t)
         error = None
     except (TypeError, ValueError) as e:
         error, keywords = e, None
@@ -617,16 +687,40 @@ def ring_attention(
     if dropout_p > 0:
         seed, offset = _broadcast_seed_offset(seed, offset, group, q.device)
     terms = _Terms(alibi_t, None, softcap, dropout_p, seed, offset)
-    out, lse = _RingAttention.apply(q, k, v, rel_t, group, bool(causal), scale, layout, win, terms)
+    out, lse = _RingAttention.apply(q, k, v, rel_t, sinks_t, key_padding_mask, group, bool(causal),
+                                    scale, layout, win, terms)
     if squeeze:
         out, lse = out.squeeze(2), lse.squeeze(1)
     return (out, lse) if return_lse else out
 
 
-# the keywords every rank of a ring must pass alike (values of alibi_slopes / rel_bias are
-# not compared, only their shapes: reading them would cost a host copy of each)
+def _check_ring_mask_sinks(q, key_padding_mask, sinks) -> None:
+    """key_padding_mask (B, S_local) bool and sinks (H,) on q's device, checked on the host
+    before the ring starts (the kernels would check them only mid-ring)."""
+    from attn_ext.ops import _check_key_padding_mask
+
+    B, S, H = q.size(0), q.size(1), q.size(2)
+    try:
+        _check_key_padding_mask(key_padding_mask, B, S)
+    except ValueError as e:
+        raise ValueError(f"ring_attention: {e} (this rank's shard: Sk = S_local)") from None
+    if key_padding_mask is not None and key_padding_mask.device != q.device:
+        raise ValueError(f"ring_attention: key_padding_mask must be on the same device as q "
+                         f"({q.device}), got {key_padding_mask.device}")
+    if sinks is not None:
+        if sinks.device != q.device:
+            raise ValueError(f"ring_attention: sinks must be on the same device as q ({q.device}), "
+                             f"got {sinks.device}")
+        if tuple(sinks.shape) != (H,):
+            raise ValueError(f"ring_attention: sinks must have shape (H,) = ({H},), got shape "
+                             f"{list(sinks.shape)}")
+
+
+# the keywords every rank of a ring must pass alike (values of alibi_slopes / rel_bias / sinks
+# are not compared, only their shapes: reading them would cost a host copy of each)
 _KEYWORD_FIELDS = ("causal", "scale", "layout", "window left", "window right", "alibi_slopes shape",
-                   "alibi_slopes shape", "rel_bias shape", "rel_bias shape", "softcap", "dropout_p")
+                   "alibi_slopes shape", "rel_bias shape", "rel_bias shape", "softcap", "dropout_p",
+                   "key_padding_mask", "sinks shape", "sinks shape")
 
 
 def _float_bits(x: Optional[float]) -> int:
@@ -637,7 +731,7 @@ def _float_bits(x: Optional[float]) -> int:
 
 
 def _keyword_signature(causal: bool, scale, layout: str, left: int, right: int, alibi_t, rel_t,
-                       softcap, dropout_p) -> List[int]:
+                       softcap, dropout_p, key_padding_mask=None, sinks_t=None) -> List[int]:
     """The ring's keywords as ints, one per _KEYWORD_FIELDS entry (shapes: two dims each,
     -1 for an absent term)."""
     def dims2(t) -> List[int]:
@@ -646,7 +740,8 @@ def _keyword_signature(causal: bool, scale, layout: str, left: int, right: int, 
         shape = list(t.shape)
         return [shape[0], shape[1] if len(shape) > 1 else -2]
     return ([int(causal), _float_bits(scale), LAYOUTS.index(layout), left, right]
-            + dims2(alibi_t) + dims2(rel_t) + [_float_bits(softcap), _float_bits(dropout_p)])
+            + dims2(alibi_t) + dims2(rel_t) + [_float_bits(softcap), _float_bits(dropout_p)]
+            + [int(key_padding_mask is not None)] + dims2(sinks_t))
 
 
 def _agree_on_inputs(q, k, v, group, error, keywords: Optional[List[int]] = None) -> None:

@@ -382,17 +382,18 @@ class MultiHeadAttention(nn.Module):
                                     memory: Optional[Tensor] = None) -> Tensor:
         from .distributed import shard_positions
 
-        if (kv_cache is not None or need_weights or self.cross_attention or memory is not None
-                or key_padding_mask is not None):
+        if kv_cache is not None or need_weights or self.cross_attention or memory is not None:
             raise NotImplementedError(
                 "context-parallel MultiHeadAttention supports self-attention (with window, "
-                "rel_bias, alibi, softcap and attention dropout at global positions) without "
-                "kv_cache, need_weights or key_padding_mask")
+                "key_padding_mask (this rank's shard), rel_bias, alibi, softcap and attention "
+                "dropout at global positions) without kv_cache or need_weights")
         return shard_positions(x.size(1), self.context_parallel_group, self.context_parallel_layout, x.device)
 
     @torch.jit.unused
-    def _ring_attend(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
-        """Ring attention with the layer's window, score terms and dropout (global positions)."""
+    def _ring_attend(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
+                     key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """Ring attention with the layer's window, score terms and dropout (global positions);
+        ``key_padding_mask`` is this rank's shard ``(B, S_local)``."""
         from .distributed import ring_attention
 
         window = None
@@ -400,7 +401,8 @@ class MultiHeadAttention(nn.Module):
             window = (self.window_left, self.window_right)
         return ring_attention(q, k, v, group=self.context_parallel_group, causal=self.causal,
                               scale=self.scale, layout=self.context_parallel_layout,
-                              window=window, alibi_slopes=self.alibi_slopes,
+                              window=window, key_padding_mask=key_padding_mask,
+                              alibi_slopes=self.alibi_slopes,
                               rel_bias=self._rel_table(q.dtype), softcap=self.softcap,
                               dropout_p=dropout_p)
 
@@ -653,7 +655,7 @@ class MultiHeadAttention(nn.Module):
                                        self._rel_table(q.dtype), self.softcap, self.window_left,
                                        self.window_right, key_padding_mask)
         elif self.context_parallel_group is not None:
-            out = self._ring_attend(q, k, v, dropout_p)
+            out = self._ring_attend(q, k, v, dropout_p, key_padding_mask)
         elif masked or dropout_p > 0.0 or self.has_score_terms():
             out = self._attend_terms(q, k, v, key_padding_mask, dropout_p)[0]
         else:

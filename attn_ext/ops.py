@@ -552,6 +552,16 @@ def _heads_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             "with 3-D q (B, Sq, D), k and v must be 3-D (B, Sk, D) / (B, Sk, Dv), got "
             f"k shape {list(k.shape)} and v shape {list(v.shape)}"
         )
+    # the kernels' shape rules, stated here in the 3-D shapes the caller passed (the kernels
+    # would name the (B, S, 1, D) views)
+    B, D = q.size(0), q.size(2)
+    shapes = f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}"
+    if k.size(0) != B or v.size(0) != B:
+        raise ValueError(f"with 3-D q (B, Sq, D), k and v must have batch size B = {B} (from q), got {shapes}")
+    if k.size(2) != D:
+        raise ValueError(f"with 3-D q (B, Sq, D), k must have head dim D = {D} (from q), got {shapes}")
+    if v.size(1) != k.size(1):
+        raise ValueError(f"with 3-D q (B, Sq, D), v must have Sk = {k.size(1)} keys (from k), got {shapes}")
     return q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), True
 
 

@@ -114,3 +114,20 @@ def test_attention_dropout_compiles_fullgraph_and_exports():
     ep = torch.export.export(m, (torch.randn(2, 12, 16),))
     y = ep.module()(torch.randn(2, 12, 16))[0]
     assert y.shape == (2, 12, 16) and torch.isfinite(y).all()
+
+
+def test_left_padded_attention_mask_compiles_fullgraph():
+    """TinyGPT's left-padded ``attention_mask`` path compiles without a graph break (its value
+    check runs in eager only) and gives eager's logits; eager still refuses a mask that is not
+    left-padded."""
+    model = tiny_gpt(seed=5, num_kv_heads=2).eval()
+    idx = torch.randint(0, 100, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0
+    want = model(idx, attention_mask=mask)
+    got = torch.compile(model, backend="aot_eager", fullgraph=True)(idx, attention_mask=mask)
+    assert torch.equal(got, want)
+    bad = mask.clone()
+    bad[0, 4] = 0
+    with pytest.raises(ValueError, match="left-padded"):
+        model(idx, attention_mask=bad)

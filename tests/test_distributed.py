@@ -46,7 +46,9 @@ def _sh(x, dim, layout):
 
 
 def _maxdiff(a, b):
-    return (a.double() - b.double()).abs().max().item()
+    """max |a - b|, equal infinities (the lse of a row that sees no key) counting as 0"""
+    a, b = a.double(), b.double()
+    return torch.where(a == b, torch.zeros_like(a), (a - b).abs()).max().item()
 
 
 def _make_qkv(B, S, H, Hkv, D, Dv, dtype, packed=False):
@@ -66,11 +68,18 @@ def _ring_vs_single(rank, world, *, layout, causal, B=2, S_local=10, H=4, Hkv=2,
                     dtype=torch.float64, scale=None, packed=False, terms=None, lse_loss=False):
     """``terms``: keywords of attn_ext.attention / ring_attention (window, alibi_slopes,
     softcap, dropout_p; ``rel_bias=M`` makes a learnable (H, 2M + 1) table, whose gradient
-    summed over the ranks must be the single-process one). ``lse_loss``: the loss also uses
-    the returned lse (its gradient goes through the ring)."""
+    summed over the ranks must be the single-process one; ``key_padding_mask=p`` masks each key
+    with probability p, sharded like k; ``sinks=True`` makes a learnable (H,) table, likewise
+    summed). ``lse_loss``: the loss also uses the returned lse (its gradient goes through the
+    ring)."""
     S = S_local * world
     terms = dict(terms or {})
     q, k, v = _make_qkv(B, S, H, Hkv, D, Dv, dtype, packed)
+    kpm = None
+    if "key_padding_mask" in terms:
+        kpm = torch.rand(B, S) >= terms.pop("key_padding_mask")
+        kpm[0, :3] = False  # causal: the first rows of sequence 0 see no key (out 0, lse -inf)
+    sinks = torch.randn(H, dtype=torch.float64) if terms.pop("sinks", False) else None
     g = torch.randn(B, S, H, Dv, dtype=dtype)
     gl_full = torch.randn(B, H, S, dtype=torch.float64)
     rel = None
@@ -89,18 +98,22 @@ def _ring_vs_single(rank, world, *, layout, causal, B=2, S_local=10, H=4, Hkv=2,
     # single process, the whole sequence (the seed fixes dropout's draw on both sides)
     qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
     rf = None if rel is None else rel.to(acc).clone().requires_grad_()
+    sf = None if sinks is None else sinks.to(acc).clone().requires_grad_()
     torch.manual_seed(4321)
     out, lse = attn_ext.attention(qf, kf, vf, causal=causal, scale=scale, rel_bias=rf,
-                                  return_lse=True, **terms)
+                                  key_padding_mask=kpm, sinks=sf, return_lse=True, **terms)
     loss(out, lse, g, gl_full).backward()
     # the ring, this rank's shard; the shards of a packed buffer stay strided views for contiguous
     ql, kl, vl = (_sh(t, 1, layout).detach().requires_grad_() for t in (q, k, v))
     rl = None if rel is None else rel.to(acc).clone().requires_grad_()
+    sl = None if sinks is None else sinks.to(acc).clone().requires_grad_()
     if packed and layout == "contiguous":
         assert not (ql.is_contiguous() or kl.is_contiguous())  # still views of the packed buffer
     torch.manual_seed(4321)
     ol, ll = cp.ring_attention(ql, kl, vl, causal=causal, scale=scale, layout=layout,
-                               rel_bias=rl, return_lse=True, **terms)
+                               rel_bias=rl, sinks=sl,
+                               key_padding_mask=None if kpm is None else _sh(kpm, 1, layout),
+                               return_lse=True, **terms)
     gl = _sh(g, 1, layout)
     loss(ol, ll, gl, _sh(gl_full, 2, layout)).backward()
     assert ol.shape == (B, S_local, H, Dv) and ol.dtype == dtype and ol.is_contiguous()
@@ -109,22 +122,30 @@ def _ring_vs_single(rank, world, *, layout, causal, B=2, S_local=10, H=4, Hkv=2,
     if rel is not None:  # a replicated parameter: the ranks' parts add up to the whole gradient
         drel_sum = rl.grad.clone()
         dist.all_reduce(drel_sum)
+    dsinks_sum = None
+    if sinks is not None:  # the ranks' parts add up to the whole gradient, as for rel_bias
+        dsinks_sum = sl.grad.clone()
+        dist.all_reduce(dsinks_sum)
     if dtype == torch.float64:
         pairs = {"out": (ol, _sh(out, 1, layout)), "lse": (ll, _sh(lse, 2, layout)),
                  "dq": (ql.grad, _sh(qf.grad, 1, layout)), "dk": (kl.grad, _sh(kf.grad, 1, layout)),
                  "dv": (vl.grad, _sh(vf.grad, 1, layout))}
         if rel is not None:
             pairs["drel_bias"] = (drel_sum, rf.grad)
+        if sinks is not None:
+            pairs["dsinks"] = (dsinks_sum, sf.grad)
         for name, (a, b) in pairs.items():
             err = _maxdiff(a, b)
             assert err < 1e-12, f"{name}: ring vs single-process max |diff| {err:.3e}"
-        if not terms and rel is None:  # and the textbook, in float64
+        if kpm is not None:  # the fully masked rows: out 0 and lse -inf (or the sink), as single
+            assert torch.equal(torch.isneginf(ll), torch.isneginf(_sh(lse, 2, layout)))
+        if not terms and rel is None and kpm is None and sinks is None:  # and the textbook
             ref_out, ref_lse = reference.attention_with_lse(q, k, v, causal=causal, scale=scale)
             assert _maxdiff(ol, _sh(ref_out, 1, layout)) < 1e-12
             assert _maxdiff(ll, _sh(ref_lse, 2, layout)) < 1e-12
         return
     # low precision: error vs the float64 textbook within 2x the single-process kernel's + floor
-    assert not terms and rel is None and not lse_loss
+    assert not terms and rel is None and not lse_loss and kpm is None and sinks is None
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = reference.attention_with_lse(q64, k64, v64, causal=causal, scale=scale)
     (ref_out * g.double()).sum().backward()
@@ -182,6 +203,12 @@ def _case_errors(rank, world):
             rel_bias=torch.zeros(3, 5, dtype=torch.float64))
     _expect(ValueError, "alibi_slopes must have shape", cp.ring_attention, q, q, q,
             alibi_slopes=torch.ones(3, dtype=torch.float64))
+    _expect(ValueError, "sinks must have shape", cp.ring_attention, q, q, q,
+            sinks=torch.zeros(3, dtype=torch.float64))
+    _expect(ValueError, "key_padding_mask must be bool", cp.ring_attention, q, q, q,
+            key_padding_mask=torch.ones(1, 4))
+    _expect(ValueError, "key_padding_mask must be bool", cp.ring_attention, q, q, q,
+            key_padding_mask=torch.ones(1, 8, dtype=torch.bool))  # the global mask, not the shard
     # a context-parallel layer refuses what the ring cannot do (before any communication)
     mha = attn_ext.MultiHeadAttention(16, 2).double().set_context_parallel(dist.group.WORLD)
     x = torch.randn(1, 4, 16, dtype=torch.float64)
@@ -236,6 +263,8 @@ def _case_input_agreement(rank, world):
                {"window": (2, 0) if rank == 0 else (3, 0)}, {"softcap": 5.0 + rank},
                {"scale": 0.5 if rank == 0 else None},
                {"alibi_slopes": torch.ones(2, dtype=torch.float64) if rank == 0 else None},
+               {"key_padding_mask": torch.ones(1, 4, dtype=torch.bool) if rank == 0 else None},
+               {"sinks": torch.zeros(2, dtype=torch.float64) if rank == 0 else None},
                {"layout": "zigzag" if rank == 0 else "contiguous"}):
         name = next(iter(kw))
         _expect(ValueError, f"differ in {name}", cp.ring_attention, q, q, q, **kw)
@@ -313,6 +342,32 @@ def _case_tinygpt_cp(rank, world, layout="zigzag", pos="rope", steps=3):
         assert abs(total.item() - loss.item()) < 1e-10
         _sgd_step(single.parameters())
         _sgd_step(ring.parameters())
+
+
+def _case_mha_cp_key_padding(rank, world, layout="zigzag"):
+    """A context-parallel MultiHeadAttention (RoPE, GQA) given this rank's shard of a
+    key_padding_mask: its rows and gradients are those of the single-process layer."""
+    dtype = torch.float64
+    B, S, E = 2, 4 * world, 32
+    torch.manual_seed(77)
+    single = attn_ext.MultiHeadAttention(E, 4, num_kv_heads=2, rotary=8).to(dtype)
+    ring = attn_ext.MultiHeadAttention(E, 4, num_kv_heads=2, rotary=8).to(dtype)
+    ring.load_state_dict(single.state_dict())
+    ring.set_context_parallel(dist.group.WORLD, layout)
+    x = torch.randn(B, S, E, dtype=dtype)
+    mask = torch.rand(B, S) > 0.3
+    mask[:, 0] = True
+    out = single(x, key_padding_mask=mask)[0]
+    xl = _sh(x, 1, layout).requires_grad_()
+    out_l = ring(xl, key_padding_mask=_sh(mask, 1, layout))[0]
+    assert _maxdiff(out_l, _sh(out, 1, layout)) < 1e-10
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    (out_l * _sh(g, 1, layout)).sum().backward()
+    for (name, ps), pr in zip(single.named_parameters(), ring.parameters()):
+        grad = pr.grad.clone()
+        dist.all_reduce(grad)
+        assert _maxdiff(grad, ps.grad) < 1e-10, f"grad of {name}"
 
 
 def _sgd_step(params, lr=0.5):
@@ -400,6 +455,19 @@ CASES = {
         r, w, layout="contiguous", causal=False, S_local=11,
         terms={"dropout_p": 0.2, "window": (6, 6), "alibi_slopes": torch.rand(4)}),
     "causal_lse_loss": lambda r, w: _ring_vs_single(r, w, layout="zigzag", causal=True, lse_loss=True),
+    # key_padding_mask travels with k/v; sinks join the merged softmax once
+    "key_padding_zigzag_lse": lambda r, w: _ring_vs_single(
+        r, w, layout="zigzag", causal=True, S_local=12, terms={"key_padding_mask": 0.3}, lse_loss=True),
+    "key_padding_window_alibi_contiguous": lambda r, w: _ring_vs_single(
+        r, w, layout="contiguous", causal=False, S_local=9,
+        terms={"key_padding_mask": 0.4, "window": (4, 2), "alibi_slopes": torch.rand(4)}),
+    "sinks_zigzag_lse": lambda r, w: _ring_vs_single(
+        r, w, layout="zigzag", causal=True, S_local=10, terms={"sinks": True}, lse_loss=True),
+    "sinks_key_padding_dropout_contiguous": lambda r, w: _ring_vs_single(
+        r, w, layout="contiguous", causal=True, S_local=8,
+        terms={"sinks": True, "key_padding_mask": 0.3, "dropout_p": 0.2, "rel_bias": 5}),
+    "mha_cp_key_padding_zigzag": _case_mha_cp_key_padding,
+    "mha_cp_key_padding_contiguous": lambda r, w: _case_mha_cp_key_padding(r, w, "contiguous"),
     "shard_roundtrip": _case_shard_roundtrip,
     "subgroups": _case_subgroups,
     "errors": _case_errors,
@@ -417,7 +485,7 @@ CASES = {
 W2_CASES = [c for c in CASES if c != "subgroups"]
 W4_CASES = ["causal_zigzag_gqa", "full_contiguous_dv_scale", "causal_contiguous_mqa_packed",
             "subgroups", "tinygpt_cp_rope_zigzag", "window_zigzag", "alibi_rel_softcap_zigzag",
-            "dropout_zigzag", "causal_lse_loss"]
+            "dropout_zigzag", "causal_lse_loss", "key_padding_zigzag_lse", "sinks_zigzag_lse"]
 W4_SLOW_CASES = [c for c in CASES if c not in W4_CASES]
 
 # ---------------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ def test_cuda_constants_match_the_headers():
     # the backward never sees the sinks (they reach it through lse), so they cannot turn the
     # fast backward off: the adapter passes no_sinks to the terms it fills
     bwd_fn = kc.block(cu, r"attention_backward_cuda\s*\(")
-    assert "{alibi_slopes, rel_bias, softcap, no_sinks, dropout_p" in bwd_fn
+    assert "{tab.alibi_slopes, tab.rel_bias, softcap, no_sinks, dropout_p" in bwd_fn
     # the CPU decode kernel takes sinks (not a condition: its backward is not told them)
     assert "if (terms.active() || terms.has_dropout()) return false;" in kc.block(
         kc.source("csrc/cpu/attention_decode.h"), r"bool\s+decode_supported\s*\([^)]*\)\s*\{")

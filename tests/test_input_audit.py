@@ -416,3 +416,17 @@ def test_multihead_attention_refuses_an_indivisible_d_model():
     with pytest.raises(ValueError, match="d_model must be divisible by num_heads"):
         A.MultiHeadAttention(30, 4)
     assert A.MultiHeadAttention(30, 4, qk_dim=8).head_dim == 8
+
+
+@pytest.mark.parametrize("k_shape,v_shape,match", [
+    ((3, 5, 8), (3, 5, 8), r"batch size B = 2 \(from q\), got q \[2, 5, 8\], k \[3, 5, 8\]"),
+    ((2, 5, 16), (2, 5, 8), r"head dim D = 8 \(from q\), got q \[2, 5, 8\], k \[2, 5, 16\]"),
+    ((2, 5, 8), (2, 4, 8), r"v must have Sk = 5 keys \(from k\), got .* v \[2, 4, 8\]"),
+])
+def test_3d_shape_errors_name_the_3d_shapes(k_shape, v_shape, match):
+    """3-D (single-head) inputs that do not fit are refused in the shapes the caller passed,
+    not in the (B, S, 1, D) views the kernels see."""
+    q = torch.randn(2, 5, 8)
+    for fn in (A.attention, A.causal_attention):
+        with pytest.raises(ValueError, match=match):
+            fn(q, torch.randn(*k_shape), torch.randn(*v_shape))

@@ -414,9 +414,9 @@ def test_bad_input():
     with pytest.raises(RuntimeError, match=r"sinks must have shape \(H,\) = \(2,\)"):
         attn_ext.attention(q, q, q, sinks=torch.ones(2, 1))
     lib = torch.ops.attn_ext
-    with pytest.raises(RuntimeError, match=r"rel_bias must be Float \(H, 2M \+ 1\) for BFloat16"):
+    with pytest.raises(RuntimeError, match=r"rel_bias must be a floating-point table \(H, 2M \+ 1\)"):
         lib.attention_forward(q.bfloat16(), q.bfloat16(), q.bfloat16(), False, None, -1, -1, None,
-                              None, torch.zeros(2, 5, dtype=torch.bfloat16))
+                              None, torch.zeros(2, 5, dtype=torch.int32))
     with pytest.raises(RuntimeError, match=r"softcap must be a finite number > 0"):
         lib.attention_forward(q, q, q, False, None, -1, -1, None, None, None, 0.0)
     with pytest.raises(RuntimeError, match=r"dropout_p must be in \[0, 1\), got 1"):
@@ -518,3 +518,39 @@ def test_torch_compile_fullgraph():
     for x, y in zip(torch.autograd.grad(a.sum(), (q, rel, sinks)),
                     torch.autograd.grad(b.sum(), (q, rel, sinks))):
         assert max_err(x, y) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,table_dtype", [(torch.float64, torch.float32),
+                                               (torch.float32, torch.float64),
+                                               (torch.bfloat16, torch.bfloat16)])
+def test_op_tables_of_another_float_dtype(dtype, table_dtype):
+    """The ops take alibi_slopes / rel_bias / sinks of any float dtype (DESIGN's float32 tables
+    beside float64 inputs, a bf16 model's bf16 rel_bias) and read them in the accumulation type:
+    the same out / lse / gradients as tables already in it, and the tables' gradients come back
+    in the tables' own dtype."""
+    torch.manual_seed(3)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    q, k, v = (torch.randn(2, 6, 2, 8, dtype=dtype) for _ in range(3))
+    al = torch.rand(2, dtype=table_dtype)
+    rb = torch.randn(2, 7, dtype=table_dtype)
+    sk = torch.randn(2, dtype=table_dtype)
+    lib = torch.ops.attn_ext
+
+    def run(al, rb, sk):
+        qq, rr, ss = (t.detach().clone().requires_grad_() for t in (q, rb, sk))
+        out, lse = lib.attention_forward(qq, k, v, True, None, -1, -1, None, al, rr, None, ss)
+        (out.float().sum() + lse.sum()).backward()
+        return out, lse, qq.grad, rr.grad, ss.grad
+
+    got = run(al, rb, sk)
+    want = run(al.to(acc), rb.to(acc), sk.to(acc))
+    for name, a, b in zip(("out", "lse", "dq"), got[:3], want[:3]):
+        assert torch.equal(a, b), name
+    for name, a, b in zip(("d rel_bias", "d sinks"), got[3:], want[3:]):
+        assert a.dtype == table_dtype, name
+        assert torch.equal(a, b.to(table_dtype)), name
+    # the backward ops alone: d rel_bias in rel_bias's dtype
+    out, lse = lib.attention_forward(q, k, v, True, None, -1, -1, None, al, rb)
+    drel = lib.attention_backward_rel_bias(torch.ones_like(out), q, k, v, out, lse, True, None, -1,
+                                           -1, None, None, al, rb)[3]
+    assert drel.dtype == table_dtype and drel.shape == rb.shape

@@ -31,13 +31,43 @@ inline bool score_terms_requested(const ScoreArgs& a) {
          a.sinks.has_value() || a.dropout_p != 0.0;
 }
 
+// A score-term table (alibi_slopes, rel_bias, sinks) of another floating dtype than the
+// accumulation type, converted to it (a copy of H or H (2M + 1) values): DESIGN's float32
+// tables for float64 inputs (gradcheck), a bf16 model's bf16 rel_bias. Other dtypes pass
+// unchanged, for check_term_tensor to refuse by name.
+inline bool is_float_table_dtype(ScalarType t) {
+  return t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::Half ||
+         t == ScalarType::BFloat16;
+}
+inline OptTensor acc_table(const OptTensor& t, const Tensor& q) {
+  if (!t.has_value()) return t;
+  const ScalarType want = lse_dtype(q.scalar_type());
+  if (t->scalar_type() == want || !is_float_table_dtype(t->scalar_type())) return t;
+  return torch::stable::to(*t, want);
+}
+
+// The tables of one call in the accumulation type (acc_table), kept alive for the kernels.
+struct ATTN_EXT_HIDDEN AccTables {
+  OptTensor alibi_slopes, rel_bias, sinks;
+  AccTables(const OptTensor& a, const OptTensor& r, const OptTensor& s, const Tensor& q)
+      : alibi_slopes(acc_table(a, q)), rel_bias(acc_table(r, q)), sinks(acc_table(s, q)) {}
+};
+
+// d rel_bias in the dtype of the rel_bias the caller passed (the kernels accumulate it in the
+// accumulation type; the fake kernels promise rel_bias's dtype).
+inline Tensor drel_as_table(const Tensor& drel, const OptTensor& rel_bias) {
+  if (!rel_bias.has_value() || drel.scalar_type() == rel_bias->scalar_type()) return drel;
+  return torch::stable::to(drel, rel_bias->scalar_type());
+}
+
 // A float table of the accumulation type (float32; float64 for float64 inputs), contiguous,
-// on q's device.
+// on q's device (after acc_table).
 inline void check_term_tensor(const Tensor& t, const char* name, const char* shape,
                               const Tensor& q) {
   const ScalarType want = lse_dtype(q.scalar_type());
-  STD_TORCH_CHECK(t.scalar_type() == want, name, " must be ", want, " ", shape, " for ",
-              q.scalar_type(), " inputs, got dtype ", t.scalar_type());
+  STD_TORCH_CHECK(t.scalar_type() == want, name, " must be a floating-point table ", shape,
+              " (the kernels read it as ", want, " for ", q.scalar_type(), " inputs), got dtype ",
+              t.scalar_type());
   check_same_device(t, q, name, "q");
   STD_TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", strides_of(t));
 }

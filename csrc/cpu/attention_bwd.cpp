@@ -743,24 +743,25 @@ BwdResult attention_backward_cpu(
       make_attention_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, s, causal, scale);
   fill_mask_params(bp.fwd, s, q, causal, window_left, window_right, key_padding_mask);
   const OptTensor no_sinks;
-  fill_score_terms(bp.fwd, {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed,
-                            dropout_offset}, q, s.B, s.H);
+  const AccTables tab(alibi_slopes, rel_bias, no_sinks, q);
+  fill_score_terms(bp.fwd, {tab.alibi_slopes, tab.rel_bias, softcap, no_sinks, dropout_p,
+                            dropout_seed, dropout_offset}, q, s.B, s.H);
   fill_block_position(bp.fwd, q_start, k_start, /*has_sinks=*/false);
-  Tensor drel_bias = make_drel_bias(rel_bias, q);
+  Tensor drel_bias = make_drel_bias(tab.rel_bias, q);
   if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
-  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv, drel_bias};
+  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
   if (s.Sq == 0 || s.H == 0) {  // no query: no gradient reaches k or v
-    return {dq, dk, dv, drel_bias};
+    return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
   }
   const Tensor dlse = dlse_in.has_value() ? torch::stable::contiguous(*dlse_in) : Tensor();
   if (dlse.defined()) bp.dlse = dlse.data_ptr();
   if (s.Sk == 0) {  // no key: every row is empty, dq = 0
     torch::stable::zero_(dq);
-    return {dq, dk, dv, drel_bias};
+    return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
   }
   ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), "attention_backward",
                              [&] { attention_bwd_kernel<scalar_t>(bp); });
-  return {dq, dk, dv, drel_bias};
+  return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
 }
 
 // Packed sequences (attention_varlen_forward's backward): dq (Tq, H, D), dk (Tk, Hkv, D),
@@ -786,17 +787,18 @@ BwdResult attention_varlen_backward_cpu(
                                                  cu_seqlens_q, cu_seqlens_k, causal, scale,
                                                  window_left, window_right);
   const OptTensor no_sinks;
-  fill_score_terms(bp.fwd, {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed,
-                            dropout_offset}, q, s.B, s.H);
-  Tensor drel_bias = make_drel_bias(rel_bias, q);
+  const AccTables tab(alibi_slopes, rel_bias, no_sinks, q);
+  fill_score_terms(bp.fwd, {tab.alibi_slopes, tab.rel_bias, softcap, no_sinks, dropout_p,
+                            dropout_seed, dropout_offset}, q, s.B, s.H);
+  Tensor drel_bias = make_drel_bias(tab.rel_bias, q);
   if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
   if (Tq == 0 || s.H == 0 || Tk == 0 || s.B == 0) {
     torch::stable::zero_(dq);
-    return {dq, dk, dv, drel_bias};
+    return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
   }
   ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), "attention_varlen_backward",
                              [&] { attention_bwd_kernel<scalar_t>(bp); });
-  return {dq, dk, dv, drel_bias};
+  return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
 }
 
 }  // namespace

@@ -470,8 +470,9 @@ std::tuple<Tensor, Tensor> attention_forward_cpu(
   Tensor lse = alloc(q, {s.B, s.H, s.Sq}, lse_dtype(q.scalar_type()));
   AttentionParams p = make_attention_params(q, k, v, out, lse, s, causal, scale);
   fill_mask_params(p, s, q, causal, window_left, window_right, key_padding_mask);
-  fill_score_terms(p, {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset},
-                   q, s.B, s.H);
+  const AccTables tab(alibi_slopes, rel_bias, sinks, q);
+  fill_score_terms(p, {tab.alibi_slopes, tab.rel_bias, softcap, tab.sinks, dropout_p, dropout_seed,
+                       dropout_offset}, q, s.B, s.H);
   fill_block_position(p, q_start, k_start, sinks.has_value());
   if (s.B * s.H * s.Sq == 0) return {out, lse};
   ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), "attention_forward",
@@ -496,8 +497,9 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_cpu(
       torch::stable::unsqueeze(q, 0), torch::stable::unsqueeze(k, 0),
       torch::stable::unsqueeze(v, 0), torch::stable::unsqueeze(out, 0), lse, s, causal, scale);
   make_params_packed(p, s, Tq, k.size(0), cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right);
-  fill_score_terms(p, {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset},
-                   q, s.B, s.H);
+  const AccTables tab(alibi_slopes, rel_bias, sinks, q);
+  fill_score_terms(p, {tab.alibi_slopes, tab.rel_bias, softcap, tab.sinks, dropout_p, dropout_seed,
+                       dropout_offset}, q, s.B, s.H);
   if (Tq * s.H == 0 || s.B == 0) return {out, lse};
   ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), "attention_varlen_forward",
                              [&] { attention_fwd_kernel<scalar_t>(p); });

@@ -258,8 +258,10 @@ std::tuple<Tensor, Tensor> attention_forward_cuda(
   check_cuda_head_dims(s);
   Tensor out = alloc(q, {s.B, s.Sq, s.H, s.Dv});
   Tensor lse = alloc(q, {s.B, s.H, s.Sq}, lse_dtype(q.scalar_type()));
+  const AccTables tab(alibi_slopes, rel_bias, sinks, q);
   const ScoreTerms terms = checked_terms(
-      {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset}, q, s);
+      {tab.alibi_slopes, tab.rel_bias, softcap, tab.sinks, dropout_p, dropout_seed, dropout_offset},
+      q, s);
   if (s.B * s.H * s.Sq == 0) return {out, lse};
   check_grid_rows(s.B * s.H * s.Sq, "query");
   const DeviceGuard guard(q.get_device_index());
@@ -297,22 +299,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
   check_cuda_head_dims(s);
   if (dlse.has_value()) check_dlse(*dlse, lse_in);
   const OptTensor no_sinks;  // the backward reads the sinks through lse
+  const AccTables tab(alibi_slopes, rel_bias, no_sinks, q);
   const ScoreTerms terms = checked_terms(
-      {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed, dropout_offset}, q, s);
-  Tensor drel_bias = make_drel_bias(rel_bias, q);
+      {tab.alibi_slopes, tab.rel_bias, softcap, no_sinks, dropout_p, dropout_seed, dropout_offset},
+      q, s);
+  Tensor drel_bias = make_drel_bias(tab.rel_bias, q);
   Tensor dq = alloc(q, {s.B, s.Sq, s.H, s.D});
   Tensor dk = alloc(q, {s.B, s.Sk, s.Hkv, s.D});
   Tensor dv = alloc(q, {s.B, s.Sk, s.Hkv, s.Dv});
-  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv, drel_bias};
+  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
   const DeviceGuard guard(q.get_device_index());
   if (s.Sq == 0 || s.H == 0) {  // no query: no gradient reaches k or v
     torch::stable::zero_(dk);
     torch::stable::zero_(dv);
-    return {dq, dk, dv, drel_bias};
+    return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
   }
   if (s.Sk == 0) {  // no key: every row is empty, dq = 0
     torch::stable::zero_(dq);
-    return {dq, dk, dv, drel_bias};
+    return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
   }
   check_grid_rows(s.B * s.H * s.Sq, "query");
   check_grid_rows(s.B * s.Hkv * s.Sk, "key");
@@ -332,7 +336,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
   // the simple kernels' d rel_bias diagonals (the fast kernel sums per CTA in shared memory)
   const Tensor drel_diag = fast ? Tensor() : drel_workspace(bp, lse);
   launch_backward(bp, q.scalar_type(), fast, delta, drel_diag, dq, stream, "attention_backward");
-  return {dq, dk, dv, drel_bias};
+  return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
 }
 
 // Packed sequences, dispatched as the batched ops (split-KV aside). cu_seqlens are read on the
@@ -350,8 +354,10 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_cuda(
   const AttentionShape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                max_seqlen_k, scale);
   check_cuda_head_dims(s);
+  const AccTables tab(alibi_slopes, rel_bias, sinks, q);
   const ScoreTerms terms = checked_terms(
-      {alibi_slopes, rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset}, q, s);
+      {tab.alibi_slopes, tab.rel_bias, softcap, tab.sinks, dropout_p, dropout_seed, dropout_offset},
+      q, s);
   const int64_t Tq = q.size(0);
   Tensor out = alloc(q, {Tq, s.H, s.Dv});
   Tensor lse = alloc(q, {s.H, Tq}, lse_dtype(q.scalar_type()));
@@ -383,14 +389,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
                                                    scale, dlse);
   check_cuda_head_dims(s);
   const OptTensor no_sinks;  // the backward reads the sinks through lse
+  const AccTables tab(alibi_slopes, rel_bias, no_sinks, q);
   const ScoreTerms terms = checked_terms(
-      {alibi_slopes, rel_bias, softcap, no_sinks, dropout_p, dropout_seed, dropout_offset}, q, s);
-  Tensor drel_bias = make_drel_bias(rel_bias, q);
+      {tab.alibi_slopes, tab.rel_bias, softcap, no_sinks, dropout_p, dropout_seed, dropout_offset},
+      q, s);
+  Tensor drel_bias = make_drel_bias(tab.rel_bias, q);
   const int64_t Tq = q.size(0), Tk = k.size(0);
   Tensor dq = alloc_zeros(q, {Tq, s.H, s.D}, q.scalar_type());
   Tensor dk = alloc_zeros(q, {Tk, s.Hkv, s.D}, q.scalar_type());
   Tensor dv = alloc_zeros(q, {Tk, s.Hkv, s.Dv}, q.scalar_type());
-  if (Tq == 0 || s.H == 0 || Tk == 0 || s.B == 0) return {dq, dk, dv, drel_bias};
+  if (Tq == 0 || s.H == 0 || Tk == 0 || s.B == 0) return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
   check_grid_rows(s.B * s.H * s.Sq, "query");
   check_grid_rows(s.B * s.Hkv * s.Sk, "key");
   const DeviceGuard guard(q.get_device_index());
@@ -408,7 +416,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
   Tensor delta = fast ? alloc(lse, {s.H, Tq}) : alloc(lse, {s.B, s.H, s.Sq});
   launch_backward(bp, q.scalar_type(), fast, delta, drel_diag, dq, stream,
                   "attention_varlen_backward");
-  return {dq, dk, dv, drel_bias};
+  return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
 }
 
 }  // namespace
