@@ -166,6 +166,15 @@ def cpu_simd_enabled() -> bool:
     return all(x in flags for x in ("avx2", "fma", "f16c"))
 
 
+def cpu_avx512_enabled() -> bool:
+    """csrc/cpu/cpu_features.cpp's avx512_enabled(): cpu_simd_enabled() and AVX-512F + BW,
+    unless ATTN_EXT_CPU_AVX512=0 (the decode kernel's AVX-512 PV product)."""
+    if not cpu_simd_enabled() or os.environ.get("ATTN_EXT_CPU_AVX512") == "0":
+        return False
+    flags = cpu_flags()
+    return all(x in flags for x in ("avx512f", "avx512bw"))
+
+
 def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = ()) -> Optional[dict]:
     """csrc/cpu/attention_decode.h decode_supported and its split-K chunk count (the op's
     masks are not arguments of explain(): no mask), or None when the tiled kernel runs.

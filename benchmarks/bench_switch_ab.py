@@ -1,7 +1,7 @@
 """A/B of a CPU kernel switch read on every call, alternated call by call in one process: this
 machine's speed drifts by +-15 % between runs, so the values are only compared within a round.
 
-    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads] [--repeats N]
+    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads|decode-pv512] [--repeats N]
                                          [--threads T] [--values A,B] [--quick]
 
 --switch bwd-jobs (default): ATTN_EXT_CPU_BWD_JOBS, query blocks per visit of the key tiles in
@@ -12,6 +12,10 @@ fp32 causal, q / k / v as BHSD transpose views, at (1, 8, 4096, 128) and (1, 16,
 keys (1) or by pairs of columns (0) (csrc/cpu/attention_decode.h scores()). Rows: the decode
 forward (Sq = 1, BSHD cache, D = 128) at issue 16's GQA shapes, fp32 and bf16, and bytes of K + V
 read per second.
+
+--switch decode-pv512: ATTN_EXT_CPU_DECODE_PV512, the decode kernel's PV product with AVX-512
+(1; where the CPU has AVX-512F/BW) or AVX2 (0) (csrc/cpu/attention_decode.h pv512). The same
+rows as decode-quads.
 
 Every value's outputs are checked bitwise equal first; the order of the values alternates from
 round to round; medians over the rounds, and the ratios to the first value.
@@ -37,7 +41,8 @@ from _env import print_env_header  # noqa: E402
 SHAPES = [(1, 8, 4096, 128), (1, 16, 2048, 64)]  # (B, H, S, D)
 DECODE_SHAPES = [(1, 4096, 32, 8), (4, 2048, 32, 8), (16, 2048, 32, 8), (1, 32768, 32, 8)]
 SWITCHES = {"bwd-jobs": ("ATTN_EXT_CPU_BWD_JOBS", "1,4"),
-            "decode-quads": ("ATTN_EXT_CPU_DECODE_QUADS", "0,1")}
+            "decode-quads": ("ATTN_EXT_CPU_DECODE_QUADS", "0,1"),
+            "decode-pv512": ("ATTN_EXT_CPU_DECODE_PV512", "0,1")}
 
 
 def alternate(var, values, repeats, fn):
@@ -64,7 +69,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--values", default=None, help="values to alternate (bwd-jobs: 1,4; "
-                                                   "decode-quads: 0,1)")
+                                                   "decode-quads / decode-pv512: 0,1)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds (a smoke test)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

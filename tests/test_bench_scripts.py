@@ -231,15 +231,17 @@ def test_bench_switch_ab_smoke():
     assert len(rows) == 1, res.stdout
 
 
-def test_bench_switch_ab_decode_quads_smoke():
-    """bench_switch_ab.py --switch decode-quads (the ATTN_EXT_CPU_DECODE_QUADS A/B RESULTS.md
-    quotes) runs, checks both values' outputs bitwise equal, and prints a row per dtype."""
+@pytest.mark.parametrize("switch,var", [("decode-quads", "ATTN_EXT_CPU_DECODE_QUADS"),
+                                        ("decode-pv512", "ATTN_EXT_CPU_DECODE_PV512")])
+def test_bench_switch_ab_decode_quads_smoke(switch, var):
+    """bench_switch_ab.py --switch decode-quads / decode-pv512 (the A/Bs RESULTS.md quotes)
+    runs, checks both values' outputs bitwise equal, and prints a row per dtype."""
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_switch_ab.py"),
-                          "--switch", "decode-quads", "--quick", "--threads", "2"],
+                          "--switch", switch, "--quick", "--threads", "2"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.startswith("# commit: "), res.stdout[:300]
-    assert "ATTN_EXT_CPU_DECODE_QUADS in ['0', '1']" in res.stdout, res.stdout
+    assert f"{var} in ['0', '1']" in res.stdout, res.stdout
     for name in ("fp32", "bf16"):
         rows = [line for line in res.stdout.splitlines() if line.startswith(f"| {name} | 1 | 512 | 8/2 |")]
         assert len(rows) == 1, res.stdout

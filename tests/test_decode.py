@@ -171,6 +171,38 @@ def test_decode_in_place_reads_equal_packed_blocks(tmp_path, switch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(not __import__("attn_ext._explain").\
+                    _explain.cpu_avx512_enabled(), reason="no AVX-512F/BW on this CPU")
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_avx512_pv_gives_the_avx2_bits(monkeypatch, dt):
+    """The AVX-512 PV product (attention_decode.h pv512, where Dvp is a multiple of 16) is the
+    same fma per output element as the AVX2 one, keys in the same order: ATTN_EXT_CPU_DECODE_PV512
+    (read on every call) 1 and 0 give the same bits, for every column count (1..16, GQA / MHA /
+    several query rows), in-place and packed blocks (masks, padding, odd key counts), and row
+    lengths with and without a natural-order tail (Dv 40, 72)."""
+    torch.manual_seed(0)
+    cases = [(1, 1, 1000, 8, 2, 64, 64), (2, 1, 700, 4, 4, 128, 128), (1, 1, 96, 16, 16, 128, 128),
+             (1, 1, 520, 6, 2, 96, 96), (1, 2, 300, 8, 4, 64, 48), (1, 1, 301, 8, 2, 128, 128),
+             (1, 4, 333, 16, 4, 64, 64), (2, 1, 257, 16, 1, 128, 80), (1, 1, 300, 8, 2, 40, 40),
+             (2, 2, 200, 8, 4, 128, 72)]
+    n = 0
+    for B, Sq, Sk, H, Hkv, D, Dv in cases:
+        q = torch.randn(B, Sq, H, D).to(dt)
+        k, v = torch.randn(B, Sk, Hkv, D).to(dt), torch.randn(B, Sk, Hkv, Dv).to(dt)
+        kpm = torch.rand(B, Sk) > 0.2
+        assert attn_ext.explain(q, k, v, causal=True).forward == "cpu.decode"
+        for kw in (dict(causal=False), dict(causal=True), dict(causal=True, window=(100, 0)),
+                   dict(causal=False, key_padding_mask=kpm)):
+            res = {}
+            for mode in ("1", "0"):
+                monkeypatch.setenv("ATTN_EXT_CPU_DECODE_PV512", mode)
+                res[mode] = attn_ext.attention(q, k, v, return_lse=True, **kw)
+            for a, b in zip(res["1"], res["0"]):
+                assert torch.equal(a, b), (B, Sq, Sk, H, Hkv, D, Dv, kw)
+            n += 1
+    assert n == 4 * len(cases)
+
+
 @pytest.mark.parametrize("B,Sq,Sk,H,Hkv,D,Dv", [
     (1, 1, 300, 8, 2, 40, 40),     # two whole 16-element chunks and a natural-order tail of 8
     (2, 2, 200, 8, 4, 128, 72),    # whole chunks only for q / k, a tail for v

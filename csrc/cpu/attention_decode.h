@@ -29,8 +29,9 @@
 //     hidden from some columns take a scalar path that skips hidden pairs)
 //
 // Extra memory: per thread one block of K/V and q; the chunk partials are
-// (B, chunks, Hkv, C, Dvp + 2) floats. ATen-free; AVX2+FMA(+F16C) only: callers check
-// decode_supported() and otherwise take the tiled kernel.
+// (B, chunks, Hkv, C, Dvp + 2) floats. ATen-free; AVX2+FMA(+F16C): callers check
+// decode_supported() and otherwise take the tiled kernel. Where the CPU also has AVX-512F/BW
+// (cpu::avx512_enabled), the PV product takes 16-float registers (pv512): the same bits.
 #pragma once
 
 #include <algorithm>
@@ -372,13 +373,136 @@ ATTN_EXT_AVX2 inline void pv_dc(const float* p, int64_t ld, int64_t C, const vT*
   }
 }
 
+// ---- the PV product with AVX-512 (where cpu::avx512_enabled(); Dvp a multiple of 16) ----
+// The same fma(p, v, o) per output element, keys in the same order: the same bits as pv_cols.
+// Wider registers (16 floats) and twice as many (32) let each key's row be read once per
+// 64 elements of d for up to 4 columns, where the AVX2 loop reads it once per 16 (the rows lie
+// at the cache's row stride, 2 KiB for 8 kv heads x 128 bf16, so they rarely stay in L1
+// between passes), and widen bf16 with one byte shuffle per 16 elements.
+// Measured (RESULTS.md, eleventh session): benchmarks/micro/decode_loops.cpp, one thread, V in
+// L2, cycles per (key, kv head) AVX2 -> AVX-512: fp32 4 columns x 128 68.5 -> 45.0, bf16 4 x 128
+// 47.0 -> 44.2, bf16 7 x 96 80.1 -> 55.2, fp32 MHA 30.4 -> 30.1; the whole decode call
+// (bench_switch_ab.py --switch decode-pv512, alternated call by call) 0-7 % faster in fp32,
+// 0-3.5 % in bf16.
+
+// 16 elements of a row of T as one 16-float vector in decode order (decode_pos: bf16 chunks
+// are [even elements | odd elements]; fp32 / fp16 natural).
+template <typename T>
+struct DecodeIO16;
+template <>
+struct DecodeIO16<float> {
+  ATTN_EXT_AVX512 static inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+};
+template <>
+struct DecodeIO16<c10::Half> {
+  ATTN_EXT_AVX512 static inline __m512 load(const c10::Half* p) {
+    // (the maskz forms, all lanes kept: GCC 12's unmasked ones warn of an undefined source)
+    return _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+};
+template <>
+struct DecodeIO16<c10::BFloat16> {
+  // The 32 bytes in both halves; each 32-bit lane i of the low half takes the bf16 in bytes
+  // 4i, 4i + 1 (element 2i) as its top 16 bits, of the high half bytes 4i + 2, 4i + 3
+  // (element 2i + 1): a byte shuffle within 128-bit lanes, whose sources are the same halves.
+  ATTN_EXT_AVX512 static inline __m512 load(const c10::BFloat16* p) {
+    const __m512i z = _mm512_maskz_broadcast_i64x4(
+        0xFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i ctrl = _mm512_set_epi8(
+        15, 14, -128, -128, 11, 10, -128, -128, 7, 6, -128, -128, 3, 2, -128, -128,
+        15, 14, -128, -128, 11, 10, -128, -128, 7, 6, -128, -128, 3, 2, -128, -128,
+        13, 12, -128, -128, 9, 8, -128, -128, 5, 4, -128, -128, 1, 0, -128, -128,
+        13, 12, -128, -128, 9, 8, -128, -128, 5, 4, -128, -128, 1, 0, -128, -128);
+    return _mm512_castsi512_ps(_mm512_shuffle_epi8(z, ctrl));
+  }
+};
+
+// o (NC, Dvp) += p (NC, nk; ld) vb (nk rows, stride ldv), NC <= 4: 64 elements of d at a time
+// (4 NC accumulators), then single 16-element vectors.
+template <int NC, int DC, typename vT>
+ATTN_EXT_AVX512 inline void pv512_cols(const float* p, int64_t ld, const vT* vb, int64_t Dvp_,
+                                       const uint8_t* use, int64_t nk, float* o, int64_t ldv) {
+  const int64_t Dvp = DC ? DC : Dvp_;
+  int64_t d0 = 0;
+  for (; d0 + 64 <= Dvp; d0 += 64) {
+    __m512 acc[NC][4];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[c][j] = _mm512_loadu_ps(o + c * Dvp + d0 + 16 * j);
+    for (int64_t r = 0; r < nk; ++r) {
+      if (!use[r]) continue;
+      __m512 vv[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) vv[j] = DecodeIO16<vT>::load(vb + r * ldv + d0 + 16 * j);
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) {
+        const __m512 pr = _mm512_set1_ps(p[c * ld + r]);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) acc[c][j] = _mm512_fmadd_ps(pr, vv[j], acc[c][j]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + c * Dvp + d0 + 16 * j, acc[c][j]);
+  }
+  for (; d0 < Dvp; d0 += 16) {
+    __m512 acc[NC];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm512_loadu_ps(o + c * Dvp + d0);
+    for (int64_t r = 0; r < nk; ++r) {
+      if (!use[r]) continue;
+      const __m512 vv = DecodeIO16<vT>::load(vb + r * ldv + d0);
+      for (int c = 0; c < NC; ++c)
+        acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(p[c * ld + r]), vv, acc[c]);
+    }
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + c * Dvp + d0, acc[c]);
+  }
+}
+
+template <int DC, typename vT>
+ATTN_EXT_AVX512 inline void pv512_dc(const float* p, int64_t ld, int64_t C, const vT* vb,
+                                     int64_t Dvp, const uint8_t* use, int64_t nk, float* o,
+                                     int64_t ldv) {
+  for (int64_t c0 = 0; c0 < C; c0 += 4) {
+    const float* pc = p + c0 * ld;
+    float* oc = o + c0 * Dvp;
+    switch (std::min<int64_t>(4, C - c0)) {
+      case 1: pv512_cols<1, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      case 2: pv512_cols<2, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      case 3: pv512_cols<3, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+      default: pv512_cols<4, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
+    }
+  }
+}
+
+template <typename vT>
+ATTN_EXT_AVX512 inline void pv512(const float* p, int64_t ld, int64_t C, const vT* vb,
+                                  int64_t Dvp, const uint8_t* use, int64_t nk, float* o,
+                                  int64_t ldv) {
+  if (Dvp == 128) return pv512_dc<128>(p, ld, C, vb, Dvp, use, nk, o, ldv);
+  if (Dvp == 64) return pv512_dc<64>(p, ld, C, vb, Dvp, use, nk, o, ldv);
+  pv512_dc<0>(p, ld, C, vb, Dvp, use, nk, o, ldv);
+}
+
+// ATTN_EXT_CPU_DECODE_PV512=0: the AVX2 PV product even where AVX-512 is there (the same
+// bits), for benchmarks comparing both (bench_switch_ab.py --switch decode-pv512). Read once
+// per decode call.
+inline bool decode_pv512_enabled() {
+  if (!cpu::avx512_enabled()) return false;
+  const char* env = std::getenv("ATTN_EXT_CPU_DECODE_PV512");
+  return !(env != nullptr && std::strcmp(env, "0") == 0);
+}
+
 // Rows of 64 and 128 take instances with the length fixed at compile time (with_fixed_length;
-// same bits).
+// same bits). wide (decode_pv512_enabled()): pv512 where Dvp is a multiple of 16 (the same
+// bits).
 template <typename vT = float>
 ATTN_EXT_AVX2 inline void pv(const float* p, int64_t ld, int64_t C, const vT* vb,
                              int64_t Dvp, const uint8_t* use, int64_t nk, float* o,
-                             int64_t ldv = -1) {
+                             int64_t ldv = -1, bool wide = false) {
   if (ldv < 0) ldv = Dvp;
+  if (wide && Dvp % 16 == 0) return pv512(p, ld, C, vb, Dvp, use, nk, o, ldv);
   with_fixed_length(Dvp, [&](auto dc) ATTN_EXT_AVX2 {
     pv_dc<decltype(dc)::value>(p, ld, C, vb, Dvp, use, nk, o, ldv);
   });
@@ -524,6 +648,7 @@ void attention_decode_kernel(const AttentionParams& p) {
   // K / V read in place (whole 8-element vectors per row; bf16 / fp16 widened in registers)
   const bool kInPlace = p.D == Dp && p.Dv == Dvp && decode_in_place_enabled();
   const bool quads = decode_quads_enabled();
+  const bool wide = decode_pv512_enabled();  // pv512 (the same bits)
 
   // Keys some row of sequence b sees by the band (the same for every kv head).
   auto seq_keys = [&](const SeqInfo& s) -> Range {
@@ -683,7 +808,7 @@ void attention_decode_kernel(const AttentionParams& p) {
         // (only at the band's edges) go through the scalar path, which skips hidden pairs.
         if (in_place) continue;  // PV of every head below, in memory order
         if (!edge) {
-          pv(sh, ks, C, vbh, Dvp, w.use.data(), nk, o);
+          pv(sh, ks, C, vbh, Dvp, w.use.data(), nk, o, -1, wide);
         } else {
           for (int64_t c = 0; c < C; ++c) {
             float* oc = o + c * Dvp;
@@ -704,7 +829,7 @@ void attention_decode_kernel(const AttentionParams& p) {
             const scalar_t* vh = vseq + hkv * p.v_head_stride;
             prefetch_next_group(vseq, hkv, Hkv, j0 + r0, kend, p.v_row_stride, p.v_head_stride, p.Dv);
             pv(w.s.data() + hkv * s_head + r0, ks, C, vh + (j0 + r0) * p.v_row_stride,
-               Dvp, w.use.data() + r0, 8, part_of(b, chunk, hkv), p.v_row_stride);
+               Dvp, w.use.data() + r0, 8, part_of(b, chunk, hkv), p.v_row_stride, wide);
           }
         }
       }

@@ -21,4 +21,20 @@ bool simd_enabled() {
 #endif
 }
 
+bool avx512_enabled() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool ok = [] {
+    if (!simd_enabled()) return false;
+    const char* env = std::getenv("ATTN_EXT_CPU_AVX512");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    __builtin_cpu_init();
+    // (libgcc sets the AVX-512 bits only where the OS saves the ZMM state: XCR0)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 }  // namespace attn_ext::cpu

@@ -7,4 +7,9 @@ namespace attn_ext::cpu {
 // and testing the portable paths). Decided once per process (csrc/cpu/cpu_features.cpp).
 bool simd_enabled();
 
+// True when simd_enabled() and the CPU (and OS) have AVX-512F and AVX-512BW, unless
+// ATTN_EXT_CPU_AVX512=0 is set: the decode kernel's wider PV product (attention_decode.h).
+// Decided once per process.
+bool avx512_enabled();
+
 }  // namespace attn_ext::cpu

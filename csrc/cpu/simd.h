@@ -22,6 +22,8 @@
 #define ATTN_EXT_HAVE_AVX2_PATH 1
 #include <immintrin.h>
 #define ATTN_EXT_AVX2 __attribute__((target("avx2,fma,f16c")))
+// AVX-512F + BW (+ the AVX2 set): only in functions called where cpu::avx512_enabled().
+#define ATTN_EXT_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
 #else
 #define ATTN_EXT_HAVE_AVX2_PATH 0
 #endif
