@@ -554,3 +554,25 @@ def test_op_tables_of_another_float_dtype(dtype, table_dtype):
     drel = lib.attention_backward_rel_bias(torch.ones_like(out), q, k, v, out, lse, True, None, -1,
                                            -1, None, None, al, rb)[3]
     assert drel.dtype == table_dtype and drel.shape == rb.shape
+
+
+@pytest.mark.parametrize("cap", [1.0, 30.0])
+def test_softcap_tanh_accuracy_through_lse(cap):
+    """The fp32 softcap's tanh (csrc/cpu/simd.h tanh_ps on AVX2, std::tanh elsewhere), read
+    through lse: with one key, lse = softcap * tanh(s / softcap) exactly the score. Within 4 ulp
+    of the float64 value over [-12, 12] softcaps, tiny scores and both sides of the polynomial /
+    exponential switch; +-inf scores give +-softcap, NaN stays NaN."""
+    import numpy as np
+    x = torch.cat([torch.linspace(-12, 12, 20001), torch.logspace(-8, 0, 5000),
+                   -torch.logspace(-8, 0, 5000), torch.tensor([0.0, 0.6249, 0.625, 0.6251])]) * cap
+    q = x.view(1, -1, 1, 1).float()
+    k, v = torch.ones(1, 1, 1, 1), torch.ones(1, 1, 1, 1)
+    _, lse = attn_ext.attention(q, k, v, scale=1.0, softcap=cap, return_lse=True)
+    ref = cap * torch.tanh(q.double().view(-1) / cap)
+    ulp = torch.from_numpy(np.spacing(np.abs(ref.float().numpy()))).double()
+    err = (lse.view(-1).double() - ref).abs() / ulp
+    assert err.max().item() <= 4.0, (err.max().item(), q.view(-1)[err.argmax()].item())
+    special = torch.tensor([float("inf"), float("-inf"), float("nan")]).view(1, 3, 1, 1)
+    _, lse = attn_ext.attention(special, k, v, scale=1.0, softcap=cap, return_lse=True)
+    assert lse[0, 0, 0].item() == cap and lse[0, 0, 1].item() == -cap
+    assert torch.isnan(lse[0, 0, 2])

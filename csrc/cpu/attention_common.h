@@ -178,12 +178,21 @@ struct HeadRows {
 // nh runs of nq query rows (column hh * nq + ii: head h0 + hh, row i0 + ii), scores in
 // natural units; d00 = i0 + off - j0. th (st's layout) receives tanh(s / softcap) when given.
 // The forward and the backward both call this, so their scores round alike. ALiBi and
-// rel_bias alone go through mk::bias_rows (vectorised, one call per head); with softcap the
-// per-row rule ScoreTerms::apply_row.
+// rel_bias go through mk::bias_rows (vectorised, one call per head). Softcap comes first: in
+// fp32 with AVX2 by mk::softcap_rows_avx2 (cpu::tanh_ps, 8 columns at a time; measured in
+// RESULTS.md, eleventh session), then the biases as without it; otherwise (fp64, no AVX2) the
+// per-row rule ScoreTerms::apply_row for all three.
 template <typename acc_t>
 void apply_score_terms(const ScoreTerms& t, acc_t* st, int64_t nk, int64_t C, int64_t nq,
                        int64_t nh, int64_t b, int64_t h0, int64_t d00, acc_t* th) {
-  if (t.softcap > 0.0) {
+  bool capped = false;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (t.softcap > 0.0 && mk::cpu_has_avx2_fma()) {
+      mk::softcap_rows_avx2(st, nk, nh * nq, C, static_cast<float>(t.softcap), th);
+      capped = true;
+    }
+  }
+  if (t.softcap > 0.0 && !capped) {
     for (int64_t r = 0; r < nk; ++r) {
       for (int64_t hh = 0; hh < nh; ++hh) {
         t.apply_row<acc_t>(st + r * C + hh * nq, static_cast<int>(nq), b, h0 + hh, d00 - r,
@@ -192,6 +201,7 @@ void apply_score_terms(const ScoreTerms& t, acc_t* st, int64_t nk, int64_t C, in
     }
     return;
   }
+  if (t.alibi == nullptr && t.rel_bias == nullptr) return;
   const int64_t M = t.rel_max;
   for (int64_t hh = 0; hh < nh; ++hh) {
     const int64_t h = h0 + hh;

@@ -177,6 +177,10 @@ void exp_sub_avx2(float* st, int64_t rows, int64_t cols, const float* sub);
 void ds_avx2(const float* p, float* ds, int64_t rows, int64_t cols, const float* d);
 void bias_rows_avx2(float* st, int64_t rows, int64_t n, int64_t ld, int64_t d0, float slope,
                     const float* tab, int64_t M);
+// Softcap on rows [0, rows) x [0, n) of st (leading dimension ld): t = tanh(x / cap) (cpu::tanh_ps),
+// x = cap * t, and t to th (same layout) when th is not null: ScoreTerms::apply_row's softcap step
+// (common/attention_mask.h), 8 columns at a time.
+void softcap_rows_avx2(float* st, int64_t rows, int64_t n, int64_t ld, float cap, float* th);
 // One key row of attention dropout (cpu_attn::dropout_tile): for c in [0, n),
 // dst[c] = ((words[c] >> shift) & 0xffff) >= thresh ? src[c] * inv_keep : 0.
 void dropout_row_avx2(const float* src, float* dst, int64_t n, const uint64_t* words, int shift,

@@ -352,6 +352,32 @@ ATTN_AVX2 void bias_rows_avx2(float* st, int64_t rows, int64_t n, int64_t ld, in
   }
 }
 
+ATTN_AVX2 void softcap_rows_avx2(float* st, int64_t rows, int64_t n, int64_t ld, float cap,
+                                 float* th) {
+  const float inv = 1.0f / cap;
+  const __m256 vinv = _mm256_set1_ps(inv), vcap = _mm256_set1_ps(cap);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = st + r * ld;
+    float* t = th != nullptr ? th + r * ld : nullptr;
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+      const __m256 tv = cpu::tanh_ps(_mm256_mul_ps(_mm256_loadu_ps(x + c), vinv));
+      if (t != nullptr) _mm256_storeu_ps(t + c, tv);
+      _mm256_storeu_ps(x + c, _mm256_mul_ps(vcap, tv));
+    }
+    if (c < n) {  // the tail through a zero-padded vector: the same function for every column
+      alignas(32) float buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t i = c; i < n; ++i) buf[i - c] = x[i];
+      const __m256 tv = cpu::tanh_ps(_mm256_mul_ps(_mm256_load_ps(buf), vinv));
+      _mm256_store_ps(buf, tv);
+      for (int64_t i = c; i < n; ++i) {
+        if (t != nullptr) t[i] = buf[i - c];
+        x[i] = cap * buf[i - c];
+      }
+    }
+  }
+}
+
 ATTN_AVX2 void dropout_row_avx2(const float* src, float* dst, int64_t n, const uint64_t* words,
                                 int shift, uint32_t thresh, float inv_keep) {
   const __m128i count = _mm_cvtsi32_si128(shift);
@@ -415,6 +441,7 @@ void exp_sub_avx2(float*, int64_t, int64_t, const float*) {}
 void ds_avx2(const float*, float*, int64_t, int64_t, const float*) {}
 void bias_rows_avx2(float*, int64_t, int64_t, int64_t, int64_t, float, const float*, int64_t) {}
 void dropout_row_avx2(const float*, float*, int64_t, const uint64_t*, int, uint32_t, float) {}
+void softcap_rows_avx2(float*, int64_t, int64_t, int64_t, float, float*) {}
 void bf16_to_float_avx2(const uint16_t*, int64_t, float*) {}
 void half_to_float_avx2(const uint16_t*, int64_t, float*) {}
 void transpose_rows_avx2(const float*, int64_t, int64_t, int64_t, float, bool, float*, int64_t) {}
