@@ -587,6 +587,10 @@ def _check_inputs(q, k, v, S_local_multiple: int, layout: str, scale) -> None:
         if t.dim() != 4:
             raise ValueError(f"ring_attention: {name} must have 4 dims {dims}, got shape {list(t.shape)}")
     _check_qk_inputs(q, k, scale)  # the kernels' rules, before any transfer is posted
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.size(-1) > 1 and t.stride(-1) != 1:
+            raise ValueError(f"ring_attention: {name} must have a contiguous last dim (stride 1), "
+                             f"got strides {list(t.stride())}")
     if v.dtype != q.dtype or v.device != q.device or v.size(0) != q.size(0) or v.size(2) != k.size(2):
         raise ValueError(f"ring_attention: v must have q's dtype {q.dtype} and device {q.device}, "
                          f"and k's batch size and kv heads (GQA), got v {v.dtype} {v.device} "
@@ -661,15 +665,15 @@ def ring_attention(
     from attn_ext.ops import _check_term_shapes, _score_term_args, _window_args
 
     squeeze = isinstance(q, torch.Tensor) and q.dim() == 3  # (B, S_local, D): one head
-    if squeeze:
-        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == 3
-                and v.dim() == 3):
-            raise ValueError("ring_attention: with 3-D q (B, S_local, D), k and v must be 3-D too")
-        q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
     # Every check runs before the first collective, on every rank alike: a rank failing alone
     # once the ring has started would leave its neighbours waiting on transfers that never come.
     # (The kernels check the terms too, but only inside the ring.)
     try:
+        if squeeze:
+            if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == 3
+                    and v.dim() == 3):
+                raise ValueError("ring_attention: with 3-D q (B, S_local, D), k and v must be 3-D too")
+            q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
         _check_layout(layout)
         _check_inputs(q, k, v, chunks_per_rank(layout), layout, scale)
         left, right = _window_args(window)

@@ -120,7 +120,8 @@ class TinyGPT(nn.Module):
             raise NotImplementedError("context-parallel TinyGPT does not decode with KV caches")
         if has_attention_mask:
             raise NotImplementedError("context-parallel TinyGPT does not take an attention_mask "
-                                      "(ring attention has no key padding yet)")
+                                      "(its left-padded per-row positions are not sharded; pass key_padding_mask shards "
+                                      "to MultiHeadAttention.set_context_parallel layers instead)")
         return shard_positions(idx.size(1), self.context_parallel_group,
                                self.context_parallel_layout, idx.device)
 

@@ -455,6 +455,9 @@ def _tables_grad_error(ctx):
 def _last_dim_contiguous(g):
     # Autograd may hand us an expanded gradient (e.g. of .sum(): all strides 0); the
     # kernels read rows with stride 1.
+    # An empty one may come with all strides 0 and count as contiguous: give it real strides.
+    if g.numel() == 0:
+        return torch.empty_like(g, memory_format=torch.contiguous_format)
     return g if g.size(-1) <= 1 or g.stride(-1) == 1 else g.contiguous()
 
 

@@ -254,3 +254,29 @@ def test_chunked_prefill_on_a_cache_without_a_mask_matches_eager(models):
             out.append(model(idx[:, -1:], cache=cache, use_cache=True).logits)
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+
+
+def test_mistral_static_cache_sliding_window_left_padding_generate():
+    """A sliding-window model (Mistral) with a static cache and a left-padded batch: once the
+    window's static layer is full its keys start past position 0 (kv_offset > 0), and
+    generate() feeds the precomputed mask back into the mask builder; greedy tokens equal
+    transformers' "sdpa" (they used to differ from the second new token on)."""
+    import transformers
+
+    def model(impl):
+        cfg = transformers.MistralConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=100, max_position_embeddings=128, sliding_window=4)
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(
+            cfg, attn_implementation=impl, dtype=torch.float64).eval()
+
+    ours, ref = model("attn_ext"), model("sdpa")
+    torch.manual_seed(0)
+    idx = torch.randint(0, 100, (3, 9))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    mask[2, :6] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    assert torch.equal(ours.generate(idx, **kw), ref.generate(idx, **kw))

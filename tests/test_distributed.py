@@ -224,6 +224,13 @@ def _case_errors(rank, world):
     _expect(ValueError, "q must have 4 dims", cp.ring_attention, q[0, 0], q, q)
     _expect(ValueError, "k and v must be 3-D too", cp.ring_attention, q[0], q, q)
     _expect(ValueError, "equal S_local", cp.ring_attention, q, q[:, :2], q[:, :2])
+    # refused before the ring on every rank (a 4-D k beside a 3-D q; a strided last dim used to
+    # fail mid-ring and break the group)
+    _expect(ValueError, "must be 3-D too" if rank == 0 else "failed their checks", cp.ring_attention,
+            q[:, :, 0], q if rank == 0 else q[:, :, 0], q if rank == 0 else q[:, :, 0])
+    wide = torch.randn(1, 4, 2, 16, dtype=torch.float64)
+    _expect(ValueError, "q must have a contiguous last dim", cp.ring_attention, wide[..., ::2], q, q)
+    cp.ring_attention(q, q, q, causal=True)  # the group still works
     _expect(ValueError, "multiple of 2", cp.ring_attention, q[:, :3], q[:, :3], q[:, :3])
     _expect(ValueError, "layout must be one of", cp.ring_attention, q, q, q, layout="striped")
     _expect(ValueError, f"multiple of {2 * world}", cp.shard_sequence, torch.randn(2, 2 * world + 1), 1)

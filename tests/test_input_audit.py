@@ -430,3 +430,16 @@ def test_3d_shape_errors_name_the_3d_shapes(k_shape, v_shape, match):
     for fn in (A.attention, A.causal_attention):
         with pytest.raises(ValueError, match=match):
             fn(q, torch.randn(*k_shape), torch.randn(*v_shape))
+
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 4, 8), (0, 3, 4, 8)])
+def test_rope_backward_of_empty_input(shape):
+    """An empty x (B = 0 or S = 0): rope's backward gets autograd's all-zero-stride empty
+    gradient and returns an empty x.grad (it used to refuse it as a non-contiguous last dim),
+    and opcheck passes."""
+    cos, sin = A.rope_cache(8, 8)
+    x = torch.randn(*shape, requires_grad=True)
+    A.rope(x, cos, sin).sum().backward()
+    assert x.grad.shape == x.shape
+    torch.library.opcheck(torch.ops.attn_ext.rope.default, (torch.randn(*shape, requires_grad=True), cos, sin))

@@ -148,10 +148,13 @@ def attention_forward(
 
     q_len, kv_len = query.shape[2], key.shape[2]
     key_padding_mask = None
-    if attention_mask is not None:  # (B, n) padding mask from attn_ext_mask, n <= kv_len
+    if attention_mask is not None:  # (B, n) padding mask from attn_ext_mask
         key_padding_mask = attention_mask.to(torch.bool)
         n = key_padding_mask.shape[1]
-        key, value = key[:, :, :n], value[:, :, :n]  # a static cache's unfilled slots
+        if n > kv_len:  # absolute positions [0, n) of a cache holding the last kv_len of them
+            key_padding_mask = key_padding_mask[:, n - kv_len:]
+        else:
+            key, value = key[:, :, :n], value[:, :, :n]  # a static cache's unfilled slots
     elif causal_default and q_len > 1 and kv_len > q_len:
         # transformers only omits the mask here for the prefill of an empty static cache,
         # whose keys past q_len are unfilled slots: its is_causal is top-left aligned, ours
@@ -237,6 +240,14 @@ def attn_ext_mask(
         band = band & (q_pos - k_pos < local_size)
     for pattern in (band, torch.ones_like(band)):  # causal (with window), bidirectional
         if torch.equal(full[..., :n], pattern[None, None] & pad[:, None, None, :]):
+            if kv_offset > 0:
+                # The cache holds positions kv_offset.. only (a sliding window's static layer
+                # once full): return the caller's mask over absolute positions [0, kv_offset +
+                # n), not its slice. generate() feeds a precomputed mask back into this builder
+                # as a 2-D padding mask, which is then read at absolute positions again (the
+                # slice would be read as positions 0..n-1: a wrong mask, and wrong tokens);
+                # the attention function takes its last kv_len columns.
+                return attention_mask[:, : kv_offset + n].to(torch.bool)
             # No mask only where no past keys precede several queries: the attention
             # function reads a missing mask with more keys than queries (q_len > 1) as an
             # empty static cache's prefill (transformers' own convention) and drops the keys
