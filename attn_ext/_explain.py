@@ -37,7 +37,8 @@ from typing import Optional
 
 import torch
 
-from .ops import _FLOAT_DTYPES, _check_key_padding_mask, _window_args
+from .ops import (_FLOAT_DTYPES, _check_key_padding_mask, _check_qkv, _check_term_shapes,
+                  _checked_score_terms, _heads_4d, _window_args)
 
 # csrc/cpu/attention_common.h
 CPU_BLOCK_Q = 96  # kBlockQ: score columns (head, query row) per query tile
@@ -443,7 +444,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
 
     The masks (``causal``, ``window``, ``key_padding_mask``) and ``return_lse`` do not change
     the choice (see the module docstring); they are checked as attention checks them and
-    listed in ``details["masks"]``.
+    listed in ``details["masks"]`` (the score terms given in ``details["score_terms"]``).
     The score terms (``alibi_slopes``, ``rel_bias``, ``softcap``, ``sinks``, ``dropout_p``)
     count only by being given (and rel_bias by its size, on CUDA): on CUDA any term rules
     out the fast forward at D = 256 and dropout the fast backward at D = 128 (sinks reach the
@@ -459,20 +460,28 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
         attn_ext on cuda:0:
           forward:  cuda.simple - simple kernel (one warp per query row) because dtype float32 ...
     """
-    if q.dim() == 3 and k.dim() == 3 and v.dim() == 3:
-        q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
-        if dout is not None and dout.dim() == 3:
-            dout = dout.unsqueeze(2)
+    # attention's own checks, in its order (explain refuses what attention refuses)
+    _check_qkv(q, k, v, "(B, Sq, H, D) or (B, Sq, D)", "(B, Sk, Hkv, D)", "(B, Sk, Hkv, Dv)")
+    q, k, v, squeeze = _heads_4d(q, k, v)
+    if squeeze and isinstance(dout, torch.Tensor) and dout.dim() == 3:
+        dout = dout.unsqueeze(2)
+    if dout is not None and not isinstance(dout, torch.Tensor):
+        raise TypeError(f"dout must be a torch.Tensor or None, got {type(dout).__name__}")
     s = _check(q, k, v)
-    if scale is not None and not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise ValueError(f"scale must be finite (a number or None), got {scale!r}")
     left, right = _window_args(window)
     _check_key_padding_mask(key_padding_mask, s.B, s.Sk)
+    alibi_slopes, rel_bias, softcap, sinks, dropout_p = _checked_score_terms(
+        q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
+    _check_term_shapes(q, alibi_slopes, rel_bias, sinks=sinks)
     masks = tuple(name for name, on in (("causal", bool(causal)),
                                         ("window", (left, right) != (-1, -1)),
                                         ("key_padding_mask", key_padding_mask is not None)) if on)
     choice = _explain(s, q, k, v, dout, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
     choice.details["masks"] = masks
+    choice.details["score_terms"] = score_terms_of(alibi_slopes, rel_bias, softcap, sinks, dropout_p)
     choice.details["return_lse"] = bool(return_lse)
     return choice
 

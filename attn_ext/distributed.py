@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import struct
 import time
+import zlib
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -104,9 +105,19 @@ def chunks_per_rank(layout: str) -> int:
     return 2 if layout == "zigzag" else 1
 
 
+def _check_int(x, name: str, fn: str, low: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < low:
+        raise ValueError(f"{fn}: {name} must be an int >= {low}, got {x!r}")
+    return x
+
+
 def chunk_ids(rank: int, world: int, layout: str) -> List[int]:
     """Global chunk indices held by ``rank`` of ``world``, in their local order."""
     _check_layout(layout)
+    _check_int(world, "world", "chunk_ids", 1)
+    _check_int(rank, "rank", "chunk_ids", 0)
+    if rank >= world:
+        raise ValueError(f"chunk_ids: rank must be in [0, world) = [0, {world}), got {rank}")
     if layout == "zigzag":
         return [rank, 2 * world - 1 - rank]
     return [rank]
@@ -176,17 +187,63 @@ def unshard_sequence(x: torch.Tensor, dim: int = 1, group=None, layout: str = "z
     """The full sequence from every rank's shard (an all_gather, then the chunks in global
     order): the inverse of :func:`shard_sequence`. Every rank gets the full tensor.
     Differentiable (the gradient of the full tensor is summed over ranks)."""
-    _check_layout(layout)
-    dim = _seq_dim(x, dim, "unshard_sequence")
     _, world = _rank_world(group)
-    if x.size(dim) % chunks_per_rank(layout):
-        raise ValueError(
-            f"unshard_sequence: a zigzag shard has two equal chunks, so x.size({dim}) must be "
-            f"even, got {x.size(dim)}"
-        )
+    # Checked on every rank, then agreed on (one small all_gather) before the data moves: a
+    # rank failing alone, or shards whose shapes differ, would abort one rank inside the
+    # all_gather and leave the others waiting.
+    try:
+        _check_layout(layout)
+        dim = _seq_dim(x, dim, "unshard_sequence")
+        if x.size(dim) % chunks_per_rank(layout):
+            raise ValueError(
+                f"unshard_sequence: a zigzag shard has two equal chunks, so x.size({dim}) must "
+                f"be even, got {x.size(dim)}"
+            )
+        if x.dim() > _MAX_AGREED_DIMS:
+            raise ValueError(f"unshard_sequence: x may have at most {_MAX_AGREED_DIMS} dims, "
+                             f"got shape {list(x.shape)}")
+        error = None
+    except (TypeError, ValueError) as e:
+        error = e
     if world == 1:
+        if error is not None:
+            raise error
         return x
+    _agree_on_shard(x, dim, layout, group, error)
     return _Unshard.apply(x, dim, group, layout)
+
+
+_MAX_AGREED_DIMS = 16
+
+
+def _agree_on_shard(x, dim, layout, group, error) -> None:
+    """unshard_sequence's agreement: every rank learns whether every other rank's x passed its
+    checks and has the same shape, dtype, dim and layout; all raise together otherwise."""
+    _, world = _rank_world(group)
+    ok = error is None
+    sig = [int(ok)] + [0] * (4 + _MAX_AGREED_DIMS)
+    if ok:
+        sig[1:5] = [x.dim(), dim, zlib.crc32(str(x.dtype).encode()),
+                    LAYOUTS.index(layout)]
+        sig[5:5 + x.dim()] = list(x.shape)
+    dev = torch.device("cpu")
+    if isinstance(x, torch.Tensor) and dist.get_backend(group) == "nccl":
+        dev = x.device
+    mine = torch.tensor(sig, dtype=torch.int64, device=dev)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    rows = [t.tolist() for t in every]
+    if error is not None:
+        raise error
+    bad = [r for r, row in enumerate(rows) if not row[0]]
+    if bad:
+        raise ValueError(f"unshard_sequence: the shards of rank(s) {bad} of the group failed "
+                         "their checks (see the error raised there); no data was gathered")
+    if any(row != rows[0] for row in rows):
+        desc = "; ".join(f"rank {r}: shape {row[5:5 + row[1]]}, dim {row[2]}, "
+                         f"layout {LAYOUTS[row[4]]!r}" for r, row in enumerate(rows))
+        raise ValueError("unshard_sequence: every rank's shard must have the same shape and "
+                         f"dtype, with the same dim and layout, got {desc}")
 
 
 def shard_positions(
@@ -195,6 +252,7 @@ def shard_positions(
     """Global position (int64 ``(local_len,)``) of each token of this rank's shard: the
     ``positions`` argument of ``rope`` / ``sinusoidal_pe`` / learned embeddings, so that every
     token is encoded exactly as in the unsharded sequence of length ``local_len * W``."""
+    _check_int(local_len, "local_len", "shard_positions", 0)
     rank, world = _rank_world(group)
     n = chunks_per_rank(layout)
     if local_len % n:
@@ -549,6 +607,22 @@ def _sinks_grad(dout, dlse, out, lse, sinks) -> torch.Tensor:
     return (p_sink * term).sum(dim=(0, 2)).to(sinks.dtype)
 
 
+class _NoDoubleBackward(torch.autograd.Function):
+    """Marks a gradient of ring_attention's backward taken under create_graph=True: the value
+    passes through, and a backward through it (a gradient of the gradients) is refused."""
+
+    @staticmethod
+    def forward(ctx, g, anchor):  # anchor: a tensor the gradient depends on (requires grad)
+        return g.view_as(g)
+
+    @staticmethod
+    def backward(ctx, gg):
+        raise RuntimeError(
+            "attn_ext: double backward through ring_attention is not supported (its backward "
+            "has no derivative); a gradient of the gradients (create_graph=True, then backward "
+            "again) needs attn_ext.reference.attention")
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rel_bias, sinks, kpm, group, causal, scale, layout, window, terms):
@@ -564,6 +638,22 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        # First-order only, as the single-process ops: under create_graph=True the ring's
+        # backward runs without building a graph (its in-place accumulators would fail mid-ring
+        # and leave the group unusable), and its gradients refuse a second backward.
+        anchor = None
+        if torch.is_grad_enabled():
+            anchor = next((t for t in (dout, dlse, *ctx.saved_tensors)
+                           if t is not None and t.requires_grad), None)
+        with torch.no_grad():
+            grads = _RingAttention._backward(ctx, dout, dlse)
+        if anchor is not None:
+            grads = tuple(_NoDoubleBackward.apply(g, anchor) if isinstance(g, torch.Tensor) else g
+                          for g in grads)
+        return grads
+
+    @staticmethod
+    def _backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks, kpm = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)

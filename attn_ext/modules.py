@@ -186,7 +186,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def _build(self, n: int, device: torch.device, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
-        inv = torch.tensor(self.inv_freq, dtype=torch.float64, device=device)
+        # torch.full per frequency, not torch.tensor(self.inv_freq, dtype=torch.float64):
+        # TorchScript's torch.tensor(List[float]) rounds the values through float32 (torch
+        # 2.13), which made a scripted model's tables differ from eager by 1e-4 at position
+        # 10000 (test_deploy_torchscript checks they are bitwise equal)
+        inv = torch.zeros(0, dtype=torch.float64, device=device)
+        if len(self.inv_freq) > 0:
+            inv = torch.cat([torch.full([1], f, dtype=torch.float64, device=device)
+                             for f in self.inv_freq])
         angle = torch.arange(n, dtype=torch.float64, device=device)[:, None] * inv[None, :]
         cos = (torch.cos(angle) * self.attention_factor).to(dtype)
         sin = (torch.sin(angle) * self.attention_factor).to(dtype)
@@ -701,6 +708,24 @@ class LearnedPositionalEmbedding(nn.Module):
         nn.init.normal_(self.embedding.weight, std=0.02)
 
     def forward(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
+        d_model = self.embedding.weight.size(1)
+        if x.dim() != 3 or x.size(-1) != d_model:
+            raise ValueError(f"LearnedPositionalEmbedding: x must have shape (B, S, d_model) with "
+                             f"d_model = {d_model}, got shape {list(x.shape)}")
+        if positions is not None:
+            if positions.dtype != torch.int64 and positions.dtype != torch.int32:
+                raise ValueError(f"LearnedPositionalEmbedding: positions must be int64 (or int32), "
+                                 f"got {positions.dtype}")
+            if positions.device != x.device:
+                raise ValueError(f"LearnedPositionalEmbedding: positions must be on x's device "
+                                 f"{x.device}, got {positions.device}")
+            B, S = x.size(0), x.size(1)
+            ok = ((positions.dim() == 1 and positions.size(0) == S) or
+                  (positions.dim() == 2 and positions.size(0) == B and positions.size(1) == S))
+            if not ok:
+                raise ValueError(f"LearnedPositionalEmbedding: positions must have shape (S,) = "
+                                 f"({S},) or (B, S) = ({B}, {S}) for x of shape {list(x.shape)}, "
+                                 f"got shape {list(positions.shape)}")
         if positions is None:
             end = offset + x.size(1)
             if offset < 0 or end > self.max_len:

@@ -613,6 +613,15 @@ def _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
     ``(alibi_slopes, rel_bias, softcap, sinks, dropout_p, seed, offset)``: tables cast to the
     accumulation type (float32; float64 for float64 inputs; differentiable casts) and made
     contiguous, dropout seed/offset drawn when ``dropout_p > 0``."""
+    terms = _checked_score_terms(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
+    seed, offset = _dropout_seed_offset(q.device) if terms[4] > 0 else (0, 0)
+    return (*terms, seed, offset)
+
+
+def _checked_score_terms(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
+    """The Python side of the score-term checks (types, softcap, dropout_p, ALiBi without
+    gradient): ``(alibi_slopes, rel_bias, softcap, sinks, dropout_p)`` with the tables in the
+    accumulation type. The kernels check the tables' shapes (csrc/common/score_checks.h)."""
     acc = _lse_dtype(q.dtype)
 
     def table(t, name, shape):
@@ -643,8 +652,7 @@ def _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
     ):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     dropout_p = float(dropout_p)
-    seed, offset = _dropout_seed_offset(q.device) if dropout_p > 0 else (0, 0)
-    return alibi_slopes, rel_bias, softcap, sinks, dropout_p, seed, offset
+    return alibi_slopes, rel_bias, softcap, sinks, dropout_p
 
 
 def attention(
@@ -1067,12 +1075,15 @@ def _check_qk_inputs(q: torch.Tensor, k: torch.Tensor, scale: Optional[float]) -
         raise ValueError(f"scale must be finite, got {scale}")
 
 
-def _check_term_shapes(q, alibi_slopes, rel_bias, who: str = "") -> None:
-    """The shape and device rules of csrc/common/score_checks.h for the ALiBi / rel_bias
-    tables, in Python: for the callers that must refuse them before any kernel runs
-    (attention_weights, which has no kernel; ring_attention, whose kernels run mid-ring)."""
+def _check_term_shapes(q, alibi_slopes, rel_bias, who: str = "", sinks=None) -> None:
+    """The shape and device rules of csrc/common/score_checks.h for the ALiBi / rel_bias /
+    sinks tables, in Python: for the callers that must refuse them before any kernel runs
+    (attention_weights and explain, which run no kernel; ring_attention, whose kernels run
+    mid-ring)."""
     B, H = q.size(0), q.size(2)
-    for name, t in (("alibi_slopes", alibi_slopes), ("rel_bias", rel_bias)):
+    if sinks is not None and tuple(sinks.shape) != (H,):
+        raise ValueError(f"{who}sinks must have shape (H,) = ({H},), got shape {list(sinks.shape)}")
+    for name, t in (("alibi_slopes", alibi_slopes), ("rel_bias", rel_bias), ("sinks", sinks)):
         if t is not None and t.device != q.device:
             raise ValueError(f"{who}{name} must be on the same device as q ({q.device}), got {t.device}")
     if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((H,), (B, H)):
@@ -1087,8 +1098,8 @@ def _check_term_shapes(q, alibi_slopes, rel_bias, who: str = "") -> None:
 def _weights_terms(q, alibi_slopes, rel_bias, softcap):
     """attention_weights' score terms under attention's rules, so that the two accept the same
     arguments."""
-    alibi_slopes, rel_bias, softcap = _score_term_args(q, alibi_slopes, rel_bias, softcap, None,
-                                                       0.0)[:3]
+    alibi_slopes, rel_bias, softcap = _checked_score_terms(q, alibi_slopes, rel_bias, softcap,
+                                                           None, 0.0)[:3]
     _check_term_shapes(q, alibi_slopes, rel_bias)
     return alibi_slopes, rel_bias, softcap
 

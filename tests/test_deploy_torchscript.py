@@ -105,3 +105,20 @@ def test_trace_with_grad_enabled_records_one_graph():
     torch.testing.assert_close(traced(idx), gpt(idx), rtol=1e-5, atol=1e-6)
     traced(idx).square().mean().backward()
     assert all(p.grad is not None for p in gpt.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scripted_rope_tables_equal_eager(dtype):
+    """A scripted RotaryEmbedding builds the same bits as eager, far out (TorchScript's
+    torch.tensor(List[float]) rounds through float32: the tables used to differ by 1e-4 at
+    position 10000), and a scripted float64 layer with RoPE gives eager's output exactly."""
+    for scaling in (None, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}):
+        eager = attn_ext.RotaryEmbedding(64, max_seq_len=16, scaling=scaling)
+        scripted = torch.jit.script(attn_ext.RotaryEmbedding(64, max_seq_len=16, scaling=scaling))
+        for (a, b) in zip(eager.tables(10000, dtype), scripted.tables(10000, dtype)):
+            assert torch.equal(a, b), (scaling, (a - b).abs().max().item())
+    torch.manual_seed(0)
+    mha = attn_ext.MultiHeadAttention(32, 4, rotary=8).to(dtype).eval()
+    x = torch.randn(2, 20, 32, dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(mha(x)[0], torch.jit.script(mha)(x)[0])

@@ -288,6 +288,44 @@ def _case_input_agreement(rank, world):
         _expect(ValueError, "dim must be an int in", cp.unshard_sequence, full, dim, None, "contiguous")
     assert torch.equal(cp.shard_sequence(full, -1, None, "contiguous"),
                        cp.shard_sequence(full, 1, None, "contiguous"))
+    # unshard_sequence agrees on the shards before it gathers: shapes that differ between
+    # ranks, or a shard that only one rank gets wrong, raise on every rank (they used to abort
+    # one rank inside the all_gather), and the group still works afterwards
+    x = torch.randn(2, 4 if rank == 0 else 6, 3)
+    _expect(ValueError, "same shape", cp.unshard_sequence, x, 1)
+    x = torch.randn(2, 3 if rank == 0 else 4, 3)
+    _expect(ValueError, "must be even" if rank == 0 else "failed their checks", cp.unshard_sequence, x, 1)
+    _expect(ValueError, "same shape", cp.unshard_sequence, torch.randn(2, 4, 3), 1 if rank == 0 else 2,
+            None, "contiguous")
+    _expect(ValueError, "same shape", cp.unshard_sequence,
+            torch.randn(2, 4, 3, dtype=torch.float64 if rank == 0 else torch.float32), 1)
+    x = torch.randn(2, 4, 3)
+    assert cp.unshard_sequence(x, 1).shape == (2, 4 * world, 3)
+    for bad in (-2, 3.0, True):
+        _expect(ValueError, "local_len must be an int >= 0", cp.shard_positions, bad)
+    _expect(ValueError, "rank must be in [0, world)", cp.chunk_ids, world, world, "zigzag")
+    _expect(ValueError, "world must be an int >= 1", cp.chunk_ids, 0, 0, "zigzag")
+
+
+def _case_create_graph(rank, world):
+    """create_graph=True through the ring: the first-order gradients are those of a plain
+    backward (the ring's backward used to fail mid-ring on an in-place accumulator and break the
+    group); a second backward is refused, as in the single-process ops; the group still works."""
+    q, k, v = (t.requires_grad_() for t in _make_qkv(1, 8, 2, 1, 8, 8, torch.float64))
+    ql, kl, vl = (cp.shard_sequence(t, 1, None, "zigzag") for t in (q, k, v))
+    out = cp.ring_attention(ql, kl, vl, causal=True)
+    g = torch.randn_like(out)
+    plain = torch.autograd.grad(out, (ql, kl, vl), g, retain_graph=True)
+    graphed = torch.autograd.grad(out, (ql, kl, vl), g, create_graph=True)
+    for a, b in zip(plain, graphed):
+        assert torch.equal(a, b)
+    assert graphed[0].requires_grad
+    _expect(RuntimeError, "double backward through ring_attention",
+            lambda: graphed[0].sum().backward())
+    ref = torch.autograd.grad(attn_ext.attention(q, k, v, causal=True), (q,),
+                              torch.randn(q.shape, dtype=q.dtype), create_graph=True)[0]
+    _expect(RuntimeError, "double backward", lambda: ref.sum().backward())
+    cp.ring_attention(ql.detach(), kl.detach(), vl.detach(), causal=True)  # the group still works
 
 
 def _case_subgroups(rank, world):
@@ -479,6 +517,7 @@ CASES = {
     "subgroups": _case_subgroups,
     "errors": _case_errors,
     "input_agreement": _case_input_agreement,
+    "create_graph": _case_create_graph,
     "tinygpt_cp_rope_zigzag": _case_tinygpt_cp,
     "tinygpt_cp_learned_contiguous": lambda r, w: _case_tinygpt_cp(r, w, layout="contiguous", pos="learned", steps=2),
     "tinygpt_cp_relative_zigzag": lambda r, w: _case_tinygpt_cp(r, w, pos="relative", steps=2),

@@ -333,6 +333,18 @@ def test_module_input_errors():
     pe = attn_ext.LearnedPositionalEmbedding(8, 16)
     with pytest.raises(ValueError, match=r"positions must be in \[0, 8\)"):
         pe(randn(1, 2, 16), positions=torch.tensor([3, -1]))
+    # the wrong shape, dtype or width names the argument (it used to be a broadcasting error
+    # from deep inside torch that named no argument)
+    x = randn(2, 5, 16)
+    for bad in (torch.arange(4), torch.zeros(3, 5, dtype=torch.long), torch.zeros(2, 5, 1, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"positions must have shape \(S,\) = \(5,\) or \(B, S\) = \(2, 5\)"):
+            pe(x, positions=bad)
+    with pytest.raises(ValueError, match="positions must be int64"):
+        pe(x, positions=torch.arange(5.0))
+    with pytest.raises(ValueError, match="x must have shape .B, S, d_model. with d_model = 16"):
+        pe(randn(2, 5, 8))
+    for good in (torch.arange(5), torch.arange(5, dtype=torch.int32), torch.arange(5).expand(2, 5)):
+        torch.testing.assert_close(pe(x, positions=good), x + pe.embedding.weight[:5])
 
 
 # ---------------------------------------------------------------------------------------

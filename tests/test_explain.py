@@ -341,3 +341,46 @@ def test_explain_takes_every_keyword_of_attention():
         attn_ext.explain(q, q, q, key_padding_mask=kpm.float())
     with pytest.raises(ValueError, match="key_padding_mask must be bool"):
         attn_ext.explain(q, q, q, key_padding_mask=torch.ones(2, 64, dtype=torch.bool))
+
+
+_BAD_CALLS = {
+    "softcap": dict(softcap=-1.0),
+    "softcap_zero": dict(softcap=0.0),
+    "softcap_nan": dict(softcap=float("nan")),
+    "dropout_p": dict(dropout_p=1.0),
+    "dropout_p_negative": dict(dropout_p=-0.1),
+    "alibi_slopes": dict(alibi_slopes=torch.ones(3)),
+    "alibi_slopes_grad": dict(alibi_slopes=torch.ones(4, requires_grad=True)),
+    "rel_bias": dict(rel_bias=torch.zeros(4, 6)),
+    "sinks": dict(sinks=torch.zeros(3)),
+    "window": dict(window=(2,)),
+    "scale": dict(scale=float("nan")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_BAD_CALLS))
+def test_explain_refuses_what_attention_refuses(name):
+    """explain runs no kernel, but it refuses each call attention refuses, naming the same
+    argument (it used to describe a kernel for softcap <= 0, dropout_p = 1, tables of the
+    wrong shape and ALiBi slopes that require grad)."""
+    kw = _BAD_CALLS[name]
+    arg = next(iter(kw))
+    q = randn(2, 6, 4, 16)
+    k = randn(2, 6, 2, 16)
+    for fn in (attn_ext.attention, attn_ext.explain):
+        with pytest.raises((ValueError, RuntimeError), match=arg):
+            fn(q, k, k, **kw)
+
+
+def test_explain_refuses_non_tensors_like_attention():
+    q = randn(1, 4, 2, 8)
+    for fn in (attn_ext.attention, attn_ext.explain):
+        with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+            fn([1.0], q, q)  # explain used to raise AttributeError
+        with pytest.raises(TypeError, match="v must be a torch.Tensor"):
+            fn(q, q, None)
+    with pytest.raises(TypeError, match="dout must be a torch.Tensor"):
+        attn_ext.explain(q, q, q, dout=[1.0])
+    good = dict(softcap=30.0, dropout_p=0.1, alibi_slopes=torch.ones(1, 2),
+                rel_bias=torch.zeros(2, 5, dtype=torch.float64), sinks=torch.zeros(2))
+    assert set(attn_ext.explain(q, q, q, **good).details["score_terms"]) >= set(good)

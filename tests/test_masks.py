@@ -393,6 +393,33 @@ def test_bad_cu_seqlens():
             call(**kw)
 
 
+def test_varlen_errors_show_the_packed_shapes():
+    """Shape and stride errors of the packed ops show the (T, H, D) tensors the caller passed,
+    not the (1, T, H, D) views the kernels read them through."""
+    T, H, D = 10, 2, 8
+    q, k = randn(T, H, D), randn(T, H, D)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cases = [
+        ((q, k[..., :4], k), r"k must have head dim D = 8 \(from q\), got shape \[10, 2, 4\]"),
+        ((randn(T, 3, D), k, k), r"got k shape \[10, 2, 8\] and q shape \[10, 3, 8\]"),
+        ((q, k, randn(T, 1, D)), r"v must have Hkv = 2 heads \(from k\), got shape \[10, 1, 8\]"),
+        ((randn(T, H, 2 * D)[..., ::2], k, k), r"q must have a contiguous last dim \(stride 1\), got strides \[32, 16, 2\]"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(RuntimeError, match=msg):
+            attn_ext.attention_varlen(*args, cu, cu, 6, 6)
+    out, lse = torch.ops.attn_ext.attention_varlen_forward(q, k, k, cu, cu, 6, 6, False)
+    bwd = torch.ops.attn_ext.attention_varlen_backward
+    for (dout, o, l), msg in [
+        ((out[:5], out, lse), r"dout must have shape \[10, 2, 8\] \(Tq, H, Dv\), got \[5, 2, 8\]"),
+        ((out, out[:, :1], lse), r"out must have shape \[10, 2, 8\] \(Tq, H, Dv\)"),
+        ((out, out, lse[:1]), r"lse must have shape \[2, 10\] \(H, Tq\), got \[1, 10\]"),
+        ((randn(T, H, 2 * D)[..., ::2], out, lse), r"dout must have a contiguous last dim \(stride 1\), got strides \[32, 16, 2\]"),
+    ]:
+        with pytest.raises(RuntimeError, match=msg):
+            bwd(dout, q, k, k, o, l, cu, cu, 6, 6, False)
+
+
 def test_bad_dlse():
     q = randn(1, 4, 2, 8)
     out, lse = torch.ops.attn_ext.attention_forward(q, q, q, True)

@@ -129,7 +129,19 @@ inline AttentionShape check_varlen_inputs(const Tensor& q, const Tensor& k,
   check_dim(v, "v", 3, "(Tk, Hkv, Dv)");
   STD_TORCH_CHECK(v.size(0) == k.size(0), "v must have Tk = ", k.size(0),
               " packed rows (from k), got shape ", shape_of(v));
-  // dtypes, devices, heads, head dims, strides: the batched checks on (1, T, H, D) views
+  // The shape and stride rules first on the packed (T, H, D) tensors the caller passed, so
+  // that a failure shows them, not the (1, T, H, D) views below.
+  STD_TORCH_CHECK(k.size(2) == q.size(2), "k must have head dim D = ", q.size(2),
+              " (from q), got shape ", shape_of(k));
+  STD_TORCH_CHECK(v.size(1) == k.size(1), "v must have Hkv = ", k.size(1),
+              " heads (from k), got shape ", shape_of(v));
+  STD_TORCH_CHECK((k.size(1) > 0 && q.size(1) % k.size(1) == 0) || (k.size(1) == 0 && q.size(1) == 0),
+              "k's number of heads Hkv = ", k.size(1), " must divide q's number of heads H = ",
+              q.size(1), " (GQA/MQA), got k shape ", shape_of(k), " and q shape ", shape_of(q));
+  check_row_contiguous(q, "q");
+  check_row_contiguous(k, "k");
+  check_row_contiguous(v, "v");
+  // dtypes, devices: the batched checks on (1, T, H, D) views
   AttentionShape s = check_attention_inputs(torch::stable::unsqueeze(q, 0), torch::stable::unsqueeze(k, 0),
                                                 torch::stable::unsqueeze(v, 0), scale);
   check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q, q.size(0), max_seqlen_q, "max_seqlen_q");
@@ -179,6 +191,17 @@ inline AttentionShape check_varlen_bwd_inputs(const Tensor& dout, const Tensor& 
   check_dim(dout, "dout", 3, "(Tq, H, Dv)");
   check_dim(out, "out", 3, "(Tq, H, Dv)");
   check_dim(lse, "lse", 2, "(H, Tq)");
+  // shapes and strides on the packed tensors first (a failure shows them, not the views)
+  const std::vector<int64_t> o_shape{q.size(0), s.H, s.Dv};
+  STD_TORCH_CHECK(same_sizes(dout, o_shape), "dout must have shape ", IntList{o_shape},
+              " (Tq, H, Dv), got ", shape_of(dout));
+  STD_TORCH_CHECK(same_sizes(out, o_shape), "out must have shape ", IntList{o_shape},
+              " (Tq, H, Dv), got ", shape_of(out));
+  const std::vector<int64_t> l_shape{s.H, q.size(0)};
+  STD_TORCH_CHECK(same_sizes(lse, l_shape), "lse must have shape ", IntList{l_shape},
+              " (H, Tq), got ", shape_of(lse));
+  check_row_contiguous(dout, "dout");
+  check_row_contiguous(out, "out");
   const AttentionShape s1{1, q.size(0), k.size(0), s.H, s.Hkv, s.D, s.Dv};
   check_attention_bwd_inputs(unsqueeze(dout, 0), unsqueeze(out, 0), unsqueeze(lse, 0), q, s1);
   if (dlse.has_value()) check_dlse(*dlse, lse);
