@@ -1,5 +1,5 @@
-"""Score terms on CPU (issue 15): ALiBi, the learnable relative position bias and dropout
-inside attn_ext's kernels against our plain causal kernel, flex_attention compiled on CPU
+"""Score terms on CPU (issue 15): ALiBi, the learnable relative position bias, softcap and
+dropout inside attn_ext's kernels against our plain causal kernel, flex_attention compiled on CPU
 with the same score_mod (forward only: no CPU backward in torch 2.13) and SDPA with a dense
 float bias (forward, and forward+backward with the bias learnable), in one process,
 validated before timing.
@@ -7,16 +7,19 @@ validated before timing.
     python benchmarks/bench_score_terms.py [--quick] [--repeats N] [--threads 2] [--S 1024,2048]
 
 Cases (float32, causal, (1, 16, S, 64)):
-  fwd       ours plain | ours ALiBi | ours rel_bias (M = 128) | flex (same score_mod + causal
-            BlockMask) | SDPA with the dense (1, H, S, S) float bias (causal -inf folded in)
+  fwd       ours plain | ours ALiBi | ours rel_bias (M = 128) | ours softcap 30 | flex (same
+            score_mod + causal BlockMask) | SDPA with the dense (1, H, S, S) float bias
+            (causal -inf folded in) | softcap in eager PyTorch (scores materialised: SDPA has
+            no score_mod)
   fwd+bwd   ours plain | ours ALiBi | ours rel_bias (gradient to the (H, 2M+1) table) |
-            ours dropout 0.1 | SDPA with the dense bias gathered from the learnable table
-            (its gradient reaches the table through the gather)
+            ours softcap 30 | ours dropout 0.1 | SDPA with the dense bias gathered from the
+            learnable table (its gradient reaches the table through the gather) | softcap in
+            eager PyTorch
 
 Every method is validated against the float32 SDPA result (max abs error of out, and of
 the q/k/v and table gradients) before it is timed; timing is interleaved (one call of each
 per round), medians of --repeats rounds. The ratios are what issue 15 asks for:
-terms / plain (goal <= 1.15), dropout / plain (goal <= 1.3), baseline / ours (goal >= 2 fwd,
+terms / plain (goal <= 1.15; softcap is held to the same), dropout / plain (goal <= 1.3), baseline / ours (goal >= 2 fwd,
 >= 3 fwd+bwd vs the learnable dense bias).
 """
 
@@ -56,11 +59,28 @@ def sdpa_bias(q, k, v, bias):
     return out.transpose(1, 2)
 
 
+SOFTCAP = 30.0
+
+
+def eager_softcap(q, k, v, cap=SOFTCAP):
+    """Causal attention with s = cap * tanh(s / cap), the (S, S) scores materialised."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    s = (qt @ kt.transpose(-1, -2)) * qt.shape[-1] ** -0.5
+    s = cap * torch.tanh(s / cap)
+    S = s.shape[-1]
+    hidden = torch.ones(S, S, dtype=torch.bool).triu(1)
+    out = torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1) @ vt
+    return out.transpose(1, 2)
+
+
 def flex_fn(kind, table, slopes, H, S):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     M = (table.shape[1] - 1) // 2
-    if kind == "alibi":
+    if kind == "softcap":
+        def score_mod(score, b, h, qi, ki):
+            return SOFTCAP * torch.tanh(score / SOFTCAP)
+    elif kind == "alibi":
         def score_mod(score, b, h, qi, ki):
             return score - slopes[h] * (qi - ki).abs()
     else:
@@ -106,25 +126,34 @@ def main():
             "ours plain": lambda q, k, v: attn_ext.attention(q, k, v, causal=True),
             "ours alibi": lambda q, k, v: attn_ext.attention(q, k, v, causal=True, alibi_slopes=slopes),
             "ours rel_bias": lambda q, k, v: attn_ext.attention(q, k, v, causal=True, rel_bias=table),
+            "ours softcap": lambda q, k, v: attn_ext.attention(q, k, v, causal=True, softcap=SOFTCAP),
         }
         dense = {kind: dense_bias(kind, table, slopes, S) for kind in ("alibi", "rel")}
         fns["sdpa dense alibi"] = lambda q, k, v: sdpa_bias(q, k, v, dense["alibi"])
         fns["sdpa dense rel"] = lambda q, k, v: sdpa_bias(q, k, v, dense["rel"])
+        fns["eager softcap"] = eager_softcap
         if not args.no_flex:
             fns["flex alibi"] = flex_fn("alibi", table, slopes, H, S)
             fns["flex rel"] = flex_fn("rel", table, slopes, H, S)
-        want = {"alibi": fns["sdpa dense alibi"](q, k, v), "rel": fns["sdpa dense rel"](q, k, v)}
+            fns["flex softcap"] = flex_fn("softcap", table, slopes, H, S)
+
+        def kind_of(name):
+            return "alibi" if "alibi" in name else "softcap" if "softcap" in name else "rel"
+        # softcap's reference: the textbook in float64 (eager_softcap is also timed)
+        want = {"alibi": fns["sdpa dense alibi"](q, k, v), "rel": fns["sdpa dense rel"](q, k, v),
+                "softcap": eager_softcap(q.double(), k.double(), v.double()).float()}
+        ours_of = {"alibi": "ours alibi", "rel": "ours rel_bias", "softcap": "ours softcap"}
         for name, fn in fns.items():
             if name == "ours plain":
                 continue
-            check(f"S={S} {name}", fn(q, k, v), want["alibi" if "alibi" in name else "rel"], 1e-4)
+            check(f"S={S} {name}", fn(q, k, v), want[kind_of(name)], 1e-4)
         ms = timed({n: (lambda fn=fn: fn(q, k, v)) for n, fn in fns.items()}, args.repeats)
         plain = ms["ours plain"]
         for name, t in ms.items():
             if name.startswith("ours"):
                 ratio = f"{t / plain:.2f}x of plain" if name != "ours plain" else ""
             else:
-                ours = ms["ours alibi" if "alibi" in name else "ours rel_bias"]
+                ours = ms[ours_of[kind_of(name)]]
                 ratio = f"{t / ours:.2f}x slower than ours"
             print(f"| {S} | fwd | {name} | {t:.1f} | {ratio} |", flush=True)
 
@@ -144,8 +173,11 @@ def main():
             "ours alibi": fwd_bwd(lambda q, k, v: attn_ext.attention(q, k, v, causal=True,
                                                                      alibi_slopes=slopes), (q, k, v)),
             "ours rel_bias": fwd_bwd(ours_rel, (q, k, v, table)),
+            "ours softcap": fwd_bwd(lambda q, k, v: attn_ext.attention(q, k, v, causal=True,
+                                                                       softcap=SOFTCAP), (q, k, v)),
             "ours dropout 0.1": fwd_bwd(seeded_dropout, (q, k, v)),
             "sdpa dense learnable rel": fwd_bwd(sdpa_rel, (q, k, v, table)),
+            "eager softcap": fwd_bwd(eager_softcap, (q, k, v)),
         }
         (o1, g1), (o2, g2) = bw["ours rel_bias"](), bw["sdpa dense learnable rel"]()
         check(f"S={S} fwd+bwd out", o1, o2, 1e-4)
@@ -155,11 +187,18 @@ def main():
             lambda q, k, v: sdpa_bias(q, k, v, dense["alibi"]), (q, k, v))()
         for name, a, b in zip(("alibi dq", "alibi dk", "alibi dv"), g3, g4):
             check(f"S={S} {name}", a, b, 1e-3)
+        (o5, g5), (o6, g6) = bw["ours softcap"](), fwd_bwd(
+            eager_softcap, tuple(t.double() for t in (q, k, v)))()
+        check(f"S={S} softcap fwd+bwd out", o5, o6.float(), 1e-4)
+        for name, a, b in zip(("softcap dq", "softcap dk", "softcap dv"), g5, g6):
+            check(f"S={S} {name}", a, b, 1e-3 * max(1.0, b.abs().max().item()))
         ms = timed(bw, max(2, args.repeats // 2))
         plain = ms["ours plain"]
         for name, t in ms.items():
             if name.startswith("ours"):
                 ratio = f"{t / plain:.2f}x of plain" if name != "ours plain" else ""
+            elif name == "eager softcap":
+                ratio = f"{t / ms['ours softcap']:.2f}x slower than ours softcap"
             else:
                 ratio = f"{t / ms['ours rel_bias']:.2f}x slower than ours rel_bias"
             print(f"| {S} | fwd+bwd | {name} | {t:.1f} | {ratio} |", flush=True)

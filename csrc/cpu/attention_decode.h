@@ -41,6 +41,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common/attention_params.h"
@@ -144,6 +145,16 @@ ATTN_EXT_AVX2 inline void with_fixed_length(int64_t n, F&& f) {
   if (n == 128) return f(std::integral_constant<int, 128>{});
   if (n == 64) return f(std::integral_constant<int, 64>{});
   f(std::integral_constant<int, 0>{});
+}
+
+// f(std::integral_constant<int, min(n, Max)>{}) for n in [1, Max]: the column count of a
+// register tile as a compile-time constant (pv's 8-column passes, pv512's 4-column ones).
+template <int Max, typename F>
+ATTN_EXT_AVX2 inline void with_col_count(int64_t n, F&& f) {
+  if constexpr (Max > 1) {
+    if (n < Max) return with_col_count<Max - 1>(n, std::forward<F>(f));
+  }
+  f(std::integral_constant<int, Max>{});
 }
 
 // Sum of each of 8 vectors -> one vector [sum(a0), ..., sum(a7)].
@@ -358,18 +369,9 @@ ATTN_EXT_AVX2 inline void pv_dc(const float* p, int64_t ld, int64_t C, const vT*
                                 int64_t Dvp, const uint8_t* use, int64_t nk, float* o,
                                 int64_t ldv) {
   for (int64_t c0 = 0; c0 < C; c0 += 8) {
-    const float* pc = p + c0 * ld;
-    float* oc = o + c0 * Dvp;
-    switch (std::min<int64_t>(8, C - c0)) {
-      case 1: pv_cols<1, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      case 2: pv_cols<2, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      case 3: pv_cols<3, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      case 4: pv_cols<4, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      case 5: pv_cols<5, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      case 6: pv_cols<6, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      case 7: pv_cols<7, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      default: pv_cols<8, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-    }
+    with_col_count<8>(C - c0, [&](auto nc) ATTN_EXT_AVX2 {
+      pv_cols<decltype(nc)::value, DC>(p + c0 * ld, ld, vb, Dvp, use, nk, o + c0 * Dvp, ldv);
+    });
   }
 }
 
@@ -465,24 +467,20 @@ ATTN_EXT_AVX512 inline void pv512_dc(const float* p, int64_t ld, int64_t C, cons
                                      int64_t Dvp, const uint8_t* use, int64_t nk, float* o,
                                      int64_t ldv) {
   for (int64_t c0 = 0; c0 < C; c0 += 4) {
-    const float* pc = p + c0 * ld;
-    float* oc = o + c0 * Dvp;
-    switch (std::min<int64_t>(4, C - c0)) {
-      case 1: pv512_cols<1, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      case 2: pv512_cols<2, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      case 3: pv512_cols<3, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-      default: pv512_cols<4, DC>(pc, ld, vb, Dvp, use, nk, oc, ldv); break;
-    }
+    with_col_count<4>(C - c0, [&](auto nc) ATTN_EXT_AVX512 {
+      pv512_cols<decltype(nc)::value, DC>(p + c0 * ld, ld, vb, Dvp, use, nk, o + c0 * Dvp, ldv);
+    });
   }
 }
 
+// Row lengths fixed at compile time as in pv() (with_fixed_length: the same list).
 template <typename vT>
 ATTN_EXT_AVX512 inline void pv512(const float* p, int64_t ld, int64_t C, const vT* vb,
                                   int64_t Dvp, const uint8_t* use, int64_t nk, float* o,
                                   int64_t ldv) {
-  if (Dvp == 128) return pv512_dc<128>(p, ld, C, vb, Dvp, use, nk, o, ldv);
-  if (Dvp == 64) return pv512_dc<64>(p, ld, C, vb, Dvp, use, nk, o, ldv);
-  pv512_dc<0>(p, ld, C, vb, Dvp, use, nk, o, ldv);
+  with_fixed_length(Dvp, [&](auto dc) ATTN_EXT_AVX512 {
+    pv512_dc<decltype(dc)::value>(p, ld, C, vb, Dvp, use, nk, o, ldv);
+  });
 }
 
 // ATTN_EXT_CPU_DECODE_PV512=0: the AVX2 PV product even where AVX-512 is there (the same
