@@ -126,7 +126,8 @@ def test_bench_score_terms_smoke(tmp_path):
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "torch " in res.stdout and "threads" in res.stdout
-    for name in ("ours alibi", "ours rel_bias", "ours dropout 0.1", "sdpa dense learnable rel"):
+    for name in ("ours alibi", "ours rel_bias", "ours softcap", "eager softcap", "ours dropout 0.1",
+                 "sdpa dense learnable rel"):
         assert f"| {name} |" in res.stdout, res.stdout
 
 
