@@ -216,17 +216,12 @@ def unshard_sequence(x: torch.Tensor, dim: int = 1, group=None, layout: str = "z
 _MAX_AGREED_DIMS = 16
 
 
-def _agree_on_shard(x, dim, layout, group, error) -> None:
-    """unshard_sequence's agreement: every rank learns whether every other rank's x passed its
-    checks and has the same shape, dtype, dim and layout; all raise together otherwise."""
-    _, world = _rank_world(group)
-    ok = error is None
-    sig = [int(ok)] + [0] * (4 + _MAX_AGREED_DIMS)
-    if ok:
-        sig[1:5] = [x.dim(), dim, zlib.crc32(str(x.dtype).encode()),
-                    LAYOUTS.index(layout)]
-        sig[5:5 + x.dim()] = list(x.shape)
-    dev = torch.device("cpu")
+def _gather_checks(sig: List[int], x, group, world: int, error, failed: str) -> List[List[int]]:
+    """The one all_gather of an agreement: every rank sends sig (sig[0] = 1 where its own checks
+    passed) and gets every rank's. The local error, if any, is raised after the exchange, so no
+    rank is left waiting; a rank whose checks passed raises ``failed`` (``{bad}``: the ranks
+    that failed) when another rank's did not. Returns the rows of every rank."""
+    dev = torch.device("cpu")  # gloo / mpi exchange CPU tensors; nccl the inputs' device
     if isinstance(x, torch.Tensor) and dist.get_backend(group) == "nccl":
         dev = x.device
     mine = torch.tensor(sig, dtype=torch.int64, device=dev)
@@ -237,8 +232,23 @@ def _agree_on_shard(x, dim, layout, group, error) -> None:
         raise error
     bad = [r for r, row in enumerate(rows) if not row[0]]
     if bad:
-        raise ValueError(f"unshard_sequence: the shards of rank(s) {bad} of the group failed "
-                         "their checks (see the error raised there); no data was gathered")
+        raise ValueError(failed.format(bad=bad))
+    return rows
+
+
+def _agree_on_shard(x, dim, layout, group, error) -> None:
+    """unshard_sequence's agreement: every rank learns whether every other rank's x passed its
+    checks and has the same shape, dtype, dim and layout; all raise together otherwise."""
+    _, world = _rank_world(group)
+    ok = error is None
+    sig = [int(ok)] + [0] * (4 + _MAX_AGREED_DIMS)
+    if ok:
+        sig[1:5] = [x.dim(), dim, zlib.crc32(str(x.dtype).encode()),
+                    LAYOUTS.index(layout)]
+        sig[5:5 + x.dim()] = list(x.shape)
+    rows = _gather_checks(sig, x, group, world, error,
+                          "unshard_sequence: the shards of rank(s) {bad} of the group failed "
+                          "their checks (see the error raised there); no data was gathered")
     if any(row != rows[0] for row in rows):
         desc = "; ".join(f"rank {r}: shape {row[5:5 + row[1]]}, dim {row[2]}, "
                          f"layout {LAYOUTS[row[4]]!r}" for r, row in enumerate(rows))
@@ -852,22 +862,11 @@ def _agree_on_inputs(q, k, v, group, error, keywords: Optional[List[int]] = None
         return
     ok = error is None
     n_kw = len(_KEYWORD_FIELDS)
-    dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    backend = dist.get_backend(group)
-    if backend != "nccl":
-        dev = torch.device("cpu")
     sig = [int(ok)] + ([*q.shape, *k.shape, *v.shape, _DTYPE_CODES.get(q.dtype, -1)] + list(keywords)
                        if ok else [0] * (13 + n_kw))
-    mine = torch.tensor(sig, dtype=torch.int64, device=dev)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    rows = [t.tolist() for t in every]
-    if error is not None:
-        raise error
-    bad = [r for r, row in enumerate(rows) if not row[0]]
-    if bad:
-        raise ValueError(f"ring_attention: the inputs of rank(s) {bad} of the group failed their "
-                         "checks (see the error raised there); no rank started the ring")
+    rows = _gather_checks(sig, q, group, world, error,
+                          "ring_attention: the inputs of rank(s) {bad} of the group failed their "
+                          "checks (see the error raised there); no rank started the ring")
     if any(row[:14] != rows[0][:14] for row in rows):
         desc = "; ".join(f"rank {r}: q {row[1:5]}, k {row[5:9]}, v {row[9:13]}"
                          for r, row in enumerate(rows))
