@@ -755,6 +755,9 @@ def ring_attention(
             softmax denominator of every row once (the merged one); differentiable, each
             rank's gradient being its own rows' part (sum it over the group, like rel_bias).
             The returned lse includes the sink term.
+        (Every rank passes the same keywords and shapes, and records a gradient alike: grad
+        mode on and some input requiring grad on all ranks or on none, since the backward is a
+        ring too; otherwise every rank raises before the ring starts.)
         return_lse: also return the global log-sum-exp ``(B, H, S_local)`` of each local row
             (fp32; fp64 for fp64 inputs); differentiable (its gradient joins the backward's row
             term, as in the single-process ops).
@@ -781,8 +784,10 @@ def ring_attention(
             q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
         _check_term_shapes(q, alibi_t, rel_t, "ring_attention: ")
         _check_ring_mask_sinks(q, key_padding_mask, sinks_t)
+        records_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, rel_t, sinks_t))
         keywords = _keyword_signature(bool(causal), scale, layout, left, right, alibi_t, rel_t,
-                                      softcap, dropout_p, key_padding_mask, sinks_t)
+                                      softcap, dropout_p, key_padding_mask, sinks_t, records_grad)
         error = None
     except (TypeError, ValueError) as e:
         error, keywords = e, None
@@ -824,7 +829,8 @@ def _check_ring_mask_sinks(q, key_padding_mask, sinks) -> None:
 # are not compared, only their shapes: reading them would cost a host copy of each)
 _KEYWORD_FIELDS = ("causal", "scale", "layout", "window left", "window right", "alibi_slopes shape",
                    "alibi_slopes shape", "rel_bias shape", "rel_bias shape", "softcap", "dropout_p",
-                   "key_padding_mask", "sinks shape", "sinks shape")
+                   "key_padding_mask", "sinks shape", "sinks shape",
+                   "whether a gradient is recorded (grad mode and requires_grad)")
 
 
 def _float_bits(x: Optional[float]) -> int:
@@ -835,9 +841,11 @@ def _float_bits(x: Optional[float]) -> int:
 
 
 def _keyword_signature(causal: bool, scale, layout: str, left: int, right: int, alibi_t, rel_t,
-                       softcap, dropout_p, key_padding_mask=None, sinks_t=None) -> List[int]:
+                       softcap, dropout_p, key_padding_mask=None, sinks_t=None,
+                       records_grad: bool = False) -> List[int]:
     """The ring's keywords as ints, one per _KEYWORD_FIELDS entry (shapes: two dims each,
-    -1 for an absent term)."""
+    -1 for an absent term). ``records_grad``: whether this call's backward will pass blocks
+    round the ring (a rank without a graph would never join it, and the others would wait)."""
     def dims2(t) -> List[int]:
         if t is None:
             return [-1, -1]
@@ -845,7 +853,7 @@ def _keyword_signature(causal: bool, scale, layout: str, left: int, right: int, 
         return [shape[0], shape[1] if len(shape) > 1 else -2]
     return ([int(causal), _float_bits(scale), LAYOUTS.index(layout), left, right]
             + dims2(alibi_t) + dims2(rel_t) + [_float_bits(softcap), _float_bits(dropout_p)]
-            + [int(key_padding_mask is not None)] + dims2(sinks_t))
+            + [int(key_padding_mask is not None)] + dims2(sinks_t) + [int(records_grad)])
 
 
 def _agree_on_inputs(q, k, v, group, error, keywords: Optional[List[int]] = None) -> None:

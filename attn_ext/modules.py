@@ -387,14 +387,21 @@ class MultiHeadAttention(nn.Module):
     def _context_parallel_positions(self, x: Tensor, kv_cache: Optional[KVCache], need_weights: bool,
                                     key_padding_mask: Optional[Tensor] = None,
                                     memory: Optional[Tensor] = None) -> Tensor:
-        from .distributed import shard_positions
+        from .distributed import _rank_world, shard_positions
 
         if kv_cache is not None or need_weights or self.cross_attention or memory is not None:
             raise NotImplementedError(
                 "context-parallel MultiHeadAttention supports self-attention (with window, "
                 "key_padding_mask (this rank's shard), rel_bias, alibi, softcap and attention "
                 "dropout at global positions) without kv_cache or need_weights")
-        return shard_positions(x.size(1), self.context_parallel_group, self.context_parallel_layout, x.device)
+        positions = shard_positions(x.size(1), self.context_parallel_group,
+                                    self.context_parallel_layout, x.device)
+        if self.rotary is not None:
+            # the global positions run up to world * S_local - 1 (not S_local - 1): grow the
+            # tables to the global length, as a single-process call of that length does
+            _, world = _rank_world(self.context_parallel_group)
+            self.rotary.tables(world * x.size(1), x.dtype)
+        return positions
 
     @torch.jit.unused
     def _ring_attend(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,

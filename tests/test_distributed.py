@@ -276,6 +276,14 @@ def _case_input_agreement(rank, world):
         name = next(iter(kw))
         _expect(ValueError, f"differ in {name}", cp.ring_attention, q, q, q, **kw)
     good()
+    # a gradient recorded on rank 0 only: its backward would wait for a ring that the other
+    # ranks never join (it used to time out in gloo); refused on every rank before the ring
+    qg = q.clone().requires_grad_(rank == 0)
+    _expect(ValueError, "differ in whether a gradient is recorded", cp.ring_attention, qg, q, q,
+            causal=True)
+    with torch.no_grad():  # no rank records one: they agree
+        cp.ring_attention(qg, q, q, causal=True)
+    good()
     q3 = torch.randn(2, 4, 8, dtype=torch.float64)
     out3, lse3 = cp.ring_attention(q3, q3, q3, causal=True, return_lse=True)
     out4, lse4 = cp.ring_attention(q3[:, :, None], q3[:, :, None], q3[:, :, None], causal=True,
@@ -353,17 +361,19 @@ def _tiny_gpt(dtype, **kw):
     return attn_ext.models.TinyGPT(**cfg).to(dtype)
 
 
-def _case_tinygpt_cp(rank, world, layout="zigzag", pos="rope", steps=3):
+def _case_tinygpt_cp(rank, world, layout="zigzag", pos="rope", steps=3, max_len=64):
     """TinyGPT with context_parallel_group: each rank's logits are its rows of the single-process
     logits, and training (parameter gradients summed over the group) follows single-process
-    training step for step."""
+    training step for step. ``max_len`` below the global length: RoPE's tables grow to the
+    global positions (they used to grow to the local length only, and the op refused the
+    positions past it)."""
     dtype = torch.float64
     B, S = 2, 4 * world
     idx = torch.randint(0, 29, (B, S))
     tgt = torch.randint(0, 29, (B, S))
-    single = _tiny_gpt(dtype, pos=pos, num_kv_heads=2)
+    single = _tiny_gpt(dtype, pos=pos, num_kv_heads=2, max_len=max_len)
     ring = _tiny_gpt(dtype, pos=pos, num_kv_heads=2, context_parallel_group=dist.group.WORLD,
-                     context_parallel_layout=layout)
+                     context_parallel_layout=layout, max_len=max_len)
     idx_l, tgt_l = _sh(idx, 1, layout), _sh(tgt, 1, layout)
     for step in range(steps):
         logits = single(idx)
@@ -519,6 +529,7 @@ CASES = {
     "input_agreement": _case_input_agreement,
     "create_graph": _case_create_graph,
     "tinygpt_cp_rope_zigzag": _case_tinygpt_cp,
+    "tinygpt_cp_rope_past_max_len": lambda r, w: _case_tinygpt_cp(r, w, layout="contiguous", steps=1, max_len=3),
     "tinygpt_cp_learned_contiguous": lambda r, w: _case_tinygpt_cp(r, w, layout="contiguous", pos="learned", steps=2),
     "tinygpt_cp_relative_zigzag": lambda r, w: _case_tinygpt_cp(r, w, pos="relative", steps=2),
     "tinygpt_cp_alibi_contiguous": lambda r, w: _case_tinygpt_cp(r, w, layout="contiguous", pos="alibi", steps=2),
