@@ -765,7 +765,7 @@ def ring_attention(
     Returns ``out (B, S_local, H, Dv)`` contiguous, q's dtype (and ``lse``). Differentiable in
     q, k, v (and rel_bias): the backward passes k/v round the ring again and sends dk/dv back.
     """
-    from attn_ext.ops import _check_term_shapes, _score_term_args, _window_args
+    from attn_ext.ops import _check_causal, _check_term_shapes, _score_term_args, _window_args
 
     squeeze = isinstance(q, torch.Tensor) and q.dim() == 3  # (B, S_local, D): one head
     # Every check runs before the first collective, on every rank alike: a rank failing alone
@@ -779,6 +779,7 @@ def ring_attention(
             q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
         _check_layout(layout)
         _check_inputs(q, k, v, chunks_per_rank(layout), layout, scale)
+        _check_causal(causal)
         left, right = _window_args(window)
         alibi_t, rel_t, softcap, sinks_t, dropout_p, seed, offset = _score_term_args(
             q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)

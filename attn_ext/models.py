@@ -114,7 +114,7 @@ class TinyGPT(nn.Module):
     @torch.jit.unused
     def _context_parallel_positions(self, idx: Tensor, has_caches: bool,
                                     has_attention_mask: bool = False) -> Tensor:
-        from .distributed import shard_positions
+        from .distributed import _rank_world, shard_positions
 
         if has_caches:
             raise NotImplementedError("context-parallel TinyGPT does not decode with KV caches")
@@ -122,6 +122,15 @@ class TinyGPT(nn.Module):
             raise NotImplementedError("context-parallel TinyGPT does not take an attention_mask "
                                       "(its left-padded per-row positions are not sharded; pass key_padding_mask shards "
                                       "to MultiHeadAttention.set_context_parallel layers instead)")
+        if self.learned is not None:
+            # checked here, alike on every rank (the same S_local everywhere): the embedding of a
+            # rank whose global positions pass max_len would raise alone and leave the other
+            # ranks waiting in the first ring
+            _, world = _rank_world(self.context_parallel_group)
+            if world * idx.size(1) > self.max_len:
+                raise ValueError(
+                    f"learned positions: the global sequence ({world} ranks x {idx.size(1)} "
+                    f"tokens) must be at most max_len = {self.max_len}")
         return shard_positions(idx.size(1), self.context_parallel_group,
                                self.context_parallel_layout, idx.device)
 

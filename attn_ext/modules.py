@@ -130,6 +130,11 @@ class KVCache:
             raise ValueError(
                 f"v_new must have shape (B, s, Hkv, Dv) = ({vb[0]}, {k_new.size(1)}, {vb[2]}, {vb[3]}) "
                 f"(the cache's, s from k_new), got {list(v_new.shape)}")
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if not t.is_floating_point():
+                raise ValueError(f"{name} must be a floating-point tensor (keys / values), got dtype {t.dtype}")
+            if t.device != self.k.device:
+                raise ValueError(f"{name} must be on the cache's device {self.k.device}, got {t.device}")
         s = k_new.size(1)
         end = self.length + s
         if end > self.k.size(1):
@@ -264,8 +269,9 @@ class MultiHeadAttention(nn.Module):
         num_heads: query heads H.
         num_kv_heads: key/value heads Hkv (divides H; default H; 1 = multi-query).
         causal: bottom-right causal mask (see :func:`attn_ext.attention`). Default: True for
-            self-attention, False for ``cross_attention=True`` (every query sees the whole
-            memory unless asked otherwise).
+            self-attention, False over a memory (``cross_attention=True``, or a fused layer's
+            ``forward(x, memory)``: every query sees the whole memory unless ``causal=True``
+            was asked for).
         bias: biases in the projections.
         dropout: dropout on the attention probabilities in training, inside the kernel (keep
             bits from a counter-based RNG seeded from torch's generator: no ``(S, S)`` buffer;
@@ -315,8 +321,11 @@ class MultiHeadAttention(nn.Module):
         softcap: Optional[float] = None,
     ):
         super().__init__()
+        # over a memory (forward(x, memory)) a layer is causal only when asked: a decoder's
+        # memory is not in its future (causal=None: True for self-attention, False over memory)
+        self.memory_causal = bool(causal) if causal is not None else False
         if causal is None:
-            causal = not cross_attention  # a decoder's memory is not in its future
+            causal = not cross_attention
         self.window_left, self.window_right = _window_args(window)
         hkv = num_kv_heads if num_kv_heads is not None else num_heads
         if num_heads <= 0 or hkv <= 0 or num_heads % hkv:
@@ -341,6 +350,9 @@ class MultiHeadAttention(nn.Module):
         self.q_size = num_heads * d
         self.k_size = hkv * d
         self.v_size = hkv * dv
+        if kv_dim is not None and not cross_attention:
+            raise ValueError(f"kv_dim (the memory's width) is for cross_attention=True layers; a "
+                             f"fused layer reads memory of width d_model, got kv_dim={kv_dim}")
         if cross_attention:
             self.qkv = None
             self.q_proj = nn.Linear(d_model, self.q_size, bias=bias)
@@ -359,8 +371,9 @@ class MultiHeadAttention(nn.Module):
         self.rotary = rotary
         if rel_bias is not None and rel_bias.num_heads != num_heads:
             raise ValueError(f"rel_bias has {rel_bias.num_heads} heads, the layer {num_heads}")
-        if softcap is not None and not softcap > 0:
-            raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
+        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+                                    or not 0 < softcap < math.inf):
+            raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
         self.rel_bias = rel_bias
         self.softcap: Optional[float] = None if softcap is None else float(softcap)
         # float64: exact for .double() layers; every use casts it to the accumulation type
@@ -428,7 +441,7 @@ class MultiHeadAttention(nn.Module):
         v_proj: nn.Linear,
         o_proj: nn.Linear,
         num_heads: int,
-        causal: bool = True,
+        causal: Optional[bool] = None,
         num_kv_heads: Optional[int] = None,
         rotary=None,
     ) -> "MultiHeadAttention":
@@ -519,9 +532,10 @@ class MultiHeadAttention(nn.Module):
         return rb().to(want).contiguous()
 
     def _attend_terms(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
-                      dropout_p: float) -> Tuple[Tensor, Tensor]:
+                      dropout_p: float, causal: Optional[bool] = None) -> Tuple[Tensor, Tensor]:
         """attention_forward with the layer's window, key padding, score terms and in-kernel
-        dropout: (out, lse)."""
+        dropout: (out, lse). ``causal``: None for the layer's own (self-attention) mask."""
+        is_causal = self.causal if causal is None else causal
         seed, offset = (0, 0)
         if dropout_p > 0.0:
             seed, offset = _dropout_seed_offset(q.device)
@@ -529,7 +543,7 @@ class MultiHeadAttention(nn.Module):
         if slopes is not None:
             slopes = slopes.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         return torch.ops.attn_ext.attention_forward(
-            q, k, v, self.causal, self.scale, self.window_left, self.window_right,
+            q, k, v, is_causal, self.scale, self.window_left, self.window_right,
             key_padding_mask, slopes, self._rel_table(q.dtype),
             self.softcap, None, dropout_p, seed, offset)
 
@@ -629,6 +643,7 @@ class MultiHeadAttention(nn.Module):
                 k = kv[:, :, : self.k_size].view(B, Sk, Hkv, D)
                 v = kv[:, :, self.k_size :].view(B, Sk, Hkv, Dv)
                 if kv_cache is not None:
+                    _check_step_mask(key_padding_mask, B, Sk)
                     k, v = kv_cache.update(k, v)  # the memory, stored once
 
         rotary = self.rotary
@@ -645,6 +660,7 @@ class MultiHeadAttention(nn.Module):
                     rotary.tables(past + Sq, q.dtype)
                 q, k = rotary(q, k, past if positions is None else 0, positions)
             if kv_cache is not None:
+                _check_step_mask(key_padding_mask, B, past + Sq)
                 k, v = kv_cache.update(k, v)  # (B, past + Sq, Hkv, D) views of the cache
         elif rotary is not None:
             # cross-attention without a cache: query i and key j at the library's distance
@@ -662,20 +678,35 @@ class MultiHeadAttention(nn.Module):
 
         weights: Optional[Tensor] = None
         dropout_p = self.dropout if self.training else 0.0
+        # a fused layer over a memory: causal only when asked (self.memory_causal)
+        causal = self.memory_causal if fused_cross else self.causal
         if need_weights:
             # (weights are the undropped probabilities)
-            out, lse = self._attend_terms(q, k, v, key_padding_mask, dropout_p)
-            weights = _attention_probs(q, k, self.causal, self.scale, lse, self.alibi_slopes,
+            out, lse = self._attend_terms(q, k, v, key_padding_mask, dropout_p, causal)
+            weights = _attention_probs(q, k, causal, self.scale, lse, self.alibi_slopes,
                                        self._rel_table(q.dtype), self.softcap, self.window_left,
                                        self.window_right, key_padding_mask)
         elif self.context_parallel_group is not None:
             out = self._ring_attend(q, k, v, dropout_p, key_padding_mask)
-        elif masked or dropout_p > 0.0 or self.has_score_terms():
-            out = self._attend_terms(q, k, v, key_padding_mask, dropout_p)[0]
+        elif masked or dropout_p > 0.0 or self.has_score_terms() or causal != self.causal:
+            out = self._attend_terms(q, k, v, key_padding_mask, dropout_p, causal)[0]
         else:
             out = self._attend(q, k, v)
         # out: (B, Sq, H, Dv) contiguous -> (B, Sq, H * Dv) for free
         return self.out_proj(out.view(B, Sq, H * Dv)), weights
+
+
+def _check_step_mask(key_padding_mask: Optional[Tensor], B: int, Sk: int) -> None:
+    """A key_padding_mask beside a kv_cache, checked before the cache is written: a step that
+    fails after its keys were appended would leave them there (a retry then attends to them
+    twice), and a (B, 1) mask would broadcast against a left-padded cache's own mask."""
+    if key_padding_mask is None:
+        return
+    m = key_padding_mask
+    if m.dtype != torch.bool or m.dim() != 2 or m.size(0) != B or m.size(1) != Sk:
+        raise ValueError(
+            f"key_padding_mask must be bool (B, Sk) = ({B}, {Sk}) with a kv_cache (Sk: the "
+            f"cached keys and this step's), got dtype {m.dtype}, shape {list(m.shape)}")
 
 
 def _op_offset(offset: int, positions: Optional[Tensor]) -> int:

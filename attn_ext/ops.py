@@ -586,6 +586,13 @@ def _window_args(window) -> tuple:
     return left, right
 
 
+def _check_causal(causal) -> None:
+    """causal must be a bool (None or a string used to pass the op's parser as False / fail
+    inside it without naming the argument)."""
+    if not isinstance(causal, bool) and not (isinstance(causal, int) and causal in (0, 1)):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+
+
 def _check_key_padding_mask(key_padding_mask, B: int, Sk: int) -> None:
     """A key_padding_mask checked on the host (where no kernel checks it first): None, or
     bool of shape (B, Sk)."""
@@ -648,9 +655,11 @@ def _checked_score_terms(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
             raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
         softcap = float(softcap)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not (
-        0.0 <= dropout_p < 1.0
+        0.0 <= dropout_p <= 1.0 - 2.0**-16
     ):
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        # (the keep bits have 16-bit resolution: past 1 - 2^-16 every key would be dropped)
+        raise ValueError("dropout_p must be in [0, 1) (at most 1 - 2^-16: the keep bits are "
+                         f"drawn at 16-bit resolution), got {dropout_p!r}")
     dropout_p = float(dropout_p)
     return alibi_slopes, rel_bias, softcap, sinks, dropout_p
 
@@ -743,6 +752,7 @@ def attention(
     """
     _check_qkv(q, k, v, "(B, Sq, H, D) or (B, Sq, D)", "(B, Sk, Hkv, D)", "(B, Sk, Hkv, Dv)")
     q, k, v, squeeze = _heads_4d(q, k, v)
+    _check_causal(causal)
     left, right = _window_args(window)
     terms = _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
     plain = all(t is None for t in terms[:4]) and terms[4] == 0.0
@@ -799,6 +809,7 @@ def attention_varlen(
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, numbers.Integral):
             raise ArgumentTypeError(f"{name} must be an int, got {type(m).__name__}")
+    _check_causal(causal)
     left, right = _window_args(window)
     terms = _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
     out, lse = _lib.attention_varlen_forward(
@@ -1157,6 +1168,7 @@ def attention_weights(
             raise ValueError(f"lse must be on the same device as q ({q.device}), got {lse.device}")
         if not lse.is_floating_point():
             raise ValueError(f"lse must be a floating-point tensor, got {lse.dtype}")
+    _check_causal(causal)
     left, right = _window_args(window)
     _check_key_padding_mask(key_padding_mask, B, Sk)
     alibi_slopes, rel_bias, softcap = _weights_terms(q, alibi_slopes, rel_bias, softcap)

@@ -49,6 +49,73 @@ class _CountCalls:
         self.n += 1
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_fused_layer_over_memory_is_not_causal_by_default():
+    """A default (self-attention, causal) fused layer called as forward(x, memory) attends to
+    the whole memory: causal over an encoder's memory only when causal=True was asked for (it
+    used to hide memory keys 5-8 from query 0 for Sq = 5, Sk = 9)."""
+    torch.manual_seed(0)
+    x, mem = torch.randn(2, 5, 16, dtype=f64), torch.randn(2, 9, 16, dtype=f64)
+    for asked, want_causal in ((None, False), (False, False), (True, True)):
+        kw = {} if asked is None else {"causal": asked}
+        layer = MultiHeadAttention(16, 2, **kw).double().eval()
+        assert layer.causal is (asked is not False)  # self-attention keeps its default
+        w, b = layer.qkv.weight, layer.qkv.bias
+        q = torch.nn.functional.linear(x, w[:16], b[:16]).view(2, 5, 2, 8)
+        kv = torch.nn.functional.linear(mem, w[16:], b[16:])
+        k, v = kv[..., :16].view(2, 9, 2, 8), kv[..., 16:].view(2, 9, 2, 8)
+        want = layer.out_proj(R.attention(q, k, v, causal=want_causal).reshape(2, 5, 16))
+        out, weights = layer(x, mem, need_weights=True)
+        torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(layer(x, mem)[0], want, rtol=1e-10, atol=1e-10)
+        assert bool((weights[:, :, 0, 5:] > 0).all()) is not want_causal
+        torch.testing.assert_close(torch.jit.script(layer)(x, mem)[0], want, rtol=1e-10, atol=1e-10)
+        assert torch.equal(layer(x)[0], layer(x, None)[0])  # self-attention unchanged
+
+
+def test_failed_cached_step_leaves_the_cache_unchanged():
+    """A step whose key_padding_mask is wrong is refused before its keys are appended (they
+    used to stay in the cache, so a retry attended to them twice), and a (B, 1) mask no longer
+    broadcasts against a left-padded cache's own mask."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 2, rotary=8).double().eval()
+    x = torch.randn(2, 3, 16, dtype=f64)
+    full = m(x)[0]
+    c = m.new_kv_cache(2, 8)
+    m(x[:, :2], kv_cache=c)
+    with pytest.raises(ValueError, match=r"key_padding_mask must be bool \(B, Sk\) = \(2, 3\) with a kv_cache"):
+        m(x[:, 2:3], kv_cache=c, key_padding_mask=torch.ones(2, 7, dtype=torch.bool))
+    assert c.length == 2
+    step = m(x[:, 2:3], kv_cache=c, key_padding_mask=torch.ones(2, 3, dtype=torch.bool))[0]
+    torch.testing.assert_close(step, full[:, 2:3], rtol=1e-10, atol=1e-10)
+    c2 = m.new_kv_cache(2, 8)
+    c2.set_left_padding(torch.tensor([1, 0]))
+    for bad in (torch.tensor([[True], [False]]), torch.ones(1, 2, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="key_padding_mask must be bool"):
+            m(x[:, :2], kv_cache=c2, key_padding_mask=bad)
+        assert c2.length == 0
+    with pytest.raises(ValueError, match="k_new must be a floating-point tensor"):
+        c2.update(torch.ones(2, 1, 2, 8, dtype=torch.int64), torch.ones(2, 1, 2, 8, dtype=f64))
+    with pytest.raises(ValueError, match="v_new must be on the cache's device"):
+        c2.update(torch.ones(2, 1, 2, 8, dtype=f64), torch.ones(2, 1, 2, 8, dtype=f64, device="meta"))
+    assert c2.length == 0
+
+
+def test_causal_and_softcap_arguments_are_checked():
+    q = randn(1, 4, 2, 8, dtype=f64)
+    for bad in (None, "yes", 2):
+        with pytest.raises(ValueError, match="causal must be a bool"):
+            attn_ext.attention(q, q, q, causal=bad)
+        with pytest.raises(ValueError, match="causal must be a bool"):
+            attn_ext.attention_weights(q, q, causal=bad)
+    torch.testing.assert_close(attn_ext.attention(q, q, q, causal=1), attn_ext.attention(q, q, q, causal=True))
+    for bad in (float("inf"), True, 0.0, "3"):
+        with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
+            MultiHeadAttention(16, 2, softcap=bad)
+    with pytest.raises(ValueError, match="kv_dim .* is for cross_attention=True layers"):
+        MultiHeadAttention(16, 2, kv_dim=8)  # used to be dropped without a word
+
+
 def test_cached_cross_attention_computes_memory_once():
     """Decoding step by step with a cross-attention cache gives the uncached result at every
     step; the memory is projected once and the cache does not grow."""

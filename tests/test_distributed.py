@@ -399,6 +399,18 @@ def _case_tinygpt_cp(rank, world, layout="zigzag", pos="rope", steps=3, max_len=
         _sgd_step(ring.parameters())
 
 
+def _case_tinygpt_cp_learned_past_max_len(rank, world):
+    """Learned positions past max_len under context parallelism: refused on every rank before
+    the first ring (the rank holding the late positions used to raise alone in its embedding,
+    leaving the others waiting in the ring), and the group still works afterwards."""
+    model = _tiny_gpt(torch.float64, pos="learned", max_len=4 * world - 1,
+                      context_parallel_group=dist.group.WORLD)
+    idx = torch.randint(0, 29, (1, 4 * world))
+    _expect(ValueError, "must be at most max_len", model, _sh(idx, 1, "zigzag"))
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    cp.ring_attention(q, q, q, causal=True)
+
+
 def _case_mha_cp_key_padding(rank, world, layout="zigzag"):
     """A context-parallel MultiHeadAttention (RoPE, GQA) given this rank's shard of a
     key_padding_mask: its rows and gradients are those of the single-process layer."""
@@ -530,6 +542,7 @@ CASES = {
     "create_graph": _case_create_graph,
     "tinygpt_cp_rope_zigzag": _case_tinygpt_cp,
     "tinygpt_cp_rope_past_max_len": lambda r, w: _case_tinygpt_cp(r, w, layout="contiguous", steps=1, max_len=3),
+    "tinygpt_cp_learned_past_max_len": _case_tinygpt_cp_learned_past_max_len,
     "tinygpt_cp_learned_contiguous": lambda r, w: _case_tinygpt_cp(r, w, layout="contiguous", pos="learned", steps=2),
     "tinygpt_cp_relative_zigzag": lambda r, w: _case_tinygpt_cp(r, w, pos="relative", steps=2),
     "tinygpt_cp_alibi_contiguous": lambda r, w: _case_tinygpt_cp(r, w, layout="contiguous", pos="alibi", steps=2),

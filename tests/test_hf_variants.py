@@ -3,6 +3,7 @@ alternating sliding window) and GPT-OSS (attention sinks + sliding window) throu
 attn_implementation="attn_ext" give the logits of transformers' "eager" attention, on the
 kernel (no SDPA fallback). Tiny random models, no downloads."""
 
+import copy
 import os
 
 import pytest
@@ -21,6 +22,10 @@ def _no_fallback(monkeypatch):
 
 
 def _build(cfg, impl, seed=0):
+    # a copy: from_config writes attn_implementation into the config it gets, so a second
+    # build from the same object used to switch the first model to that implementation too
+    # (both "ours" and the reference then ran eager)
+    cfg = copy.deepcopy(cfg)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl,
                                                           dtype=torch.float32)
@@ -49,6 +54,8 @@ def test_logits_match_eager_on_the_kernel(make_cfg, monkeypatch):
     cfg = make_cfg()
     assert "sliding_attention" in cfg.layer_types  # the window is smaller than the prompt
     ours, ref = _build(cfg, "attn_ext"), _build(cfg, "eager")
+    assert ours.config._attn_implementation == "attn_ext"  # each model kept its own
+    assert ref.config._attn_implementation == "eager"
     if isinstance(cfg, transformers.GptOssConfig):
         with torch.no_grad():  # random, clearly non-zero sinks
             for layer in ours.model.layers:

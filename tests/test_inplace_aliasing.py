@@ -79,6 +79,30 @@ def test_internally_overlapping_inplace_args_are_rejected(device):
         ops.sinusoidal_pe_(rows, None, 0, 10000.0)
 
 
+def test_positions_inside_the_written_tensor_are_rejected(device):
+    """positions stored in the memory an in-place op writes: the rows rotated first would turn
+    the later rows' positions into garbage indices (rope_ / rope_qk_ used to read past the
+    tables and crash). Refused before any write, naming positions."""
+    cos, sin = _tables(16, 8, device)
+    x = randn(2, 6, 2, 8, dtype=torch.float64, device=device)
+    pos = x.view(torch.int64)[0, :, 0, 0]  # 6 int64 slots inside x
+    pos.copy_(torch.arange(6, device=device))
+    before = x.clone()
+    with pytest.raises(RuntimeError, match=r"positions must not overlap x \(rope_ writes x"):
+        ops.rope_(x, cos, sin, pos, 0, False)
+    q = randn(2, 6, 2, 8, dtype=torch.float64, device=device)
+    with pytest.raises(RuntimeError, match=r"positions must not overlap k \(rope_qk_ writes k"):
+        ops.rope_qk_(q, x, cos, sin, pos, 0, False)
+    with pytest.raises(RuntimeError, match=r"positions must not overlap q \(rope_qk_ writes q"):
+        ops.rope_qk_(x, q, cos, sin, pos, 0, False)
+    pe = x[:, :, 0, :]  # (B, S, D) view of x, holding pos in its first column
+    with pytest.raises(RuntimeError, match=r"positions must not overlap x \(sinusoidal_pe_ writes x"):
+        ops.sinusoidal_pe_(pe, pos, 0, 10000.0)
+    assert torch.equal(x, before)
+    # the same positions in their own memory work
+    ops.rope_(x, cos, sin, pos.clone(), 0, False)
+
+
 @pytest.mark.parametrize("layout", ["fused", "per-head-fused", "transposed-heads"])
 def test_rope_qk_disjoint_views_of_one_buffer_work(device, layout):
     B, S, H, D = 2, 6, 4, 16

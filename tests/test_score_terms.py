@@ -398,9 +398,15 @@ def test_bad_input():
         attn_ext.attention(q, q, q, softcap=0.0)
     with pytest.raises(ValueError, match=r"softcap must be a finite number > 0"):
         attn_ext.attention(q, q, q, softcap=-1.0)
-    for p in (-0.1, 1.0, 1.5, float("nan")):
+    # 1 - 2^-17 and above: the 16-bit keep threshold would drop every key (out = 0, not an
+    # expectation-preserving dropout); refused, and 1 - 2^-16 still keeps a 2^-16 share
+    for p in (-0.1, 1.0, 1.5, float("nan"), 1 - 2.0**-17, 0.999995):
         with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
             attn_ext.attention(q, q, q, dropout_p=p)
+    with pytest.raises(RuntimeError, match=r"at most 1 - 2\^-16"):
+        torch.ops.attn_ext.attention_forward(q, q, q, False, None, -1, -1, None, None, None, None,
+                                             None, 1 - 2.0**-17)
+    assert attn_ext.attention(q, q, q, dropout_p=1 - 2.0**-16).isfinite().all()
     with pytest.raises(ValueError, match=r"rel_bias must be a floating-point tensor"):
         attn_ext.attention(q, q, q, rel_bias=torch.zeros(2, 5, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"sinks must be a floating-point tensor"):
@@ -419,7 +425,7 @@ def test_bad_input():
                               None, torch.zeros(2, 5, dtype=torch.int32))
     with pytest.raises(RuntimeError, match=r"softcap must be a finite number > 0"):
         lib.attention_forward(q, q, q, False, None, -1, -1, None, None, None, 0.0)
-    with pytest.raises(RuntimeError, match=r"dropout_p must be in \[0, 1\), got 1"):
+    with pytest.raises(RuntimeError, match=r"dropout_p must be in \[0, 1\) .*got 1"):
         lib.attention_forward(q, q, q, False, None, -1, -1, None, None, None, None, None, 1.0)
     with pytest.raises(RuntimeError, match=r"alibi_slopes must be contiguous"):
         lib.attention_forward(q, q, q, False, None, -1, -1, None, torch.ones(2, 2)[:, 0])

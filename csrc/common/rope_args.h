@@ -111,6 +111,9 @@ void rope_inplace_with(Run&& run, const Tensor& x, const Tensor& cos,
   RopeParams p = make_rope_params(x, cos, sin, positions, offset, interleaved, false);
   check_disjoint_from_written(x, "x", cos, "cos", "rope_");
   check_disjoint_from_written(x, "x", sin, "sin", "rope_");
+  // positions are read row by row as the rows are written: an x that held them would feed
+  // rotated bits back as table indices (past the tables: an out-of-bounds read)
+  if (positions.has_value()) check_disjoint_from_written(x, "x", *positions, "positions", "rope_");
   add_rope_tensor(p, x, x, "x");
   run(x, cos, p);
 }
@@ -134,6 +137,10 @@ void rope_qk_inplace_with(Run&& run, const Tensor& q, const Tensor& k,
   check_disjoint_from_written(q, "q", sin, "sin", "rope_qk_");
   check_disjoint_from_written(k, "k", cos, "cos", "rope_qk_");
   check_disjoint_from_written(k, "k", sin, "sin", "rope_qk_");
+  if (positions.has_value()) {
+    check_disjoint_from_written(q, "q", *positions, "positions", "rope_qk_");
+    check_disjoint_from_written(k, "k", *positions, "positions", "rope_qk_");
+  }
   add_rope_tensor(p, q, q, "q");
   add_rope_tensor(p, k, k, "k");
   run(q, cos, p);

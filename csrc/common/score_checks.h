@@ -108,8 +108,11 @@ inline void fill_score_terms(AttentionParams& p, const ScoreArgs& a, const Tenso
                 ",), got shape ", shape_of(s));
     t.sinks = s.data_ptr();
   }
-  STD_TORCH_CHECK(std::isfinite(a.dropout_p) && a.dropout_p >= 0.0 && a.dropout_p < 1.0,
-              "dropout_p must be in [0, 1), got ", a.dropout_p);
+  // (the keep bits have 16-bit resolution: past 1 - 2^-16 the threshold would drop every key)
+  STD_TORCH_CHECK(std::isfinite(a.dropout_p) && a.dropout_p >= 0.0 &&
+                      a.dropout_p <= 1.0 - 1.0 / 65536.0,
+                  "dropout_p must be in [0, 1) (at most 1 - 2^-16: the keep bits are drawn at "
+                  "16-bit resolution), got ", a.dropout_p);
   t.dropout_p = a.dropout_p;
   t.dropout_seed = static_cast<uint64_t>(a.dropout_seed);
   t.dropout_offset = static_cast<uint64_t>(a.dropout_offset);

@@ -15,9 +15,10 @@ namespace attn_ext {
 // out = x + PE into a new contiguous tensor / x += PE (x must not overlap itself).
 inline Tensor sinusoidal_out_like(const Tensor& x) { return alloc(x, sizes_vec(x)); }
 
-inline void check_sinusoidal_inplace(const Tensor& x) {
+inline void check_sinusoidal_inplace(const Tensor& x, const OptTensor& positions) {
   check_last_dim_contiguous(x, "x (in place)");
   check_no_internal_overlap(x, "x", "sinusoidal_pe_");
+  if (positions.has_value()) check_disjoint_from_written(x, "x", *positions, "positions", "sinusoidal_pe_");
 }
 
 inline void check_sinusoidal_rank(const Tensor& x) {

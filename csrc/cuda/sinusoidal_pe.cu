@@ -27,7 +27,7 @@ Tensor sinusoidal_pe_cuda(const Tensor& x, const OptTensor& positions,
 void sinusoidal_pe_inplace_cuda(const Tensor& x, const OptTensor& positions,
                                 int64_t offset, double base) {
   check_sinusoidal_rank(x);
-  check_sinusoidal_inplace(x);
+  check_sinusoidal_inplace(x, positions);
   run_cuda(x, make_sinusoidal_params(x, x, positions, offset, base));
 }
 
