@@ -87,7 +87,9 @@ class KVCache:
         if start.is_floating_point() or start.is_complex() or start.dtype == torch.bool:
             raise ValueError(f"start must be an integer tensor (B,), got dtype {start.dtype}")
         start = start.to(device=self.k.device, dtype=torch.long)
-        if start.numel() > 0:
+        # (the range check reads values: eager only, as models.left_padding's, since under
+        # torch.compile a data-dependent raise breaks the graph and fullgraph=True refuses it)
+        if start.numel() > 0 and not torch.compiler.is_compiling():
             lo, hi = int(start.min().item()), int(start.max().item())
             if lo < 0 or hi > self.k.size(1):
                 raise ValueError(

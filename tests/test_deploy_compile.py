@@ -131,3 +131,23 @@ def test_left_padded_attention_mask_compiles_fullgraph():
     bad[0, 4] = 0
     with pytest.raises(ValueError, match="left-padded"):
         model(idx, attention_mask=bad)
+
+
+def test_left_padded_prefill_with_caches_compiles_fullgraph():
+    """generate(attention_mask=)'s prefill, the caches' set_left_padding included, compiles
+    without a graph break (its range check read start.min() and broke the graph) and gives
+    eager's logits and cache contents; eager still refuses an out-of-range start."""
+    model = tiny_gpt(seed=5, num_kv_heads=2).eval()
+    idx = torch.randint(0, 100, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        caches_e, caches_c = model.new_caches(2, 16), model.new_caches(2, 16)
+        want = model(idx, caches_e, mask)
+        got = torch.compile(model, backend="aot_eager", fullgraph=True)(idx, caches_c, mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for ce, cc in zip(caches_e, caches_c):
+        assert cc.length == ce.length == 10 and torch.equal(cc.start, ce.start)
+        torch.testing.assert_close(cc.k[:, :10], ce.k[:, :10], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="start must lie in"):
+        model.new_caches(2, 16)[0].set_left_padding(torch.tensor([0, 17]))
