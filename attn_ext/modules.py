@@ -534,10 +534,10 @@ class MultiHeadAttention(nn.Module):
         return rb().to(want).contiguous()
 
     def _attend_terms(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
-                      dropout_p: float, causal: Optional[bool] = None) -> Tuple[Tensor, Tensor]:
+                      dropout_p: float, causal: bool) -> Tuple[Tensor, Tensor]:
         """attention_forward with the layer's window, key padding, score terms and in-kernel
-        dropout: (out, lse). ``causal``: None for the layer's own (self-attention) mask."""
-        is_causal = self.causal if causal is None else causal
+        dropout: (out, lse). ``causal``: the mask of this call (self.causal, or
+        self.memory_causal over a memory)."""
         seed, offset = (0, 0)
         if dropout_p > 0.0:
             seed, offset = _dropout_seed_offset(q.device)
@@ -545,7 +545,7 @@ class MultiHeadAttention(nn.Module):
         if slopes is not None:
             slopes = slopes.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         return torch.ops.attn_ext.attention_forward(
-            q, k, v, is_causal, self.scale, self.window_left, self.window_right,
+            q, k, v, causal, self.scale, self.window_left, self.window_right,
             key_padding_mask, slopes, self._rel_table(q.dtype),
             self.softcap, None, dropout_p, seed, offset)
 

@@ -586,6 +586,11 @@ def _window_args(window) -> tuple:
     return left, right
 
 
+# dropout::kMaxDropoutP of csrc/common/dropout_rng.h: the keep bits have 16-bit resolution, and
+# past this every key would be dropped
+_MAX_DROPOUT_P = 1.0 - 2.0**-16
+
+
 def _check_causal(causal) -> None:
     """causal must be a bool (None or a string used to pass the op's parser as False / fail
     inside it without naming the argument)."""
@@ -655,9 +660,8 @@ def _checked_score_terms(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
             raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
         softcap = float(softcap)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not (
-        0.0 <= dropout_p <= 1.0 - 2.0**-16
+        0.0 <= dropout_p <= _MAX_DROPOUT_P
     ):
-        # (the keep bits have 16-bit resolution: past 1 - 2^-16 every key would be dropped)
         raise ValueError("dropout_p must be in [0, 1) (at most 1 - 2^-16: the keep bits are "
                          f"drawn at 16-bit resolution), got {dropout_p!r}")
     dropout_p = float(dropout_p)

@@ -40,6 +40,10 @@ ATTN_EXT_HD uint64_t mix(uint64_t z) {
   return z ^ (z >> 31);
 }
 
+// The largest drop probability the 16-bit field represents: past it threshold() rounds to
+// 65536 and every key is dropped (the ops refuse p above it).
+constexpr double kMaxDropoutP = 1.0 - 1.0 / 65536.0;
+
 // Threshold of the 16-bit field for drop probability p in [0, 1): drop iff field < threshold.
 ATTN_EXT_HD uint32_t threshold(double p) {
   const double t = p * 65536.0 + 0.5;

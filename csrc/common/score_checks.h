@@ -10,6 +10,7 @@
 
 #include "common/attention_checks.h"
 #include "common/attention_mask.h"
+#include "common/dropout_rng.h"
 
 namespace attn_ext {
 
@@ -108,9 +109,8 @@ inline void fill_score_terms(AttentionParams& p, const ScoreArgs& a, const Tenso
                 ",), got shape ", shape_of(s));
     t.sinks = s.data_ptr();
   }
-  // (the keep bits have 16-bit resolution: past 1 - 2^-16 the threshold would drop every key)
   STD_TORCH_CHECK(std::isfinite(a.dropout_p) && a.dropout_p >= 0.0 &&
-                      a.dropout_p <= 1.0 - 1.0 / 65536.0,
+                      a.dropout_p <= dropout::kMaxDropoutP,
                   "dropout_p must be in [0, 1) (at most 1 - 2^-16: the keep bits are drawn at "
                   "16-bit resolution), got ", a.dropout_p);
   t.dropout_p = a.dropout_p;
