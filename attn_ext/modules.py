@@ -669,9 +669,18 @@ class MultiHeadAttention(nn.Module):
             # d = i + (Sk - Sq) - j (DESIGN.md; the masks and the score terms use the same d, and
             # so does reference.MultiHeadAttentionRef), i.e. q from Sk - Sq and k from 0, or
             # equivalently (RoPE sees only differences) q from 0 and k from Sq - Sk when Sq > Sk
-            shift = k.size(1) - Sq
-            q = rotary.rotate(q, max(shift, 0))
-            k = rotary.rotate(k, max(-shift, 0))
+            Sk = k.size(1)
+            if torch.jit.is_tracing():
+                # torch.jit.trace keeps sizes symbolic only inside tensor ops (max(shift, 0)
+                # would be baked in for the traced Sq - Sk): q from Sk and k from Sq, the same
+                # distances with both starts >= 0 for any lengths, as position tensors
+                rotary.tables(Sq + Sk, q.dtype)
+                q = rotary.rotate(q, 0, torch.arange(Sq, device=q.device) + Sk)
+                k = rotary.rotate(k, 0, torch.arange(Sk, device=k.device) + Sq)
+            else:
+                shift = Sk - Sq
+                q = rotary.rotate(q, max(shift, 0))
+                k = rotary.rotate(k, max(-shift, 0))
         if kv_cache is not None:
             cache_mask = kv_cache.key_padding_mask()
             if cache_mask is not None:

@@ -38,6 +38,26 @@ def test_load_library_in_a_fresh_process_without_the_package():
     assert abs(float(out) - torch.cos(torch.tensor(1.0)).item()) < 1e-6
 
 
+def test_without_the_package_the_ops_are_inference_only():
+    """README, "Gradients need the Python package": with only the library loaded, a backward
+    through attention gets PyTorch's not-registered warning and no gradient, while the
+    explicit attention_backward op still gives one (what C++ callers use)."""
+    code = (
+        "import torch, sys, warnings; torch.ops.load_library(sys.argv[1]); "
+        "q = torch.randn(1, 4, 2, 8, dtype=torch.float64, requires_grad=True); "
+        "out = torch.ops.attn_ext.attention(q, q, q, True, None); "
+        "w = warnings.catch_warnings(record=True); caught = w.__enter__(); warnings.simplefilter('always'); "
+        "out.sum().backward(); w.__exit__(None, None, None); "
+        "print(q.grad is None, any('autograd kernel was not registered' in str(c.message) for c in caught)); "
+        "o, lse = torch.ops.attn_ext.attention_forward(q.detach(), q.detach(), q.detach(), True, None); "
+        "dq, dk, dv = torch.ops.attn_ext.attention_backward(torch.ones_like(o), q.detach(), q.detach(), "
+        "q.detach(), o, lse, True); print(bool(dq.abs().sum() > 0))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, attn_ext.library_path()],
+                         capture_output=True, text=True, cwd="/", check=True).stdout
+    assert out.split() == ["True", "True", "True"], out
+
+
 def test_limited_api_build():
     # one .abi3 build serves every CPython >= 3.10
     assert os.path.basename(attn_ext.library_path()).endswith(".abi3.so")

@@ -280,3 +280,113 @@ def test_mistral_static_cache_sliding_window_left_padding_generate():
     kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
               cache_implementation="static")
     assert torch.equal(ours.generate(idx, **kw), ref.generate(idx, **kw))
+
+
+def _refuse_sdpa(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("attn_ext fell back to transformers' SDPA")
+    monkeypatch.setattr(attn_ext_hf, "sdpa_attention_forward", refuse)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no_mask", "left_padded"])
+def test_static_cache_generation_runs_on_the_kernel(models, monkeypatch, padded):
+    """cache_implementation="static": a decode step's mask spans the unfilled slots, so it is
+    not a key padding mask over the filled keys; the attention function reads one query
+    row's 4-D mask as the kernel's key padding mask (every step used to fall back to SDPA
+    when generate() got no attention_mask). Greedy tokens equal eager's."""
+    ours, ref = models
+    torch.manual_seed(3)
+    idx = torch.randint(1, 100, (2, 7))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    if padded:
+        mask = torch.ones_like(idx)
+        mask[0, :3] = 0
+        idx[mask == 0] = 0
+        kw["attention_mask"] = mask
+    with torch.no_grad():
+        want = ref.generate(idx, **kw)
+        _refuse_sdpa(monkeypatch)
+        got = ours.generate(idx, **kw)
+    assert got.shape == (2, 13)
+    assert torch.equal(got, want)
+
+
+def test_a_4d_boolean_padding_mask_runs_on_the_kernel(models, monkeypatch):
+    """A 4-D boolean mask that is the causal pattern with key padding (built by hand, as a
+    user's collator would) runs on the kernel; one that is not falls back (the custom-mask
+    test above)."""
+    ours, ref = models
+    idx = torch.randint(0, 100, (2, 9))
+    pad = torch.ones(2, 9, dtype=torch.bool)
+    pad[1, :4] = False
+    keep = torch.ones(9, 9, dtype=torch.bool).tril()[None, None] & pad[:, None, None, :]
+    _refuse_sdpa(monkeypatch)
+    with torch.no_grad():
+        got = ours(idx, attention_mask=keep).logits
+        want = ref(idx, attention_mask=pad.long()).logits
+    torch.testing.assert_close(got[pad], want[pad], rtol=1e-4, atol=1e-5)
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx, mask):
+        return self.model(input_ids=idx, attention_mask=mask, use_cache=False).logits
+
+
+def test_export_with_a_padding_mask_runs_on_the_kernel(models):
+    """torch.export of a model on attn_implementation="attn_ext" (it used to fail: the mask
+    builder read the mask's values); the mask builder decides from the mask function and the
+    sizes while tracing, so the exported graph calls attn_ext's kernel, once per layer, and
+    gives eager's logits for any padding."""
+    ours, ref = models
+    idx = torch.randint(0, 100, (3, 9))
+    mask = torch.ones_like(idx)
+    mask[1, :3] = 0
+    mask[2, 6:] = 0
+    with torch.no_grad():
+        ep = torch.export.export(_Logits(ours), (idx, mask))
+        kernels = [n for n in ep.graph.nodes if n.op == "call_function" and "attn_ext" in str(n.target)]
+        assert len(kernels) == 2
+        other = torch.ones_like(mask)
+        other[0, :5] = 0
+        for m in (mask, other, torch.ones_like(mask)):
+            got = ep.module()(idx, m)
+            want = ref(idx, attention_mask=m).logits
+            torch.testing.assert_close(got[m.bool()], want[m.bool()], rtol=1e-4, atol=1e-5)
+
+
+def test_compile_fullgraph_with_a_padding_mask_matches_eager(models):
+    ours, ref = models
+    idx = torch.randint(0, 100, (3, 9))
+    mask = torch.ones_like(idx)
+    mask[1, :3] = 0
+    mask[2, 6:] = 0
+    torch._dynamo.reset()
+    compiled = torch.compile(_Logits(ours), fullgraph=True)
+    with torch.no_grad():
+        got = compiled(idx, mask)
+        want = ref(idx, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_prefill_on_a_static_cache_runs_on_the_kernel(models, monkeypatch):
+    """A second prompt chunk on a StaticCache without attention_mask: transformers' 4-D mask
+    spans the cache's unfilled slots (keys no query sees); they are cut off, after which the
+    chunk's queries align bottom-right on the filled keys and the kernel runs it."""
+    ours, ref = models
+    idx = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        got, want = [], []
+        for model, out in ((ref, want), (ours, got)):
+            if model is ours:
+                _refuse_sdpa(monkeypatch)
+            cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+            for chunk in (idx[:, :5], idx[:, 5:8], idx[:, 8:]):
+                n = cache.get_seq_length()
+                pos = torch.arange(n, n + chunk.shape[1])
+                out.append(model(chunk, cache=cache, use_cache=True, cache_position=pos).logits)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -81,8 +81,7 @@ def _t5_cfg():
 def test_t5_relative_bias_on_the_kernel(monkeypatch):
     """T5 hands the hook its dense (1, H, Sq, Sk) position_bias; the hook passes its diagonals
     to the kernel as rel_bias (no fallback, no eager formula): logits and the gradient of the
-    bucket embedding equal "eager"'s. (A padded T5 batch arrives with a 4-D boolean mask and
-    takes the eager formula inside the hook: correct, not on the kernel.)"""
+    bucket embedding equal "eager"'s. (A padded batch: the next tests.)"""
     cfg = _t5_cfg()
 
     def build(impl):
@@ -107,3 +106,55 @@ def test_t5_relative_bias_on_the_kernel(monkeypatch):
         grads.append((out.logits.detach(), emb.grad.clone(), dec.grad.clone()))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("make_cfg", [_gemma2_cfg, _gpt_oss_cfg], ids=["gemma2", "gpt_oss"])
+def test_a_mask_the_kernel_cannot_take_keeps_the_score_terms(make_cfg, monkeypatch):
+    """A custom 4-D mask falls back, and with softcap or sinks the fallback is the textbook
+    formula with those terms, not transformers' SDPA (which refuses softcap and silently
+    drops GPT-OSS's sinks)."""
+    cfg = make_cfg()
+    ours, ref = _build(cfg, "attn_ext"), _build(cfg, "eager")
+    if isinstance(cfg, transformers.GptOssConfig):
+        with torch.no_grad():
+            for layer_o, layer_r in zip(ours.model.layers, ref.model.layers):
+                layer_o.self_attn.sinks.normal_(0, 2, generator=torch.Generator().manual_seed(1))
+                layer_r.self_attn.sinks.copy_(layer_o.self_attn.sinks)
+    S = 7
+    keep = torch.ones(S, S, dtype=torch.bool).tril()
+    keep[5, 1] = False  # not padding + causal + window
+    additive = torch.zeros(1, 1, S, S).masked_fill(~keep, torch.finfo(torch.float32).min)
+    masks = {"full_attention": additive, "sliding_attention": additive}
+    idx = torch.randint(0, 100, (1, S))
+    _no_fallback(monkeypatch)
+    attn_ext_hf._warned_fallback = True  # (the one-time warning is tested elsewhere)
+    with torch.no_grad():
+        got = ours(idx, attention_mask=masks).logits
+        want = ref(idx, attention_mask=masks).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_t5_padded_batch_on_the_kernel(monkeypatch):
+    """A padded T5 batch: the encoder's padding and the decoder's cross-attention mask over
+    the padded encoder keys reach the kernel as key padding (with T5's bias as rel_bias), not
+    the eager formula; logits at the real tokens equal "eager"'s."""
+    cfg = _t5_cfg()
+
+    def build(impl):
+        torch.manual_seed(0)
+        return transformers.T5ForConditionalGeneration._from_config(cfg, attn_implementation=impl).eval()
+
+    ours, ref = build("attn_ext"), build("eager")
+    x = torch.randint(1, 100, (2, 11))
+    mask = torch.ones_like(x)
+    mask[1, 7:] = 0
+    y = torch.randint(0, 100, (2, 6))
+    with torch.no_grad():
+        want = ref(input_ids=x, attention_mask=mask, decoder_input_ids=y).logits
+        _no_fallback(monkeypatch)
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("attn_ext used the eager formula")
+        monkeypatch.setattr(attn_ext_hf, "_eager", refuse)
+        got = ours(input_ids=x, attention_mask=mask, decoder_input_ids=y).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -23,12 +23,21 @@ What runs on attn_ext's kernel and what does not:
 - Packed training (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``: the
   ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments) runs
   :func:`attn_ext.attention_varlen`.
+- Static caches: a decode step's 4-D mask (one query row over the filled and unfilled
+  slots) is a key padding mask; a chunk's 4-D mask runs once the keys no query sees are cut
+  off (:func:`_read_as_padding`). Any boolean 4-D mask that is the kernel's pattern plus key
+  padding runs on the kernel.
 - A mask that is none of these (a custom 4-D mask, packing given only through
-  ``position_ids``, a static cache's unfilled slots under a window) is detected by comparing
-  transformers' own mask with the pattern the kernel would apply; it falls back to
-  transformers' SDPA with a one-time warning. Results stay correct; only the kernel differs.
-  (The comparison forms transformers' boolean ``(B, 1, Sq, Sk)`` mask once per forward, as
-  ``"sdpa"`` does, whenever there is padding.)
+  ``position_ids``) is detected by comparing transformers' own mask with the pattern the
+  kernel would apply; it falls back to transformers' SDPA (to the textbook formula when the
+  layer has softcap or sinks, which SDPA lacks) with a one-time warning. Results stay
+  correct; only the kernel differs. (The comparison forms transformers' boolean
+  ``(B, 1, Sq, Sk)`` mask once per forward, as ``"sdpa"`` does, whenever there is padding.)
+- ``torch.compile(fullgraph=True)`` / ``torch.export``: no value may steer Python, so the
+  mask builder decides from the mask function, sizes and offsets (:func:`_traced_mask`):
+  plain causal or bidirectional masks with padding reach the kernel as ``key_padding_mask``;
+  one query row's 4-D mask does too; other 4-D masks take SDPA (no warning while tracing),
+  and T5's bias the eager formula.
 - ``softcap`` (Gemma 2's ``attn_logit_softcapping``), attention sinks (GPT-OSS's ``s_aux``)
   and attention dropout in training run on the kernel (its score terms, DESIGN.md).
 - T5's relative position bias: T5Attention computes a dense ``(1, H, Sq, Sk)``
@@ -49,10 +58,13 @@ from typing import Optional, Tuple
 import torch
 
 import attn_ext  # noqa: F401  (registers torch.ops.attn_ext.*)
+from attn_ext.reference import add_score_terms, softmax_with_sinks, visibility_mask
 
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.masking_utils import (
+    AttentionMaskInterface, bidirectional_mask_function, causal_mask_function, sdpa_mask,
+)
 
 __all__ = ["NAME", "attention_forward", "attn_ext_mask", "register"]
 
@@ -109,11 +121,9 @@ def attention_forward(
     sinks = kwargs.get("s_aux")
     terms = dict(softcap=softcap, sinks=sinks, dropout_p=float(dropout))
     position_bias = kwargs.get("position_bias")  # T5: dense (1, H, Sq, Sk)
-    if position_bias is not None and (
-        (attention_mask is not None and attention_mask.dim() != 2)
-        or kwargs.get("cu_seq_lens_q") is not None
-    ):
-        return _eager(module, query, key, value, attention_mask, dropout, scaling, position_bias)
+    if position_bias is not None and kwargs.get("cu_seq_lens_q") is not None:
+        return _fallback(module, query, key, value, attention_mask, dropout, scaling,
+                         is_causal, kwargs, terms, position_bias), None
     plain = softcap is None and sinks is None and dropout == 0.0 and position_bias is None
 
     causal_default = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
@@ -130,23 +140,17 @@ def attention_forward(
         )
         return out[None], None
 
-    if attention_mask is not None and attention_mask.dim() != 2:
-        global _warned_fallback
-        if not _warned_fallback:
-            _warned_fallback = True
-            warnings.warn(
-                "attn_ext: an attention mask the kernel cannot express (a custom 4-D mask, "
-                "packing through position_ids only, ...) was given; these calls fall back to "
-                "transformers' SDPA attention. Padding, packing (cu_seq_lens) and sliding "
-                "windows run on attn_ext.",
-                stacklevel=2,
-            )
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask,
-            dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs,
-        )
-
     q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is not None and attention_mask.dim() != 2:
+        # A 4-D mask: transformers' own (a static cache's unfilled slots; a pattern the mask
+        # builder could not check under torch.compile / torch.export) or a custom one.
+        read = _read_as_padding(attention_mask, query.shape[0], q_len, kv_len, causal_default, window)
+        if read is None:
+            return _fallback(module, query, key, value, attention_mask, dropout, scaling,
+                             is_causal, kwargs, terms, position_bias), None
+        attention_mask, n, causal_default, window = read
+        key, value, kv_len = key[:, :, :n], value[:, :, :n], n
+
     key_padding_mask = None
     if attention_mask is not None:  # (B, n) padding mask from attn_ext_mask
         key_padding_mask = attention_mask.to(torch.bool)
@@ -162,41 +166,102 @@ def attention_forward(
         key = key[:, :, :q_len]
         value = value[:, :, :q_len]
     if position_bias is not None:
-        table = _rel_bias_table(position_bias[..., : key.shape[2]], q_len, key.shape[2])
+        position_bias = position_bias[..., : key.shape[2]]
+        # (the test that the bias is a function of i - j reads values: not in a traced graph)
+        table = None if torch.compiler.is_compiling() else _rel_bias_table(
+            position_bias, q_len, key.shape[2])
         if table is None:
-            return _eager(module, query, key, value, attention_mask, dropout, scaling, position_bias)
+            keep = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+            return _fallback(module, query, key, value, keep, dropout, scaling,
+                             is_causal, kwargs, terms, position_bias), None
         terms["rel_bias"] = table
+    return _on_kernel(query, key, value, key_padding_mask, causal_default, scaling, window,
+                      terms, plain), None
+
+
+def _on_kernel(query, key, value, key_padding_mask, causal_default, scaling, window, terms, plain):
+    """attn_ext's kernel on transformers' (B, H, S, D) tensors -> (B, Sq, H, Dv) contiguous."""
     # A single query row sees every key under our bottom-right causal mask anyway.
-    causal = causal_default and q_len > 1
+    causal = causal_default and query.shape[2] > 1
     if key_padding_mask is None and window is None and plain:
-        out = torch.ops.attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal, scaling)
-    else:
-        out = attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal=causal_default,
-                                 scale=scaling, window=window, key_padding_mask=key_padding_mask,
-                                 **terms)
-    return out, None  # out: (B, Sq, H, Dv) contiguous
+        return torch.ops.attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal, scaling)
+    return attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal=causal_default,
+                              scale=scaling, window=window, key_padding_mask=key_padding_mask,
+                              **terms)
 
 
-def _eager(module, query, key, value, attention_mask, dropout, scaling, position_bias):
-    """The textbook formula with T5's dense position_bias (a bias the kernel cannot take)."""
+def _read_as_padding(mask, batch, q_len, kv_len, causal, window):
+    """A boolean ``(B or 1, 1, Sq, Sk)`` mask read as the kernel's arguments:
+    ``(key_padding_mask (B, n), n, causal, window)`` for the first ``n`` keys, or None when
+    the kernel cannot apply it (the caller falls back).
+
+    - One query row (decoding): its mask row is a key padding mask, whatever made it (a
+      static cache's unfilled slots, a window): no value is read, so this also holds in a
+      traced graph.
+    - Several rows, eager only: the keys no query sees are cut off the end (a static cache's
+      unfilled slots, which would shift the kernel's bottom-right alignment), and the rest
+      must equal ``visibility_mask(Sq, n, causal, window, pad)`` with ``pad`` the keys some
+      query sees. Under torch.compile / torch.export that test would read values: None.
+    """
+    if (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
+            or mask.shape[2] != q_len or mask.shape[3] != kv_len or mask.shape[0] not in (1, batch)):
+        return None
+    mask = mask[:, 0].expand(batch, q_len, kv_len)
+    if q_len == 1:
+        return mask[:, 0], kv_len, False, None
+    if torch.compiler.is_compiling():
+        return None
+    cols = mask.any(dim=1).any(dim=0).nonzero()
+    if cols.numel() == 0:
+        return None
+    n = int(cols[-1]) + 1
+    pad = mask[..., :n].any(dim=1)  # (B, n)
+    if not torch.equal(visibility_mask(q_len, n, causal, window, pad, mask.device)[:, 0], mask[..., :n]):
+        return None
+    return pad, n, causal, window
+
+
+def _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs,
+              terms, position_bias):
+    """A mask (or bias) the kernel cannot take: transformers' SDPA for plain attention, the
+    textbook formula with the score terms (SDPA has no softcap, sinks or dense bias)."""
     global _warned_fallback
-    if not _warned_fallback:
+    if not _warned_fallback and not torch.compiler.is_compiling():
         _warned_fallback = True
-        warnings.warn("attn_ext: a position_bias that is not a function of i - j (or with a "
-                      "custom 4-D mask) falls back to the eager formula", stacklevel=3)
+        warnings.warn(
+            "attn_ext: an attention mask the kernel cannot express (a custom 4-D mask, "
+            "packing through position_ids only, ...) or a position_bias that is not a "
+            "function of i - j was given; these calls fall back to transformers' SDPA "
+            "attention (or to the eager formula with score terms). Padding, packing "
+            "(cu_seq_lens) and sliding windows run on attn_ext.",
+            stacklevel=3,
+        )
+    if position_bias is None and terms["softcap"] is None and terms["sinks"] is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)[0]
+    return _eager(module, query, key, value, attention_mask, dropout, scaling, position_bias,
+                  terms["softcap"], terms["sinks"])
+
+
+def _eager(module, query, key, value, attention_mask, dropout, scaling, position_bias=None,
+           softcap=None, sinks=None):
+    """The textbook formula (reference.py) with the mask as given: boolean (True = seen) or
+    additive; ``position_bias`` is T5's dense bias."""
     group = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(group, dim=1)
     value = value.repeat_interleave(group, dim=1)
     scale = 1.0 / query.shape[-1] ** 0.5 if scaling is None else scaling
-    scores = torch.matmul(query, key.transpose(2, 3)) * scale + position_bias
+    scores = add_score_terms(torch.matmul(query, key.transpose(2, 3)) * scale, None, softcap=softcap)
+    if position_bias is not None:
+        scores = scores + position_bias
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, float("-inf"))
         else:
             scores = scores + attention_mask
-    probs = torch.nn.functional.dropout(torch.softmax(scores.float(), dim=-1).to(query.dtype), dropout,
-                                        training=module.training)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+    probs, _ = softmax_with_sinks(scores.float(), sinks)
+    probs = torch.nn.functional.dropout(probs.to(query.dtype), dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
 def attn_ext_mask(
@@ -222,6 +287,9 @@ def attn_ext_mask(
     )
     if full is None or (attention_mask is not None and attention_mask.dim() != 2):
         return full
+    if torch.compiler.is_compiling():
+        return _traced_mask(full, batch_size, q_length, kv_length, q_offset, kv_offset,
+                            mask_function, attention_mask, local_size)
     # key j of the kernel is absolute position kv_offset + j; keys past the 2-D mask are
     # unfilled cache slots, cut off by the attention function
     if attention_mask is None:  # e.g. a sliding window longer than the prompt, no padding
@@ -257,6 +325,34 @@ def attn_ext_mask(
                 return None
             return pad
     return full
+
+
+def _traced_mask(full, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                 attention_mask, local_size):
+    """attn_ext_mask under torch.compile / torch.export, where no value may steer Python: the
+    same answer as in eager, decided from what is known while tracing (the mask function
+    itself, the sizes and offsets), never from the mask's values.
+
+    Only transformers' plain causal and bidirectional mask functions, with no window and
+    offsets that are Python ints aligning the queries bottom-right on the keys (no cache,
+    or a cache without a tensor offset), give the 2-D padding mask or None; anything else
+    keeps transformers' 4-D mask, which the attention function runs on the kernel for one
+    query row (decoding) and otherwise hands to SDPA."""
+    if mask_function is causal_mask_function:
+        pass
+    elif mask_function is not bidirectional_mask_function:
+        return full
+    if local_size is not None or not isinstance(q_offset, int) or not isinstance(kv_offset, int):
+        return full
+    if kv_offset != 0:  # a sliding window's full static layer: eager returns absolute positions
+        return full
+    n = kv_length if attention_mask is None else min(kv_length, attention_mask.shape[1])
+    if n < q_length or q_offset != n - q_length:
+        return full
+    if attention_mask is None:
+        return None if n == q_length or q_length == 1 else torch.ones(
+            batch_size, n, dtype=torch.bool, device=full.device)
+    return attention_mask[:, :n].to(torch.bool)
 
 
 def register(name: str = NAME) -> None:
