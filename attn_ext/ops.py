@@ -519,6 +519,16 @@ def _inplace_kernels(name, written):
             return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
 
     def inplace_or_view_kernel(keyset, *args, **kwargs):
+        # Runs for every call outside torch.inference_mode() (the key is in the default TLS
+        # set), and inside it when another argument is a normal tensor. Outside it, writing
+        # an inference tensor is refused, as aten's in-place ops refuse it.
+        inference_mode = torch.is_inference_mode_enabled()
+        for t, arg_name in targets(args, kwargs):
+            if t.is_inference() and not inference_mode:
+                raise RuntimeError(
+                    f"attn_ext::{name}: {arg_name} is an inference tensor (made under "
+                    f"torch.inference_mode()); an in-place update to it outside InferenceMode "
+                    f"is not allowed. Clone it, or call this inside torch.inference_mode()")
         with torch._C._AutoDispatchBelowADInplaceOrView():
             out = op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
         for t, _ in targets(args, kwargs):

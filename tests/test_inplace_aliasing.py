@@ -137,3 +137,23 @@ def test_inplace_on_disjoint_strided_views_still_works(device):
     want = ref.sinusoidal_pe(y.double())
     ops.sinusoidal_pe_(y, None, 0, 10000.0)
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_inplace_on_an_inference_tensor_outside_inference_mode_is_refused():
+    """As aten's in-place ops: an inference tensor is written only inside
+    torch.inference_mode() (outside it, autograd could not track the write)."""
+    with torch.inference_mode():
+        x = torch.randn(1, 4, 2, 8)
+        z = torch.randn(1, 4, 16)
+    cos, sin = attn_ext.rope_cache(16, 8)
+    with pytest.raises(RuntimeError, match="x is an inference tensor"):
+        attn_ext.rope_(x, cos, sin)
+    with pytest.raises(RuntimeError, match="x is an inference tensor"):
+        attn_ext.sinusoidal_pe_(z)  # no other tensor argument
+    with pytest.raises(RuntimeError, match="k is an inference tensor"):
+        attn_ext.rope_qk(torch.randn(1, 4, 2, 8), x, cos, sin, inplace=True)
+    want = attn_ext.rope(x, cos, sin)  # out of place: fine
+    with torch.inference_mode():
+        attn_ext.rope_(x, cos, sin)
+        attn_ext.sinusoidal_pe_(z)
+    assert torch.equal(x, want)
