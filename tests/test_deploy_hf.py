@@ -390,3 +390,25 @@ def test_chunked_prefill_on_a_static_cache_runs_on_the_kernel(models, monkeypatc
                 out.append(model(chunk, cache=cache, use_cache=True, cache_position=pos).logits)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_executorch_style_export_with_a_static_cache_runs_on_the_kernel():
+    """transformers' own export recipe (convert_and_export_with_cache: one token per call on a
+    StaticCache, the ExecuTorch path): each decode step's 4-D mask is one query row, which
+    the exported graph hands to attn_ext's kernel as a key padding mask; its greedy tokens
+    equal eager generation's."""
+    from transformers.integrations.executorch import (
+        TorchExportableModuleWithStaticCache, convert_and_export_with_cache)
+
+    model = _tiny_llama("attn_ext")
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 32}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # dynamo's note on transformers' collector
+        ep = convert_and_export_with_cache(model)
+    assert sum("attn_ext" in str(n.target) for n in ep.graph.nodes) == 2  # one per layer
+    idx = torch.randint(1, 100, (1, 5))
+    got = TorchExportableModuleWithStaticCache.generate(ep, idx, max_new_tokens=6)
+    with torch.no_grad():
+        want = _tiny_llama("eager").generate(idx, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
