@@ -339,22 +339,27 @@ class _Logits(torch.nn.Module):
 def test_export_with_a_padding_mask_runs_on_the_kernel(models):
     """torch.export of a model on attn_implementation="attn_ext" (it used to fail: the mask
     builder read the mask's values); the mask builder decides from the mask function and the
-    sizes while tracing, so the exported graph calls attn_ext's kernel, once per layer, and
-    gives eager's logits for any padding."""
+    sizes while tracing, so the exported graph (batch and length dynamic) calls attn_ext's
+    kernel, once per layer, and gives eager's logits for any padding and size."""
     ours, ref = models
     idx = torch.randint(0, 100, (3, 9))
     mask = torch.ones_like(idx)
     mask[1, :3] = 0
     mask[2, 6:] = 0
+    B, S = torch.export.Dim("B", min=2, max=8), torch.export.Dim("S", min=2, max=64)
     with torch.no_grad():
-        ep = torch.export.export(_Logits(ours), (idx, mask))
+        ep = torch.export.export(_Logits(ours), (idx, mask),
+                                 dynamic_shapes=({0: B, 1: S}, {0: B, 1: S}))
         kernels = [n for n in ep.graph.nodes if n.op == "call_function" and "attn_ext" in str(n.target)]
         assert len(kernels) == 2
         other = torch.ones_like(mask)
         other[0, :5] = 0
-        for m in (mask, other, torch.ones_like(mask)):
-            got = ep.module()(idx, m)
-            want = ref(idx, attention_mask=m).logits
+        longer = torch.randint(0, 100, (4, 17))
+        left = torch.ones_like(longer)
+        left[2, :11] = 0
+        for x, m in ((idx, mask), (idx, other), (idx, torch.ones_like(mask)), (longer, left)):
+            got = ep.module()(x, m)
+            want = ref(x, attention_mask=m).logits
             torch.testing.assert_close(got[m.bool()], want[m.bool()], rtol=1e-4, atol=1e-5)
 
 
