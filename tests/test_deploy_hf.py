@@ -417,3 +417,16 @@ def test_executorch_style_export_with_a_static_cache_runs_on_the_kernel():
     with torch.no_grad():
         want = _tiny_llama("eager").generate(idx, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_sliding_window_generation_past_the_window_without_padding(cache):
+    """No padding (no mask reaches the builder) and a full sliding-window cache layer
+    (kv_offset > 0): the builder used to index the missing mask and crash."""
+    ours, ref = _tiny_mistral("attn_ext"), _tiny_mistral("eager")
+    idx = torch.randint(1, 100, (2, 3))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    if cache:
+        kw["cache_implementation"] = cache
+    with torch.no_grad():
+        assert torch.equal(ours.generate(idx, **kw), ref.generate(idx, **kw))

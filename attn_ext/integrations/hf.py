@@ -315,6 +315,8 @@ def attn_ext_mask(
                 # as a 2-D padding mask, which is then read at absolute positions again (the
                 # slice would be read as positions 0..n-1: a wrong mask, and wrong tokens);
                 # the attention function takes its last kv_len columns.
+                if attention_mask is None:  # no padding: every absolute position is real
+                    return torch.ones(batch_size, kv_offset + n, dtype=torch.bool, device=full.device)
                 return attention_mask[:, : kv_offset + n].to(torch.bool)
             # No mask only where no past keys precede several queries: the attention
             # function reads a missing mask with more keys than queries (q_len > 1) as an
