@@ -148,8 +148,8 @@ def attention_forward(
         if read is None:
             return _fallback(module, query, key, value, attention_mask, dropout, scaling,
                              is_causal, kwargs, terms, position_bias), None
-        attention_mask, n, causal_default, window = read
-        key, value, kv_len = key[:, :, :n], value[:, :, :n], n
+        # (the keys past the padding mask are cut off below, as a static cache's slots)
+        attention_mask, causal_default, window = read
 
     key_padding_mask = None
     if attention_mask is not None:  # (B, n) padding mask from attn_ext_mask
@@ -192,7 +192,7 @@ def _on_kernel(query, key, value, key_padding_mask, causal_default, scaling, win
 
 def _read_as_padding(mask, batch, q_len, kv_len, causal, window):
     """A boolean ``(B or 1, 1, Sq, Sk)`` mask read as the kernel's arguments:
-    ``(key_padding_mask (B, n), n, causal, window)`` for the first ``n`` keys, or None when
+    ``(key_padding_mask (B, n), causal, window)`` for the first ``n`` keys, or None when
     the kernel cannot apply it (the caller falls back).
 
     - One query row (decoding): its mask row is a key padding mask, whatever made it (a
@@ -208,7 +208,7 @@ def _read_as_padding(mask, batch, q_len, kv_len, causal, window):
         return None
     mask = mask[:, 0].expand(batch, q_len, kv_len)
     if q_len == 1:
-        return mask[:, 0], kv_len, False, None
+        return mask[:, 0], False, None
     if torch.compiler.is_compiling():
         return None
     cols = mask.any(dim=1).any(dim=0).nonzero()
@@ -218,7 +218,7 @@ def _read_as_padding(mask, batch, q_len, kv_len, causal, window):
     pad = mask[..., :n].any(dim=1)  # (B, n)
     if not torch.equal(visibility_mask(q_len, n, causal, window, pad, mask.device)[:, 0], mask[..., :n]):
         return None
-    return pad, n, causal, window
+    return pad, causal, window
 
 
 def _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs,
@@ -318,14 +318,7 @@ def attn_ext_mask(
                 if attention_mask is None:  # no padding: every absolute position is real
                     return torch.ones(batch_size, kv_offset + n, dtype=torch.bool, device=full.device)
                 return attention_mask[:, : kv_offset + n].to(torch.bool)
-            # No mask only where no past keys precede several queries: the attention
-            # function reads a missing mask with more keys than queries (q_len > 1) as an
-            # empty static cache's prefill (transformers' own convention) and drops the keys
-            # past q_len; a chunk after cached keys keeps them through the all-True padding
-            # mask. (One decoding query sees every key either way.)
-            if attention_mask is None and (n == q_length or q_length == 1):
-                return None
-            return pad
+            return _padding_or_none(attention_mask, pad, q_length)
     return full
 
 
@@ -340,9 +333,7 @@ def _traced_mask(full, batch_size, q_length, kv_length, q_offset, kv_offset, mas
     or a cache without a tensor offset), give the 2-D padding mask or None; anything else
     keeps transformers' 4-D mask, which the attention function runs on the kernel for one
     query row (decoding) and otherwise hands to SDPA."""
-    if mask_function is causal_mask_function:
-        pass
-    elif mask_function is not bidirectional_mask_function:
+    if mask_function is not causal_mask_function and mask_function is not bidirectional_mask_function:
         return full
     if local_size is not None or not isinstance(q_offset, int) or not isinstance(kv_offset, int):
         return full
@@ -352,9 +343,23 @@ def _traced_mask(full, batch_size, q_length, kv_length, q_offset, kv_offset, mas
     if n < q_length or q_offset != n - q_length:
         return full
     if attention_mask is None:
-        return None if n == q_length or q_length == 1 else torch.ones(
-            batch_size, n, dtype=torch.bool, device=full.device)
-    return attention_mask[:, :n].to(torch.bool)
+        pad = torch.ones(batch_size, n, dtype=torch.bool, device=full.device)
+    else:
+        pad = attention_mask[:, :n].to(torch.bool)
+    return _padding_or_none(attention_mask, pad, q_length)
+
+
+def _padding_or_none(attention_mask, pad, q_length):
+    """The builder's answer once the mask is the kernel's pattern over ``pad (B, n)``.
+
+    No mask only where no past keys precede several queries: the attention function reads a
+    missing mask with more keys than queries (q_len > 1) as an empty static cache's prefill
+    (transformers' own convention) and drops the keys past q_len; a chunk after cached keys
+    keeps them through the all-True padding mask. (One decoding query sees every key either
+    way.)"""
+    if attention_mask is None and (pad.shape[1] == q_length or q_length == 1):
+        return None
+    return pad
 
 
 def register(name: str = NAME) -> None:
