@@ -12,6 +12,7 @@ import numbers
 from typing import Optional, Tuple
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from .reference import add_score_terms, score_distance, visibility_mask
 
@@ -114,6 +115,53 @@ def _fake_same_device(ref, ref_name, **others):
                                  f"got {t.device}")
 
 
+# Forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) is refused by every op: the ops
+# have reverse-mode formulas only, and torch's custom-op autograd kernel silently drops a
+# tangent when no argument requires grad (the result's tangent would be zero: a wrong answer).
+# Costs one attribute read per call unless a dual level is open (torch.func.jvp opens one).
+# Under torch.func.jvp every call on the transform's (wrapped) tensors is refused: the
+# tangents sit inside the wrappers there, and an in-place op's would pass through unrotated.
+def _refuse_forward_ad(name, args, kwargs):
+    level = _forward_ad._current_level
+    if level < 0:
+        return
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    top = torch._C._functorch.peek_interpreter_stack()
+    if top is not None and top.key() == torch._C._functorch.TransformType.Jvp:
+        hit = any(torch._C._functorch.is_functorch_wrapped_tensor(a) for a in tensors)
+    else:
+        hit = any(_forward_ad.unpack_dual(a, level=level).tangent is not None for a in tensors)
+    if hit:
+        raise RuntimeError(
+            f"attn_ext::{name}: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) "
+            "is not supported: the op has no forward derivative, and torch would silently "
+            "give a zero tangent. Use reverse mode (backward, torch.autograd.grad), or "
+            "attn_ext.reference for a jvp")
+
+
+def _register_autograd(name, backward, setup_context):
+    """torch.library.register_autograd for attn_ext::name, plus the forward-mode refusal in
+    the same (Python) Autograd kernel. That kernel is built with torch._library's
+    make_autograd_impl, what register_autograd itself registers; a torch without it gets the
+    plain public registration (no refusal)."""
+    try:
+        from torch._library.autograd import Info, make_autograd_impl
+        op = getattr(_lib, name).default
+        impl = make_autograd_impl(op, Info(backward, setup_context))
+    except (ImportError, AttributeError, TypeError):
+        torch.library.register_autograd(f"attn_ext::{name}", backward, setup_context=setup_context)
+        return
+
+    def kernel(keyset, *args, **kwargs):
+        _refuse_forward_ad(name, args, kwargs)
+        return impl(keyset, *args, **kwargs)
+
+    _autograd_lib.impl(name, kernel, "Autograd", with_keyset=True)
+
+
+_autograd_lib = torch.library.Library("attn_ext", "IMPL")
+
+
 @torch.library.register_fake("attn_ext::sinusoidal_pe")
 def _sinusoidal_pe_fake(x, positions=None, offset=0, base=10000.0):
     torch._check(x.dim() in (2, 3), lambda: f"x must have 3 dims (B, S, D) or 2 dims (S, D), got shape {list(x.shape)}")
@@ -136,9 +184,7 @@ def _sinusoidal_pe_backward(ctx, grad):
     return grad, None, None, None
 
 
-torch.library.register_autograd(
-    "attn_ext::sinusoidal_pe", _sinusoidal_pe_backward, setup_context=_sinusoidal_pe_setup
-)
+_register_autograd("sinusoidal_pe", _sinusoidal_pe_backward, setup_context=_sinusoidal_pe_setup)
 
 
 # ---------------------------------------------------------------------------------------
@@ -477,10 +523,8 @@ def _rope_inverse_backward(ctx, grad):
     return gx, None, None, None, None, None
 
 
-torch.library.register_autograd("attn_ext::rope", _rope_backward, setup_context=_rope_setup)
-torch.library.register_autograd(
-    "attn_ext::_rope_backward", _rope_inverse_backward, setup_context=_rope_setup
-)
+_register_autograd("rope", _rope_backward, setup_context=_rope_setup)
+_register_autograd("_rope_backward", _rope_inverse_backward, setup_context=_rope_setup)
 
 
 # ---------------------------------------------------------------------------------------
@@ -522,6 +566,7 @@ def _inplace_kernels(name, written):
         # Runs for every call outside torch.inference_mode() (the key is in the default TLS
         # set), and inside it when another argument is a normal tensor. Outside it, writing
         # an inference tensor is refused, as aten's in-place ops refuse it.
+        _refuse_forward_ad(name, args, kwargs)
         inference_mode = torch.is_inference_mode_enabled()
         for t, arg_name in targets(args, kwargs):
             if t.is_inference() and not inference_mode:
@@ -592,6 +637,10 @@ def _window_args(window) -> tuple:
     if left < -1 or right < -1:
         raise ValueError(
             f"window must be (left, right) with each side >= 0, or -1 for unbounded, got {window!r}"
+        )
+    if left >= 2**63 or right >= 2**63:  # the ops take int64 (torch's parser would say only
+        raise ValueError(                 # "expected int, found int")
+            f"window sides must be below 2**63 (use -1 for unbounded), got {window!r}"
         )
     return left, right
 
@@ -664,10 +713,15 @@ def _checked_score_terms(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
     rel_bias = table(rel_bias, "rel_bias", "(H, 2M + 1)")
     sinks = table(sinks, "sinks", "(H,)")
     if softcap is not None:
+        # 0 < softcap < inf, not math.isfinite: under torch.compile a softcap that changes
+        # between calls becomes a symbolic float, which math.isfinite cannot take
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not (
-            math.isfinite(softcap) and softcap > 0
+            0 < softcap < math.inf
         ):
-            raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
+            # float(): a symbolic float (torch.compile) cannot be formatted as it is
+            shown = softcap if isinstance(softcap, (bool, str)) or not isinstance(
+                softcap, numbers.Real) else float(softcap)
+            raise ValueError(f"softcap must be a finite number > 0 (or None), got {shown!r}")
         softcap = float(softcap)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not (
         0.0 <= dropout_p <= _MAX_DROPOUT_P
@@ -807,7 +861,8 @@ def attention_varlen(
         cu_seqlens_q, cu_seqlens_k: int32 ``(N + 1,)``, starting at 0, non-decreasing, ending
             at ``Tq`` / ``Tk``: sequence ``b`` owns q rows ``[cu_seqlens_q[b], cu_seqlens_q[b+1])``
             and k/v rows ``[cu_seqlens_k[b], cu_seqlens_k[b+1])``. Empty sequences are fine.
-        max_seqlen_q, max_seqlen_k: bounds on the sequences' lengths (checked on CPU).
+        max_seqlen_q, max_seqlen_k: bounds on the sequences' lengths (checked on CPU; on CUDA,
+            without a sync, only against the packed rows: N * max_seqlen >= T).
         causal, scale, window: as in :func:`attention`, per sequence, bottom-right aligned
             to that sequence's own ``(Sq_b, Sk_b)``.
         alibi_slopes, rel_bias, softcap, sinks, dropout_p: as in :func:`attention`, per
@@ -1005,8 +1060,8 @@ def _attention_forward_backward(ctx, dout, dlse):
             None)
 
 
-torch.library.register_autograd(
-    "attn_ext::attention_forward",
+_register_autograd(
+    "attention_forward",
     _attention_forward_backward,
     setup_context=_attention_forward_setup,
 )
@@ -1040,8 +1095,8 @@ def _attention_varlen_backward(ctx, dout, dlse):
             drel_bias if rel_bias is not None else None, None, dsinks, None, None, None)
 
 
-torch.library.register_autograd(
-    "attn_ext::attention_varlen_forward",
+_register_autograd(
+    "attention_varlen_forward",
     _attention_varlen_backward,
     setup_context=_attention_varlen_setup,
 )
@@ -1064,8 +1119,7 @@ def _no_double_backward_setup(ctx, inputs, output):
 
 for _name in ("attention_backward", "attention_backward_rel_bias", "attention_varlen_backward",
               "attention_varlen_backward_rel_bias"):
-    torch.library.register_autograd(f"attn_ext::{_name}", _no_double_backward(_name),
-                                    setup_context=_no_double_backward_setup)
+    _register_autograd(_name, _no_double_backward(_name), setup_context=_no_double_backward_setup)
 
 
 # ---------------------------------------------------------------------------------------

@@ -885,12 +885,30 @@ def test_fast_varlen_bad_cu_seqlens_device_assert(cuda, tmp_path):
         text = res.stdout + res.stderr
         assert res.returncode != 0 and "NO ERROR" not in text, (name, text[-2000:])
         assert "cu_seqlens_q / cu_seqlens_k must start at 0" in text, (name, text[-2000:])
+
+
+def test_varlen_cu_seqlens_refuted_by_sizes_on_cuda(cuda):
+    """What the sizes alone refute is refused on the host, without reading cu_seqlens (no
+    sync): max_seqlen 0 with packed rows (no kernel row would run, so nothing would assert
+    and out / lse would stay unwritten), N sequences too short for the packed rows, and 0
+    sequences with packed rows."""
+    q = torch.randn(10, 2, 64, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32, device="cuda")
+    for mq, mk, name in ((0, 5, "max_seqlen_q"), (5, 0, "max_seqlen_k"), (4, 5, "max_seqlen_q"),
+                         (5, 4, "max_seqlen_k")):
+        with pytest.raises(RuntimeError, match=f"{name} = {min(mq, mk)} is smaller than the longest"):
+            attn_ext.attention_varlen(q, q, q, cu, cu, mq, mk)
+    none = torch.zeros(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="cu_seqlens_q has 0 sequences"):
+        attn_ext.attention_varlen(q, q, q, none, none, 5, 5)
+    out = attn_ext.attention_varlen(q, q, q, cu, cu, 5, 5)  # the tight bound is fine
+    assert out.shape == q.shape and torch.isfinite(out).all()
 # ---- score terms on CUDA (issue 15): softcap, ALiBi, rel_bias, sinks, dropout ---------------
 # The simple kernels (and the split-KV decode path) take every term through ScoreTerms /
-# dropout_rng.h; the fast forward takes all but dropout (its kTerms instances), the fast
+# dropout_rng.h; the fast forward takes all of them (its kTerms instances), the fast
 # backward softcap, ALiBi and rel_bias (its kTerms instances; d rel_bias by fp32 atomics, the
 # simple kernels' deterministic passes under deterministic mode; sinks reach it through lse),
-# not dropout.
+# and dropout at D = 64 only (bwd_fast_dropout_head_dim in attention_launch.h).
 # Values, lse and every gradient (d rel_bias, d sinks included) against the float64 CPU
 # reference (tests/reference_checks.check_against_reference: float64 to 1e-9, low precision
 # by DESIGN.md's rule); dropout's keep bits equal the CPU kernel's and reference.py's bit for

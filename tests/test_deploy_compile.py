@@ -116,6 +116,31 @@ def test_attention_dropout_compiles_fullgraph_and_exports():
     assert y.shape == (2, 12, 16) and torch.isfinite(y).all()
 
 
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_softcap_passed_per_call_compiles_fullgraph(dynamic):
+    """A softcap that changes between calls becomes a symbolic float (at once with
+    dynamic=True, on the second value by default): the wrapper's check of it must trace
+    (math.isfinite cannot take one) and every value must give eager's output and gradients."""
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(2, 8, 2, 8, requires_grad=True) for _ in range(3))
+
+    def layer(q, k, v, cap):
+        return attn_ext.attention(q, k, v, causal=True, softcap=cap)
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for cap in (30.0, 50.0, 2.5):
+        got, want = compiled(q, k, v, cap), layer(q, k, v, cap)
+        assert torch.equal(got, want), cap
+        g_got = torch.autograd.grad(got.square().sum(), (q, k, v))
+        g_want = torch.autograd.grad(want.square().sum(), (q, k, v))
+        assert all(torch.equal(a, b) for a, b in zip(g_got, g_want)), cap
+    # a bad value is refused with the wrapper's message (fullgraph wraps any exception the
+    # traced code raises in dynamo's Unsupported, the message kept)
+    with pytest.raises((ValueError, torch._dynamo.exc.Unsupported),
+                       match=r"softcap must be a finite number > 0 \(or None\), got -1.0"):
+        compiled(q, k, v, -1.0)
+
 def test_left_padded_attention_mask_compiles_fullgraph():
     """TinyGPT's left-padded ``attention_mask`` path compiles without a graph break (its value
     check runs in eager only) and gives eager's logits; eager still refuses a mask that is not

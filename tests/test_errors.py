@@ -458,3 +458,61 @@ def test_large_logits_do_not_overflow(dtype, causal):
     assert max_err(lse, ref64[1]) <= lse_bound
     out.float().sum().backward()
     assert torch.isfinite(q.grad).all()
+
+
+# ---- forward-mode AD: refused, never a silent zero tangent ----------------------------------
+# The ops have reverse-mode formulas only. torch's custom-op autograd kernel drops a tangent it
+# has no formula for when no argument requires grad, which would give jvp a zero tangent; every
+# op refuses instead (ops._refuse_forward_ad).
+
+def _fwd_ad_cases():
+    q, k, v = (randn(1, 4, 2, 8, dtype=torch.float64) for _ in range(3))
+    cos, sin = attn_ext.rope_cache(8, 8, dtype=torch.float64)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    mha = attn_ext.MultiHeadAttention(8, 2).double()
+    return q, {
+        "attention": lambda x: attn_ext.attention(x, k, v, causal=True),
+        "attention_padding_lse": lambda x: attn_ext.attention(
+            x, k, v, key_padding_mask=torch.ones(1, 4, dtype=torch.bool), return_lse=True)[1],
+        "tangent_on_v": lambda x: attn_ext.attention(q, k, x),
+        "op_attention": lambda x: ops.attention(x, k, v, True),
+        "op_causal_attention": lambda x: ops.causal_attention(x, k, v),
+        "attention_varlen": lambda x: attn_ext.attention_varlen(x[0], k[0], v[0], cu, cu, 4, 4),
+        "rope": lambda x: attn_ext.rope(x, cos, sin),
+        "rope_qk": lambda x: attn_ext.rope_qk(x, x, cos, sin)[1],
+        "rope_inplace": lambda x: attn_ext.rope_(x.clone(), cos, sin),
+        "sinusoidal_pe": lambda x: attn_ext.sinusoidal_pe(x[:, :, 0]),
+        "module": lambda x: mha(x[:, :, 0])[0],
+    }
+
+
+@pytest.mark.parametrize("how", ["func.jvp", "forward_ad"])
+@pytest.mark.parametrize("case", list(_fwd_ad_cases()[1]))
+def test_forward_mode_ad_is_refused(case, how):
+    q, cases = _fwd_ad_cases()
+    f, t = cases[case], randn(*q.shape, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="forward-mode AD .* is not supported"):
+        if how == "func.jvp":
+            torch.func.jvp(f, (q,), (t,))
+        else:
+            import torch.autograd.forward_ad as fwAD
+            with fwAD.dual_level():
+                f(fwAD.make_dual(q, t))
+
+
+def test_forward_mode_ad_elsewhere_and_reverse_mode_still_work():
+    """A dual level whose tangent never reaches an attn_ext op is fine, and reverse mode and
+    vmap are untouched by the refusal."""
+    import torch.autograd.forward_ad as fwAD
+    q, k, v = (randn(1, 4, 2, 8, dtype=torch.float64) for _ in range(3))
+    t = randn(1, 4, 2, 8, dtype=torch.float64)
+    with fwAD.dual_level():
+        y = 2 * fwAD.make_dual(q, t) + attn_ext.attention(q, k, v)
+        assert torch.equal(fwAD.unpack_dual(y).tangent, 2 * t)
+    qq = q.clone().requires_grad_()
+    (g,) = torch.autograd.grad(attn_ext.attention(qq, k, v, causal=True), qq, t)
+    qr = q.clone().requires_grad_()
+    (g_ref,) = torch.autograd.grad(R.attention(qr, k, v, causal=True), qr, t)
+    assert max_err(g, g_ref) < 1e-10
+    batched = torch.func.vmap(attn_ext.attention)(q[:, None], k[:, None], v[:, None])
+    assert max_err(batched[:, 0], R.attention(q, k, v)) < 1e-10

@@ -350,6 +350,12 @@ def test_bad_window():
             attn_ext.attention(q, q, q, window=window)
     with pytest.raises(RuntimeError, match="window"):
         torch.ops.attn_ext.attention_forward(q, q, q, False, None, -3, 0)
+    # sides past int64 (torch's parser alone says "expected int, found int")
+    for window in [(0, 2**63), (2**63, 0), (2**64, -1)]:
+        with pytest.raises(ValueError, match=r"window sides must be below 2\*\*63"):
+            attn_ext.attention(q, q, q, window=window)
+    big = 2**63 - 1  # the largest side: unbounded in effect
+    assert torch.equal(attn_ext.attention(q, q, q, window=(big, big)), attn_ext.attention(q, q, q))
 
 
 def test_bad_key_padding_mask():

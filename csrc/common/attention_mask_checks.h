@@ -103,9 +103,20 @@ inline void check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q
   check_same_device(cu, q, name, "q");
   STD_TORCH_CHECK(cu.is_contiguous(), name, " must be contiguous, got strides ", strides_of(cu));
   STD_TORCH_CHECK(max_seqlen >= 0, max_name, " must be >= 0, got ", max_seqlen);
-  if (!cu.is_cpu()) return;  // on CUDA the values are not read on the host (no sync)
-  const int32_t* c = static_cast<const int32_t*>(cu.data_ptr());
   const int64_t n = cu.size(0) - 1;
+  if (!cu.is_cpu()) {
+    // On CUDA the values are not read on the host (no sync); the kernels device-assert them.
+    // What the sizes alone refute is refused here: N sequences of at most max_seqlen rows
+    // cannot hold `total` packed rows (a kernel with no rows to run would assert nothing and
+    // leave out / lse unwritten).
+    STD_TORCH_CHECK(n > 0 || total == 0, name, " has 0 sequences (shape ", shape_of(cu),
+                    "), but there are ", total, " packed rows");
+    STD_TORCH_CHECK(total == 0 || max_seqlen >= (total + n - 1) / n, max_name, " = ", max_seqlen,
+                    " is smaller than the longest sequence: ", n, " sequences of ", name,
+                    " hold ", total, " packed rows");
+    return;
+  }
+  const int32_t* c = static_cast<const int32_t*>(cu.data_ptr());
   STD_TORCH_CHECK(c[0] == 0, name, " must start at 0, got ", name, "[0] = ", c[0]);
   for (int64_t b = 0; b < n; ++b) {
     STD_TORCH_CHECK(c[b + 1] >= c[b], name, " must be non-decreasing, got ", name, "[", b, "] = ",

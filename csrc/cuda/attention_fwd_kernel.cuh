@@ -34,7 +34,8 @@
 //   * Score terms (kTerms; issue 15): softcap, ALiBi and rel_bias through ScoreTerms::add
 //     (common/attention_mask.h) on every element of the score fragment, after the scaling and
 //     before the mask; sinks in the epilogue's normalisation (ScoreTerms::sink_normalise, as
-//     the simple and CPU kernels). Dropout is not here: the adapter runs the simple kernel.
+//     the simple and CPU kernels). Dropout too: the keep bits of common/dropout_rng.h on P
+//     after the row sums (kTerms instances; see "dropout on P" in the key loop).
 //
 // Tile choice: kBlockM = 64 query rows, 128 threads; kBlockN = 64 keys per step up to
 // D = 128, 32 at D = 256. 64 keys give each warp 8 n8 score tiles (32 fp32 registers) next to
