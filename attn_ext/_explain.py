@@ -31,14 +31,15 @@ tests/test_explain.py reads them from csrc/ and fails when the two disagree.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Optional
 
 import torch
 
+from .reference import visibility_mask
+
 from .ops import (_FLOAT_DTYPES, _check_key_padding_mask, _check_qkv, _check_term_shapes,
-                  _checked_score_terms, _heads_4d, _window_args)
+                  _checked_score_terms, _heads_4d, _window_args, _check_causal, _check_scale)
 
 # csrc/cpu/attention_common.h
 CPU_BLOCK_Q = 96  # kBlockQ: score columns (head, query row) per query tile
@@ -176,10 +177,12 @@ def cpu_avx512_enabled() -> bool:
     return all(x in flags for x in ("avx512f", "avx512bw"))
 
 
-def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = ()) -> Optional[dict]:
-    """csrc/cpu/attention_decode.h decode_supported and its split-K chunk count (the op's
-    masks are not arguments of explain(): no mask), or None when the tiled kernel runs.
-    ``terms``: the names of the score terms of the call (any but sinks: the tiled kernel)."""
+def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
+                    causal: bool = False, window=(-1, -1)) -> Optional[dict]:
+    """csrc/cpu/attention_decode.h decode_supported and its split-K chunk count, or None when
+    the tiled kernel runs. ``terms``: the names of the score terms of the call (any but sinks:
+    the tiled kernel). The chunks split the keys some row sees by the band (causal, window;
+    key padding does not narrow it), as the kernel's max_keys."""
     if dtype == torch.float64 or not cpu_simd_enabled() or any(t != "sinks" for t in terms):
         return None
     if os.environ.get("ATTN_EXT_CPU_DECODE") == "0":
@@ -191,12 +194,16 @@ def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (
         return None
     # work units (sequence, key chunk), each covering every kv head
     n_chunks = max(1, _ceil_div(4 * max(threads, 1), max(s.B, 1)))
-    n_chunks = min(n_chunks, max(1, s.Sk // CPU_DECODE_MIN_CHUNK))  # every row's band: <= Sk keys
+    band = visibility_mask(s.Sq, s.Sk, causal, window if tuple(window) != (-1, -1) else None)
+    seen = band.any(0).nonzero()
+    band_keys = int(seen[-1]) + 1 - int(seen[0]) if seen.numel() else 0
+    n_chunks = min(n_chunks, max(1, band_keys // CPU_DECODE_MIN_CHUNK))
     return {"threads": threads, "columns_per_kv_head": s.Sq * group, "kv_heads": s.B * s.Hkv,
             "n_chunks": n_chunks}
 
 
-def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = ()) -> KernelChoice:
+def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
+                 causal: bool = False, window=(-1, -1)) -> KernelChoice:
     acc = "float64" if dtype == torch.float64 else "float32"
     inner = ("portable loops" if dtype == torch.float64 else
              "AVX2/FMA microkernels when the CPU has AVX2+FMA+F16C, else portable loops")
@@ -205,7 +212,7 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = ()) 
                             "none", "nothing to differentiate", {"threads": threads})
     plan = cpu_forward_plan(s, threads, dropout="dropout_p" in terms)
     plan["accumulation"] = acc
-    decode = cpu_decode_plan(s, dtype, threads, terms)
+    decode = cpu_decode_plan(s, dtype, threads, terms, causal, window)
     workers_text = (f"{plan['split_workers']} planned workers (dropout: the same chunks at every "
                     "thread count)" if "dropout_p" in terms else f"{threads} threads")
     if decode is not None:
@@ -468,9 +475,8 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     if dout is not None and not isinstance(dout, torch.Tensor):
         raise TypeError(f"dout must be a torch.Tensor or None, got {type(dout).__name__}")
     s = _check(q, k, v)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale)):
-        raise ValueError(f"scale must be finite (a number or None), got {scale!r}")
+    _check_causal(causal)
+    _check_scale(scale)
     left, right = _window_args(window)
     _check_key_padding_mask(key_padding_mask, s.B, s.Sk)
     alibi_slopes, rel_bias, softcap, sinks, dropout_p = _checked_score_terms(
@@ -479,14 +485,16 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     masks = tuple(name for name, on in (("causal", bool(causal)),
                                         ("window", (left, right) != (-1, -1)),
                                         ("key_padding_mask", key_padding_mask is not None)) if on)
-    choice = _explain(s, q, k, v, dout, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
+    choice = _explain(s, q, k, v, dout, alibi_slopes, rel_bias, softcap, sinks, dropout_p,
+                      causal, (left, right))
     choice.details["masks"] = masks
     choice.details["score_terms"] = score_terms_of(alibi_slopes, rel_bias, softcap, sinks, dropout_p)
     choice.details["return_lse"] = bool(return_lse)
     return choice
 
 
-def _explain(s: Shape, q, k, v, dout, alibi_slopes, rel_bias, softcap, sinks, dropout_p) -> KernelChoice:
+def _explain(s: Shape, q, k, v, dout, alibi_slopes, rel_bias, softcap, sinks, dropout_p,
+             causal: bool = False, window=(-1, -1)) -> KernelChoice:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.size(-1) > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {list(t.stride())}")
@@ -495,5 +503,5 @@ def _explain(s: Shape, q, k, v, dout, alibi_slopes, rel_bias, softcap, sinks, dr
         rel_max = (rel_bias.shape[-1] - 1) // 2 if rel_bias is not None else 0
         return _explain_cuda(s, q, k, v, dout, terms, rel_max)
     if q.device.type == "cpu":
-        return _explain_cpu(s, q.dtype, torch.get_num_threads(), terms)
+        return _explain_cpu(s, q.dtype, torch.get_num_threads(), terms, bool(causal), window)
     raise ValueError(f"attn_ext has kernels for cpu and cuda, got q on {q.device}")

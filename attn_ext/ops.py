@@ -24,6 +24,11 @@ class ArgumentTypeError(TypeError, ValueError):
     where a number belongs): both a TypeError and a ValueError, so either ``except`` catches it."""
 
 
+class ArgumentValueError(ValueError, RuntimeError):
+    """A bad argument value the wrapper refuses where the op used to (a non-finite scale): both
+    the ValueError of the Python checks and the RuntimeError the op raises for it."""
+
+
 def _check_tensor(t, name: str, what: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise ArgumentTypeError(f"{name} must be a torch.Tensor {what}, got {type(t).__name__}")
@@ -650,6 +655,20 @@ def _window_args(window) -> tuple:
 _MAX_DROPOUT_P = 1.0 - 2.0**-16
 
 
+def _check_scale(scale) -> None:
+    """scale: None or a finite number. A bool is refused (the op's float parser would take it
+    as 0 / 1), and so is a string or a tensor, by name. No math.isfinite: under
+    torch.compile a scale that changes between calls is a symbolic float."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (
+        -math.inf < scale < math.inf
+    ):
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise ArgumentTypeError(f"scale must be finite (a number or None), got {scale!r}")
+        raise ArgumentValueError(f"scale must be finite (a number or None), got {float(scale)!r}")
+
+
 def _check_causal(causal) -> None:
     """causal must be a bool (None or a string used to pass the op's parser as False / fail
     inside it without naming the argument)."""
@@ -821,6 +840,7 @@ def attention(
     _check_qkv(q, k, v, "(B, Sq, H, D) or (B, Sq, D)", "(B, Sk, Hkv, D)", "(B, Sk, Hkv, Dv)")
     q, k, v, squeeze = _heads_4d(q, k, v)
     _check_causal(causal)
+    _check_scale(scale)
     left, right = _window_args(window)
     terms = _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
     plain = all(t is None for t in terms[:4]) and terms[4] == 0.0
@@ -879,6 +899,7 @@ def attention_varlen(
         if isinstance(m, bool) or not isinstance(m, numbers.Integral):
             raise ArgumentTypeError(f"{name} must be an int, got {type(m).__name__}")
     _check_causal(causal)
+    _check_scale(scale)
     left, right = _window_args(window)
     terms = _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
     out, lse = _lib.attention_varlen_forward(
@@ -895,6 +916,7 @@ def causal_attention(
     ``scale`` is keyword-only."""
     _check_qkv(q, k, v, "(B, Sq, H, D) or (B, Sq, D)", "(B, Sk, Hkv, D)", "(B, Sk, Hkv, Dv)")
     q, k, v, squeeze = _heads_4d(q, k, v)
+    _check_scale(scale)
     out = _lib.causal_attention(q, k, v, scale)
     return out.squeeze(2) if squeeze else out
 
@@ -1150,8 +1172,7 @@ def _check_qk_inputs(q: torch.Tensor, k: torch.Tensor, scale: Optional[float]) -
     if not ((Hkv > 0 and H % Hkv == 0) or (Hkv == 0 and H == 0)):
         raise ValueError(f"k's number of heads Hkv = {Hkv} must divide q's number of heads H = {H} "
                          f"(GQA/MQA), got k shape {list(k.shape)} and q shape {list(q.shape)}")
-    if scale is not None and not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    _check_scale(scale)
 
 
 def _check_term_shapes(q, alibi_slopes, rel_bias, who: str = "", sinks=None) -> None:

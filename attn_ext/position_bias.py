@@ -40,6 +40,18 @@ def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32,
     return torch.tensor(slopes, dtype=dtype, device=device)
 
 
+def _check_t5_buckets(bidirectional: bool, num_buckets: int, max_distance: int) -> None:
+    """T5's log spacing runs from max_exact (num_buckets / 2 of a half's buckets) to
+    max_distance: max_distance <= max_exact would divide by log(max_distance / max_exact) <= 0
+    (inf / NaN bucket indices)."""
+    max_exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+    if max_distance <= max_exact:
+        raise ValueError(
+            f"max_distance must be greater than the {max_exact} exact buckets of num_buckets = "
+            f"{num_buckets} ({'num_buckets // 4 bidirectional' if bidirectional else 'num_buckets // 2 causal'}: "
+            f"T5's log-spaced buckets run from there to max_distance), got max_distance = {max_distance}")
+
+
 def t5_bucket(distance: Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> Tensor:
     """T5's bucket of each query-minus-key distance ``d = i - j`` (int64 tensor).
 
@@ -48,6 +60,7 @@ def t5_bucket(distance: Tensor, bidirectional: bool, num_buckets: int, max_dista
     the rest are spaced logarithmically up to ``max_distance``; farther distances share the
     last bucket. Unidirectional: keys after the query share distance 0's bucket.
     """
+    _check_t5_buckets(bidirectional, num_buckets, max_distance)
     n = distance
     ret = torch.zeros_like(n)
     if bidirectional:
@@ -94,6 +107,8 @@ class RelativePositionBias(nn.Module):
             raise ValueError(f"max_distance must be positive, got {max_distance}")
         if num_buckets is not None and (num_buckets < 2 or (bidirectional and num_buckets < 4)):
             raise ValueError(f"num_buckets must be >= 2 (>= 4 bidirectional), got {num_buckets}")
+        if num_buckets is not None:
+            _check_t5_buckets(bidirectional, num_buckets, max_distance)
         self.num_heads = num_heads
         self.max_distance = max_distance
         self.bidirectional = bidirectional

@@ -342,5 +342,5 @@ def test_attention_weights_lse_and_scale_errors():
         attn_ext.attention_weights(q[:, :, 0], k[:, :, 0], lse=torch.zeros(1, 1, 5))
     with pytest.raises(ValueError, match=r"lse must have shape \[1, 5\] \(B, Sq\), got \[1, 4\]"):
         attn_ext.attention_weights(q[:, :, 0], k[:, :, 0], lse=torch.zeros(1, 4))
-    with pytest.raises(ValueError, match="scale must be finite, got nan"):
+    with pytest.raises(ValueError, match=r"scale must be finite \(a number or None\), got nan"):
         attn_ext.attention_weights(q, k, scale=float("nan"))

@@ -355,6 +355,9 @@ _BAD_CALLS = {
     "sinks": dict(sinks=torch.zeros(3)),
     "window": dict(window=(2,)),
     "scale": dict(scale=float("nan")),
+    "scale_bool": dict(scale=True),
+    "scale_str": dict(scale="a"),
+    "causal": dict(causal=None),
 }
 
 
@@ -370,6 +373,35 @@ def test_explain_refuses_what_attention_refuses(name):
     for fn in (attn_ext.attention, attn_ext.explain):
         with pytest.raises((ValueError, RuntimeError), match=arg):
             fn(q, k, k, **kw)
+    if arg in ("scale", "causal"):  # the need_weights path refuses them alike
+        with pytest.raises((ValueError, RuntimeError), match=arg):
+            attn_ext.attention_weights(q, k, **kw)
+
+
+@pytest.mark.parametrize("window", [None, (100, 0), (1200, 0)])
+def test_cpu_explain_decode_chunks_follow_the_window(window):
+    """The decode kernel splits only the keys some row sees by the band (4 units per thread,
+    at least 256 keys each): 4096 keys give 8 chunks at 2 threads and 4 at 1, a window of
+    101 keys 1 and 1, of 1201 keys 4 and 4. explain says the same; observed bitwise: the
+    2-thread result equals the 1-thread one exactly when the chunk counts are equal."""
+    if not X.cpu_simd_enabled():
+        pytest.skip("the decode kernel needs AVX2")
+    q, k, v = randn(1, 1, 4, 64), randn(1, 4096, 4, 64), randn(1, 4096, 4, 64)
+    prev = torch.get_num_threads()
+    try:
+        got = {}
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            choice = attn_ext.explain(q, k, v, causal=True, window=window)
+            assert choice.forward == "cpu.decode"
+            assert f"{choice.details['n_chunks']} chunk(s)" in choice.forward_reason
+            got[threads] = (choice.details["n_chunks"],
+                            attn_ext.attention(q, k, v, causal=True, window=window))
+    finally:
+        torch.set_num_threads(prev)
+    want = {None: (8, 4), (100, 0): (1, 1), (1200, 0): (4, 4)}[window]
+    assert (got[2][0], got[1][0]) == want
+    assert torch.equal(got[2][1], got[1][1]) == (want[0] == want[1])
 
 
 def test_explain_refuses_non_tensors_like_attention():

@@ -94,3 +94,13 @@ def test_bad_arguments_name_themselves():
         RelativePositionBias(2, 0)
     with pytest.raises(ValueError, match="num_buckets"):
         RelativePositionBias(2, 8, bidirectional=True, num_buckets=2)
+    # T5's log spacing needs max_distance past the exact buckets (num_buckets // 4
+    # bidirectional, // 2 causal): at or below them log(max_distance / max_exact) <= 0 gave
+    # inf / NaN bucket indices and an IndexError in forward()
+    for bidirectional, num_buckets, max_distance in ((True, 32, 8), (False, 32, 16), (True, 32, 5)):
+        with pytest.raises(ValueError, match="max_distance must be greater than the .* exact buckets"):
+            RelativePositionBias(2, max_distance, bidirectional=bidirectional, num_buckets=num_buckets)
+        with pytest.raises(ValueError, match="max_distance must be greater"):
+            t5_bucket(torch.arange(-4, 5), bidirectional, num_buckets, max_distance)
+    r = RelativePositionBias(2, 9, bidirectional=True, num_buckets=32)  # one past: fine
+    assert int(r.index.min()) >= 0 and int(r.index.max()) < 32 and torch.isfinite(r()).all()
