@@ -36,10 +36,9 @@ from typing import Optional
 
 import torch
 
+from .ops import (_FLOAT_DTYPES, _check_causal, _check_key_padding_mask, _check_qkv,
+                  _check_scale, _check_term_shapes, _checked_score_terms, _heads_4d, _window_args)
 from .reference import visibility_mask
-
-from .ops import (_FLOAT_DTYPES, _check_key_padding_mask, _check_qkv, _check_term_shapes,
-                  _checked_score_terms, _heads_4d, _window_args, _check_causal, _check_scale)
 
 # csrc/cpu/attention_common.h
 CPU_BLOCK_Q = 96  # kBlockQ: score columns (head, query row) per query tile
@@ -194,7 +193,7 @@ def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (
         return None
     # work units (sequence, key chunk), each covering every kv head
     n_chunks = max(1, _ceil_div(4 * max(threads, 1), max(s.B, 1)))
-    band = visibility_mask(s.Sq, s.Sk, causal, window if tuple(window) != (-1, -1) else None)
+    band = visibility_mask(s.Sq, s.Sk, causal, window)  # (-1, -1): unbounded
     seen = band.any(0).nonzero()
     band_keys = int(seen[-1]) + 1 - int(seen[0]) if seen.numel() else 0
     n_chunks = min(n_chunks, max(1, band_keys // CPU_DECODE_MIN_CHUNK))
@@ -486,7 +485,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
                                         ("window", (left, right) != (-1, -1)),
                                         ("key_padding_mask", key_padding_mask is not None)) if on)
     choice = _explain(s, q, k, v, dout, alibi_slopes, rel_bias, softcap, sinks, dropout_p,
-                      causal, (left, right))
+                      bool(causal), (left, right))
     choice.details["masks"] = masks
     choice.details["score_terms"] = score_terms_of(alibi_slopes, rel_bias, softcap, sinks, dropout_p)
     choice.details["return_lse"] = bool(return_lse)
@@ -503,5 +502,5 @@ def _explain(s: Shape, q, k, v, dout, alibi_slopes, rel_bias, softcap, sinks, dr
         rel_max = (rel_bias.shape[-1] - 1) // 2 if rel_bias is not None else 0
         return _explain_cuda(s, q, k, v, dout, terms, rel_max)
     if q.device.type == "cpu":
-        return _explain_cpu(s, q.dtype, torch.get_num_threads(), terms, bool(causal), window)
+        return _explain_cpu(s, q.dtype, torch.get_num_threads(), terms, causal, window)
     raise ValueError(f"attn_ext has kernels for cpu and cuda, got q on {q.device}")

@@ -144,6 +144,11 @@ def _refuse_forward_ad(name, args, kwargs):
             "attn_ext.reference for a jvp")
 
 
+# The Python kernels of this file (the Autograd kernels below, the in-place ops' Autograd and
+# ADInplaceOrView kernels) are registered through this one library.
+_impl_lib = torch.library.Library("attn_ext", "IMPL")
+
+
 def _register_autograd(name, backward, setup_context):
     """torch.library.register_autograd for attn_ext::name, plus the forward-mode refusal in
     the same (Python) Autograd kernel. That kernel is built with torch._library's
@@ -161,10 +166,7 @@ def _register_autograd(name, backward, setup_context):
         _refuse_forward_ad(name, args, kwargs)
         return impl(keyset, *args, **kwargs)
 
-    _autograd_lib.impl(name, kernel, "Autograd", with_keyset=True)
-
-
-_autograd_lib = torch.library.Library("attn_ext", "IMPL")
+    _impl_lib.impl(name, kernel, "Autograd", with_keyset=True)
 
 
 @torch.library.register_fake("attn_ext::sinusoidal_pe")
@@ -546,7 +548,6 @@ _register_autograd("_rope_backward", _rope_inverse_backward, setup_context=_rope
 # are), the ADInplaceOrView kernel bumps the written arguments' versions.
 
 _INPLACE_WRITES = {"rope_": ("x",), "rope_qk_": ("q", "k"), "sinusoidal_pe_": ("x",)}
-_inplace_lib = torch.library.Library("attn_ext", "IMPL")
 
 
 def _inplace_kernels(name, written):
@@ -557,6 +558,7 @@ def _inplace_kernels(name, written):
         return [(args[i] if i < len(args) else kwargs[nm], nm) for i, nm in zip(positions, written)]
 
     def autograd_kernel(keyset, *args, **kwargs):
+        _refuse_forward_ad(name, args, kwargs)
         if torch.is_grad_enabled():
             for t, arg_name in targets(args, kwargs):
                 if t.requires_grad:
@@ -571,7 +573,6 @@ def _inplace_kernels(name, written):
         # Runs for every call outside torch.inference_mode() (the key is in the default TLS
         # set), and inside it when another argument is a normal tensor. Outside it, writing
         # an inference tensor is refused, as aten's in-place ops refuse it.
-        _refuse_forward_ad(name, args, kwargs)
         inference_mode = torch.is_inference_mode_enabled()
         for t, arg_name in targets(args, kwargs):
             if t.is_inference() and not inference_mode:
@@ -586,8 +587,8 @@ def _inplace_kernels(name, written):
                 torch.autograd.graph.increment_version(t)
         return out
 
-    _inplace_lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
-    _inplace_lib.impl(name, inplace_or_view_kernel, "ADInplaceOrView", with_keyset=True)
+    _impl_lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    _impl_lib.impl(name, inplace_or_view_kernel, "ADInplaceOrView", with_keyset=True)
 
 
 for _name, _written in _INPLACE_WRITES.items():
@@ -661,11 +662,9 @@ def _check_scale(scale) -> None:
     torch.compile a scale that changes between calls is a symbolic float."""
     if scale is None:
         return
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (
-        -math.inf < scale < math.inf
-    ):
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise ArgumentTypeError(f"scale must be finite (a number or None), got {scale!r}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ArgumentTypeError(f"scale must be finite (a number or None), got {scale!r}")
+    if not -math.inf < scale < math.inf:
         raise ArgumentValueError(f"scale must be finite (a number or None), got {float(scale)!r}")
 
 
@@ -732,15 +731,12 @@ def _checked_score_terms(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
     rel_bias = table(rel_bias, "rel_bias", "(H, 2M + 1)")
     sinks = table(sinks, "sinks", "(H,)")
     if softcap is not None:
-        # 0 < softcap < inf, not math.isfinite: under torch.compile a softcap that changes
-        # between calls becomes a symbolic float, which math.isfinite cannot take
-        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not (
-            0 < softcap < math.inf
-        ):
-            # float(): a symbolic float (torch.compile) cannot be formatted as it is
-            shown = softcap if isinstance(softcap, (bool, str)) or not isinstance(
-                softcap, numbers.Real) else float(softcap)
-            raise ValueError(f"softcap must be a finite number > 0 (or None), got {shown!r}")
+        # 0 < softcap < inf, not math.isfinite, and float() to format it: under torch.compile
+        # a softcap that changes between calls becomes a symbolic float
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+            raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
+        if not 0 < softcap < math.inf:
+            raise ValueError(f"softcap must be a finite number > 0 (or None), got {float(softcap)!r}")
         softcap = float(softcap)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not (
         0.0 <= dropout_p <= _MAX_DROPOUT_P
