@@ -436,20 +436,36 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   if (!(k_finite && blk[L.fin] != acc_t(0))) {
     // A non-finite k, q or dout: 0 (hidden pair) times it must not reach dk, dv or dq of the
     // other side, so the products of pass 3, 6, 7 run over visible pairs only. Each sum keeps
-    // the gemms' order and rounding (the AVX2 gemm: one FMA chain from the accumulator over
-    // the tile's queries, or keys, where a hidden pair adds exactly nothing), so a visible
+    // the gemms' order and rounding (the AVX2 gemm: one FMA chain from zero over the tile's
+    // queries, or keys, added to the accumulator; a hidden pair adds exactly nothing), so a visible
     // pair's gradients get the bits they get when the hidden values are finite.
     static_assert(kBlockK <= mk::kGemmKSplit && kBlockQ <= mk::kGemmKSplit,
                   "a tile's products are one chain");
+    // (Each chain in s.tmp from zero, then added: mk::kGemmKBlock.)
     const bool fused = mk::gemm_fuses(K);
-    for (int64_t r = 0; r < nk; ++r) {
+    acc_t* chain = s.tmp.data();
+    for (int64_t r = 0; r < nk && (dvt != nullptr || dkt != nullptr); ++r) {
       const Range c = cols(r);
-      for (int64_t cc = c.lo; cc < c.hi; ++cc) {
-        const acc_t pr = pv[r * C + cc], ds = s.dpt[r * C + cc];
-        if (dvt != nullptr) mk::axpy_as_gemm(dvt + r * ldv, pr, dor + cc * Dvp, Dv, fused);
-        if (dkt != nullptr) mk::axpy_as_gemm(dkt + r * ldk, ds, qr + cc * Dp, D, fused);
-        if (dqt != nullptr) mk::axpy_as_gemm(dqt + cc * Dp, ds, s.kbp + r * Dp, D, fused);
+      if (c.lo >= c.hi) continue;
+      if (dvt != nullptr) {
+        std::fill(chain, chain + Dv, acc_t(0));
+        for (int64_t cc = c.lo; cc < c.hi; ++cc) mk::axpy_as_gemm(chain, pv[r * C + cc], dor + cc * Dvp, Dv, fused);
+        mk::add_chain(dvt + r * ldv, chain, Dv);
       }
+      if (dkt != nullptr) {
+        std::fill(chain, chain + D, acc_t(0));
+        for (int64_t cc = c.lo; cc < c.hi; ++cc) mk::axpy_as_gemm(chain, s.dpt[r * C + cc], qr + cc * Dp, D, fused);
+        mk::add_chain(dkt + r * ldk, chain, D);
+      }
+    }
+    for (int64_t cc = 0; cc < nq && dqt != nullptr; ++cc) {
+      std::fill(chain, chain + D, acc_t(0));
+      for (int64_t r = 0; r < nk; ++r) {
+        const Range c = cols(r);
+        if (cc < c.lo || cc >= c.hi) continue;
+        mk::axpy_as_gemm(chain, s.dpt[r * C + cc], s.kbp + r * Dp, D, fused);
+      }
+      mk::add_chain(dqt + cc * Dp, chain, D);
     }
     return;
   }

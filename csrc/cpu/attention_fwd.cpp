@@ -290,18 +290,20 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     } else if (!v_finite) {
       // A non-finite value in a hidden key's v must not reach the rows that cannot see it
       // (0 * inf): sum over each column's visible keys only, in the gemm's order and rounding
-      // (the AVX2 gemm: one FMA chain over the tile's keys from o, where a hidden key's 0
-      // probability adds exactly nothing), so a visible row gets the bits it gets when the
+      // (the AVX2 gemm: one FMA chain over the tile's keys from zero, then added to o; a hidden
+      // key's 0 probability adds exactly nothing), so a visible row gets the bits it gets when the
       // hidden value is finite.
       static_assert(kBlockK <= mk::kGemmKSplit, "a key tile's products are one chain");
       const bool fused = mk::gemm_fuses(K);
+      acc_t* chain = s.tmp.data();  // the column's chain, from zero (mk::kGemmKBlock)
       for (int64_t c = 0; c < cols; ++c) {
         const int64_t i = i0 + c % nq;
-        acc_t* orow = s.o.data() + c * Dvp;
+        std::fill(chain, chain + Dv, acc_t(0));
         for (int64_t r = 0; r < nk; ++r) {
           if (!vis.visible(sq, qt_.b, i, j0 + r)) continue;
-          mk::axpy_as_gemm(orow, s.st[r * C + c], vt + r * ldv, Dv, fused);
+          mk::axpy_as_gemm(chain, s.st[r * C + c], vt + r * ldv, Dv, fused);
         }
+        mk::add_chain(s.o.data() + c * Dvp, chain, Dv);
       }
     } else if (!one_head) {
       K.gemm(cols, Dvp, nk, s.st.data(), 1, C, vt, ldv, s.o.data(), Dvp, true);

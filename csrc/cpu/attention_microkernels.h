@@ -23,13 +23,18 @@
 namespace attn_ext {
 namespace mk {
 
-// The AVX2 gemm's FMA chains over K: for K > kGemmKSplit it sums K in chains of kGemmKBlock
-// products, each started from zero and added to the output in order (((c0 + c1) + c2) ...),
-// not in one chain of K (a score at D = 128 and |s| >> 1 rounded more than the reference's
-// blocked sgemm: TESTING.md, the fuzz item). The products over keys (K <= kBlockK = 96) and
-// D <= 96 keep one chain (no extra tile pass), so the split costs only the score products at
-// D = 128 / 256. Sums that must equal a gemm output bitwise (the backward's row term Di
-// against its dP) follow the same chains.
+// The gemms' chains over K. Every chain starts from zero and is added to the output after
+// (C + chain, or ((c0 + c1) + c2) ... for several chains), never started from C: so a sum
+// that runs over many tiles (o over the key tiles, dq over the key tiles, dk / dv over the
+// query tiles) is rounded in blocks of a tile, not in one chain of every key. (One chain from
+// C gave fp32 errors 2.5-4x the textbook reference's on long near-uniform rows, Sk = 4096:
+// tests/test_fp32_grad_accuracy.py, test_long_near_uniform_rows_rule.) The AVX2 gemm sums
+// K > kGemmKSplit in chains of kGemmKBlock products (a score at D = 128 and |s| >> 1 rounded
+// more than the reference's blocked sgemm: TESTING.md, the fuzz item); the products over keys
+// (K <= kBlockK = 96) and D <= 96 keep one chain (no extra tile pass), so the split costs only
+// the score products at D = 128 / 256. Sums that must equal a gemm output bitwise (the
+// backward's row term Di against its dP, the masked products of axpy_as_gemm) follow the
+// same chains.
 constexpr int64_t kGemmKBlock = 64;
 constexpr int64_t kGemmKSplit = 96;
 constexpr int64_t gemm_chain_length(int64_t K) {
@@ -75,13 +80,21 @@ struct Kernels {
 template <typename T>
 void gemm_generic(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_row, int64_t a_col,
                   const T* B, int64_t ldb, T* C, int64_t ldc, bool accumulate) {
+  // one chain over K per output, started from zero and then added to C when accumulating
+  // (the chains of the AVX2 gemm for K <= kGemmKSplit), in column panels of kPanel
+  constexpr int64_t kPanel = 64;
+  if (K <= 0 && accumulate) return;
   for (int64_t m = 0; m < M; ++m) {
     T* c = C + m * ldc;
-    if (!accumulate) std::fill(c, c + N, T(0));
-    for (int64_t t = 0; t < K; ++t) {
-      const T a = A[m * a_row + t * a_col];
-      const T* b = B + t * ldb;
-      for (int64_t n = 0; n < N; ++n) c[n] += a * b[n];
+    for (int64_t n0 = 0; n0 < N; n0 += kPanel) {
+      const int64_t nn = std::min(kPanel, N - n0);
+      T acc[kPanel] = {};
+      for (int64_t t = 0; t < K; ++t) {
+        const T a = A[m * a_row + t * a_col];
+        const T* b = B + t * ldb + n0;
+        for (int64_t n = 0; n < nn; ++n) acc[n] += a * b[n];
+      }
+      for (int64_t n = 0; n < nn; ++n) c[n0 + n] = accumulate ? c[n0 + n] + acc[n] : acc[n];
     }
   }
 }
@@ -227,7 +240,9 @@ inline bool gemm_fuses(const Kernels<T>& k) {
 }
 
 // y[0, n) += a * x[0, n) in the rounding of one step of a gemm chain: std::fma when the gemm
-// fuses (gemm_fuses), else a product and an add (the generic gemm's loop).
+// fuses (gemm_fuses), else a product and an add (the generic gemm's loop). y is a chain's
+// accumulator, started from zero and added to the gemm's output after (add_chain), as the
+// gemms' chains are (kGemmKBlock).
 template <typename T>
 inline void axpy_as_gemm(T* y, T a, const T* x, int64_t n, bool fused) {
   if (fused) {
@@ -235,6 +250,12 @@ inline void axpy_as_gemm(T* y, T a, const T* x, int64_t n, bool fused) {
   } else {
     for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
   }
+}
+
+// c[0, n) += chain[0, n): the end of one gemm chain (axpy_as_gemm's accumulator).
+template <typename T>
+inline void add_chain(T* c, const T* chain, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) c[d] += chain[d];
 }
 
 }  // namespace mk

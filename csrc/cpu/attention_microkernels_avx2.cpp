@@ -57,21 +57,20 @@ template <int MR, int NV>
 ATTN_AVX2 inline void gemm_tile(int64_t K, const float* A, int64_t a_row, int64_t a_col,
                                 const float* B, int64_t ldb, float* C, int64_t ldc,
                                 bool accumulate) {
-  // K <= kGemmKSplit (the key-tile products, D <= 96): one chain, started from C when
-  // accumulating; longer K (the score products at D = 128, 256): blocks of kGemmKBlock
+  // Chains of gemm_chain_length: K <= kGemmKSplit (the key-tile products, D <= 96) is one
+  // chain, longer K (the score products at D = 128, 256) blocks of kGemmKBlock. Every chain
+  // starts from zero; the first chain of a non-accumulating call writes C, every other one
+  // is added to it.
+  if (K <= 0 && accumulate) return;
   const int64_t kb = gemm_chain_length(K);
   for (int64_t t0 = 0; t0 < K || t0 == 0; t0 += kb) {
     const int64_t t1 = std::min(K, t0 + kb);
-    const bool one_chain = kb >= K;
-    // blocked: the first block of a non-accumulating call writes C, every other adds to it
-    const bool add = !one_chain && (accumulate || t0 > 0);
+    const bool add = accumulate || t0 > 0;
     __m256 acc[MR][NV];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 2
-      for (int v = 0; v < NV; ++v) {
-        acc[r][v] = one_chain && accumulate ? _mm256_loadu_ps(C + r * ldc + 8 * v) : _mm256_setzero_ps();
-      }
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
     }
     for (int64_t t = t0; t < t1; ++t) tile_step<MR, NV>(A + t * a_col, a_row, B + t * ldb, acc);
 #pragma GCC unroll 8
@@ -108,27 +107,36 @@ ATTN_AVX2 inline void gemm_cols(int64_t M, int64_t K, const float* A, int64_t a_
 // Tile of gemm_at_avx2 (the forward's pass 3): gemm_tile's one-chain path for A = a transposed
 // view with a_row == 1 known at compile time, so the MR broadcasts of step t read
 // A[t * a_col + 0 .. MR - 1] at fixed offsets from one pointer (no per-row address arithmetic in
-// the K loop), and C's rows first scaled by scale[r] in registers when scale != nullptr (the
-// online softmax's rescale of o: one multiply, the rounding of a separate `o *= alpha` pass).
-// Then one FMA chain per output started from C, as gemm_tile with accumulate and K <= 96.
+// the K loop). The chain starts from zero, as gemm_tile's; then C's rows are scaled by
+// scale[r] (when scale != nullptr: the online softmax's rescale of o, one multiply, the
+// rounding of a separate `o *= alpha` pass) and the chain is added.
 template <int MR, int NV>
 ATTN_AVX2 inline void gemm_at_tile(int64_t K, const float* A, int64_t a_col, const float* B,
                                    int64_t ldb, float* C, int64_t ldc, const float* scale) {
   __m256 acc[MR][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
-    const __m256 sr = scale != nullptr ? _mm256_broadcast_ss(scale + r) : _mm256_setzero_ps();
 #pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) {
-      const __m256 c = _mm256_loadu_ps(C + r * ldc + 8 * v);
-      acc[r][v] = scale != nullptr ? _mm256_mul_ps(c, sr) : c;
-    }
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
   }
   for (int64_t t = 0; t < K; ++t) tile_step<MR, NV>(A + t * a_col, 1, B + t * ldb, acc);
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
+    const __m256 sr = scale != nullptr ? _mm256_broadcast_ss(scale + r) : _mm256_setzero_ps();
 #pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(C + r * ldc + 8 * v, acc[r][v]);
+    for (int v = 0; v < NV; ++v) {
+      float* cp = C + r * ldc + 8 * v;
+      __m256 c = _mm256_loadu_ps(cp);
+      if (scale != nullptr) {
+        c = _mm256_mul_ps(c, sr);
+        // the product rounded on its own, as the separate rescale pass stores it: an empty
+        // asm hides it from the compiler, which would otherwise contract the multiply and
+        // the add below into one FMA (GCC's default -ffp-contract=fast does so for
+        // intrinsics too)
+        asm("" : "+x"(c));
+      }
+      _mm256_storeu_ps(cp, K > 0 ? _mm256_add_ps(c, acc[r][v]) : c);
+    }
   }
 }
 
