@@ -158,3 +158,44 @@ def test_t5_padded_batch_on_the_kernel(monkeypatch):
         monkeypatch.setattr(attn_ext_hf, "_eager", refuse)
         got = ours(input_ids=x, attention_mask=mask, decoder_input_ids=y).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _llama_cfg():
+    return transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=128,
+    )
+
+
+@pytest.mark.parametrize("make_cfg", [_llama_cfg, _gemma2_cfg, _gpt_oss_cfg],
+                         ids=["llama", "gemma2", "gpt_oss"])
+def test_output_attentions_match_eager(make_cfg, monkeypatch):
+    """output_attentions=True on the kernel returns eager's probabilities (softcap, sliding
+    window, sinks, left padding), in the prompt and in cached decoding steps; "sdpa" returns
+    none."""
+    cfg = make_cfg()
+    ours, ref = _build(cfg, "attn_ext"), _build(cfg, "eager")
+    if isinstance(cfg, transformers.GptOssConfig):
+        with torch.no_grad():
+            for layer_o, layer_r in zip(ours.model.layers, ref.model.layers):
+                layer_o.self_attn.sinks.normal_(0, 2, generator=torch.Generator().manual_seed(1))
+                layer_r.self_attn.sinks.copy_(layer_o.self_attn.sinks)
+    idx = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    _no_fallback(monkeypatch)
+    with torch.no_grad():
+        got = ours.generate(idx, attention_mask=mask, do_sample=False, max_new_tokens=4,
+                            output_attentions=True, return_dict_in_generate=True)
+        want = ref.generate(idx, attention_mask=mask, do_sample=False, max_new_tokens=4,
+                            output_attentions=True, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.attentions) == len(want.attentions) == 4
+    for step, (g_step, w_step) in enumerate(zip(got.attentions, want.attentions)):
+        assert len(g_step) == len(w_step) == cfg.num_hidden_layers
+        for g, w in zip(g_step, w_step):
+            assert g is not None and g.shape == w.shape and g.dtype == w.dtype
+            if step == 0:  # the prompt: row 1's padded query rows are not compared
+                g, w = g.clone(), w.clone()
+                g[1, :, :3], w[1, :, :3] = 0, 0
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

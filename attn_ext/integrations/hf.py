@@ -47,7 +47,11 @@ What runs on attn_ext's kernel and what does not:
   T5's bucket embedding), checks that the dense tensor is exactly that table expanded (a
   function of i - j alone), and otherwise falls back to the eager formula. The dense
   tensor itself is T5's own (transformers builds it before the hook is called).
-- ``output_attentions=True`` returns ``None`` weights, as with ``"sdpa"``.
+- ``output_attentions=True`` returns the attention probabilities (``"sdpa"`` returns none):
+  :func:`attn_ext.attention_weights` forms them from q, k and the forward's lse, so that
+  call costs the full ``(B, H, Sq, Sk)`` matrix; the output still comes from the kernel.
+  Under attention dropout they are the probabilities before dropout. Packed batches
+  (``cu_seq_lens_*``) and the fallbacks return no weights.
 """
 
 from __future__ import annotations
@@ -110,11 +114,12 @@ def attention_forward(
     scaling: Optional[float] = None,
     is_causal: Optional[bool] = None,
     **kwargs,
-) -> Tuple[torch.Tensor, None]:
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """transformers attention function backed by ``torch.ops.attn_ext.attention``.
 
     ``query (B, H, Sq, D)``, ``key (B, Hkv, Sk, D)``, ``value (B, Hkv, Sk, Dv)`` ->
-    ``(out (B, Sq, H, Dv), None)``. See the module docstring for what falls back.
+    ``(out (B, Sq, H, Dv), None)``, or ``(out, weights (B, H, Sq, Sk))`` with
+    ``output_attentions=True``. See the module docstring for what falls back.
     """
     # score terms: Gemma 2's softcap, GPT-OSS's sinks (s_aux, (H,)), attention dropout
     softcap = kwargs.get("softcap")
@@ -175,6 +180,9 @@ def attention_forward(
             return _fallback(module, query, key, value, keep, dropout, scaling,
                              is_causal, kwargs, terms, position_bias), None
         terms["rel_bias"] = table
+    if kwargs.get("output_attentions", False):
+        return _with_weights(query, key, value, key_padding_mask, causal_default, scaling, window,
+                             terms, kv_len)
     return _on_kernel(query, key, value, key_padding_mask, causal_default, scaling, window,
                       terms, plain), None
 
@@ -188,6 +196,25 @@ def _on_kernel(query, key, value, key_padding_mask, causal_default, scaling, win
     return attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal=causal_default,
                               scale=scaling, window=window, key_padding_mask=key_padding_mask,
                               **terms)
+
+
+def _with_weights(query, key, value, key_padding_mask, causal, scaling, window, terms, kv_len):
+    """``output_attentions=True`` on the kernel: the output and the ``(B, H, Sq, kv_len)``
+    probabilities in the query's dtype, as eager returns them, formed by
+    :func:`attn_ext.attention_weights` from q, k and the forward's lse (which includes a sink's
+    share, so with sinks the rows sum to less than 1, as eager's do once it drops the sink
+    column). Keys cut off as unfilled cache slots get weight 0. Under attention dropout these
+    are the probabilities before dropout (eager returns them after)."""
+    out, lse = attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal=causal,
+                                  scale=scaling, window=window, key_padding_mask=key_padding_mask,
+                                  return_lse=True, **terms)
+    weights = attn_ext.attention_weights(
+        _bshd(query), _bshd(key), causal=causal, scale=scaling, lse=lse, window=window,
+        key_padding_mask=key_padding_mask, softcap=terms.get("softcap"),
+        rel_bias=terms.get("rel_bias"))
+    if weights.shape[-1] < kv_len:
+        weights = torch.nn.functional.pad(weights, (0, kv_len - weights.shape[-1]))
+    return out, weights.to(query.dtype)
 
 
 def _read_as_padding(mask, batch, q_len, kv_len, causal, window):
