@@ -108,18 +108,25 @@ def test_t5_relative_bias_on_the_kernel(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("make_cfg", [_gemma2_cfg, _gpt_oss_cfg], ids=["gemma2", "gpt_oss"])
-def test_a_mask_the_kernel_cannot_take_keeps_the_score_terms(make_cfg, monkeypatch):
-    """A custom 4-D mask falls back, and with softcap or sinks the fallback is the textbook
-    formula with those terms, not transformers' SDPA (which refuses softcap and silently
-    drops GPT-OSS's sinks)."""
-    cfg = make_cfg()
+def _pair(cfg):
+    """Ours and eager's model with the same weights; GPT-OSS's sinks random and clearly
+    non-zero (the same in both)."""
     ours, ref = _build(cfg, "attn_ext"), _build(cfg, "eager")
     if isinstance(cfg, transformers.GptOssConfig):
         with torch.no_grad():
             for layer_o, layer_r in zip(ours.model.layers, ref.model.layers):
                 layer_o.self_attn.sinks.normal_(0, 2, generator=torch.Generator().manual_seed(1))
                 layer_r.self_attn.sinks.copy_(layer_o.self_attn.sinks)
+    return ours, ref
+
+
+@pytest.mark.parametrize("make_cfg", [_gemma2_cfg, _gpt_oss_cfg], ids=["gemma2", "gpt_oss"])
+def test_a_mask_the_kernel_cannot_take_keeps_the_score_terms(make_cfg, monkeypatch):
+    """A custom 4-D mask falls back, and with softcap or sinks the fallback is the textbook
+    formula with those terms, not transformers' SDPA (which refuses softcap and silently
+    drops GPT-OSS's sinks)."""
+    cfg = make_cfg()
+    ours, ref = _pair(cfg)
     S = 7
     keep = torch.ones(S, S, dtype=torch.bool).tril()
     keep[5, 1] = False  # not padding + causal + window
@@ -174,12 +181,7 @@ def test_output_attentions_match_eager(make_cfg, monkeypatch):
     window, sinks, left padding), in the prompt and in cached decoding steps; "sdpa" returns
     none."""
     cfg = make_cfg()
-    ours, ref = _build(cfg, "attn_ext"), _build(cfg, "eager")
-    if isinstance(cfg, transformers.GptOssConfig):
-        with torch.no_grad():
-            for layer_o, layer_r in zip(ours.model.layers, ref.model.layers):
-                layer_o.self_attn.sinks.normal_(0, 2, generator=torch.Generator().manual_seed(1))
-                layer_r.self_attn.sinks.copy_(layer_o.self_attn.sinks)
+    ours, ref = _pair(cfg)
     idx = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, :3] = 0  # left padding
