@@ -11,7 +11,7 @@ import torch
 import attn_ext
 from attn_ext import reference
 from tests.profiling import cpu_split_kv_ran, kernel_names, ran
-from tests.utils import FLOOR, assert_close_rule, max_err, randn
+from tests.utils import FLOOR, assert_close_rule, max_err, max_finite_abs, randn
 
 LOW = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -86,8 +86,7 @@ def check(q, k, v, causal, grads=True, scale=None):
         # lse is fp32 from fp32 sums: at fp32 rounding of the exact lse of these inputs, not
         # merely within 2x of the low-precision reference's (which rounds lse to the dtype)
         lse64 = ref64[1]
-        finite = lse64[torch.isfinite(lse64)]
-        magnitude = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+        magnitude = max(1.0, max_finite_abs(lse64, default=1.0))
         err = max_err(ours[1], lse64)
         assert err <= 1e-5 * magnitude, f"lse: max error {err:.3e} against float64 (fp32 rounding)"
 
@@ -105,8 +104,7 @@ def assert_close_low(ours, ref64, ref_low, name):
         assert_close_rule(ours, ref64, ref_low, name=name)
         return
     assert ours.shape == ref64.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(ref64.shape)}"
-    finite = ref64[torch.isfinite(ref64)]
-    magnitude = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+    magnitude = max(1.0, max_finite_abs(ref64, default=1.0))
     err, ref_err = max_err(ours, ref64), max_err(ref_low, ref64)
     bound = 2.0 * ref_err + 2 * FLOOR[torch.float32] * magnitude
     assert err <= bound, (f"{name}: max error {err:.3e} > 2 * ref error {ref_err:.3e} + "

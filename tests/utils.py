@@ -20,9 +20,13 @@ def floor(dtype: torch.dtype, ref64: torch.Tensor) -> float:
     reference's largest finite magnitude where that is below 1 (down to 1e-2 of it), so that
     on small values (long rows average v down to ~1e-2) the floor stays a rounding of the
     values and not a third of them."""
-    finite = ref64[torch.isfinite(ref64)] if ref64.is_floating_point() else ref64
-    magnitude = float(finite.abs().max()) if finite.numel() else 1.0
-    return FLOOR[dtype] * min(1.0, max(magnitude, 1e-2))
+    return FLOOR[dtype] * min(1.0, max(max_finite_abs(ref64, default=1.0), 1e-2))
+
+
+def max_finite_abs(t: torch.Tensor, default: float) -> float:
+    """The largest finite |t| (default where t has no finite element)."""
+    finite = t[torch.isfinite(t)] if t.is_floating_point() else t
+    return float(finite.abs().max()) if finite.numel() else default
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -180,40 +180,40 @@ def attention_forward(
             return _fallback(module, query, key, value, keep, dropout, scaling,
                              is_causal, kwargs, terms, position_bias), None
         terms["rel_bias"] = table
-    if kwargs.get("output_attentions", False):
-        return _with_weights(query, key, value, key_padding_mask, causal_default, scaling, window,
-                             terms, kv_len)
+    weights_len = kv_len if kwargs.get("output_attentions", False) else None
     return _on_kernel(query, key, value, key_padding_mask, causal_default, scaling, window,
-                      terms, plain), None
+                      terms, plain, weights_len)
 
 
-def _on_kernel(query, key, value, key_padding_mask, causal_default, scaling, window, terms, plain):
-    """attn_ext's kernel on transformers' (B, H, S, D) tensors -> (B, Sq, H, Dv) contiguous."""
-    # A single query row sees every key under our bottom-right causal mask anyway.
-    causal = causal_default and query.shape[2] > 1
-    if key_padding_mask is None and window is None and plain:
-        return torch.ops.attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal, scaling)
-    return attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal=causal_default,
-                              scale=scaling, window=window, key_padding_mask=key_padding_mask,
-                              **terms)
+def _on_kernel(query, key, value, key_padding_mask, causal_default, scaling, window, terms, plain,
+               weights_len=None):
+    """attn_ext's kernel on transformers' (B, H, S, D) tensors -> ``(out (B, Sq, H, Dv)
+    contiguous, None)``.
 
-
-def _with_weights(query, key, value, key_padding_mask, causal, scaling, window, terms, kv_len):
-    """``output_attentions=True`` on the kernel: the output and the ``(B, H, Sq, kv_len)``
-    probabilities in the query's dtype, as eager returns them, formed by
+    With ``weights_len`` (``output_attentions=True``) the second item is the ``(B, H, Sq,
+    weights_len)`` probabilities in the query's dtype, as eager returns them, formed by
     :func:`attn_ext.attention_weights` from q, k and the forward's lse (which includes a sink's
     share, so with sinks the rows sum to less than 1, as eager's do once it drops the sink
     column). Keys cut off as unfilled cache slots get weight 0. Under attention dropout these
     are the probabilities before dropout (eager returns them after)."""
-    out, lse = attn_ext.attention(_bshd(query), _bshd(key), _bshd(value), causal=causal,
-                                  scale=scaling, window=window, key_padding_mask=key_padding_mask,
-                                  return_lse=True, **terms)
+    q, k, v = _bshd(query), _bshd(key), _bshd(value)
+    if weights_len is None:
+        # A single query row sees every key under our bottom-right causal mask anyway.
+        causal = causal_default and query.shape[2] > 1
+        if key_padding_mask is None and window is None and plain:
+            return torch.ops.attn_ext.attention(q, k, v, causal, scaling), None
+    out = attn_ext.attention(q, k, v, causal=causal_default, scale=scaling, window=window,
+                             key_padding_mask=key_padding_mask, return_lse=weights_len is not None,
+                             **terms)
+    if weights_len is None:
+        return out, None
+    out, lse = out
     weights = attn_ext.attention_weights(
-        _bshd(query), _bshd(key), causal=causal, scale=scaling, lse=lse, window=window,
+        q, k, causal=causal_default, scale=scaling, lse=lse, window=window,
         key_padding_mask=key_padding_mask, softcap=terms.get("softcap"),
         rel_bias=terms.get("rel_bias"))
-    if weights.shape[-1] < kv_len:
-        weights = torch.nn.functional.pad(weights, (0, kv_len - weights.shape[-1]))
+    if weights.shape[-1] < weights_len:
+        weights = torch.nn.functional.pad(weights, (0, weights_len - weights.shape[-1]))
     return out, weights.to(query.dtype)
 
 

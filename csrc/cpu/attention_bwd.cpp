@@ -437,33 +437,36 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     // A non-finite k, q or dout: 0 (hidden pair) times it must not reach dk, dv or dq of the
     // other side, so the products of pass 3, 6, 7 run over visible pairs only. Each sum keeps
     // the gemms' order and rounding (the AVX2 gemm: one FMA chain from zero over the tile's
-    // queries, or keys, added to the accumulator; a hidden pair adds exactly nothing), so a visible
-    // pair's gradients get the bits they get when the hidden values are finite.
+    // queries, or keys, added to the accumulator; a hidden pair adds exactly nothing), so a
+    // visible pair's gradients get the bits they get when the hidden values are finite.
     static_assert(kBlockK <= mk::kGemmKSplit && kBlockQ <= mk::kGemmKSplit,
                   "a tile's products are one chain");
     // (Each chain in s.tmp from zero, then added: mk::kGemmKBlock.)
     const bool fused = mk::gemm_fuses(K);
     acc_t* chain = s.tmp.data();
+    Range seen_by[kBlockK];  // the columns that see key r
+    for (int64_t r = 0; r < nk; ++r) seen_by[r] = cols(r);
     for (int64_t r = 0; r < nk && (dvt != nullptr || dkt != nullptr); ++r) {
-      const Range c = cols(r);
+      const Range c = seen_by[r];
       if (c.lo >= c.hi) continue;
       if (dvt != nullptr) {
         std::fill(chain, chain + Dv, acc_t(0));
-        for (int64_t cc = c.lo; cc < c.hi; ++cc) mk::axpy_as_gemm(chain, pv[r * C + cc], dor + cc * Dvp, Dv, fused);
+        for (int64_t cc = c.lo; cc < c.hi; ++cc)
+          mk::axpy_as_gemm(chain, pv[r * C + cc], dor + cc * Dvp, Dv, fused);
         mk::add_chain(dvt + r * ldv, chain, Dv);
       }
       if (dkt != nullptr) {
         std::fill(chain, chain + D, acc_t(0));
-        for (int64_t cc = c.lo; cc < c.hi; ++cc) mk::axpy_as_gemm(chain, s.dpt[r * C + cc], qr + cc * Dp, D, fused);
+        for (int64_t cc = c.lo; cc < c.hi; ++cc)
+          mk::axpy_as_gemm(chain, s.dpt[r * C + cc], qr + cc * Dp, D, fused);
         mk::add_chain(dkt + r * ldk, chain, D);
       }
     }
     for (int64_t cc = 0; cc < nq && dqt != nullptr; ++cc) {
       std::fill(chain, chain + D, acc_t(0));
       for (int64_t r = 0; r < nk; ++r) {
-        const Range c = cols(r);
-        if (cc < c.lo || cc >= c.hi) continue;
-        mk::axpy_as_gemm(chain, s.dpt[r * C + cc], s.kbp + r * Dp, D, fused);
+        if (cc >= seen_by[r].lo && cc < seen_by[r].hi)
+          mk::axpy_as_gemm(chain, s.dpt[r * C + cc], s.kbp + r * Dp, D, fused);
       }
       mk::add_chain(dqt + cc * Dp, chain, D);
     }

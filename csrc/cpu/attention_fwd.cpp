@@ -290,9 +290,9 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     } else if (!v_finite) {
       // A non-finite value in a hidden key's v must not reach the rows that cannot see it
       // (0 * inf): sum over each column's visible keys only, in the gemm's order and rounding
-      // (the AVX2 gemm: one FMA chain over the tile's keys from zero, then added to o; a hidden
-      // key's 0 probability adds exactly nothing), so a visible row gets the bits it gets when the
-      // hidden value is finite.
+      // (the AVX2 gemm: one FMA chain over the tile's keys from zero, then added to o; a
+      // hidden key's 0 probability adds exactly nothing), so a visible row gets the bits it
+      // gets when the hidden value is finite.
       static_assert(kBlockK <= mk::kGemmKSplit, "a key tile's products are one chain");
       const bool fused = mk::gemm_fuses(K);
       acc_t* chain = s.tmp.data();  // the column's chain, from zero (mk::kGemmKBlock)
