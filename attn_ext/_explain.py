@@ -36,8 +36,9 @@ from typing import Optional
 
 import torch
 
-from .ops import (_FLOAT_DTYPES, _check_causal, _check_key_padding_mask, _check_qkv,
-                  _check_scale, _check_term_shapes, _checked_score_terms, _heads_4d, _window_args)
+from .ops import (_FLOAT_DTYPES, _check_causal, _check_key_padding_mask,
+                  _check_last_dim_contiguous, _check_qkv, _check_scale, _check_term_shapes,
+                  _checked_score_terms, _heads_4d, _window_args)
 from .reference import visibility_mask
 
 # csrc/cpu/attention_common.h
@@ -495,8 +496,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
 def _explain(s: Shape, q, k, v, dout, alibi_slopes, rel_bias, softcap, sinks, dropout_p,
              causal: bool = False, window=(-1, -1)) -> KernelChoice:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.size(-1) > 1 and t.stride(-1) != 1:
-            raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {list(t.stride())}")
+        _check_last_dim_contiguous(t, name)
     terms = score_terms_of(alibi_slopes, rel_bias, softcap, sinks, dropout_p)
     if q.device.type == "cuda":
         rel_max = (rel_bias.shape[-1] - 1) // 2 if rel_bias is not None else 0

@@ -333,13 +333,17 @@ def main(argv=None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="demo_out", help="directory for pictures and the exported model")
-    ap.add_argument("--steps", type=int, default=400, help="training steps per variant and task")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="training steps per variant and task (default 400; 8 with --quick)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="tiny settings (smoke test)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny settings (smoke test); an explicit --steps still applies")
     args = ap.parse_args(argv)
     device = args.device
     quick = args.quick
-    steps = 8 if quick else args.steps
+    steps = args.steps if args.steps is not None else (8 if quick else 400)
+    if steps < 1:
+        ap.error(f"--steps must be >= 1, got {steps}")
     t_start = time.time()
     print(f"attn_ext {attn_ext.__version__} | torch {torch.__version__} | device {device} | "
           f"{torch.get_num_threads()} threads | {steps} steps per model")

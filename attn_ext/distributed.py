@@ -678,7 +678,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _check_inputs(q, k, v, S_local_multiple: int, layout: str, scale) -> None:
-    from attn_ext.ops import _check_qk_inputs
+    from attn_ext.ops import _check_last_dim_contiguous, _check_qk_inputs
 
     for name, t, dims in (("q", q, "(B, S_local, H, D)"), ("k", k, "(B, S_local, Hkv, D)"),
                           ("v", v, "(B, S_local, Hkv, Dv)")):
@@ -687,10 +687,7 @@ def _check_inputs(q, k, v, S_local_multiple: int, layout: str, scale) -> None:
         if t.dim() != 4:
             raise ValueError(f"ring_attention: {name} must have 4 dims {dims}, got shape {list(t.shape)}")
     _check_qk_inputs(q, k, scale)  # the kernels' rules, before any transfer is posted
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.size(-1) > 1 and t.stride(-1) != 1:
-            raise ValueError(f"ring_attention: {name} must have a contiguous last dim (stride 1), "
-                             f"got strides {list(t.stride())}")
+    _check_last_dim_contiguous(v, "v", "ring_attention: ")
     if v.dtype != q.dtype or v.device != q.device or v.size(0) != q.size(0) or v.size(2) != k.size(2):
         raise ValueError(f"ring_attention: v must have q's dtype {q.dtype} and device {q.device}, "
                          f"and k's batch size and kv heads (GQA), got v {v.dtype} {v.device} "

@@ -242,9 +242,7 @@ class RotaryEmbedding(nn.Module):
         """Rotate one ``(B, S, H, D)`` tensor: in place when no gradient is needed."""
         cos, sin = self._tables_for(x, offset, positions)
         off = _op_offset(offset, positions)
-        # out of place under torch.jit.trace as well: the trace checker reruns the module
-        # without grad, and both runs must record the same graph
-        if (torch.is_grad_enabled() and x.requires_grad) or torch.jit.is_tracing():
+        if _rope_out_of_place(x.requires_grad):
             return torch.ops.attn_ext.rope(x, cos, sin, positions, off, self.interleaved)
         torch.ops.attn_ext.rope_(x, cos, sin, positions, off, self.interleaved)
         return x
@@ -255,12 +253,26 @@ class RotaryEmbedding(nn.Module):
         same tensors) when no gradient is needed, else out of place (differentiable)."""
         cos, sin = self._tables_for(q, offset, positions)
         off = _op_offset(offset, positions)
-        if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)) or torch.jit.is_tracing():
+        if _rope_out_of_place(q.requires_grad or k.requires_grad):
             q = torch.ops.attn_ext.rope(q, cos, sin, positions, off, self.interleaved)
             k = torch.ops.attn_ext.rope(k, cos, sin, positions, off, self.interleaved)
             return q, k
         torch.ops.attn_ext.rope_qk_(q, k, cos, sin, positions, off, self.interleaved)
         return q, k
+
+
+def _rope_out_of_place(requires_grad: bool) -> bool:
+    """Whether RotaryEmbedding rotates out of place: when a gradient is recorded; under
+    torch.jit.trace (the trace checker reruns the module without grad, and both runs must
+    record the same graph); and under torch.export, whose program keeps the branch taken while
+    exporting (often under no_grad) and must also run where a gradient is recorded (the
+    in-place op refuses inputs that require grad). torch.compile guards on grad mode, so it
+    keeps the in-place op where it is safe."""
+    if (torch.is_grad_enabled() and requires_grad) or torch.jit.is_tracing():
+        return True
+    if not torch.jit.is_scripting():
+        return torch.compiler.is_exporting()
+    return False
 
 
 class MultiHeadAttention(nn.Module):

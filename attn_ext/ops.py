@@ -1168,7 +1168,17 @@ def _check_qk_inputs(q: torch.Tensor, k: torch.Tensor, scale: Optional[float]) -
     if not ((Hkv > 0 and H % Hkv == 0) or (Hkv == 0 and H == 0)):
         raise ValueError(f"k's number of heads Hkv = {Hkv} must divide q's number of heads H = {H} "
                          f"(GQA/MQA), got k shape {list(k.shape)} and q shape {list(q.shape)}")
+    _check_last_dim_contiguous(q, "q")
+    _check_last_dim_contiguous(k, "k")
     _check_scale(scale)
+
+
+def _check_last_dim_contiguous(t: torch.Tensor, name: str, who: str = "") -> None:
+    """The layout rule of DESIGN.md (csrc/common/checks.h check_last_dim_contiguous), in
+    Python for the entry points that refuse input before any kernel runs."""
+    if t.size(-1) > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{who}{name} must have a contiguous last dim (stride 1), "
+                         f"got strides {list(t.stride())}")
 
 
 def _check_term_shapes(q, alibi_slopes, rel_bias, who: str = "", sinks=None) -> None:

@@ -334,7 +334,10 @@ class MultiHeadAttentionRef(nn.Module):
     """Q/K/V/O projections, split heads, scaled dot-product attention, concat heads.
 
     ``forward(x, memory=None)``: self-attention on ``x (B, S, d_model)``, or cross-attention
-    with queries from ``x`` and keys/values from ``memory``. ``rope_tables=(cos, sin,
+    with queries from ``x`` and keys/values from ``memory``. ``causal``: the bottom-right causal
+    mask; the default (None) is causal for self-attention and not over a memory (an encoder's
+    output is not in the decoder's future), as in ``attn_ext.MultiHeadAttention``; True or
+    False applies to both. ``rope_tables=(cos, sin,
     interleaved)`` rotates q and k before attention, at positions whose difference is the
     library's distance ``d = i + (Sk - Sq) - j`` (self-attention: both at 0..S-1).
     """
@@ -344,7 +347,7 @@ class MultiHeadAttentionRef(nn.Module):
         d_model: int,
         num_heads: int,
         num_kv_heads: Optional[int] = None,
-        causal: bool = True,
+        causal: Optional[bool] = None,
         bias: bool = True,
         qk_dim: Optional[int] = None,
         v_dim: Optional[int] = None,
@@ -354,13 +357,15 @@ class MultiHeadAttentionRef(nn.Module):
         self.hkv = num_kv_heads or num_heads
         self.d = qk_dim or d_model // num_heads
         self.dv = v_dim or self.d
-        self.causal = causal
+        self.causal = True if causal is None else bool(causal)  # self-attention
+        self.memory_causal = False if causal is None else bool(causal)  # over a memory
         self.w_q = nn.Linear(d_model, self.h * self.d, bias=bias)
         self.w_k = nn.Linear(d_model, self.hkv * self.d, bias=bias)
         self.w_v = nn.Linear(d_model, self.hkv * self.dv, bias=bias)
         self.w_o = nn.Linear(self.h * self.dv, d_model, bias=bias)
 
     def forward(self, x, memory=None, rope_tables=None):
+        causal = self.causal if memory is None else self.memory_causal
         memory = x if memory is None else memory
         B, Sq, _ = x.shape
         Sk = memory.shape[1]
@@ -374,7 +379,7 @@ class MultiHeadAttentionRef(nn.Module):
             cos, sin, interleaved = rope_tables
             q = rope(q, cos, sin, interleaved=interleaved, offset=max(Sk - Sq, 0))
             k = rope(k, cos, sin, interleaved=interleaved, offset=max(Sq - Sk, 0))
-        out = attention(q, k, v, causal=self.causal)  # (B, Sq, H, Dv)
+        out = attention(q, k, v, causal=causal)  # (B, Sq, H, Dv)
         return self.w_o(out.reshape(B, Sq, self.h * self.dv))
 
 

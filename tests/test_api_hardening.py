@@ -327,6 +327,9 @@ def test_attention_weights_does_not_hide_nan():
     (lambda q, k: (q, k[..., :4]), r"k must have head dim D = 8 \(from q\)"),
     (lambda q, k: (q, torch.cat([k, k[:, :, :1]], 2)), r"Hkv = 3 must divide q's number of heads H = 2"),
     (lambda q, k: (q.int(), k.int()), r"q must be float32, float64, float16 or bfloat16, got torch.int32"),
+    (lambda q, k: (torch.cat([q, q], -1)[..., ::2], k), r"q must have a contiguous last dim \(stride 1\), got strides \[160, 32, 16, 2\]"),
+    (lambda q, k: (q, torch.cat([k, k], -1)[..., ::2]), r"k must have a contiguous last dim \(stride 1\)"),
+    (lambda q, k: (randn(1, 8, 5).transpose(1, 2), k[:, :, 0]), r"q must have a contiguous last dim"),
 ])
 def test_attention_weights_input_errors(make, match):
     q, k, _ = _qkv()

@@ -27,7 +27,7 @@ MAX_LEN = 64  # RoPE cache rows at construction, and the declared maximum of the
 def _export(model):
     idx = torch.randint(0, 100, (2, 8))
     dims = {"idx": {0: Dim("batch", min=1, max=32), 1: Dim("seq", min=2, max=MAX_LEN)}}
-    with torch.no_grad():  # inference graph: RoPE in place (auto-functionalised rope_qk_)
+    with torch.no_grad():  # as the README exports; RoPE is out of place in an exported program
         return torch.export.export(model, (idx,), dynamic_shapes=dims)
 
 
@@ -51,10 +51,14 @@ def test_exported_program_keeps_our_ops_and_matches_eager(exported):
     ops = _attn_ext_ops(ep)
     assert any("attention" in o for o in ops) and any("rope" in o for o in ops), ops
     run = ep.module()
-    with torch.no_grad():
-        for b, s in SHAPES:
-            idx = torch.randint(0, 100, (b, s))
-            torch.testing.assert_close(run(idx), model(idx), rtol=1e-5, atol=1e-6)
+    for b, s in SHAPES:
+        idx = torch.randint(0, 100, (b, s))
+        with torch.no_grad():
+            want = model(idx)
+            torch.testing.assert_close(run(idx), want, rtol=1e-5, atol=1e-6)
+        # and where autograd records (an exported under no_grad program used to bake in the
+        # in-place rope_qk_, which refuses q that requires grad)
+        torch.testing.assert_close(run(idx).detach(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_export_rejects_lengths_past_the_declared_maximum(exported):
@@ -86,7 +90,9 @@ run = ep.module()
 for i in range(2, len(sys.argv)):
     idx = torch.load(sys.argv[i])
     with torch.no_grad():
-        torch.save(run(idx), sys.argv[i] + ".out")
+        out = run(idx)
+    torch.testing.assert_close(run(idx).detach(), out, rtol=0, atol=0)  # grad mode on, too
+    torch.save(out, sys.argv[i] + ".out")
 print("ok")
 """
 

@@ -188,7 +188,7 @@ def test_explain_3d_empty_and_errors():
         attn_ext.explain(q4, k4[..., :8], v4)
     with pytest.raises(ValueError, match=r"v must have Sk = 7 keys"):
         attn_ext.explain(q4, k4, v4[:, :3])
-    with pytest.raises(ValueError, match=r"q's last dim must be contiguous"):
+    with pytest.raises(ValueError, match=r"q must have a contiguous last dim \(stride 1\)"):
         attn_ext.explain(randn(2, 5, 1, 32)[..., ::2], k4, v4)
     with pytest.raises(ValueError, match="scale must be finite"):
         attn_ext.explain(q4, k4, v4, scale=float("inf"))

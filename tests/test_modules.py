@@ -311,6 +311,34 @@ def test_fused_layer_attends_to_memory_like_the_textbook(causal, rotary):
         ours(x, mem[:1])
 
 
+@pytest.mark.parametrize("form", ["from_linears", "cross_attention"])
+def test_cross_attention_defaults_match_the_textbook(form):
+    """Both layers at their defaults: causal self-attention, and cross-attention that sees the
+    whole memory (issue 18: not causal unless asked), in the fused layer, the
+    cross_attention=True layer and MultiHeadAttentionRef alike; values and gradients."""
+    torch.manual_seed(0)
+    textbook = ref.MultiHeadAttentionRef(32, 4, 2).to(f64)
+    if form == "from_linears":
+        ours = MultiHeadAttention.from_linears(textbook.w_q, textbook.w_k, textbook.w_v,
+                                               textbook.w_o, 4).to(f64)
+    else:
+        ours = MultiHeadAttention(32, 4, 2, cross_attention=True).to(f64)
+        _copy_weights(ours, textbook)
+        assert not ours.causal
+    x = torch.randn(2, 5, 32, dtype=f64, requires_grad=True)
+    mem = torch.randn(2, 9, 32, dtype=f64, requires_grad=True)
+    got, want = ours(x, mem)[0], textbook(x, memory=mem)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(got)
+    torch.testing.assert_close(torch.autograd.grad(got, (x, mem), g),
+                               torch.autograd.grad(want, (x, mem), g), rtol=1e-10, atol=1e-10)
+    # not causal over the memory: query 0 sees the last memory row
+    assert torch.autograd.grad(textbook(x, memory=mem)[:, 0].sum(), mem)[0][:, -1].abs().max() > 0
+    if form == "from_linears":  # and causal in self-attention, also at the defaults
+        torch.testing.assert_close(ours(x)[0], textbook(x), rtol=1e-10, atol=1e-10)
+        assert torch.autograd.grad(textbook(x)[:, 0].sum(), x)[0][:, 1:].abs().max() == 0
+
+
 def test_forward_takes_issue_6s_positional_order():
     """forward(x, kv_cache=None, need_weights=False) positionally (issue 6) as well as
     forward(x, memory) (eager; TorchScript checks the argument types)."""
