@@ -2,8 +2,10 @@
 
 The rules below restate the kernels' dispatch in Python, so they can be read without the C++:
 
-- CPU forward (csrc/cpu/attention_fwd.cpp ``attention_fwd_kernel``): query tiles of up to
-  ``kBlockQ`` (head, row) columns; split-KV (the keys of each tile cut into chunks run in
+- CPU forward (csrc/cpu/attention_fwd.cpp ``attention_fwd_kernel``): the decode kernel
+  (csrc/cpu/attention_decode.h, ``"cpu.decode"``) when ``Sq * H / Hkv`` fits its columns and
+  the call has no score term but sinks (not float64, SIMD on, ``ATTN_EXT_CPU_DECODE`` not 0);
+  else query tiles of up to ``kBlockQ`` (head, row) columns; split-KV (the keys of each tile cut into chunks run in
   parallel and merged) when there are fewer tiles than threads and ``Sk >= 4 * kBlockK``,
   else the plain tiled kernel. CPU backward (attention_bwd.cpp): one path, parallel over key
   tiles.
@@ -110,7 +112,8 @@ class Shape:
 class KernelChoice:
     """What :func:`explain` found. ``forward`` / ``backward`` name the path:
 
-    ``"cpu.tiled"``, ``"cpu.split_kv"``, ``"cpu.key_tiles"`` (the CPU backward),
+    ``"cpu.decode"`` (few query rows: csrc/cpu/attention_decode.h), ``"cpu.tiled"``,
+    ``"cpu.split_kv"``, ``"cpu.key_tiles"`` (the CPU backward),
     ``"cuda.split_kv"``, ``"cuda.fa2"``, ``"cuda.simple"``, or ``"none"`` (empty input: no
     kernel runs). ``details`` holds the numbers the choice was made from (tiles, threads,
     n_split, shared memory, ...). ``str()`` gives a readable summary."""

@@ -135,12 +135,14 @@ class TinyGPT(nn.Module):
                                self.context_parallel_layout, idx.device)
 
     @torch.jit.export
-    def new_caches(self, batch: int, max_len: int) -> List[KVCache]:
-        """One empty :class:`KVCache` per layer (exported to TorchScript; a cache crosses the
-        Python / TorchScript boundary by copy: see :class:`KVCache`)."""
+    def new_caches(self, batch: int, max_len: int,
+                   dtype: Optional[torch.dtype] = None) -> List[KVCache]:
+        """One empty :class:`KVCache` per layer, in ``dtype`` (default: the weights'), exported
+        to TorchScript; a cache crosses the Python / TorchScript boundary by copy: see
+        :class:`KVCache`."""
         caches: List[KVCache] = []
         for blk in self.blocks:
-            caches.append(blk.attn.new_kv_cache(batch, max_len))
+            caches.append(blk.attn.new_kv_cache(batch, max_len, dtype))
         return caches
 
     def forward(self, idx: Tensor, caches: Optional[List[KVCache]] = None,
@@ -182,12 +184,15 @@ class TinyGPT(nn.Module):
         """Greedy decoding with a KV cache: one forward over the prompt, then one token per step.
 
         ``attention_mask (B, S)``: a left-padded batch of prompts (1 = real token); each row
-        continues as it would alone."""
+        continues as it would alone. Under ``torch.autocast`` the caches take the autocast
+        dtype (the keys and values the layers compute there)."""
         B, S = idx.shape
         if S == 0:
             raise ValueError("generate: idx must hold a prompt of at least one token per row, got "
                              f"shape {list(idx.shape)}")
-        caches = self.new_caches(B, S + max_new_tokens)
+        dev = self.head.weight.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        caches = self.new_caches(B, S + max_new_tokens, dtype)
         logits = self(idx, caches, attention_mask)
         out = [idx]
         nxt = logits[:, -1].argmax(-1, keepdim=True)

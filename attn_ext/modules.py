@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import _attention_probs, _window_args, rope_inv_freq
+from .ops import _attention_probs, _dropout_seed_offset, _window_args, rope_inv_freq
 from .position_bias import RelativePositionBias, alibi_slopes
 
 __all__ = [
@@ -35,18 +35,6 @@ __all__ = [
     "LearnedPositionalEmbedding",
     "TransformerBlock",
 ]
-
-
-def _dropout_seed_offset(device: torch.device) -> Tuple[int, int]:
-    """Seed and offset of one attention-dropout call from torch's generator of ``device``
-    (as ``attn_ext.attention`` draws them; TorchScript-clean)."""
-    r = torch.randint(0, 4611686018427387904, (2,), dtype=torch.int64, device=device)
-    if torch.jit.is_scripting():
-        return int(r[0].item()), int(r[1].item())
-    # eager / torch.compile / torch.export: no int(), which would guard on a data-dependent
-    # value under tracing (the ops' dropout_seed / dropout_offset are SymInt)
-    seed, offset = r.tolist()
-    return seed, offset
 
 
 class KVCache:
@@ -217,6 +205,9 @@ class RotaryEmbedding(nn.Module):
         if seq_len > self.cos.size(0) or stale:
             n = max(seq_len, self.cos.size(0) if stale else 2 * self.cos.size(0))
             cos, sin = self._build(n, self.cos.device, want)
+            if not torch.jit.is_scripting():
+                if torch.is_inference_mode_enabled():
+                    cos, sin = _outside_inference_mode(cos, sin)
             self.cos = cos
             self.sin = sin
             self.built_in_float64 = want == torch.float64
@@ -259,6 +250,14 @@ class RotaryEmbedding(nn.Module):
             return q, k
         torch.ops.attn_ext.rope_qk_(q, k, cos, sin, positions, off, self.interleaved)
         return q, k
+
+
+def _outside_inference_mode(*ts: Tensor) -> Tuple[Tensor, ...]:
+    """Copies of ``ts`` that are normal tensors: a cache grown under torch.inference_mode
+    would hold inference tensors, which a later forward that records a gradient cannot save
+    for backward (eager only; not compiled by TorchScript)."""
+    with torch.inference_mode(False):
+        return tuple(t.clone() for t in ts)
 
 
 def _rope_out_of_place(requires_grad: bool) -> bool:
@@ -495,7 +494,9 @@ class MultiHeadAttention(nn.Module):
     def from_torch(cls, mha: nn.MultiheadAttention, causal: bool = False) -> "MultiHeadAttention":
         """Build the layer from a ``torch.nn.MultiheadAttention`` (self-attention with equal
         q/k/v widths; its packed ``in_proj_weight`` is already our fused QKV layout). The
-        result takes ``(B, S, E)`` input whatever the source's ``batch_first`` was."""
+        result takes ``(B, S, E)`` input whatever the source's ``batch_first`` was.
+        ``causal`` defaults to False: ``nn.MultiheadAttention`` attends to every key unless
+        given a mask (pass ``causal=True`` for its ``is_causal`` / square subsequent mask)."""
         if not mha._qkv_same_embed_dim:
             raise ValueError("from_torch needs kdim == vdim == embed_dim (packed in_proj_weight)")
         if mha.bias_k is not None or mha.add_zero_attn:
@@ -693,6 +694,11 @@ class MultiHeadAttention(nn.Module):
                 shift = Sk - Sq
                 q = rotary.rotate(q, max(shift, 0))
                 k = rotary.rotate(k, max(-shift, 0))
+        out_dtype = q.dtype
+        if kv_cache is not None and q.dtype != k.dtype:
+            # the cache's dtype governs (e.g. a float32 cache under bfloat16 autocast, whose
+            # Linear gives bfloat16 q): this step's Sq query rows are cast, not the cache
+            q = q.to(k.dtype)
         if kv_cache is not None:
             cache_mask = kv_cache.key_padding_mask()
             if cache_mask is not None:
@@ -715,6 +721,8 @@ class MultiHeadAttention(nn.Module):
             out = self._attend_terms(q, k, v, key_padding_mask, dropout_p, causal)[0]
         else:
             out = self._attend(q, k, v)
+        if out.dtype != out_dtype:
+            out = out.to(out_dtype)
         # out: (B, Sq, H, Dv) contiguous -> (B, Sq, H * Dv) for free
         return self.out_proj(out.view(B, Sq, H * Dv)), weights
 

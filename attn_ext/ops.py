@@ -687,13 +687,24 @@ def _check_key_padding_mask(key_padding_mask, B: int, Sk: int) -> None:
         raise ValueError(f"key_padding_mask must be bool (B, Sk) = ({B}, {Sk}), got {got}")
 
 
-def _dropout_seed_offset(device) -> tuple:
+def _dropout_seed_offset(device: torch.device) -> Tuple[int, int]:
     """``(seed, offset)`` of one dropout call, drawn from torch's generator of ``device`` (so
     ``torch.manual_seed`` reproduces a run); the kernels' keep bits are a pure function of
-    them and the position (csrc/common/dropout_rng.h, reference.dropout_keep_mask)."""
-    # (no int(): under torch.compile / torch.export these are the graph's own random values,
-    # data-dependent SymInts that the ops' SymInt arguments take as they are)
-    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device).tolist()
+    them and the position (csrc/common/dropout_rng.h, reference.dropout_keep_mask). Used by
+    the functional API and the modules (TorchScript-clean)."""
+    if torch.jit.is_tracing():
+        # the trace would keep this call's draw as two constants: one dropout mask forever
+        raise RuntimeError(
+            "attention dropout cannot be traced by torch.jit.trace: the trace would record "
+            "this call's random seed as a constant (the same dropout mask on every call). "
+            "Trace in eval mode (or with dropout_p=0), or use torch.jit.script, torch.compile "
+            "or torch.export, which draw a fresh seed per call")
+    r = torch.randint(0, 4611686018427387904, (2,), dtype=torch.int64, device=device)  # 2**62
+    if torch.jit.is_scripting():
+        return int(r[0].item()), int(r[1].item())
+    # eager / torch.compile / torch.export: no int(), which would guard on a data-dependent
+    # value under tracing (the ops' dropout_seed / dropout_offset are SymInt)
+    seed, offset = r.tolist()
     return seed, offset
 
 

@@ -1,7 +1,12 @@
 """Benchmark attn_ext causal attention against PyTorch SDPA and the textbook reference.
 
     python benchmarks/bench_attention.py --device cpu [--quick] [--markdown] [--no-memory] [--limits PARTS]
-    python benchmarks/bench_attention.py --device cuda
+    python benchmarks/bench_attention.py --device cuda [bench_attention_cuda.py's options]
+
+`--device cuda` runs the GPU matrix of benchmarks/bench_attention_cuda.py (bf16 / fp16; ours
+fast, ours simple, SDPA per backend, in TFLOP/s; copy bandwidth and a bf16 matmul measured
+first as the roofs); every option after it is that script's (`--full`, `--dtypes bf16,fp16`,
+`--seqlens`, `--json`, ...). Everything below is the CPU benchmark.
 
 Timing: for every shape the methods are validated first (ours and SDPA against each other,
 and against the textbook where it runs), then timed interleaved (one call of each method per
@@ -268,7 +273,36 @@ def to_markdown(rows, mem_rows):
     return "\n".join(lines)
 
 
+def _device_of(argv):
+    """The value of --device in argv (None when absent)."""
+    for i, a in enumerate(argv):
+        if a == "--device" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--device="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _run_cuda(argv):
+    """--device cuda: bench_attention_cuda.py's main with the other arguments."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_attention_cuda
+
+    rest, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--device":
+            skip = True
+        elif not a.startswith("--device="):
+            rest.append(a)
+    sys.argv = [bench_attention_cuda.__file__] + rest
+    return bench_attention_cuda.main()
+
+
 def main():
+    if _device_of(sys.argv[1:]) == "cuda":
+        return _run_cuda(sys.argv[1:])
     if len(sys.argv) > 1 and sys.argv[1] == "--_mem-child":
         method, B, H, S, D, dt = sys.argv[2:8]
         mem_child(method, int(B), int(H), int(S), int(D), dt)
@@ -313,4 +347,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

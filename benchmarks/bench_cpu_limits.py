@@ -208,7 +208,7 @@ def part_memory(args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--parts", default="decode,layout,train,memory")

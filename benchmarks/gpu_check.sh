@@ -69,14 +69,11 @@ grep -E '^(FAILED|ERROR)' "$OUT/test_attention_cuda_masked.log" | head -20
 t0=$SECONDS
 if [ "$(left)" -gt 100 ]; then
   TB=$(( $(left) - 60 )); [ $TB -gt 150 ] && TB=150
-  # headline: bf16 causal D=128, S = 4k, 8k, 16k (the issue's targets)
-  timeout $TB $PY benchmarks/bench_attention_cuda.py --json "$OUT/bench.json" \
+  # headline: bf16 causal D=128, S = 4k, 8k, 16k (the issue's targets), through issue 5's
+  # command (bench_attention.py --device cuda runs bench_attention_cuda.py's matrix)
+  timeout $TB $PY benchmarks/bench_attention.py --device cuda --json "$OUT/bench.json" \
     > "$OUT/bench.log" 2>&1
   note "bench (headline) rc=$? in $(( SECONDS - t0 )) s (log bench.log)"
-  if [ -f benchmarks/bench_attention.py ] && [ "$(left)" -gt 120 ]; then
-    timeout 60 $PY benchmarks/bench_attention.py --device cuda > "$OUT/bench_attention.log" 2>&1
-    note "bench_attention.py --device cuda rc=$? (log bench_attention.log)"
-  fi
 else
   note "bench skipped (budget)"
 fi
@@ -132,7 +129,7 @@ fi
 # keeps what was done (log bench_full.log)
 if [ "$(left)" -gt 45 ]; then
   t0=$SECONDS
-  timeout $(( $(left) - 20 )) $PY benchmarks/bench_attention_cuda.py --full --reps 5 \
+  timeout $(( $(left) - 20 )) $PY benchmarks/bench_attention.py --device cuda --full --reps 5 \
     --json "$OUT/bench_full.json" > "$OUT/bench_full.log" 2>&1
   note "bench --full rc=$? in $(( SECONDS - t0 )) s: $(grep -c ' TFLOP/s ' "$OUT/bench_full.log") rows (log bench_full.log)"
 else
@@ -142,6 +139,7 @@ fi
 # ---- summary (last) ------------------------------------------------------------------------
 printf '\n===== SUMMARY (%d s) =====\n' $SECONDS
 printf '%s\n' "${SUMMARY[@]}"
-[ -f "$OUT/bench.log" ] && sed -n '/^dtype /,$p' "$OUT/bench.log"
+# the benchmark's header (commit, torch, device), then its table: the table is the last output
 grep -E "^# " "$OUT/bench.log" 2>/dev/null
+[ -f "$OUT/bench.log" ] && sed -n '/^dtype /,$p' "$OUT/bench.log" | grep -vE "^# "
 exit 0

@@ -176,3 +176,49 @@ def test_backward_extra_memory_does_not_growwith_threads():
     one, many = _peak_extra_mib(1), _peak_extra_mib(16)
     assert many - one < 8.0, (one, many)
     assert one < 6 + 4.0, one  # the gradients + a few MiB of tiles
+
+
+_MEM_PROBE_HWM = textwrap.dedent("""
+    import sys, torch
+    import attn_ext
+    torch.set_num_threads(int(sys.argv[1]))
+    B, S, H, D = 1, 2048, 8, 128  # each kv head's K + V: 2 MiB in fp32
+    q, k, v, dout = (torch.randn(B, S, H, D) for _ in range(4))
+    t = torch.randn(1, 8, 1, 8)  # warm-up (thread pool, allocator)
+    torch.ops.attn_ext.attention_backward(t, t, t, t, t, torch.zeros(1, 1, 8), True, None)
+
+    def extra(call):  # VmHWM growth of one call, MiB (the peak reset just before it)
+        def status(key):
+            return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))
+        open("/proc/self/clear_refs", "w").write("5")
+        before = status("VmRSS:")
+        res = call()
+        return (status("VmHWM:") - before) / 1024.0, res
+
+    fwd, (out, lse) = extra(lambda: torch.ops.attn_ext.attention_forward(q, k, v, True, None))
+    bwd, _ = extra(lambda: torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, True, None))
+    print(fwd, bwd)
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_extra_memory_of_forward_and_backward_flat_up_to_64_threads():
+    """Issue 16 item 2 at 16 and 64 threads, not only 2: each worker used to keep its kv
+    head's converted K and V rows (up to 4 MiB), so one backward at (1, 2048, 8, 128) took
+    ~170 MiB more at 64 threads than at 1 (forward alike). The workers' head rows now share
+    8 MiB in all (csrc/cpu/attention_common.h kHeadRowsTotalBytes)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def probe(threads):
+        out = subprocess.run([sys.executable, "-c", _MEM_PROBE_HWM, str(threads)], capture_output=True,
+                             text=True, check=True, env=env, cwd=ROOT, timeout=300).stdout
+        return [float(x) for x in out.strip().splitlines()[-1].split()]
+
+    (f1, b1), (f16, b16), (f64, b64) = probe(1), probe(16), probe(64)
+    out_mib, grads_mib = 8.0, 24.0
+    assert b1 < grads_mib + 8 and f1 < out_mib + 8, (f1, b1)
+    for f, b, n in ((f16, b16, 16), (f64, b64, 64)):
+        # O(threads x tile): a backward worker's query blocks and tiles are ~0.45 MiB (measured
+        # +7 / +30 MiB at 16 / 64 threads; the forward's +2 / +14)
+        assert b - b1 < (16 if n == 16 else 48), (n, b1, b)
+        assert f - f1 < (8 if n == 16 else 32), (n, f1, f)

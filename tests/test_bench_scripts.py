@@ -30,6 +30,22 @@ def test_bench_attention_cuda_smoke_on_cpu(tmp_path):
         assert key in res.stdout.split("\n\n")[0], key
 
 
+def test_bench_attention_device_cuda_is_the_gpu_matrix(tmp_path):
+    """Issue 5's command, bench_attention.py --device cuda, runs bench_attention_cuda.py's
+    matrix (its options, bf16 / fp16, fast / simple / SDPA backends); without a GPU it says so
+    and exits non-zero, without a traceback."""
+    script = os.path.join(ROOT, "benchmarks", "bench_attention.py")
+    res = subprocess.run([sys.executable, script, "--device", "cuda", "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "--full" in res.stdout and "bf16,fp16" in res.stdout and "--max-simple-seconds" in res.stdout
+    if not torch.cuda.is_available():
+        res = subprocess.run([sys.executable, script, "--device=cuda"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 1 and "no CUDA device" in res.stderr, res.stdout + res.stderr
+        assert "Traceback" not in res.stderr
+
+
 # ---- every benchmark says what it measured ----------------------------------------------------
 
 import ast  # noqa: E402

@@ -107,6 +107,40 @@ def test_trace_with_grad_enabled_records_one_graph():
     assert all(p.grad is not None for p in gpt.parameters() if p.requires_grad)
 
 
+class _FirstOutput(torch.nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x)[0]
+
+
+def test_trace_refuses_attention_dropout_and_traces_it_in_eval():
+    """torch.jit.trace would keep one dropout draw as constants (one mask forever, and the
+    trace checker fails on "graphs differed"): a train-mode layer with dropout, or the
+    functional attention with dropout_p > 0, refuses it clearly; in eval mode the layer traces
+    and matches eager. (torch.jit.script draws a fresh seed per call.)"""
+    torch.manual_seed(0)
+    layer = attn_ext.MultiHeadAttention(32, 4, dropout=0.3).train()
+    wrapped = _FirstOutput(layer)
+    x = torch.randn(2, 6, 32)
+    with pytest.raises(RuntimeError, match="attention dropout cannot be traced by torch.jit.trace"):
+        torch.jit.trace(wrapped, (x,), check_trace=False)
+    q = torch.randn(1, 5, 2, 8)
+    with pytest.raises(RuntimeError, match="attention dropout cannot be traced"):
+        torch.jit.trace(lambda t: attn_ext.attention(t, t, t, dropout_p=0.5), (q,), check_trace=False)
+    wrapped.eval()
+    traced = torch.jit.trace(wrapped, (x,))
+    torch.testing.assert_close(traced(x), layer(x)[0], rtol=0, atol=0)
+    scripted = torch.jit.script(layer.train())
+    torch.manual_seed(1)
+    a = scripted(x)[0]
+    torch.manual_seed(1)
+    torch.testing.assert_close(scripted(x)[0], a, rtol=0, atol=0)
+    assert not torch.equal(scripted(x)[0], a)  # the next call draws a new mask
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_scripted_rope_tables_equal_eager(dtype):
     """A scripted RotaryEmbedding builds the same bits as eager, far out (TorchScript's

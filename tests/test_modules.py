@@ -356,3 +356,51 @@ def test_forward_takes_issue_6s_positional_order():
     torch.testing.assert_close(out, layer(x)[0], rtol=0, atol=0)
     with pytest.raises(ValueError, match="kv_cache given twice"):
         layer(x, a, layer.new_kv_cache(2, 8))
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.bfloat16])
+def test_kv_cache_under_bf16_autocast(cache_dtype):
+    """Under CPU bfloat16 autocast the layer's Linear gives bfloat16 q, k, v: a cache in the
+    weights' float32 (the default) or in bfloat16 both decode, equal to the uncached layer
+    within bfloat16 rounding (they used to refuse "k must have the same dtype as q")."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 4, 2, rotary=RotaryEmbedding(8)).eval()
+    x = torch.randn(2, 7, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        full = m(x)[0]
+        cache = m.new_kv_cache(2, 8, dtype=cache_dtype)
+        steps = [m(x[:, :4], kv_cache=cache)[0]] + [m(x[:, i:i + 1], kv_cache=cache)[0]
+                                                     for i in range(4, 7)]
+    assert cache.k.dtype == (cache_dtype or torch.float32)
+    got = torch.cat(steps, 1)
+    assert got.dtype == full.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), full.float(), rtol=0, atol=3e-2)
+
+
+def test_tinygpt_generate_under_bf16_autocast():
+    """generate under autocast makes its caches in the autocast dtype, and its cached logits
+    equal the uncached forward's within bfloat16 rounding."""
+    torch.manual_seed(0)
+    g = TinyGPT(40, d_model=32, num_heads=4, num_layers=2, max_len=32, pos="rope").eval()
+    idx = torch.randint(0, 40, (2, 9))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = g.generate(idx, 4)
+        caches = g.new_caches(2, out.size(1), torch.bfloat16)
+        cached = torch.cat([g(out[:, :9], caches)] + [g(out[:, i:i + 1], caches)
+                                                     for i in range(9, out.size(1))], 1)
+        full = g(out)
+    assert out.shape == (2, 13) and caches[0].k.dtype == torch.bfloat16
+    torch.testing.assert_close(cached.float(), full.float(), rtol=0, atol=5e-2)
+
+
+def test_rope_tables_grown_in_inference_mode_still_train():
+    """Tables rebuilt under torch.inference_mode (a dtype change, or a longer sequence) are
+    normal tensors: a later forward that records a gradient can save them for backward."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 4, rotary=RotaryEmbedding(8, max_seq_len=4)).double()
+    with torch.inference_mode():
+        m(torch.randn(1, 12, 32, dtype=f64))  # rebuilt in float64 and grown past 4 rows
+    assert not m.rotary.cos.is_inference() and m.rotary.cos.size(0) >= 12
+    x = torch.randn(1, 12, 32, dtype=f64, requires_grad=True)
+    m(x)[0].sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

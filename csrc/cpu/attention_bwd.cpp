@@ -68,6 +68,7 @@ struct BwdScratch {
   AlignedVec<acc_t> pz;    // (kBlockK, kBlockQ): P^T * Z / (1 - p) (dropout only)
   std::vector<uint64_t> words;  // (kBlockQ): dropout words of the pair's rows
   HeadRows<acc_t> hk, hv;  // the current kv head's converted k / v rows (head_rows_fit)
+  int64_t head_rows_budget = kHeadRowsBytes;  // this call's per-worker share
   const acc_t* kbp = nullptr;  // the key tile's k rows (nk, Dp): in kb or hk
   const acc_t* vbp = nullptr;  // its v rows (nk, Dvp): in vb or hv
 
@@ -214,7 +215,7 @@ int64_t load_key_tile(const AttentionParams& p, const Visibility& vis, const Seq
   const auto* v = static_cast<const scalar_t*>(p.v);
   const scalar_t* kh = k + b * p.k_batch_stride + hkv * p.k_head_stride + sq.k0 * p.k_row_stride;
   const scalar_t* vh = v + b * p.v_batch_stride + hkv * p.v_head_stride + sq.k0 * p.v_row_stride;
-  const bool whole = head_rows_fit(sq.Sk, s.Dp, s.Dvp, sizeof(acc_t));
+  const bool whole = head_rows_fit(sq.Sk, s.Dp, s.Dvp, sizeof(acc_t), s.head_rows_budget);
   s.kbp = s.hk.tile(whole, kh, p.k_row_stride, sq.Sk, p.D, s.Dp, j0, nk, s.kb);
   if constexpr (std::is_same_v<acc_t, float>) {
     // pass1_decode's operand in the forward's element order (bf16), once per tile
@@ -549,8 +550,11 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   // recomputed in its summation order, so that P = exp(s - lse) meets the forward's bits.
   const bool decode_order = decode_supported(p, std::is_same_v<acc_t, double>);
   const bool decode_pairs = decode_order && decode_detail::kDecodePairs<scalar_t>;
+  const int64_t rows_budget = head_rows_budget(num_threads());
   auto make_scratch = [&] {
-    return BwdScratch<acc_t>(p.D, p.Dv, L.size, terms, decode_order, decode_pairs);
+    BwdScratch<acc_t> s(p.D, p.Dv, L.size, terms, decode_order, decode_pairs);
+    s.head_rows_budget = rows_budget;
+    return s;
   };
 
   // dk / dv accumulators of (b, hkv): rows j at kacc(b, hkv) + j * ld.

@@ -100,12 +100,23 @@ bool all_finite(const acc_t* x, int64_t rows, int64_t cols, int64_t ld) {
 // forward hands tiles out head by head (attention_fwd.cpp, tile_at) and the fused backward
 // gives a worker a whole kv head. Converting per tile instead converts each row once per
 // query tile that sees it, and at a row stride that aliases in the caches (a BSHD cache at
-// 4 KiB) re-reads it from L3 each time (issue 16 item 3). Only for heads of at most
-// kHeadRowsBytes of K plus V per worker (head_rows_fit); longer ones are packed tile by tile.
-constexpr int64_t kHeadRowsBytes = 4194304;  // 4 MiB
+// 4 KiB) re-reads it from L3 each time (issue 16 item 3). Only for heads whose K plus V fit
+// the worker's share (head_rows_fit): at most kHeadRowsBytes, and all workers' shares together
+// at most kHeadRowsTotalBytes, so a call's extra memory does not grow with the thread count
+// (up to 2 workers each gets 4 MiB; at 4, 2 MiB; at 16, 512 KiB; at 64, 128 KiB). Longer
+// heads are packed tile by tile, with the same values (the conversion is exact), so the
+// choice never changes a result.
+constexpr int64_t kHeadRowsBytes = 4194304;         // 4 MiB per worker
+constexpr int64_t kHeadRowsTotalBytes = 8388608;  // 8 MiB over all workers
 
-inline bool head_rows_fit(int64_t n, int64_t Dp, int64_t Dvp, size_t acc_size) {
-  return n * (Dp + Dvp) * static_cast<int64_t>(acc_size) <= kHeadRowsBytes;  // (+ 8 rows)
+// The per-worker share for a call run by `workers` threads (computed outside the parallel
+// region, where the thread count is the call's).
+inline int64_t head_rows_budget(int64_t workers) {
+  return std::min(kHeadRowsBytes, kHeadRowsTotalBytes / std::max<int64_t>(1, workers));
+}
+
+inline bool head_rows_fit(int64_t n, int64_t Dp, int64_t Dvp, size_t acc_size, int64_t budget) {
+  return n * (Dp + Dvp) * static_cast<int64_t>(acc_size) <= budget;  // (+ 8 rows)
 }
 
 // Software prefetch of [p, p + bytes), one request per 64-byte line (a read into L2, kept in

@@ -112,6 +112,7 @@ struct FwdScratch {
   std::vector<uint8_t> kvalid;  // (kBlockK): key padding of the key tile (1 = takes part)
   std::vector<uint64_t> rk, words;  // (kBlockQ): dropout row keys / words of the columns
   HeadRows<acc_t> hk, hv;           // the current head's packed k / v rows
+  int64_t head_rows_budget = kHeadRowsBytes;  // this call's per-worker share (head_rows_fit)
 
   FwdScratch(int64_t D, int64_t Dv)
       : Dp(round_up(D, 8)),
@@ -185,7 +186,7 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   const int64_t i0 = qt_.i0, nq = qt_.nq;
   const bool one_head = qt_.nh == 1;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-  const bool head_rows = head_rows_fit(sq.Sk, Dp, Dvp, sizeof(acc_t));
+  const bool head_rows = head_rows_fit(sq.Sk, Dp, Dvp, sizeof(acc_t), s.head_rows_budget);
   for (int64_t j0 = kbeg; j0 < kend; j0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, kend - j0);
     TileKind kind = vis.classify(sq, i0, i0 + nq, j0, j0 + nk);
@@ -387,7 +388,12 @@ void attention_fwd_kernel(const AttentionParams& p) {
   const TilePlan plan = plan_tiles(p);
   const Visibility vis = p.visibility();
   const int64_t workers = num_threads();
-  auto make_scratch = [&] { return FwdScratch<acc_t>(p.D, p.Dv); };
+  const int64_t rows_budget = head_rows_budget(workers);
+  auto make_scratch = [&] {
+    FwdScratch<acc_t> s(p.D, p.Dv);
+    s.head_rows_budget = rows_budget;
+    return s;
+  };
 
   // Split-KV when there are fewer tiles than threads and enough keys to share. With dropout
   // the plan counts kDropoutSplitWorkers instead of the threads (bitwise the same output at
