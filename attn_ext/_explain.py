@@ -180,6 +180,14 @@ def cpu_avx512_enabled() -> bool:
     return all(x in flags for x in ("avx512f", "avx512bw"))
 
 
+def cpu_avx512bf16_enabled() -> bool:
+    """csrc/cpu/cpu_features.cpp's avx512bf16_enabled(): cpu_avx512_enabled() and AVX512_BF16
+    + AVX-512VL (the decode kernel's bf16 scores by vdpbf16ps, unless
+    ATTN_EXT_CPU_DECODE_BF16DP=0 at the call)."""
+    flags = cpu_flags()
+    return cpu_avx512_enabled() and "avx512_bf16" in flags and "avx512vl" in flags
+
+
 def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
                     causal: bool = False, window=(-1, -1)) -> Optional[dict]:
     """csrc/cpu/attention_decode.h decode_supported and its split-K chunk count, or None when

@@ -185,13 +185,16 @@ class TinyGPT(nn.Module):
 
         ``attention_mask (B, S)``: a left-padded batch of prompts (1 = real token); each row
         continues as it would alone. Under ``torch.autocast`` the caches take the autocast
-        dtype (the keys and values the layers compute there)."""
+        dtype (the keys and values the layers compute there), except for a float64 model,
+        which autocast leaves in float64."""
         B, S = idx.shape
         if S == 0:
             raise ValueError("generate: idx must hold a prompt of at least one token per row, got "
                              f"shape {list(idx.shape)}")
         dev = self.head.weight.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        # (autocast leaves float64 layers in float64, and so the caches)
+        autocast = torch.is_autocast_enabled(dev) and self.head.weight.dtype != torch.float64
+        dtype = torch.get_autocast_dtype(dev) if autocast else None
         caches = self.new_caches(B, S + max_new_tokens, dtype)
         logits = self(idx, caches, attention_mask)
         out = [idx]

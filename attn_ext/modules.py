@@ -206,7 +206,8 @@ class RotaryEmbedding(nn.Module):
             n = max(seq_len, self.cos.size(0) if stale else 2 * self.cos.size(0))
             cos, sin = self._build(n, self.cos.device, want)
             if not torch.jit.is_scripting():
-                if torch.is_inference_mode_enabled():
+                # (not while torch.compile traces: it cannot trace the mode query)
+                if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
                     cos, sin = _outside_inference_mode(cos, sin)
             self.cos = cos
             self.sin = sin

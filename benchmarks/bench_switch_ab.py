@@ -1,7 +1,8 @@
 """A/B of a CPU kernel switch read on every call, alternated call by call in one process: this
 machine's speed drifts by +-15 % between runs, so the values are only compared within a round.
 
-    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads|decode-pv512] [--repeats N]
+    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads|decode-pv512|decode-bf16dp]
+                                         [--repeats N]
                                          [--threads T] [--values A,B] [--quick]
 
 --switch bwd-jobs (default): ATTN_EXT_CPU_BWD_JOBS, query blocks per visit of the key tiles in
@@ -17,7 +18,13 @@ read per second.
 (1; where the CPU has AVX-512F/BW) or AVX2 (0) (csrc/cpu/attention_decode.h pv512). The same
 rows as decode-quads.
 
-Every value's outputs are checked bitwise equal first; the order of the values alternates from
+--switch decode-bf16dp: ATTN_EXT_CPU_DECODE_BF16DP, the decode kernel's bf16 scores by
+vdpbf16ps (1; where the CPU has AVX512_BF16) or widened to fp32 (0) (csrc/cpu/attention_decode.h
+dp_scores). The same rows as decode-quads; the fp32 rows do not depend on it (a control). Its
+two values sum in different orders, so their outputs are checked close (one bf16 rounding of
+out, 1e-4 of lse), not bitwise.
+
+Every value's outputs are checked bitwise equal first (decode-bf16dp: close); the order of the values alternates from
 round to round; medians over the rounds, and the ratios to the first value.
 """
 
@@ -42,17 +49,24 @@ SHAPES = [(1, 8, 4096, 128), (1, 16, 2048, 64)]  # (B, H, S, D)
 DECODE_SHAPES = [(1, 4096, 32, 8), (4, 2048, 32, 8), (16, 2048, 32, 8), (1, 32768, 32, 8)]
 SWITCHES = {"bwd-jobs": ("ATTN_EXT_CPU_BWD_JOBS", "1,4"),
             "decode-quads": ("ATTN_EXT_CPU_DECODE_QUADS", "0,1"),
-            "decode-pv512": ("ATTN_EXT_CPU_DECODE_PV512", "0,1")}
+            "decode-pv512": ("ATTN_EXT_CPU_DECODE_PV512", "0,1"),
+            "decode-bf16dp": ("ATTN_EXT_CPU_DECODE_BF16DP", "0,1")}
 
 
-def alternate(var, values, repeats, fn):
-    """fn()'s results for every value (bitwise equal, asserted) and its median seconds."""
+def alternate(var, values, repeats, fn, same_bits=True):
+    """fn()'s results for every value (bitwise equal, asserted; close where not same_bits)
+    and its median seconds."""
     first = {}
     for x in values:  # warm-up, and the results of every value must be the same bits
         os.environ[var] = x
         first[x] = fn()
     for x in values[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(first[values[0]], first[x])), x
+        for a, b in zip(first[values[0]], first[x]):
+            if same_bits:
+                assert torch.equal(a, b), x
+            else:  # out: within one rounding of its dtype; lse (fp32): 1e-4
+                tol = 1e-4 if a.dtype == torch.float32 else 2 * torch.finfo(a.dtype).eps
+                assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol), (x, (a.float() - b.float()).abs().max())
     times = {x: [] for x in values}
     for r in range(repeats):
         for x in (values if r % 2 == 0 else values[::-1]):
@@ -69,7 +83,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--values", default=None, help="values to alternate (bwd-jobs: 1,4; "
-                                                   "decode-quads / decode-pv512: 0,1)")
+                                                   "decode-quads / decode-pv512 / decode-bf16dp: 0,1)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds (a smoke test)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -129,7 +143,7 @@ def bench_decode_quads(var, values, repeats, args):
 
             # enough rounds for short calls: about 0.2 s of each value per round count
             reps = repeats if args.quick else max(repeats, int(0.2 / max(1e-4, B * Sk * 2e-7)))
-            med = alternate(var, values, reps, dec)
+            med = alternate(var, values, reps, dec, same_bits=var != "ATTN_EXT_CPU_DECODE_BF16DP")
             gbs = 2 * k.numel() * k.element_size() / 1e9
             name = "fp32" if dt == torch.float32 else "bf16"
             print(f"| {name} | {B} | {Sk} | {H}/{Hkv} | "

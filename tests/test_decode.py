@@ -218,3 +218,45 @@ def test_decode_bf16_decode_order_forward_and_backward(B, Sq, Sk, H, Hkv, D, Dv)
     assert attn_ext.explain(q, k, v, causal=False).forward == "cpu.decode"
     for causal in (False, True):
         check(q, k, v, causal)
+
+
+_HAVE_BF16DP = __import__("attn_ext._explain")._explain.cpu_avx512bf16_enabled()
+
+
+@pytest.mark.parametrize("mode", ["1", "0"])
+@pytest.mark.parametrize("B,Sq,Sk,H,Hkv,D,Dv", [
+    (1, 1, 600, 32, 8, 128, 128),  # GQA 4 x 128: 4-column tiles, whole 32-element steps
+    (2, 1, 300, 8, 8, 64, 64),     # MHA: 1 column x 8 keys
+    (1, 2, 301, 8, 4, 40, 40),     # 4 columns, a masked tail of 8 in d, 5 keys past the groups
+    (2, 4, 257, 8, 2, 59, 111),    # 16 columns, odd D (packed path, masked loads)
+    (1, 1, 130, 6, 2, 96, 72),     # 3 columns: tiles of 2 and 1
+])
+def test_decode_bf16_dot_product_scores(monkeypatch, mode, B, Sq, Sk, H, Hkv, D, Dv):
+    """bf16 scores by vdpbf16ps (attention_decode.h dp_scores, where the CPU has AVX512_BF16;
+    ATTN_EXT_CPU_DECODE_BF16DP=0 the fp32 widening): forward (causal, window, key padding) and
+    backward (which recomputes the forward's scores with the same function) within the
+    tolerance rule of the float64 textbook, in both modes. On such a CPU the two modes sum in
+    different orders, so their lse differ somewhere at D = 128 (the dp path ran), by rounding
+    only."""
+    from tests.test_attention import check
+    monkeypatch.setenv("ATTN_EXT_CPU_DECODE_BF16DP", mode)
+    torch.manual_seed(B * 1000 + Sk)
+    q, k, v = _inputs(B, Sq, Sk, H, Hkv, D, Dv, torch.bfloat16)
+    assert attn_ext.explain(q, k, v, causal=True).forward == "cpu.decode"
+    for causal in (False, True):
+        check(q, k, v, causal)
+    kpm = torch.rand(B, Sk) > 0.3
+    k_bad = k.clone()
+    k_bad[~kpm] = float("nan")  # hidden keys' rows are read in place by dp_scores: masked after
+    for kw in (dict(causal=True, window=(50, 0)), dict(causal=False, key_padding_mask=kpm)):
+        kk = k_bad if "key_padding_mask" in kw else k
+        out, lse = attn_ext.attention(q, kk, v, return_lse=True, **kw)
+        _check(out, lse, q, k, v, **kw)
+    if mode == "1" and _HAVE_BF16DP and D == 128:
+        # (at D <= 96 many sums of bf16 products are exact in fp32 either way: equal lse)
+        lses = {}
+        for m in ("1", "0"):
+            monkeypatch.setenv("ATTN_EXT_CPU_DECODE_BF16DP", m)
+            lses[m] = attn_ext.attention(q, k, v, return_lse=True)[1]
+        assert not torch.equal(lses["1"], lses["0"])
+        torch.testing.assert_close(lses["1"], lses["0"], rtol=0, atol=1e-4)

@@ -176,3 +176,22 @@ def test_left_padded_prefill_with_caches_compiles_fullgraph():
         torch.testing.assert_close(cc.k[:, :10], ce.k[:, :10], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="start must lie in"):
         model.new_caches(2, 16)[0].set_left_padding(torch.tensor([0, 17]))
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_rope_tables_grown_inside_a_compiled_call(fullgraph):
+    """A compiled layer whose RoPE tables are rebuilt during the call (a sequence past
+    max_seq_len): the inference-mode guard of RotaryEmbedding.tables is not traced (dynamo
+    cannot trace torch.is_inference_mode_enabled), and the output equals eager's."""
+    from attn_ext.modules import MultiHeadAttention, RotaryEmbedding
+
+    torch.manual_seed(0)
+    eager = MultiHeadAttention(32, 4, rotary=RotaryEmbedding(8, max_seq_len=4)).eval()
+    model = MultiHeadAttention(32, 4, rotary=RotaryEmbedding(8, max_seq_len=4)).eval()
+    model.load_state_dict(eager.state_dict())
+    x = torch.randn(1, 12, 32)  # 12 rows > max_seq_len = 4: the tables are rebuilt
+    with torch.no_grad():
+        want = eager(x)[0]
+        got = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)(x)[0]
+    assert model.rotary.cos.size(0) >= 12
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -393,6 +393,23 @@ def test_tinygpt_generate_under_bf16_autocast():
     torch.testing.assert_close(cached.float(), full.float(), rtol=0, atol=5e-2)
 
 
+def test_float64_tinygpt_generate_under_autocast_keeps_float64_caches(monkeypatch):
+    """Autocast leaves a float64 model in float64, so generate keeps float64 caches (a bf16
+    cache would round every cached key and value) and decodes as without autocast."""
+    torch.manual_seed(0)
+    g = TinyGPT(40, d_model=32, num_heads=4, num_layers=2, max_len=32, pos="rope").double().eval()
+    idx = torch.randint(0, 40, (2, 9))
+    made = []
+    new_caches = g.new_caches
+    monkeypatch.setattr(g, "new_caches", lambda *a: made.append(new_caches(*a)) or made[-1])
+    with torch.no_grad():
+        plain = g.generate(idx, 4)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            auto = g.generate(idx, 4)
+    assert [c[0].k.dtype for c in made] == [torch.float64, torch.float64]
+    assert torch.equal(plain, auto)
+
+
 def test_rope_tables_grown_in_inference_mode_still_train():
     """Tables rebuilt under torch.inference_mode (a dtype change, or a longer sequence) are
     normal tensors: a later forward that records a gradient can save them for backward."""

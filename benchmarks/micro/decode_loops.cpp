@@ -1,6 +1,7 @@
 // Loop benchmark of the CPU decode kernel's inner products (csrc/cpu/attention_decode.h), one
-// thread, data already in cache: cycles per (key, kv head) of scores() and pv() (AVX2 and
-// AVX-512 PV), against this core's FMA rate measured by the same program. Build and run:
+// thread, data already in cache: cycles per (key, kv head) of scores() (and, for bf16 where the
+// CPU has AVX512_BF16, dp_scores) and pv() (AVX2 and AVX-512 PV), against this core's FMA rate
+// measured by the same program. Build and run:
 //
 //   make -C benchmarks/micro run
 //
@@ -64,9 +65,20 @@ static void run_case(const char* name, int64_t Hkv, int64_t C, int64_t NK, int64
   for (size_t i = 0; i < s.size(); ++i) s[i] = float((i * 3) % 7) / 7.f;
   std::vector<uint8_t> use(ks, 1);
   const bool have512 = attn_ext::cpu::avx512_enabled();
+  const bool have_dp = sizeof(T) == 2 && attn_ext::cpu::avx512bf16_enabled();
+  std::vector<BF> qb(Hkv * C * D, BF(0.01f));
   auto pass = [&](int what, std::vector<float>& o) {
     for (int64_t r0 = 0; r0 < NK; r0 += 8)
       for (int64_t h = 0; h < Hkv; ++h) {
+#if ATTN_EXT_HAVE_BF16DP_PATH
+        if constexpr (sizeof(T) == 2) {
+          if (what == 3) {
+            decode_detail::dp_scores(qb.data() + h * C * D, D, C, K.data() + h * D + r0 * rs, rs,
+                                     8, D, 1.f, s.data() + h * C * ks + r0, ks);
+            continue;
+          }
+        }
+#endif
         if (what == 0)
           decode_detail::scores(qs.data() + h * C * D, C, D, K.data() + h * D + r0 * rs, 8,
                                 s.data() + h * C * ks + r0, ks, rs, true);
@@ -83,15 +95,17 @@ static void run_case(const char* name, int64_t Hkv, int64_t C, int64_t NK, int64
     same = std::memcmp(o1.data(), o2.data(), o1.size() * sizeof(float)) == 0;
   }
   const int iters = std::max<int64_t>(1, 2000000 / (NK * Hkv));
-  double cyc[3] = {0, 0, 0};
-  for (int what = 0; what < (have512 ? 3 : 2); ++what) {
+  double cyc[4] = {0, 0, 0, 0};
+  for (int what = 0; what < 4; ++what) {
+    if ((what == 2 && !have512) || (what == 3 && !have_dp)) continue;
     std::vector<float>& o = what == 2 ? o2 : o1;
     const double ns = median_ns([&] { for (int it = 0; it < iters; ++it) pass(what, o); });
     cyc[what] = ns / iters / (NK * Hkv) * ghz;
   }
   const double ideal = double(C) * D / 16.0;  // FMA-bound cycles of one product per key
-  std::printf("| %s | %s | %ld | %ld | %ld | %.1f | %.1f | %s | %.0f | %s |\n", name,
-              sizeof(T) == 2 ? "bf16" : "fp32", (long)Hkv, (long)C, (long)D, cyc[0], cyc[1],
+  std::printf("| %s | %s | %ld | %ld | %ld | %.1f | %s | %.1f | %s | %.0f | %s |\n", name,
+              sizeof(T) == 2 ? "bf16" : "fp32", (long)Hkv, (long)C, (long)D, cyc[0],
+              have_dp ? std::to_string(cyc[3]).substr(0, 5).c_str() : "-", cyc[1],
               have512 ? std::to_string(cyc[2]).substr(0, 5).c_str() : "-", ideal,
               have512 ? (same ? "yes" : "NO") : "-");
 }
@@ -104,16 +118,18 @@ int main() {
               __builtin_cpu_supports("avx2"), __builtin_cpu_supports("fma"),
               __builtin_cpu_supports("avx512f"), __builtin_cpu_supports("avx512bw"),
               __builtin_cpu_supports("avx512bf16"));
-  std::printf("# attn_ext: simd %d, avx512 (decode PV) %d\n", attn_ext::cpu::simd_enabled(),
-              attn_ext::cpu::avx512_enabled());
+  std::printf("# attn_ext: simd %d, avx512 (decode PV) %d, avx512bf16 (bf16 decode scores) %d\n",
+              attn_ext::cpu::simd_enabled(), attn_ext::cpu::avx512_enabled(),
+              attn_ext::cpu::avx512bf16_enabled());
   const long n = 50000000;
   const double ns = median_ns([&] { volatile float x = fma_loop(n); (void)x; }, 3);
   const double lane_fma_per_ns = n * 12.0 * 8 / ns;
   const double ghz = lane_fma_per_ns / 16.0;  // 2 pipes x 8 lanes per cycle
   std::printf("# fma loop: %.1f G lane-FMA/s = %.2f GHz at 16 lane-FMA per cycle\n\n",
               lane_fma_per_ns, ghz);
-  std::printf("| case | dtype | Hkv | columns | D | scores cyc | pv AVX2 cyc | pv AVX-512 cyc | "
-              "FMA-bound cyc (each) | same bits |\n|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| case | dtype | Hkv | columns | D | scores cyc | scores dp cyc | pv AVX2 cyc | "
+              "pv AVX-512 cyc | FMA-bound cyc (each) | same bits (pv) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|\n");
   run_case<BF>("L1", 1, 4, 8, 128, ghz);
   run_case<BF>("L2", 8, 4, 128, 128, ghz);
   run_case<float>("L1", 1, 4, 8, 128, ghz);

@@ -306,7 +306,7 @@ struct PairTerms {
 template <typename acc_t>
 void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq, int64_t b,
               int64_t h, int64_t i0, int64_t nq, int64_t j0, int64_t nk, int64_t n_valid,
-              bool k_finite, bool decode_order, const QueryPackLayout& L,
+              bool k_finite, bool decode_order, bool decode_dp, const QueryPackLayout& L,
               const acc_t* blk, const uint64_t* rk,
               const KeyAcc<acc_t>& acc, acc_t* dqt, const mk::Kernels<acc_t>& K,
               BwdScratch<acc_t>& s) {
@@ -334,8 +334,21 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
 #if ATTN_EXT_HAVE_AVX2_PATH
     if constexpr (std::is_same_v<acc_t, float>) {
       const int64_t nk8 = round_up(nk, 8);
-      const acc_t* kd = s.kdo.empty() ? s.kbp : s.kdo.data();  // bf16: load_key_tile's copy
-      decode_detail::scores(blk + L.qs, nq, Dp, kd, nk8, s.sc.data(), kBlockK);
+#if ATTN_EXT_HAVE_BF16DP_PATH
+      if (decode_dp) {
+        // bf16 with AVX512_BF16: the forward's dp_scores, q and k read where they are
+        const auto* qh = static_cast<const c10::BFloat16*>(p.q) + b * p.q_batch_stride +
+                         h * p.q_head_stride + (sq.q0 + i0) * p.q_row_stride;
+        const auto* kh = static_cast<const c10::BFloat16*>(p.k) + b * p.k_batch_stride +
+                         (h / (p.H / p.Hkv)) * p.k_head_stride + (sq.k0 + j0) * p.k_row_stride;
+        decode_detail::dp_scores(qh, p.q_row_stride, nq, kh, p.k_row_stride, nk, D,
+                                 static_cast<float>(terms.scale), s.sc.data(), kBlockK);
+      } else
+#endif
+      {
+        const acc_t* kd = s.kdo.empty() ? s.kbp : s.kdo.data();  // bf16: load_key_tile's copy
+        decode_detail::scores(blk + L.qs, nq, Dp, kd, nk8, s.sc.data(), kBlockK);
+      }
       for (int64_t r = 0; r < nk; ++r) {
         acc_t* row = s.st.data() + r * C;
         for (int64_t c = 0; c < nq; ++c) row[c] = s.sc[c * kBlockK + r];
@@ -549,7 +562,14 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   // The forward of these shapes was the decode kernel (attention_decode.h): the scores are
   // recomputed in its summation order, so that P = exp(s - lse) meets the forward's bits.
   const bool decode_order = decode_supported(p, std::is_same_v<acc_t, double>);
-  const bool decode_pairs = decode_order && decode_detail::kDecodePairs<scalar_t>;
+  // bf16 where the forward's scores were dp_scores (AVX512_BF16): those, from q and k in place
+#if ATTN_EXT_HAVE_AVX2_PATH
+  const bool decode_dp = decode_order && std::is_same_v<scalar_t, c10::BFloat16> &&
+                         decode_detail::decode_bf16dp_enabled();
+#else
+  const bool decode_dp = false;
+#endif
+  const bool decode_pairs = decode_order && decode_detail::kDecodePairs<scalar_t> && !decode_dp;
   const int64_t rows_budget = head_rows_budget(num_threads());
   auto make_scratch = [&] {
     BwdScratch<acc_t> s(p.D, p.Dv, L.size, terms, decode_order, decode_pairs);
@@ -646,7 +666,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
         Job& job = s.jobs[j];
         acc.db = job.db != nullptr ? job.dbj.data() : nullptr;
         bwd_pair<acc_t>(p, vis, sq, b, job.h, job.i0, job.nq, j0, nk, n_valid, k_finite,
-                        decode_order, L, job.blk.data(), job.rk.data(), acc,
+                        decode_order, decode_dp, L, job.blk.data(), job.rk.data(), acc,
                         want_dq ? job.dqt.data() : nullptr, kern, s);
       }
     }

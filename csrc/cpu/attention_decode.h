@@ -492,6 +492,110 @@ inline bool decode_pv512_enabled() {
   return !(env != nullptr && std::strcmp(env, "0") == 0);
 }
 
+#if ATTN_EXT_HAVE_BF16DP_PATH
+// ---- bf16 scores by pairwise dot products (AVX512_BF16: where cpu::avx512bf16_enabled()) ----
+// vdpbf16ps multiplies bf16 pairs exactly and adds both products to an fp32 lane: 32 elements
+// of d per instruction, with nothing to widen, where scores() widens K and runs 8-float FMAs.
+// q is read as bf16 too (the inputs' own values, unscaled), and the scale multiplies the sum:
+// s = scale * (q . k). Each (column, key) is one chain over d in 32-element steps (the tail
+// by masked loads, zero lanes adding 0), folded 16 -> 8 lanes and reduced by hsum8, so its bits
+// do not depend on the tile shape, on which columns or keys are computed together, nor on
+// whether q and k are packed or read in place: the forward (attention_decode_kernel) and the
+// backward (attention_bwd.cpp, which recomputes P = exp(s - lse)) call this one function where
+// decode_bf16dp_enabled(). Its bits differ from scores()' (another summation order, and the
+// instruction treats denormal inputs and results as zero): the two are alternatives for a
+// whole call, never mixed in one. Measured: RESULTS.md, seventeenth session.
+ATTN_EXT_AVX512BF16 inline __m512bh dp_load(const c10::BFloat16* p, __mmask32 m) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+}
+ATTN_EXT_AVX512BF16 inline __m256 dp_fold(__m512 x) {
+  const __m512d xd = _mm512_castps_pd(x);
+  return _mm256_add_ps(_mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xF, xd, 0)),
+                       _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xF, xd, 1)));
+}
+
+// One 32-element step of d (Tail: the last, shorter one, by masked loads) for NC columns x NK
+// keys: a[r * NC + c] += pairwise products of q_c and k_r.
+template <int NC, int NK, bool Tail>
+ATTN_EXT_AVX512BF16 inline void dp_step(const c10::BFloat16* q, int64_t ldq, const c10::BFloat16* k,
+                                        int64_t ldk, int64_t d, __mmask32 m, __m512* a) {
+  __m512bh kv[NK];
+#pragma GCC unroll 8
+  for (int r = 0; r < NK; ++r)
+    kv[r] = Tail ? dp_load(k + r * ldk + d, m) : (__m512bh)_mm512_loadu_si512(k + r * ldk + d);
+#pragma GCC unroll 4
+  for (int c = 0; c < NC; ++c) {
+    const __m512bh qv = Tail ? dp_load(q + c * ldq + d, m) : (__m512bh)_mm512_loadu_si512(q + c * ldq + d);
+#pragma GCC unroll 8
+    for (int r = 0; r < NK; ++r) a[r * NC + c] = _mm512_dpbf16_ps(a[r * NC + c], qv, kv[r]);
+  }
+}
+
+// s[c * ld + r] for NC columns x NK keys (NC * NK <= 8 accumulators).
+template <int NC, int NK, int DC>
+ATTN_EXT_AVX512BF16 inline void dp_scores_tile(const c10::BFloat16* q, int64_t ldq,
+                                               const c10::BFloat16* k, int64_t ldk, int64_t D_,
+                                               float scale, float* s, int64_t ld) {
+  static_assert(NC * NK <= 8, "8 accumulators at most");
+  const int64_t D = DC ? DC : D_;
+  __m512 a[NC * NK];
+#pragma GCC unroll 8
+  for (int i = 0; i < NC * NK; ++i) a[i] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) dp_step<NC, NK, false>(q, ldq, k, ldk, d, 0, a);
+  if (d < D) dp_step<NC, NK, true>(q, ldq, k, ldk, d, (__mmask32(1) << (D - d)) - 1, a);
+  __m256 y[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < NC * NK; ++i) y[i] = dp_fold(a[i]);
+#pragma GCC unroll 8
+  for (int i = NC * NK; i < 8; ++i) y[i] = _mm256_setzero_ps();
+  const __m256 h = _mm256_mul_ps(hsum8(y[0], y[1], y[2], y[3], y[4], y[5], y[6], y[7]),
+                                 _mm256_set1_ps(scale));
+  alignas(32) float t[8];
+  _mm256_store_ps(t, h);
+#pragma GCC unroll 8
+  for (int i = 0; i < NC * NK; ++i) s[(i % NC) * ld + i / NC] = t[i];
+}
+
+// NC columns against keys [0, nk): 8 / NC keys at a time, then one at a time.
+template <int NC, int DC>
+ATTN_EXT_AVX512BF16 inline void dp_scores_cols(const c10::BFloat16* q, int64_t ldq,
+                                               const c10::BFloat16* k, int64_t ldk, int64_t nk,
+                                               int64_t D, float scale, float* s, int64_t ld) {
+  constexpr int NK = 8 / NC;
+  int64_t r = 0;
+  for (; r + NK <= nk; r += NK)
+    dp_scores_tile<NC, NK, DC>(q, ldq, k + r * ldk, ldk, D, scale, s + r, ld);
+  for (; r < nk; ++r) dp_scores_tile<NC, 1, DC>(q, ldq, k + r * ldk, ldk, D, scale, s + r, ld);
+}
+
+// s[c * ld + r] = scale * (q_c . k_r) for columns c < C (rows of q at stride ldq) and keys
+// r < nk (rows of k at stride ldk), bf16 rows of D elements in natural order, read where they
+// are. Column tiles of 4 (2 keys each), then 2 or 1 (MHA: 1 column x 8 keys).
+ATTN_EXT_AVX512BF16 inline void dp_scores(const c10::BFloat16* q, int64_t ldq, int64_t C,
+                                          const c10::BFloat16* k, int64_t ldk, int64_t nk,
+                                          int64_t D, float scale, float* s, int64_t ld) {
+  with_fixed_length(D, [&](auto dc) ATTN_EXT_AVX512BF16 {
+    constexpr int DC = decltype(dc)::value;
+    int64_t c = 0;
+    for (; c + 4 <= C; c += 4) dp_scores_cols<4, DC>(q + c * ldq, ldq, k, ldk, nk, D, scale, s + c * ld, ld);
+    for (; c + 2 <= C; c += 2) dp_scores_cols<2, DC>(q + c * ldq, ldq, k, ldk, nk, D, scale, s + c * ld, ld);
+    for (; c < C; ++c) dp_scores_cols<1, DC>(q + c * ldq, ldq, k, ldk, nk, D, scale, s + c * ld, ld);
+  });
+}
+
+#endif  // ATTN_EXT_HAVE_BF16DP_PATH
+
+// ATTN_EXT_CPU_DECODE_BF16DP=0: bf16 decode scores by scores() (widened to fp32) even where
+// AVX512_BF16 is there, for benchmarks and tests comparing both. Read once per decode call
+// and once per backward call: the two must see the same value (the backward recomputes the
+// forward's scores bit for bit).
+inline bool decode_bf16dp_enabled() {
+  if (!ATTN_EXT_HAVE_BF16DP_PATH || !cpu::avx512bf16_enabled()) return false;
+  const char* env = std::getenv("ATTN_EXT_CPU_DECODE_BF16DP");
+  return !(env != nullptr && std::strcmp(env, "0") == 0);
+}
+
 // Rows of 64 and 128 take instances with the length fixed at compile time (with_fixed_length;
 // same bits). wide (decode_pv512_enabled()): pv512 where Dvp is a multiple of 16 (the same
 // bits).
@@ -545,6 +649,7 @@ inline int64_t block_keys(int64_t Hkv, int64_t Dp, int64_t Dvp) {
 struct DecodeScratch {
   int64_t Dp, Dvp;
   AlignedVec<float> qs;   // (Hkv, C, Dp): scale * q of every column of every kv head
+  AlignedVec<c10::BFloat16> qb;  // (Hkv, C, D): q of every column, bf16 (dp_scores only)
   int64_t nb;             // keys per block where some block may be packed (block_keys)
   int64_t ks;             // keys per block at most: nb, or kDecodeKeysInPlace (big_blocks)
   int64_t pack_cap;       // keys a packed block holds: nb, or ks when the big blocks are
@@ -647,6 +752,9 @@ void attention_decode_kernel(const AttentionParams& p) {
   const bool kInPlace = p.D == Dp && p.Dv == Dvp && decode_in_place_enabled();
   const bool quads = decode_quads_enabled();
   const bool wide = decode_pv512_enabled();  // pv512 (the same bits)
+  // bf16 scores by vdpbf16ps (dp_scores) for every block of the call, in place or not
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  const bool dp = kBf16 && decode_bf16dp_enabled();
 
   // Keys some row of sequence b sees by the band (the same for every kv head).
   auto seq_keys = [&](const SeqInfo& s) -> Range {
@@ -698,17 +806,45 @@ void attention_decode_kernel(const AttentionParams& p) {
     if (kbeg >= kend) return;
     const int64_t nq = sq.Sq;  // rows of this sequence (<= p.Sq)
 
-    // qs: kv head hkv, column c = hh * Sq + ii (rows past the sequence stay zero and hidden)
-    std::fill(w.qs.begin(), w.qs.begin() + Hkv * C * Dp, 0.f);
+    // qs (or qb): kv head hkv, column c = hh * Sq + ii (rows past the sequence stay zero and
+    // hidden)
+    if (dp) {
+      w.qb.resize(static_cast<size_t>(Hkv * C * p.D));
+      std::fill(w.qb.begin(), w.qb.end(), c10::BFloat16());
+    } else {
+      std::fill(w.qs.begin(), w.qs.begin() + Hkv * C * Dp, 0.f);
+    }
     for (int64_t h = 0; h < p.H; ++h) {
       const int64_t hkv = h / group, hh = h % group;
       for (int64_t ii = 0; ii < nq; ++ii) {
         const scalar_t* src = q + b * p.q_batch_stride + (sq.q0 + ii) * p.q_row_stride + h * p.q_head_stride;
+        if constexpr (kBf16) {
+          if (dp) {
+            std::memcpy(w.qb.data() + (hkv * C + hh * p.Sq + ii) * p.D, src, p.D * sizeof(scalar_t));
+            continue;
+          }
+        }
         float* dst = w.qs.data() + (hkv * C + hh * p.Sq + ii) * Dp;
         pack_row(src, p.D, dst);
         for (int64_t d = 0; d < p.D; ++d) dst[d] *= qscale;
       }
     }
+    // scores of kv head hkv for keys [j0, j0 + n) of the unit into sc (row stride ks): by
+    // dp_scores from K where it is (returns true), else false (the caller's scores() call)
+    auto dp_block = [&](int64_t hkv, int64_t j0, int64_t n, float* sc) {
+#if ATTN_EXT_HAVE_BF16DP_PATH
+      if constexpr (kBf16) {
+        if (dp) {
+          const scalar_t* kh = k + b * p.k_batch_stride + hkv * p.k_head_stride +
+                               (sq.k0 + j0) * p.k_row_stride;
+          dp_scores(w.qb.data() + hkv * C * p.D, p.D, C, kh, p.k_row_stride, n, p.D, qscale, sc,
+                    w.ks);
+          return true;
+        }
+      }
+#endif
+      return false;
+    };
     // per column: the band's key range (the same for every kv head)
     Range ck[kDecodeCols];
     bool band_full = true;  // every column sees all of [kbeg, kend) by the band
@@ -756,7 +892,7 @@ void attention_decode_kernel(const AttentionParams& p) {
       // over a contiguous range of a BSHD cache (k first, then v)
       const bool in_place = kInPlace && !masked && nk % 8 == 0;
       if (!in_place) w.pack_blocks();
-      for (int64_t r = 0; r < nk && !in_place; ++r) {
+      for (int64_t r = 0; r < nk && !in_place && !dp; ++r) {  // (dp: scores from K in place)
         if (!w.use[r]) continue;
         for (int64_t hkv = 0; hkv < Hkv; ++hkv)
           pack_row(kseq + (j0 + r) * p.k_row_stride + hkv * p.k_head_stride, p.D,
@@ -776,7 +912,12 @@ void attention_decode_kernel(const AttentionParams& p) {
         for (int64_t r0 = 0; r0 < nk8; r0 += 8) {
           for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
             const scalar_t* kh = kseq + hkv * p.k_head_stride;
-            prefetch_next_group(kseq, hkv, Hkv, j0 + r0, kend, p.k_row_stride, p.k_head_stride, p.D);
+            // (dp: the group after the next; its scores take less time than the widening
+            // ones, and one group ahead left the misses exposed: RESULTS.md, seventeenth
+            // session)
+            prefetch_next_group(kseq, hkv, Hkv, j0 + r0 + (dp ? 8 : 0), kend, p.k_row_stride,
+                                p.k_head_stride, p.D);
+            if (dp_block(hkv, j0 + r0, 8, w.s.data() + hkv * s_head + r0)) continue;
             scores(w.qs.data() + hkv * C * Dp, C, Dp, kh + (j0 + r0) * p.k_row_stride, 8,
                    w.s.data() + hkv * s_head + r0, ks, p.k_row_stride, quads);
           }
@@ -788,7 +929,9 @@ void attention_decode_kernel(const AttentionParams& p) {
         float *o = part, *m = part + C * Dvp, *l = m + C;
         float* kbh = in_place ? nullptr : w.kb.data() + hkv * pc * Dp;
         const float* vbh = in_place ? nullptr : w.vb.data() + hkv * pc * Dvp;
-        if (!in_place) {
+        if (!in_place && !dp_block(hkv, j0, nk, sh)) {
+          // (dp_block: every row's score from K where it is; hidden and padding rows are
+          // masked below, so a non-finite k there never counts)
           for (int64_t r = 0; r < nk8; ++r) {  // hidden and padding rows: zero (finite scores)
             if (r < nk && w.use[r]) continue;
             std::fill(kbh + r * Dp, kbh + (r + 1) * Dp, 0.f);

@@ -1,5 +1,6 @@
 // attn_ext::cpu::simd_enabled(): the single CPU-feature detector (see cpu_features.h).
 #include "cpu/cpu_features.h"
+#include "cpu/simd.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -30,6 +31,19 @@ bool avx512_enabled() {
     __builtin_cpu_init();
     // (libgcc sets the AVX-512 bits only where the OS saves the ZMM state: XCR0)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool avx512bf16_enabled() {
+#if ATTN_EXT_HAVE_BF16DP_PATH
+  static const bool ok = [] {
+    if (!avx512_enabled()) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vl");
   }();
   return ok;
 #else

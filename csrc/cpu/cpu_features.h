@@ -12,4 +12,9 @@ bool simd_enabled();
 // Decided once per process.
 bool avx512_enabled();
 
+// True when avx512_enabled() and the CPU also has AVX512_BF16 (vdpbf16ps) and AVX-512VL: the
+// decode kernel's bf16 scores by pairwise dot products (attention_decode.h, dp_scores).
+// Decided once per process; ATTN_EXT_CPU_AVX512=0 turns it off with the rest of AVX-512.
+bool avx512bf16_enabled();
+
 }  // namespace attn_ext::cpu

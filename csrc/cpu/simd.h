@@ -27,6 +27,17 @@
 #else
 #define ATTN_EXT_HAVE_AVX2_PATH 0
 #endif
+// ... + AVX512_BF16 and VL: only in functions called where cpu::avx512bf16_enabled(). Compilers
+// before GCC 10 / clang 9 have no AVX512_BF16: the bf16 decode scores then widen (the same
+// results as ATTN_EXT_CPU_DECODE_BF16DP=0).
+#if ATTN_EXT_HAVE_AVX2_PATH && \
+    ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 10))
+#define ATTN_EXT_HAVE_BF16DP_PATH 1
+#define ATTN_EXT_AVX512BF16 \
+  __attribute__((target("avx512bf16,avx512vl,avx512f,avx512bw,avx2,fma,f16c")))
+#else
+#define ATTN_EXT_HAVE_BF16DP_PATH 0
+#endif
 
 namespace attn_ext::cpu {
 
