@@ -209,8 +209,11 @@ def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (
     seen = band.any(0).nonzero()
     band_keys = int(seen[-1]) + 1 - int(seen[0]) if seen.numel() else 0
     n_chunks = min(n_chunks, max(1, band_keys // CPU_DECODE_MIN_CHUNK))
+    # bf16 scores: vdpbf16ps where the CPU has AVX512_BF16 (attention_decode.h dp_scores)
+    dp = cpu_avx512bf16_enabled() and os.environ.get("ATTN_EXT_CPU_DECODE_BF16DP") != "0"
+    bf16_scores = ("vdpbf16ps" if dp else "widened") if dtype == torch.bfloat16 else None
     return {"threads": threads, "columns_per_kv_head": s.Sq * group, "kv_heads": s.B * s.Hkv,
-            "n_chunks": n_chunks}
+            "n_chunks": n_chunks, "bf16_scores": bf16_scores}
 
 
 def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
@@ -233,8 +236,10 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
             f"per kv head ({dtype} on an AVX2 CPU): K/V read once, in memory order, by units of "
             f"(sequence, key chunk) covering every kv head; {decode['n_chunks']} chunk(s) per "
             f"sequence (4 units per thread, at least {CPU_DECODE_MIN_CHUNK} keys each) merged in "
-            "chunk order; float32 accumulation "
-            "(ATTN_EXT_CPU_DECODE=0 turns it off)")
+            "chunk order; float32 accumulation"
+            + ("; bf16 scores by vdpbf16ps (AVX512_BF16; ATTN_EXT_CPU_DECODE_BF16DP=0 widens "
+               "them to float32 instead)" if decode["bf16_scores"] == "vdpbf16ps" else "")
+            + " (ATTN_EXT_CPU_DECODE=0 turns it off)")
     elif plan["n_split"] > 1:
         fwd, why = "cpu.split_kv", (
             f"{plan['query_tiles']} query tile(s) < {workers_text} and Sk = {s.Sk} >= "

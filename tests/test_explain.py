@@ -416,3 +416,25 @@ def test_explain_refuses_non_tensors_like_attention():
     good = dict(softcap=30.0, dropout_p=0.1, alibi_slopes=torch.ones(1, 2),
                 rel_bias=torch.zeros(2, 5, dtype=torch.float64), sinks=torch.zeros(2))
     assert set(attn_ext.explain(q, q, q, **good).details["score_terms"]) >= set(good)
+
+
+def test_explain_names_the_bf16_decode_scores(monkeypatch):
+    """details["bf16_scores"] of a bf16 decode: "vdpbf16ps" where the CPU has AVX512_BF16
+    (unless ATTN_EXT_CPU_DECODE_BF16DP=0), else "widened"; None for other dtypes. It agrees
+    with what runs: the two paths' lse differ (by rounding) exactly when it says vdpbf16ps."""
+    from attn_ext._explain import cpu_avx512bf16_enabled
+    torch.manual_seed(0)
+    q = torch.randn(1, 1, 32, 128).bfloat16()
+    k, v = torch.randn(1, 4096, 8, 128).bfloat16(), torch.randn(1, 4096, 8, 128).bfloat16()
+    said, lse = {}, {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("ATTN_EXT_CPU_DECODE_BF16DP", mode)
+        choice = attn_ext.explain(q, k, v)
+        assert choice.forward == "cpu.decode"
+        said[mode] = choice.details["bf16_scores"]
+        assert ("vdpbf16ps" in str(choice)) == (said[mode] == "vdpbf16ps")
+        lse[mode] = attn_ext.attention(q, k, v, return_lse=True)[1]
+    assert said["0"] == "widened"
+    assert said["1"] == ("vdpbf16ps" if cpu_avx512bf16_enabled() else "widened")
+    assert torch.equal(lse["1"], lse["0"]) == (said["1"] == "widened")
+    assert attn_ext.explain(q.float(), k.float(), v.float()).details["bf16_scores"] is None
