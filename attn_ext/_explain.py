@@ -183,7 +183,7 @@ def cpu_avx512_enabled() -> bool:
 def cpu_avx512bf16_enabled() -> bool:
     """csrc/cpu/cpu_features.cpp's avx512bf16_enabled(): cpu_avx512_enabled() and AVX512_BF16
     + AVX-512VL (the decode kernel's bf16 scores by vdpbf16ps, unless
-    ATTN_EXT_CPU_DECODE_BF16DP=0 at the call)."""
+    ATTN_EXT_CPU_BF16DP=0 at the call)."""
     flags = cpu_flags()
     return cpu_avx512_enabled() and "avx512_bf16" in flags and "avx512vl" in flags
 
@@ -210,7 +210,7 @@ def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (
     band_keys = int(seen[-1]) + 1 - int(seen[0]) if seen.numel() else 0
     n_chunks = min(n_chunks, max(1, band_keys // CPU_DECODE_MIN_CHUNK))
     # bf16 scores: vdpbf16ps where the CPU has AVX512_BF16 (attention_decode.h dp_scores)
-    dp = cpu_avx512bf16_enabled() and os.environ.get("ATTN_EXT_CPU_DECODE_BF16DP") != "0"
+    dp = cpu_avx512bf16_enabled() and os.environ.get("ATTN_EXT_CPU_BF16DP") != "0"
     bf16_scores = ("vdpbf16ps" if dp else "widened") if dtype == torch.bfloat16 else None
     return {"threads": threads, "columns_per_kv_head": s.Sq * group, "kv_heads": s.B * s.Hkv,
             "n_chunks": n_chunks, "bf16_scores": bf16_scores}
@@ -237,7 +237,7 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
             f"(sequence, key chunk) covering every kv head; {decode['n_chunks']} chunk(s) per "
             f"sequence (4 units per thread, at least {CPU_DECODE_MIN_CHUNK} keys each) merged in "
             "chunk order; float32 accumulation"
-            + ("; bf16 scores by vdpbf16ps (AVX512_BF16; ATTN_EXT_CPU_DECODE_BF16DP=0 widens "
+            + ("; bf16 scores by vdpbf16ps (AVX512_BF16; ATTN_EXT_CPU_BF16DP=0 widens "
                "them to float32 instead)" if decode["bf16_scores"] == "vdpbf16ps" else "")
             + " (ATTN_EXT_CPU_DECODE=0 turns it off)")
     elif plan["n_split"] > 1:
@@ -252,6 +252,12 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
         fwd, why = "cpu.tiled", (
             f"{reason}: one task per query tile of up to {CPU_BLOCK_Q} (head, row) columns, "
             f"key tiles of {CPU_BLOCK_K}; {acc} accumulation, {inner}")
+    if decode is None:  # the tiled kernels' pass 1 (csrc/cpu/attention_bf16dp.cpp)
+        dp = (dtype == torch.bfloat16 and s.D % 2 == 0 and cpu_avx512bf16_enabled()
+              and os.environ.get("ATTN_EXT_CPU_BF16DP") != "0")
+        plan["bf16_scores"] = ("vdpbf16ps" if dp else "widened") if dtype == torch.bfloat16 else None
+        if dp:
+            why += "; bf16 scores by vdpbf16ps (AVX512_BF16; ATTN_EXT_CPU_BF16DP=0 widens them)"
     if s.B * s.Hkv >= threads or s.Sk <= CPU_BLOCK_K:
         bwd_why = (f"fused per (batch, kv head) ({s.B * s.Hkv} unit(s), {threads} threads): each "
                    f"unit walks its query blocks and key tiles of {CPU_BLOCK_K}, owning the dq, "

@@ -105,7 +105,7 @@ def cpu_isa() -> str:
     ours = "AVX2+FMA+F16C" if cpu_simd_enabled() else "portable C++ (no SIMD path)"
     if cpu_avx512_enabled():
         ours += " (+ AVX-512F/BW decode PV"
-        if cpu_avx512bf16_enabled() and os.environ.get("ATTN_EXT_CPU_DECODE_BF16DP") != "0":
+        if cpu_avx512bf16_enabled() and os.environ.get("ATTN_EXT_CPU_BF16DP") != "0":
             ours += ", AVX512_BF16 bf16 decode scores"
         ours += ")"
     flags = cpu_flags()

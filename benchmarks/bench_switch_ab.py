@@ -1,7 +1,7 @@
 """A/B of a CPU kernel switch read on every call, alternated call by call in one process: this
 machine's speed drifts by +-15 % between runs, so the values are only compared within a round.
 
-    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads|decode-pv512|decode-bf16dp]
+    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads|decode-pv512|bf16dp]
                                          [--repeats N]
                                          [--threads T] [--values A,B] [--quick]
 
@@ -18,13 +18,15 @@ read per second.
 (1; where the CPU has AVX-512F/BW) or AVX2 (0) (csrc/cpu/attention_decode.h pv512). The same
 rows as decode-quads.
 
---switch decode-bf16dp: ATTN_EXT_CPU_DECODE_BF16DP, the decode kernel's bf16 scores by
-vdpbf16ps (1; where the CPU has AVX512_BF16) or widened to fp32 (0) (csrc/cpu/attention_decode.h
-dp_scores). The same rows as decode-quads; the fp32 rows do not depend on it (a control). Its
-two values sum in different orders, so their outputs are checked close (one bf16 rounding of
-out, 1e-4 of lse), not bitwise.
+--switch bf16dp: ATTN_EXT_CPU_BF16DP, bf16 scores by vdpbf16ps (1; where the CPU has
+AVX512_BF16) or widened to fp32 (0): the decode kernel's (csrc/cpu/attention_decode.h
+dp_scores) and the tiled kernels' pass 1 (csrc/cpu/attention_bf16dp.cpp). The decode-quads rows
+(the fp32 ones do not depend on it: a control), then the bf16 causal prefill forward and
+backward at (1, 8, 4096, 128) and (1, 16, 2048, 64) (BSHD). Its two values sum in different
+orders, so their outputs are checked close (one bf16 rounding of out, 1e-4 of lse), not
+bitwise.
 
-Every value's outputs are checked bitwise equal first (decode-bf16dp: close); the order of the values alternates from
+Every value's outputs are checked bitwise equal first (bf16dp: close); the order of the values alternates from
 round to round; medians over the rounds, and the ratios to the first value.
 """
 
@@ -50,7 +52,7 @@ DECODE_SHAPES = [(1, 4096, 32, 8), (4, 2048, 32, 8), (16, 2048, 32, 8), (1, 3276
 SWITCHES = {"bwd-jobs": ("ATTN_EXT_CPU_BWD_JOBS", "1,4"),
             "decode-quads": ("ATTN_EXT_CPU_DECODE_QUADS", "0,1"),
             "decode-pv512": ("ATTN_EXT_CPU_DECODE_PV512", "0,1"),
-            "decode-bf16dp": ("ATTN_EXT_CPU_DECODE_BF16DP", "0,1")}
+            "bf16dp": ("ATTN_EXT_CPU_BF16DP", "0,1")}
 
 
 def alternate(var, values, repeats, fn, same_bits=True):
@@ -83,7 +85,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--values", default=None, help="values to alternate (bwd-jobs: 1,4; "
-                                                   "decode-quads / decode-pv512 / decode-bf16dp: 0,1)")
+                                                   "decode-quads / decode-pv512 / bf16dp: 0,1)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds (a smoke test)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -97,6 +99,8 @@ def main():
             bench_bwd_jobs(var, values, repeats, args)
         else:
             bench_decode_quads(var, values, repeats, args)
+            if args.switch == "bf16dp":
+                bench_bf16_prefill(var, values, repeats, args)
     finally:
         if old is None:
             os.environ.pop(var, None)
@@ -125,6 +129,29 @@ def bench_bwd_jobs(var, values, repeats, args):
               + " / ".join(f"{m / med[0]:.3f}" for m in med) + " |", flush=True)
 
 
+def bench_bf16_prefill(var, values, repeats, args):
+    shapes = [(1, 2, 256, 32)] if args.quick else SHAPES
+    print(f"\n## bf16 causal prefill (BSHD), {var} in {values}, {args.threads} threads, "
+          f"medians of {repeats} rounds\n")
+    print("| B, H, S, D | pass | " + " | ".join(f"{v}: ms" for v in values) + " | ratio to the first |")
+    print("|---|---|" + "---|" * (len(values) + 1))
+    for B, H, S, D in shapes:
+        q, k, v, dout = (torch.randn(B, S, H, D).bfloat16() for _ in range(4))
+
+        def fwd():
+            return torch.ops.attn_ext.attention_forward(q, k, v, True, None)
+
+        out, lse = fwd()
+
+        def bwd():
+            return torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, True, None)
+
+        for name, fn, same in (("fwd", fwd, False), ("bwd", bwd, False)):
+            med = alternate(var, values, repeats, fn, same_bits=same)
+            print(f"| {B}, {H}, {S}, {D} | {name} | " + " | ".join(f"{m * 1e3:.1f}" for m in med)
+                  + " | " + " / ".join(f"{m / med[0]:.3f}" for m in med) + " |", flush=True)
+
+
 def bench_decode_quads(var, values, repeats, args):
     shapes = [(1, 512, 8, 2)] if args.quick else DECODE_SHAPES
     D = 128
@@ -143,7 +170,7 @@ def bench_decode_quads(var, values, repeats, args):
 
             # enough rounds for short calls: about 0.2 s of each value per round count
             reps = repeats if args.quick else max(repeats, int(0.2 / max(1e-4, B * Sk * 2e-7)))
-            med = alternate(var, values, reps, dec, same_bits=var != "ATTN_EXT_CPU_DECODE_BF16DP")
+            med = alternate(var, values, reps, dec, same_bits=var != "ATTN_EXT_CPU_BF16DP")
             gbs = 2 * k.numel() * k.element_size() / 1e9
             name = "fp32" if dt == torch.float32 else "bf16"
             print(f"| {name} | {B} | {Sk} | {H}/{Hkv} | "

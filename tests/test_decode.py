@@ -233,13 +233,13 @@ _HAVE_BF16DP = __import__("attn_ext._explain")._explain.cpu_avx512bf16_enabled()
 ])
 def test_decode_bf16_dot_product_scores(monkeypatch, mode, B, Sq, Sk, H, Hkv, D, Dv):
     """bf16 scores by vdpbf16ps (attention_decode.h dp_scores, where the CPU has AVX512_BF16;
-    ATTN_EXT_CPU_DECODE_BF16DP=0 the fp32 widening): forward (causal, window, key padding) and
+    ATTN_EXT_CPU_BF16DP=0 the fp32 widening): forward (causal, window, key padding) and
     backward (which recomputes the forward's scores with the same function) within the
     tolerance rule of the float64 textbook, in both modes. On such a CPU the two modes sum in
     different orders, so their lse differ somewhere at D = 128 (the dp path ran), by rounding
     only."""
     from tests.test_attention import check
-    monkeypatch.setenv("ATTN_EXT_CPU_DECODE_BF16DP", mode)
+    monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", mode)
     torch.manual_seed(B * 1000 + Sk)
     q, k, v = _inputs(B, Sq, Sk, H, Hkv, D, Dv, torch.bfloat16)
     assert attn_ext.explain(q, k, v, causal=True).forward == "cpu.decode"
@@ -256,7 +256,7 @@ def test_decode_bf16_dot_product_scores(monkeypatch, mode, B, Sq, Sk, H, Hkv, D,
         # (at D <= 96 many sums of bf16 products are exact in fp32 either way: equal lse)
         lses = {}
         for m in ("1", "0"):
-            monkeypatch.setenv("ATTN_EXT_CPU_DECODE_BF16DP", m)
+            monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", m)
             lses[m] = attn_ext.attention(q, k, v, return_lse=True)[1]
         assert not torch.equal(lses["1"], lses["0"])
         torch.testing.assert_close(lses["1"], lses["0"], rtol=0, atol=1e-4)

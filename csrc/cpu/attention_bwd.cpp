@@ -114,14 +114,16 @@ struct BwdScratch {
 //   lse  (kBlockQ)       lse; +inf for padding rows and rows that see no key (P = 0)
 //   di   (kBlockQ)       rowsum(dout * out) - dlse
 //   fin  (1)             1 when the block's q and dout are all finite
+//   qp   (D / 2, kBlockQ) q's bf16 pairs, unscaled (mk::pack_bf16_pairs: pass 1 by
+//                        mk::scores_bf16dp, as the forward's; only where pairs, else empty)
 //
 // P = exp(s - lse) must reproduce the forward's probabilities, whose rounding the forward's
 // out and lse carry: the scores s are the forward's own (same scale folded into q, same FMA
 // order), in the units lse is stored in, so in a row whose probability sits on one key
 // lse == s there and P = 1 as in the forward (issue 18 item 8).
 struct QueryPackLayout {
-  int64_t qt, qr, qs, dot, dor, lse, di, fin, size;
-  QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp)
+  int64_t qt, qr, qs, dot, dor, lse, di, fin, qp, size;
+  QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp, bool pairs)
       : qt(0),
         qr(qt + D * kBlockQ),
         qs(qr + kBlockQ * Dp),
@@ -130,7 +132,8 @@ struct QueryPackLayout {
         lse(dor + kBlockQ * Dvp),
         di(lse + kBlockQ),
         fin(di + kBlockQ),
-        size(fin + 8) {}
+        qp(fin + 8),
+        size(qp + (pairs ? D / 2 * kBlockQ : 0)) {}
 };
 
 // Packs rows [i0, i0 + nq) of head h of sequence b into blk (layout L; blk starts zeroed and
@@ -184,6 +187,13 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     blk[L.di + ii] = dlse != nullptr ? di - dlse[stat + ii] : di;
     const acc_t l = lse[stat + ii];
     blk[L.lse + ii] = l == neg_inf ? pos_inf : l;
+  }
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    if (L.size > L.qp) {  // pairs (the layout has room for them only then)
+      auto* qp = reinterpret_cast<uint32_t*>(blk + L.qp);
+      mk::pack_bf16_pairs(reinterpret_cast<const uint16_t*>(qh), p.q_row_stride, nq, D, qp, kBlockQ);
+      for (int64_t t = 0; t < D / 2; ++t) std::fill(qp + t * kBlockQ + nq, qp + (t + 1) * kBlockQ, 0u);
+    }
   }
   // qt = scale * q^T and dot = dout^T from the converted rows (one rounding, as the forward's qt)
   mk::transpose_rows<acc_t>(qr, Dp, nq, D, qscale, true, qt, kBlockQ);
@@ -306,7 +316,8 @@ struct PairTerms {
 template <typename acc_t>
 void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq, int64_t b,
               int64_t h, int64_t i0, int64_t nq, int64_t j0, int64_t nk, int64_t n_valid,
-              bool k_finite, bool decode_order, bool decode_dp, const QueryPackLayout& L,
+              bool k_finite, bool decode_order, bool decode_dp, const uint16_t* kbf,
+              const QueryPackLayout& L,
               const acc_t* blk, const uint64_t* rk,
               const KeyAcc<acc_t>& acc, acc_t* dqt, const mk::Kernels<acc_t>& K,
               BwdScratch<acc_t>& s) {
@@ -357,6 +368,20 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     }
 #endif
   };
+  // pass 1 of the tiled forward's shapes, rows [r0, r0 + nr) x columns [c0, c0 + n) of st:
+  // the fp32 gemm on the converted rows, or (kbf: bf16 with AVX512_BF16) scores_bf16dp on
+  // k's bf16 rows in place, as the forward
+  auto pass1_tiled = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (kbf != nullptr) {
+        mk::scores_bf16dp(nr, n, D, kbf + r0 * p.k_row_stride, p.k_row_stride,
+                          reinterpret_cast<const uint32_t*>(blk + L.qp) + c0, kBlockQ,
+                          static_cast<float>(terms.scale), s.st.data() + r0 * C + c0, C);
+        return;
+      }
+    }
+    K.gemm(nr, n, D, s.kbp + r0 * Dp, Dp, 1, qt + c0, kBlockQ, s.st.data() + r0 * C + c0, C, false);
+  };
   auto pass5 = [&] {
     // Di = rowsum(dout * out) - dlse from the pack, never sum_j P_j dP_j over this call's
     // keys: out and lse may be those of a longer sequence (ring attention passes the merged
@@ -373,7 +398,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     if (decode_order) {
       pass1_decode();                                                                 // pass 1
     } else {
-      K.gemm(nk, C, D, s.kbp, Dp, 1, qt, kBlockQ, s.st.data(), C, false);       // pass 1
+      pass1_tiled(0, nk, 0, C);                                                       // pass 1
     }
     if (with_terms) pt.terms(s.st.data(), th);
     K.exp_sub(s.st.data(), nk, C, blk + L.lse);                       // pass 2
@@ -426,8 +451,15 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   // pass 1: st = kb qt on the visible column panels, then mask
   if (decode_order) {
     pass1_decode();
-  } else {
+  } else if (kbf == nullptr) {
     panel_gemm(s.kbp, Dp, D, qt, s.st.data());
+  } else {  // panel_gemm's panels, by scores_bf16dp
+    for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+      const int64_t nr = std::min<int64_t>(6, nk - r0);
+      const Range pc = panel(r0, nr);
+      const int64_t c8 = pc.lo / 8 * 8, ce = std::min(C, round_up(pc.hi, 8));
+      if (c8 < ce) pass1_tiled(r0, nr, c8, ce - c8);
+    }
   }
   if (with_terms) pt.terms(s.st.data(), th);
   mask(s.st.data(), neg_inf);
@@ -557,7 +589,9 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const int64_t n_qb = ceil_div(p.Sq, kBlockQ);
   const int64_t n_kb = ceil_div(p.Sk, kBlockK);
   const Visibility vis = p.visibility();
-  const QueryPackLayout L(p.D, p.Dv, Dp, Dvp);
+  // bf16 with AVX512_BF16: pass 1 by mk::scores_bf16dp, as the forward's (the one rule)
+  const bool bf16dp = mk::bf16_scores_by_pairs(std::is_same_v<scalar_t, c10::BFloat16>, p.D);
+  const QueryPackLayout L(p.D, p.Dv, Dp, Dvp, bf16dp);
   const ScoreTerms terms = p.score_terms();
   // The forward of these shapes was the decode kernel (attention_decode.h): the scores are
   // recomputed in its summation order, so that P = exp(s - lse) meets the forward's bits.
@@ -660,13 +694,17 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       if (!any) continue;
       bool k_finite = true;
       const int64_t n_valid = load_key_tile<scalar_t, acc_t>(p, vis, sq, b, hkv, j0, nk, s, &k_finite);
+      const uint16_t* kbf = bf16dp ? reinterpret_cast<const uint16_t*>(
+                                         static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride +
+                                         hkv * p.k_head_stride + (sq.k0 + j0) * p.k_row_stride)
+                                   : nullptr;
       KeyAcc<acc_t> acc = want_kv ? key_acc(b, hkv, sq, j0) : KeyAcc<acc_t>{nullptr, 0, nullptr, 0, nullptr};
       for (int j = 0; j < n_jobs; ++j) {
         if (!sees[j]) continue;
         Job& job = s.jobs[j];
         acc.db = job.db != nullptr ? job.dbj.data() : nullptr;
         bwd_pair<acc_t>(p, vis, sq, b, job.h, job.i0, job.nq, j0, nk, n_valid, k_finite,
-                        decode_order, decode_dp, L, job.blk.data(), job.rk.data(), acc,
+                        decode_order, decode_dp, kbf, L, job.blk.data(), job.rk.data(), acc,
                         want_dq ? job.dqt.data() : nullptr, kern, s);
       }
     }

@@ -504,7 +504,9 @@ inline bool decode_pv512_enabled() {
 // backward (attention_bwd.cpp, which recomputes P = exp(s - lse)) call this one function where
 // decode_bf16dp_enabled(). Its bits differ from scores()' (another summation order, and the
 // instruction treats denormal inputs and results as zero): the two are alternatives for a
-// whole call, never mixed in one. Measured: RESULTS.md, seventeenth session.
+// whole call, never mixed in one. Its range is narrower: q . k is summed unscaled, so a score
+// overflows where |q . k| passes the fp32 maximum (3.4e38), where the widened path's bound is
+// |scale * q . k| (sqrt(D) times more); no attention input comes near either. Measured: RESULTS.md, seventeenth session.
 ATTN_EXT_AVX512BF16 inline __m512bh dp_load(const c10::BFloat16* p, __mmask32 m) {
   return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
 }
@@ -586,15 +588,11 @@ ATTN_EXT_AVX512BF16 inline void dp_scores(const c10::BFloat16* q, int64_t ldq, i
 
 #endif  // ATTN_EXT_HAVE_BF16DP_PATH
 
-// ATTN_EXT_CPU_DECODE_BF16DP=0: bf16 decode scores by scores() (widened to fp32) even where
-// AVX512_BF16 is there, for benchmarks and tests comparing both. Read once per decode call
-// and once per backward call: the two must see the same value (the backward recomputes the
-// forward's scores bit for bit).
-inline bool decode_bf16dp_enabled() {
-  if (!ATTN_EXT_HAVE_BF16DP_PATH || !cpu::avx512bf16_enabled()) return false;
-  const char* env = std::getenv("ATTN_EXT_CPU_DECODE_BF16DP");
-  return !(env != nullptr && std::strcmp(env, "0") == 0);
-}
+// bf16 decode scores by dp_scores: the one switch of the tiled kernels' bf16 pass 1 too
+// (mk::bf16dp_enabled: AVX512_BF16, unless ATTN_EXT_CPU_BF16DP=0, which widens them to fp32
+// as before). Read once per decode call and once per backward call: the two must see the
+// same value (the backward recomputes the forward's scores bit for bit).
+inline bool decode_bf16dp_enabled() { return ATTN_EXT_HAVE_BF16DP_PATH && mk::bf16dp_enabled(); }
 
 // Rows of 64 and 128 take instances with the length fixed at compile time (with_fixed_length;
 // same bits). wide (decode_pv512_enabled()): pv512 where Dvp is a multiple of 16 (the same
@@ -917,6 +915,8 @@ void attention_decode_kernel(const AttentionParams& p) {
             // session)
             prefetch_next_group(kseq, hkv, Hkv, j0 + r0 + (dp ? 8 : 0), kend, p.k_row_stride,
                                 p.k_head_stride, p.D);
+            if (dp && j0 == kbeg && r0 == 0)  // (the unit's second group, which none asks for)
+              prefetch_next_group(kseq, hkv, Hkv, j0, kend, p.k_row_stride, p.k_head_stride, p.D);
             if (dp_block(hkv, j0 + r0, 8, w.s.data() + hkv * s_head + r0)) continue;
             scores(w.qs.data() + hkv * C * Dp, C, Dp, kh + (j0 + r0) * p.k_row_stride, 8,
                    w.s.data() + hkv * s_head + r0, ks, p.k_row_stride, quads);

@@ -113,6 +113,9 @@ struct FwdScratch {
   std::vector<uint64_t> rk, words;  // (kBlockQ): dropout row keys / words of the columns
   HeadRows<acc_t> hk, hv;           // the current head's packed k / v rows
   int64_t head_rows_budget = kHeadRowsBytes;  // this call's per-worker share (head_rows_fit)
+  bool bf16dp = false;      // pass 1 by mk::scores_bf16dp (mk::bf16_scores_by_pairs)
+  AlignedVec<uint32_t> qp;  // (D / 2, kBlockQ): the tile's q as bf16 pairs (bf16dp; sized on
+                            // first use)
 
   FwdScratch(int64_t D, int64_t Dv)
       : Dp(round_up(D, 8)),
@@ -150,10 +153,24 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   const auto* v = static_cast<const scalar_t*>(p.v);
 
   // qt (D, C) = scale * q^T (mk::transpose_rows, the backward's too); padding columns zero.
+  // bf16dp: qp (D / 2, C), q's pairs unscaled (the scale multiplies the sums), instead.
   const acc_t qscale = static_cast<acc_t>(p.score_terms().scale);
-  for (int64_t d = 0; cols < C && d < D; ++d)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (s.bf16dp) {
+      if (s.qp.empty()) s.qp.resize(static_cast<size_t>(std::max<int64_t>(D / 2, 1) * kBlockQ));
+      for (int64_t t = 0; cols < C && t < D / 2; ++t)
+        std::fill(s.qp.begin() + t * C + cols, s.qp.begin() + (t + 1) * C, 0u);
+      for (int64_t hh = 0; hh < qt_.nh; ++hh) {
+        const scalar_t* qh = q + qt_.b * p.q_batch_stride + (qt_.h0 + hh) * p.q_head_stride +
+                             (sq.q0 + qt_.i0) * p.q_row_stride;
+        mk::pack_bf16_pairs(reinterpret_cast<const uint16_t*>(qh), p.q_row_stride, qt_.nq, D,
+                            s.qp.data() + hh * qt_.nq, C);
+      }
+    }
+  }
+  for (int64_t d = 0; !s.bf16dp && cols < C && d < D; ++d)
     std::fill(s.qt.begin() + d * C + cols, s.qt.begin() + (d + 1) * C, acc_t(0));
-  for (int64_t hh = 0; hh < qt_.nh; ++hh) {
+  for (int64_t hh = 0; !s.bf16dp && hh < qt_.nh; ++hh) {
     const scalar_t* qh = q + qt_.b * p.q_batch_stride + (qt_.h0 + hh) * p.q_head_stride +
                          (sq.q0 + qt_.i0) * p.q_row_stride;
     acc_t* qcols = s.qt.data() + hh * qt_.nq;
@@ -204,7 +221,11 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     const acc_t* kt;
     const acc_t* vt;
     int64_t ldk, ldv;
-    if (std::is_same_v<scalar_t, acc_t> && rows_read_in_place(p.k_row_stride, D, sizeof(acc_t))) {
+    if (s.bf16dp) {  // pass 1 reads k's bf16 rows in place (kbf below)
+      kt = nullptr;
+      ldk = 0;
+    } else if (std::is_same_v<scalar_t, acc_t> &&
+               rows_read_in_place(p.k_row_stride, D, sizeof(acc_t))) {
       kt = reinterpret_cast<const acc_t*>(kh + j0 * p.k_row_stride);
       ldk = p.k_row_stride;
     } else {
@@ -226,17 +247,27 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     };
     // pass 1: st (nk, C) = k rows (nk, D) qt (D, C); one head: only the column panels some
     // of each 6 keys' rows see
+    // (bf16dp: scores_bf16dp on k's bf16 rows where they are, the same panels)
+    const auto* kbf = reinterpret_cast<const uint16_t*>(kh + j0 * p.k_row_stride);
+    auto pass1 = [&](int64_t r0, int64_t rows, int64_t c0, int64_t n) {
+      if constexpr (std::is_same_v<acc_t, float>) {
+        if (s.bf16dp) {
+          mk::scores_bf16dp(rows, n, D, kbf + r0 * p.k_row_stride, p.k_row_stride, s.qp.data() + c0,
+                            C, qscale, s.st.data() + r0 * C + c0, C);
+          return;
+        }
+      }
+      K.gemm(rows, n, D, kt + r0 * ldk, ldk, 1, s.qt.data() + c0, C, s.st.data() + r0 * C + c0, C,
+             false);
+    };
     if (!(partial && one_head)) {
-      K.gemm(nk, C, D, kt, ldk, 1, s.qt.data(), C, s.st.data(), C, false);
+      pass1(0, nk, 0, C);
     } else {
       for (int64_t r0 = 0; r0 < nk; r0 += 6) {
         const int64_t rows = std::min<int64_t>(6, nk - r0);
         const int64_t c8 = key_cols(r0).lo / 8 * 8;
         const int64_t ce = std::min(C, round_up(key_cols(r0 + rows - 1).hi, 8));
-        if (c8 < ce) {
-          K.gemm(rows, ce - c8, D, kt + r0 * ldk, ldk, 1, s.qt.data() + c8, C,
-                 s.st.data() + r0 * C + c8, C, false);
-        }
+        if (c8 < ce) pass1(r0, rows, c8, ce - c8);
       }
     }
     // terms: softcap, ALiBi, rel_bias on every key row's run of query rows of each head
@@ -389,9 +420,11 @@ void attention_fwd_kernel(const AttentionParams& p) {
   const Visibility vis = p.visibility();
   const int64_t workers = num_threads();
   const int64_t rows_budget = head_rows_budget(workers);
+  const bool bf16dp = mk::bf16_scores_by_pairs(std::is_same_v<scalar_t, c10::BFloat16>, p.D);
   auto make_scratch = [&] {
     FwdScratch<acc_t> s(p.D, p.Dv);
     s.head_rows_budget = rows_budget;
+    s.bf16dp = bf16dp;
     return s;
   };
 

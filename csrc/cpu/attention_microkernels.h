@@ -223,6 +223,29 @@ inline void transpose_rows(const T* src, int64_t lds, int64_t rows, int64_t cols
   transpose_rows_generic<T>(src, lds, rows, cols, scale, scaled, dst, ldd);
 }
 
+// ---- bf16 scores by pairwise dot products (AVX512_BF16: attention_bf16dp.cpp) ----------
+// Whether the tiled kernels' bf16 pass 1 uses scores_bf16dp: the CPU has AVX512_BF16 (and VL,
+// cpu::avx512bf16_enabled) and ATTN_EXT_CPU_BF16DP=0 is not set (read on every call: the
+// forward and the backward of one call must see the same value). bf16_scores_by_pairs() is
+// the one rule both kernels ask.
+bool bf16dp_enabled();
+inline bool bf16_scores_by_pairs(bool is_bf16, int64_t D) {
+  return is_bf16 && D % 2 == 0 && bf16dp_enabled();
+}
+
+// qp[t * ldq + n] = the bf16 pair (row_n[2t], row_n[2t + 1]) as one 32-bit word, for rows
+// n < n_rows (at row_stride elements) and pairs t < D / 2: the B operand of scores_bf16dp.
+void pack_bf16_pairs(const uint16_t* rows, int64_t row_stride, int64_t n_rows, int64_t D,
+                     uint32_t* qp, int64_t ldq);
+
+// C (M, N; ldc) = scale * A (M, D) B: A's rows bf16 at lda elements, B (D / 2 pairs, N; ldb
+// words) packed by pack_bf16_pairs; D even, N a multiple of 8. C(m, n) is a chain of
+// vdpbf16ps over the pairs of d in order, from zero, in chains of gemm_chain_length(D)
+// elements added in order, then times scale: the same bits whichever rows and columns are
+// computed together (the forward's column panels, the backward's tiles).
+void scores_bf16dp(int64_t M, int64_t N, int64_t D, const uint16_t* A, int64_t lda,
+                   const uint32_t* B, int64_t ldb, float scale, float* C, int64_t ldc);
+
 template <typename T>
 inline Kernels<T> kernels() {
   if constexpr (std::is_same_v<T, float>) {

@@ -29,7 +29,7 @@
 #endif
 // ... + AVX512_BF16 and VL: only in functions called where cpu::avx512bf16_enabled(). Compilers
 // before GCC 10 / clang 9 have no AVX512_BF16: the bf16 decode scores then widen (the same
-// results as ATTN_EXT_CPU_DECODE_BF16DP=0).
+// results as ATTN_EXT_CPU_BF16DP=0).
 #if ATTN_EXT_HAVE_AVX2_PATH && \
     ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 10))
 #define ATTN_EXT_HAVE_BF16DP_PATH 1

@@ -1,0 +1,135 @@
+"""bf16 scores by vdpbf16ps in the tiled CPU kernels (csrc/cpu/attention_bf16dp.cpp, where the
+CPU has AVX512_BF16; ATTN_EXT_CPU_BF16DP=0 widens them to fp32 as before): the forward's pass
+1 and the backward's recomputed one, against the float64 textbook by the tolerance rule, in
+both modes, through every pass-1 shape (whole tiles, the one-head column panels of partial
+tiles, key padding with NaN in the padded keys, windows, GQA, packed sequences, BHSD views, the
+split-KV forward and the split backward), and the odd head dims that keep the widened path."""
+
+import pytest
+import torch
+
+import attn_ext
+from attn_ext import reference
+from attn_ext._explain import cpu_avx512bf16_enabled
+from tests.utils import assert_close_rule
+
+HAVE_DP = cpu_avx512bf16_enabled()
+
+
+def _run(q, k, v, dout, kw):
+    ts = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attn_ext.attention(*ts, return_lse=True, **kw)
+    grads = torch.autograd.grad((out, lse), ts, (dout, torch.ones_like(lse)))
+    return [out.detach(), lse.detach(), *grads]
+
+
+def _ref(q, k, v, dout, kw, dtype):
+    ts = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = reference.attention_with_lse(*ts, **kw)
+    grads = torch.autograd.grad((out, lse), ts, (dout.to(dtype), torch.ones_like(lse)))
+    return [out.detach(), lse.detach(), *grads]
+
+
+def _check(q, k, v, kw, bad_keys=None):
+    """Ours (k with NaN in bad_keys' rows where given) against the textbook on the clean k."""
+    B, Sq, H, _ = q.shape
+    dout = torch.randn(B, Sq, H, v.shape[-1]).bfloat16()
+    kk = k
+    if bad_keys is not None:
+        kk = k.clone()
+        kk[bad_keys] = float("nan")
+    ours = _run(q, kk, v, dout, kw)
+    ref64 = _ref(q, k, v, dout, kw, torch.float64)
+    ref_low = _ref(q, k, v, dout, kw, torch.bfloat16)
+    for name, a, r, lo in zip(("out", "lse", "dq", "dk", "dv"), ours, ref64, ref_low):
+        if bad_keys is not None and name == "dk":
+            a, r, lo = (t.masked_fill(bad_keys[..., None, None], 0) for t in (a, r, lo))
+        assert_close_rule(a.double(), r, lo.double(), name)
+    return ours
+
+
+CASES = [
+    # B, Sq, Sk, H, Hkv, D, kwargs
+    (2, 200, 200, 4, 2, 64, dict(causal=True)),           # GQA, whole and diagonal tiles
+    (1, 300, 300, 2, 2, 128, dict(causal=True)),          # D > 96: chains of 64
+    (1, 97, 130, 4, 1, 40, dict(causal=False)),           # MQA, 24 + 16 columns
+    (2, 64, 64, 2, 2, 200, dict(causal=True, window=(20, 5))),  # long chains, a band
+    (1, 150, 150, 1, 1, 58, dict(causal=True)),           # one head: partial tiles by panels
+    (1, 9, 700, 8, 2, 64, dict(causal=False)),            # few rows: the split-KV forward
+]
+
+
+@pytest.mark.parametrize("mode", ["1", "0"])
+@pytest.mark.parametrize("B,Sq,Sk,H,Hkv,D,kw", CASES)
+def test_bf16_tiled_scores_by_pairs(monkeypatch, mode, B, Sq, Sk, H, Hkv, D, kw):
+    monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", mode)
+    torch.manual_seed(Sq * 7 + D)
+    q = torch.randn(B, Sq, H, D).bfloat16()
+    k, v = torch.randn(B, Sk, Hkv, D).bfloat16(), torch.randn(B, Sk, Hkv, D).bfloat16()
+    assert attn_ext.explain(q, k, v, **kw).forward in ("cpu.tiled", "cpu.split_kv")
+    _check(q, k, v, kw)
+
+
+@pytest.mark.parametrize("mode", ["1", "0"])
+def test_bf16_tiled_scores_by_pairs_padding_and_layouts(monkeypatch, mode):
+    """Key padding with NaN in the padded keys' rows (read in place by the pairs' path, then
+    masked), q / k / v as BHSD transpose views, and packed sequences."""
+    monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", mode)
+    torch.manual_seed(3)
+    B, S, H, Hkv, D = 2, 160, 4, 2, 64
+    q = torch.randn(B, S, H, D).bfloat16()
+    k, v = torch.randn(B, S, Hkv, D).bfloat16(), torch.randn(B, S, Hkv, D).bfloat16()
+    kpm = torch.rand(B, S) > 0.25
+    _check(q, k, v, dict(key_padding_mask=kpm), bad_keys=~kpm)
+    # BHSD memory read through views: the same bits as the contiguous call
+    qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    a = attn_ext.attention(q, k, v, causal=True, return_lse=True)
+    b = attn_ext.attention(qt, kt, vt, causal=True, return_lse=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # packed sequences against each sequence on its own
+    cu = torch.tensor([0, 70, 160], dtype=torch.int32)
+    qv, kv_, vv = q[0], k[0], v[0]
+    out = attn_ext.attention_varlen(qv, kv_, vv, cu, cu, 90, 90, causal=True)
+    for i in range(2):
+        s0, s1 = int(cu[i]), int(cu[i + 1])
+        one = attn_ext.attention(qv[None, s0:s1], kv_[None, s0:s1], vv[None, s0:s1], causal=True)
+        assert torch.equal(out[s0:s1], one[0])
+
+
+@pytest.mark.parametrize("threads", [1, 16])
+def test_bf16_tiled_scores_by_pairs_threads(monkeypatch, threads):
+    """The split backward (few (batch, kv head) units for the threads) and the fused one give
+    the textbook's gradients in the pairs' path; the forward's bits do not depend on the
+    thread count."""
+    monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", "1")
+    torch.manual_seed(5)
+    q = torch.randn(1, 256, 2, 64).bfloat16()
+    k, v = torch.randn(1, 256, 1, 64).bfloat16(), torch.randn(1, 256, 1, 64).bfloat16()
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attn_ext.attention(q, k, v, causal=True, return_lse=True)
+        torch.set_num_threads(threads)
+        _check(q, k, v, dict(causal=True))
+        many = attn_ext.attention(q, k, v, causal=True, return_lse=True)
+    finally:
+        torch.set_num_threads(prev)
+    assert all(torch.equal(x, y) for x, y in zip(one, many))
+
+
+@pytest.mark.skipif(not HAVE_DP, reason="no AVX512_BF16 on this CPU")
+def test_bf16_tiled_modes_differ_by_rounding_only(monkeypatch):
+    """Where the CPU has AVX512_BF16 the pairs' path runs (its lse differs from the widened
+    path's, by rounding: 1e-5), except at an odd head dim, which keeps the widened path (the
+    same bits in both modes)."""
+    torch.manual_seed(7)
+    res = {}
+    for D in (128, 59):
+        q = torch.randn(1, 300, 4, D).bfloat16()
+        k, v = torch.randn(1, 300, 2, D).bfloat16(), torch.randn(1, 300, 2, D).bfloat16()
+        for mode in ("1", "0"):
+            monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", mode)
+            res[D, mode] = attn_ext.attention(q, k, v, causal=True, return_lse=True)[1]
+    assert not torch.equal(res[128, "1"], res[128, "0"])
+    torch.testing.assert_close(res[128, "1"], res[128, "0"], rtol=0, atol=1e-5)
+    assert torch.equal(res[59, "1"], res[59, "0"])
