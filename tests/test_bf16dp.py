@@ -99,8 +99,8 @@ def test_bf16_tiled_scores_by_pairs_padding_and_layouts(monkeypatch, mode):
 @pytest.mark.parametrize("threads", [1, 16])
 def test_bf16_tiled_scores_by_pairs_threads(monkeypatch, threads):
     """The split backward (few (batch, kv head) units for the threads) and the fused one give
-    the textbook's gradients in the pairs' path; the forward's bits do not depend on the
-    thread count."""
+    the textbook's gradients in the pairs' path; at this shape (no split-KV: its chunk count
+    follows the threads) the forward's bits do not depend on the thread count."""
     monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", "1")
     torch.manual_seed(5)
     q = torch.randn(1, 256, 2, 64).bfloat16()
@@ -133,3 +133,43 @@ def test_bf16_tiled_modes_differ_by_rounding_only(monkeypatch):
     assert not torch.equal(res[128, "1"], res[128, "0"])
     torch.testing.assert_close(res[128, "1"], res[128, "0"], rtol=0, atol=1e-5)
     assert torch.equal(res[59, "1"], res[59, "0"])
+
+
+@pytest.mark.parametrize("mode", ["1", "0"])
+@pytest.mark.parametrize("Sq,Sk,H,Hkv,D,kind", [
+    (37, 37, 4, 2, 64, "window00"), (200, 200, 2, 1, 96, "window00"),
+    (9, 13, 2, 2, 128, "one_padded_key"), (8, 1, 2, 2, 128, "sk1"), (1, 1, 8, 2, 128, "causal"),
+])
+def test_bf16_one_visible_key_gradients_exactly_zero(monkeypatch, mode, Sq, Sk, H, Hkv, D, kind):
+    """A bf16 row that sees one key has P = 1 and out = that key's v exactly, so dq and dk are
+    exactly 0: the row term Di = rowsum(dout * out) must equal that key's dP bitwise, which
+    holds when both come from the same chains (pass 4 by scores_bf16dp and Di taken by it too,
+    or both the fp32 FMA chains)."""
+    monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", mode)
+    torch.manual_seed(Sq + D)
+    q = torch.randn(2, Sq, H, D).bfloat16()
+    k, v = torch.randn(2, Sk, Hkv, D).bfloat16(), torch.randn(2, Sk, Hkv, D).bfloat16()
+    kw = {"window00": dict(window=(0, 0)), "sk1": {}, "causal": dict(causal=True)}.get(kind)
+    if kind == "one_padded_key":
+        m = torch.zeros(2, Sk, dtype=torch.bool)
+        m[:, 5] = True
+        kw = dict(key_padding_mask=m)
+    ts = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attn_ext.attention(*ts, **kw)
+    dq, dk, dv = torch.autograd.grad(out, ts, torch.randn_like(out))
+    assert torch.count_nonzero(dq) == 0 and torch.count_nonzero(dk) == 0
+    assert torch.count_nonzero(dv) > 0
+
+
+@pytest.mark.parametrize("mode", ["1", "0"])
+@pytest.mark.parametrize("D,Dv", [(7, 8), (59, 64), (64, 59), (63, 128), (128, 127), (1, 2)])
+def test_bf16_pairs_for_one_product_only(monkeypatch, mode, D, Dv):
+    """Pass 1 takes the pairs where D is even and pass 4 (with the row term) where Dv is: an
+    odd D with an even Dv, and the reverse, runs each product on its own path (the backward's
+    pack holds only the pairs it uses)."""
+    monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", mode)
+    torch.manual_seed(D * 131 + Dv)
+    for S, kw in ((40, dict(causal=True)), (300, dict(causal=True, window=(64, 0)))):
+        q = torch.randn(2, S, 4, D).bfloat16()
+        k, v = torch.randn(2, S, 2, D).bfloat16(), torch.randn(2, S, 2, Dv).bfloat16()
+        _check(q, k, v, kw)

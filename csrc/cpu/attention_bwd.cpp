@@ -116,14 +116,16 @@ struct BwdScratch {
 //   fin  (1)             1 when the block's q and dout are all finite
 //   qp   (D / 2, kBlockQ) q's bf16 pairs, unscaled (mk::pack_bf16_pairs: pass 1 by
 //                        mk::scores_bf16dp, as the forward's; only where pairs, else empty)
+//   dp   (Dv / 2, kBlockQ) dout's bf16 pairs (pass 4 by mk::scores_bf16dp, and Di in its
+//                        chains; only where dout_pairs, else empty)
 //
 // P = exp(s - lse) must reproduce the forward's probabilities, whose rounding the forward's
 // out and lse carry: the scores s are the forward's own (same scale folded into q, same FMA
 // order), in the units lse is stored in, so in a row whose probability sits on one key
 // lse == s there and P = 1 as in the forward (issue 18 item 8).
 struct QueryPackLayout {
-  int64_t qt, qr, qs, dot, dor, lse, di, fin, qp, size;
-  QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp, bool pairs)
+  int64_t qt, qr, qs, dot, dor, lse, di, fin, qp, dp, size;
+  QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp, bool pairs, bool dout_pairs)
       : qt(0),
         qr(qt + D * kBlockQ),
         qs(qr + kBlockQ * Dp),
@@ -133,7 +135,8 @@ struct QueryPackLayout {
         di(lse + kBlockQ),
         fin(di + kBlockQ),
         qp(fin + 8),
-        size(qp + (pairs ? D / 2 * kBlockQ : 0)) {}
+        dp(qp + (pairs ? D / 2 * kBlockQ : 0)),
+        size(dp + (dout_pairs ? Dv / 2 * kBlockQ : 0)) {}
 };
 
 // Packs rows [i0, i0 + nq) of head h of sequence b into blk (layout L; blk starts zeroed and
@@ -159,6 +162,15 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
   const scalar_t* dh = dout + b * bp.dout_batch_stride + h * bp.dout_head_stride + r0 * bp.dout_row_stride;
   const scalar_t* oh = o + b * bp.o_batch_stride + h * bp.o_head_stride + r0 * bp.o_row_stride;
   const int64_t stat = b * p.lse_batch_stride + h * p.lse_head_stride + r0;  // lse / dlse of row i0
+  uint32_t* dpp = nullptr;  // dout's pairs (L.dp), where pass 4 is mk::scores_bf16dp
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    if (L.size > L.dp) {  // dout_pairs (likewise)
+      dpp = reinterpret_cast<uint32_t*>(blk + L.dp);
+      mk::pack_bf16_pairs(reinterpret_cast<const uint16_t*>(dh), bp.dout_row_stride, nq, Dv, dpp,
+                          kBlockQ);
+      for (int64_t t = 0; t < Dv / 2; ++t) std::fill(dpp + t * kBlockQ + nq, dpp + (t + 1) * kBlockQ, 0u);
+    }
+  }
   for (int64_t ii = 0; ii < nq; ++ii) {
     acc_t* qrow = qr + ii * Dp;
     convert_row(qh + ii * p.q_row_stride, D, qrow);
@@ -173,7 +185,14 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     // sits on that key) Di equals its dP bitwise and dS = P * (dP - Di) is 0 there, as in the
     // textbook.
     acc_t di = 0;
-    if (fused_dp) {
+    if (dpp != nullptr) {
+      // pass 4's own chains (mk::scores_bf16dp: out's row against dout's pairs, one lane per
+      // query column, the same vdpbf16ps per lane whatever its position)
+      alignas(64) float c8[8];
+      mk::scores_bf16dp(1, 8, Dv, reinterpret_cast<const uint16_t*>(oh + ii * bp.o_row_stride),
+                        0, dpp + ii / 8 * 8, kBlockQ, 1.f, c8, 8);
+      di = c8[ii % 8];
+    } else if (fused_dp) {
       const int64_t chain = mk::gemm_chain_length(Dv);
       for (int64_t d0 = 0; d0 < Dv; d0 += chain) {
         acc_t c = 0;
@@ -189,7 +208,7 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     blk[L.lse + ii] = l == neg_inf ? pos_inf : l;
   }
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
-    if (L.size > L.qp) {  // pairs (the layout has room for them only then)
+    if (L.dp > L.qp) {  // pairs (the layout has room for them only then)
       auto* qp = reinterpret_cast<uint32_t*>(blk + L.qp);
       mk::pack_bf16_pairs(reinterpret_cast<const uint16_t*>(qh), p.q_row_stride, nq, D, qp, kBlockQ);
       for (int64_t t = 0; t < D / 2; ++t) std::fill(qp + t * kBlockQ + nq, qp + (t + 1) * kBlockQ, 0u);
@@ -317,7 +336,7 @@ template <typename acc_t>
 void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq, int64_t b,
               int64_t h, int64_t i0, int64_t nq, int64_t j0, int64_t nk, int64_t n_valid,
               bool k_finite, bool decode_order, bool decode_dp, const uint16_t* kbf,
-              const QueryPackLayout& L,
+              const uint16_t* vbf, const QueryPackLayout& L,
               const acc_t* blk, const uint64_t* rk,
               const KeyAcc<acc_t>& acc, acc_t* dqt, const mk::Kernels<acc_t>& K,
               BwdScratch<acc_t>& s) {
@@ -382,6 +401,20 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     }
     K.gemm(nr, n, D, s.kbp + r0 * Dp, Dp, 1, qt + c0, kBlockQ, s.st.data() + r0 * C + c0, C, false);
   };
+  // pass 4 likewise: dpt = v dout^T, or (vbf) scores_bf16dp on v's bf16 rows in place and
+  // dout's pairs (Di was taken in the same chains: pack_query_block)
+  auto pass4_tiled = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (vbf != nullptr) {
+        mk::scores_bf16dp(nr, n, Dv, vbf + r0 * p.v_row_stride, p.v_row_stride,
+                          reinterpret_cast<const uint32_t*>(blk + L.dp) + c0, kBlockQ, 1.f,
+                          s.dpt.data() + r0 * C + c0, C);
+        return;
+      }
+    }
+    K.gemm(nr, n, Dv, s.vbp + r0 * Dvp, Dvp, 1, dot + c0, kBlockQ, s.dpt.data() + r0 * C + c0, C,
+           false);
+  };
   auto pass5 = [&] {
     // Di = rowsum(dout * out) - dlse from the pack, never sum_j P_j dP_j over this call's
     // keys: out and lse may be those of a longer sequence (ring attention passes the merged
@@ -407,7 +440,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
                    s.words.data(), thresh, inv_keep);
     }
     if (dvt != nullptr) K.gemm(nk, Dvp, nq, pv, C, 1, dor, Dvp, dvt, ldv, true);      // pass 3
-    K.gemm(nk, C, Dv, s.vbp, Dvp, 1, dot, kBlockQ, s.dpt.data(), C, false);   // pass 4
+    pass4_tiled(0, nk, 0, C);                                                         // pass 4
     pass5();                                                                          // pass 5
     if (with_terms) pt.grad(s.dpt.data(), th, acc.db);
     if (dkt != nullptr) K.gemm(nk, Dp, nq, s.dpt.data(), C, 1, qr, Dp, dkt, ldk, true);    // 6
@@ -470,7 +503,16 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
                  s.words.data(), thresh, inv_keep);
   }
   // pass 4: dP^T = v dout^T on the visible column panels, then 0 where hidden
-  panel_gemm(s.vbp, Dvp, Dv, dot, s.dpt.data());
+  if (vbf == nullptr) {
+    panel_gemm(s.vbp, Dvp, Dv, dot, s.dpt.data());
+  } else {  // panel_gemm's panels, by scores_bf16dp
+    for (int64_t r0 = 0; r0 < nk; r0 += 6) {
+      const int64_t nr = std::min<int64_t>(6, nk - r0);
+      const Range pc = panel(r0, nr);
+      const int64_t c8 = pc.lo / 8 * 8, ce = std::min(C, round_up(pc.hi, 8));
+      if (c8 < ce) pass4_tiled(r0, nr, c8, ce - c8);
+    }
+  }
   mask(s.dpt.data(), acc_t(0));
   // pass 5: dS^T = P^T * (dP^T - Di), then exactly 0 where hidden (Di may be non-finite)
   pass5();
@@ -591,7 +633,9 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const Visibility vis = p.visibility();
   // bf16 with AVX512_BF16: pass 1 by mk::scores_bf16dp, as the forward's (the one rule)
   const bool bf16dp = mk::bf16_scores_by_pairs(std::is_same_v<scalar_t, c10::BFloat16>, p.D);
-  const QueryPackLayout L(p.D, p.Dv, Dp, Dvp, bf16dp);
+  // ... and pass 4, dP = dout v^T, whose operands are bf16 too (Dv even)
+  const bool bf16dp4 = mk::bf16_scores_by_pairs(std::is_same_v<scalar_t, c10::BFloat16>, p.Dv);
+  const QueryPackLayout L(p.D, p.Dv, Dp, Dvp, bf16dp, bf16dp4);
   const ScoreTerms terms = p.score_terms();
   // The forward of these shapes was the decode kernel (attention_decode.h): the scores are
   // recomputed in its summation order, so that P = exp(s - lse) meets the forward's bits.
@@ -698,13 +742,17 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
                                          static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride +
                                          hkv * p.k_head_stride + (sq.k0 + j0) * p.k_row_stride)
                                    : nullptr;
+      const uint16_t* vbf = bf16dp4 ? reinterpret_cast<const uint16_t*>(
+                                          static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride +
+                                          hkv * p.v_head_stride + (sq.k0 + j0) * p.v_row_stride)
+                                    : nullptr;
       KeyAcc<acc_t> acc = want_kv ? key_acc(b, hkv, sq, j0) : KeyAcc<acc_t>{nullptr, 0, nullptr, 0, nullptr};
       for (int j = 0; j < n_jobs; ++j) {
         if (!sees[j]) continue;
         Job& job = s.jobs[j];
         acc.db = job.db != nullptr ? job.dbj.data() : nullptr;
         bwd_pair<acc_t>(p, vis, sq, b, job.h, job.i0, job.nq, j0, nk, n_valid, k_finite,
-                        decode_order, decode_dp, kbf, L, job.blk.data(), job.rk.data(), acc,
+                        decode_order, decode_dp, kbf, vbf, L, job.blk.data(), job.rk.data(), acc,
                         want_dq ? job.dqt.data() : nullptr, kern, s);
       }
     }
