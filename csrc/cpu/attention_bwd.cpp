@@ -468,31 +468,21 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
       std::fill(t + r * C + c.hi, t + (r + 1) * C, hidden);
     }
   };
-  // out (nk, C) = a (nk, depth; row stride lda) b (depth, C; row stride kBlockQ), on the
-  // column panels some of each 6 rows see (the rest is masked after)
-  auto panel_gemm = [&](const acc_t* a, int64_t lda, int64_t depth, const acc_t* b, acc_t* out) {
+  // f(r0, nr, c0, n) for the column panels [c0, c0 + n) some of each 6 rows [r0, r0 + nr)
+  // see (the rest is masked after)
+  auto for_panels = [&](auto&& f) {
     for (int64_t r0 = 0; r0 < nk; r0 += 6) {
       const int64_t nr = std::min<int64_t>(6, nk - r0);
       const Range pc = panel(r0, nr);
       const int64_t c8 = pc.lo / 8 * 8, ce = std::min(C, round_up(pc.hi, 8));
-      if (c8 < ce) {
-        K.gemm(nr, ce - c8, depth, a + r0 * lda, lda, 1, b + c8, kBlockQ, out + r0 * C + c8, C,
-               false);
-      }
+      if (c8 < ce) f(r0, nr, c8, ce - c8);
     }
   };
   // pass 1: st = kb qt on the visible column panels, then mask
   if (decode_order) {
     pass1_decode();
-  } else if (kbf == nullptr) {
-    panel_gemm(s.kbp, Dp, D, qt, s.st.data());
-  } else {  // panel_gemm's panels, by scores_bf16dp
-    for (int64_t r0 = 0; r0 < nk; r0 += 6) {
-      const int64_t nr = std::min<int64_t>(6, nk - r0);
-      const Range pc = panel(r0, nr);
-      const int64_t c8 = pc.lo / 8 * 8, ce = std::min(C, round_up(pc.hi, 8));
-      if (c8 < ce) pass1_tiled(r0, nr, c8, ce - c8);
-    }
+  } else {
+    for_panels(pass1_tiled);
   }
   if (with_terms) pt.terms(s.st.data(), th);
   mask(s.st.data(), neg_inf);
@@ -503,16 +493,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
                  s.words.data(), thresh, inv_keep);
   }
   // pass 4: dP^T = v dout^T on the visible column panels, then 0 where hidden
-  if (vbf == nullptr) {
-    panel_gemm(s.vbp, Dvp, Dv, dot, s.dpt.data());
-  } else {  // panel_gemm's panels, by scores_bf16dp
-    for (int64_t r0 = 0; r0 < nk; r0 += 6) {
-      const int64_t nr = std::min<int64_t>(6, nk - r0);
-      const Range pc = panel(r0, nr);
-      const int64_t c8 = pc.lo / 8 * 8, ce = std::min(C, round_up(pc.hi, 8));
-      if (c8 < ce) pass4_tiled(r0, nr, c8, ce - c8);
-    }
-  }
+  for_panels(pass4_tiled);
   mask(s.dpt.data(), acc_t(0));
   // pass 5: dS^T = P^T * (dP^T - Di), then exactly 0 where hidden (Di may be non-finite)
   pass5();

@@ -666,10 +666,10 @@ struct DecodeScratch {
         pack_cap(pack_big ? ks : nb),
         s(static_cast<size_t>(Hkv * C * ks)),
         use(static_cast<size_t>(ks)), seen(static_cast<size_t>(C * ks)), Hkv_(Hkv) {}
-  void pack_blocks() {
-    if (!kb.empty()) return;
-    kb.assign(static_cast<size_t>(Hkv_ * pack_cap * Dp), 0.f);
-    vb.assign(static_cast<size_t>(Hkv_ * pack_cap * Dvp), 0.f);
+  // with_k: K is packed too (not where dp_scores reads it in place)
+  void pack_blocks(bool with_k) {
+    if (with_k && kb.empty()) kb.assign(static_cast<size_t>(Hkv_ * pack_cap * Dp), 0.f);
+    if (vb.empty()) vb.assign(static_cast<size_t>(Hkv_ * pack_cap * Dvp), 0.f);
   }
   int64_t Hkv_;
 };
@@ -889,7 +889,7 @@ void attention_decode_kernel(const AttentionParams& p) {
       // (no copy); else the block's rows of every kv head are packed, row by row: one pass
       // over a contiguous range of a BSHD cache (k first, then v)
       const bool in_place = kInPlace && !masked && nk % 8 == 0;
-      if (!in_place) w.pack_blocks();
+      if (!in_place) w.pack_blocks(!dp);
       for (int64_t r = 0; r < nk && !in_place && !dp; ++r) {  // (dp: scores from K in place)
         if (!w.use[r]) continue;
         for (int64_t hkv = 0; hkv < Hkv; ++hkv)
@@ -927,7 +927,7 @@ void attention_decode_kernel(const AttentionParams& p) {
         float* sh = w.s.data() + hkv * s_head;
         float* part = part_of(b, chunk, hkv);
         float *o = part, *m = part + C * Dvp, *l = m + C;
-        float* kbh = in_place ? nullptr : w.kb.data() + hkv * pc * Dp;
+        float* kbh = in_place || dp ? nullptr : w.kb.data() + hkv * pc * Dp;
         const float* vbh = in_place ? nullptr : w.vb.data() + hkv * pc * Dvp;
         if (!in_place && !dp_block(hkv, j0, nk, sh)) {
           // (dp_block: every row's score from K where it is; hidden and padding rows are
