@@ -188,6 +188,17 @@ def cpu_avx512bf16_enabled() -> bool:
     return cpu_avx512_enabled() and "avx512_bf16" in flags and "avx512vl" in flags
 
 
+def cpu_bf16_scores(dtype: torch.dtype, even: bool = True) -> Optional[str]:
+    """How a bf16 call's scores are formed: "vdpbf16ps" (attention_decode.h dp_scores, and
+    csrc/cpu/attention_bf16dp.cpp where the product's depth is even: ``even``) where
+    cpu_avx512bf16_enabled() and ATTN_EXT_CPU_BF16DP is not 0 (mk::bf16dp_enabled), else
+    "widened" (to float32); None for other dtypes."""
+    if dtype != torch.bfloat16:
+        return None
+    dp = even and cpu_avx512bf16_enabled() and os.environ.get("ATTN_EXT_CPU_BF16DP") != "0"
+    return "vdpbf16ps" if dp else "widened"
+
+
 def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
                     causal: bool = False, window=(-1, -1)) -> Optional[dict]:
     """csrc/cpu/attention_decode.h decode_supported and its split-K chunk count, or None when
@@ -209,11 +220,8 @@ def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (
     seen = band.any(0).nonzero()
     band_keys = int(seen[-1]) + 1 - int(seen[0]) if seen.numel() else 0
     n_chunks = min(n_chunks, max(1, band_keys // CPU_DECODE_MIN_CHUNK))
-    # bf16 scores: vdpbf16ps where the CPU has AVX512_BF16 (attention_decode.h dp_scores)
-    dp = cpu_avx512bf16_enabled() and os.environ.get("ATTN_EXT_CPU_BF16DP") != "0"
-    bf16_scores = ("vdpbf16ps" if dp else "widened") if dtype == torch.bfloat16 else None
     return {"threads": threads, "columns_per_kv_head": s.Sq * group, "kv_heads": s.B * s.Hkv,
-            "n_chunks": n_chunks, "bf16_scores": bf16_scores}
+            "n_chunks": n_chunks, "bf16_scores": cpu_bf16_scores(dtype)}
 
 
 def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
@@ -253,10 +261,8 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
             f"{reason}: one task per query tile of up to {CPU_BLOCK_Q} (head, row) columns, "
             f"key tiles of {CPU_BLOCK_K}; {acc} accumulation, {inner}")
     if decode is None:  # the tiled kernels' pass 1 (csrc/cpu/attention_bf16dp.cpp)
-        dp = (dtype == torch.bfloat16 and s.D % 2 == 0 and cpu_avx512bf16_enabled()
-              and os.environ.get("ATTN_EXT_CPU_BF16DP") != "0")
-        plan["bf16_scores"] = ("vdpbf16ps" if dp else "widened") if dtype == torch.bfloat16 else None
-        if dp:
+        plan["bf16_scores"] = cpu_bf16_scores(dtype, even=s.D % 2 == 0)
+        if plan["bf16_scores"] == "vdpbf16ps":
             why += "; bf16 scores by vdpbf16ps (AVX512_BF16; ATTN_EXT_CPU_BF16DP=0 widens them)"
     if s.B * s.Hkv >= threads or s.Sk <= CPU_BLOCK_K:
         bwd_why = (f"fused per (batch, kv head) ({s.B * s.Hkv} unit(s), {threads} threads): each "

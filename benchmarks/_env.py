@@ -97,7 +97,7 @@ def cpu_isa() -> str:
     import torch
 
     try:
-        from attn_ext._explain import (cpu_avx512_enabled, cpu_avx512bf16_enabled, cpu_flags,
+        from attn_ext._explain import (cpu_avx512_enabled, cpu_bf16_scores, cpu_flags,
                                        cpu_simd_enabled)
     except Exception as e:  # noqa: BLE001 (the attn_ext line says why; keep the header going)
         return f"attn_ext not importable ({type(e).__name__}); torch ATen " + \
@@ -105,8 +105,8 @@ def cpu_isa() -> str:
     ours = "AVX2+FMA+F16C" if cpu_simd_enabled() else "portable C++ (no SIMD path)"
     if cpu_avx512_enabled():
         ours += " (+ AVX-512F/BW decode PV"
-        if cpu_avx512bf16_enabled() and os.environ.get("ATTN_EXT_CPU_BF16DP") != "0":
-            ours += ", AVX512_BF16 bf16 decode scores"
+        if cpu_bf16_scores(torch.bfloat16) == "vdpbf16ps":
+            ours += ", AVX512_BF16 bf16 scores"
         ours += ")"
     flags = cpu_flags()
     shown = [x for x in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16") if x in flags]

@@ -49,10 +49,24 @@ from _env import print_env_header  # noqa: E402
 
 SHAPES = [(1, 8, 4096, 128), (1, 16, 2048, 64)]  # (B, H, S, D)
 DECODE_SHAPES = [(1, 4096, 32, 8), (4, 2048, 32, 8), (16, 2048, 32, 8), (1, 32768, 32, 8)]
-SWITCHES = {"bwd-jobs": ("ATTN_EXT_CPU_BWD_JOBS", "1,4"),
-            "decode-quads": ("ATTN_EXT_CPU_DECODE_QUADS", "0,1"),
-            "decode-pv512": ("ATTN_EXT_CPU_DECODE_PV512", "0,1"),
-            "bf16dp": ("ATTN_EXT_CPU_BF16DP", "0,1")}
+# switch: (variable, default values, whether every value gives the same bits)
+SWITCHES = {"bwd-jobs": ("ATTN_EXT_CPU_BWD_JOBS", "1,4", True),
+            "decode-quads": ("ATTN_EXT_CPU_DECODE_QUADS", "0,1", True),
+            "decode-pv512": ("ATTN_EXT_CPU_DECODE_PV512", "0,1", True),
+            "bf16dp": ("ATTN_EXT_CPU_BF16DP", "0,1", False)}
+
+
+def table_header(title, lead, cells):
+    """A markdown table's title and header: the lead columns, one cell per value, the ratios."""
+    print(f"\n## {title}\n")
+    print("| " + " | ".join(lead + cells) + " | ratio to the first |")
+    print("|" + "---|" * (len(lead) + len(cells) + 1))
+
+
+def table_row(lead, cells, med):
+    """One row: the lead columns, the values' cells, each median's ratio to the first."""
+    print("| " + " | ".join(lead + cells) + " | " + " / ".join(f"{m / med[0]:.3f}" for m in med)
+          + " |", flush=True)
 
 
 def alternate(var, values, repeats, fn, same_bits=True):
@@ -90,7 +104,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print_env_header("cpu")
-    var, default_values = SWITCHES[args.switch]
+    var, default_values, same_bits = SWITCHES[args.switch]
     values = (args.values or default_values).split(",")
     repeats = 2 if args.quick else args.repeats
     old = os.environ.get(var)
@@ -98,7 +112,7 @@ def main():
         if args.switch == "bwd-jobs":
             bench_bwd_jobs(var, values, repeats, args)
         else:
-            bench_decode_quads(var, values, repeats, args)
+            bench_decode_quads(var, values, repeats, args, same_bits)
             if args.switch == "bf16dp":
                 bench_bf16_prefill(var, values, repeats, args)
     finally:
@@ -110,10 +124,8 @@ def main():
 
 def bench_bwd_jobs(var, values, repeats, args):
     shapes = [(1, 2, 256, 32)] if args.quick else SHAPES
-    print(f"\n## backward, {var} in {values}, {args.threads} threads, "
-          f"medians of {repeats} rounds\n")
-    print("| B, H, S, D | " + " | ".join(f"jobs {v} ms" for v in values) + " | ratio to the first |")
-    print("|---|" + "---|" * (len(values) + 1))
+    table_header(f"backward, {var} in {values}, {args.threads} threads, medians of {repeats} rounds",
+                 ["B, H, S, D"], [f"jobs {v} ms" for v in values])
     for B, H, S, D in shapes:
         q, k, v = (torch.randn(B, H, S, D).transpose(1, 2) for _ in range(3))
         out, lse = torch.ops.attn_ext.attention_forward(q, k, v, True, None)
@@ -125,16 +137,13 @@ def bench_bwd_jobs(var, values, repeats, args):
                                                0, 0)
 
         med = alternate(var, values, repeats, bwd)
-        print(f"| {B}, {H}, {S}, {D} | " + " | ".join(f"{m * 1e3:.1f}" for m in med) + " | "
-              + " / ".join(f"{m / med[0]:.3f}" for m in med) + " |", flush=True)
+        table_row([f"{B}, {H}, {S}, {D}"], [f"{m * 1e3:.1f}" for m in med], med)
 
 
 def bench_bf16_prefill(var, values, repeats, args):
     shapes = [(1, 2, 256, 32)] if args.quick else SHAPES
-    print(f"\n## bf16 causal prefill (BSHD), {var} in {values}, {args.threads} threads, "
-          f"medians of {repeats} rounds\n")
-    print("| B, H, S, D | pass | " + " | ".join(f"{v}: ms" for v in values) + " | ratio to the first |")
-    print("|---|---|" + "---|" * (len(values) + 1))
+    table_header(f"bf16 causal prefill (BSHD), {var} in {values}, {args.threads} threads, "
+                 f"medians of {repeats} rounds", ["B, H, S, D", "pass"], [f"{v}: ms" for v in values])
     for B, H, S, D in shapes:
         q, k, v, dout = (torch.randn(B, S, H, D).bfloat16() for _ in range(4))
 
@@ -150,20 +159,17 @@ def bench_bf16_prefill(var, values, repeats, args):
             out, lse = saved[os.environ[var]]
             return torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, True, None)
 
-        for name, fn, same in (("fwd", fwd, False), ("bwd", bwd, False)):
-            med = alternate(var, values, repeats, fn, same_bits=same)
-            print(f"| {B}, {H}, {S}, {D} | {name} | " + " | ".join(f"{m * 1e3:.1f}" for m in med)
-                  + " | " + " / ".join(f"{m / med[0]:.3f}" for m in med) + " |", flush=True)
+        for name, fn in (("fwd", fwd), ("bwd", bwd)):  # (the two values' bits differ)
+            med = alternate(var, values, repeats, fn, same_bits=False)
+            table_row([f"{B}, {H}, {S}, {D}", name], [f"{m * 1e3:.1f}" for m in med], med)
 
 
-def bench_decode_quads(var, values, repeats, args):
+def bench_decode_quads(var, values, repeats, args, same_bits=True):
     shapes = [(1, 512, 8, 2)] if args.quick else DECODE_SHAPES
     D = 128
-    print(f"\n## decode (Sq = 1, BSHD cache, D = {D}), {var} in {values}, {args.threads} threads, "
-          f"medians of {repeats} rounds (each round: every value once, in alternating order)\n")
-    print("| dtype | B | Sk | H/Hkv | " + " | ".join(f"{v}: ms (GB/s of K + V)" for v in values)
-          + " | ratio to the first |")
-    print("|---|---|---|---|" + "---|" * (len(values) + 1))
+    table_header(f"decode (Sq = 1, BSHD cache, D = {D}), {var} in {values}, {args.threads} threads, "
+                 f"medians of {repeats} rounds (each round: every value once, in alternating order)",
+                 ["dtype", "B", "Sk", "H/Hkv"], [f"{v}: ms (GB/s of K + V)" for v in values])
     for dt in (torch.float32, torch.bfloat16):
         for B, Sk, H, Hkv in shapes:
             q = torch.randn(B, 1, H, D).to(dt)
@@ -174,12 +180,11 @@ def bench_decode_quads(var, values, repeats, args):
 
             # enough rounds for short calls: about 0.2 s of each value per round count
             reps = repeats if args.quick else max(repeats, int(0.2 / max(1e-4, B * Sk * 2e-7)))
-            med = alternate(var, values, reps, dec, same_bits=var != "ATTN_EXT_CPU_BF16DP")
+            med = alternate(var, values, reps, dec, same_bits=same_bits)
             gbs = 2 * k.numel() * k.element_size() / 1e9
             name = "fp32" if dt == torch.float32 else "bf16"
-            print(f"| {name} | {B} | {Sk} | {H}/{Hkv} | "
-                  + " | ".join(f"{m * 1e3:.3f} ({gbs / m:.1f})" for m in med) + " | "
-                  + " / ".join(f"{m / med[0]:.3f}" for m in med) + " |", flush=True)
+            table_row([name, str(B), str(Sk), f"{H}/{Hkv}"],
+                      [f"{m * 1e3:.3f} ({gbs / m:.1f})" for m in med], med)
 
 
 if __name__ == "__main__":

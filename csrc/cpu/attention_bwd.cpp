@@ -137,6 +137,8 @@ struct QueryPackLayout {
         qp(fin + 8),
         dp(qp + (pairs ? D / 2 * kBlockQ : 0)),
         size(dp + (dout_pairs ? Dv / 2 * kBlockQ : 0)) {}
+  bool has_q_pairs() const { return dp > qp; }
+  bool has_dout_pairs() const { return size > dp; }
 };
 
 // Packs rows [i0, i0 + nq) of head h of sequence b into blk (layout L; blk starts zeroed and
@@ -162,14 +164,17 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
   const scalar_t* dh = dout + b * bp.dout_batch_stride + h * bp.dout_head_stride + r0 * bp.dout_row_stride;
   const scalar_t* oh = o + b * bp.o_batch_stride + h * bp.o_head_stride + r0 * bp.o_row_stride;
   const int64_t stat = b * p.lse_batch_stride + h * p.lse_head_stride + r0;  // lse / dlse of row i0
+  // the bf16 pairs of nq rows (at `stride`) of `depth` elements at blk + off, columns [nq,
+  // kBlockQ) zero (a shorter last block after a full one left values there)
+  auto pack_pairs = [&](const scalar_t* rows, int64_t stride, int64_t depth, int64_t off) {
+    auto* dst = reinterpret_cast<uint32_t*>(blk + off);
+    mk::pack_bf16_pairs(reinterpret_cast<const uint16_t*>(rows), stride, nq, depth, dst, kBlockQ);
+    for (int64_t t = 0; t < depth / 2; ++t) std::fill(dst + t * kBlockQ + nq, dst + (t + 1) * kBlockQ, 0u);
+    return dst;
+  };
   uint32_t* dpp = nullptr;  // dout's pairs (L.dp), where pass 4 is mk::scores_bf16dp
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
-    if (L.size > L.dp) {  // dout_pairs (likewise)
-      dpp = reinterpret_cast<uint32_t*>(blk + L.dp);
-      mk::pack_bf16_pairs(reinterpret_cast<const uint16_t*>(dh), bp.dout_row_stride, nq, Dv, dpp,
-                          kBlockQ);
-      for (int64_t t = 0; t < Dv / 2; ++t) std::fill(dpp + t * kBlockQ + nq, dpp + (t + 1) * kBlockQ, 0u);
-    }
+    if (L.has_dout_pairs()) dpp = pack_pairs(dh, bp.dout_row_stride, Dv, L.dp);
   }
   for (int64_t ii = 0; ii < nq; ++ii) {
     acc_t* qrow = qr + ii * Dp;
@@ -208,11 +213,7 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     blk[L.lse + ii] = l == neg_inf ? pos_inf : l;
   }
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
-    if (L.dp > L.qp) {  // pairs (the layout has room for them only then)
-      auto* qp = reinterpret_cast<uint32_t*>(blk + L.qp);
-      mk::pack_bf16_pairs(reinterpret_cast<const uint16_t*>(qh), p.q_row_stride, nq, D, qp, kBlockQ);
-      for (int64_t t = 0; t < D / 2; ++t) std::fill(qp + t * kBlockQ + nq, qp + (t + 1) * kBlockQ, 0u);
-    }
+    if (L.has_q_pairs()) pack_pairs(qh, p.q_row_stride, D, L.qp);
   }
   // qt = scale * q^T and dot = dout^T from the converted rows (one rounding, as the forward's qt)
   mk::transpose_rows<acc_t>(qr, Dp, nq, D, qscale, true, qt, kBlockQ);
@@ -623,8 +624,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const bool decode_order = decode_supported(p, std::is_same_v<acc_t, double>);
   // bf16 where the forward's scores were dp_scores (AVX512_BF16): those, from q and k in place
 #if ATTN_EXT_HAVE_AVX2_PATH
-  const bool decode_dp = decode_order && std::is_same_v<scalar_t, c10::BFloat16> &&
-                         decode_detail::decode_bf16dp_enabled();
+  const bool decode_dp = decode_order && decode_detail::decode_scores_by_pairs<scalar_t>();
 #else
   const bool decode_dp = false;
 #endif

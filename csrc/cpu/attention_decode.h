@@ -502,7 +502,7 @@ inline bool decode_pv512_enabled() {
 // do not depend on the tile shape, on which columns or keys are computed together, nor on
 // whether q and k are packed or read in place: the forward (attention_decode_kernel) and the
 // backward (attention_bwd.cpp, which recomputes P = exp(s - lse)) call this one function where
-// decode_bf16dp_enabled(). Its bits differ from scores()' (another summation order, and the
+// decode_scores_by_pairs(). Its bits differ from scores()' (another summation order, and the
 // instruction treats denormal inputs and results as zero): the two are alternatives for a
 // whole call, never mixed in one. Its range is narrower: q . k is summed unscaled, so a score
 // overflows where |q . k| passes the fp32 maximum (3.4e38), where the widened path's bound is
@@ -588,11 +588,16 @@ ATTN_EXT_AVX512BF16 inline void dp_scores(const c10::BFloat16* q, int64_t ldq, i
 
 #endif  // ATTN_EXT_HAVE_BF16DP_PATH
 
-// bf16 decode scores by dp_scores: the one switch of the tiled kernels' bf16 pass 1 too
-// (mk::bf16dp_enabled: AVX512_BF16, unless ATTN_EXT_CPU_BF16DP=0, which widens them to fp32
-// as before). Read once per decode call and once per backward call: the two must see the
-// same value (the backward recomputes the forward's scores bit for bit).
-inline bool decode_bf16dp_enabled() { return ATTN_EXT_HAVE_BF16DP_PATH && mk::bf16dp_enabled(); }
+// Whether a decode call on scalar_t scores by dp_scores: bf16, and the one switch of the tiled
+// kernels' bf16 pass 1 too (mk::bf16dp_enabled: AVX512_BF16, unless ATTN_EXT_CPU_BF16DP=0,
+// which widens them to fp32 as before). The one rule the forward and the backward ask, once
+// per call each: the two must see the same value (the backward recomputes the forward's
+// scores bit for bit).
+template <typename scalar_t>
+inline bool decode_scores_by_pairs() {
+  return ATTN_EXT_HAVE_BF16DP_PATH && std::is_same_v<scalar_t, c10::BFloat16> &&
+         mk::bf16dp_enabled();
+}
 
 // Rows of 64 and 128 take instances with the length fixed at compile time (with_fixed_length;
 // same bits). wide (decode_pv512_enabled()): pv512 where Dvp is a multiple of 16 (the same
@@ -752,7 +757,7 @@ void attention_decode_kernel(const AttentionParams& p) {
   const bool wide = decode_pv512_enabled();  // pv512 (the same bits)
   // bf16 scores by vdpbf16ps (dp_scores) for every block of the call, in place or not
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  const bool dp = kBf16 && decode_bf16dp_enabled();
+  const bool dp = decode_scores_by_pairs<scalar_t>();
 
   // Keys some row of sequence b sees by the band (the same for every kv head).
   auto seq_keys = [&](const SeqInfo& s) -> Range {
@@ -827,22 +832,6 @@ void attention_decode_kernel(const AttentionParams& p) {
         for (int64_t d = 0; d < p.D; ++d) dst[d] *= qscale;
       }
     }
-    // scores of kv head hkv for keys [j0, j0 + n) of the unit into sc (row stride ks): by
-    // dp_scores from K where it is (returns true), else false (the caller's scores() call)
-    auto dp_block = [&](int64_t hkv, int64_t j0, int64_t n, float* sc) {
-#if ATTN_EXT_HAVE_BF16DP_PATH
-      if constexpr (kBf16) {
-        if (dp) {
-          const scalar_t* kh = k + b * p.k_batch_stride + hkv * p.k_head_stride +
-                               (sq.k0 + j0) * p.k_row_stride;
-          dp_scores(w.qb.data() + hkv * C * p.D, p.D, C, kh, p.k_row_stride, n, p.D, qscale, sc,
-                    w.ks);
-          return true;
-        }
-      }
-#endif
-      return false;
-    };
     // per column: the band's key range (the same for every kv head)
     Range ck[kDecodeCols];
     bool band_full = true;  // every column sees all of [kbeg, kend) by the band
@@ -858,6 +847,21 @@ void attention_decode_kernel(const AttentionParams& p) {
     const int64_t ks = w.ks;  // row stride of the scores in w.s
     const scalar_t* kseq = k + b * p.k_batch_stride + sq.k0 * p.k_row_stride;
     const scalar_t* vseq = v + b * p.v_batch_stride + sq.k0 * p.v_row_stride;
+    // scores of kv head hkv for keys [j0, j0 + n) of the unit into sc (row stride ks): by
+    // dp_scores from K where it is (returns true), else false (the caller's scores() call)
+    auto dp_block = [&](int64_t hkv, int64_t j0, int64_t n, float* sc) {
+#if ATTN_EXT_HAVE_BF16DP_PATH
+      if constexpr (kBf16) {
+        if (dp) {
+          dp_scores(w.qb.data() + hkv * C * p.D, p.D, C,
+                    kseq + hkv * p.k_head_stride + j0 * p.k_row_stride, p.k_row_stride, n, p.D,
+                    qscale, sc, w.ks);
+          return true;
+        }
+      }
+#endif
+      return false;
+    };
     for (int64_t j0 = kbeg, nk = 0; j0 < kend; j0 += nk) {
       // a block longer than nb is one of whole 8-key groups (read in place unless
       // ATTN_EXT_CPU_DECODE_IN_PLACE=0): the last few keys of the unit come as a block of
