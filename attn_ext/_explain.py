@@ -180,6 +180,17 @@ def cpu_avx512_enabled() -> bool:
     return all(x in flags for x in ("avx512f", "avx512bw"))
 
 
+def cpu_gemm(dtype: torch.dtype) -> str:
+    """Which fp32 gemm micro-kernel the tiled kernels run (csrc/cpu/attention_microkernels.h
+    kernels()): "avx512" (zmm; mk::gemm512_enabled: cpu_avx512_enabled() and
+    ATTN_EXT_CPU_GEMM512 is not 0), "avx2" (ymm), or "portable" (float64 inputs, or no AVX2)."""
+    if dtype == torch.float64 or not cpu_simd_enabled():
+        return "portable"
+    if cpu_avx512_enabled() and os.environ.get("ATTN_EXT_CPU_GEMM512") != "0":
+        return "avx512"
+    return "avx2"
+
+
 def cpu_avx512bf16_enabled() -> bool:
     """csrc/cpu/cpu_features.cpp's avx512bf16_enabled(): cpu_avx512_enabled() and AVX512_BF16
     + AVX-512VL (the decode kernel's bf16 scores by vdpbf16ps, unless
@@ -261,6 +272,9 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
             f"{reason}: one task per query tile of up to {CPU_BLOCK_Q} (head, row) columns, "
             f"key tiles of {CPU_BLOCK_K}; {acc} accumulation, {inner}")
     if decode is None:  # the tiled kernels' pass 1 (csrc/cpu/attention_bf16dp.cpp)
+        plan["gemm"] = cpu_gemm(dtype)
+        if plan["gemm"] == "avx512":
+            why += "; fp32 gemms on AVX-512 zmm registers (ATTN_EXT_CPU_GEMM512=0: AVX2, same bits)"
         plan["bf16_scores"] = cpu_bf16_scores(dtype, even=s.D % 2 == 0)
         if plan["bf16_scores"] == "vdpbf16ps":
             why += "; bf16 scores by vdpbf16ps (AVX512_BF16; ATTN_EXT_CPU_BF16DP=0 widens them)"

@@ -98,13 +98,15 @@ def cpu_isa() -> str:
 
     try:
         from attn_ext._explain import (cpu_avx512_enabled, cpu_bf16_scores, cpu_flags,
-                                       cpu_simd_enabled)
+                                       cpu_gemm, cpu_simd_enabled)
     except Exception as e:  # noqa: BLE001 (the attn_ext line says why; keep the header going)
         return f"attn_ext not importable ({type(e).__name__}); torch ATen " + \
             torch.backends.cpu.get_cpu_capability()
     ours = "AVX2+FMA+F16C" if cpu_simd_enabled() else "portable C++ (no SIMD path)"
     if cpu_avx512_enabled():
         ours += " (+ AVX-512F/BW decode PV"
+        if cpu_gemm(torch.float32) == "avx512":
+            ours += ", fp32 gemms"
         if cpu_bf16_scores(torch.bfloat16) == "vdpbf16ps":
             ours += ", AVX512_BF16 bf16 scores"
         ours += ")"

@@ -1,7 +1,7 @@
 """A/B of a CPU kernel switch read on every call, alternated call by call in one process: this
 machine's speed drifts by +-15 % between runs, so the values are only compared within a round.
 
-    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads|decode-pv512|bf16dp]
+    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads|decode-pv512|bf16dp|gemm512]
                                          [--repeats N]
                                          [--threads T] [--values A,B] [--quick]
 
@@ -25,6 +25,11 @@ dp_scores) and the tiled kernels' pass 1 (csrc/cpu/attention_bf16dp.cpp). The de
 backward at (1, 8, 4096, 128) and (1, 16, 2048, 64) (BSHD). Its two values sum in different
 orders, so their outputs are checked close (one bf16 rounding of out, 1e-4 of lse), not
 bitwise.
+
+--switch gemm512: ATTN_EXT_CPU_GEMM512, the tiled kernels' fp32 gemms on zmm registers (1; where
+the CPU has AVX-512F/BW) or ymm (0) (csrc/cpu/attention_microkernels_avx512.cpp). Rows: the fp32
+causal prefill forward and backward at (1, 8, 4096, 128) and (1, 16, 2048, 64), on BSHD memory and
+on BHSD memory through transpose views; the same bits.
 
 Every value's outputs are checked bitwise equal first (bf16dp: close); the order of the values alternates from
 round to round; medians over the rounds, and the ratios to the first value.
@@ -53,7 +58,8 @@ DECODE_SHAPES = [(1, 4096, 32, 8), (4, 2048, 32, 8), (16, 2048, 32, 8), (1, 3276
 SWITCHES = {"bwd-jobs": ("ATTN_EXT_CPU_BWD_JOBS", "1,4", True),
             "decode-quads": ("ATTN_EXT_CPU_DECODE_QUADS", "0,1", True),
             "decode-pv512": ("ATTN_EXT_CPU_DECODE_PV512", "0,1", True),
-            "bf16dp": ("ATTN_EXT_CPU_BF16DP", "0,1", False)}
+            "bf16dp": ("ATTN_EXT_CPU_BF16DP", "0,1", False),
+            "gemm512": ("ATTN_EXT_CPU_GEMM512", "0,1", True)}
 
 
 def table_header(title, lead, cells):
@@ -111,6 +117,8 @@ def main():
     try:
         if args.switch == "bwd-jobs":
             bench_bwd_jobs(var, values, repeats, args)
+        elif args.switch == "gemm512":
+            bench_fp32_prefill(var, values, repeats, args)
         else:
             bench_decode_quads(var, values, repeats, args, same_bits)
             if args.switch == "bf16dp":
@@ -162,6 +170,30 @@ def bench_bf16_prefill(var, values, repeats, args):
         for name, fn in (("fwd", fwd), ("bwd", bwd)):  # (the two values' bits differ)
             med = alternate(var, values, repeats, fn, same_bits=False)
             table_row([f"{B}, {H}, {S}, {D}", name], [f"{m * 1e3:.1f}" for m in med], med)
+
+
+def bench_fp32_prefill(var, values, repeats, args):
+    shapes = [(1, 2, 256, 32)] if args.quick else SHAPES
+    table_header(f"fp32 causal prefill, {var} in {values}, {args.threads} threads, medians of "
+                 f"{repeats} rounds", ["B, H, S, D", "layout", "pass"], [f"{v}: ms" for v in values])
+    for B, H, S, D in shapes:
+        for layout in ("BSHD", "BHSD view"):
+            if layout == "BSHD":
+                q, k, v, dout = (torch.randn(B, S, H, D) for _ in range(4))
+            else:
+                q, k, v, dout = (torch.randn(B, H, S, D).transpose(1, 2) for _ in range(4))
+
+            def fwd():
+                return torch.ops.attn_ext.attention_forward(q, k, v, True, None)
+
+            out, lse = fwd()
+
+            def bwd():
+                return torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, True, None)
+
+            for name, fn in (("fwd", fwd), ("bwd", bwd)):
+                med = alternate(var, values, repeats, fn)
+                table_row([f"{B}, {H}, {S}, {D}", layout, name], [f"{m * 1e3:.1f}" for m in med], med)
 
 
 def bench_decode_quads(var, values, repeats, args, same_bits=True):

@@ -179,13 +179,18 @@ def test_gemm_probe_builds_and_measures(tmp_path):
     sources as its header says and prints a positive rate for every case."""
     import re
 
-    exe = _build_tool(tmp_path, "gemm_probe", "attention_microkernels_avx2.cpp", "cpu_features.cpp")
+    from attn_ext._explain import cpu_avx512_enabled
+
+    exe = _build_tool(tmp_path, "gemm_probe", "attention_microkernels_avx2.cpp",
+                      "attention_microkernels_avx512.cpp", "cpu_features.cpp")
     out = subprocess.run([str(exe), "1"], capture_output=True, text=True, check=True,
                          timeout=120).stdout
     if "nothing to measure" in out:
         pytest.skip("no AVX2 / FMA")
     rates = [float(x) for x in re.findall(r"([0-9.]+) GFLOP/s", out)]
-    assert len(rates) == 4 + 4 + 4, out
+    isas = ["avx2 (ymm)"] + (["avx512 (zmm)"] if cpu_avx512_enabled() else [])
+    assert [line[3:] for line in out.splitlines() if line.startswith("== ")] == isas, out
+    assert len(rates) == (4 + 4 + 4) * len(isas), out
     assert all(r > 0 for r in rates), out
     for section in ("pass ", "fwd ", "bwd "):
         assert section in out
@@ -237,6 +242,22 @@ def test_gemm_at_check_builds_and_passes(tmp_path):
     assert "400 cases, 0 with an output that differs in a bit" in out, out
 
 
+def test_gemm512_check_builds_and_passes(tmp_path):
+    """tools/gemm512_check.cpp: the AVX-512 fp32 gemms (gemm_avx512, gemm_at_avx512) give the
+    AVX2 ones' bits on 400 random shapes (row-major and transposed A, half-vector tails, the
+    blocked chains, misaligned B, inf / NaN inputs and special scales), and write nothing
+    between N and ldc; softmax / exp_sub / ds likewise (-inf and NaN scores, hidden columns).
+    Skips where the CPU has no AVX-512F/BW."""
+    exe = _build_tool(tmp_path, "gemm512_check", "attention_microkernels_avx2.cpp",
+                      "attention_microkernels_avx512.cpp", "cpu_features.cpp")
+    res = subprocess.run([str(exe), "400"], capture_output=True, text=True, timeout=120)
+    if res.returncode == 2:
+        pytest.skip("no AVX-512F/BW")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "400 cases, 0 gemm and 0 gemm_at outputs that differ in a bit" in res.stdout, res.stdout
+    assert "400 cases, 0 softmax / exp_sub / ds outputs that differ in a bit" in res.stdout, res.stdout
+
+
 def test_bench_switch_ab_smoke():
     """benchmarks/bench_switch_ab.py (the ATTN_EXT_CPU_BWD_JOBS A/B RESULTS.md quotes) runs,
     checks the values' gradients bitwise equal, and prints a row per shape."""
@@ -263,3 +284,20 @@ def test_bench_switch_ab_decode_quads_smoke(switch, var):
     for name in ("fp32", "bf16"):
         rows = [line for line in res.stdout.splitlines() if line.startswith(f"| {name} | 1 | 512 | 8/2 |")]
         assert len(rows) == 1, res.stdout
+
+
+def test_bench_switch_ab_gemm512_smoke():
+    """bench_switch_ab.py --switch gemm512 (the A/B RESULTS.md quotes for the zmm gemms) runs,
+    checks both values' forward and backward bitwise equal, and prints a row per layout and
+    pass."""
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_switch_ab.py"),
+                          "--switch", "gemm512", "--quick", "--threads", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("# commit: "), res.stdout[:300]
+    assert "ATTN_EXT_CPU_GEMM512 in ['0', '1']" in res.stdout, res.stdout
+    for layout in ("BSHD", "BHSD view"):
+        for name in ("fwd", "bwd"):
+            rows = [line for line in res.stdout.splitlines()
+                    if line.startswith(f"| 1, 2, 256, 32 | {layout} | {name} |")]
+            assert len(rows) == 1, res.stdout

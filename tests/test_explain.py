@@ -449,3 +449,22 @@ def test_explain_names_the_bf16_decode_scores(monkeypatch):
             want = "vdpbf16ps" if (mode == "1" and D % 2 == 0 and cpu_avx512bf16_enabled()) else "widened"
             assert choice.details["bf16_scores"] == want
             assert ("vdpbf16ps" in str(choice)) == (want == "vdpbf16ps")
+
+
+def test_explain_names_the_fp32_gemm(monkeypatch):
+    """details["gemm"] of the tiled kernels: "portable" for float64, "avx2" with
+    ATTN_EXT_CPU_GEMM512=0 (on an AVX2 CPU), and "avx512" by default where the CPU has AVX-512F/BW
+    (csrc/cpu/attention_microkernels.h kernels(); the two give the same bits: test_gemm512.py)."""
+    from attn_ext._explain import cpu_avx512_enabled, cpu_simd_enabled
+
+    q = torch.randn(1, 200, 2, 64)
+    assert attn_ext.explain(q.double(), q.double(), q.double()).details["gemm"] == "portable"
+    monkeypatch.setenv("ATTN_EXT_CPU_GEMM512", "0")
+    choice = attn_ext.explain(q, q, q, causal=True)
+    assert choice.details["gemm"] == ("avx2" if cpu_simd_enabled() else "portable")
+    assert "zmm" not in choice.forward_reason
+    monkeypatch.delenv("ATTN_EXT_CPU_GEMM512")
+    choice = attn_ext.explain(q, q, q, causal=True)
+    if cpu_avx512_enabled():
+        assert choice.details["gemm"] == "avx512"
+        assert "AVX-512 zmm" in choice.forward_reason

@@ -1,15 +1,19 @@
-// Rates of the CPU attention's AVX2 gemm micro-kernel (csrc/cpu/attention_microkernels_avx2.cpp)
-// on the shapes the prefill forward and the backward give it at D = 128, one thread, no Python:
-// where the fp32 prefill / training time goes (benchmarks/RESULTS.md, sixth session).
+// Rates of the CPU attention's fp32 gemm micro-kernels (csrc/cpu/attention_microkernels_avx2.cpp,
+// and attention_microkernels_avx512.cpp where the CPU has AVX-512F/BW) on the shapes the prefill
+// forward and the backward give them at D = 128, one thread, no Python: where the fp32 prefill /
+// training time goes (benchmarks/RESULTS.md, sixth and eighteenth sessions).
 //
 //   g++ -O3 -std=c++20 -I csrc -I "$(python -c 'import torch, os; print(os.path.dirname(torch.__file__))')/include" \
-//       tools/gemm_probe.cpp csrc/cpu/attention_microkernels_avx2.cpp csrc/cpu/cpu_features.cpp -o gemm_probe
+//       tools/gemm_probe.cpp csrc/cpu/attention_microkernels_avx2.cpp \
+//       csrc/cpu/attention_microkernels_avx512.cpp csrc/cpu/cpu_features.cpp -o gemm_probe
 //   ./gemm_probe [reps]
 //
-// Prints GFLOP/s (best of `reps` timings, default 5) for
+// For each gemm pair (the AVX2 one; then the AVX-512 one, where the CPU has it and
+// ATTN_EXT_CPU_GEMM512=0 is not set) prints a "== <isa>" line and GFLOP/s (best of `reps`
+// timings, default 5) for
 //   pass  one gemm of a (query block, key tile) pair of 96 x 96 at D = 128, operands hot;
 //   fwd   the forward's tile pairs of one query block against NT key tiles (pass 1, online
-//         softmax, pass 3 with the rescale fused in: gemm_at_avx2), NT = 2 (K / V hot) and
+//         softmax, pass 3 with the rescale fused in: gemm_at), NT = 2 (K / V hot) and
 //         NT = 43 (K / V of S = 4096 from L3), with and without the softmax; FLOPs of the two
 //         gemms counted;
 //   bwd   the backward's five gemms of one query block against NT key tiles, dk / dv
@@ -31,8 +35,6 @@
 
 namespace {
 
-using attn_ext::mk::gemm_at_avx2;
-using attn_ext::mk::gemm_avx2;
 using attn_ext::mk::softmax_avx2;
 
 constexpr int64_t D = 128, Q = 96, KB = 96;
@@ -62,6 +64,14 @@ Buf filled(int64_t n, float scale) {
   return v;
 }
 
+struct GemmSet {
+  const char* isa;
+  attn_ext::mk::GemmFn<float> gemm;
+  attn_ext::mk::GemmAtFn<float> gemm_at;
+};
+
+void probe(int reps, const GemmSet& set);
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -70,6 +80,18 @@ int main(int argc, char** argv) {
     std::printf("no AVX2 / FMA on this CPU (or ATTN_EXT_CPU_SIMD=0): nothing to measure\n");
     return 0;
   }
+  probe(reps, {"avx2 (ymm)", attn_ext::mk::gemm_avx2, attn_ext::mk::gemm_at_avx2});
+  if (attn_ext::mk::gemm512_enabled())
+    probe(reps, {"avx512 (zmm)", attn_ext::mk::gemm_avx512, attn_ext::mk::gemm_at_avx512});
+  return 0;
+}
+
+namespace {
+
+void probe(int reps, const GemmSet& set) {
+  const auto gemm = set.gemm;
+  const auto gemm_at = set.gemm_at;
+  std::printf("== %s\n", set.isa);
   const int64_t NT_MAX = 43, ldkv = 8 * D;  // dk / dv rows of 8 kv heads (BSHD)
   auto K = filled(NT_MAX * KB * D, 1e-3f), V = filled(NT_MAX * KB * D, 1e-2f);
   auto dk = filled(NT_MAX * KB * ldkv, 0.f), dv = filled(NT_MAX * KB * ldkv, 0.f);
@@ -91,7 +113,7 @@ int main(int argc, char** argv) {
   };
   for (const Pass& c : passes) {
     const double g = best_gflops(reps, n * pair, [&] {
-      for (int i = 0; i < n; ++i) gemm_avx2(c.M, c.N, c.K, c.A, c.ar, c.ac, c.B, c.ldb, c.C, c.ldc, c.acc);
+      for (int i = 0; i < n; ++i) gemm(c.M, c.N, c.K, c.A, c.ar, c.ac, c.B, c.ldb, c.C, c.ldc, c.acc);
     });
     std::printf("  %s %6.1f GFLOP/s\n", c.name, g);
   }
@@ -106,10 +128,10 @@ int main(int argc, char** argv) {
           std::fill(l.begin(), l.end(), 0.f);
           std::fill(o.begin(), o.end(), 0.f);
           for (int64_t t = 0; t < NT; ++t) {
-            gemm_avx2(KB, Q, D, K.data() + t * KB * D, D, 1, qt.data(), Q, st.data(), Q, false);
+            gemm(KB, Q, D, K.data() + t * KB * D, D, 1, qt.data(), Q, st.data(), Q, false);
             if (softmax) softmax_avx2(st.data(), KB, Q, m.data(), l.data(), alpha.data());
             // pass 3 as the forward's full tiles run it: the rescale of o fused in
-            gemm_at_avx2(Q, D, KB, st.data(), Q, V.data() + t * KB * D, D, o.data(), D,
+            gemm_at(Q, D, KB, st.data(), Q, V.data() + t * KB * D, D, o.data(), D,
                          softmax ? alpha.data() : nullptr);
           }
         }
@@ -134,15 +156,16 @@ int main(int argc, char** argv) {
           const float* vb = V.data() + tk * KB * D;
           float* dkt = dk.data() + td * KB * ldkv;
           float* dvt = dv.data() + td * KB * ldkv;
-          gemm_avx2(KB, Q, D, kb, D, 1, qt.data(), Q, st.data(), Q, false);       // s
-          gemm_avx2(KB, D, Q, st.data(), Q, 1, dor.data(), D, dvt, ldkv, true);   // dv
-          gemm_avx2(KB, Q, D, vb, D, 1, dot.data(), Q, dpt.data(), Q, false);     // dP
-          gemm_avx2(KB, D, Q, dpt.data(), Q, 1, qr.data(), D, dkt, ldkv, true);   // dk
-          gemm_avx2(Q, D, KB, dpt.data(), 1, Q, kb, D, dq.data(), D, true);       // dq
+          gemm(KB, Q, D, kb, D, 1, qt.data(), Q, st.data(), Q, false);       // s
+          gemm(KB, D, Q, st.data(), Q, 1, dor.data(), D, dvt, ldkv, true);   // dv
+          gemm(KB, Q, D, vb, D, 1, dot.data(), Q, dpt.data(), Q, false);     // dP
+          gemm(KB, D, Q, dpt.data(), Q, 1, qr.data(), D, dkt, ldkv, true);   // dk
+          gemm(Q, D, KB, dpt.data(), 1, Q, kb, D, dq.data(), D, true);       // dq
         }
       }
     });
     std::printf("  %s %6.1f GFLOP/s\n", c.name, g);
   }
-  return 0;
 }
+
+}  // namespace

@@ -303,12 +303,10 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     // partial and either v holds a non-finite value (then a hidden key's must not meet a 0
     // probability) or the tile is one head's band (then each 6 columns take their keys).
     const bool v_finite = !partial || all_finite(vt, nk, Dv, ldv);
-    if constexpr (std::is_same_v<acc_t, float>) {
-      if (K.gemm == &mk::gemm_avx2 && v_finite && (!partial || !one_head)) {
-        // the rescale fused into the gemm's load of o: the same bits as the pass below
-        mk::gemm_at_avx2(cols, Dvp, nk, s.st.data(), C, vt, ldv, s.o.data(), Dvp, s.alpha.data());
-        continue;
-      }
+    if (K.gemm_at != nullptr && v_finite && (!partial || !one_head)) {
+      // the rescale fused into the gemm's load of o: the same bits as the pass below
+      K.gemm_at(cols, Dvp, nk, s.st.data(), C, vt, ldv, s.o.data(), Dvp, s.alpha.data());
+      continue;
     }
     for (int64_t c = 0; c < cols; ++c) {
       const acc_t a = s.alpha[c];

@@ -67,12 +67,21 @@ using ExpSubFn = void (*)(T* st, int64_t rows, int64_t cols, const T* sub);
 template <typename T>
 using DsFn = void (*)(const T* p, T* ds, int64_t rows, int64_t cols, const T* d);
 
+// The forward's pass 3, o = alpha * o + st^T v, with the rescale fused into the gemm's load of
+// C: C (M, N; ldc) = C * scale[m] (row-wise; scale may be nullptr) + A' (M, K) B (K, N; ldb)
+// with A'(m, t) = A[m + t * a_col]; the same bits as `C[m][:] *= scale[m]` followed by
+// gemm(M, N, K, A, 1, a_col, B, ldb, C, ldc, true). N a multiple of 8.
+template <typename T>
+using GemmAtFn = void (*)(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_col,
+                          const T* B, int64_t ldb, T* C, int64_t ldc, const T* scale);
+
 template <typename T>
 struct Kernels {
   GemmFn<T> gemm;
   SoftmaxFn<T> softmax;
   ExpSubFn<T> exp_sub;
   DsFn<T> ds;
+  GemmAtFn<T> gemm_at;  // nullptr: the separate rescale loop and gemm
 };
 
 // ---- generic implementations ----------------------------------------------------------
@@ -180,9 +189,7 @@ inline void transpose_rows_generic(const T* src, int64_t lds, int64_t rows, int6
 bool cpu_has_avx2_fma();  // AVX2 + FMA + F16C and not ATTN_EXT_CPU_SIMD=0 (cpu::simd_enabled)
 void gemm_avx2(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_row, int64_t a_col,
                const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate);
-// The forward's pass 3, o = alpha * o + st^T v: C (M, N; ldc) = C * scale[m] (row-wise; scale
-// may be nullptr) + A' (M, K) B (K, N; ldb) with A'(m, t) = A[m + t * a_col]. The same bits as
-// `C[m][:] *= scale[m]` followed by gemm_avx2(M, N, K, A, 1, a_col, B, ldb, C, ldc, true).
+// GemmAtFn (the forward's pass 3 with the rescale fused in) on ymm registers.
 void gemm_at_avx2(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_col, const float* B,
                   int64_t ldb, float* C, int64_t ldc, const float* scale);
 void softmax_avx2(float* st, int64_t rows, int64_t cols, float* m, float* l, float* alpha);
@@ -246,19 +253,40 @@ void pack_bf16_pairs(const uint16_t* rows, int64_t row_stride, int64_t n_rows, i
 void scores_bf16dp(int64_t M, int64_t N, int64_t D, const uint16_t* A, int64_t lda,
                    const uint32_t* B, int64_t ldb, float scale, float* C, int64_t ldc);
 
+// ---- the fp32 kernels on zmm registers (AVX-512F: attention_microkernels_avx512.cpp) ------
+// gemm_avx2 / gemm_at_avx2 with 16-float vectors and larger register tiles: every output is
+// the same FMA chain, so the same bits (tools/gemm512_check.cpp); the softmax steps likewise.
+// Used where
+// cpu::avx512_enabled() (AVX-512F/BW, not ATTN_EXT_CPU_AVX512=0) and ATTN_EXT_CPU_GEMM512=0 is
+// not set (read on every call: for A/B measurements; the bits do not depend on it).
+bool gemm512_enabled();
+void gemm_avx512(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_row, int64_t a_col,
+                 const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate);
+void gemm_at_avx512(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_col,
+                    const float* B, int64_t ldb, float* C, int64_t ldc, const float* scale);
+// softmax_avx2 / exp_sub_avx2 / ds_avx2 16 columns at a time: the same bits.
+void softmax_avx512(float* st, int64_t rows, int64_t cols, float* m, float* l, float* alpha);
+void exp_sub_avx512(float* st, int64_t rows, int64_t cols, const float* sub);
+void ds_avx512(const float* p, float* ds, int64_t rows, int64_t cols, const float* d);
+
 template <typename T>
 inline Kernels<T> kernels() {
   if constexpr (std::is_same_v<T, float>) {
-    if (cpu_has_avx2_fma()) return {gemm_avx2, softmax_avx2, exp_sub_avx2, ds_avx2};
+    if (cpu_has_avx2_fma()) {
+      if (gemm512_enabled())
+        return {gemm_avx512, softmax_avx512, exp_sub_avx512, ds_avx512, gemm_at_avx512};
+      return {gemm_avx2, softmax_avx2, exp_sub_avx2, ds_avx2, gemm_at_avx2};
+    }
   }
-  return {gemm_generic<T>, softmax_generic<T>, exp_sub_generic<T>, ds_generic<T>};
+  return {gemm_generic<T>, softmax_generic<T>, exp_sub_generic<T>, ds_generic<T>, nullptr};
 }
 
-// Whether k's gemm multiplies and adds in one rounding (the AVX2 FMA kernel). Sums that must
-// equal its outputs bitwise (the backward's row term, the exact masked products) follow it.
+// Whether k's gemm multiplies and adds in one rounding (the AVX2 and AVX-512 FMA kernels).
+// Sums that must equal its outputs bitwise (the backward's row term, the exact masked
+// products) follow it.
 template <typename T>
 inline bool gemm_fuses(const Kernels<T>& k) {
-  if constexpr (std::is_same_v<T, float>) return k.gemm == &gemm_avx2;
+  if constexpr (std::is_same_v<T, float>) return k.gemm == &gemm_avx2 || k.gemm == &gemm_avx512;
   return false;
 }
 

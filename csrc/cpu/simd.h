@@ -120,21 +120,37 @@ struct Avx2IO<c10::BFloat16> {
 // with no compare and mask, and denormal values on [-126.5, -126) (round to even: n(-126.5)
 // = -126); NaN stays NaN.
 // (The attention micro-kernels' softmax and the decode kernel share it.)
+// The polynomial's coefficients, highest degree first (Horner by FMAs).
+inline constexpr float kExp2Poly[7] = {1.5353361011531303e-04f, 1.3398875247965431e-03f,
+                                       9.618437368018143e-03f,  5.5503324687813015e-02f,
+                                       2.4022647913463155e-01f, 6.931472028563572e-01f,
+                                       1.0f};
 ATTN_EXT_AVX2 inline __m256 exp2_ps(__m256 x) {
   // (max/min return their second operand for NaN: x goes second so NaN stays NaN.)
   x = _mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(_mm256_set1_ps(-127.0f), x));
   const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.5353361011531303e-04f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398875247965431e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437368018143e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5503324687813015e-02f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022647913463155e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028563572e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+#pragma GCC unroll 6
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   const __m256i e = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// exp2_ps on 16 lanes (AVX-512F): the same operations lane by lane (clamp, round to nearest,
+// the polynomial's FMAs, the exponent bits), so the same bits as exp2_ps for every input. Only
+// in functions called where cpu::avx512_enabled().
+ATTN_EXT_AVX512 inline __m512 exp2_ps512(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), x));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+#pragma GCC unroll 6
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
 // tanh(x), 8 lanes: x P(x^2) for |x| < 0.625 (P of degree 6, a minimax fit of tanh(x) / x in
