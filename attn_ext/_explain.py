@@ -199,14 +199,29 @@ def cpu_avx512bf16_enabled() -> bool:
     return cpu_avx512_enabled() and "avx512_bf16" in flags and "avx512vl" in flags
 
 
-def cpu_bf16_scores(dtype: torch.dtype, even: bool = True) -> Optional[str]:
-    """How a bf16 call's scores are formed: "vdpbf16ps" (attention_decode.h dp_scores, and
-    csrc/cpu/attention_bf16dp.cpp where the product's depth is even: ``even``) where
-    cpu_avx512bf16_enabled() and ATTN_EXT_CPU_BF16DP is not 0 (mk::bf16dp_enabled), else
-    "widened" (to float32); None for other dtypes."""
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD", ...; "" where unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.split(":", 1)[1].strip() if ":" in line else ""
+
+
+def cpu_bf16_scores(dtype: torch.dtype, even: bool = True, tiled: bool = False) -> Optional[str]:
+    """How a bf16 call's scores are formed: "vdpbf16ps" or "widened" (to float32); None for other
+    dtypes. The decode kernel (attention_decode.h dp_scores; ``tiled=False``): vdpbf16ps where
+    cpu_avx512bf16_enabled() and ATTN_EXT_CPU_BF16DP is not 0 (mk::bf16dp_enabled). The tiled
+    kernels (csrc/cpu/attention_bf16dp.cpp; ``tiled=True``, where the product's depth is even:
+    ``even``): that, and ATTN_EXT_CPU_BF16DP=1 or, by default, a CPU that is not Intel's
+    (mk::bf16dp_tiled_enabled; cpu::intel_cpu)."""
     if dtype != torch.bfloat16:
         return None
-    dp = even and cpu_avx512bf16_enabled() and os.environ.get("ATTN_EXT_CPU_BF16DP") != "0"
+    env = os.environ.get("ATTN_EXT_CPU_BF16DP")
+    dp = even and cpu_avx512bf16_enabled() and env != "0"
+    if tiled and dp and env != "1":
+        dp = cpu_vendor() != "GenuineIntel"
     return "vdpbf16ps" if dp else "widened"
 
 
@@ -275,7 +290,7 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
         plan["gemm"] = cpu_gemm(dtype)
         if plan["gemm"] == "avx512":
             why += "; fp32 gemms on AVX-512 zmm registers (ATTN_EXT_CPU_GEMM512=0: AVX2, same bits)"
-        plan["bf16_scores"] = cpu_bf16_scores(dtype, even=s.D % 2 == 0)
+        plan["bf16_scores"] = cpu_bf16_scores(dtype, even=s.D % 2 == 0, tiled=True)
         if plan["bf16_scores"] == "vdpbf16ps":
             why += "; bf16 scores by vdpbf16ps (AVX512_BF16; ATTN_EXT_CPU_BF16DP=0 widens them)"
     if s.B * s.Hkv >= threads or s.Sk <= CPU_BLOCK_K:

@@ -108,7 +108,9 @@ def cpu_isa() -> str:
         if cpu_gemm(torch.float32) == "avx512":
             ours += ", fp32 gemms"
         if cpu_bf16_scores(torch.bfloat16) == "vdpbf16ps":
-            ours += ", AVX512_BF16 bf16 scores"
+            ours += ", AVX512_BF16 bf16 decode scores"
+            if cpu_bf16_scores(torch.bfloat16, tiled=True) == "vdpbf16ps":
+                ours += " and tiled scores"
         ours += ")"
     flags = cpu_flags()
     shown = [x for x in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16") if x in flags]

@@ -422,7 +422,7 @@ def test_explain_names_the_bf16_decode_scores(monkeypatch):
     """details["bf16_scores"] of a bf16 decode: "vdpbf16ps" where the CPU has AVX512_BF16
     (unless ATTN_EXT_CPU_BF16DP=0), else "widened"; None for other dtypes. It agrees
     with what runs: the two paths' lse differ (by rounding) exactly when it says vdpbf16ps."""
-    from attn_ext._explain import cpu_avx512bf16_enabled
+    from attn_ext._explain import cpu_avx512bf16_enabled, cpu_vendor
     torch.manual_seed(0)
     q = torch.randn(1, 1, 32, 128).bfloat16()
     k, v = torch.randn(1, 4096, 8, 128).bfloat16(), torch.randn(1, 4096, 8, 128).bfloat16()
@@ -438,17 +438,30 @@ def test_explain_names_the_bf16_decode_scores(monkeypatch):
     assert said["1"] == ("vdpbf16ps" if cpu_avx512bf16_enabled() else "widened")
     assert torch.equal(lse["1"], lse["0"]) == (said["1"] == "widened")
     assert attn_ext.explain(q.float(), k.float(), v.float()).details["bf16_scores"] is None
-    # the tiled kernels (csrc/cpu/attention_bf16dp.cpp): even head dims only
+    # the tiled kernels (csrc/cpu/attention_bf16dp.cpp): even head dims only; by default
+    # (no switch) not on an Intel CPU (mk::bf16dp_tiled_enabled)
+    intel = cpu_vendor() == "GenuineIntel"
     for D in (64, 59):
         qq = torch.randn(1, 300, 4, D).bfloat16()
         kk = torch.randn(1, 300, 2, D).bfloat16()
-        for mode in ("1", "0"):
-            monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", mode)
+        for mode in ("1", "0", None):
+            if mode is None:
+                monkeypatch.delenv("ATTN_EXT_CPU_BF16DP", raising=False)
+            else:
+                monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", mode)
             choice = attn_ext.explain(qq, kk, kk, causal=True)
             assert choice.forward == "cpu.tiled"
-            want = "vdpbf16ps" if (mode == "1" and D % 2 == 0 and cpu_avx512bf16_enabled()) else "widened"
+            on = mode == "1" or (mode is None and not intel)
+            want = "vdpbf16ps" if (on and D % 2 == 0 and cpu_avx512bf16_enabled()) else "widened"
             assert choice.details["bf16_scores"] == want
             assert ("vdpbf16ps" in str(choice)) == (want == "vdpbf16ps")
+            # and it agrees with what runs: lse equals the widened path's bits exactly when
+            # it says widened (the pairs sum in another order)
+            if D == 64:
+                got = attn_ext.attention(qq, kk, kk, causal=True, return_lse=True)[1]
+                monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", "0")
+                widened = attn_ext.attention(qq, kk, kk, causal=True, return_lse=True)[1]
+                assert torch.equal(got, widened) == (want == "widened")
 
 
 def test_explain_names_the_fp32_gemm(monkeypatch):

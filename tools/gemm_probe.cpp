@@ -35,7 +35,6 @@
 
 namespace {
 
-using attn_ext::mk::softmax_avx2;
 
 constexpr int64_t D = 128, Q = 96, KB = 96;
 
@@ -68,6 +67,7 @@ struct GemmSet {
   const char* isa;
   attn_ext::mk::GemmFn<float> gemm;
   attn_ext::mk::GemmAtFn<float> gemm_at;
+  attn_ext::mk::SoftmaxFn<float> softmax;
 };
 
 void probe(int reps, const GemmSet& set);
@@ -80,9 +80,11 @@ int main(int argc, char** argv) {
     std::printf("no AVX2 / FMA on this CPU (or ATTN_EXT_CPU_SIMD=0): nothing to measure\n");
     return 0;
   }
-  probe(reps, {"avx2 (ymm)", attn_ext::mk::gemm_avx2, attn_ext::mk::gemm_at_avx2});
+  probe(reps, {"avx2 (ymm)", attn_ext::mk::gemm_avx2, attn_ext::mk::gemm_at_avx2,
+               attn_ext::mk::softmax_avx2});
   if (attn_ext::mk::gemm512_enabled())
-    probe(reps, {"avx512 (zmm)", attn_ext::mk::gemm_avx512, attn_ext::mk::gemm_at_avx512});
+    probe(reps, {"avx512 (zmm)", attn_ext::mk::gemm_avx512, attn_ext::mk::gemm_at_avx512,
+                 attn_ext::mk::softmax_avx512});
   return 0;
 }
 
@@ -91,6 +93,7 @@ namespace {
 void probe(int reps, const GemmSet& set) {
   const auto gemm = set.gemm;
   const auto gemm_at = set.gemm_at;
+  const auto softmax_fn = set.softmax;
   std::printf("== %s\n", set.isa);
   const int64_t NT_MAX = 43, ldkv = 8 * D;  // dk / dv rows of 8 kv heads (BSHD)
   auto K = filled(NT_MAX * KB * D, 1e-3f), V = filled(NT_MAX * KB * D, 1e-2f);
@@ -129,7 +132,7 @@ void probe(int reps, const GemmSet& set) {
           std::fill(o.begin(), o.end(), 0.f);
           for (int64_t t = 0; t < NT; ++t) {
             gemm(KB, Q, D, K.data() + t * KB * D, D, 1, qt.data(), Q, st.data(), Q, false);
-            if (softmax) softmax_avx2(st.data(), KB, Q, m.data(), l.data(), alpha.data());
+            if (softmax) softmax_fn(st.data(), KB, Q, m.data(), l.data(), alpha.data());
             // pass 3 as the forward's full tiles run it: the rescale of o fused in
             gemm_at(Q, D, KB, st.data(), Q, V.data() + t * KB * D, D, o.data(), D,
                          softmax ? alpha.data() : nullptr);

@@ -28,6 +28,13 @@ bool bf16dp_enabled() {
   return !(env != nullptr && std::strcmp(env, "0") == 0);
 }
 
+bool bf16dp_tiled_enabled() {
+  if (!bf16dp_enabled()) return false;
+  const char* env = std::getenv("ATTN_EXT_CPU_BF16DP");
+  if (env != nullptr && std::strcmp(env, "1") == 0) return true;
+  return !cpu::intel_cpu();
+}
+
 void pack_bf16_pairs(const uint16_t* rows, int64_t row_stride, int64_t n_rows, int64_t D,
                      uint32_t* qp, int64_t ldq) {
   const int64_t pairs = D / 2;

@@ -588,9 +588,9 @@ ATTN_EXT_AVX512BF16 inline void dp_scores(const c10::BFloat16* q, int64_t ldq, i
 
 #endif  // ATTN_EXT_HAVE_BF16DP_PATH
 
-// Whether a decode call on scalar_t scores by dp_scores: bf16, and the one switch of the tiled
-// kernels' bf16 pass 1 too (mk::bf16dp_enabled: AVX512_BF16, unless ATTN_EXT_CPU_BF16DP=0,
-// which widens them to fp32 as before). The one rule the forward and the backward ask, once
+// Whether a decode call on scalar_t scores by dp_scores: bf16 and mk::bf16dp_enabled()
+// (AVX512_BF16, unless ATTN_EXT_CPU_BF16DP=0, which widens them to fp32 as before; the switch
+// the tiled kernels' rule, mk::bf16dp_tiled_enabled, starts from). The one rule the forward and the backward ask, once
 // per call each: the two must see the same value (the backward recomputes the forward's
 // scores bit for bit).
 template <typename scalar_t>

@@ -231,13 +231,20 @@ inline void transpose_rows(const T* src, int64_t lds, int64_t rows, int64_t cols
 }
 
 // ---- bf16 scores by pairwise dot products (AVX512_BF16: attention_bf16dp.cpp) ----------
-// Whether the tiled kernels' bf16 pass 1 uses scores_bf16dp: the CPU has AVX512_BF16 (and VL,
+// Whether vdpbf16ps may form bf16 scores: the CPU has AVX512_BF16 (and VL,
 // cpu::avx512bf16_enabled) and ATTN_EXT_CPU_BF16DP=0 is not set (read on every call: the
-// forward and the backward of one call must see the same value). bf16_scores_by_pairs() is
-// the one rule both kernels ask.
+// forward and the backward of one call must see the same value). The decode kernel's rule
+// (decode_scores_by_pairs in attention_decode.h: memory-bound, so the pairs cost nothing).
 bool bf16dp_enabled();
+// The tiled kernels' (compute-bound) rule: bf16dp_enabled() and either ATTN_EXT_CPU_BF16DP=1,
+// or (by default) a CPU that is not Intel's (cpu::intel_cpu: there vdpbf16ps multiplies at
+// half the fp32 zmm FMA's rate, and widening to fp32 for the zmm gemms was 1.26-1.33x faster
+// on the bf16 prefill forward and backward, RESULTS.md eighteenth session; on a Zen 4 the pairs
+// were 1.14-1.33x faster than widening). bf16_scores_by_pairs() is the one rule both kernels
+// ask.
+bool bf16dp_tiled_enabled();
 inline bool bf16_scores_by_pairs(bool is_bf16, int64_t D) {
-  return is_bf16 && D % 2 == 0 && bf16dp_enabled();
+  return is_bf16 && D % 2 == 0 && bf16dp_tiled_enabled();
 }
 
 // qp[t * ldq + n] = the bf16 pair (row_n[2t], row_n[2t + 1]) as one 32-bit word, for rows

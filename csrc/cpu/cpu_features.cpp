@@ -38,6 +38,18 @@ bool avx512_enabled() {
 #endif
 }
 
+bool intel_cpu() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 bool avx512bf16_enabled() {
 #if ATTN_EXT_HAVE_BF16DP_PATH
   static const bool ok = [] {

@@ -17,4 +17,11 @@ bool avx512_enabled();
 // Decided once per process; ATTN_EXT_CPU_AVX512=0 turns it off with the rest of AVX-512.
 bool avx512bf16_enabled();
 
+// True on an Intel CPU (cpuid's vendor). Intel's AVX-512 server cores run 512-bit FMAs on two
+// full-width units, and vdpbf16ps at half that rate in FLOPs (this project's Xeon: 105 against
+// 210 GFLOP/s, tools/isa_probe.cpp); AMD's Zen 4 splits a zmm FMA into two 256-bit halves and
+// runs vdpbf16ps at twice its fp32 rate. The tiled kernels' bf16 default follows from it
+// (mk::bf16dp_tiled_enabled). Decided once per process.
+bool intel_cpu();
+
 }  // namespace attn_ext::cpu
