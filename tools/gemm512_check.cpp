@@ -27,6 +27,7 @@
 #include "cpu/aligned_vec.h"
 #include "cpu/attention_microkernels.h"
 #include "cpu/cpu_features.h"
+#include "gemm_case.h"
 
 int main(int argc, char** argv) {
   using namespace attn_ext::mk;
@@ -47,19 +48,10 @@ int main(int argc, char** argv) {
     const int64_t ldb = N + gen() % 9, ldc = N + 8 * (gen() % 3);
     const int64_t b_off = 4 * (gen() % 4);  // floats past the 64-byte boundary: 0, 16, 32, 48 B
     const bool accumulate = gen() % 2 == 0;
-    std::vector<float> A(static_cast<size_t>(a_size)), c0(static_cast<size_t>(M * ldc)),
-        scale(static_cast<size_t>(M));
+    std::vector<float> A(static_cast<size_t>(a_size)), c0, scale;
     for (float& x : A) x = uni(gen);
-    for (float& x : c0) x = 10.f * uni(gen);
-    for (float& x : scale) x = gen() % 3 == 0 ? 1.f : std::fabs(uni(gen));
-    if (i % 10 == 0) {  // non-finite accumulators meeting a rescale by 0 (and by 1)
-      c0[0] = INFINITY;
-      c0[static_cast<size_t>(M * ldc) / 2] = NAN;
-      scale[0] = 0.f;
-    }
-    if (i % 10 == 5) {  // special scales and inputs: -0, inf, NaN, a denormal
-      const float special[4] = {-0.f, INFINITY, NAN, 1e-40f};
-      for (int64_t m = 0; m < M; m += 3) scale[m] = special[(m / 3) % 4];
+    fill_gemm_case(i, M, ldc, gen, uni, c0, scale);
+    if (i % 10 == 5) {  // non-finite inputs too
       A[A.size() / 3] = NAN;
       A[A.size() / 2] = INFINITY;
     }

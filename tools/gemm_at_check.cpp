@@ -22,6 +22,7 @@
 
 #include "cpu/aligned_vec.h"
 #include "cpu/attention_microkernels.h"
+#include "gemm_case.h"
 
 int main(int argc, char** argv) {
   using namespace attn_ext::mk;
@@ -37,20 +38,9 @@ int main(int argc, char** argv) {
     const int64_t M = 1 + gen() % 100, N = 8 * (1 + gen() % 18), K = gen() % 131;
     const int64_t a_col = M + gen() % 5, ldb = N + 4 * (gen() % 5), ldc = N + 8 * (gen() % 2);
     const int64_t b_off = 4 * (gen() % 4);  // floats past the 64-byte boundary: 0, 16, 32, 48 B
-    std::vector<float> A(static_cast<size_t>(std::max<int64_t>(K, 1) * a_col)), c0(static_cast<size_t>(M * ldc)),
-        scale(static_cast<size_t>(M));
+    std::vector<float> A(static_cast<size_t>(std::max<int64_t>(K, 1) * a_col)), c0, scale;
     for (float& x : A) x = uni(gen);
-    for (float& x : c0) x = 10.f * uni(gen);
-    for (float& x : scale) x = gen() % 3 == 0 ? 1.f : std::fabs(uni(gen));
-    if (i % 10 == 0) {  // non-finite accumulators meeting a rescale by 0 (and by 1)
-      c0[0] = INFINITY;
-      c0[static_cast<size_t>(M * ldc) / 2] = NAN;
-      scale[0] = 0.f;
-    }
-    if (i % 10 == 5) {  // special scales: -0, inf, NaN, a denormal
-      const float special[4] = {-0.f, INFINITY, NAN, 1e-40f};
-      for (int64_t m = 0; m < M; m += 3) scale[m] = special[(m / 3) % 4];
-    }
+    fill_gemm_case(i, M, ldc, gen, uni, c0, scale);
     attn_ext::cpu_attn::AlignedVec<float> bbuf(static_cast<size_t>(std::max<int64_t>(K, 1) * ldb + b_off));
     for (float& x : bbuf) x = uni(gen);
     const float* B = bbuf.data() + b_off;

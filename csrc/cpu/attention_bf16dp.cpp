@@ -23,16 +23,12 @@ namespace attn_ext {
 namespace mk {
 
 bool bf16dp_enabled() {
-  if (!cpu::avx512bf16_enabled()) return false;
-  const char* env = std::getenv("ATTN_EXT_CPU_BF16DP");
-  return !(env != nullptr && std::strcmp(env, "0") == 0);
+  return cpu::avx512bf16_enabled() && !cpu::env_is("ATTN_EXT_CPU_BF16DP", "0");
 }
 
 bool bf16dp_tiled_enabled() {
   if (!bf16dp_enabled()) return false;
-  const char* env = std::getenv("ATTN_EXT_CPU_BF16DP");
-  if (env != nullptr && std::strcmp(env, "1") == 0) return true;
-  return !cpu::intel_cpu();
+  return cpu::env_is("ATTN_EXT_CPU_BF16DP", "1") || !cpu::intel_cpu();
 }
 
 void pack_bf16_pairs(const uint16_t* rows, int64_t row_stride, int64_t n_rows, int64_t D,

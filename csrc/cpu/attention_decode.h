@@ -69,10 +69,7 @@ constexpr int64_t kDecodeMinChunk = 256;
 // ATTN_EXT_CPU_DECODE=0 turns the decode kernel off (read once; for benchmarks that compare
 // it with the tiled kernel on the same shapes).
 inline bool decode_enabled() {
-  static const bool on = [] {
-    const char* env = std::getenv("ATTN_EXT_CPU_DECODE");
-    return !(env != nullptr && std::strcmp(env, "0") == 0);
-  }();
+  static const bool on = !cpu::env_is("ATTN_EXT_CPU_DECODE", "0");
   return on;
 }
 
@@ -80,10 +77,7 @@ inline int64_t decode_threads() { return num_threads(); }
 
 // ATTN_EXT_CPU_DECODE_IN_PLACE=0: always pack fp32 K/V blocks (for benchmarks comparing both).
 inline bool decode_in_place_enabled() {
-  static const bool on = [] {
-    const char* env = std::getenv("ATTN_EXT_CPU_DECODE_IN_PLACE");
-    return !(env != nullptr && std::strcmp(env, "0") == 0);
-  }();
+  static const bool on = !cpu::env_is("ATTN_EXT_CPU_DECODE_IN_PLACE", "0");
   return on;
 }
 
@@ -133,8 +127,7 @@ namespace decode_detail {
 // the seventh session, for benchmarks comparing both (the bits are the same). Read on every
 // decode call, so that an A/B can alternate it call by call (bench_switch_ab.py).
 inline bool decode_quads_enabled() {
-  const char* env = std::getenv("ATTN_EXT_CPU_DECODE_QUADS");
-  return !(env != nullptr && std::strcmp(env, "0") == 0);
+  return !cpu::env_is("ATTN_EXT_CPU_DECODE_QUADS", "0");
 }
 
 // f(std::integral_constant<int, n>{}) for the row lengths n that have instances fixed at
@@ -488,8 +481,7 @@ ATTN_EXT_AVX512 inline void pv512(const float* p, int64_t ld, int64_t C, const v
 // per decode call.
 inline bool decode_pv512_enabled() {
   if (!cpu::avx512_enabled()) return false;
-  const char* env = std::getenv("ATTN_EXT_CPU_DECODE_PV512");
-  return !(env != nullptr && std::strcmp(env, "0") == 0);
+  return !cpu::env_is("ATTN_EXT_CPU_DECODE_PV512", "0");
 }
 
 #if ATTN_EXT_HAVE_BF16DP_PATH

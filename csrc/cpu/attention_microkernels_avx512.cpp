@@ -36,9 +36,7 @@ namespace attn_ext {
 namespace mk {
 
 bool gemm512_enabled() {
-  if (!cpu::avx512_enabled()) return false;
-  const char* env = std::getenv("ATTN_EXT_CPU_GEMM512");
-  return !(env != nullptr && std::strcmp(env, "0") == 0);
+  return cpu::avx512_enabled() && !cpu::env_is("ATTN_EXT_CPU_GEMM512", "0");
 }
 
 #ifdef ATTN_HAVE_X86

@@ -7,11 +7,15 @@
 
 namespace attn_ext::cpu {
 
+bool env_is(const char* name, const char* value) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::strcmp(env, value) == 0;
+}
+
 bool simd_enabled() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   static const bool ok = [] {
-    const char* env = std::getenv("ATTN_EXT_CPU_SIMD");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    if (env_is("ATTN_EXT_CPU_SIMD", "0")) return false;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
            __builtin_cpu_supports("f16c");
@@ -26,8 +30,7 @@ bool avx512_enabled() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   static const bool ok = [] {
     if (!simd_enabled()) return false;
-    const char* env = std::getenv("ATTN_EXT_CPU_AVX512");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    if (env_is("ATTN_EXT_CPU_AVX512", "0")) return false;
     __builtin_cpu_init();
     // (libgcc sets the AVX-512 bits only where the OS saves the ZMM state: XCR0)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");

@@ -3,6 +3,10 @@
 
 namespace attn_ext::cpu {
 
+// True when the environment variable `name` is set to exactly `value` (the kernels' switches:
+// ATTN_EXT_CPU_...=0 / =1).
+bool env_is(const char* name, const char* value);
+
 // True when the CPU has AVX2, FMA and F16C and ATTN_EXT_CPU_SIMD=0 is not set (for measuring
 // and testing the portable paths). Decided once per process (csrc/cpu/cpu_features.cpp).
 bool simd_enabled();
