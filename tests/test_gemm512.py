@@ -5,8 +5,12 @@ every gemm shape the kernels make (whole tiles, the one-head panels and key rang
 tiles, the non-finite-v fallback, the blocked chains past K = 96, column counts that leave a
 half-vector tail, a v view whose rows are not 64-byte aligned), every mask and score term,
 dropout, GQA, packed sequences, the split-KV forward and the split backward, fp32 / fp16 / bf16.
-The micro-kernels alone are checked by tools/gemm512_check.cpp (test_bench_scripts.py); the
-AVX2 path is checked against the float64 textbook everywhere else, so equal bits carry that over.
+"Same bits" is compared on the integer view (so -0 and +0 differ); a NaN output must be NaN in
+both, of any sign and payload (which NaN an FMA passes on follows its operand order, which the
+compiler picks). Which gemm ran is taken from explain()'s mirror of the C++ rule
+(details["gemm"]): no profiler sees inside the CPU kernels. The micro-kernels alone are checked by
+tools/gemm512_check.cpp (test_bench_scripts.py); the AVX2 path is checked against the float64
+textbook everywhere else, so equal bits carry that over.
 """
 
 import pytest
@@ -29,19 +33,33 @@ def _call(q, k, v, dout, kw, seed):
     return [out.detach(), lse.detach(), *grads]
 
 
+_INT = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+        torch.bfloat16: torch.int16}
+
+
+def assert_same_bits(a, b, name):
+    """a and b hold the same bits (integer views: -0 is not +0), except that a NaN in one must be
+    a NaN in the other, of any sign and payload."""
+    assert a.dtype == b.dtype and a.shape == b.shape, name
+    nan = a.isnan()
+    assert torch.equal(nan, b.isnan()), name
+    ai, bi = a.contiguous().view(_INT[a.dtype]), b.contiguous().view(_INT[b.dtype])
+    assert torch.equal(ai[~nan], bi[~nan]), (name, (a.double() - b.double()).abs().max())
+
+
 def _same_bits(monkeypatch, q, k, v, kw, seed=0):
     B, Sq, H = q.shape[:3]
     dout = torch.randn(B, Sq, H, v.shape[-1]).to(q.dtype)
     res = {}
-    for mode in ("0", "1"):
+    for mode, gemm in (("0", "avx2"), ("1", "avx512")):
         monkeypatch.setenv("ATTN_EXT_CPU_GEMM512", mode)
+        choice = attn_ext.explain(q, k, v, **kw)
+        if choice.forward != "cpu.decode":  # (the decode kernel has no gemm to name)
+            assert choice.details["gemm"] == gemm
         res[mode] = _call(q, k, v, dout, kw, seed)
     names = ["out", "lse", "dq", "dk", "dv", "d rel_bias / sinks", "d sinks"]
     for name, a, b in zip(names, res["0"], res["1"]):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        same = torch.equal(a, b) or torch.equal(a.isnan(), b.isnan()) and torch.equal(
-            a.nan_to_num(0.0), b.nan_to_num(0.0))
-        assert same, (name, (a.double() - b.double()).abs().max())
+        assert_same_bits(a, b, name)
     return res["1"]
 
 
@@ -52,9 +70,10 @@ CASES = [
     (1, 150, 150, 1, 1, 58, 58, dict(causal=True)),         # one head: partial tiles by panels
     (1, 97, 130, 4, 1, 40, 40, dict()),                     # MQA, 40 -> 48 columns (a tail)
     (2, 64, 64, 2, 2, 200, 24, dict(causal=True, window=(20, 5))),  # long chains, a band
-    (1, 9, 700, 8, 2, 64, 64, dict()),                      # few rows: the split-KV forward
+    (1, 9, 700, 4, 1, 64, 64, dict()),                      # one query tile: the split-KV forward
     (1, 333, 257, 3, 3, 80, 72, dict(causal=True)),         # 80 / 72 columns: 16-lane + 8 tails
-    (1, 2, 513, 2, 1, 256, 256, dict()),                    # decode-sized, D = 256
+    (1, 2, 513, 2, 1, 256, 256, dict()),                    # decode-sized, D = 256: the decode
+                                                            # forward, the backward's gemms
 ]
 
 
@@ -65,6 +84,8 @@ def test_gemm512_same_bits(monkeypatch, dtype, B, Sq, Sk, H, Hkv, D, Dv, kw):
     torch.manual_seed(Sq * 7 + D)
     q = torch.randn(B, Sq, H, D).to(dtype)
     k, v = torch.randn(B, Sk, Hkv, D).to(dtype), torch.randn(B, Sk, Hkv, Dv).to(dtype)
+    if Sq == 9 and torch.get_num_threads() > 1:  # the case meant for the split-KV forward
+        assert attn_ext.explain(q, k, v, **kw).forward == "cpu.split_kv"
     _same_bits(monkeypatch, q, k, v, kw)
 
 
@@ -112,15 +133,39 @@ def test_gemm512_same_bits_nonfinite_hidden_v_and_varlen(monkeypatch):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("threads", [1, 8])
 def test_gemm512_same_bits_split_backward(monkeypatch, threads):
-    """Fewer (batch, kv head) units than threads: the FlashAttention-2 split backward (dk / dv
-    by key chunks, dq by query blocks), and the split-KV forward."""
+    """One (batch, kv head) unit and 5 query tiles: at 1 thread the fused backward and the plain
+    tiled forward; at 8 threads (oversubscribed) the FlashAttention-2 split backward (dk / dv by
+    key chunks, dq by query blocks) and the split-KV forward."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         torch.manual_seed(11)
         q, k, v = (torch.randn(1, 400, 1, 96) for _ in range(3))
+        choice = attn_ext.explain(q, k, v, causal=True)
+        assert choice.forward == ("cpu.split_kv" if threads > 1 else "cpu.tiled")
+        assert ("split" in choice.backward_reason) == (threads > 1)
         _same_bits(monkeypatch, q, k, v, dict(causal=True))
     finally:
         torch.set_num_threads(old)
+
+
+def test_gemm512_nan_outputs_stay_nan(monkeypatch):
+    """A NaN in a visible key's v, and an inf v at a key whose probability is exactly 0 (0 * inf
+    is the default NaN, of the other sign): every output row is NaN on both paths (which NaN is
+    not compared: see the module docstring), and the lse, which no NaN reaches, is the same bits."""
+    torch.manual_seed(0)
+    q = torch.full((1, 32, 1, 16), 1.0)
+    k = torch.randn(1, 192, 1, 16) * 0.1
+    v = torch.randn(1, 192, 1, 16)
+    v[0, 5] = float("nan")
+    k[0, 100] = -100.0
+    v[0, 100] = float("inf")
+    res = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("ATTN_EXT_CPU_GEMM512", mode)
+        res[mode] = attn_ext.attention(q, k, v, return_lse=True)
+    for name, a, b in zip(("out", "lse"), res["0"], res["1"]):
+        assert_same_bits(a, b, name)
+    assert res["1"][0].isnan().all() and not res["1"][1].isnan().any()

@@ -1,7 +1,8 @@
 // Bit check of the AVX-512 fp32 kernels (csrc/cpu/attention_microkernels_avx512.cpp) against the
 // AVX2 ones they stand in for: gemm_avx512 against gemm_avx2 and gemm_at_avx512 against
-// gemm_at_avx2, on the same inputs, every byte of C compared (the columns between N and ldc
-// too: neither may write there); then softmax / exp_sub / ds (below).
+// gemm_at_avx2, on the same inputs, every element of C compared (the columns between N and ldc
+// too: neither may write there); then softmax / exp_sub / ds (below). Bits are compared except
+// in NaN outputs, which must be NaN in both but may differ in sign and payload (same_bits).
 //
 //   g++ -O2 -std=c++20 -I csrc -I "$(python -c 'import torch, os; print(os.path.dirname(torch.__file__))')/include" \
 //       tools/gemm512_check.cpp csrc/cpu/attention_microkernels_avx2.cpp \
@@ -13,7 +14,8 @@
 // the score products) or transposed (a_row = 1, a_col = lda, the products over keys), strides
 // with slack; B at 0-48 bytes past a 64-byte boundary and ldb not a multiple of 16 (the packed
 // panels of gemm_at); accumulate or not; C with inf / NaN entries and special scales (-0, inf,
-// NaN, a denormal, 0) in some cases. Exits 1 on any byte that differs, 2 without AVX-512
+// NaN, a denormal, 0) and NaNs of several signs and payloads in some cases. Exits 1 on any
+// output that differs, 2 without AVX-512
 // (nothing to check).
 #include <algorithm>
 #include <cmath>
@@ -28,6 +30,29 @@
 #include "cpu/attention_microkernels.h"
 #include "cpu/cpu_features.h"
 #include "gemm_case.h"
+
+// a and b (n floats) hold the same bits, except that where one holds a NaN the other must hold a
+// NaN of any sign and payload: which NaN an FMA or add passes on depends on its operand order,
+// which the compiler picks (the AVX-512 FMAs take A's broadcast from memory as the multiplicand
+// the AVX2 ones take second).
+static bool same_bits(const float* a, const float* b, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (std::isnan(a[i]) || std::isnan(b[i])) {
+      if (!(std::isnan(a[i]) && std::isnan(b[i]))) return false;
+    } else if (std::memcmp(a + i, b + i, sizeof(float)) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// A quiet NaN with this sign and payload.
+static float nan_with(uint32_t payload, bool negative) {
+  const uint32_t bits = (negative ? 0xffc00000u : 0x7fc00000u) | (payload & 0x3fffffu);
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 int main(int argc, char** argv) {
   using namespace attn_ext::mk;
@@ -51,17 +76,20 @@ int main(int argc, char** argv) {
     std::vector<float> A(static_cast<size_t>(a_size)), c0, scale;
     for (float& x : A) x = uni(gen);
     fill_gemm_case(i, M, ldc, gen, uni, c0, scale);
-    if (i % 10 == 5) {  // non-finite inputs too
-      A[A.size() / 3] = NAN;
+    if (i % 10 == 5) {  // non-finite inputs too, NaNs of several signs and payloads
+      A[A.size() / 3] = nan_with(1, false);
       A[A.size() / 2] = INFINITY;
+      A[A.size() / 5] = nan_with(7, true);
+      c0[c0.size() / 3] = nan_with(3, false);
     }
     attn_ext::cpu_attn::AlignedVec<float> bbuf(static_cast<size_t>(std::max<int64_t>(K, 1) * ldb + b_off));
     for (float& x : bbuf) x = uni(gen);
+    if (i % 10 == 5) bbuf[bbuf.size() / 2] = nan_with(2, false);
     const float* B = bbuf.data() + b_off;
     std::vector<float> ref = c0, got = c0;
     gemm_avx2(M, N, K, A.data(), a_row, a_col, B, ldb, ref.data(), ldc, accumulate);
     gemm_avx512(M, N, K, A.data(), a_row, a_col, B, ldb, got.data(), ldc, accumulate);
-    if (std::memcmp(ref.data(), got.data(), ref.size() * sizeof(float)) != 0 && ++differ_gemm <= 5) {
+    if (!same_bits(ref.data(), got.data(), ref.size()) && ++differ_gemm <= 5) {
       std::printf("gemm differs: M %ld N %ld K %ld a_row %ld a_col %ld ldb %ld ldc %ld acc %d\n",
                   static_cast<long>(M), static_cast<long>(N), static_cast<long>(K),
                   static_cast<long>(a_row), static_cast<long>(a_col), static_cast<long>(ldb),
@@ -76,7 +104,7 @@ int main(int argc, char** argv) {
     got = c0;
     gemm_at_avx2(M, N, K, At.data(), at_col, B, ldb, ref.data(), ldc, use_scale ? scale.data() : nullptr);
     gemm_at_avx512(M, N, K, At.data(), at_col, B, ldb, got.data(), ldc, use_scale ? scale.data() : nullptr);
-    if (std::memcmp(ref.data(), got.data(), ref.size() * sizeof(float)) != 0 && ++differ_at <= 5) {
+    if (!same_bits(ref.data(), got.data(), ref.size()) && ++differ_at <= 5) {
       std::printf("gemm_at differs: M %ld N %ld K %ld a_col %ld ldb %ld ldc %ld B +%ld B scale %d\n",
                   static_cast<long>(M), static_cast<long>(N), static_cast<long>(K),
                   static_cast<long>(at_col), static_cast<long>(ldb), static_cast<long>(ldc),
@@ -101,26 +129,25 @@ int main(int argc, char** argv) {
       sub[c] = spread * uni(gen);
       dd[c] = uni(gen);
     }
-    if (i % 5 == 0) {  // a column hidden everywhere, a NaN score, a NaN row term
+    if (i % 5 == 0) {  // a column hidden everywhere, NaN scores, a NaN row term
       for (int64_t r = 0; r < rows; ++r) st[r * cols + cols - 1] = -INFINITY;
-      st[static_cast<size_t>(rows * cols) / 2] = NAN;
+      st[static_cast<size_t>(rows * cols) / 2] = nan_with(1, false);
+      st[static_cast<size_t>(rows * cols) / 3] = nan_with(2, true);
       dd[0] = NAN;
     }
     std::vector<float> st2 = st, m2 = m, l2 = l, a1(static_cast<size_t>(cols)), a2 = a1;
     softmax_avx2(st.data(), rows, cols, m.data(), l.data(), a1.data());
     softmax_avx512(st2.data(), rows, cols, m2.data(), l2.data(), a2.data());
-    bool same = std::memcmp(st.data(), st2.data(), st.size() * 4) == 0;
-    same = same && std::memcmp(m.data(), m2.data(), m.size() * 4) == 0 &&
-           std::memcmp(l.data(), l2.data(), l.size() * 4) == 0 &&
-           std::memcmp(a1.data(), a2.data(), a1.size() * 4) == 0;
+    bool same = same_bits(st.data(), st2.data(), st.size()) && same_bits(m.data(), m2.data(), m.size()) &&
+                same_bits(l.data(), l2.data(), l.size()) && same_bits(a1.data(), a2.data(), a1.size());
     std::vector<float> e1 = p, e2 = p;
     exp_sub_avx2(e1.data(), rows, cols, sub.data());
     exp_sub_avx512(e2.data(), rows, cols, sub.data());
-    same = same && std::memcmp(e1.data(), e2.data(), e1.size() * 4) == 0;
+    same = same && same_bits(e1.data(), e2.data(), e1.size());
     std::vector<float> d1 = st, d2 = st;  // dS from dP = the probabilities above
     ds_avx2(p.data(), d1.data(), rows, cols, dd.data());
     ds_avx512(p.data(), d2.data(), rows, cols, dd.data());
-    same = same && std::memcmp(d1.data(), d2.data(), d1.size() * 4) == 0;
+    same = same && same_bits(d1.data(), d2.data(), d1.size());
     if (!same && ++differ_softmax <= 5)
       std::printf("softmax steps differ: rows %ld cols %ld\n", static_cast<long>(rows), static_cast<long>(cols));
   }

@@ -263,6 +263,7 @@ void scores_bf16dp(int64_t M, int64_t N, int64_t D, const uint16_t* A, int64_t l
 // ---- the fp32 kernels on zmm registers (AVX-512F: attention_microkernels_avx512.cpp) ------
 // gemm_avx2 / gemm_at_avx2 with 16-float vectors and larger register tiles: every output is
 // the same FMA chain, so the same bits (tools/gemm512_check.cpp); the softmax steps likewise.
+// (A NaN output is NaN on both; its sign and payload may differ: the operand order.)
 // Used where
 // cpu::avx512_enabled() (AVX-512F/BW, not ATTN_EXT_CPU_AVX512=0) and ATTN_EXT_CPU_GEMM512=0 is
 // not set (read on every call: for A/B measurements; the bits do not depend on it).

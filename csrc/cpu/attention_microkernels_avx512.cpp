@@ -9,6 +9,10 @@
 // changes which outputs are computed together, never how one is rounded: the two paths give
 // the same bits (tools/gemm512_check.cpp; tests/test_gemm512.py on whole calls), and the
 // backward, which recomputes P = exp(s - lse) from the forward's exact scores, may run on either.
+// One exception: where two NaNs (or a NaN and an invalid operation) meet, which NaN comes out
+// (its sign and payload) follows the instruction's operand order, which the compiler picks
+// (here the FMAs take A's broadcast from memory as their other multiplicand); a NaN output is
+// a NaN on both paths.
 // What changes is the tile: MR rows x NV zmm vectors (16 columns each) of accumulators, 24 of
 // the 32 zmm registers where the shape allows (6 x 64, 8 x 48, 12 x 32 columns), the NV B
 // vectors and one broadcast besides. On a core with two 512-bit FMA units that is twice
