@@ -518,7 +518,9 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     the thread count (CPU), the device's properties and torch's deterministic flag (CUDA).
     ``dout``: the output gradient, when known (its alignment matters on CUDA). The answer
     holds for the current settings (``torch.set_num_threads``,
-    ``torch.use_deterministic_algorithms``) at the time of the call. ``print()`` it::
+    ``torch.use_deterministic_algorithms``, the ``ATTN_EXT_CPU_*`` switches) at the time of the
+    call; the C++ reads ``ATTN_EXT_CPU_SIMD`` and ``ATTN_EXT_CPU_AVX512`` once per process (at
+    the first kernel that asks), so set those before any attn_ext call. ``print()`` it::
 
         >>> print(attn_ext.explain(q, k, v, causal=True))
         attn_ext on cuda:0:
