@@ -84,7 +84,7 @@ ATTN_EXT_AVX512BF16 void dp_tile(int64_t pairs, int64_t chain_pairs, const uint1
     for (int m = 0; m < MR; ++m) {
 #pragma GCC unroll 2
       for (int j = 0; j < NV; ++j) {
-        const __mmask16 k = j == NV - 1 ? last : __mmask16(0xFFFF);
+        const __mmask16 k = lanes_of(j, NV, last);
         float* c = C + m * ldc + 16 * j;
         __m512 x = acc[m][j];
         if (!first) x = _mm512_add_ps(_mm512_maskz_loadu_ps(k, c), x);
@@ -101,11 +101,12 @@ ATTN_EXT_AVX512BF16 void dp_rows(int64_t N, int64_t pairs, int64_t chain_pairs,
                                  float scale, float* C, int64_t ldc) {
   int64_t n0 = 0;
   for (; n0 + 32 <= N; n0 += 32)
-    dp_tile<MR, 2>(pairs, chain_pairs, A, lda, B + n0, ldb, scale, C + n0, ldc, 0xFFFF);
+    dp_tile<MR, 2>(pairs, chain_pairs, A, lda, B + n0, ldb, scale, C + n0, ldc, lanes16(16));
   const int64_t rest = N - n0;  // 0, 8, 16 or 24
-  if (rest == 24) dp_tile<MR, 2>(pairs, chain_pairs, A, lda, B + n0, ldb, scale, C + n0, ldc, 0x00FF);
-  if (rest == 16) dp_tile<MR, 1>(pairs, chain_pairs, A, lda, B + n0, ldb, scale, C + n0, ldc, 0xFFFF);
-  if (rest == 8) dp_tile<MR, 1>(pairs, chain_pairs, A, lda, B + n0, ldb, scale, C + n0, ldc, 0x00FF);
+  if (rest > 16)
+    dp_tile<MR, 2>(pairs, chain_pairs, A, lda, B + n0, ldb, scale, C + n0, ldc, lanes16(rest - 16));
+  else if (rest > 0)
+    dp_tile<MR, 1>(pairs, chain_pairs, A, lda, B + n0, ldb, scale, C + n0, ldc, lanes16(rest));
 }
 
 }  // namespace

@@ -230,6 +230,17 @@ inline void transpose_rows(const T* src, int64_t lds, int64_t rows, int64_t cols
   transpose_rows_generic<T>(src, lds, rows, cols, scale, scaled, dst, ldd);
 }
 
+// ---- the zmm kernels' lane masks (attention_microkernels_avx512.cpp, attention_bf16dp.cpp) ---
+// The lanes of a 16-lane vector that hold columns [0, n): all 16 where n >= 16, else the low n
+// (the last vector of a row whose length is not a multiple of 16).
+constexpr uint16_t lanes16(int64_t n) {
+  return n >= 16 ? uint16_t(0xFFFF) : uint16_t((1u << (n > 0 ? n : 0)) - 1u);
+}
+// Vector v of a row of nv vectors whose last one holds the lanes `last`.
+constexpr uint16_t lanes_of(int v, int nv, uint16_t last) {
+  return v == nv - 1 ? last : uint16_t(0xFFFF);
+}
+
 // ---- bf16 scores by pairwise dot products (AVX512_BF16: attention_bf16dp.cpp) ----------
 // Whether vdpbf16ps may form bf16 scores: the CPU has AVX512_BF16 (and VL,
 // cpu::avx512bf16_enabled) and ATTN_EXT_CPU_BF16DP=0 is not set (read on every call: the

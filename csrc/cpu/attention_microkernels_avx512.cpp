@@ -52,12 +52,6 @@ namespace {
 template <int NV>
 constexpr int kRows = NV == 4 ? 6 : (NV == 3 ? 8 : 12);
 
-// Lanes of vector v of an NV-vector row: all, or `last` for the final one (N % 16 != 0).
-template <int NV>
-ATTN_AVX512 inline __mmask16 lanes(int v, __mmask16 last) {
-  return v == NV - 1 ? last : __mmask16(0xFFFF);
-}
-
 // One step t: acc[r][v] += A(r, t) * B(t, 16 v .. 16 v + 15), a at A(0, t), A(r, t) = a[r * a_row]
 // (broadcast), b at B's row t; the last vector's lanes outside `last` are loaded as 0 (and never
 // stored).
@@ -104,7 +98,7 @@ ATTN_AVX512 inline void tile512(int64_t K, const float* A, int64_t a_row, int64_
     for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
-        const __mmask16 k = lanes<NV>(v, last);
+        const __mmask16 k = lanes_of(v, NV, last);
         float* c = C + r * ldc + 16 * v;
         const __m512 x = add ? _mm512_add_ps(_mm512_maskz_loadu_ps(k, c), acc[r][v]) : acc[r][v];
         _mm512_mask_storeu_ps(c, k, x);
@@ -128,7 +122,7 @@ ATTN_AVX512 inline void at_tile512(int64_t K, const float* A, int64_t a_col, con
     const __m512 sr = scale != nullptr ? _mm512_set1_ps(scale[r]) : _mm512_setzero_ps();
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
-      const __mmask16 k = lanes<NV>(v, last);
+      const __mmask16 k = lanes_of(v, NV, last);
       float* cp = C + r * ldc + 16 * v;
       __m512 c = _mm512_maskz_loadu_ps(k, cp);
       if (scale != nullptr) {
@@ -198,12 +192,12 @@ ATTN_AVX512 void at_panel512(int64_t M, int64_t K, const float* A, int64_t a_col
 template <typename F>
 ATTN_AVX512 inline void for_panels512(int64_t N, F&& f) {
   const int64_t nvec = (N + 15) / 16;
-  const __mmask16 tail = N % 16 == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (N % 16)) - 1u);
+  const __mmask16 tail = lanes16(N - 16 * (nvec - 1));
   int64_t v0 = 0;
   while (v0 < nvec) {
     const int64_t left = nvec - v0;
     const int nv = left == 6 ? 3 : static_cast<int>(std::min<int64_t>(left, 4));
-    f(nv, 16 * v0, v0 + nv == nvec ? tail : __mmask16(0xFFFF));
+    f(nv, 16 * v0, v0 + nv == nvec ? tail : lanes16(16));
     v0 += nv;
   }
 }
@@ -236,7 +230,7 @@ ATTN_AVX512 void gemm_at_avx512(int64_t M, int64_t N, int64_t K, const float* A,
         const __m512 sm = _mm512_set1_ps(scale[m]);
         for_panels512(N, [&](int nv, int64_t n0, __mmask16 last) ATTN_AVX512 {
           for (int v = 0; v < nv; ++v) {
-            const __mmask16 k = v == nv - 1 ? last : __mmask16(0xFFFF);
+            const __mmask16 k = lanes_of(v, nv, last);
             float* c = C + m * ldc + n0 + 16 * v;
             _mm512_mask_storeu_ps(c, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, c), sm));
           }
@@ -254,7 +248,7 @@ ATTN_AVX512 void gemm_at_avx512(int64_t M, int64_t N, int64_t K, const float* A,
     if (pack) {
       for (int64_t t = 0; t < K; ++t) {
         for (int v = 0; v < nv; ++v) {
-          const __mmask16 k = v == nv - 1 ? last : __mmask16(0xFFFF);
+          const __mmask16 k = lanes_of(v, nv, last);
           _mm512_store_ps(panel + 64 * t + 16 * v, _mm512_maskz_loadu_ps(k, B + t * ldb + n + 16 * v));
         }
       }
@@ -278,7 +272,7 @@ ATTN_AVX512 void softmax_avx512(float* st, int64_t rows, int64_t cols, float* m,
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 log2e = _mm512_set1_ps(1.4426950408889634f);
   for (int64_t c = 0; c < cols; c += 16) {
-    const __mmask16 k = cols - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - c)) - 1u);
+    const __mmask16 k = lanes16(cols - c);
     auto ld = [&](const float* p) ATTN_AVX512 { return _mm512_maskz_loadu_ps(k, p); };
     // pass 1: running max of the 16 columns
     const __m512 m_old = ld(m + c);
@@ -323,7 +317,7 @@ ATTN_AVX512 void exp_sub_avx512(float* st, int64_t rows, int64_t cols, const flo
   for (int64_t r = 0; r < rows; ++r) {
     float* s = st + r * cols;
     for (int64_t c = 0; c < cols; c += 16) {
-      const __mmask16 k = cols - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - c)) - 1u);
+      const __mmask16 k = lanes16(cols - c);
       const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + c), _mm512_maskz_loadu_ps(k, sub + c));
       _mm512_mask_storeu_ps(s + c, k, cpu::exp2_ps512(_mm512_mul_ps(x, log2e)));
     }
@@ -335,7 +329,7 @@ ATTN_AVX512 void ds_avx512(const float* p, float* ds, int64_t rows, int64_t cols
     const float* pr = p + r * cols;
     float* dr = ds + r * cols;
     for (int64_t c = 0; c < cols; c += 16) {
-      const __mmask16 k = cols - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - c)) - 1u);
+      const __mmask16 k = lanes16(cols - c);
       const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, dr + c), _mm512_maskz_loadu_ps(k, d + c));
       _mm512_mask_storeu_ps(dr + c, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, pr + c), x));
     }

@@ -43,10 +43,7 @@ bool avx512_enabled() {
 
 bool intel_cpu() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("intel") != 0;
-  }();
+  static const bool ok = (__builtin_cpu_init(), __builtin_cpu_is("intel") != 0);
   return ok;
 #else
   return false;
