@@ -1,6 +1,7 @@
 """Benchmark attn_ext causal attention against PyTorch SDPA and the textbook reference.
 
     python benchmarks/bench_attention.py --device cpu [--quick] [--markdown] [--no-memory] [--limits PARTS]
+                                         [--shapes B,H,S,D ...] [--dtypes fp32 bf16 fp16] [--repeats N]
     python benchmarks/bench_attention.py --device cuda [bench_attention_cuda.py's options]
 
 `--device cuda` runs the GPU matrix of benchmarks/bench_attention_cuda.py (bf16 / fp16; ours
@@ -56,7 +57,7 @@ from _env import print_env_header  # noqa: E402
 
 SHAPES = [(1, 8, 512, 64), (1, 8, 1024, 64), (1, 16, 2048, 64), (1, 8, 4096, 128), (4, 12, 1024, 64)]
 QUICK_SHAPES = [(1, 4, 256, 64)]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The textbook holds B*H*S*S scores (several copies); skip it above this many score elements.
 TEXTBOOK_MAX_SCORES = 8 * 2048 * 2048
 
@@ -158,7 +159,7 @@ def validate(q, k, v, backward, dtype):
 
 def run_timing(args):
     rows = []
-    shapes = QUICK_SHAPES if args.quick else SHAPES
+    shapes = QUICK_SHAPES if args.quick else (args.shapes or SHAPES)
     dtypes = ["fp32"] if args.quick else args.dtypes
     roof = gemm_roof(torch.float32, args.device)
     print(f"# GEMM roof fp32: {roof:.1f} GFLOP/s (torch.matmul 2048^3)", flush=True)
@@ -313,6 +314,9 @@ def main():
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    ap.add_argument("--shapes", nargs="+", default=None,
+                    type=lambda x: tuple(int(v) for v in x.split(",")),
+                    help="B,H,S,D shapes to time instead of the default matrix (e.g. 1,8,512,64)")
     ap.add_argument("--no-memory", action="store_true", help="skip the S=16384/32768 memory runs")
     ap.add_argument("--limits", default="decode,layout,train,memory",
                     help="CPU: the parts of bench_cpu_limits.py to run after the table (decode "

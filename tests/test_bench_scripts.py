@@ -301,3 +301,18 @@ def test_bench_switch_ab_gemm512_smoke():
             rows = [line for line in res.stdout.splitlines()
                     if line.startswith(f"| 1, 2, 256, 32 | {layout} | {name} |")]
             assert len(rows) == 1, res.stdout
+
+
+def test_bench_attention_cpu_shapes_and_fp16():
+    """bench_attention.py --shapes times the shapes given instead of the matrix, and --dtypes
+    takes fp16 (the dtype comparison RESULTS.md quotes): one markdown row per dtype and pass."""
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_attention.py"),
+                          "--device", "cpu", "--shapes", "1,2,128,32", "--dtypes", "fp32", "fp16",
+                          "--repeats", "1", "--no-memory", "--limits", "", "--markdown"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("# commit: "), res.stdout[:300]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| fp")]
+    assert [r.split(" | ")[:3] for r in rows] == [
+        ["| fp32", "fwd", "(1, 2, 128, 32)"], ["| fp32", "fwd+bwd", "(1, 2, 128, 32)"],
+        ["| fp16", "fwd", "(1, 2, 128, 32)"], ["| fp16", "fwd+bwd", "(1, 2, 128, 32)"]], res.stdout
