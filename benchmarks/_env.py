@@ -5,16 +5,22 @@ so a number in RESULTS.md can be tied to the code and the settings that produced
     from _env import print_env_header   # (benchmarks/ is on sys.path for its scripts)
     print_env_header()                  # "# key: value" lines
     print_env_header(prefix="- ")       # markdown bullets
+
+and how the CPU benchmarks time methods against each other (interleaved_medians: one call of
+each method per round, the order changing from round to round).
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import platform
 import subprocess
 import sys
-from typing import Dict, List, Optional, Tuple
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,6 +168,52 @@ def print_env_header(device: str = "cpu", prefix: str = "# ", file=None) -> Dict
         print(f"{prefix}{k}: {v}", file=out)
     out.flush()
     return dict(rows)
+
+
+def round_orders(names: Sequence[str], rounds: int) -> List[List[str]]:
+    """The order in which `names` run in each of `rounds` timed rounds. A fixed order puts
+    every call of a method right after the same other method: at (1, 8, 512, 64) fwd+bwd on a
+    2-core VM, the method that always ran after the textbook reference (whose 70 MiB of fresh
+    pages and S x S buffers evict the caches) took 1.3-1.5x as long as when it ran after SDPA,
+    and that method was always ours (RESULTS.md, nineteenth session). So the rounds go through
+    the permutations of the methods in turn (all n! before any repeats, for n <= 4: over a whole
+    cycle each method runs first, and after each other method, equally often); for more
+    methods the order and its reverse alternate, rotated by one every two rounds."""
+    names = list(names)
+    if len(names) <= 4:
+        perms = [list(p) for p in itertools.permutations(names)]
+        return [perms[r % len(perms)] for r in range(rounds)]
+    out = []
+    for r in range(rounds):
+        k = (r // 2) % len(names)
+        order = names[k:] + names[:k]
+        out.append(order[::-1] if r % 2 else order)
+    return out
+
+
+def interleaved_medians(fns: Dict[str, Callable[[], object]], repeats: int,
+                        before: Optional[Callable[[], object]] = None, warmup: int = 1,
+                        time_call: Optional[Callable[[Callable[[], object]], float]] = None
+                        ) -> Dict[str, float]:
+    """Median seconds of each method over `repeats` rounds with one call of each per round, in
+    round_orders' order; `warmup` untimed calls of each first; before(), when given, runs
+    untimed before every timed call (e.g. a cache eviction); time_call(fn) -> seconds (default:
+    perf_counter around the call)."""
+    if time_call is None:
+        def time_call(fn):
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for order in round_orders(list(fns), repeats):
+        for name in order:
+            if before is not None:
+                before()
+            times[name].append(time_call(fns[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ import json
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -53,6 +52,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import attn_ext  # noqa: E402
 from attn_ext import reference  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+from _env import interleaved_medians as _env_interleaved  # noqa: E402
 from _env import print_env_header  # noqa: E402
 
 SHAPES = [(1, 8, 512, 64), (1, 8, 1024, 64), (1, 16, 2048, 64), (1, 8, 4096, 128), (4, 12, 1024, 64)]
@@ -81,15 +81,11 @@ def time_call(fn, device):
 
 
 def interleaved_medians(fns: dict, device, repeats, warmup=1):
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
+    """Medians over `repeats` rounds, one call of each method per round; the order changes
+    from round to round (_env.round_orders), so no method always follows the same one."""
     sync(device)
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            times[name].append(time_call(fn, device))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return _env_interleaved(fns, repeats, warmup=warmup,
+                            time_call=lambda fn: time_call(fn, device))
 
 
 def gemm_roof(dtype, device, n=2048, repeats=5):

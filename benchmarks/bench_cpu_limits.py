@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import attn_ext  # noqa: E402,F401
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
-from _env import print_env_header  # noqa: E402
+from _env import interleaved_medians, print_env_header  # noqa: E402
 
 DECODE = [  # (B, Sk, H, Hkv, D, dtype)
     (1, 512, 32, 8, 128, torch.float32),
@@ -53,19 +51,10 @@ MEMORY = (1, 8, 8192, 128)
 
 
 def interleaved(fns, repeats, before=None):
-    """Medians of `repeats` rounds, one call of each method per round; before(), when given,
-    runs untimed before every timed call."""
-    for f in fns.values():
-        f()  # warm-up
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            if before is not None:
-                before()
-            t = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Medians of `repeats` rounds, one call of each method per round, in an order that changes
+    from round to round (_env.round_orders); before(), when given, runs untimed before every
+    timed call."""
+    return interleaved_medians(fns, repeats, before=before)
 
 
 # --decode-caches cold: one read pass over 128 MiB (4x this machine's 32 MiB L3) before every

@@ -110,6 +110,37 @@ def test_env_allocator_mode_reports_the_knobs(monkeypatch):
     assert "expandable_segments:True" in env.allocator_mode("cuda")
 
 
+def test_env_round_orders_balance_the_neighbours():
+    """_env.round_orders: over a whole cycle of rounds every method runs first equally often and
+    right after each other method equally often (in the concatenated call sequence), so no
+    method always pays for the same predecessor; interleaved_medians times each method once per
+    round in that order, warm-up and before() included."""
+    from collections import Counter
+
+    env = _load("_env.py")
+    for names in (["a", "b"], ["a", "b", "c"], ["a", "b", "c", "d"]):
+        n = len(names)
+        cycle = 1
+        for i in range(2, n + 1):
+            cycle *= i
+        orders = env.round_orders(names, cycle)
+        assert sorted(map(tuple, orders)) == sorted(set(map(tuple, orders)))  # all distinct
+        assert all(sorted(o) == names for o in orders)
+        assert Counter(o[0] for o in orders) == {x: cycle // n for x in names}
+        seq = [x for o in orders for x in o]
+        pairs = Counter(zip(seq, seq[1:]))
+        for a in names:
+            after = [pairs[(b, a)] for b in names if b != a]
+            assert max(after) - min(after) <= 1, (names, a, after)
+    five = env.round_orders(list("abcde"), 10)
+    assert all(sorted(o) == list("abcde") for o in five) and len({tuple(o) for o in five}) == 10
+    calls = []
+    meds = env.interleaved_medians({"x": lambda: calls.append("x"), "y": lambda: calls.append("y")},
+                                   4, before=lambda: calls.append("-"))
+    assert calls == ["x", "y"] + ["-", "x", "-", "y", "-", "y", "-", "x"] * 2
+    assert set(meds) == {"x", "y"} and all(m >= 0 for m in meds.values())
+
+
 def test_bench_attention_cuda_times_interleaved():
     mod = _load("bench_attention_cuda.py")
     mod.DEVICE = "cpu"
