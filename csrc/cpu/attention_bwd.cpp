@@ -58,7 +58,7 @@ struct BwdScratch {
                                     // which blocks visit together)
   };
   Job jobs[kBwdJobs];
-  AlignedVec<acc_t> tmp;   // (max(D, Dv)): one converted row
+  AlignedVec<acc_t> tmp;   // (8 * max(Dp, Dvp)): converted rows (8 of out: the row terms)
   AlignedVec<acc_t> sc;    // (kBlockQ, kBlockK): scores in the decode kernel's layout (decode order)
   AlignedVec<acc_t> kdo;   // (kBlockK, Dp): the key tile's k rows in the decode kernel's element
                            // order where it is not natural (bf16: decode_detail::decode_pos);
@@ -80,7 +80,7 @@ struct BwdScratch {
         vb(static_cast<size_t>(kBlockK * Dvp), acc_t(0)),
         st(static_cast<size_t>(kBlockK * kBlockQ)),
         dpt(static_cast<size_t>(kBlockK * kBlockQ)),
-        tmp(static_cast<size_t>(std::max<int64_t>(std::max(D, Dv), 1))),
+        tmp(static_cast<size_t>(8 * std::max<int64_t>(std::max(Dp, Dvp), 8))),
         sc(decode_order ? static_cast<size_t>(kBlockQ * kBlockK) : 0),
         kdo(decode_pairs ? static_cast<size_t>(kBlockK * Dp) : 0),
         kvalid(kBlockK, 1),
@@ -184,34 +184,32 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
           qrow[d] * qscale;
     acc_t* drow = dor + ii * Dvp;
     convert_row(dh + ii * bp.dout_row_stride, Dv, drow);
-    convert_row(oh + ii * bp.o_row_stride, Dv, tmp);
     // Di in the order (and with the rounding) of the dP gemm's chains over d
     // (mk::gemm_chain_length), so that where out equals one key's v (a row whose probability
     // sits on that key) Di equals its dP bitwise and dS = P * (dP - Di) is 0 there, as in the
     // textbook.
-    acc_t di = 0;
     if (dpp != nullptr) {
       // pass 4's own chains (mk::scores_bf16dp: out's row against dout's pairs, one lane per
       // query column, the same vdpbf16ps per lane whatever its position)
       alignas(64) float c8[8];
       mk::scores_bf16dp(1, 8, Dv, reinterpret_cast<const uint16_t*>(oh + ii * bp.o_row_stride),
                         0, dpp + ii / 8 * 8, kBlockQ, 1.f, c8, 8);
-      di = c8[ii % 8];
-    } else if (fused_dp) {
-      const int64_t chain = mk::gemm_chain_length(Dv);
-      for (int64_t d0 = 0; d0 < Dv; d0 += chain) {
-        acc_t c = 0;
-        for (int64_t d = d0; d < std::min(Dv, d0 + chain); ++d) c = std::fma(tmp[d], drow[d], c);
-        di = d0 == 0 ? c : di + c;
-      }
+      blk[L.di + ii] = c8[ii % 8];
     } else {
-      for (int64_t d = 0; d < Dv; ++d) di += tmp[d] * drow[d];
+      // out's rows in tmp (8 rows at Dvp), their row terms 8 at a time (mk::row_dots: the
+      // chains side by side)
+      const int64_t g = ii % 8;
+      convert_row(oh + ii * bp.o_row_stride, Dv, tmp + g * Dvp);
+      if (g == 7 || ii == nq - 1) {
+        mk::row_dots<acc_t>(static_cast<int>(g + 1), Dv, tmp, Dvp, dor + (ii - g) * Dvp, Dvp,
+                            blk + L.di + (ii - g), fused_dp);
+      }
     }
-    // lse's gradient folds into the row term: dS = P * (dP - (Di - dlse_i))
-    blk[L.di + ii] = dlse != nullptr ? di - dlse[stat + ii] : di;
     const acc_t l = lse[stat + ii];
     blk[L.lse + ii] = l == neg_inf ? pos_inf : l;
   }
+  // lse's gradient folds into the row term: dS = P * (dP - (Di - dlse_i))
+  for (int64_t ii = 0; dlse != nullptr && ii < nq; ++ii) blk[L.di + ii] -= dlse[stat + ii];
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
     if (L.has_q_pairs()) pack_pairs(qh, p.q_row_stride, D, L.qp);
   }

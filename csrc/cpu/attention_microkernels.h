@@ -184,6 +184,32 @@ inline void transpose_rows_generic(const T* src, int64_t lds, int64_t rows, int6
   }
 }
 
+// out[r] = sum over d < len of a[r * lda + d] * b[r * ldb + d], rows r < n (n <= 8), rounded as
+// a gemm output of that depth: fused, FMA chains of gemm_chain_length(len) from zero added in
+// order (the AVX2 / AVX-512 gemms); not fused, one chain of products and adds (gemm_generic).
+// The backward's row term Di = rowsum(out * dout) must equal its dP gemm's output bitwise
+// (attention_bwd.cpp, pack_query_block): it asks this one rule.
+template <typename T>
+inline void row_dots_generic(int n, int64_t len, const T* a, int64_t lda, const T* b, int64_t ldb,
+                             T* out, bool fused) {
+  for (int r = 0; r < n; ++r) {
+    const T* x = a + r * lda;
+    const T* y = b + r * ldb;
+    T tot = 0;
+    if (fused) {
+      const int64_t chain = gemm_chain_length(len);
+      for (int64_t d0 = 0; d0 < len; d0 += chain) {
+        T c = 0;
+        for (int64_t d = d0; d < std::min(len, d0 + chain); ++d) c = std::fma(x[d], y[d], c);
+        tot = d0 == 0 ? c : tot + c;
+      }
+    } else {
+      for (int64_t d = 0; d < len; ++d) tot += x[d] * y[d];
+    }
+    out[r] = tot;
+  }
+}
+
 // ---- AVX2 implementations (attention_microkernels_avx2.cpp) --------------------------
 
 bool cpu_has_avx2_fma();  // AVX2 + FMA + F16C and not ATTN_EXT_CPU_SIMD=0 (cpu::simd_enabled)
@@ -211,6 +237,20 @@ void transpose_rows_avx2(const float* src, int64_t lds, int64_t rows, int64_t co
 // n bfloat16 / float16 values (raw bits) to float.
 void bf16_to_float_avx2(const uint16_t* src, int64_t n, float* dst);
 void half_to_float_avx2(const uint16_t* src, int64_t n, float* dst);
+
+// row_dots_generic's fused chains for up to 8 rows at once, the rows' chains interleaved (a
+// single chain waits on each FMA's latency; std::fma outside an FMA target is a libm call).
+void row_dots_fma_avx2(int n, int64_t len, const float* a, int64_t lda, const float* b,
+                       int64_t ldb, float* out);
+
+template <typename T>
+inline void row_dots(int n, int64_t len, const T* a, int64_t lda, const T* b, int64_t ldb, T* out,
+                     bool fused) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (fused && cpu_has_avx2_fma()) return row_dots_fma_avx2(n, len, a, lda, b, ldb, out);
+  }
+  row_dots_generic<T>(n, len, a, lda, b, ldb, out, fused);
+}
 
 template <typename T>
 inline void bias_rows(T* st, int64_t rows, int64_t n, int64_t ld, int64_t d0, T slope,

@@ -437,6 +437,43 @@ ATTN_AVX2 void half_to_float_avx2(const uint16_t* src, int64_t n, float* dst) {
   }
 }
 
+namespace {
+// N rows' chains side by side: one FMA of each row per step d, so N chains are in flight.
+template <int N>
+ATTN_AVX2 inline void row_dots_n(int64_t len, const float* a, int64_t lda, const float* b,
+                                 int64_t ldb, float* out) {
+  const int64_t chain = gemm_chain_length(len);
+  float tot[N] = {};
+  for (int64_t d0 = 0; d0 < len; d0 += chain) {
+    const int64_t d1 = std::min(len, d0 + chain);
+    float c[N] = {};
+    for (int64_t d = d0; d < d1; ++d) {
+#pragma GCC unroll 8
+      for (int r = 0; r < N; ++r) c[r] = __builtin_fmaf(a[r * lda + d], b[r * ldb + d], c[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < N; ++r) tot[r] = d0 == 0 ? c[r] : tot[r] + c[r];
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < N; ++r) out[r] = tot[r];
+}
+}  // namespace
+
+ATTN_AVX2 void row_dots_fma_avx2(int n, int64_t len, const float* a, int64_t lda, const float* b,
+                                 int64_t ldb, float* out) {
+  switch (n) {
+    case 8: return row_dots_n<8>(len, a, lda, b, ldb, out);
+    case 7: return row_dots_n<7>(len, a, lda, b, ldb, out);
+    case 6: return row_dots_n<6>(len, a, lda, b, ldb, out);
+    case 5: return row_dots_n<5>(len, a, lda, b, ldb, out);
+    case 4: return row_dots_n<4>(len, a, lda, b, ldb, out);
+    case 3: return row_dots_n<3>(len, a, lda, b, ldb, out);
+    case 2: return row_dots_n<2>(len, a, lda, b, ldb, out);
+    case 1: return row_dots_n<1>(len, a, lda, b, ldb, out);
+    default: return;
+  }
+}
+
 #else  // not x86-64 with GCC/Clang: the generic kernels are always used
 
 bool cpu_has_avx2_fma() { return false; }
@@ -453,6 +490,7 @@ void softcap_rows_avx2(float*, int64_t, int64_t, int64_t, float, float*) {}
 void bf16_to_float_avx2(const uint16_t*, int64_t, float*) {}
 void half_to_float_avx2(const uint16_t*, int64_t, float*) {}
 void transpose_rows_avx2(const float*, int64_t, int64_t, int64_t, float, bool, float*, int64_t) {}
+void row_dots_fma_avx2(int, int64_t, const float*, int64_t, const float*, int64_t, float*) {}
 
 #endif
 
