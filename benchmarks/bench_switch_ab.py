@@ -1,7 +1,7 @@
 """A/B of a CPU kernel switch read on every call, alternated call by call in one process: this
 machine's speed drifts by +-15 % between runs, so the values are only compared within a round.
 
-    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads|decode-pv512|bf16dp|gemm512]
+    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads|decode-pv512|bf16dp|gemm512|dp-tile16]
                                          [--repeats N]
                                          [--threads T] [--values A,B] [--quick]
 
@@ -25,6 +25,11 @@ dp_scores) and the tiled kernels' pass 1 (csrc/cpu/attention_bf16dp.cpp). The de
 backward at (1, 8, 4096, 128) and (1, 16, 2048, 64) (BSHD). Its two values sum in different
 orders, so their outputs are checked close (one bf16 rounding of out, 1e-4 of lse), not
 bitwise.
+
+--switch dp-tile16: ATTN_EXT_CPU_DP_TILE16, the decode kernel's bf16 scores by vdpbf16ps in tiles
+of 16 accumulators (1; 4 columns x 4 keys, reduced 16 at a time) or of 8 only (0)
+(csrc/cpu/attention_decode.h dp_scores_tile16; where the CPU has AVX512_BF16). The same rows as
+decode-quads (fp32: a control); the same bits.
 
 --switch gemm512: ATTN_EXT_CPU_GEMM512, the tiled kernels' fp32 gemms on zmm registers (1; where
 the CPU has AVX-512F/BW) or ymm (0) (csrc/cpu/attention_microkernels_avx512.cpp). Rows: the fp32
@@ -59,7 +64,8 @@ SWITCHES = {"bwd-jobs": ("ATTN_EXT_CPU_BWD_JOBS", "1,4", True),
             "decode-quads": ("ATTN_EXT_CPU_DECODE_QUADS", "0,1", True),
             "decode-pv512": ("ATTN_EXT_CPU_DECODE_PV512", "0,1", True),
             "bf16dp": ("ATTN_EXT_CPU_BF16DP", "0,1", False),
-            "gemm512": ("ATTN_EXT_CPU_GEMM512", "0,1", True)}
+            "gemm512": ("ATTN_EXT_CPU_GEMM512", "0,1", True),
+            "dp-tile16": ("ATTN_EXT_CPU_DP_TILE16", "0,1", True)}
 
 
 def table_header(title, lead, cells):
@@ -105,7 +111,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--values", default=None, help="values to alternate (bwd-jobs: 1,4; "
-                                                   "decode-quads / decode-pv512 / bf16dp: 0,1)")
+                                                   "decode-quads / decode-pv512 / bf16dp / gemm512 / dp-tile16: 0,1)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds (a smoke test)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

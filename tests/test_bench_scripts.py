@@ -302,7 +302,8 @@ def test_bench_switch_ab_smoke():
 
 @pytest.mark.parametrize("switch,var", [("decode-quads", "ATTN_EXT_CPU_DECODE_QUADS"),
                                         ("decode-pv512", "ATTN_EXT_CPU_DECODE_PV512"),
-                                        ("bf16dp", "ATTN_EXT_CPU_BF16DP")])
+                                        ("bf16dp", "ATTN_EXT_CPU_BF16DP"),
+                                        ("dp-tile16", "ATTN_EXT_CPU_DP_TILE16")])
 def test_bench_switch_ab_decode_quads_smoke(switch, var):
     """bench_switch_ab.py --switch decode-quads / decode-pv512 (the A/Bs RESULTS.md quotes)
     runs, checks both values' outputs bitwise equal, and prints a row per dtype."""

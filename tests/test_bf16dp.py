@@ -173,3 +173,35 @@ def test_bf16_pairs_for_one_product_only(monkeypatch, mode, D, Dv):
         q = torch.randn(2, S, 4, D).bfloat16()
         k, v = torch.randn(2, S, 2, D).bfloat16(), torch.randn(2, S, 2, Dv).bfloat16()
         _check(q, k, v, kw)
+
+
+@pytest.mark.skipif(not HAVE_DP, reason="no AVX512_BF16 on this CPU")
+@pytest.mark.parametrize("B,Sq,Sk,H,Hkv,D", [(1, 1, 300, 32, 8, 128),   # 4 columns: 4 x 4 tiles
+                                             (2, 1, 97, 8, 4, 64),      # 2 columns: 2 x 8
+                                             (1, 2, 51, 8, 2, 96),      # 8 columns, a masked step
+                                             (1, 1, 45, 6, 6, 128),     # MHA: no 16-tile
+                                             (3, 1, 200, 12, 4, 40)])   # 3 columns, D % 32 != 0
+def test_decode_dp_tile16_same_bits(monkeypatch, B, Sq, Sk, H, Hkv, D):
+    """The decode kernel's 16-accumulator score tiles (attention_decode.h dp_scores_tile16, reduced
+    16 at a time) give every score the addition tree of the 8-accumulator tiles: out, lse and
+    the gradients (the backward recomputes those scores) are bitwise those of
+    ATTN_EXT_CPU_DP_TILE16=0, with key counts that leave tails of every size, and match the
+    textbook."""
+    torch.manual_seed(B * 1000 + Sk)
+    q = torch.randn(B, Sq, H, D).bfloat16()
+    k = torch.randn(B, Sk, Hkv, D).bfloat16()
+    v = torch.randn(B, Sk, Hkv, D).bfloat16()
+    dout = torch.randn(B, Sq, H, D).bfloat16()
+    kw = dict(causal=True)
+    assert attn_ext.explain(q, k, v, **kw).forward == "cpu.decode"
+    monkeypatch.setenv("ATTN_EXT_CPU_DP_TILE16", "1")
+    on = _run(q, k, v, dout, kw)
+    monkeypatch.setenv("ATTN_EXT_CPU_DP_TILE16", "0")
+    off = _run(q, k, v, dout, kw)
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), on, off):
+        assert torch.equal(a.view(bits[a.dtype]), b.view(bits[b.dtype])), name
+    ref64 = _ref(q, k, v, dout, kw, torch.float64)
+    ref_low = _ref(q, k, v, dout, kw, torch.bfloat16)
+    for name, a, r, lo in zip(("out", "lse", "dq", "dk", "dv"), on, ref64, ref_low):
+        assert_close_rule(a.double(), r, lo.double(), name)

@@ -499,6 +499,10 @@ inline bool decode_pv512_enabled() {
 // whole call, never mixed in one. Its range is narrower: q . k is summed unscaled, so a score
 // overflows where |q . k| passes the fp32 maximum (3.4e38), where the widened path's bound is
 // |scale * q . k| (sqrt(D) times more); no attention input comes near either. Measured: RESULTS.md, seventeenth session.
+// ATTN_EXT_CPU_DP_TILE16=0: dp_scores without the 16-accumulator tiles (the same bits), for
+// A/B runs (bench_switch_ab.py --switch dp-tile16). Read on every call.
+inline bool dp_tile16_enabled() { return !cpu::env_is("ATTN_EXT_CPU_DP_TILE16", "0"); }
+
 ATTN_EXT_AVX512BF16 inline __m512bh dp_load(const c10::BFloat16* p, __mmask32 m) {
   return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
 }
@@ -551,6 +555,50 @@ ATTN_EXT_AVX512BF16 inline void dp_scores_tile(const c10::BFloat16* q, int64_t l
   for (int i = 0; i < NC * NK; ++i) s[(i % NC) * ld + i / NC] = t[i];
 }
 
+// [x0 + x1, x2 + x3, y0 + y1, y2 + y3] in each 128-bit lane: _mm256_hadd_ps's sums on 16 lanes.
+ATTN_EXT_AVX512BF16 inline __m512 dp_hadd(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+}
+
+// dp_scores_tile for NC columns x NK keys with NC * NK = 16 accumulators, reduced 16 at a time:
+// accumulator i's 16 lanes x become the sum ((y0 + y1) + (y2 + y3)) + ((y4 + y5) + (y6 + y7)),
+// y_j = x_j + x_(j + 8), the tree dp_fold and hsum8 give it in dp_scores_tile (so the same bits
+// whichever tile computes a score), in 45 shuffles and adds for 16 scores where the 8-accumulator
+// tile takes about as many for 8.
+template <int NC, int NK, int DC>
+ATTN_EXT_AVX512BF16 inline void dp_scores_tile16(const c10::BFloat16* q, int64_t ldq,
+                                                 const c10::BFloat16* k, int64_t ldk,
+                                                 int64_t D_, float scale, float* s, int64_t ld) {
+  static_assert(NC * NK == 16, "16 accumulators");
+  const int64_t D = DC ? DC : D_;
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) dp_step<NC, NK, false>(q, ldq, k, ldk, d, 0, a);
+  if (d < D) dp_step<NC, NK, true>(q, ldq, k, ldk, d, (__mmask32(1) << (D - d)) - 1, a);
+  // fold: z[i] = [y(2i) | y(2i + 1)], y(a) = lo256(a) + hi256(a) (lanes [0, 8) of a + [8, 16))
+  __m512 z[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  }
+  // 128-bit lane L of z[i] holds y(2i + L / 2)'s elements [4 (L % 2), 4 (L % 2) + 4)
+  __m512 w[4];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) w[i] = dp_hadd(z[2 * i], z[2 * i + 1]);
+  const __m512 v0 = dp_hadd(w[0], w[1]), v1 = dp_hadd(w[2], w[3]);
+  // lane L of v0: [acc 2c + L / 2 for c = 0, 1, 2, 3]'s half sums (L % 2: elements 4-7); v1:
+  // accumulators 8 + those. Add the halves: r = [0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15]
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
+  alignas(64) float t[16];
+  _mm512_store_ps(t, _mm512_mul_ps(r, _mm512_set1_ps(scale)));
+  constexpr int kAt[16] = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15};  // acc -> t
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) s[(i % NC) * ld + i / NC] = t[kAt[i]];
+}
+
 // NC columns against keys [0, nk): 8 / NC keys at a time, then one at a time.
 template <int NC, int DC>
 ATTN_EXT_AVX512BF16 inline void dp_scores_cols(const c10::BFloat16* q, int64_t ldq,
@@ -558,6 +606,12 @@ ATTN_EXT_AVX512BF16 inline void dp_scores_cols(const c10::BFloat16* q, int64_t l
                                                int64_t D, float scale, float* s, int64_t ld) {
   constexpr int NK = 8 / NC;
   int64_t r = 0;
+  if constexpr (NC >= 2) {  // (1 x 16 keys: 16 K vectors and 16 accumulators, too many registers)
+    if (dp_tile16_enabled()) {
+      for (; r + 2 * NK <= nk; r += 2 * NK)
+        dp_scores_tile16<NC, 2 * NK, DC>(q, ldq, k + r * ldk, ldk, D, scale, s + r, ld);
+    }
+  }
   for (; r + NK <= nk; r += NK)
     dp_scores_tile<NC, NK, DC>(q, ldq, k + r * ldk, ldk, D, scale, s + r, ld);
   for (; r < nk; ++r) dp_scores_tile<NC, 1, DC>(q, ldq, k + r * ldk, ldk, D, scale, s + r, ld);
