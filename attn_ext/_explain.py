@@ -211,18 +211,32 @@ def cpu_vendor() -> str:
 
 def cpu_bf16_scores(dtype: torch.dtype, even: bool = True, tiled: bool = False) -> Optional[str]:
     """How a bf16 call's scores are formed: "vdpbf16ps" or "widened" (to float32); None for other
-    dtypes. The decode kernel (attention_decode.h dp_scores; ``tiled=False``): vdpbf16ps where
-    cpu_avx512bf16_enabled() and ATTN_EXT_CPU_BF16DP is not 0 (mk::bf16dp_enabled). The tiled
-    kernels (csrc/cpu/attention_bf16dp.cpp; ``tiled=True``, where the product's depth is even:
-    ``even``): that, and ATTN_EXT_CPU_BF16DP=1 or, by default, a CPU that is not Intel's
-    (mk::bf16dp_tiled_enabled; cpu::intel_cpu)."""
+    dtypes. vdpbf16ps where cpu_avx512bf16_enabled(), ATTN_EXT_CPU_BF16DP is not 0, and
+    ATTN_EXT_CPU_BF16DP=1 or, by default, the CPU is not Intel's (mk::bf16dp_tiled_enabled;
+    cpu::intel_cpu): the rule of the decode kernel (attention_decode.h dp_scores;
+    ``tiled=False``) and of the tiled kernels (csrc/cpu/attention_bf16dp.cpp; ``tiled=True``,
+    where the product's depth is even: ``even``). (Until the nineteenth session the decode
+    kernel took the pairs on Intel CPUs too; ``tiled`` is kept for callers.)"""
     if dtype != torch.bfloat16:
         return None
     env = os.environ.get("ATTN_EXT_CPU_BF16DP")
     dp = even and cpu_avx512bf16_enabled() and env != "0"
-    if tiled and dp and env != "1":
+    if dp and env != "1":
         dp = cpu_vendor() != "GenuineIntel"
     return "vdpbf16ps" if dp else "widened"
+
+
+def cpu_decode_scores(dtype: torch.dtype) -> Optional[str]:
+    """The register width of the decode kernel's widened scores (attention_decode.h scores():
+    fp32 / fp16, and bf16 where cpu_bf16_scores says "widened"): "zmm" where
+    cpu_avx512_enabled() and ATTN_EXT_CPU_DECODE_SCORES512 is not 0
+    (decode_scores512_enabled; 2 or 4 columns at a time, one column on ymm), else "ymm"; None
+    where the scores are vdpbf16ps pairs."""
+    if cpu_bf16_scores(dtype) == "vdpbf16ps":
+        return None
+    if cpu_avx512_enabled() and os.environ.get("ATTN_EXT_CPU_DECODE_SCORES512") != "0":
+        return "zmm"
+    return "ymm"
 
 
 def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
@@ -247,7 +261,8 @@ def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (
     band_keys = int(seen[-1]) + 1 - int(seen[0]) if seen.numel() else 0
     n_chunks = min(n_chunks, max(1, band_keys // CPU_DECODE_MIN_CHUNK))
     return {"threads": threads, "columns_per_kv_head": s.Sq * group, "kv_heads": s.B * s.Hkv,
-            "n_chunks": n_chunks, "bf16_scores": cpu_bf16_scores(dtype)}
+            "n_chunks": n_chunks, "bf16_scores": cpu_bf16_scores(dtype),
+            "scores": cpu_decode_scores(dtype)}
 
 
 def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
@@ -273,6 +288,8 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
             "chunk order; float32 accumulation"
             + ("; bf16 scores by vdpbf16ps (AVX512_BF16; ATTN_EXT_CPU_BF16DP=0 widens "
                "them to float32 instead)" if decode["bf16_scores"] == "vdpbf16ps" else "")
+            + ("; scores of 2+ columns on zmm registers (ATTN_EXT_CPU_DECODE_SCORES512=0: ymm, "
+               "same bits)" if decode["scores"] == "zmm" else "")
             + " (ATTN_EXT_CPU_DECODE=0 turns it off)")
     elif plan["n_split"] > 1:
         fwd, why = "cpu.split_kv", (

@@ -1,7 +1,7 @@
 """A/B of a CPU kernel switch read on every call, alternated call by call in one process: this
 machine's speed drifts by +-15 % between runs, so the values are only compared within a round.
 
-    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads|decode-pv512|bf16dp|gemm512|dp-tile16]
+    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads|decode-pv512|decode-scores512|bf16dp|gemm512|dp-tile16]
                                          [--repeats N]
                                          [--threads T] [--values A,B] [--quick]
 
@@ -17,6 +17,11 @@ read per second.
 --switch decode-pv512: ATTN_EXT_CPU_DECODE_PV512, the decode kernel's PV product with AVX-512
 (1; where the CPU has AVX-512F/BW) or AVX2 (0) (csrc/cpu/attention_decode.h pv512). The same
 rows as decode-quads.
+
+--switch decode-scores512: ATTN_EXT_CPU_DECODE_SCORES512, the decode kernel's widened scores
+(fp32, fp16, and bf16 where they are not vdpbf16ps pairs) on zmm registers, two key groups per
+register (1; where the CPU has AVX-512F/BW) or on ymm (0) (csrc/cpu/attention_decode.h
+scores_cols512). The same rows as decode-quads; the same bits.
 
 --switch bf16dp: ATTN_EXT_CPU_BF16DP, bf16 scores by vdpbf16ps (1; where the CPU has
 AVX512_BF16) or widened to fp32 (0): the decode kernel's (csrc/cpu/attention_decode.h
@@ -63,6 +68,7 @@ DECODE_SHAPES = [(1, 4096, 32, 8), (4, 2048, 32, 8), (16, 2048, 32, 8), (1, 3276
 SWITCHES = {"bwd-jobs": ("ATTN_EXT_CPU_BWD_JOBS", "1,4", True),
             "decode-quads": ("ATTN_EXT_CPU_DECODE_QUADS", "0,1", True),
             "decode-pv512": ("ATTN_EXT_CPU_DECODE_PV512", "0,1", True),
+            "decode-scores512": ("ATTN_EXT_CPU_DECODE_SCORES512", "0,1", True),
             "bf16dp": ("ATTN_EXT_CPU_BF16DP", "0,1", False),
             "gemm512": ("ATTN_EXT_CPU_GEMM512", "0,1", True),
             "dp-tile16": ("ATTN_EXT_CPU_DP_TILE16", "0,1", True)}

@@ -260,3 +260,42 @@ def test_decode_bf16_dot_product_scores(monkeypatch, mode, B, Sq, Sk, H, Hkv, D,
             lses[m] = attn_ext.attention(q, k, v, return_lse=True)[1]
         assert not torch.equal(lses["1"], lses["0"])
         torch.testing.assert_close(lses["1"], lses["0"], rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(not __import__("attn_ext._explain").\
+                    _explain.cpu_avx512_enabled(), reason="no AVX-512F/BW on this CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,Sq,Sk,H,Hkv,D,kw", [
+    (1, 1, 1000, 32, 8, 128, dict(causal=True)),   # 4 columns: 4 x 2 (2-byte) or 2 x 4 tiles
+    (2, 1, 517, 8, 4, 64, dict(causal=True)),      # 2 columns
+    (1, 1, 300, 15, 5, 40, dict(causal=False)),    # 3 columns (2 + 1), D = 40: a tail chunk
+    (1, 2, 333, 8, 2, 72, dict(causal=True)),      # 8 columns (2 query rows), D = 72
+    (1, 1, 777, 10, 2, 128, dict(window=(300, 0))),  # 5 columns, a window: packed blocks
+    (1, 1, 200, 6, 6, 64, dict(causal=True)),      # MHA: one column, on ymm either way
+])
+def test_decode_zmm_scores_same_bits(monkeypatch, dtype, B, Sq, Sk, H, Hkv, D, kw):
+    """The decode kernel's scores on zmm registers (attention_decode.h scores_cols512: two key
+    groups in the two halves of each register, hsum8's tree on each half) give the bits of the
+    ymm scores (ATTN_EXT_CPU_DECODE_SCORES512=0): out, lse and the gradients (the backward
+    recomputes the decode order's scores with the same function) equal bitwise, bf16 widened
+    (ATTN_EXT_CPU_BF16DP=0), over column counts 1-8, head dims with and without a tail chunk,
+    keys read in place and packed blocks; and they match the reference. explain names the
+    register width."""
+    monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", "0")
+    torch.manual_seed(Sk + D)
+    q, k, v = _inputs(B, Sq, Sk, H, Hkv, D, D, dtype)
+    dout = torch.randn(B, Sq, H, D).to(dtype)
+    res = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("ATTN_EXT_CPU_DECODE_SCORES512", mode)
+        choice = attn_ext.explain(q, k, v, **kw)
+        assert choice.forward == "cpu.decode"
+        assert choice.details["scores"] == ("zmm" if mode == "1" else "ymm")
+        ts = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = attn_ext.attention(*ts, return_lse=True, **kw)
+        grads = torch.autograd.grad((out, lse), ts, (dout, torch.ones_like(lse)))
+        res[mode] = [out.detach(), lse.detach(), *grads]
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), res["1"], res["0"]):
+        assert torch.equal(a.view(bits[a.dtype]), b.view(bits[b.dtype])), name
+    _check(res["1"][0], res["1"][1], q, k, v, **kw)

@@ -419,16 +419,22 @@ def test_explain_refuses_non_tensors_like_attention():
 
 
 def test_explain_names_the_bf16_decode_scores(monkeypatch):
-    """details["bf16_scores"] of a bf16 decode: "vdpbf16ps" where the CPU has AVX512_BF16
-    (unless ATTN_EXT_CPU_BF16DP=0), else "widened"; None for other dtypes. It agrees
-    with what runs: the two paths' lse differ (by rounding) exactly when it says vdpbf16ps."""
+    """details["bf16_scores"] of a bf16 decode: "vdpbf16ps" where the CPU has AVX512_BF16 and
+    ATTN_EXT_CPU_BF16DP=1, or by default on a CPU that is not Intel's (the tiled kernels' rule,
+    mk::bf16dp_tiled_enabled), else "widened"; None for other dtypes. It agrees with what
+    runs: the default's lse is the widened path's bits exactly when it says widened, else the
+    pairs' (the two differ by rounding)."""
     from attn_ext._explain import cpu_avx512bf16_enabled, cpu_vendor
     torch.manual_seed(0)
+    intel = cpu_vendor() == "GenuineIntel"
     q = torch.randn(1, 1, 32, 128).bfloat16()
     k, v = torch.randn(1, 4096, 8, 128).bfloat16(), torch.randn(1, 4096, 8, 128).bfloat16()
     said, lse = {}, {}
-    for mode in ("1", "0"):
-        monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", mode)
+    for mode in ("1", "0", None):
+        if mode is None:
+            monkeypatch.delenv("ATTN_EXT_CPU_BF16DP", raising=False)
+        else:
+            monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", mode)
         choice = attn_ext.explain(q, k, v)
         assert choice.forward == "cpu.decode"
         said[mode] = choice.details["bf16_scores"]
@@ -436,11 +442,13 @@ def test_explain_names_the_bf16_decode_scores(monkeypatch):
         lse[mode] = attn_ext.attention(q, k, v, return_lse=True)[1]
     assert said["0"] == "widened"
     assert said["1"] == ("vdpbf16ps" if cpu_avx512bf16_enabled() else "widened")
+    assert said[None] == ("vdpbf16ps" if cpu_avx512bf16_enabled() and not intel else "widened")
     assert torch.equal(lse["1"], lse["0"]) == (said["1"] == "widened")
+    assert torch.equal(lse[None], lse["0"]) == (said[None] == "widened")
+    assert torch.equal(lse[None], lse["1"]) == (said[None] == said["1"])
     assert attn_ext.explain(q.float(), k.float(), v.float()).details["bf16_scores"] is None
     # the tiled kernels (csrc/cpu/attention_bf16dp.cpp): even head dims only; by default
     # (no switch) not on an Intel CPU (mk::bf16dp_tiled_enabled)
-    intel = cpu_vendor() == "GenuineIntel"
     for D in (64, 59):
         qq = torch.randn(1, 300, 4, D).bfloat16()
         kk = torch.randn(1, 300, 2, D).bfloat16()

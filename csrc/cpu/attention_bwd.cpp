@@ -376,7 +376,8 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
 #endif
       {
         const acc_t* kd = s.kdo.empty() ? s.kbp : s.kdo.data();  // bf16: load_key_tile's copy
-        decode_detail::scores(blk + L.qs, nq, Dp, kd, nk8, s.sc.data(), kBlockK);
+        decode_detail::scores(blk + L.qs, nq, Dp, kd, nk8, s.sc.data(), kBlockK, -1, false,
+                              decode_detail::decode_scores512_enabled());
       }
       for (int64_t r = 0; r < nk; ++r) {
         acc_t* row = s.st.data() + r * C;

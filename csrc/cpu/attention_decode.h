@@ -31,7 +31,8 @@
 // Extra memory: per thread one block of K/V and q; the chunk partials are
 // (B, chunks, Hkv, C, Dvp + 2) floats. ATen-free; AVX2+FMA(+F16C): callers check
 // decode_supported() and otherwise take the tiled kernel. Where the CPU also has AVX-512F/BW
-// (cpu::avx512_enabled), the PV product takes 16-float registers (pv512): the same bits.
+// (cpu::avx512_enabled), the PV product takes 16-float registers (pv512), and the scores of 2
+// or more columns two key groups per 16-float register (scores_cols512): the same bits.
 #pragma once
 
 #include <algorithm>
@@ -277,15 +278,117 @@ ATTN_EXT_AVX2 inline void scores_cols(const float* qs, int64_t Dp, const kT* kb,
   }
 }
 
+// ---- scores on zmm registers (AVX-512F/BW: where decode_scores512_enabled()) ----------------
+// scores_keys' 8 accumulators for two groups of keys at once: zmm accumulator i holds
+// scores_keys' accumulator i of keys [0, NK) in its low 8 lanes and of keys [NK, 2 NK) in its
+// high 8, so one zmm FMA does two ymm FMAs' work and every lane runs the ymm lane's chain (the
+// same products over the same chunks of d in the same order); the reduction applies hsum8's
+// tree to each half. So the same bits as scores_keys, with half the FMA instructions (on a core
+// with two 512-bit FMA units, twice the multiply-adds per cycle).
+
+// Chunk d (Part as load_part) of rows r0 (low half) and r1 (high half).
+template <typename T, int Part>
+ATTN_EXT_AVX512 inline __m512 load_part2(const T* r0, const T* r1, int64_t d) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && Part != 2) {
+    // the two rows' 16 raw elements side by side, then DecodeIO's shift / mask on 16 lanes
+    const int64_t at = Part == 0 ? d : d - 8;
+    const __m512i raw = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + at))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + at)), 1);
+    if constexpr (Part == 0) return _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    return _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int32_t(0xffff0000u))));
+  } else {
+    return _mm512_castpd_ps(_mm512_insertf64x4(
+        _mm512_castpd256_pd512(_mm256_castps_pd(load_part<T, Part>(r0, d))),
+        _mm256_castps_pd(load_part<T, Part>(r1, d)), 1));
+  }
+}
+
+// [x0 + x1, x2 + x3, y0 + y1, y2 + y3] in each 128-bit lane: _mm256_hadd_ps's sums on 16 lanes.
+ATTN_EXT_AVX512 inline __m512 hadd512(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+}
+
+template <typename kT, int NC, int NK, int Part>
+ATTN_EXT_AVX512 inline void scores_step512(const float* qs, int64_t Dp, const kT* k0, int64_t ldk,
+                                           int64_t d, __m512* a) {
+  __m512 kv[NK];
+#pragma GCC unroll 8
+  for (int r = 0; r < NK; ++r) kv[r] = load_part2<kT, Part>(k0 + r * ldk, k0 + (r + NK) * ldk, d);
+#pragma GCC unroll 4
+  for (int c = 0; c < NC; ++c) {
+    const __m512 q = _mm512_castpd_ps(
+        _mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(qs + c * Dp + d))));
+#pragma GCC unroll 8
+    for (int r = 0; r < NK; ++r) a[r * NC + c] = _mm512_fmadd_ps(q, kv[r], a[r * NC + c]);
+  }
+}
+
+// scores_keys<kT, NC, DC> for keys [0, 2 NK) of k0 (NK = 8 / NC, NC = 2 or 4).
+template <typename kT, int NC, int DC>
+ATTN_EXT_AVX512 inline void scores_keys512(const float* qs, int64_t Dp_, const kT* k0, int64_t ldk,
+                                           float* s, int64_t ld) {
+  constexpr int NK = 8 / NC;
+  const int64_t Dp = DC ? DC : Dp_;
+  const int64_t D16 = Dp / 16 * 16;
+  __m512 a[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d < D16; d += 16) {
+    scores_step512<kT, NC, NK, 0>(qs, Dp, k0, ldk, d, a);
+    scores_step512<kT, NC, NK, 1>(qs, Dp, k0, ldk, d + 8, a);
+  }
+  if (d < Dp) scores_step512<kT, NC, NK, 2>(qs, Dp, k0, ldk, d, a);
+  // hsum8 on each half: t = hadd pairs, u = hadd of those, then the 128-bit lanes' sums
+  const __m512 t0 = hadd512(a[0], a[1]), t1 = hadd512(a[2], a[3]);
+  const __m512 t2 = hadd512(a[4], a[5]), t3 = hadd512(a[6], a[7]);
+  const __m512 u0 = hadd512(t0, t1), u1 = hadd512(t2, t3);
+  // 128-bit lanes of u0: [acc 0-3 low keys: d-half 0 | d-half 1 | high keys: half 0 | half 1];
+  // lo = [u0.0, u0.2, u1.0, u1.2], hi = [u0.1, u0.3, u1.1, u1.3]: h = lo + hi =
+  // [acc 0-3 (low keys), acc 0-3 (high keys), acc 4-7 (low), acc 4-7 (high)]
+  const __m512 h = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
+  alignas(64) float t[16];
+  _mm512_store_ps(t, h);
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // accumulator i: column i % NC, key i / NC (+ NK: high half)
+    const int at = (i / 4) * 8 + i % 4;
+    s[(i % NC) * ld + i / NC] = t[at];
+    s[(i % NC) * ld + i / NC + NK] = t[at + 4];
+  }
+}
+
+template <typename kT, int NC, int DC>
+ATTN_EXT_AVX512 inline void scores_cols512(const float* qs, int64_t Dp, const kT* kb, int64_t nk8,
+                                           float* s, int64_t ld, int64_t ldk) {
+  static_assert(NC == 2 || NC == 4, "2 or 4 columns");
+  constexpr int NK = 8 / NC;
+  for (int64_t r0 = 0; r0 < nk8; r0 += 8) {
+    const kT* k0 = kb + r0 * ldk;
+#pragma GCC unroll 2
+    for (int g = 0; g < 8; g += 2 * NK)
+      scores_keys512<kT, NC, DC>(qs, Dp, k0 + g * ldk, ldk, s + r0 + g, ld);
+  }
+}
+
 // scores() for one row length: DC = Dp known at compile time (0: Dp at run time).
 template <typename kT, int DC>
 ATTN_EXT_AVX2 inline void scores_dc(const float* qs, int64_t C, int64_t Dp, const kT* kb,
-                                    int64_t nk8, float* s, int64_t ld, int64_t ldk, bool quads) {
+                                    int64_t nk8, float* s, int64_t ld, int64_t ldk, bool quads,
+                                    bool wide) {
   int64_t c0 = 0;
-  if (sizeof(kT) == 2 && quads)
-    for (; c0 + 4 <= C; c0 += 4) scores_cols<kT, 4, DC>(qs + c0 * Dp, Dp, kb, nk8, s + c0 * ld, ld, ldk);
+  if (sizeof(kT) == 2 && quads) {
+    for (; c0 + 4 <= C; c0 += 4) {
+      if (wide)
+        scores_cols512<kT, 4, DC>(qs + c0 * Dp, Dp, kb, nk8, s + c0 * ld, ld, ldk);
+      else
+        scores_cols<kT, 4, DC>(qs + c0 * Dp, Dp, kb, nk8, s + c0 * ld, ld, ldk);
+    }
+  }
   for (int64_t c = c0; c < C; c += 2) {
-    if (C - c >= 2)
+    if (C - c >= 2 && wide)
+      scores_cols512<kT, 2, DC>(qs + c * Dp, Dp, kb, nk8, s + c * ld, ld, ldk);
+    else if (C - c >= 2)
       scores_cols<kT, 2, DC>(qs + c * Dp, Dp, kb, nk8, s + c * ld, ld, ldk);
     else
       scores_cols<kT, 1, DC>(qs + c * Dp, Dp, kb, nk8, s + c * ld, ld, ldk);
@@ -306,10 +409,10 @@ ATTN_EXT_AVX2 inline void scores_dc(const float* qs, int64_t C, int64_t Dp, cons
 template <typename kT = float>
 ATTN_EXT_AVX2 inline void scores(const float* qs, int64_t C, int64_t Dp, const kT* kb,
                                  int64_t nk8, float* s, int64_t ld, int64_t ldk = -1,
-                                 bool quads = false) {
+                                 bool quads = false, bool wide = false) {
   if (ldk < 0) ldk = Dp;
   with_fixed_length(Dp, [&](auto dc) ATTN_EXT_AVX2 {
-    scores_dc<kT, decltype(dc)::value>(qs, C, Dp, kb, nk8, s, ld, ldk, quads);
+    scores_dc<kT, decltype(dc)::value>(qs, C, Dp, kb, nk8, s, ld, ldk, quads, wide);
   });
 }
 // o (C, Dvp) += p (C, nk; ld) vb (nk, Dvp), for the keys r with use[r] (others skipped, so a
@@ -484,6 +587,14 @@ inline bool decode_pv512_enabled() {
   return !cpu::env_is("ATTN_EXT_CPU_DECODE_PV512", "0");
 }
 
+// ATTN_EXT_CPU_DECODE_SCORES512=0: scores() on ymm registers only even where AVX-512 is there
+// (the same bits), for benchmarks comparing both (bench_switch_ab.py --switch decode-scores512).
+// Read once per decode call (the forward's and the backward's, each).
+inline bool decode_scores512_enabled() {
+  if (!cpu::avx512_enabled()) return false;
+  return !cpu::env_is("ATTN_EXT_CPU_DECODE_SCORES512", "0");
+}
+
 #if ATTN_EXT_HAVE_BF16DP_PATH
 // ---- bf16 scores by pairwise dot products (AVX512_BF16: where cpu::avx512bf16_enabled()) ----
 // vdpbf16ps multiplies bf16 pairs exactly and adds both products to an fp32 lane: 32 elements
@@ -634,15 +745,18 @@ ATTN_EXT_AVX512BF16 inline void dp_scores(const c10::BFloat16* q, int64_t ldq, i
 
 #endif  // ATTN_EXT_HAVE_BF16DP_PATH
 
-// Whether a decode call on scalar_t scores by dp_scores: bf16 and mk::bf16dp_enabled()
-// (AVX512_BF16, unless ATTN_EXT_CPU_BF16DP=0, which widens them to fp32 as before; the switch
-// the tiled kernels' rule, mk::bf16dp_tiled_enabled, starts from). The one rule the forward and the backward ask, once
-// per call each: the two must see the same value (the backward recomputes the forward's
-// scores bit for bit).
+// Whether a decode call on scalar_t scores by dp_scores: bf16 and mk::bf16dp_tiled_enabled(),
+// the tiled kernels' rule (AVX512_BF16, not ATTN_EXT_CPU_BF16DP=0, and ATTN_EXT_CPU_BF16DP=1 or
+// a CPU that is not Intel's). On the Intel Xeon of the nineteenth session, where vdpbf16ps runs
+// at half the fp32 zmm FMA rate, the widened scores on zmm (scores_cols512) took 0.85-0.95x the
+// pairs' time at issue 16's bf16 decode shapes, 1 and 2 threads (RESULTS.md); on the Zen 4 of
+// the seventeenth the pairs were the faster. The one rule the forward and the backward ask, once
+// per call each: the two must see the same value (the backward recomputes the forward's scores
+// bit for bit).
 template <typename scalar_t>
 inline bool decode_scores_by_pairs() {
   return ATTN_EXT_HAVE_BF16DP_PATH && std::is_same_v<scalar_t, c10::BFloat16> &&
-         mk::bf16dp_enabled();
+         mk::bf16dp_tiled_enabled();
 }
 
 // Rows of 64 and 128 take instances with the length fixed at compile time (with_fixed_length;
@@ -801,6 +915,7 @@ void attention_decode_kernel(const AttentionParams& p) {
   const bool kInPlace = p.D == Dp && p.Dv == Dvp && decode_in_place_enabled();
   const bool quads = decode_quads_enabled();
   const bool wide = decode_pv512_enabled();  // pv512 (the same bits)
+  const bool wide_scores = decode_scores512_enabled();  // scores_cols512 (the same bits)
   // bf16 scores by vdpbf16ps (dp_scores) for every block of the call, in place or not
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   const bool dp = decode_scores_by_pairs<scalar_t>();
@@ -969,7 +1084,7 @@ void attention_decode_kernel(const AttentionParams& p) {
               prefetch_next_group(kseq, hkv, Hkv, j0, kend, p.k_row_stride, p.k_head_stride, p.D);
             if (dp_block(hkv, j0 + r0, 8, w.s.data() + hkv * s_head + r0)) continue;
             scores(w.qs.data() + hkv * C * Dp, C, Dp, kh + (j0 + r0) * p.k_row_stride, 8,
-                   w.s.data() + hkv * s_head + r0, ks, p.k_row_stride, quads);
+                   w.s.data() + hkv * s_head + r0, ks, p.k_row_stride, quads, wide_scores);
           }
         }
       }
@@ -987,7 +1102,7 @@ void attention_decode_kernel(const AttentionParams& p) {
             std::fill(kbh + r * Dp, kbh + (r + 1) * Dp, 0.f);
           }
           scores(w.qs.data() + hkv * C * Dp, C, Dp, static_cast<const float*>(kbh), nk8, sh,
-                 ks);
+                 ks, -1, false, wide_scores);
         }
         if (masked) {
           for (int64_t c = 0; c < C; ++c)

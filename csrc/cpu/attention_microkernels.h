@@ -284,15 +284,16 @@ constexpr uint16_t lanes_of(int v, int nv, uint16_t last) {
 // ---- bf16 scores by pairwise dot products (AVX512_BF16: attention_bf16dp.cpp) ----------
 // Whether vdpbf16ps may form bf16 scores: the CPU has AVX512_BF16 (and VL,
 // cpu::avx512bf16_enabled) and ATTN_EXT_CPU_BF16DP=0 is not set (read on every call: the
-// forward and the backward of one call must see the same value). The decode kernel's rule
-// (decode_scores_by_pairs in attention_decode.h: memory-bound, so the pairs cost nothing).
+// forward and the backward of one call must see the same value).
 bool bf16dp_enabled();
-// The tiled kernels' (compute-bound) rule: bf16dp_enabled() and either ATTN_EXT_CPU_BF16DP=1,
+// The rule of the tiled kernels and of the decode kernel (decode_scores_by_pairs in
+// attention_decode.h): bf16dp_enabled() and either ATTN_EXT_CPU_BF16DP=1,
 // or (by default) a CPU that is not Intel's (cpu::intel_cpu: there vdpbf16ps multiplies at
 // half the fp32 zmm FMA's rate, and widening to fp32 for the zmm gemms was 1.26-1.33x faster
 // on the bf16 prefill forward and backward, RESULTS.md eighteenth session; on a Zen 4 the pairs
-// were 1.14-1.33x faster than widening). bf16_scores_by_pairs() is the one rule both kernels
-// ask.
+// were 1.14-1.33x faster than widening; the decode's widened scores on zmm were 0.85-0.95x the
+// pairs' time on that Xeon, nineteenth session). bf16_scores_by_pairs() is the one rule both
+// tiled kernels ask.
 bool bf16dp_tiled_enabled();
 inline bool bf16_scores_by_pairs(bool is_bf16, int64_t D) {
   return is_bf16 && D % 2 == 0 && bf16dp_tiled_enabled();
