@@ -324,7 +324,10 @@ ATTN_EXT_AVX512 inline void scores_step512(const float* qs, int64_t Dp, const kT
   }
 }
 
-// scores_keys<kT, NC, DC> for keys [0, 2 NK) of k0 (NK = 8 / NC, NC = 2 or 4).
+// scores_keys<kT, NC, DC> for keys [0, 2 NK) of k0 (NK = 8 / NC, NC = 2 or 4). Its d loop is
+// scores_keys' (whole 16-element chunks as Part 0 then 1, then the 8-element tail): the chains'
+// order, which the two must share for equal bits (a helper taking the step as a lambda kept the
+// zmm step out of line: GCC does not inline an AVX-512 lambda through an AVX2 template).
 template <typename kT, int NC, int DC>
 ATTN_EXT_AVX512 inline void scores_keys512(const float* qs, int64_t Dp_, const kT* k0, int64_t ldk,
                                            float* s, int64_t ld) {
