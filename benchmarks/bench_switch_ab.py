@@ -33,7 +33,8 @@ bitwise.
 
 --switch dp-tile16: ATTN_EXT_CPU_DP_TILE16, the decode kernel's bf16 scores by vdpbf16ps in tiles
 of 16 accumulators (1; 4 columns x 4 keys, reduced 16 at a time) or of 8 only (0)
-(csrc/cpu/attention_decode.h dp_scores_tile16; where the CPU has AVX512_BF16). The same rows as
+(csrc/cpu/attention_decode.h dp_scores_tile16; where the CPU has AVX512_BF16), with
+ATTN_EXT_CPU_BF16DP=1 set (the pairs, which Intel CPUs do not take by default). The same rows as
 decode-quads (fp32: a control); the same bits.
 
 --switch gemm512: ATTN_EXT_CPU_GEMM512, the tiled kernels' fp32 gemms on zmm registers (1; where
@@ -132,7 +133,15 @@ def main():
         elif args.switch == "gemm512":
             bench_fp32_prefill(var, values, repeats, args)
         else:
+            dp_old = os.environ.get("ATTN_EXT_CPU_BF16DP")
+            if args.switch == "dp-tile16":  # the pairs (on an Intel CPU not the default)
+                os.environ["ATTN_EXT_CPU_BF16DP"] = "1"
             bench_decode_quads(var, values, repeats, args, same_bits)
+            if args.switch == "dp-tile16":
+                if dp_old is None:
+                    os.environ.pop("ATTN_EXT_CPU_BF16DP")
+                else:
+                    os.environ["ATTN_EXT_CPU_BF16DP"] = dp_old
             if args.switch == "bf16dp":
                 bench_bf16_prefill(var, values, repeats, args)
     finally:

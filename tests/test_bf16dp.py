@@ -183,7 +183,8 @@ def test_bf16_pairs_for_one_product_only(monkeypatch, mode, D, Dv):
                                              (3, 1, 200, 12, 4, 40)])   # 3 columns, D % 32 != 0
 def test_decode_dp_tile16_same_bits(monkeypatch, B, Sq, Sk, H, Hkv, D):
     """The decode kernel's 16-accumulator score tiles (attention_decode.h dp_scores_tile16, reduced
-    16 at a time) give every score the addition tree of the 8-accumulator tiles: out, lse and
+    16 at a time; ATTN_EXT_CPU_BF16DP=1, the pairs forced) give every score the addition tree of
+    the 8-accumulator tiles: out, lse and
     the gradients (the backward recomputes those scores) are bitwise those of
     ATTN_EXT_CPU_DP_TILE16=0, with key counts that leave tails of every size, and match the
     textbook."""
@@ -193,7 +194,9 @@ def test_decode_dp_tile16_same_bits(monkeypatch, B, Sq, Sk, H, Hkv, D):
     v = torch.randn(B, Sk, Hkv, D).bfloat16()
     dout = torch.randn(B, Sq, H, D).bfloat16()
     kw = dict(causal=True)
-    assert attn_ext.explain(q, k, v, **kw).forward == "cpu.decode"
+    monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", "1")  # the pairs (on Intel CPUs, not the default)
+    choice = attn_ext.explain(q, k, v, **kw)
+    assert choice.forward == "cpu.decode" and choice.details["bf16_scores"] == "vdpbf16ps"
     monkeypatch.setenv("ATTN_EXT_CPU_DP_TILE16", "1")
     on = _run(q, k, v, dout, kw)
     monkeypatch.setenv("ATTN_EXT_CPU_DP_TILE16", "0")
