@@ -209,14 +209,12 @@ def cpu_vendor() -> str:
     return line.split(":", 1)[1].strip() if ":" in line else ""
 
 
-def cpu_bf16_scores(dtype: torch.dtype, even: bool = True, tiled: bool = False) -> Optional[str]:
+def cpu_bf16_scores(dtype: torch.dtype, even: bool = True) -> Optional[str]:
     """How a bf16 call's scores are formed: "vdpbf16ps" or "widened" (to float32); None for other
     dtypes. vdpbf16ps where cpu_avx512bf16_enabled(), ATTN_EXT_CPU_BF16DP is not 0, and
     ATTN_EXT_CPU_BF16DP=1 or, by default, the CPU is not Intel's (mk::bf16dp_tiled_enabled;
-    cpu::intel_cpu): the rule of the decode kernel (attention_decode.h dp_scores;
-    ``tiled=False``) and of the tiled kernels (csrc/cpu/attention_bf16dp.cpp; ``tiled=True``,
-    where the product's depth is even: ``even``). (Until the nineteenth session the decode
-    kernel took the pairs on Intel CPUs too; ``tiled`` is kept for callers.)"""
+    cpu::intel_cpu): the one rule of the decode kernel (attention_decode.h dp_scores) and of the
+    tiled kernels (csrc/cpu/attention_bf16dp.cpp, where the product's depth is even: ``even``)."""
     if dtype != torch.bfloat16:
         return None
     env = os.environ.get("ATTN_EXT_CPU_BF16DP")
@@ -307,7 +305,7 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
         plan["gemm"] = cpu_gemm(dtype)
         if plan["gemm"] == "avx512":
             why += "; fp32 gemms on AVX-512 zmm registers (ATTN_EXT_CPU_GEMM512=0: AVX2, same bits)"
-        plan["bf16_scores"] = cpu_bf16_scores(dtype, even=s.D % 2 == 0, tiled=True)
+        plan["bf16_scores"] = cpu_bf16_scores(dtype, even=s.D % 2 == 0)
         if plan["bf16_scores"] == "vdpbf16ps":
             why += "; bf16 scores by vdpbf16ps (AVX512_BF16; ATTN_EXT_CPU_BF16DP=0 widens them)"
     if s.B * s.Hkv >= threads or s.Sk <= CPU_BLOCK_K:

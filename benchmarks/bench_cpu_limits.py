@@ -50,13 +50,6 @@ LAYOUT = [(1, 16, 2048, 64), (1, 8, 4096, 128)]  # (B, H, S, D), causal fp32
 MEMORY = (1, 8, 8192, 128)
 
 
-def interleaved(fns, repeats, before=None):
-    """Medians of `repeats` rounds, one call of each method per round, in an order that changes
-    from round to round (_env.round_orders); before(), when given, runs untimed before every
-    timed call."""
-    return interleaved_medians(fns, repeats, before=before)
-
-
 # --decode-caches cold: one read pass over 128 MiB (4x this machine's 32 MiB L3) before every
 # timed decode call, so that each method (ours, SDPA, the roof's x.sum()) starts with K / V out
 # of the caches, as in a model's decode step, where the other layers' weights and caches pass
@@ -74,7 +67,7 @@ def evict_caches():
 
 def gemm_gflops():
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    t = interleaved({"mm": lambda: a @ b}, 5)["mm"]
+    t = interleaved_medians({"mm": lambda: a @ b}, 5)["mm"]
     return 2 * 2048**3 / t / 1e9
 
 
@@ -102,8 +95,9 @@ def part_decode(args):
         # the roof: one read pass over as many bytes as K + V (fp32 sum over bf16 is not a
         # read pass at bf16 speed, so the roof is measured on fp32 data of the same bytes)
         roof_x = torch.randn(byts // 4)
-        t = interleaved({"ours": ours, "sdpa": sdpa, "roof": lambda: roof_x.sum()}, args.repeats,
-                        before=evict_caches if args.decode_caches == "cold" else None)
+        t = interleaved_medians({"ours": ours, "sdpa": sdpa, "roof": lambda: roof_x.sum()},
+                                args.repeats,
+                                before=evict_caches if args.decode_caches == "cold" else None)
         roof = byts / t["roof"] / 1e9
         bw = byts / t["ours"] / 1e9
         dname = "fp32" if dt == torch.float32 else "bf16"
@@ -127,7 +121,7 @@ def part_layout(args):
         c = lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
         assert (a() - c().transpose(1, 2)).abs().max().item() < 1e-4
         assert (b() - c().transpose(1, 2)).abs().max().item() < 1e-4
-        t = interleaved({"bshd": a, "bhsd": b, "sdpa": c}, args.repeats)
+        t = interleaved_medians({"bshd": a, "bhsd": b, "sdpa": c}, args.repeats)
         fl = 2 * B * H * S * S * D
         print(f"| {B}, {H}, {S}, {D} | {t['bshd'] * 1e3:.1f} | {t['bhsd'] * 1e3:.1f} | "
               f"{t['bshd'] / t['bhsd']:.3f} | {t['sdpa'] * 1e3:.1f} | {t['sdpa'] / t['bshd']:.2f} | "
@@ -153,7 +147,7 @@ def part_train(args):
 
         for g1, g2 in zip(ours(), sdpa()):
             assert (g1 - g2).abs().max().item() < 1e-3
-        t = interleaved({"ours": ours, "sdpa": sdpa}, max(2, args.repeats // 2))
+        t = interleaved_medians({"ours": ours, "sdpa": sdpa}, max(2, args.repeats // 2))
         print(f"| {B}, {H}, {S}, {D} | {t['ours'] * 1e3:.0f} | {t['sdpa'] * 1e3:.0f} | "
               f"{t['sdpa'] / t['ours']:.2f} |")
 

@@ -69,6 +69,8 @@ struct BwdScratch {
   std::vector<uint64_t> words;  // (kBlockQ): dropout words of the pair's rows
   HeadRows<acc_t> hk, hv;  // the current kv head's converted k / v rows (head_rows_fit)
   int64_t head_rows_budget = kHeadRowsBytes;  // this call's per-worker share
+  bool decode_wide = false;  // decode-order scores on zmm (decode_scores512_enabled; per call)
+  bool dp_tile16 = true;     // dp_scores' 16-accumulator tiles (dp_tile16_enabled; per call)
   const acc_t* kbp = nullptr;  // the key tile's k rows (nk, Dp): in kb or hk
   const acc_t* vbp = nullptr;  // its v rows (nk, Dvp): in vb or hv
 
@@ -371,13 +373,14 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
         const auto* kh = static_cast<const c10::BFloat16*>(p.k) + b * p.k_batch_stride +
                          (h / (p.H / p.Hkv)) * p.k_head_stride + (sq.k0 + j0) * p.k_row_stride;
         decode_detail::dp_scores(qh, p.q_row_stride, nq, kh, p.k_row_stride, nk, D,
-                                 static_cast<float>(terms.scale), s.sc.data(), kBlockK);
+                                 static_cast<float>(terms.scale), s.sc.data(), kBlockK,
+                                 s.dp_tile16);
       } else
 #endif
       {
         const acc_t* kd = s.kdo.empty() ? s.kbp : s.kdo.data();  // bf16: load_key_tile's copy
         decode_detail::scores(blk + L.qs, nq, Dp, kd, nk8, s.sc.data(), kBlockK, -1, false,
-                              decode_detail::decode_scores512_enabled());
+                              s.decode_wide);
       }
       for (int64_t r = 0; r < nk; ++r) {
         acc_t* row = s.st.data() + r * C;
@@ -629,9 +632,18 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
 #endif
   const bool decode_pairs = decode_order && decode_detail::kDecodePairs<scalar_t> && !decode_dp;
   const int64_t rows_budget = head_rows_budget(num_threads());
+#if ATTN_EXT_HAVE_AVX2_PATH
+  // the decode kernel's switches, read once for the call (the forward read them once too)
+  const bool decode_wide = decode_order && decode_detail::decode_scores512_enabled();
+  const bool dp_tile16 = decode_detail::dp_tile16_enabled();
+#else
+  const bool decode_wide = false, dp_tile16 = true;
+#endif
   auto make_scratch = [&] {
     BwdScratch<acc_t> s(p.D, p.Dv, L.size, terms, decode_order, decode_pairs);
     s.head_rows_budget = rows_budget;
+    s.decode_wide = decode_wide;
+    s.dp_tile16 = dp_tile16;
     return s;
   };
 

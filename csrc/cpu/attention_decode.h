@@ -598,6 +598,11 @@ inline bool decode_scores512_enabled() {
   return !cpu::env_is("ATTN_EXT_CPU_DECODE_SCORES512", "0");
 }
 
+// ATTN_EXT_CPU_DP_TILE16=0: dp_scores without the 16-accumulator tiles (the same bits), for
+// A/B runs (bench_switch_ab.py --switch dp-tile16). Read once per decode call (the forward's
+// and the backward's, each) and passed to dp_scores.
+inline bool dp_tile16_enabled() { return !cpu::env_is("ATTN_EXT_CPU_DP_TILE16", "0"); }
+
 #if ATTN_EXT_HAVE_BF16DP_PATH
 // ---- bf16 scores by pairwise dot products (AVX512_BF16: where cpu::avx512bf16_enabled()) ----
 // vdpbf16ps multiplies bf16 pairs exactly and adds both products to an fp32 lane: 32 elements
@@ -613,10 +618,6 @@ inline bool decode_scores512_enabled() {
 // whole call, never mixed in one. Its range is narrower: q . k is summed unscaled, so a score
 // overflows where |q . k| passes the fp32 maximum (3.4e38), where the widened path's bound is
 // |scale * q . k| (sqrt(D) times more); no attention input comes near either. Measured: RESULTS.md, seventeenth session.
-// ATTN_EXT_CPU_DP_TILE16=0: dp_scores without the 16-accumulator tiles (the same bits), for
-// A/B runs (bench_switch_ab.py --switch dp-tile16). Read on every call.
-inline bool dp_tile16_enabled() { return !cpu::env_is("ATTN_EXT_CPU_DP_TILE16", "0"); }
-
 ATTN_EXT_AVX512BF16 inline __m512bh dp_load(const c10::BFloat16* p, __mmask32 m) {
   return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
 }
@@ -669,11 +670,6 @@ ATTN_EXT_AVX512BF16 inline void dp_scores_tile(const c10::BFloat16* q, int64_t l
   for (int i = 0; i < NC * NK; ++i) s[(i % NC) * ld + i / NC] = t[i];
 }
 
-// [x0 + x1, x2 + x3, y0 + y1, y2 + y3] in each 128-bit lane: _mm256_hadd_ps's sums on 16 lanes.
-ATTN_EXT_AVX512BF16 inline __m512 dp_hadd(__m512 x, __m512 y) {
-  return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
-}
-
 // dp_scores_tile for NC columns x NK keys with NC * NK = 16 accumulators, reduced 16 at a time:
 // accumulator i's 16 lanes x become the sum ((y0 + y1) + (y2 + y3)) + ((y4 + y5) + (y6 + y7)),
 // y_j = x_j + x_(j + 8), the tree dp_fold and hsum8 give it in dp_scores_tile (so the same bits
@@ -701,8 +697,8 @@ ATTN_EXT_AVX512BF16 inline void dp_scores_tile16(const c10::BFloat16* q, int64_t
   // 128-bit lane L of z[i] holds y(2i + L / 2)'s elements [4 (L % 2), 4 (L % 2) + 4)
   __m512 w[4];
 #pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) w[i] = dp_hadd(z[2 * i], z[2 * i + 1]);
-  const __m512 v0 = dp_hadd(w[0], w[1]), v1 = dp_hadd(w[2], w[3]);
+  for (int i = 0; i < 4; ++i) w[i] = hadd512(z[2 * i], z[2 * i + 1]);
+  const __m512 v0 = hadd512(w[0], w[1]), v1 = hadd512(w[2], w[3]);
   // lane L of v0: [acc 2c + L / 2 for c = 0, 1, 2, 3]'s half sums (L % 2: elements 4-7); v1:
   // accumulators 8 + those. Add the halves: r = [0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15]
   const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
@@ -717,11 +713,12 @@ ATTN_EXT_AVX512BF16 inline void dp_scores_tile16(const c10::BFloat16* q, int64_t
 template <int NC, int DC>
 ATTN_EXT_AVX512BF16 inline void dp_scores_cols(const c10::BFloat16* q, int64_t ldq,
                                                const c10::BFloat16* k, int64_t ldk, int64_t nk,
-                                               int64_t D, float scale, float* s, int64_t ld) {
+                                               int64_t D, float scale, float* s, int64_t ld,
+                                               bool tile16) {
   constexpr int NK = 8 / NC;
   int64_t r = 0;
   if constexpr (NC >= 2) {  // (1 x 16 keys: 16 K vectors and 16 accumulators, too many registers)
-    if (dp_tile16_enabled()) {
+    if (tile16) {
       for (; r + 2 * NK <= nk; r += 2 * NK)
         dp_scores_tile16<NC, 2 * NK, DC>(q, ldq, k + r * ldk, ldk, D, scale, s + r, ld);
     }
@@ -733,16 +730,21 @@ ATTN_EXT_AVX512BF16 inline void dp_scores_cols(const c10::BFloat16* q, int64_t l
 
 // s[c * ld + r] = scale * (q_c . k_r) for columns c < C (rows of q at stride ldq) and keys
 // r < nk (rows of k at stride ldk), bf16 rows of D elements in natural order, read where they
-// are. Column tiles of 4 (2 keys each), then 2 or 1 (MHA: 1 column x 8 keys).
+// are. Column tiles of 4 (2 keys each), then 2 or 1 (MHA: 1 column x 8 keys); of 4 x 4 and 2 x 8
+// first where tile16 (dp_tile16_enabled(): the same bits).
 ATTN_EXT_AVX512BF16 inline void dp_scores(const c10::BFloat16* q, int64_t ldq, int64_t C,
                                           const c10::BFloat16* k, int64_t ldk, int64_t nk,
-                                          int64_t D, float scale, float* s, int64_t ld) {
+                                          int64_t D, float scale, float* s, int64_t ld,
+                                          bool tile16) {
   with_fixed_length(D, [&](auto dc) ATTN_EXT_AVX512BF16 {
     constexpr int DC = decltype(dc)::value;
     int64_t c = 0;
-    for (; c + 4 <= C; c += 4) dp_scores_cols<4, DC>(q + c * ldq, ldq, k, ldk, nk, D, scale, s + c * ld, ld);
-    for (; c + 2 <= C; c += 2) dp_scores_cols<2, DC>(q + c * ldq, ldq, k, ldk, nk, D, scale, s + c * ld, ld);
-    for (; c < C; ++c) dp_scores_cols<1, DC>(q + c * ldq, ldq, k, ldk, nk, D, scale, s + c * ld, ld);
+    for (; c + 4 <= C; c += 4)
+      dp_scores_cols<4, DC>(q + c * ldq, ldq, k, ldk, nk, D, scale, s + c * ld, ld, tile16);
+    for (; c + 2 <= C; c += 2)
+      dp_scores_cols<2, DC>(q + c * ldq, ldq, k, ldk, nk, D, scale, s + c * ld, ld, tile16);
+    for (; c < C; ++c)
+      dp_scores_cols<1, DC>(q + c * ldq, ldq, k, ldk, nk, D, scale, s + c * ld, ld, tile16);
   });
 }
 
@@ -919,6 +921,7 @@ void attention_decode_kernel(const AttentionParams& p) {
   const bool quads = decode_quads_enabled();
   const bool wide = decode_pv512_enabled();  // pv512 (the same bits)
   const bool wide_scores = decode_scores512_enabled();  // scores_cols512 (the same bits)
+  [[maybe_unused]] const bool tile16 = dp_tile16_enabled();  // dp_scores_tile16 (same bits)
   // bf16 scores by vdpbf16ps (dp_scores) for every block of the call, in place or not
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   const bool dp = decode_scores_by_pairs<scalar_t>();
@@ -1019,7 +1022,7 @@ void attention_decode_kernel(const AttentionParams& p) {
         if (dp) {
           dp_scores(w.qb.data() + hkv * C * p.D, p.D, C,
                     kseq + hkv * p.k_head_stride + j0 * p.k_row_stride, p.k_row_stride, n, p.D,
-                    qscale, sc, w.ks);
+                    qscale, sc, w.ks, tile16);
           return true;
         }
       }
