@@ -8,7 +8,8 @@ BSHD layout vs BHSD views, forward+backward vs SDPA, and the backward's peak ext
 Every row is validated first (ours vs SDPA on the same inputs), then the methods are timed
 interleaved (one call of each per round) and medians are printed, with the roofs measured in
 the same run: the read bandwidth of one pass over a tensor the size of the decode's K + V
-(`x.sum()`), and the rate of one fp32 2048^3 `torch.matmul`.
+(`x.sum()`), and the rate of one fp32 2048^3 `torch.matmul`, timed as one more method in the
+prefill rows' rounds.
 
 Decode: q (B, 1, H, D), k/v (B, Sk, Hkv, D) contiguous (a KV cache in BSHD); SDPA reads the
 same memory through transpose(1, 2) views with enable_gqa. GB/s = bytes of K + V / time.
@@ -65,10 +66,16 @@ def evict_caches():
     _EVICT.sum()
 
 
-def gemm_gflops():
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    t = interleaved_medians({"mm": lambda: a @ b}, 5)["mm"]
-    return 2 * 2048**3 / t / 1e9
+# The GEMM roof of the prefill rows: one fp32 2048^3 matmul, timed as one more method in each
+# row's interleaved rounds, so that the roof and the kernels are medians over the same window
+# of this shared machine (a roof timed once before the rows moved 290-356 GFLOP/s from run to
+# run, and the "% roof" column with it: RESULTS.md, twentieth session).
+GEMM_N = 2048
+
+
+def gemm_method():
+    a, b = torch.randn(GEMM_N, GEMM_N), torch.randn(GEMM_N, GEMM_N)
+    return lambda: a @ b
 
 
 def part_decode(args):
@@ -108,10 +115,10 @@ def part_decode(args):
 
 def part_layout(args):
     print("\n## causal prefill forward fp32: BSHD vs BHSD views vs SDPA\n")
-    roof = gemm_gflops()
-    print(f"fp32 matmul 2048^3: {roof:.0f} GFLOP/s (same run)\n")
-    print("| B, H, S, D | ours BSHD ms | ours BHSD-view ms | BSHD / BHSD | SDPA (BHSD) ms | SDPA / ours BSHD | SDPA / ours BHSD | ours BSHD % roof |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("fp32 matmul 2048^3 (the GEMM roof) timed in the same interleaved rounds as each row\n")
+    print("| B, H, S, D | ours BSHD ms | ours BHSD-view ms | BSHD / BHSD | SDPA (BHSD) ms | SDPA / ours BSHD | SDPA / ours BHSD | matmul GFLOP/s | ours BSHD % roof | ours BHSD % roof |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    mm = gemm_method()
     for B, H, S, D in ([(1, 4, 512, 64)] if args.quick else LAYOUT):
         qs, ks, vs = (torch.randn(B, S, H, D) for _ in range(3))
         qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (qs, ks, vs))
@@ -121,11 +128,13 @@ def part_layout(args):
         c = lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
         assert (a() - c().transpose(1, 2)).abs().max().item() < 1e-4
         assert (b() - c().transpose(1, 2)).abs().max().item() < 1e-4
-        t = interleaved_medians({"bshd": a, "bhsd": b, "sdpa": c}, args.repeats)
+        t = interleaved_medians({"bshd": a, "bhsd": b, "sdpa": c, "mm": mm}, args.repeats)
         fl = 2 * B * H * S * S * D
+        roof = 2 * GEMM_N**3 / t["mm"] / 1e9
         print(f"| {B}, {H}, {S}, {D} | {t['bshd'] * 1e3:.1f} | {t['bhsd'] * 1e3:.1f} | "
               f"{t['bshd'] / t['bhsd']:.3f} | {t['sdpa'] * 1e3:.1f} | {t['sdpa'] / t['bshd']:.2f} | "
-              f"{t['sdpa'] / t['bhsd']:.2f} | {100 * fl / t['bshd'] / 1e9 / roof:.0f} % |")
+              f"{t['sdpa'] / t['bhsd']:.2f} | {roof:.0f} | {100 * fl / t['bshd'] / 1e9 / roof:.0f} % | "
+              f"{100 * fl / t['bhsd'] / 1e9 / roof:.0f} % |")
 
 
 def part_train(args):
