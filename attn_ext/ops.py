@@ -953,17 +953,30 @@ def _attention_forward_fake(q, k, v, causal, scale=None, window_left=-1, window_
     return out, lse
 
 
+def _grad_layout_is_bhsd(x):
+    """Whether the CPU backward returns the gradient of input x (B, S, H, D) in x's own memory
+    layout: x is the transpose(1, 2) view of a contiguous (B, H, S, D) tensor (SDPA's layout).
+    Then the gradient is the same kind of view, which autograd gives to the (B, H, S, D) leaf
+    without a copy; every other gradient is BSHD contiguous. The rule of grad_layout in
+    csrc/cpu/attention_bwd.cpp (the CUDA backward's gradients are always contiguous)."""
+    return (x.device.type == "cpu" and x.dim() == 4 and x.shape[1] > 1 and x.shape[2] > 1
+            and x.stride(3) == 1 and x.stride(1) == x.shape[3]
+            and x.stride(2) == x.shape[1] * x.shape[3])
+
+
+def _grad_like(x):
+    if _grad_layout_is_bhsd(x):
+        B, S, H, D = x.shape
+        return x.new_empty((B, H, S, D)).transpose(1, 2)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def _grads_like(q, k, v, rel_bias):
     drel_bias = (
         q.new_empty((0,), dtype=_lse_dtype(q.dtype)) if rel_bias is None
         else torch.empty_like(rel_bias, memory_format=torch.contiguous_format)
     )
-    return (
-        torch.empty_like(q, memory_format=torch.contiguous_format),
-        torch.empty_like(k, memory_format=torch.contiguous_format),
-        torch.empty_like(v, memory_format=torch.contiguous_format),
-        drel_bias,
-    )
+    return _grad_like(q), _grad_like(k), _grad_like(v), drel_bias
 
 
 @torch.library.register_fake("attn_ext::attention_backward_rel_bias")

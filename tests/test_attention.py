@@ -319,6 +319,60 @@ def test_opcheck(shape, causal, device):
                                                            v.detach(), out, lse, causal, None))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("Hkv", [2, 1], ids=["gqa", "mqa"])
+def test_gradient_layout_of_bhsd_views(Hkv, dtype, device):
+    """q / k / v passed as transpose(1, 2) views of contiguous (B, H, S, D) tensors: on CPU
+    each gradient is returned in its input's (B, H, S, D) memory layout (so autograd hands it
+    to a BHSD leaf without a transpose copy), with the bits of the BSHD-contiguous call; every
+    other input (BSHD, a single head, CUDA) gets BSHD-contiguous gradients. opcheck checks that
+    the fake tensors' strides agree."""
+    B, S, H, D, Dv = 2, 37, 4, 16, 24
+    q, k, v = make_qkv(B, S, S, H, Hkv, D, Dv, dtype, device, "transposed")
+    ops = torch.ops.attn_ext
+    out, lse = ops.attention_forward(q, k, v, True, None)
+    dout = randn(*out.shape, dtype=dtype, device=device)
+    grads = ops.attention_backward(dout, q, k, v, out, lse, True, None)
+    contig = ops.attention_backward(dout, q.contiguous(), k.contiguous(), v.contiguous(), out,
+                                    lse, True, None)
+    for x, g, c in zip((q, k, v), grads, contig):
+        assert g.shape == x.shape and c.is_contiguous()
+        assert torch.equal(g, c)
+        heads = x.shape[2]
+        if device == "cpu" and heads > 1:
+            assert g.transpose(1, 2).is_contiguous() and not g.is_contiguous(), g.stride()
+        else:
+            assert g.is_contiguous(), g.stride()
+    # q as a BHSD view, k / v BSHD contiguous: each gradient follows its own input
+    mixed = ops.attention_backward(dout, q, k.contiguous(), v.contiguous(), out, lse, True, None)
+    assert mixed[1].is_contiguous() and mixed[2].is_contiguous()
+    assert mixed[0].is_contiguous() == (device != "cpu")
+    if dtype == torch.float32:
+        torch.library.opcheck(ops.attention_backward.default, (dout, q, k, v, out, lse, True, None))
+        torch.library.opcheck(ops.attention_backward.default,
+                              (dout, q, k.contiguous(), v.contiguous(), out, lse, True, None))
+
+
+def test_bhsd_leaf_gradients_are_not_copied():
+    """Autograd through BHSD leaves passed as views: the backward's gradients reach the leaves
+    without a copy into their layout (no aten::copy_ in the backward; before the CPU backward
+    returned gradients in its inputs' layout there were three, one per gradient)."""
+    leaves = [randn(1, h, 64, 32).requires_grad_() for h in (4, 2, 2)]  # (B, H, S, D)
+    out = attn_ext.attention(*(x.transpose(1, 2) for x in leaves), causal=True)
+    dout = randn(*out.shape)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out.backward(dout)
+    names = [e.name for e in prof.events()]
+    assert "attn_ext::attention_backward_rel_bias" in names
+    assert "aten::copy_" not in names, [n for n in names if n.startswith("aten::")]
+    want = torch.ops.attn_ext.attention_backward(
+        dout, *(x.detach().transpose(1, 2).contiguous() for x in leaves),
+        *torch.ops.attn_ext.attention_forward(*(x.detach().transpose(1, 2) for x in leaves), True,
+                                              None), True, None)
+    for leaf, g in zip(leaves, want):
+        assert leaf.grad.is_contiguous() and torch.equal(leaf.grad, g.transpose(1, 2))
+
+
 @pytest.mark.parametrize(
     "shape,causal",
     [

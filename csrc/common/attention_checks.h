@@ -147,9 +147,16 @@ inline AttentionBwdParams make_attention_bwd_params(
   bp.o_row_stride = out.stride(1);
   bp.o_head_stride = out.stride(2);
   bp.dlse = nullptr;
-  bp.dq_batch_stride = s.Sq * s.H * s.D;
-  bp.dk_batch_stride = s.Sk * s.Hkv * s.D;
-  bp.dv_batch_stride = s.Sk * s.Hkv * s.Dv;
+  // (B, S, H, D) gradients, or (T, H, D) of packed sequences (batch strides set there)
+  auto strides = [](const Tensor& g, int64_t& batch, int64_t& row, int64_t& head) {
+    const int64_t n = g.dim();
+    batch = n == 4 ? g.stride(0) : 0;
+    row = g.stride(n - 3);
+    head = g.stride(n - 2);
+  };
+  strides(dq, bp.dq_batch_stride, bp.dq_row_stride, bp.dq_head_stride);
+  strides(dk, bp.dk_batch_stride, bp.dk_row_stride, bp.dk_head_stride);
+  strides(dv, bp.dv_batch_stride, bp.dv_row_stride, bp.dv_head_stride);
   bp.dq = dq.data_ptr();
   bp.dk = dk.data_ptr();
   bp.dv = dv.data_ptr();

@@ -45,8 +45,11 @@ struct AttentionParams {
   }
 };
 
-// Backward: dq (B, Sq, H, D), dk (B, Sk, Hkv, D), dv (B, Sk, Hkv, Dv), all contiguous, from
-// dout and out (B, Sq, H, Dv) and the forward's lse (B, H, Sq), plus the forward's inputs.
+// Backward: dq (B, Sq, H, D), dk (B, Sk, Hkv, D), dv (B, Sk, Hkv, Dv) from dout and out
+// (B, Sq, H, Dv) and the forward's lse (B, H, Sq), plus the forward's inputs. The gradients'
+// last dims are contiguous; their rows and heads are at the strides below (BSHD contiguous, or
+// on CPU the BHSD memory of an input passed as a transpose view: grad_layout in
+// cpu/attention_bwd.cpp).
 struct AttentionBwdParams {
   AttentionParams fwd;  // q, k, v, sizes, strides, scale, causal (fwd.out / fwd.lse unused)
   const void* dout;
@@ -55,11 +58,13 @@ struct AttentionBwdParams {
   const void* dlse;  // gradient of lse, laid out as lse, or nullptr (zero)
   int64_t dout_batch_stride, dout_row_stride, dout_head_stride;
   int64_t o_batch_stride, o_row_stride, o_head_stride;
-  // Gradients are contiguous; batch strides are 0 when packed (rows then from cu_seqlens).
+  // Batch strides are 0 when packed (rows then from cu_seqlens).
   int64_t dq_batch_stride, dk_batch_stride, dv_batch_stride;
-  void* dq;  // (B, Sq, H, D) contiguous
-  void* dk;  // (B, Sk, Hkv, D) contiguous
-  void* dv;  // (B, Sk, Hkv, Dv) contiguous
+  int64_t dq_row_stride, dk_row_stride, dv_row_stride;
+  int64_t dq_head_stride, dk_head_stride, dv_head_stride;
+  void* dq;  // (B, Sq, H, D)
+  void* dk;  // (B, Sk, Hkv, D)
+  void* dv;  // (B, Sk, Hkv, Dv)
   void* drel_bias;  // (H, 2M + 1) contiguous, accumulation type; nullptr without rel_bias
 };
 

@@ -580,7 +580,8 @@ void write_dq(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64_
   auto* dq = static_cast<scalar_t*>(bp.dq);
   const acc_t scale = static_cast<acc_t>(p.scale);
   for (int64_t ii = 0; ii < nq; ++ii) {
-    scalar_t* dst = dq + b * bp.dq_batch_stride + ((sq.q0 + i0 + ii) * p.H + h) * p.D;
+    scalar_t* dst = dq + b * bp.dq_batch_stride + (sq.q0 + i0 + ii) * bp.dq_row_stride +
+                    h * bp.dq_head_stride;
     for (int64_t d = 0; d < p.D; ++d) dst[d] = static_cast<scalar_t>(dqt[ii * Dp + d] * scale);
   }
 }
@@ -656,8 +657,10 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       auto* dk = reinterpret_cast<acc_t*>(bp.dk);
       auto* dv = reinterpret_cast<acc_t*>(bp.dv);
       const int64_t j = sq.k0 + j0;
-      return {dk + b * bp.dk_batch_stride + (j * p.Hkv + hkv) * p.D, p.Hkv * p.D,
-              dv + b * bp.dv_batch_stride + (j * p.Hkv + hkv) * p.Dv, p.Hkv * p.Dv, nullptr};
+      return {dk + b * bp.dk_batch_stride + j * bp.dk_row_stride + hkv * bp.dk_head_stride,
+              bp.dk_row_stride,
+              dv + b * bp.dv_batch_stride + j * bp.dv_row_stride + hkv * bp.dv_head_stride,
+              bp.dv_row_stride, nullptr};
     }
     acc_t* base = kv_buf.data() + (b * p.Hkv + hkv) * p.Sk * (Dp + Dvp);
     return {base + j0 * Dp, Dp, base + p.Sk * Dp + j0 * Dvp, Dvp, nullptr};
@@ -830,8 +833,10 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     const SeqInfo sq = vis.seq(b);
     const KeyAcc<acc_t> a = key_acc(b, hkv, sq, 0);
     for (int64_t j = 0; j < sq.Sk; ++j) {
-      scalar_t* dkr = dk + b * bp.dk_batch_stride + ((sq.k0 + j) * p.Hkv + hkv) * p.D;
-      scalar_t* dvr = dv + b * bp.dv_batch_stride + ((sq.k0 + j) * p.Hkv + hkv) * p.Dv;
+      scalar_t* dkr = dk + b * bp.dk_batch_stride + (sq.k0 + j) * bp.dk_row_stride +
+                      hkv * bp.dk_head_stride;
+      scalar_t* dvr = dv + b * bp.dv_batch_stride + (sq.k0 + j) * bp.dv_row_stride +
+                      hkv * bp.dv_head_stride;
       const acc_t* ks = a.dkt + j * a.ldk;
       const acc_t* vs = a.dvt + j * a.ldv;
       for (int64_t d = 0; d < p.D; ++d) dkr[d] = static_cast<scalar_t>(ks[d] * scale);
@@ -842,6 +847,27 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
 }
 
 using BwdResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+// The gradient of input x (B, S, H, D) (sizes): BSHD contiguous, except when x is the
+// transpose(1, 2) view of a contiguous (B, H, S, D) tensor (SDPA's layout, read by the forward
+// through strides): then the gradient has that layout too, the same (B, H, S, D) memory seen
+// through the same view. Autograd then hands it to the (B, H, S, D) leaf as it is, where a BSHD
+// gradient would be copied into the leaf's layout (4 % of a fwd + bwd at (1, 16, 2048, 64):
+// RESULTS.md, twentieth session). The rule is _grad_layout_is_bhsd in attn_ext/ops.py (the fake
+// tensors' strides must match).
+bool is_bhsd_view(const Tensor& x) {
+  return x.dim() == 4 && x.size(1) > 1 && x.size(2) > 1 && x.stride(3) == 1 &&
+         x.stride(1) == x.size(3) && x.stride(2) == x.size(1) * x.size(3);
+}
+
+Tensor grad_layout(const Tensor& x, const Tensor& like, const std::vector<int64_t>& sizes,
+                   bool zeros) {
+  const ScalarType dt = like.scalar_type();
+  if (!is_bhsd_view(x)) return zeros ? alloc_zeros(like, sizes, dt) : alloc(like, sizes, dt);
+  const std::vector<int64_t> bhsd{sizes[0], sizes[2], sizes[1], sizes[3]};
+  const Tensor g = zeros ? alloc_zeros(like, bhsd, dt) : alloc(like, bhsd, dt);
+  return torch::stable::transpose(g, 1, 2);
+}
 
 // deterministic: ignored, the CPU backward is always deterministic (work units own the
 // gradients they write; partial sums are reduced in a fixed order).
@@ -856,9 +882,9 @@ BwdResult attention_backward_cpu(
   const AttentionShape s = check_attention_inputs(q, k, v, scale);
   check_attention_bwd_inputs(dout, out, lse_in, q, s);
   if (dlse_in.has_value()) check_dlse(*dlse_in, lse_in);
-  Tensor dq = alloc(q, {s.B, s.Sq, s.H, s.D});
-  Tensor dk = alloc_zeros(q, {s.B, s.Sk, s.Hkv, s.D}, q.scalar_type());  // accumulated in place
-  Tensor dv = alloc_zeros(q, {s.B, s.Sk, s.Hkv, s.Dv}, q.scalar_type());
+  Tensor dq = grad_layout(q, q, {s.B, s.Sq, s.H, s.D}, false);
+  Tensor dk = grad_layout(k, q, {s.B, s.Sk, s.Hkv, s.D}, true);  // accumulated in place
+  Tensor dv = grad_layout(v, q, {s.B, s.Sk, s.Hkv, s.Dv}, true);
   const Tensor lse = torch::stable::contiguous(lse_in);
   AttentionBwdParams bp =
       make_attention_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, s, causal, scale);
