@@ -171,8 +171,10 @@ STABLE_TORCH_LIBRARY(attn_ext, m) {
       "    int? q_start=None,"
       "    int? k_start=None"
       ") -> (Tensor out, Tensor lse)");
-  // Gradients of out (and of lse, through dlse) with respect to q, k, v (contiguous, shapes
-  // and dtypes of q, k, v), recomputing the probabilities from lse. dout: (B, Sq, H, Dv),
+  // Gradients of out (and of lse, through dlse) with respect to q, k, v (shapes and dtypes of
+  // q, k, v; BSHD contiguous, except on CPU for an input that is the transpose(1, 2) view of a
+  // contiguous (B, H, S, D) tensor: its gradient is the same kind of view, so autograd adds it
+  // to a BHSD leaf without a copy), recomputing the probabilities from lse. dout: (B, Sq, H, Dv),
   // last dim contiguous; dlse: lse's shape and dtype, None = zero. The mask and term arguments
   // are the forward's (sinks need none: lse holds them; their gradient is
   // exp(sink - lse) * (dlse - rowsum(dout * out)) summed over rows, computed by the caller).
