@@ -73,6 +73,9 @@ struct BwdScratch {
   bool dp_tile16 = true;     // dp_scores' 16-accumulator tiles (dp_tile16_enabled; per call)
   const acc_t* kbp = nullptr;  // the key tile's k rows (nk, Dp): in kb or hk
   const acc_t* vbp = nullptr;  // its v rows (nk, Dvp): in vb or hv
+  // The work unit's dk / dv accumulators, (Sk, Dp) then (Sk, Dvp), when the gradients' rows lie
+  // apart in memory (unit_rows in attention_bwd_kernel; sized on first use); empty otherwise.
+  AlignedVec<acc_t> unit_kv;
 
   BwdScratch(int64_t D, int64_t Dv, int64_t pack_size, const ScoreTerms& terms, bool decode_order,
              bool decode_pairs)
@@ -586,6 +589,28 @@ void write_dq(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64_
   }
 }
 
+// dk rows of kv head hkv of sequence b = scale * a's dk rows; dv rows = a's dv rows when
+// with_dv (else they were accumulated in dv itself).
+template <typename scalar_t, typename acc_t>
+void write_dkv(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64_t hkv,
+               const KeyAcc<acc_t>& a, bool with_dv) {
+  const AttentionParams& p = bp.fwd;
+  auto* dk = static_cast<scalar_t*>(bp.dk);
+  auto* dv = static_cast<scalar_t*>(bp.dv);
+  const acc_t scale = static_cast<acc_t>(p.scale);
+  for (int64_t j = 0; j < sq.Sk; ++j) {
+    scalar_t* dkr = dk + b * bp.dk_batch_stride + (sq.k0 + j) * bp.dk_row_stride +
+                    hkv * bp.dk_head_stride;
+    scalar_t* dvr = dv + b * bp.dv_batch_stride + (sq.k0 + j) * bp.dv_row_stride +
+                    hkv * bp.dv_head_stride;
+    const acc_t* ks = a.dkt + j * a.ldk;
+    const acc_t* vs = a.dvt + j * a.ldv;
+    for (int64_t d = 0; d < p.D; ++d) dkr[d] = static_cast<scalar_t>(ks[d] * scale);
+    if (with_dv)
+      for (int64_t d = 0; d < p.Dv; ++d) dvr[d] = static_cast<scalar_t>(vs[d]);
+  }
+}
+
 // The backward, parallel over work units that each own the gradients they write, so no
 // gradient has per-worker copies and the result does not depend on scheduling:
 //
@@ -603,7 +628,11 @@ void write_dq(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64_
 // Extra memory: dk / dv accumulate in the outputs when those are the accumulation type with
 // D, Dv multiples of 8; otherwise in one fp32 (B, Hkv, Sk, Dp + Dvp) buffer. Beyond that,
 // kBwdJobs query blocks with their dq tiles and one key tile per worker (about 1.2 MiB at
-// D = 128): independent of the thread count.
+// D = 128): independent of the thread count. In the fused partition, gradients whose rows lie
+// apart (those of BSHD inputs: H * D apart, a page per row at 4 KiB, a few cache sets for a
+// whole head) accumulate per work unit in a contiguous (Sk, Dp + Dvp) buffer instead, written
+// out at the unit's end, where that fits the head-rows share (head_rows_budget: at most
+// kHeadRowsTotalBytes over all workers).
 template <typename scalar_t>
 void attention_bwd_kernel(const AttentionBwdParams& bp) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -674,6 +703,14 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const int64_t nbias = terms.rel_bias != nullptr ? 2 * terms.rel_max + 1 : 0;
   const int64_t workers = std::max<int64_t>(1, num_threads());
   const bool split = p.B * p.Hkv < workers && n_kb > 1;
+  // The fused units' dk / dv in a per-unit buffer (the comment above attention_bwd_kernel):
+  // every visit of the unit reads and writes all its key tiles' rows, which stay in L2 when
+  // contiguous and are fetched again from L3 when a page apart (a D = 64 BSHD backward took
+  // 1.07x the time of the same call on BHSD views; RESULTS.md, twentieth session). The same
+  // additions in the same order: the same bits.
+  const bool unit_rows = !split && in_place &&
+                         (bp.dk_row_stride != p.D || bp.dv_row_stride != p.Dv) &&
+                         p.Sk * (Dp + Dvp) * static_cast<int64_t>(sizeof(acc_t)) <= rows_budget;
   const int64_t n_chunks = split ? std::min(n_kb, ceil_div(2 * workers, p.B * p.Hkv)) : 1;
   std::vector<double> db_parts(static_cast<size_t>(p.B * p.Hkv * n_chunks * group * nbias), 0.0);
   // partial row of query head h in the unit (b, hkv, chunk c)
@@ -741,7 +778,12 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
                                           static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride +
                                           hkv * p.v_head_stride + (sq.k0 + j0) * p.v_row_stride)
                                     : nullptr;
-      KeyAcc<acc_t> acc = want_kv ? key_acc(b, hkv, sq, j0) : KeyAcc<acc_t>{nullptr, 0, nullptr, 0, nullptr};
+      KeyAcc<acc_t> acc{nullptr, 0, nullptr, 0, nullptr};
+      if (want_kv && !s.unit_kv.empty()) {
+        acc = {s.unit_kv.data() + j0 * Dp, Dp, s.unit_kv.data() + p.Sk * Dp + j0 * Dvp, Dvp, nullptr};
+      } else if (want_kv) {
+        acc = key_acc(b, hkv, sq, j0);
+      }
       for (int j = 0; j < n_jobs; ++j) {
         if (!sees[j]) continue;
         Job& job = s.jobs[j];
@@ -766,6 +808,12 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       // the unit's query blocks, head by head, kBwdJobs at a time (one visit of the key tiles)
       const int64_t per_head = ceil_div(sq.Sq, kBlockQ);
       const int64_t n_blocks = group * per_head;
+      if (unit_rows) {
+        if (s.unit_kv.empty()) s.unit_kv.resize(static_cast<size_t>(p.Sk * (Dp + Dvp)));
+        std::fill(s.unit_kv.begin(), s.unit_kv.begin() + sq.Sk * Dp, acc_t(0));
+        std::fill(s.unit_kv.begin() + p.Sk * Dp, s.unit_kv.begin() + p.Sk * Dp + sq.Sk * Dvp,
+                  acc_t(0));
+      }
       for (int64_t x0 = 0; x0 < n_blocks; x0 += jobs) {
         const int n_jobs = static_cast<int>(std::min<int64_t>(jobs, n_blocks - x0));
         for (int j = 0; j < n_jobs; ++j) {
@@ -777,6 +825,10 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
           const Job& job = s.jobs[j];
           write_dq<scalar_t, acc_t>(bp, sq, b, job.h, job.i0, job.nq, job.dqt.data(), Dp);
         }
+      }
+      if (unit_rows) {  // dk = scale * dk accumulator, dv = dv accumulator (the pass below)
+        write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, {s.unit_kv.data(), Dp,
+                                   s.unit_kv.data() + p.Sk * Dp, Dvp, nullptr}, true);
       }
     });
   } else {
@@ -824,25 +876,12 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     }
   }
 
-  // dk = scale * dk accumulator, dv = dv accumulator.
-  auto* dk = static_cast<scalar_t*>(bp.dk);
-  auto* dv = static_cast<scalar_t*>(bp.dv);
-  const acc_t scale = static_cast<acc_t>(p.scale);
+  // dk = scale * dk accumulator, dv = dv accumulator (the units did it with unit_rows).
+  if (unit_rows) return;
   parallel_tasks(p.B * p.Hkv, [] { return 0; }, [&](int64_t t, int&) {
     const int64_t b = t / p.Hkv, hkv = t % p.Hkv;
     const SeqInfo sq = vis.seq(b);
-    const KeyAcc<acc_t> a = key_acc(b, hkv, sq, 0);
-    for (int64_t j = 0; j < sq.Sk; ++j) {
-      scalar_t* dkr = dk + b * bp.dk_batch_stride + (sq.k0 + j) * bp.dk_row_stride +
-                      hkv * bp.dk_head_stride;
-      scalar_t* dvr = dv + b * bp.dv_batch_stride + (sq.k0 + j) * bp.dv_row_stride +
-                      hkv * bp.dv_head_stride;
-      const acc_t* ks = a.dkt + j * a.ldk;
-      const acc_t* vs = a.dvt + j * a.ldv;
-      for (int64_t d = 0; d < p.D; ++d) dkr[d] = static_cast<scalar_t>(ks[d] * scale);
-      if (!in_place)
-        for (int64_t d = 0; d < p.Dv; ++d) dvr[d] = static_cast<scalar_t>(vs[d]);
-    }
+    write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, key_acc(b, hkv, sq, 0), !in_place);
   });
 }
 
