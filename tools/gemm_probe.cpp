@@ -11,14 +11,18 @@
 // For each gemm pair (the AVX2 one; then the AVX-512 one, where the CPU has it and
 // ATTN_EXT_CPU_GEMM512=0 is not set) prints a "== <isa>" line and GFLOP/s (best of `reps`
 // timings, default 5) for
-//   pass  one gemm of a (query block, key tile) pair of 96 x 96 at D = 128, operands hot;
+//   pass  one gemm of a (query block, key tile) pair of 96 x 96 at D = 128, operands hot
+//         (the four gemm shapes, and the forward's pass 3 with the rescale: gemm_at);
+//   softmax  the online softmax of one 96 x 96 score tile alone, ns per score;
 //   fwd   the forward's tile pairs of one query block against NT key tiles (pass 1, online
 //         softmax, pass 3 with the rescale fused in: gemm_at), NT = 2 (K / V hot) and
 //         NT = 43 (K / V of S = 4096 from L3), with and without the softmax; FLOPs of the two
 //         gemms counted;
 //   bwd   the backward's five gemms of one query block against NT key tiles, dk / dv
 //         accumulated at a row stride of 8 heads x 128 (the in-place BSHD gradients), NT = 2
-//         and 43, and at NT = 43 with the dk / dv tiles or the K / V tiles held hot.
+//         and 43, and at NT = 43 with the dk / dv tiles or the K / V tiles held hot; then each
+//         of the five alone, timed inside that loop with two query blocks taking each key tile
+//         in turn (as the backward's visits do), NT = 43.
 // The FMA peak of this machine is 7.33 G FMA instructions / s per core = 117 GFLOP/s fp32
 // (benchmarks/RESULTS.md, fifth session).
 #include <algorithm>
@@ -120,6 +124,23 @@ void probe(int reps, const GemmSet& set) {
     });
     std::printf("  %s %6.1f GFLOP/s\n", c.name, g);
   }
+  {
+    const double g = best_gflops(reps, n * pair, [&] {
+      for (int i = 0; i < n; ++i) gemm_at(Q, D, KB, st.data(), Q, V.data(), D, o.data(), D, alpha.data());
+    });
+    std::printf("  o = alpha o + P^T v (gemm_at)  %6.1f GFLOP/s\n", g);
+  }
+  {
+    auto sc = filled(KB * Q, 1e-2f);
+    const int ns = 2000;
+    const double g = best_gflops(reps, ns * double(KB * Q), [&] {
+      for (int i = 0; i < ns; ++i) {
+        std::fill(m.begin(), m.end(), -INFINITY);
+        softmax_fn(sc.data(), KB, Q, m.data(), l.data(), alpha.data());
+      }
+    });
+    std::printf("softmax (one 96 x 96 tile, alone): %.3f ns per score\n", 1.0 / g);
+  }
 
   std::printf("fwd (tile pairs of one query block, 2 gemms counted)\n");
   for (int64_t NT : {int64_t(2), NT_MAX}) {
@@ -169,6 +190,40 @@ void probe(int reps, const GemmSet& set) {
     });
     std::printf("  %s %6.1f GFLOP/s\n", c.name, g);
   }
+  // each gemm's share of the NT 43 loop, two query blocks taking each key tile in turn
+  auto qt2 = filled(D * Q, 1e-3f), dot2 = filled(D * Q, 1e-3f), qr2 = filled(Q * D, 1e-3f),
+       dq2 = filled(Q * D, 0.f);
+  double secs[5] = {0, 0, 0, 0, 0};
+  for (int rep = 0; rep <= reps; ++rep) {  // rep 0 warms up
+    for (int64_t t = 0; t < NT_MAX; ++t) {
+      const float* kb = K.data() + t * KB * D;
+      const float* vb = V.data() + t * KB * D;
+      float* dkt = dk.data() + t * KB * ldkv;
+      float* dvt = dv.data() + t * KB * ldkv;
+      for (int j = 0; j < 2; ++j) {
+        const float* qtj = j ? qt2.data() : qt.data();
+        const float* dotj = j ? dot2.data() : dot.data();
+        const float* qrj = j ? qr2.data() : qr.data();
+        float* dqj = j ? dq2.data() : dq.data();
+        const std::function<void()> calls[5] = {
+            [&] { gemm(KB, Q, D, kb, D, 1, qtj, Q, st.data(), Q, false); },
+            [&] { gemm(KB, D, Q, st.data(), Q, 1, dor.data(), D, dvt, ldkv, true); },
+            [&] { gemm(KB, Q, D, vb, D, 1, dotj, Q, dpt.data(), Q, false); },
+            [&] { gemm(KB, D, Q, dpt.data(), Q, 1, qrj, D, dkt, ldkv, true); },
+            [&] { gemm(Q, D, KB, dpt.data(), 1, Q, kb, D, dqj, D, true); }};
+        for (int g = 0; g < 5; ++g) {
+          const auto t0 = std::chrono::steady_clock::now();
+          calls[g]();
+          if (rep > 0) secs[g] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        }
+      }
+    }
+  }
+  const char* names[5] = {"s  = k q^T   ", "dv += P^T dout", "dP = v dout^T", "dk += dS^T q ",
+                          "dq += dS k    "};
+  std::printf("bwd, each gemm inside the NT 43 loop (two query blocks per key tile)\n");
+  for (int g = 0; g < 5; ++g)
+    std::printf("  %s %6.1f GFLOP/s\n", names[g], reps * NT_MAX * 2 * pair / secs[g] / 1e9);
 }
 
 }  // namespace
