@@ -74,7 +74,7 @@ struct BwdScratch {
   const acc_t* kbp = nullptr;  // the key tile's k rows (nk, Dp): in kb or hk
   const acc_t* vbp = nullptr;  // its v rows (nk, Dvp): in vb or hv
   // The work unit's dk / dv accumulators, (Sk, Dp) then (Sk, Dvp), when the gradients' rows lie
-  // apart in memory (unit_rows in attention_bwd_kernel; sized on first use); empty otherwise.
+  // apart in memory (unit_rows in attention_bwd_kernel; sized on the unit's first use).
   AlignedVec<acc_t> unit_kv;
 
   BwdScratch(int64_t D, int64_t Dv, int64_t pack_size, const ScoreTerms& terms, bool decode_order,
@@ -677,6 +677,11 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     return s;
   };
 
+  // Rows from j0 of the dk / dv accumulators of one (b, hkv) in a buffer laid out as (Sk, Dp)
+  // then (Sk, Dvp) (kv_buf's part of the pair, or a work unit's unit_kv).
+  auto buffer_acc = [&](acc_t* base, int64_t j0) -> KeyAcc<acc_t> {
+    return {base + j0 * Dp, Dp, base + p.Sk * Dp + j0 * Dvp, Dvp, nullptr};
+  };
   // dk / dv accumulators of (b, hkv): rows j at kacc(b, hkv) + j * ld.
   const bool in_place = std::is_same_v<scalar_t, acc_t> && p.D == Dp && p.Dv == Dvp;
   AlignedVec<acc_t> kv_buf;
@@ -691,8 +696,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
               dv + b * bp.dv_batch_stride + j * bp.dv_row_stride + hkv * bp.dv_head_stride,
               bp.dv_row_stride, nullptr};
     }
-    acc_t* base = kv_buf.data() + (b * p.Hkv + hkv) * p.Sk * (Dp + Dvp);
-    return {base + j0 * Dp, Dp, base + p.Sk * Dp + j0 * Dvp, Dvp, nullptr};
+    return buffer_acc(kv_buf.data() + (b * p.Hkv + hkv) * p.Sk * (Dp + Dvp), j0);
   };
 
   // d rel_bias: each query block visit sums its pairs' dS into its own (2M + 1) row (in key
@@ -779,11 +783,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
                                           hkv * p.v_head_stride + (sq.k0 + j0) * p.v_row_stride)
                                     : nullptr;
       KeyAcc<acc_t> acc{nullptr, 0, nullptr, 0, nullptr};
-      if (want_kv && !s.unit_kv.empty()) {
-        acc = {s.unit_kv.data() + j0 * Dp, Dp, s.unit_kv.data() + p.Sk * Dp + j0 * Dvp, Dvp, nullptr};
-      } else if (want_kv) {
-        acc = key_acc(b, hkv, sq, j0);
-      }
+      if (want_kv) acc = unit_rows ? buffer_acc(s.unit_kv.data(), j0) : key_acc(b, hkv, sq, j0);
       for (int j = 0; j < n_jobs; ++j) {
         if (!sees[j]) continue;
         Job& job = s.jobs[j];
@@ -827,8 +827,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
         }
       }
       if (unit_rows) {  // dk = scale * dk accumulator, dv = dv accumulator (the pass below)
-        write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, {s.unit_kv.data(), Dp,
-                                   s.unit_kv.data() + p.Sk * Dp, Dvp, nullptr}, true);
+        write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, buffer_acc(s.unit_kv.data(), 0), true);
       }
     });
   } else {
