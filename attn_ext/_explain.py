@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -209,14 +210,48 @@ def cpu_vendor() -> str:
     return line.split(":", 1)[1].strip() if ":" in line else ""
 
 
-def cpu_bf16_scores(dtype: torch.dtype, even: bool = True) -> Optional[str]:
+def cpu_amx_enabled() -> bool:
+    """csrc/cpu/cpu_features.cpp's amx_enabled(): cpu_avx512bf16_enabled() and AMX-TILE +
+    AMX-BF16 on Linux (the tiled kernels' bf16 products on AMX tiles, csrc/cpu/attention_amx.cpp)."""
+    flags = cpu_flags()
+    return (sys.platform.startswith("linux") and cpu_avx512bf16_enabled()
+            and "amx_tile" in flags and "amx_bf16" in flags)
+
+
+def cpu_bf16_amx(depth: int) -> bool:
+    """mk::amx_for(depth): the tiled kernels' bf16 products of this depth (the scores q . k at
+    depth D; the backward's dP = dout . v at Dv) on AMX tiles: cpu_amx_enabled(), depth a
+    positive multiple of 32, and neither ATTN_EXT_CPU_BF16DP=0 nor ATTN_EXT_CPU_AMX=0."""
+    return (depth > 0 and depth % 32 == 0 and cpu_amx_enabled()
+            and os.environ.get("ATTN_EXT_CPU_BF16DP") != "0"
+            and os.environ.get("ATTN_EXT_CPU_AMX") != "0")
+
+
+def cpu_bf16_pv(dtype: torch.dtype, Dv: int) -> Optional[str]:
+    """The tiled forward's o += p v for bf16 (mk::amx_pv_for): "amx" (p rounded to bf16 pairs,
+    v^T packed as bf16 key pairs per head) where cpu_amx_enabled(), Dv a positive multiple of 16
+    and neither switch is 0; else "widened" (fp32 gemm); None for other dtypes."""
+    if dtype != torch.bfloat16:
+        return None
+    ok = (Dv > 0 and Dv % 16 == 0 and cpu_amx_enabled()
+          and os.environ.get("ATTN_EXT_CPU_BF16DP") != "0"
+          and os.environ.get("ATTN_EXT_CPU_AMX") != "0")
+    return "amx" if ok else "widened"
+
+
+def cpu_bf16_scores(dtype: torch.dtype, even: bool = True,
+                    depth: Optional[int] = None) -> Optional[str]:
     """How a bf16 call's scores are formed: "vdpbf16ps" or "widened" (to float32); None for other
     dtypes. vdpbf16ps where cpu_avx512bf16_enabled(), ATTN_EXT_CPU_BF16DP is not 0, and
     ATTN_EXT_CPU_BF16DP=1 or, by default, the CPU is not Intel's (mk::bf16dp_tiled_enabled;
     cpu::intel_cpu): the one rule of the decode kernel (attention_decode.h dp_scores) and of the
-    tiled kernels (csrc/cpu/attention_bf16dp.cpp, where the product's depth is even: ``even``)."""
+    tiled kernels (csrc/cpu/attention_bf16dp.cpp, where the product's depth is even: ``even``).
+    The tiled kernels (``depth`` given) say "amx" where cpu_bf16_amx(depth): their scores then
+    come from AMX tiles, whatever the vendor rule says (mk::bf16_scores_by_pairs)."""
     if dtype != torch.bfloat16:
         return None
+    if depth is not None and cpu_bf16_amx(depth):
+        return "amx"
     env = os.environ.get("ATTN_EXT_CPU_BF16DP")
     dp = even and cpu_avx512bf16_enabled() and env != "0"
     if dp and env != "1":
@@ -305,9 +340,15 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
         plan["gemm"] = cpu_gemm(dtype)
         if plan["gemm"] == "avx512":
             why += "; fp32 gemms on AVX-512 zmm registers (ATTN_EXT_CPU_GEMM512=0: AVX2, same bits)"
-        plan["bf16_scores"] = cpu_bf16_scores(dtype, even=s.D % 2 == 0)
+        plan["bf16_scores"] = cpu_bf16_scores(dtype, even=s.D % 2 == 0, depth=s.D)
         if plan["bf16_scores"] == "vdpbf16ps":
             why += "; bf16 scores by vdpbf16ps (AVX512_BF16; ATTN_EXT_CPU_BF16DP=0 widens them)"
+        elif plan["bf16_scores"] == "amx":
+            why += ("; bf16 scores on AMX tiles (tdpbf16ps; ATTN_EXT_CPU_AMX=0: the CPU's "
+                    "default without them, ATTN_EXT_CPU_BF16DP=0: widened)")
+        plan["bf16_pv"] = cpu_bf16_pv(dtype, s.Dv)
+        if plan["bf16_pv"] == "amx":
+            why += "; o += p v on AMX tiles (p rounded to bf16, as PyTorch's bf16 flash kernel)"
     if s.B * s.Hkv >= threads or s.Sk <= CPU_BLOCK_K:
         bwd_why = (f"fused per (batch, kv head) ({s.B * s.Hkv} unit(s), {threads} threads): each "
                    f"unit walks its query blocks and key tiles of {CPU_BLOCK_K}, owning the dq, "

@@ -103,8 +103,8 @@ def cpu_isa() -> str:
     import torch
 
     try:
-        from attn_ext._explain import (cpu_avx512_enabled, cpu_bf16_scores, cpu_decode_scores,
-                                       cpu_flags, cpu_gemm, cpu_simd_enabled)
+        from attn_ext._explain import (cpu_avx512_enabled, cpu_bf16_amx, cpu_bf16_scores,
+                                       cpu_decode_scores, cpu_flags, cpu_gemm, cpu_simd_enabled)
     except Exception as e:  # noqa: BLE001 (the attn_ext line says why; keep the header going)
         return f"attn_ext not importable ({type(e).__name__}); torch ATen " + \
             torch.backends.cpu.get_cpu_capability()
@@ -118,7 +118,9 @@ def cpu_isa() -> str:
         if cpu_bf16_scores(torch.bfloat16) == "vdpbf16ps":
             ours += ", AVX512_BF16 bf16 decode and tiled scores"
         elif "avx512_bf16" in cpu_flags():
-            ours += "; bf16 scores widened to fp32 (Intel CPU or ATTN_EXT_CPU_BF16DP=0)"
+            ours += "; bf16 decode scores widened to fp32 (Intel CPU or ATTN_EXT_CPU_BF16DP=0)"
+        if cpu_bf16_amx(64):
+            ours += "; AMX tiles for the tiled kernels' bf16 products (D % 32 == 0)"
         ours += ")"
     flags = cpu_flags()
     shown = [x for x in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16") if x in flags]

@@ -424,7 +424,7 @@ def test_explain_names_the_bf16_decode_scores(monkeypatch):
     mk::bf16dp_tiled_enabled), else "widened"; None for other dtypes. It agrees with what
     runs: the default's lse is the widened path's bits exactly when it says widened, else the
     pairs' (the two differ by rounding)."""
-    from attn_ext._explain import cpu_avx512bf16_enabled, cpu_vendor
+    from attn_ext._explain import cpu_amx_enabled, cpu_avx512bf16_enabled, cpu_vendor
     torch.manual_seed(0)
     intel = cpu_vendor() == "GenuineIntel"
     q = torch.randn(1, 1, 32, 128).bfloat16()
@@ -461,8 +461,11 @@ def test_explain_names_the_bf16_decode_scores(monkeypatch):
             assert choice.forward == "cpu.tiled"
             on = mode == "1" or (mode is None and not intel)
             want = "vdpbf16ps" if (on and D % 2 == 0 and cpu_avx512bf16_enabled()) else "widened"
+            if mode != "0" and D % 32 == 0 and cpu_amx_enabled():
+                want = "amx"  # AMX tiles where the CPU has them (csrc/cpu/attention_amx.cpp)
             assert choice.details["bf16_scores"] == want
             assert ("vdpbf16ps" in str(choice)) == (want == "vdpbf16ps")
+            assert ("AMX tiles" in str(choice)) == (want == "amx")
             # and it agrees with what runs: lse equals the widened path's bits exactly when
             # it says widened (the pairs sum in another order)
             if D == 64:

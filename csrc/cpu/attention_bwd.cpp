@@ -130,6 +130,8 @@ struct BwdScratch {
 // lse == s there and P = 1 as in the forward (issue 18 item 8).
 struct QueryPackLayout {
   int64_t qt, qr, qs, dot, dor, lse, di, fin, qp, dp, size;
+  bool amx = false;     // the pairs' products (pass 1) on AMX tiles (mk::amx_for(D)), as the forward's
+  bool amx_dp = false;  // pass 4 and Di on AMX tiles (mk::amx_for(Dv))
   QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp, bool pairs, bool dout_pairs)
       : qt(0),
         qr(qt + D * kBlockQ),
@@ -193,7 +195,9 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     // (mk::gemm_chain_length), so that where out equals one key's v (a row whose probability
     // sits on that key) Di equals its dP bitwise and dS = P * (dP - Di) is 0 there, as in the
     // textbook.
-    if (dpp != nullptr) {
+    if (dpp != nullptr && L.amx_dp) {
+      // taken for the whole block below (mk::scores_amx_diag)
+    } else if (dpp != nullptr) {
       // pass 4's own chains (mk::scores_bf16dp: out's row against dout's pairs, one lane per
       // query column, the same vdpbf16ps per lane whatever its position)
       alignas(64) float c8[8];
@@ -212,6 +216,14 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     }
     const acc_t l = lse[stat + ii];
     blk[L.lse + ii] = l == neg_inf ? pos_inf : l;
+  }
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    if (dpp != nullptr && L.amx_dp) {
+      // pass 4's own chains on tiles: out's row i against dout's column i, the element (i, i) of
+      // the block's out x dout tile (its bits do not depend on its position)
+      mk::scores_amx_diag(nq, Dv, reinterpret_cast<const uint16_t*>(oh), bp.o_row_stride, dpp,
+                          kBlockQ, kBlockQ, blk + L.di);
+    }
   }
   // lse's gradient folds into the row term: dS = P * (dP - (Di - dlse_i))
   for (int64_t ii = 0; dlse != nullptr && ii < nq; ++ii) blk[L.di + ii] -= dlse[stat + ii];
@@ -399,9 +411,9 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   auto pass1_tiled = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
     if constexpr (std::is_same_v<acc_t, float>) {
       if (kbf != nullptr) {
-        mk::scores_bf16dp(nr, n, D, kbf + r0 * p.k_row_stride, p.k_row_stride,
-                          reinterpret_cast<const uint32_t*>(blk + L.qp) + c0, kBlockQ,
-                          static_cast<float>(terms.scale), s.st.data() + r0 * C + c0, C);
+        mk::scores_pairs(L.amx, nr, n, D, kbf + r0 * p.k_row_stride, p.k_row_stride,
+                         reinterpret_cast<const uint32_t*>(blk + L.qp) + c0, kBlockQ,
+                         static_cast<float>(terms.scale), s.st.data() + r0 * C + c0, C);
         return;
       }
     }
@@ -412,9 +424,9 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   auto pass4_tiled = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
     if constexpr (std::is_same_v<acc_t, float>) {
       if (vbf != nullptr) {
-        mk::scores_bf16dp(nr, n, Dv, vbf + r0 * p.v_row_stride, p.v_row_stride,
-                          reinterpret_cast<const uint32_t*>(blk + L.dp) + c0, kBlockQ, 1.f,
-                          s.dpt.data() + r0 * C + c0, C);
+        mk::scores_pairs(L.amx_dp, nr, n, Dv, vbf + r0 * p.v_row_stride, p.v_row_stride,
+                         reinterpret_cast<const uint32_t*>(blk + L.dp) + c0, kBlockQ, 1.f,
+                         s.dpt.data() + r0 * C + c0, C);
         return;
       }
     }
@@ -487,6 +499,8 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   // pass 1: st = kb qt on the visible column panels, then mask
   if (decode_order) {
     pass1_decode();
+  } else if (kbf != nullptr && L.amx) {
+    pass1_tiled(0, nk, 0, C);  // (tiles: the whole tile, the mask hides the rest)
   } else {
     for_panels(pass1_tiled);
   }
@@ -499,7 +513,11 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
                  s.words.data(), thresh, inv_keep);
   }
   // pass 4: dP^T = v dout^T on the visible column panels, then 0 where hidden
-  for_panels(pass4_tiled);
+  if (vbf != nullptr && L.amx_dp) {
+    pass4_tiled(0, nk, 0, C);
+  } else {
+    for_panels(pass4_tiled);
+  }
   mask(s.dpt.data(), acc_t(0));
   // pass 5: dS^T = P^T * (dP^T - Di), then exactly 0 where hidden (Di may be non-finite)
   pass5();
@@ -649,7 +667,9 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const bool bf16dp = mk::bf16_scores_by_pairs(std::is_same_v<scalar_t, c10::BFloat16>, p.D);
   // ... and pass 4, dP = dout v^T, whose operands are bf16 too (Dv even)
   const bool bf16dp4 = mk::bf16_scores_by_pairs(std::is_same_v<scalar_t, c10::BFloat16>, p.Dv);
-  const QueryPackLayout L(p.D, p.Dv, Dp, Dvp, bf16dp, bf16dp4);
+  QueryPackLayout L(p.D, p.Dv, Dp, Dvp, bf16dp, bf16dp4);
+  L.amx = bf16dp && mk::amx_for(p.D);
+  L.amx_dp = bf16dp4 && mk::amx_for(p.Dv);
   const ScoreTerms terms = p.score_terms();
   // The forward of these shapes was the decode kernel (attention_decode.h): the scores are
   // recomputed in its summation order, so that P = exp(s - lse) meets the forward's bits.

@@ -38,7 +38,7 @@ constexpr int64_t kDropoutSplitWorkers = 16;
 constexpr double kLog2e = 1.4426950408889634074;
 constexpr double kLn2 = 0.69314718055994530942;
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // AlignedVec (64-byte aligned scratch): cpu/aligned_vec.h
 inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }

@@ -97,6 +97,57 @@ Range tile_keys(const Visibility& vis, const QueryTile& q) {
   return vis.band_keys_of_rows(q.s, q.i0, q.i0 + q.nq);
 }
 
+// Pass 3 on AMX tiles reads a key tile [j0, j0 + nk) as the 32-key blocks that hold it,
+// [32 floor(j0 / 32), 32 ceil((j0 + nk) / 32)): at most kBlockK + 62 keys.
+constexpr int64_t kAmxKeyRows = round_up(kBlockK + 62, 32);
+
+// v^T of one head as bf16 key pairs (mk::pack_vt_pairs), packed by 32-key blocks on first use:
+// the whole head (Dv, 16 * blocks words) when it fits the worker's head-rows share, else the
+// blocks of each key tile into `tile` alone.
+struct HeadPairs {
+  const void* src = nullptr;  // the head's first row (identifies the head within one call)
+  AlignedVec<uint32_t> vt;    // whole head
+  AlignedVec<uint32_t> tile;  // (Dv, kAmxKeyRows / 2): one key tile's blocks
+  std::vector<uint8_t> done;  // per block: 0 not packed, 1 finite, 2 not finite
+
+  // Blocks [b0, b1) of the head at `head` (n rows of Dv): returns v^T's column of key pair
+  // 16 b0 and sets *ld (words) and *finite (no inf / NaN in the blocks' rows).
+  const uint32_t* get(bool whole, const uint16_t* head, int64_t row_stride, int64_t n,
+                      int64_t Dv, int64_t b0, int64_t b1, int64_t* ld, bool* finite) {
+    const int64_t nb = ceil_div(n, 32);
+    bool fin = true;
+    if (!whole) {
+      if (tile.size() < static_cast<size_t>(Dv * kAmxKeyRows / 2)) tile.resize(static_cast<size_t>(Dv * kAmxKeyRows / 2));
+      *ld = 16 * (b1 - b0);
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        bool f = true;
+        mk::pack_vt_pairs(head + 32 * blk * row_stride, row_stride, std::min<int64_t>(32, n - 32 * blk), Dv,
+                          tile.data() + 16 * (blk - b0), *ld, &f);
+        fin = fin && f;
+      }
+      *finite = fin;
+      return tile.data();
+    }
+    if (head != src || static_cast<size_t>(nb) > done.size()) {
+      src = head;
+      if (vt.size() < static_cast<size_t>(Dv * 16 * nb)) vt.resize(static_cast<size_t>(Dv * 16 * nb));
+      done.assign(static_cast<size_t>(nb), 0);
+    }
+    *ld = 16 * nb;
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      if (!done[blk]) {
+        bool f = true;
+        mk::pack_vt_pairs(head + 32 * blk * row_stride, row_stride, std::min<int64_t>(32, n - 32 * blk), Dv,
+                          vt.data() + 16 * blk, *ld, &f);
+        done[blk] = f ? 1 : 2;
+      }
+      fin = fin && done[blk] == 1;
+    }
+    *finite = fin;
+    return vt.data() + 16 * b0;
+  }
+};
+
 template <typename acc_t>
 struct FwdScratch {
   int64_t Dp, Dvp;
@@ -113,7 +164,13 @@ struct FwdScratch {
   std::vector<uint64_t> rk, words;  // (kBlockQ): dropout row keys / words of the columns
   HeadRows<acc_t> hk, hv;           // the current head's packed k / v rows
   int64_t head_rows_budget = kHeadRowsBytes;  // this call's per-worker share (head_rows_fit)
-  bool bf16dp = false;      // pass 1 by mk::scores_bf16dp (mk::bf16_scores_by_pairs)
+  bool bf16dp = false;      // pass 1 by mk::scores_pairs (mk::bf16_scores_by_pairs)
+  bool amx = false;         // ... on AMX tiles (mk::amx_for(D))
+  bool amx_pv = false;      // pass 3 on AMX tiles (mk::amx_pv_for(Dv)): o^T in ot, below
+  AlignedVec<float> ot;     // (Dv, C16): o^T, C16 = C rounded up to 16 (amx_pv)
+  AlignedVec<uint32_t> pp;  // (kAmxKeyRows / 2, C16): the probabilities as bf16 key pairs
+  HeadPairs vp;             // the current head's v^T as bf16 key pairs (mk::pack_vt_pairs)
+  std::vector<uint32_t> vclean;  // a key tile's v^T pairs with inf / NaN as 0 (pass3_amx)
   AlignedVec<uint32_t> qp;  // (D / 2, kBlockQ): the tile's q as bf16 pairs (bf16dp; sized on
                             // first use)
 
@@ -135,6 +192,59 @@ struct FwdScratch {
     hk.check_finite = hv.check_finite = false;
   }
 };
+
+// Pass 3 on AMX tiles (s.amx_pv, bf16): o^T (Dv, C16) = alpha * o^T + v^T p for key tile
+// [j0, j0 + nk) of the tile. v^T comes as the 32-key blocks holding the tile (s.vp); p (st, after
+// the softmax and dropout) is rounded to bf16 key pairs over the same blocks, zero outside the
+// tile. Where a block's v holds inf / NaN, a zero probability must not meet it (0 * inf): the
+// tiles take those entries as 0, and each is added on its own to the columns that see its key
+// (all of them on a full tile, as the fp32 gemm's products; the visible ones on a partial one).
+template <typename acc_t>
+void pass3_amx(const AttentionParams& p, const Visibility& vis, const QueryTile& qt_, int64_t j0,
+               int64_t nk, bool partial, bool whole, const c10::BFloat16* vh, int64_t C,
+               FwdScratch<acc_t>& s) {
+  const int64_t Dv = p.Dv, C16 = round_up(C, 16), cols = qt_.cols();
+  float* ot = s.ot.data();
+  mk::scale_cols(ot, Dv, C16, cols, s.alpha.data());
+  const int64_t b0 = j0 / 32, b1 = ceil_div(j0 + nk, 32);
+  int64_t ldvt = 0;
+  bool finite = true;
+  const uint32_t* vt = s.vp.get(whole, reinterpret_cast<const uint16_t*>(vh), p.v_row_stride,
+                                qt_.s.Sk, Dv, b0, b1, &ldvt, &finite);
+  const int64_t rows = 32 * (b1 - b0);
+  if (!finite) {
+    // v's inf / NaN entries as 0 for the tiles (a hidden key's 0 probability then adds exactly
+    // 0, as with a finite value there: the visible rows keep their bits), then added one by one
+    // where their key is visible (full tile: every column, as the fp32 gemm's products)
+    s.vclean.resize(static_cast<size_t>(Dv * rows / 2));
+    for (int64_t d = 0; d < Dv; ++d) {
+      for (int64_t t = 0; t < rows / 2; ++t) {
+        uint32_t w = vt[d * ldvt + t];
+        if ((w & 0x7f80u) == 0x7f80u) w &= 0xffff0000u;
+        if ((w & 0x7f800000u) == 0x7f800000u) w &= 0x0000ffffu;
+        s.vclean[d * (rows / 2) + t] = w;
+      }
+    }
+    vt = s.vclean.data();
+    ldvt = rows / 2;
+  }
+  if (s.pp.empty()) s.pp.resize(static_cast<size_t>(kAmxKeyRows / 2 * round_up(kBlockQ, 16)));
+  mk::probs_to_pairs(s.st.data(), C, j0 - 32 * b0, j0 - 32 * b0 + nk, rows, cols, s.pp.data(), C16);
+  mk::pv_amx(Dv, C16, rows / 2, vt, ldvt, s.pp.data(), ot, C16);
+  if (finite) return;
+  const int64_t nq = qt_.nq;
+  for (int64_t r = 0; r < nk; ++r) {
+    const c10::BFloat16* vrow = vh + (j0 + r) * p.v_row_stride;
+    for (int64_t d = 0; d < Dv; ++d) {
+      const float x = static_cast<float>(vrow[d]);
+      if (std::isfinite(x)) continue;
+      for (int64_t c = 0; c < cols; ++c) {
+        if (partial && !vis.visible(qt_.s, qt_.b, qt_.i0 + c % nq, j0 + r)) continue;
+        ot[d * C16 + c] += s.st[r * C + c] * x;
+      }
+    }
+  }
+}
 
 // Runs the tile over keys [kbeg, kend): leaves the unnormalised output in s.o (cols, Dvp)
 // and the running max / sum in s.m / s.l. Returns the padded column count.
@@ -197,6 +307,13 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   std::fill(s.m.begin(), s.m.begin() + C, -std::numeric_limits<acc_t>::infinity());
   std::fill(s.l.begin(), s.l.begin() + C, acc_t(0));
   std::fill(s.o.begin(), s.o.begin() + C * Dvp, acc_t(0));
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (s.amx_pv) {
+      const size_t n_ot = static_cast<size_t>(Dv * round_up(C, 16));
+      if (s.ot.size() < n_ot) s.ot.resize(static_cast<size_t>(Dv * round_up(kBlockQ, 16)));
+      std::fill(s.ot.begin(), s.ot.begin() + n_ot, 0.f);
+    }
+  }
 
   const scalar_t* kh = k + qt_.b * p.k_batch_stride + qt_.hkv * p.k_head_stride + sq.k0 * p.k_row_stride;
   const scalar_t* vh = v + qt_.b * p.v_batch_stride + qt_.hkv * p.v_head_stride + sq.k0 * p.v_row_stride;
@@ -204,6 +321,10 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   const bool one_head = qt_.nh == 1;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const bool head_rows = head_rows_fit(sq.Sk, Dp, Dvp, sizeof(acc_t), s.head_rows_budget);
+  // v^T's pairs of the whole head (pass 3 on tiles) within the same share, next to k's rows
+  // where pass 1 converts them
+  const bool vp_whole = s.amx_pv && (s.bf16dp ? 0 : sq.Sk * Dp * int64_t(sizeof(acc_t))) +
+                                            Dv * round_up(sq.Sk, 32) * 2 <= s.head_rows_budget;
   for (int64_t j0 = kbeg; j0 < kend; j0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, kend - j0);
     TileKind kind = vis.classify(sq, i0, i0 + nq, j0, j0 + nk);
@@ -232,7 +353,10 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
       kt = s.hk.tile(head_rows, kh, p.k_row_stride, sq.Sk, D, Dp, j0, nk, s.kb);
       ldk = Dp;
     }
-    if (std::is_same_v<scalar_t, acc_t> && Dv == Dvp &&
+    if (s.amx_pv) {  // pass 3 reads v's bf16 rows (s.vp)
+      vt = nullptr;
+      ldv = 0;
+    } else if (std::is_same_v<scalar_t, acc_t> && Dv == Dvp &&
         rows_read_in_place(p.v_row_stride, Dv, sizeof(acc_t))) {
       vt = reinterpret_cast<const acc_t*>(vh + j0 * p.v_row_stride);
       ldv = p.v_row_stride;
@@ -252,15 +376,15 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     auto pass1 = [&](int64_t r0, int64_t rows, int64_t c0, int64_t n) {
       if constexpr (std::is_same_v<acc_t, float>) {
         if (s.bf16dp) {
-          mk::scores_bf16dp(rows, n, D, kbf + r0 * p.k_row_stride, p.k_row_stride, s.qp.data() + c0,
-                            C, qscale, s.st.data() + r0 * C + c0, C);
+          mk::scores_pairs(s.amx, rows, n, D, kbf + r0 * p.k_row_stride, p.k_row_stride,
+                           s.qp.data() + c0, C, qscale, s.st.data() + r0 * C + c0, C);
           return;
         }
       }
       K.gemm(rows, n, D, kt + r0 * ldk, ldk, 1, s.qt.data() + c0, C, s.st.data() + r0 * C + c0, C,
              false);
     };
-    if (!(partial && one_head)) {
+    if (!(partial && one_head) || s.amx) {  // (tiles: the whole tile, the mask hides the rest)
       pass1(0, nk, 0, C);
     } else {
       for (int64_t r0 = 0; r0 < nk; r0 += 6) {
@@ -298,6 +422,12 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
       dropout_tile(s.st.data(), s.st.data(), nk, C, cols, terms.dropout_col(j0), s.rk.data(),
                    s.words.data(),
                    thresh, inv_keep);
+    }
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+      if (s.amx_pv) {
+        pass3_amx(p, vis, qt_, j0, nk, partial, vp_whole, vh, C, s);
+        continue;
+      }
     }
     // pass 3: o = alpha * o + st^T vb. One gemm covers every column unless the tile is
     // partial and either v holds a non-finite value (then a hidden key's must not meet a 0
@@ -349,6 +479,13 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
                  s.o.data() + c0 * Dvp, Dvp, true);
         }
       }
+    }
+  }
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    if (s.amx_pv) {  // o (C, Dvp) from o^T (Dv, C16)
+      const int64_t C16 = round_up(C, 16);
+      for (int64_t c = 0; c < C; ++c)
+        for (int64_t d = 0; d < Dv; ++d) s.o[c * Dvp + d] = s.ot[d * C16 + c];
     }
   }
   return C;
@@ -418,11 +555,16 @@ void attention_fwd_kernel(const AttentionParams& p) {
   const Visibility vis = p.visibility();
   const int64_t workers = num_threads();
   const int64_t rows_budget = head_rows_budget(workers);
-  const bool bf16dp = mk::bf16_scores_by_pairs(std::is_same_v<scalar_t, c10::BFloat16>, p.D);
+  constexpr bool is_bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  const bool bf16dp = mk::bf16_scores_by_pairs(is_bf16, p.D);
+  const bool amx = bf16dp && mk::amx_for(p.D);
+  const bool amx_pv = is_bf16 && mk::amx_pv_for(p.Dv);
   auto make_scratch = [&] {
     FwdScratch<acc_t> s(p.D, p.Dv);
     s.head_rows_budget = rows_budget;
     s.bf16dp = bf16dp;
+    s.amx = amx;
+    s.amx_pv = amx_pv;
     return s;
   };
 

@@ -295,8 +295,14 @@ bool bf16dp_enabled();
 // pairs' time on that Xeon, nineteenth session). bf16_scores_by_pairs() is the one rule both
 // tiled kernels ask.
 bool bf16dp_tiled_enabled();
+// Whether AMX tiles form the bf16 products of this depth (attention_amx.cpp): the CPU has AMX
+// (cpu::amx_enabled), depth is a multiple of 32, bf16dp_enabled() (ATTN_EXT_CPU_BF16DP=0
+// widens everything) and ATTN_EXT_CPU_AMX=0 is not set (read on every call, as the pairs' switch).
+// amx_pv_for: the forward's pass 3 (o += p v) on tiles, Dv a multiple of 16, same switches.
+bool amx_for(int64_t depth);
+bool amx_pv_for(int64_t Dv);
 inline bool bf16_scores_by_pairs(bool is_bf16, int64_t D) {
-  return is_bf16 && D % 2 == 0 && bf16dp_tiled_enabled();
+  return is_bf16 && D % 2 == 0 && (amx_for(D) || bf16dp_tiled_enabled());
 }
 
 // qp[t * ldq + n] = the bf16 pair (row_n[2t], row_n[2t + 1]) as one 32-bit word, for rows
@@ -311,6 +317,44 @@ void pack_bf16_pairs(const uint16_t* rows, int64_t row_stride, int64_t n_rows, i
 // computed together (the forward's column panels, the backward's tiles).
 void scores_bf16dp(int64_t M, int64_t N, int64_t D, const uint16_t* A, int64_t lda,
                    const uint32_t* B, int64_t ldb, float scale, float* C, int64_t ldc);
+
+// ---- bf16 products on AMX tiles (attention_amx.cpp; only where amx_for / amx_pv_for) ------
+// scores_bf16dp's contract on tiles: C (M, N; ldc) = scale * A (M, D) B, D a multiple of 32.
+// C(m, n) is the chain of tdpbf16ps over d in steps of 32, from zero, then times scale: the same
+// bits wherever (m, n) sits in the call (another order than scores_bf16dp's: the two are never
+// mixed in one call).
+void scores_amx(int64_t M, int64_t N, int64_t D, const uint16_t* A, int64_t lda,
+                const uint32_t* B, int64_t ldb, float scale, float* C, int64_t ldc);
+// out[i] = scores_amx's C(i, i) (scale 1) for i < n, B holding N >= n columns: the backward's
+// row term Di = out . dout in its dP's chains.
+void scores_amx_diag(int64_t n, int64_t D, const uint16_t* A, int64_t lda, const uint32_t* B,
+                     int64_t ldb, int64_t N, float* out);
+// vt[d * ldvt + kp] = v's bf16 pair (row 2 kp, row 2 kp + 1) of column d, for d < Dv (a multiple
+// of 16) and kp < 16 * ceil(nk / 32), rows at or past nk zero; *finite: no inf / NaN among them.
+void pack_vt_pairs(const uint16_t* v, int64_t row_stride, int64_t nk, int64_t Dv, uint32_t* vt,
+                   int64_t ldvt, bool* finite);
+// pp[kp * ldp + c] = (bf16(st row 2 kp - r_begin, c), bf16(st row 2 kp + 1 - r_begin, c)) for
+// kp < rows / 2 and c < ldp (a multiple of 16): rows outside [r_begin, r_end) and columns at or
+// past cols are zero; round to nearest even.
+void probs_to_pairs(const float* st, int64_t ld, int64_t r_begin, int64_t r_end, int64_t rows,
+                    int64_t cols, uint32_t* pp, int64_t ldp);
+// ot (Dv, C16; ldo floats) += vt (Dv, kpairs words; ldvt) pp (kpairs, C16 words), kpairs a
+// multiple of 16, Dv and C16 multiples of 16.
+void pv_amx(int64_t Dv, int64_t C16, int64_t kpairs, const uint32_t* vt, int64_t ldvt,
+            const uint32_t* pp, float* ot, int64_t ldo);
+
+// x[r * ld + c] *= alpha[c] for r < rows, c < cols (16 columns at a time, skipping those
+// whose alpha are all 1): the online softmax's rescale of o^T.
+void scale_cols(float* x, int64_t rows, int64_t ld, int64_t cols, const float* alpha);
+
+// The bf16 scores of a call whose rule is bf16_scores_by_pairs: on tiles where amx (amx_for of
+// the depth, taken once per call), else by vdpbf16ps.
+inline void scores_pairs(bool amx, int64_t M, int64_t N, int64_t D, const uint16_t* A,
+                         int64_t lda, const uint32_t* B, int64_t ldb, float scale, float* C,
+                         int64_t ldc) {
+  if (amx) return scores_amx(M, N, D, A, lda, B, ldb, scale, C, ldc);
+  scores_bf16dp(M, N, D, A, lda, B, ldb, scale, C, ldc);
+}
 
 // ---- the fp32 kernels on zmm registers (AVX-512F: attention_microkernels_avx512.cpp) ------
 // gemm_avx2 / gemm_at_avx2 with 16-float vectors and larger register tiles: every output is

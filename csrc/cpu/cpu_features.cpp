@@ -5,6 +5,12 @@
 #include <cstdlib>
 #include <cstring>
 
+#if ATTN_EXT_HAVE_AMX_PATH
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace attn_ext::cpu {
 
 bool env_is(const char* name, const char* value) {
@@ -56,6 +62,26 @@ bool avx512bf16_enabled() {
     if (!avx512_enabled()) return false;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vl");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool amx_enabled() {
+#if ATTN_EXT_HAVE_AMX_PATH
+  static const bool ok = [] {
+    if (!avx512bf16_enabled()) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool amx_bf16 = (d >> 22) & 1u, amx_tile = (d >> 24) & 1u;
+    if (!amx_bf16 || !amx_tile) return false;
+    unsigned lo = 0, hi = 0;
+    asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if (((lo >> 17) & 3u) != 3u) return false;  // XTILECFG and XTILEDATA
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return ok;
 #else

@@ -28,4 +28,10 @@ bool avx512bf16_enabled();
 // (mk::bf16dp_tiled_enabled). Decided once per process.
 bool intel_cpu();
 
+// True when avx512bf16_enabled() and the CPU has AMX-TILE and AMX-BF16, the OS saves the tile
+// state (XCR0 bits 17-18) and Linux granted this process the tile data (arch_prctl
+// ARCH_REQ_XCOMP_PERM, asked here once): the tiled kernels' bf16 products on AMX tiles
+// (attention_amx.cpp; mk::amx_for). Decided once per process.
+bool amx_enabled();
+
 }  // namespace attn_ext::cpu

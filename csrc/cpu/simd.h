@@ -38,6 +38,15 @@
 #else
 #define ATTN_EXT_HAVE_BF16DP_PATH 0
 #endif
+// ... + AMX tiles (AMX-TILE, AMX-BF16; attention_amx.cpp), written as inline asm: assemblers of
+// GCC 11 / clang 12 and later know them; Linux only (the state is requested by arch_prctl).
+#if ATTN_EXT_HAVE_BF16DP_PATH && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define ATTN_EXT_HAVE_AMX_PATH 1
+#define ATTN_EXT_AMX ATTN_EXT_AVX512BF16
+#else
+#define ATTN_EXT_HAVE_AMX_PATH 0
+#endif
 
 namespace attn_ext::cpu {
 

@@ -1,0 +1,341 @@
+// bf16 products on AMX tiles (Intel AMX-TILE + AMX-BF16: Sapphire Rapids and later), the tiled
+// kernels' bf16 path where the CPU has them (interface in attention_microkernels.h):
+//
+//   - scores_amx: C = scale * A B, A's rows bf16 (keys, or out's rows), B bf16 pairs
+//     (pack_bf16_pairs' layout: q's or dout's). The forward's pass 1, the backward's recomputed
+//     scores and its dP, and the row term Di (scores_amx_diag) all take it, so the backward's
+//     P = exp(s - lse) meets the forward's bits and Di meets dP where out is one key's v.
+//   - the forward's pass 3, o^T (Dv, C) += v^T p: v^T packed as bf16 key pairs once per head
+//     (pack_vt_pairs), the probabilities rounded to bf16 pairs per key tile (probs_to_pairs),
+//     o^T accumulated in fp32 tiles (pv_amx). Rounding p to bf16 is what PyTorch's own bf16
+//     flash kernel on CPU and FlashAttention on GPU do before that product.
+//
+// One tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 fp32 sums (8192
+// multiply-adds); the fp32 zmm FMA does 16. Every output element is the chain of tdpbf16ps over
+// its depth in 32-element steps, in order, from zero, so its bits depend only on its own row
+// and column, not on where the tile sits (tails are staged into zero-padded tiles). Denormal
+// inputs count as zero and results flush to zero (the instruction's rule).
+//
+// Tiles are configured (ldtilecfg: eight 16 x 64-byte tiles) at the start of every entry point
+// and released (tilerelease) at its end: other code on the thread (oneDNN inside torch) may
+// configure them differently between our calls. Linux hands out the AMX state only after
+// arch_prctl(ARCH_REQ_XCOMP_PERM) (cpu::amx_enabled asks once per process). The instructions
+// are written as inline asm with memory clobbers: GCC's tile intrinsics have none, so stores
+// into a buffer could move past the tile load that reads it.
+#include "cpu/attention_microkernels.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "cpu/cpu_features.h"
+#include "cpu/simd.h"
+
+namespace attn_ext {
+namespace mk {
+
+bool amx_for(int64_t depth) {
+  return depth > 0 && depth % 32 == 0 && cpu::amx_enabled() && bf16dp_enabled() &&
+         !cpu::env_is("ATTN_EXT_CPU_AMX", "0");
+}
+
+bool amx_pv_for(int64_t Dv) {
+  return Dv > 0 && Dv % 16 == 0 && cpu::amx_enabled() && bf16dp_enabled() &&
+         !cpu::env_is("ATTN_EXT_CPU_AMX", "0");
+}
+
+#if ATTN_EXT_HAVE_AMX_PATH
+
+namespace {
+
+#define ATTN_EXT_TILE_LOAD(t, base, stride)                                               \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"((const void*)(base)), "r"((long)(stride)) \
+               : "memory")
+#define ATTN_EXT_TILE_STORE(t, base, stride)                                             \
+  asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"((void*)(base)), "r"((long)(stride)) \
+               : "memory")
+#define ATTN_EXT_TILE_ZERO(t) asm volatile("tilezero %%tmm" #t ::)
+// dst += src1 src2 (AT&T order: src2, src1, dst)
+#define ATTN_EXT_TILE_DP(dst, src1, src2) \
+  asm volatile("tdpbf16ps %%tmm" #src2 ", %%tmm" #src1 ", %%tmm" #dst ::)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes: tmm0-3 fp32 sums, tmm4-5 A, tmm6-7 B.
+struct Tiles {
+  Tiles() {
+    static const TileConfig cfg = [] {
+      TileConfig c;
+      for (int t = 0; t < 8; ++t) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+      }
+      return c;
+    }();
+    asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
+  }
+  ~Tiles() { asm volatile("tilerelease" ::: "memory"); }
+  Tiles(const Tiles&) = delete;
+  Tiles& operator=(const Tiles&) = delete;
+};
+
+// MT x NT (1-2 each) 16 x 16 sums over `steps` depth steps of 32 bf16: A tile i at a[i] (rows
+// sa[i] bytes apart, step s at +64 s bytes), B tile j at b[j] (pair rows sb[j] bytes apart,
+// step s at +16 sb[j] s). With `load`, the sums start from c (rows of 16 floats at lc bytes,
+// tile (i, j) at c + i * 16 rows + j * 16 floats), else from zero; stored to c.
+template <int MT, int NT>
+ATTN_EXT_AMX void tile_block(int64_t steps, const char* const* a, const int64_t* sa,
+                             const char* const* b, const int64_t* sb, char* c, int64_t lc,
+                             bool load) {
+  char* c01 = c + 64;
+  char* c10 = c + 16 * lc;
+  char* c11 = c10 + 64;
+  if (load) {
+    ATTN_EXT_TILE_LOAD(0, c, lc);
+    if constexpr (NT > 1) ATTN_EXT_TILE_LOAD(1, c01, lc);
+    if constexpr (MT > 1) ATTN_EXT_TILE_LOAD(2, c10, lc);
+    if constexpr (MT > 1 && NT > 1) ATTN_EXT_TILE_LOAD(3, c11, lc);
+  } else {
+    ATTN_EXT_TILE_ZERO(0);
+    if constexpr (NT > 1) ATTN_EXT_TILE_ZERO(1);
+    if constexpr (MT > 1) ATTN_EXT_TILE_ZERO(2);
+    if constexpr (MT > 1 && NT > 1) ATTN_EXT_TILE_ZERO(3);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    ATTN_EXT_TILE_LOAD(4, a[0] + 64 * s, sa[0]);
+    ATTN_EXT_TILE_LOAD(6, b[0] + 16 * sb[0] * s, sb[0]);
+    if constexpr (MT > 1) ATTN_EXT_TILE_LOAD(5, a[1] + 64 * s, sa[1]);
+    if constexpr (NT > 1) ATTN_EXT_TILE_LOAD(7, b[1] + 16 * sb[1] * s, sb[1]);
+    ATTN_EXT_TILE_DP(0, 4, 6);
+    if constexpr (NT > 1) ATTN_EXT_TILE_DP(1, 4, 7);
+    if constexpr (MT > 1) ATTN_EXT_TILE_DP(2, 5, 6);
+    if constexpr (MT > 1 && NT > 1) ATTN_EXT_TILE_DP(3, 5, 7);
+  }
+  ATTN_EXT_TILE_STORE(0, c, lc);
+  if constexpr (NT > 1) ATTN_EXT_TILE_STORE(1, c01, lc);
+  if constexpr (MT > 1) ATTN_EXT_TILE_STORE(2, c10, lc);
+  if constexpr (MT > 1 && NT > 1) ATTN_EXT_TILE_STORE(3, c11, lc);
+}
+
+ATTN_EXT_AMX void run_block(int mt, int nt, int64_t steps, const char* const* a,
+                            const int64_t* sa, const char* const* b, const int64_t* sb, char* c,
+                            int64_t lc, bool load) {
+  if (mt == 2 && nt == 2) tile_block<2, 2>(steps, a, sa, b, sb, c, lc, load);
+  else if (mt == 2) tile_block<2, 1>(steps, a, sa, b, sb, c, lc, load);
+  else if (nt == 2) tile_block<1, 2>(steps, a, sa, b, sb, c, lc, load);
+  else tile_block<1, 1>(steps, a, sa, b, sb, c, lc, load);
+}
+
+// Per-thread staging for tails: A rows (16, D) and B columns (D / 2, 16), zero-padded.
+struct Staging {
+  std::vector<uint16_t> a;
+  std::vector<uint32_t> b;
+};
+thread_local Staging t_stage;
+
+// A tile source for rows [m, m + 16) of A (rows at lda elements): in place when all 16 exist,
+// else the rows that do, staged with zero rows after them.
+const char* a_tile(const uint16_t* A, int64_t lda, int64_t M, int64_t m, int64_t D,
+                   std::vector<uint16_t>& stage, int64_t* stride) {
+  if (m + 16 <= M) {
+    *stride = lda * 2;
+    return reinterpret_cast<const char*>(A + m * lda);
+  }
+  stage.assign(static_cast<size_t>(16 * D), 0);
+  for (int64_t r = m; r < M; ++r)
+    std::memcpy(stage.data() + (r - m) * D, A + r * lda, static_cast<size_t>(D) * 2);
+  *stride = D * 2;
+  return reinterpret_cast<const char*>(stage.data());
+}
+
+// B tile source for columns [n, n + 16) of B (pairs rows at ldb words): in place when all 16
+// exist, else staged with zero columns.
+const char* b_tile(const uint32_t* B, int64_t ldb, int64_t N, int64_t n, int64_t pairs,
+                   std::vector<uint32_t>& stage, int64_t* stride) {
+  if (n + 16 <= N) {
+    *stride = ldb * 4;
+    return reinterpret_cast<const char*>(B + n);
+  }
+  stage.assign(static_cast<size_t>(pairs * 16), 0u);
+  for (int64_t t = 0; t < pairs; ++t)
+    std::memcpy(stage.data() + t * 16, B + t * ldb + n, static_cast<size_t>(N - n) * 4);
+  *stride = 64;
+  return reinterpret_cast<const char*>(stage.data());
+}
+
+}  // namespace
+
+ATTN_EXT_AMX void scores_amx(int64_t M, int64_t N, int64_t D, const uint16_t* A, int64_t lda,
+                             const uint32_t* B, int64_t ldb, float scale, float* C, int64_t ldc) {
+  if (M <= 0 || N <= 0) return;
+  Tiles tiles;
+  const int64_t steps = D / 32, pairs = D / 2;
+  alignas(64) float sums[32 * 32];
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int64_t n0 = 0; n0 < N; n0 += 32) {
+    const int nt = n0 + 16 < N ? 2 : 1;
+    const char* b[2];
+    int64_t sb[2];
+    b[0] = b_tile(B, ldb, N, n0, pairs, t_stage.b, &sb[0]);
+    // (only the last tile of a row or column can be a tail, so one staging buffer each)
+    if (nt > 1) b[1] = b_tile(B, ldb, N, n0 + 16, pairs, t_stage.b, &sb[1]);
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+      const int mt = m0 + 16 < M ? 2 : 1;
+      const char* a[2];
+      int64_t sa[2];
+      a[0] = a_tile(A, lda, M, m0, D, t_stage.a, &sa[0]);
+      if (mt > 1) a[1] = a_tile(A, lda, M, m0 + 16, D, t_stage.a, &sa[1]);
+      run_block(mt, nt, steps, a, sa, b, sb, reinterpret_cast<char*>(sums), 32 * 4, false);
+      const int64_t rows = std::min<int64_t>(32, M - m0);
+      const int64_t cols = std::min<int64_t>(32, N - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* c = C + (m0 + r) * ldc + n0;
+        for (int64_t j = 0; j < cols; j += 16) {
+          const __mmask16 k = lanes16(cols - j);
+          _mm512_mask_storeu_ps(c + j, k, _mm512_mul_ps(_mm512_load_ps(sums + r * 32 + j), vs));
+        }
+      }
+    }
+  }
+}
+
+ATTN_EXT_AMX void scores_amx_diag(int64_t n, int64_t D, const uint16_t* A, int64_t lda,
+                                  const uint32_t* B, int64_t ldb, int64_t N, float* out) {
+  if (n <= 0) return;
+  Tiles tiles;
+  const int64_t steps = D / 32, pairs = D / 2;
+  alignas(64) float sums[16 * 16];
+  for (int64_t m0 = 0; m0 < n; m0 += 16) {
+    const char* a[1];
+    const char* b[1];
+    int64_t sa[1], sb[1];
+    a[0] = a_tile(A, lda, n, m0, D, t_stage.a, &sa[0]);
+    b[0] = b_tile(B, ldb, N, m0, pairs, t_stage.b, &sb[0]);
+    tile_block<1, 1>(steps, a, sa, b, sb, reinterpret_cast<char*>(sums), 64, false);
+    for (int64_t r = 0; r < std::min<int64_t>(16, n - m0); ++r) out[m0 + r] = sums[r * 16 + r];
+  }
+}
+
+ATTN_EXT_AMX void pack_vt_pairs(const uint16_t* v, int64_t row_stride, int64_t nk, int64_t Dv,
+                                uint32_t* vt, int64_t ldvt, bool* finite) {
+  // keys [0, nk) of 32 * ceil(nk / 32); the rest zero
+  const int64_t kp_end = (nk + 31) / 32 * 16;
+  bool fin = true;
+  alignas(64) uint32_t w[16 * 16];
+  for (int64_t kp0 = 0; kp0 < kp_end; kp0 += 16) {
+    for (int64_t d0 = 0; d0 < Dv; d0 += 16) {
+      // w[kp][d] = (v[2 kp][d], v[2 kp + 1][d]) for 16 pairs and 16 columns, then transposed
+      for (int64_t kp = 0; kp < 16; ++kp) {
+        const int64_t r0 = 2 * (kp0 + kp), r1 = r0 + 1;
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        if (r0 < nk)
+          lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + r0 * row_stride + d0)));
+        if (r1 < nk)
+          hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + r1 * row_stride + d0)));
+        const __m512i x = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+        // a bf16 is not finite where its exponent bits are all ones
+        const __m512i lo_e = _mm512_and_si512(x, _mm512_set1_epi32(0x7f80));
+        const __m512i hi_e = _mm512_and_si512(x, _mm512_set1_epi32(0x7f800000));
+        fin = fin && _mm512_cmpeq_epi32_mask(lo_e, _mm512_set1_epi32(0x7f80)) == 0 &&
+              _mm512_cmpeq_epi32_mask(hi_e, _mm512_set1_epi32(0x7f800000)) == 0;
+        _mm512_store_si512(w + kp * 16, x);
+      }
+      for (int64_t d = 0; d < 16; ++d) {
+        uint32_t* dst = vt + (d0 + d) * ldvt + kp0;
+        for (int64_t kp = 0; kp < 16; ++kp) dst[kp] = w[kp * 16 + d];
+      }
+    }
+  }
+  *finite = fin;
+}
+
+ATTN_EXT_AMX void probs_to_pairs(const float* st, int64_t ld, int64_t r_begin, int64_t r_end,
+                                 int64_t rows, int64_t cols, uint32_t* pp, int64_t ldp) {
+  // pair row kp of keys (2 kp, 2 kp + 1) - r_begin ... : rows outside [r_begin, r_end) are zero
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                       16, 0);
+  for (int64_t kp = 0; kp < rows / 2; ++kp) {
+    const int64_t r0 = 2 * kp, r1 = r0 + 1;
+    const bool in0 = r0 >= r_begin && r0 < r_end, in1 = r1 >= r_begin && r1 < r_end;
+    uint32_t* dst = pp + kp * ldp;
+    for (int64_t c = 0; c < ldp; c += 16) {
+      const __mmask16 k = lanes16(cols - c);
+      const __m512 a = in0 ? _mm512_maskz_loadu_ps(k, st + (r0 - r_begin) * ld + c) : _mm512_setzero_ps();
+      const __m512 b = in1 ? _mm512_maskz_loadu_ps(k, st + (r1 - r_begin) * ld + c) : _mm512_setzero_ps();
+      // (b's 16 bf16 high, a's low), interleaved into 16 words (a[c], b[c])
+      const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+      _mm512_storeu_si512(dst + c, _mm512_permutexvar_epi16(idx, ab));
+    }
+  }
+}
+
+ATTN_EXT_AMX void pv_amx(int64_t Dv, int64_t C16, int64_t kpairs, const uint32_t* vt,
+                         int64_t ldvt, const uint32_t* pp, float* ot, int64_t ldo) {
+  Tiles tiles;
+  const int64_t steps = kpairs / 16;
+  for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
+    const int mt = d0 + 16 < Dv ? 2 : 1;
+    const char* a[2] = {reinterpret_cast<const char*>(vt + d0 * ldvt),
+                        reinterpret_cast<const char*>(vt + (d0 + 16) * ldvt)};
+    const int64_t sa[2] = {ldvt * 4, ldvt * 4};
+    for (int64_t c0 = 0; c0 < C16; c0 += 32) {
+      const int nt = c0 + 16 < C16 ? 2 : 1;
+      const char* b[2] = {reinterpret_cast<const char*>(pp + c0),
+                          reinterpret_cast<const char*>(pp + c0 + 16)};
+      const int64_t sb[2] = {C16 * 4, C16 * 4};
+      run_block(mt, nt, steps, a, sa, b, sb, reinterpret_cast<char*>(ot + d0 * ldo + c0), ldo * 4,
+                true);
+    }
+  }
+}
+
+ATTN_EXT_AMX void scale_cols(float* ot, int64_t rows, int64_t ld, int64_t cols,
+                             const float* alpha) {
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 k = lanes16(cols - c);
+    const __m512 a = _mm512_maskz_loadu_ps(k, alpha + c);
+    if (_mm512_cmpneq_ps_mask(a, _mm512_set1_ps(1.f)) & k) {
+      for (int64_t r = 0; r < rows; ++r) {
+        float* x = ot + r * ld + c;
+        _mm512_mask_storeu_ps(x, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x), a));
+      }
+    }
+  }
+}
+
+#else  // no AMX in this compiler / target: amx_enabled() is false, never called
+
+void scores_amx(int64_t, int64_t, int64_t, const uint16_t*, int64_t, const uint32_t*, int64_t,
+                float, float*, int64_t) {
+  std::abort();
+}
+void scores_amx_diag(int64_t, int64_t, const uint16_t*, int64_t, const uint32_t*, int64_t,
+                     int64_t, float*) {
+  std::abort();
+}
+void pack_vt_pairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*, int64_t, bool*) {
+  std::abort();
+}
+void probs_to_pairs(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t*,
+                    int64_t) {
+  std::abort();
+}
+void pv_amx(int64_t, int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, float*,
+            int64_t) {
+  std::abort();
+}
+void scale_cols(float*, int64_t, int64_t, int64_t, const float*) { std::abort(); }
+
+#endif  // ATTN_EXT_HAVE_AMX_PATH
+
+}  // namespace mk
+}  // namespace attn_ext
