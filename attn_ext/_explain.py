@@ -349,6 +349,9 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
         plan["bf16_pv"] = cpu_bf16_pv(dtype, s.Dv)
         if plan["bf16_pv"] == "amx":
             why += "; o += p v on AMX tiles (p rounded to bf16, as PyTorch's bf16 flash kernel)"
+        # the backward's dk += dS^T q and dv += P^T dout (QueryPackLayout amx_dk / amx_dv)
+        plan["bf16_dk"] = cpu_bf16_pv(dtype, s.D)
+        plan["bf16_dv"] = plan["bf16_pv"]
     if s.B * s.Hkv >= threads or s.Sk <= CPU_BLOCK_K:
         bwd_why = (f"fused per (batch, kv head) ({s.B * s.Hkv} unit(s), {threads} threads): each "
                    f"unit walks its query blocks and key tiles of {CPU_BLOCK_K}, owning the dq, "

@@ -1,7 +1,8 @@
 """bf16 products on AMX tiles in the tiled CPU kernels (csrc/cpu/attention_amx.cpp, where the CPU
 has AMX-TILE + AMX-BF16; ATTN_EXT_CPU_AMX=0 turns them off): the forward's scores (D a multiple
 of 32) and its o += p v (Dv a multiple of 16), the backward's recomputed scores, its dP and the row
-term Di, against the float64 textbook by the tolerance rule. The cases reach every tail the tiles
+term Di, its dv += P^T dout (Dv a multiple of 16) and dk += dS^T q (D a multiple of 16), against
+the float64 textbook by the tolerance rule. The cases reach every tail the tiles
 stage (rows and columns not multiples of 16, key tiles that start off a 32-key block: windows,
 the split-KV forward), the paths that keep one product off the tiles (D or Dv not a multiple),
 inf / NaN in v's hidden keys (the key-by-key sum), the score terms, and the thread counts."""
@@ -32,8 +33,9 @@ CASES = [
     (1, 150, 150, 1, 1, 96, 96, dict(causal=True)),           # one head: whole partial tiles
     (1, 300, 300, 2, 1, 64, 64, dict(causal=True, window=(50, 0))),  # key tiles off the blocks
     (1, 9, 700, 8, 2, 64, 64, dict(causal=False)),            # few rows: the split-KV forward
-    (1, 77, 77, 3, 3, 64, 40, dict(causal=True)),             # scores on tiles, p v widened
-    (1, 50, 50, 2, 2, 40, 64, dict(causal=True)),             # scores off the tiles, p v on
+    (1, 77, 77, 3, 3, 64, 40, dict(causal=True)),             # scores, dk on tiles; p v, dv not
+    (1, 50, 50, 2, 2, 40, 64, dict(causal=True)),             # scores, dk off the tiles; p v, dv on
+    (1, 60, 60, 2, 2, 48, 59, dict(causal=True, window=(7, 0))),  # dk only (D 48, Dv odd)
     (2, 33, 47, 2, 2, 32, 16, dict(causal=False)),            # 1-tile rows and columns
 ]
 
@@ -45,6 +47,8 @@ def test_amx_against_textbook(B, Sq, Sk, H, Hkv, D, Dv, kw):
     assert choice.forward in ("cpu.tiled", "cpu.split_kv")
     assert (choice.details["bf16_scores"] == "amx") == (D % 32 == 0)
     assert (choice.details["bf16_pv"] == "amx") == (Dv % 16 == 0)
+    assert choice.details["bf16_dk"] == ("amx" if D % 16 == 0 else "widened")
+    assert choice.details["bf16_dv"] == ("amx" if Dv % 16 == 0 else "widened")
     _check(q, k, v, kw)
 
 

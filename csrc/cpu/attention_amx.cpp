@@ -46,6 +46,19 @@ bool amx_pv_for(int64_t Dv) {
          !cpu::env_is("ATTN_EXT_CPU_AMX", "0");
 }
 
+void pack_row_pairs(const uint16_t* rows, int64_t stride, int64_t n_rows, int64_t cols,
+                    uint32_t* out, int64_t ldo, int64_t pair_rows) {
+  for (int64_t t = 0; t < pair_rows; ++t) {
+    const int64_t r0 = 2 * t, r1 = r0 + 1;
+    uint32_t* dst = out + t * ldo;
+    for (int64_t n = 0; n < cols; ++n) {
+      const uint32_t lo = r0 < n_rows ? rows[r0 * stride + n] : 0u;
+      const uint32_t hi = r1 < n_rows ? rows[r1 * stride + n] : 0u;
+      dst[n] = lo | (hi << 16);
+    }
+  }
+}
+
 #if ATTN_EXT_HAVE_AMX_PATH
 
 namespace {
@@ -298,6 +311,50 @@ ATTN_EXT_AMX void pv_amx(int64_t Dv, int64_t C16, int64_t kpairs, const uint32_t
   }
 }
 
+ATTN_EXT_AMX void rows_times_pairs_amx(int64_t M, int64_t N, int64_t K, const float* A,
+                                      int64_t lda, const uint32_t* B, int64_t ldb, float* C,
+                                      int64_t ldc) {
+  if (M <= 0 || N <= 0 || K <= 0) return;
+  const int64_t steps = (K + 31) / 32, Kp = 32 * steps, M16 = (M + 15) / 16 * 16;
+  // A's rows as bf16 (round to nearest even), zero-padded to (M16, Kp)
+  std::vector<uint16_t>& ab = t_stage.a;
+  ab.resize(static_cast<size_t>(M16 * Kp));
+  for (int64_t r = 0; r < M16; ++r) {
+    uint16_t* dst = ab.data() + r * Kp;
+    for (int64_t c = 0; c < Kp; c += 16) {
+      const __mmask16 k = r < M ? lanes16(K - c) : __mmask16(0);
+      const __m512 x = _mm512_maskz_loadu_ps(k, A + r * lda + c);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), (__m256i)_mm512_cvtneps_pbh(x));
+    }
+  }
+  Tiles tiles;
+  alignas(64) float ctmp[32 * 32];
+  for (int64_t m0 = 0; m0 < M; m0 += 32) {
+    const int mt = m0 + 16 < M ? 2 : 1;
+    const char* a[2] = {reinterpret_cast<const char*>(ab.data() + m0 * Kp),
+                        reinterpret_cast<const char*>(ab.data() + (m0 + 16) * Kp)};
+    const int64_t sa[2] = {Kp * 2, Kp * 2};
+    const int64_t rows = std::min<int64_t>(16 * mt, M - m0);
+    for (int64_t n0 = 0; n0 < N; n0 += 32) {
+      const int nt = n0 + 16 < N ? 2 : 1;
+      const char* b[2] = {reinterpret_cast<const char*>(B + n0),
+                          reinterpret_cast<const char*>(B + n0 + 16)};
+      const int64_t sb[2] = {ldb * 4, ldb * 4};
+      float* c = C + m0 * ldc + n0;
+      if (rows == 16 * mt) {
+        run_block(mt, nt, steps, a, sa, b, sb, reinterpret_cast<char*>(c), ldc * 4, true);
+        continue;
+      }
+      // a tail of rows: the sums of the rows that exist, staged (the others stay zero)
+      const int64_t w = 16 * nt;
+      std::fill(ctmp, ctmp + 32 * 32, 0.f);
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(ctmp + r * 32, c + r * ldc, w * 4);
+      run_block(mt, nt, steps, a, sa, b, sb, reinterpret_cast<char*>(ctmp), 32 * 4, true);
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(c + r * ldc, ctmp + r * 32, w * 4);
+    }
+  }
+}
+
 ATTN_EXT_AMX void scale_cols(float* ot, int64_t rows, int64_t ld, int64_t cols,
                              const float* alpha) {
   for (int64_t c = 0; c < cols; c += 16) {
@@ -334,6 +391,10 @@ void pv_amx(int64_t, int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*
   std::abort();
 }
 void scale_cols(float*, int64_t, int64_t, int64_t, const float*) { std::abort(); }
+void rows_times_pairs_amx(int64_t, int64_t, int64_t, const float*, int64_t, const uint32_t*,
+                          int64_t, float*, int64_t) {
+  std::abort();
+}
 
 #endif  // ATTN_EXT_HAVE_AMX_PATH
 

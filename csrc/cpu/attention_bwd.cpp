@@ -123,16 +123,21 @@ struct BwdScratch {
 //                        mk::scores_bf16dp, as the forward's; only where pairs, else empty)
 //   dp   (Dv / 2, kBlockQ) dout's bf16 pairs (pass 4 by mk::scores_bf16dp, and Di in its
 //                        chains; only where dout_pairs, else empty)
+//   qn   (kBlockQ / 2, D) q's rows paired (mk::pack_row_pairs: pass 6 on AMX tiles; amx_dk)
+//   dn   (kBlockQ / 2, Dv) dout's rows paired (pass 3 on AMX tiles; amx_dv)
 //
 // P = exp(s - lse) must reproduce the forward's probabilities, whose rounding the forward's
 // out and lse carry: the scores s are the forward's own (same scale folded into q, same FMA
 // order), in the units lse is stored in, so in a row whose probability sits on one key
 // lse == s there and P = 1 as in the forward (issue 18 item 8).
 struct QueryPackLayout {
-  int64_t qt, qr, qs, dot, dor, lse, di, fin, qp, dp, size;
+  int64_t qt, qr, qs, dot, dor, lse, di, fin, qp, dp, qn, dn, size;
   bool amx = false;     // the pairs' products (pass 1) on AMX tiles (mk::amx_for(D)), as the forward's
   bool amx_dp = false;  // pass 4 and Di on AMX tiles (mk::amx_for(Dv))
-  QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp, bool pairs, bool dout_pairs)
+  bool amx_dk = false;  // pass 6 (dk += dS^T q) on AMX tiles (mk::amx_pv_for(D)): qn
+  bool amx_dv = false;  // pass 3 (dv += P^T dout) on AMX tiles (mk::amx_pv_for(Dv)): dn
+  QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp, bool pairs, bool dout_pairs,
+                  bool q_rows_pairs = false, bool dout_rows_pairs = false)
       : qt(0),
         qr(qt + D * kBlockQ),
         qs(qr + kBlockQ * Dp),
@@ -143,9 +148,13 @@ struct QueryPackLayout {
         fin(di + kBlockQ),
         qp(fin + 8),
         dp(qp + (pairs ? D / 2 * kBlockQ : 0)),
-        size(dp + (dout_pairs ? Dv / 2 * kBlockQ : 0)) {}
+        qn(dp + (dout_pairs ? Dv / 2 * kBlockQ : 0)),
+        dn(qn + (q_rows_pairs ? kBlockQ / 2 * D : 0)),
+        size(dn + (dout_rows_pairs ? kBlockQ / 2 * Dv : 0)),
+        amx_dk(q_rows_pairs),
+        amx_dv(dout_rows_pairs) {}
   bool has_q_pairs() const { return dp > qp; }
-  bool has_dout_pairs() const { return size > dp; }
+  bool has_dout_pairs() const { return qn > dp; }
 };
 
 // Packs rows [i0, i0 + nq) of head h of sequence b into blk (layout L; blk starts zeroed and
@@ -229,6 +238,14 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
   for (int64_t ii = 0; dlse != nullptr && ii < nq; ++ii) blk[L.di + ii] -= dlse[stat + ii];
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
     if (L.has_q_pairs()) pack_pairs(qh, p.q_row_stride, D, L.qp);
+    if (L.amx_dk) {
+      mk::pack_row_pairs(reinterpret_cast<const uint16_t*>(qh), p.q_row_stride, nq, D,
+                         reinterpret_cast<uint32_t*>(blk + L.qn), D, kBlockQ / 2);
+    }
+    if (L.amx_dv) {
+      mk::pack_row_pairs(reinterpret_cast<const uint16_t*>(dh), bp.dout_row_stride, nq, Dv,
+                         reinterpret_cast<uint32_t*>(blk + L.dn), Dv, kBlockQ / 2);
+    }
   }
   // qt = scale * q^T and dot = dout^T from the converted rows (one rounding, as the forward's qt)
   mk::transpose_rows<acc_t>(qr, Dp, nq, D, qscale, true, qt, kBlockQ);
@@ -444,6 +461,30 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
       K.ds(s.st.data(), s.dpt.data(), nk, C, di);
     }
   };
+  // pass 3: dvt rows [r0, r0 + nr) += P^T dout over queries [c0, c0 + n); on AMX tiles (bf16,
+  // L.amx_dv) the whole tile, P rounded to bf16 (as the forward's o += p v)
+  auto pass3 = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (L.amx_dv) {
+        mk::rows_times_pairs_amx(nk, Dv, nq, pv, C, reinterpret_cast<const uint32_t*>(blk + L.dn),
+                                 Dv, dvt, ldv);
+        return;
+      }
+    }
+    K.gemm(nr, Dvp, n, pv + r0 * C + c0, C, 1, dor + c0 * Dvp, Dvp, dvt + r0 * ldv, ldv, true);
+  };
+  // pass 6: dkt rows += dS^T q likewise (L.amx_dk: dS rounded to bf16)
+  auto pass6 = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (L.amx_dk) {
+        mk::rows_times_pairs_amx(nk, D, nq, s.dpt.data(), C,
+                                 reinterpret_cast<const uint32_t*>(blk + L.qn), D, dkt, ldk);
+        return;
+      }
+    }
+    K.gemm(nr, Dp, n, s.dpt.data() + r0 * C + c0, C, 1, qr + c0 * Dp, Dp, dkt + r0 * ldk, ldk,
+           true);
+  };
   if (kind == TileKind::kFull) {
     // Every (key, query) pair of the tile is visible.
     if (decode_order) {
@@ -457,11 +498,11 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
       dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, terms.dropout_col(j0), rk,
                    s.words.data(), thresh, inv_keep);
     }
-    if (dvt != nullptr) K.gemm(nk, Dvp, nq, pv, C, 1, dor, Dvp, dvt, ldv, true);      // pass 3
+    if (dvt != nullptr) pass3(0, nk, 0, nq);                                          // pass 3
     pass4_tiled(0, nk, 0, C);                                                         // pass 4
     pass5();                                                                          // pass 5
     if (with_terms) pt.grad(s.dpt.data(), th, acc.db);
-    if (dkt != nullptr) K.gemm(nk, Dp, nq, s.dpt.data(), C, 1, qr, Dp, dkt, ldk, true);    // 6
+    if (dkt != nullptr) pass6(0, nk, 0, nq);                                          // pass 6
     if (dqt != nullptr) K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kbp, Dp, dqt, Dp, true);  // 7
     return;
   }
@@ -565,20 +606,22 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     }
     return;
   }
-  for (int64_t r0 = 0; r0 < nk && (dvt != nullptr || dkt != nullptr); r0 += 6) {
+  // on AMX tiles: the whole tile, with P and dS exactly 0 at the hidden pairs (dS is above; P
+  // there is exp(-inf - lse), NaN where a row's lse is not finite) and q, k, dout finite
+  if (dvt != nullptr && L.amx_dv) {
+    mask(const_cast<acc_t*>(pv), acc_t(0));
+    pass3(0, nk, 0, nq);
+  }
+  if (dkt != nullptr && L.amx_dk) pass6(0, nk, 0, nq);
+  for (int64_t r0 = 0; r0 < nk && ((dvt != nullptr && !L.amx_dv) || (dkt != nullptr && !L.amx_dk));
+       r0 += 6) {
     const int64_t nr = std::min<int64_t>(6, nk - r0);
     const Range pc = panel(r0, nr);
     if (pc.lo >= pc.hi) continue;
     // pass 3: dvt += P^T dout over the queries that see each 6 keys
-    if (dvt != nullptr) {
-      K.gemm(nr, Dvp, pc.hi - pc.lo, pv + r0 * C + pc.lo, C, 1, dor + pc.lo * Dvp, Dvp,
-             dvt + r0 * ldv, ldv, true);
-    }
+    if (dvt != nullptr && !L.amx_dv) pass3(r0, nr, pc.lo, pc.hi - pc.lo);
     // pass 6: dkt += dS^T q over the queries that see each 6 keys
-    if (dkt != nullptr) {
-      K.gemm(nr, Dp, pc.hi - pc.lo, s.dpt.data() + r0 * C + pc.lo, C, 1, qr + pc.lo * Dp, Dp,
-             dkt + r0 * ldk, ldk, true);
-    }
+    if (dkt != nullptr && !L.amx_dk) pass6(r0, nr, pc.lo, pc.hi - pc.lo);
   }
   // pass 7: dqt rows += dS k over the keys each 6 queries see
   for (int64_t c0 = 0; c0 < nq && dqt != nullptr; c0 += 6) {
@@ -667,7 +710,9 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const bool bf16dp = mk::bf16_scores_by_pairs(std::is_same_v<scalar_t, c10::BFloat16>, p.D);
   // ... and pass 4, dP = dout v^T, whose operands are bf16 too (Dv even)
   const bool bf16dp4 = mk::bf16_scores_by_pairs(std::is_same_v<scalar_t, c10::BFloat16>, p.Dv);
-  QueryPackLayout L(p.D, p.Dv, Dp, Dvp, bf16dp, bf16dp4);
+  constexpr bool is_bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  QueryPackLayout L(p.D, p.Dv, Dp, Dvp, bf16dp, bf16dp4, is_bf16 && mk::amx_pv_for(p.D),
+                    is_bf16 && mk::amx_pv_for(p.Dv));
   L.amx = bf16dp && mk::amx_for(p.D);
   L.amx_dp = bf16dp4 && mk::amx_for(p.Dv);
   const ScoreTerms terms = p.score_terms();

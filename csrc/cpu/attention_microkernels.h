@@ -343,6 +343,16 @@ void probs_to_pairs(const float* st, int64_t ld, int64_t r_begin, int64_t r_end,
 void pv_amx(int64_t Dv, int64_t C16, int64_t kpairs, const uint32_t* vt, int64_t ldvt,
             const uint32_t* pp, float* ot, int64_t ldo);
 
+// C (M, N; ldc floats) += A (M, K) B: A's rows fp32 (lda), rounded to bf16 (columns at or past
+// K read as 0), B bf16 pairs of K's rows (ceil(K / 32) * 16 pair rows of N words, ldb; rows past
+// K zero: pack_row_pairs), N a multiple of 16: the backward's dv += P^T dout and dk += dS^T q.
+void rows_times_pairs_amx(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                          const uint32_t* B, int64_t ldb, float* C, int64_t ldc);
+// out[t * ldo + n] = (rows[2 t][n], rows[2 t + 1][n]) as one word for t < pair_rows, n < cols;
+// rows at or past n_rows zero (plain C++).
+void pack_row_pairs(const uint16_t* rows, int64_t stride, int64_t n_rows, int64_t cols,
+                    uint32_t* out, int64_t ldo, int64_t pair_rows);
+
 // x[r * ld + c] *= alpha[c] for r < rows, c < cols (16 columns at a time, skipping those
 // whose alpha are all 1): the online softmax's rescale of o^T.
 void scale_cols(float* x, int64_t rows, int64_t ld, int64_t cols, const float* alpha);
