@@ -13,7 +13,7 @@ import torch
 import attn_ext
 from attn_ext._explain import cpu_amx_enabled
 from tests.test_bf16dp import _check, _ref, _run
-from tests.utils import assert_close_rule
+from tests.utils import assert_close_rule, with_threads
 
 pytestmark = pytest.mark.skipif(not cpu_amx_enabled(), reason="no AMX on this CPU")
 
@@ -136,15 +136,9 @@ def test_amx_threads(threads):
     depend on the thread count (no split-KV at this shape), and the backward matches the
     textbook with the fused and the split partition; repeated runs give the same bits."""
     q, k, v = _qkv(1, 256, 256, 2, 1, 64, 64, 5)
-    prev = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = attn_ext.attention(q, k, v, causal=True, return_lse=True)
-        torch.set_num_threads(threads)
-        _check(q, k, v, dict(causal=True))
-        many = attn_ext.attention(q, k, v, causal=True, return_lse=True)
-        again = attn_ext.attention(q, k, v, causal=True, return_lse=True)
-    finally:
-        torch.set_num_threads(prev)
+    fwd = lambda: attn_ext.attention(q, k, v, causal=True, return_lse=True)  # noqa: E731
+    one = with_threads(1, fwd)
+    with_threads(threads, lambda: _check(q, k, v, dict(causal=True)))
+    many, again = with_threads(threads, fwd), with_threads(threads, fwd)
     assert all(torch.equal(x, y) for x, y in zip(one, many))
     assert all(torch.equal(x, y) for x, y in zip(many, again))

@@ -200,6 +200,7 @@ ATTN_EXT_AMX void scores_amx(int64_t M, int64_t N, int64_t D, const uint16_t* A,
     b[0] = b_tile(B, ldb, N, n0, pairs, t_stage.b, &sb[0]);
     // (only the last tile of a row or column can be a tail, so one staging buffer each)
     if (nt > 1) b[1] = b_tile(B, ldb, N, n0 + 16, pairs, t_stage.b, &sb[1]);
+    // the A side as the B side above (same shape on purpose: rows where B has columns)
     for (int64_t m0 = 0; m0 < M; m0 += 32) {
       const int mt = m0 + 16 < M ? 2 : 1;
       const char* a[2];
