@@ -352,6 +352,7 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
         # the backward's dk += dS^T q and dv += P^T dout (QueryPackLayout amx_dk / amx_dv)
         plan["bf16_dk"] = cpu_bf16_pv(dtype, s.D)
         plan["bf16_dv"] = plan["bf16_pv"]
+        plan["bf16_dq"] = plan["bf16_dk"]  # dq^T += k^T dS^T (QueryPackLayout amx_dq)
     if s.B * s.Hkv >= threads or s.Sk <= CPU_BLOCK_K:
         bwd_why = (f"fused per (batch, kv head) ({s.B * s.Hkv} unit(s), {threads} threads): each "
                    f"unit walks its query blocks and key tiles of {CPU_BLOCK_K}, owning the dq, "

@@ -1,8 +1,8 @@
 """bf16 products on AMX tiles in the tiled CPU kernels (csrc/cpu/attention_amx.cpp, where the CPU
 has AMX-TILE + AMX-BF16; ATTN_EXT_CPU_AMX=0 turns them off): the forward's scores (D a multiple
 of 32) and its o += p v (Dv a multiple of 16), the backward's recomputed scores, its dP and the row
-term Di, its dv += P^T dout (Dv a multiple of 16) and dk += dS^T q (D a multiple of 16), against
-the float64 textbook by the tolerance rule. The cases reach every tail the tiles
+term Di, its dv += P^T dout (Dv a multiple of 16), dk += dS^T q and dq^T += k^T dS^T (D a
+multiple of 16), against the float64 textbook by the tolerance rule. The cases reach every tail the tiles
 stage (rows and columns not multiples of 16, key tiles that start off a 32-key block: windows,
 the split-KV forward), the paths that keep one product off the tiles (D or Dv not a multiple),
 inf / NaN in v's hidden keys (the key-by-key sum), the score terms, and the thread counts."""
@@ -49,6 +49,7 @@ def test_amx_against_textbook(B, Sq, Sk, H, Hkv, D, Dv, kw):
     assert (choice.details["bf16_pv"] == "amx") == (Dv % 16 == 0)
     assert choice.details["bf16_dk"] == ("amx" if D % 16 == 0 else "widened")
     assert choice.details["bf16_dv"] == ("amx" if Dv % 16 == 0 else "widened")
+    assert choice.details["bf16_dq"] == choice.details["bf16_dk"]
     _check(q, k, v, kw)
 
 
@@ -142,3 +143,27 @@ def test_amx_threads(threads):
     many, again = with_threads(threads, fwd), with_threads(threads, fwd)
     assert all(torch.equal(x, y) for x, y in zip(one, many))
     assert all(torch.equal(x, y) for x, y in zip(many, again))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_amx_hidden_non_finite_k_leaves_every_other_gradient_bitwise_alone(bad):
+    """A padded key whose k holds inf / NaN: every row's out, lse and dq and every other key's
+    dk and dv are bitwise those of a finite value there. The tiles take k's non-finite entries as
+    0 (dq, dS 0 at the hidden pairs) and dk / dv stay on the tiles (they read no k)."""
+    B, S, H, D = 1, 200, 2, 64
+    q, k, v = _qkv(B, S, S, H, H, D, D, 21)
+    dout = torch.randn(B, S, H, D).bfloat16()
+    kpm = torch.ones(B, S, dtype=torch.bool)
+    kpm[:, 130] = False
+
+    def run(val):
+        kk = k.clone()
+        kk[:, 130, :, 3] = val
+        return _run(q, kk, v, dout, dict(key_padding_mask=kpm, causal=True))
+
+    base, dirty = run(0.5), run(bad)
+    keep = torch.arange(S) != 130
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), dirty, base):
+        if name in ("dk", "dv"):
+            a, b = a[:, keep], b[:, keep]
+        assert torch.equal(a, b), name

@@ -59,6 +59,18 @@ void pack_row_pairs(const uint16_t* rows, int64_t stride, int64_t n_rows, int64_
   }
 }
 
+void zero_nonfinite_pairs(const uint32_t* src, int64_t rows, int64_t cols, int64_t lds,
+                          uint32_t* dst, int64_t ldd) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t t = 0; t < cols; ++t) {
+      uint32_t w = src[r * lds + t];
+      if ((w & 0x7f80u) == 0x7f80u) w &= 0xffff0000u;
+      if ((w & 0x7f800000u) == 0x7f800000u) w &= 0x0000ffffu;
+      dst[r * ldd + t] = w;
+    }
+  }
+}
+
 #if ATTN_EXT_HAVE_AMX_PATH
 
 namespace {

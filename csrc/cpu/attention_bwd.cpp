@@ -76,6 +76,11 @@ struct BwdScratch {
   // The work unit's dk / dv accumulators, (Sk, Dp) then (Sk, Dvp), when the gradients' rows lie
   // apart in memory (unit_rows in attention_bwd_kernel; sized on the unit's first use).
   AlignedVec<acc_t> unit_kv;
+  // pass 7 on AMX tiles (QueryPackLayout::amx_dq): the key tile's k^T as bf16 key pairs
+  // (D, kKeyPairs; mk::pack_vt_pairs, once per key tile) and dS^T as bf16 key pairs
+  // (kKeyPairs, kBlockQ; mk::probs_to_pairs, per pair of tiles)
+  static constexpr int64_t kKeyPairs = ceil_div(kBlockK, 32) * 16;
+  AlignedVec<uint32_t> kpt, dsp;
 
   BwdScratch(int64_t D, int64_t Dv, int64_t pack_size, const ScoreTerms& terms, bool decode_order,
              bool decode_pairs)
@@ -136,6 +141,8 @@ struct QueryPackLayout {
   bool amx_dp = false;  // pass 4 and Di on AMX tiles (mk::amx_for(Dv))
   bool amx_dk = false;  // pass 6 (dk += dS^T q) on AMX tiles (mk::amx_pv_for(D)): qn
   bool amx_dv = false;  // pass 3 (dv += P^T dout) on AMX tiles (mk::amx_pv_for(Dv)): dn
+  bool amx_dq = false;  // pass 7 on AMX tiles as dq^T += k^T dS^T (mk::amx_pv_for(D)): the
+                        // job's dq accumulator is then (D, kBlockQ), transposed
   QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp, bool pairs, bool dout_pairs,
                   bool q_rows_pairs = false, bool dout_rows_pairs = false)
       : qt(0),
@@ -485,6 +492,20 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     K.gemm(nr, Dp, n, s.dpt.data() + r0 * C + c0, C, 1, qr + c0 * Dp, Dp, dkt + r0 * ldk, ldk,
            true);
   };
+  // pass 7 on the whole tile: dqt += dS k, or (L.amx_dq) dq^T += k^T dS^T on AMX tiles, dS
+  // rounded to bf16 (the job's accumulator transposed, (D, kBlockQ))
+  auto pass7_tile = [&] {
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (L.amx_dq) {
+        const int64_t rows = round_up(nk, 32), C16 = round_up(nq, 16);
+        mk::probs_to_pairs(s.dpt.data(), C, 0, nk, rows, nq, s.dsp.data(), C16);
+        mk::pv_amx(D, C16, rows / 2, s.kpt.data(), BwdScratch<acc_t>::kKeyPairs, s.dsp.data(),
+                   dqt, kBlockQ);
+        return;
+      }
+    }
+    K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kbp, Dp, dqt, Dp, true);
+  };
   if (kind == TileKind::kFull) {
     // Every (key, query) pair of the tile is visible.
     if (decode_order) {
@@ -503,7 +524,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     pass5();                                                                          // pass 5
     if (with_terms) pt.grad(s.dpt.data(), th, acc.db);
     if (dkt != nullptr) pass6(0, nk, 0, nq);                                          // pass 6
-    if (dqt != nullptr) K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kbp, Dp, dqt, Dp, true);  // 7
+    if (dqt != nullptr) pass7_tile();                                                 // pass 7
     return;
   }
   // Partial tile: key j0 + r is seen by the columns [cols(r).lo, cols(r).hi) (band) if it is
@@ -580,20 +601,51 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     acc_t* chain = s.tmp.data();
     Range seen_by[kBlockK];  // the columns that see key r
     for (int64_t r = 0; r < nk; ++r) seen_by[r] = cols(r);
-    for (int64_t r = 0; r < nk && (dvt != nullptr || dkt != nullptr); ++r) {
+    // On AMX tiles, where q and dout are finite (only k is not), dv and dk run as in the dense
+    // path: P and dS are 0 at the hidden pairs, and those products read no k.
+    const bool qd_finite = blk[L.fin] != acc_t(0);
+    const bool dv_tiles = dvt != nullptr && L.amx_dv && qd_finite;
+    const bool dk_tiles = dkt != nullptr && L.amx_dk && qd_finite;
+    if (dv_tiles) {
+      mask(const_cast<acc_t*>(pv), acc_t(0));
+      pass3(0, nk, 0, nq);
+    }
+    if (dk_tiles) pass6(0, nk, 0, nq);
+    for (int64_t r = 0; r < nk && ((dvt != nullptr && !dv_tiles) || (dkt != nullptr && !dk_tiles));
+         ++r) {
       const Range c = seen_by[r];
       if (c.lo >= c.hi) continue;
-      if (dvt != nullptr) {
+      if (dvt != nullptr && !dv_tiles) {
         std::fill(chain, chain + Dv, acc_t(0));
         for (int64_t cc = c.lo; cc < c.hi; ++cc)
           mk::axpy_as_gemm(chain, pv[r * C + cc], dor + cc * Dvp, Dv, fused);
         mk::add_chain(dvt + r * ldv, chain, Dv);
       }
-      if (dkt != nullptr) {
+      if (dkt != nullptr && !dk_tiles) {
         std::fill(chain, chain + D, acc_t(0));
         for (int64_t cc = c.lo; cc < c.hi; ++cc)
           mk::axpy_as_gemm(chain, s.dpt[r * C + cc], qr + cc * Dp, D, fused);
         mk::add_chain(dkt + r * ldk, chain, D);
+      }
+    }
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (dqt != nullptr && L.amx_dq) {
+        // on tiles as the dense path (dS is 0 at the hidden pairs), k's inf / NaN entries taken
+        // as 0 there and each added on its own to the rows that see its key
+        if (!k_finite) {
+          const int64_t kp = round_up(nk, 32) / 2, ldk2 = BwdScratch<acc_t>::kKeyPairs;
+          mk::zero_nonfinite_pairs(s.kpt.data(), D, kp, ldk2, s.kpt.data(), ldk2);
+        }
+        pass7_tile();
+        for (int64_t r = 0; r < nk && !k_finite; ++r) {
+          const Range c = seen_by[r];
+          for (int64_t d = 0; d < D; ++d) {
+            const acc_t x = s.kbp[r * Dp + d];
+            if (std::isfinite(x)) continue;
+            for (int64_t cc = c.lo; cc < c.hi; ++cc) dqt[d * kBlockQ + cc] += s.dpt[r * C + cc] * x;
+          }
+        }
+        return;
       }
     }
     for (int64_t cc = 0; cc < nq && dqt != nullptr; ++cc) {
@@ -623,8 +675,10 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     // pass 6: dkt += dS^T q over the queries that see each 6 keys
     if (dkt != nullptr && !L.amx_dk) pass6(r0, nr, pc.lo, pc.hi - pc.lo);
   }
-  // pass 7: dqt rows += dS k over the keys each 6 queries see
-  for (int64_t c0 = 0; c0 < nq && dqt != nullptr; c0 += 6) {
+  // pass 7: dqt rows += dS k over the keys each 6 queries see (tiles: the whole tile, dS is 0 at
+  // the hidden pairs)
+  if (dqt != nullptr && L.amx_dq) pass7_tile();
+  for (int64_t c0 = 0; c0 < nq && dqt != nullptr && !L.amx_dq; c0 += 6) {
     const int64_t mrows = std::min<int64_t>(6, nq - c0);
     const Range keys = vis.band_keys_of_rows(sq, i0 + c0, i0 + c0 + mrows);
     const int64_t klo = std::clamp<int64_t>(keys.lo - j0, 0, nk);
@@ -639,14 +693,18 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
 // dq rows [i0, i0 + nq) of head h of sequence b = scale * dqt.
 template <typename scalar_t, typename acc_t>
 void write_dq(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64_t h, int64_t i0,
-              int64_t nq, const acc_t* dqt, int64_t Dp) {
+              int64_t nq, const acc_t* dqt, int64_t Dp, bool transposed) {
   const AttentionParams& p = bp.fwd;
   auto* dq = static_cast<scalar_t*>(bp.dq);
   const acc_t scale = static_cast<acc_t>(p.scale);
   for (int64_t ii = 0; ii < nq; ++ii) {
     scalar_t* dst = dq + b * bp.dq_batch_stride + (sq.q0 + i0 + ii) * bp.dq_row_stride +
                     h * bp.dq_head_stride;
-    for (int64_t d = 0; d < p.D; ++d) dst[d] = static_cast<scalar_t>(dqt[ii * Dp + d] * scale);
+    if (transposed) {  // (D, kBlockQ): QueryPackLayout::amx_dq
+      for (int64_t d = 0; d < p.D; ++d) dst[d] = static_cast<scalar_t>(dqt[d * kBlockQ + ii] * scale);
+    } else {
+      for (int64_t d = 0; d < p.D; ++d) dst[d] = static_cast<scalar_t>(dqt[ii * Dp + d] * scale);
+    }
   }
 }
 
@@ -713,6 +771,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   constexpr bool is_bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   QueryPackLayout L(p.D, p.Dv, Dp, Dvp, bf16dp, bf16dp4, is_bf16 && mk::amx_pv_for(p.D),
                     is_bf16 && mk::amx_pv_for(p.Dv));
+  L.amx_dq = L.amx_dk;  // (the same rule: D a multiple of 16)
   L.amx = bf16dp && mk::amx_for(p.D);
   L.amx_dp = bf16dp4 && mk::amx_for(p.Dv);
   const ScoreTerms terms = p.score_terms();
@@ -802,7 +861,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     if (db != nullptr) job.dbj.assign(static_cast<size_t>(nbias), 0.0);
     pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, job.nq, job.blk.data(), s.tmp.data(),
                                       fused_dp, decode_order);
-    std::fill(job.dqt.begin(), job.dqt.begin() + job.nq * Dp, acc_t(0));
+    std::fill(job.dqt.begin(), job.dqt.begin() + (L.amx_dq ? p.D * kBlockQ : job.nq * Dp), acc_t(0));
     if (terms.has_dropout()) {
       for (int64_t c = 0; c < job.nq; ++c) job.rk[c] = terms.dropout_row_key(b, h, i0 + c);
     }
@@ -847,6 +906,17 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
                                           static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride +
                                           hkv * p.v_head_stride + (sq.k0 + j0) * p.v_row_stride)
                                     : nullptr;
+      if (want_dq && L.amx_dq) {  // k^T's pairs for pass 7 on tiles
+        if (s.kpt.empty()) {
+          s.kpt.resize(static_cast<size_t>(p.D * BwdScratch<acc_t>::kKeyPairs));
+          s.dsp.resize(static_cast<size_t>(BwdScratch<acc_t>::kKeyPairs * kBlockQ));
+        }
+        bool fin = true;
+        mk::pack_vt_pairs(reinterpret_cast<const uint16_t*>(
+                              static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride +
+                              hkv * p.k_head_stride + (sq.k0 + j0) * p.k_row_stride),
+                          p.k_row_stride, nk, p.D, s.kpt.data(), BwdScratch<acc_t>::kKeyPairs, &fin);
+      }
       KeyAcc<acc_t> acc{nullptr, 0, nullptr, 0, nullptr};
       if (want_kv) acc = unit_rows ? buffer_acc(s.unit_kv.data(), j0) : key_acc(b, hkv, sq, j0);
       for (int j = 0; j < n_jobs; ++j) {
@@ -888,7 +958,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
         visit(s, n_jobs, sq, b, hkv, 0, n_kb, true, true);
         for (int j = 0; j < n_jobs; ++j) {
           const Job& job = s.jobs[j];
-          write_dq<scalar_t, acc_t>(bp, sq, b, job.h, job.i0, job.nq, job.dqt.data(), Dp);
+          write_dq<scalar_t, acc_t>(bp, sq, b, job.h, job.i0, job.nq, job.dqt.data(), Dp,
+                                    L.amx_dq);
         }
       }
       if (unit_rows) {  // dk = scale * dk accumulator, dv = dv accumulator (the pass below)
@@ -922,7 +993,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       if (i0 >= sq.Sq) return;
       const Job& job = start_job(s, 0, sq, b, h, i0, nullptr);
       visit(s, 1, sq, b, h / group, 0, n_kb, false, true);
-      write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, job.nq, job.dqt.data(), Dp);
+      write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, job.nq, job.dqt.data(), Dp, L.amx_dq);
     });
   }
 

@@ -41,7 +41,7 @@ constexpr double kLn2 = 0.69314718055994530942;
 constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // AlignedVec (64-byte aligned scratch): cpu/aligned_vec.h
-inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+constexpr int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
 // Whether a tile's rows (row_stride elements apart, cols used) may be read in place by the
 // inner products: yes when they are dense (a BHSD view) or their byte stride is not a

@@ -217,14 +217,7 @@ void pass3_amx(const AttentionParams& p, const Visibility& vis, const QueryTile&
     // 0, as with a finite value there: the visible rows keep their bits), then added one by one
     // where their key is visible (full tile: every column, as the fp32 gemm's products)
     s.vclean.resize(static_cast<size_t>(Dv * rows / 2));
-    for (int64_t d = 0; d < Dv; ++d) {
-      for (int64_t t = 0; t < rows / 2; ++t) {
-        uint32_t w = vt[d * ldvt + t];
-        if ((w & 0x7f80u) == 0x7f80u) w &= 0xffff0000u;
-        if ((w & 0x7f800000u) == 0x7f800000u) w &= 0x0000ffffu;
-        s.vclean[d * (rows / 2) + t] = w;
-      }
-    }
+    mk::zero_nonfinite_pairs(vt, Dv, rows / 2, ldvt, s.vclean.data(), rows / 2);
     vt = s.vclean.data();
     ldvt = rows / 2;
   }

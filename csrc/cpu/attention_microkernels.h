@@ -353,6 +353,12 @@ void rows_times_pairs_amx(int64_t M, int64_t N, int64_t K, const float* A, int64
 void pack_row_pairs(const uint16_t* rows, int64_t stride, int64_t n_rows, int64_t cols,
                     uint32_t* out, int64_t ldo, int64_t pair_rows);
 
+// dst = src (rows x cols words of bf16 pairs) with every inf / NaN half set to +0: the pairs a
+// tile product reads where a zero factor must not meet a non-finite value (0 * inf), whose
+// products the caller then adds on its own where they are visible (plain C++).
+void zero_nonfinite_pairs(const uint32_t* src, int64_t rows, int64_t cols, int64_t lds,
+                          uint32_t* dst, int64_t ldd);
+
 // x[r * ld + c] *= alpha[c] for r < rows, c < cols (16 columns at a time, skipping those
 // whose alpha are all 1): the online softmax's rescale of o^T.
 void scale_cols(float* x, int64_t rows, int64_t ld, int64_t cols, const float* alpha);
