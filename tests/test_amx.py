@@ -167,3 +167,18 @@ def test_amx_hidden_non_finite_k_leaves_every_other_gradient_bitwise_alone(bad):
         if name in ("dk", "dv"):
             a, b = a[:, keep], b[:, keep]
         assert torch.equal(a, b), name
+
+
+def test_amx_long_heads_packed_per_tile():
+    """At 16 threads each worker's head-rows share is 512 KiB, so a head of 5000 keys (v^T's pairs:
+    640 KiB at Dv = 64) is packed key tile by key tile instead of once (HeadPairs, whole = false),
+    and the few query tiles run split-KV (chunks that start off the 32-key blocks); the
+    backward's k^T pairs come per key tile either way. All against the textbook."""
+    q, k, v = _qkv(1, 100, 5000, 2, 2, 64, 64, 31)
+
+    def run():
+        assert attn_ext.explain(q, k, v).forward == "cpu.split_kv"
+        _check(q, k, v, dict(causal=False))
+        _check(q, k, v, dict(causal=True, window=(1000, 0)))
+
+    with_threads(16, run)
