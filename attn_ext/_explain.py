@@ -218,13 +218,18 @@ def cpu_amx_enabled() -> bool:
             and "amx_tile" in flags and "amx_bf16" in flags)
 
 
+def _cpu_amx_on() -> bool:
+    """attention_amx.cpp's amx_on(): cpu_amx_enabled() and neither ATTN_EXT_CPU_BF16DP=0 nor
+    ATTN_EXT_CPU_AMX=0."""
+    return (cpu_amx_enabled() and os.environ.get("ATTN_EXT_CPU_BF16DP") != "0"
+            and os.environ.get("ATTN_EXT_CPU_AMX") != "0")
+
+
 def cpu_bf16_amx(depth: int) -> bool:
     """mk::amx_for(depth): the tiled kernels' bf16 products of this depth (the scores q . k at
-    depth D; the backward's dP = dout . v at Dv) on AMX tiles: cpu_amx_enabled(), depth a
-    positive multiple of 32, and neither ATTN_EXT_CPU_BF16DP=0 nor ATTN_EXT_CPU_AMX=0."""
-    return (depth > 0 and depth % 32 == 0 and cpu_amx_enabled()
-            and os.environ.get("ATTN_EXT_CPU_BF16DP") != "0"
-            and os.environ.get("ATTN_EXT_CPU_AMX") != "0")
+    depth D; the backward's dP = dout . v at Dv) on AMX tiles: _cpu_amx_on() and depth a positive
+    multiple of 32."""
+    return depth > 0 and depth % 32 == 0 and _cpu_amx_on()
 
 
 def cpu_bf16_pv(dtype: torch.dtype, Dv: int) -> Optional[str]:
@@ -233,10 +238,7 @@ def cpu_bf16_pv(dtype: torch.dtype, Dv: int) -> Optional[str]:
     and neither switch is 0; else "widened" (fp32 gemm); None for other dtypes."""
     if dtype != torch.bfloat16:
         return None
-    ok = (Dv > 0 and Dv % 16 == 0 and cpu_amx_enabled()
-          and os.environ.get("ATTN_EXT_CPU_BF16DP") != "0"
-          and os.environ.get("ATTN_EXT_CPU_AMX") != "0")
-    return "amx" if ok else "widened"
+    return "amx" if Dv > 0 and Dv % 16 == 0 and _cpu_amx_on() else "widened"
 
 
 def cpu_bf16_scores(dtype: torch.dtype, even: bool = True,

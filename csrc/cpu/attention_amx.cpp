@@ -36,15 +36,17 @@
 namespace attn_ext {
 namespace mk {
 
-bool amx_for(int64_t depth) {
-  return depth > 0 && depth % 32 == 0 && cpu::amx_enabled() && bf16dp_enabled() &&
-         !cpu::env_is("ATTN_EXT_CPU_AMX", "0");
+namespace {
+// The tiles' switches: the CPU has them, bf16 products are not all widened
+// (ATTN_EXT_CPU_BF16DP=0) and ATTN_EXT_CPU_AMX=0 is not set.
+bool amx_on() {
+  return cpu::amx_enabled() && bf16dp_enabled() && !cpu::env_is("ATTN_EXT_CPU_AMX", "0");
 }
+}  // namespace
 
-bool amx_pv_for(int64_t Dv) {
-  return Dv > 0 && Dv % 16 == 0 && cpu::amx_enabled() && bf16dp_enabled() &&
-         !cpu::env_is("ATTN_EXT_CPU_AMX", "0");
-}
+bool amx_for(int64_t depth) { return depth > 0 && depth % 32 == 0 && amx_on(); }
+
+bool amx_pv_for(int64_t Dv) { return Dv > 0 && Dv % 16 == 0 && amx_on(); }
 
 void pack_row_pairs(const uint16_t* rows, int64_t stride, int64_t n_rows, int64_t cols,
                     uint32_t* out, int64_t ldo, int64_t pair_rows) {
@@ -196,6 +198,16 @@ const char* b_tile(const uint32_t* B, int64_t ldb, int64_t N, int64_t n, int64_t
   return reinterpret_cast<const char*>(stage.data());
 }
 
+// The 1 or 2 tiles of a panel starting at i0 of n rows (A) or columns (B): their sources and
+// strides from tile(i, &stride); returns the count. (Only a panel's last tile can be a tail, so
+// one staging buffer per side serves both.)
+template <typename TileFn>
+int panel_tiles(int64_t i0, int64_t n, TileFn tile, const char** src, int64_t* stride) {
+  const int count = i0 + 16 < n ? 2 : 1;
+  for (int t = 0; t < count; ++t) src[t] = tile(i0 + 16 * t, &stride[t]);
+  return count;
+}
+
 }  // namespace
 
 ATTN_EXT_AMX void scores_amx(int64_t M, int64_t N, int64_t D, const uint16_t* A, int64_t lda,
@@ -205,20 +217,16 @@ ATTN_EXT_AMX void scores_amx(int64_t M, int64_t N, int64_t D, const uint16_t* A,
   const int64_t steps = D / 32, pairs = D / 2;
   alignas(64) float sums[32 * 32];
   const __m512 vs = _mm512_set1_ps(scale);
+  auto a_of = [&](int64_t m, int64_t* st) { return a_tile(A, lda, M, m, D, t_stage.a, st); };
+  auto b_of = [&](int64_t n, int64_t* st) { return b_tile(B, ldb, N, n, pairs, t_stage.b, st); };
   for (int64_t n0 = 0; n0 < N; n0 += 32) {
-    const int nt = n0 + 16 < N ? 2 : 1;
     const char* b[2];
     int64_t sb[2];
-    b[0] = b_tile(B, ldb, N, n0, pairs, t_stage.b, &sb[0]);
-    // (only the last tile of a row or column can be a tail, so one staging buffer each)
-    if (nt > 1) b[1] = b_tile(B, ldb, N, n0 + 16, pairs, t_stage.b, &sb[1]);
-    // the A side as the B side above (same shape on purpose: rows where B has columns)
+    const int nt = panel_tiles(n0, N, b_of, b, sb);
     for (int64_t m0 = 0; m0 < M; m0 += 32) {
-      const int mt = m0 + 16 < M ? 2 : 1;
       const char* a[2];
       int64_t sa[2];
-      a[0] = a_tile(A, lda, M, m0, D, t_stage.a, &sa[0]);
-      if (mt > 1) a[1] = a_tile(A, lda, M, m0 + 16, D, t_stage.a, &sa[1]);
+      const int mt = panel_tiles(m0, M, a_of, a, sa);
       run_block(mt, nt, steps, a, sa, b, sb, reinterpret_cast<char*>(sums), 32 * 4, false);
       const int64_t rows = std::min<int64_t>(32, M - m0);
       const int64_t cols = std::min<int64_t>(32, N - n0);

@@ -76,7 +76,7 @@ struct BwdScratch {
   // The work unit's dk / dv accumulators, (Sk, Dp) then (Sk, Dvp), when the gradients' rows lie
   // apart in memory (unit_rows in attention_bwd_kernel; sized on the unit's first use).
   AlignedVec<acc_t> unit_kv;
-  // pass 7 on AMX tiles (QueryPackLayout::amx_dq): the key tile's k^T as bf16 key pairs
+  // pass 7 on AMX tiles (QueryPackLayout::amx_dq()): the key tile's k^T as bf16 key pairs
   // (D, kKeyPairs; mk::pack_vt_pairs, once per key tile) and dS^T as bf16 key pairs
   // (kKeyPairs, kBlockQ; mk::probs_to_pairs, per pair of tiles)
   static constexpr int64_t kKeyPairs = ceil_div(kBlockK, 32) * 16;
@@ -141,8 +141,6 @@ struct QueryPackLayout {
   bool amx_dp = false;  // pass 4 and Di on AMX tiles (mk::amx_for(Dv))
   bool amx_dk = false;  // pass 6 (dk += dS^T q) on AMX tiles (mk::amx_pv_for(D)): qn
   bool amx_dv = false;  // pass 3 (dv += P^T dout) on AMX tiles (mk::amx_pv_for(Dv)): dn
-  bool amx_dq = false;  // pass 7 on AMX tiles as dq^T += k^T dS^T (mk::amx_pv_for(D)): the
-                        // job's dq accumulator is then (D, kBlockQ), transposed
   QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp, bool pairs, bool dout_pairs,
                   bool q_rows_pairs = false, bool dout_rows_pairs = false)
       : qt(0),
@@ -162,6 +160,9 @@ struct QueryPackLayout {
         amx_dv(dout_rows_pairs) {}
   bool has_q_pairs() const { return dp > qp; }
   bool has_dout_pairs() const { return qn > dp; }
+  // pass 7 on AMX tiles as dq^T += k^T dS^T: the rule of pass 6 (D a multiple of 16); the job's
+  // dq accumulator is then (D, kBlockQ), transposed
+  bool amx_dq() const { return amx_dk; }
 };
 
 // Packs rows [i0, i0 + nq) of head h of sequence b into blk (layout L; blk starts zeroed and
@@ -492,11 +493,11 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     K.gemm(nr, Dp, n, s.dpt.data() + r0 * C + c0, C, 1, qr + c0 * Dp, Dp, dkt + r0 * ldk, ldk,
            true);
   };
-  // pass 7 on the whole tile: dqt += dS k, or (L.amx_dq) dq^T += k^T dS^T on AMX tiles, dS
+  // pass 7 on the whole tile: dqt += dS k, or (L.amx_dq()) dq^T += k^T dS^T on AMX tiles, dS
   // rounded to bf16 (the job's accumulator transposed, (D, kBlockQ))
   auto pass7_tile = [&] {
     if constexpr (std::is_same_v<acc_t, float>) {
-      if (L.amx_dq) {
+      if (L.amx_dq()) {
         const int64_t rows = round_up(nk, 32), C16 = round_up(nq, 16);
         mk::probs_to_pairs(s.dpt.data(), C, 0, nk, rows, nq, s.dsp.data(), C16);
         mk::pv_amx(D, C16, rows / 2, s.kpt.data(), BwdScratch<acc_t>::kKeyPairs, s.dsp.data(),
@@ -547,6 +548,16 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
       std::fill(t + r * C, t + r * C + c.lo, hidden);
       std::fill(t + r * C + c.hi, t + (r + 1) * C, hidden);
     }
+  };
+  // passes 3 and 6 on AMX tiles over the whole tile of a partial pair: P (exp(-inf - lse) at
+  // the hidden pairs, NaN where a row's lse is not finite) set to exactly 0 there first; dS is
+  // 0 there already. q and dout must be finite (the products read no k).
+  auto dv_dk_tiles = [&](bool dv, bool dk) {
+    if (dv) {
+      mask(const_cast<acc_t*>(pv), acc_t(0));
+      pass3(0, nk, 0, nq);
+    }
+    if (dk) pass6(0, nk, 0, nq);
   };
   // f(r0, nr, c0, n) for the column panels [c0, c0 + n) some of each 6 rows [r0, r0 + nr)
   // see (the rest is masked after)
@@ -606,11 +617,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     const bool qd_finite = blk[L.fin] != acc_t(0);
     const bool dv_tiles = dvt != nullptr && L.amx_dv && qd_finite;
     const bool dk_tiles = dkt != nullptr && L.amx_dk && qd_finite;
-    if (dv_tiles) {
-      mask(const_cast<acc_t*>(pv), acc_t(0));
-      pass3(0, nk, 0, nq);
-    }
-    if (dk_tiles) pass6(0, nk, 0, nq);
+    dv_dk_tiles(dv_tiles, dk_tiles);
     for (int64_t r = 0; r < nk && ((dvt != nullptr && !dv_tiles) || (dkt != nullptr && !dk_tiles));
          ++r) {
       const Range c = seen_by[r];
@@ -629,7 +636,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
       }
     }
     if constexpr (std::is_same_v<acc_t, float>) {
-      if (dqt != nullptr && L.amx_dq) {
+      if (dqt != nullptr && L.amx_dq()) {
         // on tiles as the dense path (dS is 0 at the hidden pairs), k's inf / NaN entries taken
         // as 0 there and each added on its own to the rows that see its key
         if (!k_finite) {
@@ -658,13 +665,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     }
     return;
   }
-  // on AMX tiles: the whole tile, with P and dS exactly 0 at the hidden pairs (dS is above; P
-  // there is exp(-inf - lse), NaN where a row's lse is not finite) and q, k, dout finite
-  if (dvt != nullptr && L.amx_dv) {
-    mask(const_cast<acc_t*>(pv), acc_t(0));
-    pass3(0, nk, 0, nq);
-  }
-  if (dkt != nullptr && L.amx_dk) pass6(0, nk, 0, nq);
+  dv_dk_tiles(dvt != nullptr && L.amx_dv, dkt != nullptr && L.amx_dk);
   for (int64_t r0 = 0; r0 < nk && ((dvt != nullptr && !L.amx_dv) || (dkt != nullptr && !L.amx_dk));
        r0 += 6) {
     const int64_t nr = std::min<int64_t>(6, nk - r0);
@@ -677,8 +678,8 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   }
   // pass 7: dqt rows += dS k over the keys each 6 queries see (tiles: the whole tile, dS is 0 at
   // the hidden pairs)
-  if (dqt != nullptr && L.amx_dq) pass7_tile();
-  for (int64_t c0 = 0; c0 < nq && dqt != nullptr && !L.amx_dq; c0 += 6) {
+  if (dqt != nullptr && L.amx_dq()) pass7_tile();
+  for (int64_t c0 = 0; c0 < nq && dqt != nullptr && !L.amx_dq(); c0 += 6) {
     const int64_t mrows = std::min<int64_t>(6, nq - c0);
     const Range keys = vis.band_keys_of_rows(sq, i0 + c0, i0 + c0 + mrows);
     const int64_t klo = std::clamp<int64_t>(keys.lo - j0, 0, nk);
@@ -771,7 +772,6 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   constexpr bool is_bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   QueryPackLayout L(p.D, p.Dv, Dp, Dvp, bf16dp, bf16dp4, is_bf16 && mk::amx_pv_for(p.D),
                     is_bf16 && mk::amx_pv_for(p.Dv));
-  L.amx_dq = L.amx_dk;  // (the same rule: D a multiple of 16)
   L.amx = bf16dp && mk::amx_for(p.D);
   L.amx_dp = bf16dp4 && mk::amx_for(p.Dv);
   const ScoreTerms terms = p.score_terms();
@@ -798,6 +798,10 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     s.head_rows_budget = rows_budget;
     s.decode_wide = decode_wide;
     s.dp_tile16 = dp_tile16;
+    if (L.amx_dq()) {  // pass 7 on tiles: k^T's and dS^T's pairs
+      s.kpt.resize(static_cast<size_t>(p.D * BwdScratch<acc_t>::kKeyPairs));
+      s.dsp.resize(static_cast<size_t>(BwdScratch<acc_t>::kKeyPairs * kBlockQ));
+    }
     return s;
   };
 
@@ -861,7 +865,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     if (db != nullptr) job.dbj.assign(static_cast<size_t>(nbias), 0.0);
     pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, job.nq, job.blk.data(), s.tmp.data(),
                                       fused_dp, decode_order);
-    std::fill(job.dqt.begin(), job.dqt.begin() + (L.amx_dq ? p.D * kBlockQ : job.nq * Dp), acc_t(0));
+    std::fill(job.dqt.begin(), job.dqt.begin() + (L.amx_dq() ? p.D * kBlockQ : job.nq * Dp), acc_t(0));
     if (terms.has_dropout()) {
       for (int64_t c = 0; c < job.nq; ++c) job.rk[c] = terms.dropout_row_key(b, h, i0 + c);
     }
@@ -906,11 +910,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
                                           static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride +
                                           hkv * p.v_head_stride + (sq.k0 + j0) * p.v_row_stride)
                                     : nullptr;
-      if (want_dq && L.amx_dq) {  // k^T's pairs for pass 7 on tiles
-        if (s.kpt.empty()) {
-          s.kpt.resize(static_cast<size_t>(p.D * BwdScratch<acc_t>::kKeyPairs));
-          s.dsp.resize(static_cast<size_t>(BwdScratch<acc_t>::kKeyPairs * kBlockQ));
-        }
+      if (want_dq && L.amx_dq()) {  // k^T's pairs for pass 7 on tiles
         bool fin = true;
         mk::pack_vt_pairs(reinterpret_cast<const uint16_t*>(
                               static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride +
@@ -959,7 +959,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
         for (int j = 0; j < n_jobs; ++j) {
           const Job& job = s.jobs[j];
           write_dq<scalar_t, acc_t>(bp, sq, b, job.h, job.i0, job.nq, job.dqt.data(), Dp,
-                                    L.amx_dq);
+                                    L.amx_dq());
         }
       }
       if (unit_rows) {  // dk = scale * dk accumulator, dv = dv accumulator (the pass below)
@@ -993,7 +993,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       if (i0 >= sq.Sq) return;
       const Job& job = start_job(s, 0, sq, b, h, i0, nullptr);
       visit(s, 1, sq, b, h / group, 0, n_kb, false, true);
-      write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, job.nq, job.dqt.data(), Dp, L.amx_dq);
+      write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, job.nq, job.dqt.data(), Dp, L.amx_dq());
     });
   }
 

@@ -107,7 +107,7 @@ constexpr int64_t kAmxKeyRows = round_up(kBlockK + 62, 32);
 struct HeadPairs {
   const void* src = nullptr;  // the head's first row (identifies the head within one call)
   AlignedVec<uint32_t> vt;    // whole head
-  AlignedVec<uint32_t> tile;  // (Dv, kAmxKeyRows / 2): one key tile's blocks
+  AlignedVec<uint32_t> tile;  // (Dv, kAmxKeyRows / 2): one key tile's blocks (sized by the scratch)
   std::vector<uint8_t> done;  // per block: 0 not packed, 1 finite, 2 not finite
 
   // Blocks [b0, b1) of the head at `head` (n rows of Dv): returns v^T's column of key pair
@@ -115,16 +115,17 @@ struct HeadPairs {
   const uint32_t* get(bool whole, const uint16_t* head, int64_t row_stride, int64_t n,
                       int64_t Dv, int64_t b0, int64_t b1, int64_t* ld, bool* finite) {
     const int64_t nb = ceil_div(n, 32);
+    // block blk into column 16 * col of dst (ld words); whether its rows are finite
+    auto pack = [&](int64_t blk, uint32_t* dst, int64_t col) {
+      bool f = true;
+      mk::pack_vt_pairs(head + 32 * blk * row_stride, row_stride,
+                        std::min<int64_t>(32, n - 32 * blk), Dv, dst + 16 * col, *ld, &f);
+      return f;
+    };
     bool fin = true;
     if (!whole) {
-      if (tile.size() < static_cast<size_t>(Dv * kAmxKeyRows / 2)) tile.resize(static_cast<size_t>(Dv * kAmxKeyRows / 2));
       *ld = 16 * (b1 - b0);
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        bool f = true;
-        mk::pack_vt_pairs(head + 32 * blk * row_stride, row_stride, std::min<int64_t>(32, n - 32 * blk), Dv,
-                          tile.data() + 16 * (blk - b0), *ld, &f);
-        fin = fin && f;
-      }
+      for (int64_t blk = b0; blk < b1; ++blk) fin = pack(blk, tile.data(), blk - b0) && fin;
       *finite = fin;
       return tile.data();
     }
@@ -135,12 +136,7 @@ struct HeadPairs {
     }
     *ld = 16 * nb;
     for (int64_t blk = b0; blk < b1; ++blk) {
-      if (!done[blk]) {
-        bool f = true;
-        mk::pack_vt_pairs(head + 32 * blk * row_stride, row_stride, std::min<int64_t>(32, n - 32 * blk), Dv,
-                          vt.data() + 16 * blk, *ld, &f);
-        done[blk] = f ? 1 : 2;
-      }
+      if (!done[blk]) done[blk] = pack(blk, vt.data(), blk) ? 1 : 2;
       fin = fin && done[blk] == 1;
     }
     *finite = fin;
@@ -167,7 +163,7 @@ struct FwdScratch {
   bool bf16dp = false;      // pass 1 by mk::scores_pairs (mk::bf16_scores_by_pairs)
   bool amx = false;         // ... on AMX tiles (mk::amx_for(D))
   bool amx_pv = false;      // pass 3 on AMX tiles (mk::amx_pv_for(Dv)): o^T in ot, below
-  AlignedVec<float> ot;     // (Dv, C16): o^T, C16 = C rounded up to 16 (amx_pv)
+  AlignedVec<float> ot;     // (Dv, C16): o^T, C16 = C rounded up to 16 (amx_pv; sized with it)
   AlignedVec<uint32_t> pp;  // (kAmxKeyRows / 2, C16): the probabilities as bf16 key pairs
   HeadPairs vp;             // the current head's v^T as bf16 key pairs (mk::pack_vt_pairs)
   std::vector<uint32_t> vclean;  // a key tile's v^T pairs with inf / NaN as 0 (pass3_amx)
@@ -221,7 +217,6 @@ void pass3_amx(const AttentionParams& p, const Visibility& vis, const QueryTile&
     vt = s.vclean.data();
     ldvt = rows / 2;
   }
-  if (s.pp.empty()) s.pp.resize(static_cast<size_t>(kAmxKeyRows / 2 * round_up(kBlockQ, 16)));
   mk::probs_to_pairs(s.st.data(), C, j0 - 32 * b0, j0 - 32 * b0 + nk, rows, cols, s.pp.data(), C16);
   mk::pv_amx(Dv, C16, rows / 2, vt, ldvt, s.pp.data(), ot, C16);
   if (finite) return;
@@ -300,13 +295,7 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   std::fill(s.m.begin(), s.m.begin() + C, -std::numeric_limits<acc_t>::infinity());
   std::fill(s.l.begin(), s.l.begin() + C, acc_t(0));
   std::fill(s.o.begin(), s.o.begin() + C * Dvp, acc_t(0));
-  if constexpr (std::is_same_v<acc_t, float>) {
-    if (s.amx_pv) {
-      const size_t n_ot = static_cast<size_t>(Dv * round_up(C, 16));
-      if (s.ot.size() < n_ot) s.ot.resize(static_cast<size_t>(Dv * round_up(kBlockQ, 16)));
-      std::fill(s.ot.begin(), s.ot.begin() + n_ot, 0.f);
-    }
-  }
+  if (s.amx_pv) std::fill(s.ot.begin(), s.ot.begin() + Dv * round_up(C, 16), 0.f);
 
   const scalar_t* kh = k + qt_.b * p.k_batch_stride + qt_.hkv * p.k_head_stride + sq.k0 * p.k_row_stride;
   const scalar_t* vh = v + qt_.b * p.v_batch_stride + qt_.hkv * p.v_head_stride + sq.k0 * p.v_row_stride;
@@ -558,6 +547,12 @@ void attention_fwd_kernel(const AttentionParams& p) {
     s.bf16dp = bf16dp;
     s.amx = amx;
     s.amx_pv = amx_pv;
+    if (amx_pv) {  // pass 3 on tiles: o^T, p's pairs, one key tile's v^T pairs
+      const int64_t C16 = round_up(kBlockQ, 16);
+      s.ot.resize(static_cast<size_t>(p.Dv * C16));
+      s.pp.resize(static_cast<size_t>(kAmxKeyRows / 2 * C16));
+      s.vp.tile.resize(static_cast<size_t>(p.Dv * kAmxKeyRows / 2));
+    }
     return s;
   };
 
