@@ -1,0 +1,60 @@
+// Cycles of one bf16 forward key tile on AMX tiles (csrc/cpu/attention_amx.cpp) and of the zmm
+// softmax beside it, at D = Dv = 128, 96 keys x 96 query columns, one thread, no Python, every
+// buffer 64-byte aligned as in the kernel: where the bf16 forward's time goes (benchmarks/RESULTS.md,
+// twenty-first session).
+//
+//   g++ -O3 -std=c++20 -I csrc -I "$(python -c 'import torch, os; print(os.path.dirname(torch.__file__))')/include" \
+//       tools/amx_probe.cpp csrc/cpu/attention_amx.cpp csrc/cpu/attention_bf16dp.cpp \
+//       csrc/cpu/attention_microkernels_avx2.cpp csrc/cpu/attention_microkernels_avx512.cpp \
+//       csrc/cpu/cpu_features.cpp -o amx_probe
+//   ./amx_probe [calls]
+//
+// Prints, per step, microseconds and cycles per call (at the GHz given by ATTN_EXT_PROBE_GHZ,
+// default 2.6) against the 144 tdpbf16ps of one product at 16 cycles each; "no AMX" and exit
+// status 2 where cpu::amx_enabled() is false (it also asks Linux for the tile state).
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+
+#include "cpu/aligned_vec.h"
+#include "cpu/attention_microkernels.h"
+#include "cpu/cpu_features.h"
+
+using namespace attn_ext;
+using cpu_attn::AlignedVec;
+
+int main(int argc, char** argv) {
+  if (!cpu::amx_enabled() || !cpu::avx512_enabled()) {
+    std::printf("no AMX\n");
+    return 2;
+  }
+  const int calls = argc > 1 ? std::atoi(argv[1]) : 20000;
+  const char* ghz_env = std::getenv("ATTN_EXT_PROBE_GHZ");
+  const double ghz = ghz_env != nullptr ? std::atof(ghz_env) : 2.6;
+  constexpr int64_t D = 128, nk = 96, C = 96, Sk = 4096;
+  AlignedVec<uint16_t> k(Sk * D, 0x3f80);            // bf16 1.0
+  AlignedVec<uint32_t> qp(D / 2 * C, 0x3f803f80u);    // pairs of 1.0
+  AlignedVec<float> st(nk * C, 0.f), ot(D * C, 0.f), alpha(C, 1.f), m(C, -1e30f), l(C, 0.f),
+      al(C, 0.f);
+  AlignedVec<uint32_t> vt(D * Sk / 2, 0x3f803f80u), pp(80 * C, 0u);
+  alpha[3] = 0.5f;  // one column group rescaled
+  auto time = [&](const char* name, auto f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) f(i);
+    const double us =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / calls * 1e6;
+    std::printf("%-34s %8.3f us  %7.0f cycles (144 tdpbf16ps at 16: %d)\n", name, us, us * ghz * 1e3,
+                144 * 16);
+  };
+  // k's key tiles walk one head of 4096 keys (1 MiB), as the forward's do
+  time("scores_amx (k walks a head)", [&](int i) {
+    mk::scores_amx(nk, C, D, k.data() + (i % 42) * 96 * D, D, qp.data(), C, 0.088f, st.data(), C);
+  });
+  time("softmax_avx512", [&](int) { mk::softmax_avx512(st.data(), nk, C, m.data(), l.data(), al.data()); });
+  time("probs_to_pairs", [&](int) { mk::probs_to_pairs(st.data(), C, 0, nk, nk, C, pp.data(), C); });
+  time("scale_cols", [&](int) { mk::scale_cols(ot.data(), D, C, C, alpha.data()); });
+  time("pv_amx (v^T walks a head)", [&](int i) {
+    mk::pv_amx(D, C, 48, vt.data() + (i % 42) * 48, Sk / 2, pp.data(), ot.data(), C);
+  });
+  return 0;
+}
