@@ -241,6 +241,18 @@ def cpu_bf16_pv(dtype: torch.dtype, Dv: int) -> Optional[str]:
     return "amx" if Dv > 0 and Dv % 16 == 0 and _cpu_amx_on() else "widened"
 
 
+def cpu_fp16_tiles(dtype: torch.dtype, D: int, Dv: int) -> Optional[str]:
+    """The tiled forward's products for fp16 (mk::fp16_on_tiles): "amx split" where both can run
+    on AMX tiles (cpu_bf16_amx(D) and Dv a positive multiple of 16): every fp16 value is split
+    exactly into bf16 hi + lo, and each product takes hi hi + hi lo + lo hi in one tile chain
+    (csrc/cpu/attention_amx.cpp split_fp16); else "widened" (fp32). None for other dtypes. The
+    backward widens fp16 either way."""
+    if dtype != torch.float16:
+        return None
+    return ("amx split" if cpu_bf16_amx(D) and Dv > 0 and Dv % 16 == 0 and _cpu_amx_on()
+            else "widened")
+
+
 def cpu_bf16_scores(dtype: torch.dtype, even: bool = True,
                     depth: Optional[int] = None) -> Optional[str]:
     """How a bf16 call's scores are formed: "vdpbf16ps" or "widened" (to float32); None for other
@@ -351,6 +363,10 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
         plan["bf16_pv"] = cpu_bf16_pv(dtype, s.Dv)
         if plan["bf16_pv"] == "amx":
             why += "; o += p v on AMX tiles (p rounded to bf16, as PyTorch's bf16 flash kernel)"
+        plan["fp16_products"] = cpu_fp16_tiles(dtype, s.D, s.Dv)
+        if plan["fp16_products"] == "amx split":
+            why += ("; fp16 scores and o += p v on AMX tiles, each value split exactly into bf16 "
+                    "hi + lo (hi hi + hi lo + lo hi per product; ATTN_EXT_CPU_AMX=0: widened)")
         # the backward's dk += dS^T q and dv += P^T dout (QueryPackLayout amx_dk / amx_dv)
         plan["bf16_dk"] = cpu_bf16_pv(dtype, s.D)
         plan["bf16_dv"] = plan["bf16_pv"]

@@ -9,6 +9,9 @@
 //     (pack_vt_pairs), the probabilities rounded to bf16 pairs per key tile (probs_to_pairs),
 //     o^T accumulated in fp32 tiles (pv_amx). Rounding p to bf16 is what PyTorch's own bf16
 //     flash kernel on CPU and FlashAttention on GPU do before that product.
+//   - fp16 in the forward (scores_amx_split, pv_amx_split): each fp16 value is split exactly into
+//     bf16 hi + lo (split_fp16), and each product takes hi hi + hi lo + lo hi as three stretches
+//     of one chain (Seg); the probabilities are split the same way (probs_to_pairs_split).
 //
 // One tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 fp32 sums (8192
 // multiply-adds); the fp32 zmm FMA does 16. Every output element is the chain of tdpbf16ps over
@@ -28,6 +31,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "cpu/cpu_features.h"
@@ -114,14 +118,22 @@ struct Tiles {
   Tiles& operator=(const Tiles&) = delete;
 };
 
-// MT x NT (1-2 each) 16 x 16 sums over `steps` depth steps of 32 bf16: A tile i at a[i] (rows
-// sa[i] bytes apart, step s at +64 s bytes), B tile j at b[j] (pair rows sb[j] bytes apart,
-// step s at +16 sb[j] s). With `load`, the sums start from c (rows of 16 floats at lc bytes,
-// tile (i, j) at c + i * 16 rows + j * 16 floats), else from zero; stored to c.
+// One stretch of a chain: `steps` depth steps of 32 bf16, A tile i at a[i] (rows sa[i] bytes
+// apart, step s at +64 s bytes), B tile j at b[j] (pair rows sb[j] bytes apart, step s at
+// +16 sb[j] s).
+struct Seg {
+  int64_t steps;
+  const char* a[2];
+  int64_t sa[2];
+  const char* b[2];
+  int64_t sb[2];
+};
+
+// MT x NT (1-2 each) 16 x 16 sums over the stretches seg[0, nseg) in order. With `load`, the
+// sums start from c (rows of 16 floats at lc bytes, tile (i, j) at c + i * 16 rows + j * 16
+// floats), else from zero; stored to c.
 template <int MT, int NT>
-ATTN_EXT_AMX void tile_block(int64_t steps, const char* const* a, const int64_t* sa,
-                             const char* const* b, const int64_t* sb, char* c, int64_t lc,
-                             bool load) {
+ATTN_EXT_AMX void tile_block(int nseg, const Seg* seg, char* c, int64_t lc, bool load) {
   char* c01 = c + 64;
   char* c10 = c + 16 * lc;
   char* c11 = c10 + 64;
@@ -136,15 +148,21 @@ ATTN_EXT_AMX void tile_block(int64_t steps, const char* const* a, const int64_t*
     if constexpr (MT > 1) ATTN_EXT_TILE_ZERO(2);
     if constexpr (MT > 1 && NT > 1) ATTN_EXT_TILE_ZERO(3);
   }
-  for (int64_t s = 0; s < steps; ++s) {
-    ATTN_EXT_TILE_LOAD(4, a[0] + 64 * s, sa[0]);
-    ATTN_EXT_TILE_LOAD(6, b[0] + 16 * sb[0] * s, sb[0]);
-    if constexpr (MT > 1) ATTN_EXT_TILE_LOAD(5, a[1] + 64 * s, sa[1]);
-    if constexpr (NT > 1) ATTN_EXT_TILE_LOAD(7, b[1] + 16 * sb[1] * s, sb[1]);
-    ATTN_EXT_TILE_DP(0, 4, 6);
-    if constexpr (NT > 1) ATTN_EXT_TILE_DP(1, 4, 7);
-    if constexpr (MT > 1) ATTN_EXT_TILE_DP(2, 5, 6);
-    if constexpr (MT > 1 && NT > 1) ATTN_EXT_TILE_DP(3, 5, 7);
+  for (int g = 0; g < nseg; ++g) {
+    const char* const* a = seg[g].a;
+    const char* const* b = seg[g].b;
+    const int64_t* sa = seg[g].sa;
+    const int64_t* sb = seg[g].sb;
+    for (int64_t s = 0; s < seg[g].steps; ++s) {
+      ATTN_EXT_TILE_LOAD(4, a[0] + 64 * s, sa[0]);
+      ATTN_EXT_TILE_LOAD(6, b[0] + 16 * sb[0] * s, sb[0]);
+      if constexpr (MT > 1) ATTN_EXT_TILE_LOAD(5, a[1] + 64 * s, sa[1]);
+      if constexpr (NT > 1) ATTN_EXT_TILE_LOAD(7, b[1] + 16 * sb[1] * s, sb[1]);
+      ATTN_EXT_TILE_DP(0, 4, 6);
+      if constexpr (NT > 1) ATTN_EXT_TILE_DP(1, 4, 7);
+      if constexpr (MT > 1) ATTN_EXT_TILE_DP(2, 5, 6);
+      if constexpr (MT > 1 && NT > 1) ATTN_EXT_TILE_DP(3, 5, 7);
+    }
   }
   ATTN_EXT_TILE_STORE(0, c, lc);
   if constexpr (NT > 1) ATTN_EXT_TILE_STORE(1, c01, lc);
@@ -152,19 +170,25 @@ ATTN_EXT_AMX void tile_block(int64_t steps, const char* const* a, const int64_t*
   if constexpr (MT > 1 && NT > 1) ATTN_EXT_TILE_STORE(3, c11, lc);
 }
 
+ATTN_EXT_AMX void run_segs(int mt, int nt, int nseg, const Seg* seg, char* c, int64_t lc,
+                           bool load) {
+  if (mt == 2 && nt == 2) tile_block<2, 2>(nseg, seg, c, lc, load);
+  else if (mt == 2) tile_block<2, 1>(nseg, seg, c, lc, load);
+  else if (nt == 2) tile_block<1, 2>(nseg, seg, c, lc, load);
+  else tile_block<1, 1>(nseg, seg, c, lc, load);
+}
+
 ATTN_EXT_AMX void run_block(int mt, int nt, int64_t steps, const char* const* a,
                             const int64_t* sa, const char* const* b, const int64_t* sb, char* c,
                             int64_t lc, bool load) {
-  if (mt == 2 && nt == 2) tile_block<2, 2>(steps, a, sa, b, sb, c, lc, load);
-  else if (mt == 2) tile_block<2, 1>(steps, a, sa, b, sb, c, lc, load);
-  else if (nt == 2) tile_block<1, 2>(steps, a, sa, b, sb, c, lc, load);
-  else tile_block<1, 1>(steps, a, sa, b, sb, c, lc, load);
+  const Seg seg{steps, {a[0], a[1]}, {sa[0], sa[1]}, {b[0], b[1]}, {sb[0], sb[1]}};
+  run_segs(mt, nt, 1, &seg, c, lc, load);
 }
 
 // Per-thread staging for tails: A rows (16, D) and B columns (D / 2, 16), zero-padded.
 struct Staging {
-  std::vector<uint16_t> a;
-  std::vector<uint32_t> b;
+  std::vector<uint16_t> a, a2;  // (a2, b2: the lo operands of the split products)
+  std::vector<uint32_t> b, b2;
 };
 thread_local Staging t_stage;
 
@@ -210,24 +234,40 @@ int panel_tiles(int64_t i0, int64_t n, TileFn tile, const char** src, int64_t* s
 
 }  // namespace
 
-ATTN_EXT_AMX void scores_amx(int64_t M, int64_t N, int64_t D, const uint16_t* A, int64_t lda,
-                             const uint32_t* B, int64_t ldb, float scale, float* C, int64_t ldc) {
+namespace {
+// scores_amx / scores_amx_split: C = scale * (A B [+ A B_lo + A_lo B]), the split terms where
+// A_lo (and B_lo) are given.
+ATTN_EXT_AMX void scores_tiles(int64_t M, int64_t N, int64_t D, const uint16_t* A,
+                               const uint16_t* A_lo, int64_t lda, const uint32_t* B,
+                               const uint32_t* B_lo, int64_t ldb, float scale, float* C,
+                               int64_t ldc) {
   if (M <= 0 || N <= 0) return;
   Tiles tiles;
   const int64_t steps = D / 32, pairs = D / 2;
   alignas(64) float sums[32 * 32];
   const __m512 vs = _mm512_set1_ps(scale);
+  const bool split = A_lo != nullptr;
   auto a_of = [&](int64_t m, int64_t* st) { return a_tile(A, lda, M, m, D, t_stage.a, st); };
   auto b_of = [&](int64_t n, int64_t* st) { return b_tile(B, ldb, N, n, pairs, t_stage.b, st); };
+  auto a2_of = [&](int64_t m, int64_t* st) { return a_tile(A_lo, lda, M, m, D, t_stage.a2, st); };
+  auto b2_of = [&](int64_t n, int64_t* st) {
+    return b_tile(B_lo, ldb, N, n, pairs, t_stage.b2, st);
+  };
+  Seg seg[3];
+  for (Seg& g : seg) g.steps = steps;
   for (int64_t n0 = 0; n0 < N; n0 += 32) {
-    const char* b[2];
-    int64_t sb[2];
-    const int nt = panel_tiles(n0, N, b_of, b, sb);
+    const int nt = panel_tiles(n0, N, b_of, seg[0].b, seg[0].sb);
+    if (split) panel_tiles(n0, N, b2_of, seg[1].b, seg[1].sb);
     for (int64_t m0 = 0; m0 < M; m0 += 32) {
-      const char* a[2];
-      int64_t sa[2];
-      const int mt = panel_tiles(m0, M, a_of, a, sa);
-      run_block(mt, nt, steps, a, sa, b, sb, reinterpret_cast<char*>(sums), 32 * 4, false);
+      const int mt = panel_tiles(m0, M, a_of, seg[0].a, seg[0].sa);
+      if (split) {  // hi hi, hi lo, lo hi
+        std::copy(seg[0].a, seg[0].a + 2, seg[1].a);
+        std::copy(seg[0].sa, seg[0].sa + 2, seg[1].sa);
+        panel_tiles(m0, M, a2_of, seg[2].a, seg[2].sa);
+        std::copy(seg[0].b, seg[0].b + 2, seg[2].b);
+        std::copy(seg[0].sb, seg[0].sb + 2, seg[2].sb);
+      }
+      run_segs(mt, nt, split ? 3 : 1, seg, reinterpret_cast<char*>(sums), 32 * 4, false);
       const int64_t rows = std::min<int64_t>(32, M - m0);
       const int64_t cols = std::min<int64_t>(32, N - n0);
       for (int64_t r = 0; r < rows; ++r) {
@@ -239,6 +279,19 @@ ATTN_EXT_AMX void scores_amx(int64_t M, int64_t N, int64_t D, const uint16_t* A,
       }
     }
   }
+}
+}  // namespace
+
+ATTN_EXT_AMX void scores_amx(int64_t M, int64_t N, int64_t D, const uint16_t* A, int64_t lda,
+                             const uint32_t* B, int64_t ldb, float scale, float* C, int64_t ldc) {
+  scores_tiles(M, N, D, A, nullptr, lda, B, nullptr, ldb, scale, C, ldc);
+}
+
+ATTN_EXT_AMX void scores_amx_split(int64_t M, int64_t N, int64_t D, const uint16_t* A,
+                                   const uint16_t* A_lo, int64_t lda, const uint32_t* B,
+                                   const uint32_t* B_lo, int64_t ldb, float scale, float* C,
+                                   int64_t ldc) {
+  scores_tiles(M, N, D, A, A_lo, lda, B, B_lo, ldb, scale, C, ldc);
 }
 
 ATTN_EXT_AMX void scores_amx_diag(int64_t n, int64_t D, const uint16_t* A, int64_t lda,
@@ -253,7 +306,7 @@ ATTN_EXT_AMX void scores_amx_diag(int64_t n, int64_t D, const uint16_t* A, int64
     int64_t sa[1], sb[1];
     a[0] = a_tile(A, lda, n, m0, D, t_stage.a, &sa[0]);
     b[0] = b_tile(B, ldb, N, m0, pairs, t_stage.b, &sb[0]);
-    tile_block<1, 1>(steps, a, sa, b, sb, reinterpret_cast<char*>(sums), 64, false);
+    run_block(1, 1, steps, a, sa, b, sb, reinterpret_cast<char*>(sums), 64, false);
     for (int64_t r = 0; r < std::min<int64_t>(16, n - m0); ++r) out[m0 + r] = sums[r * 16 + r];
   }
 }
@@ -312,24 +365,88 @@ ATTN_EXT_AMX void probs_to_pairs(const float* st, int64_t ld, int64_t r_begin, i
   }
 }
 
-ATTN_EXT_AMX void pv_amx(int64_t Dv, int64_t C16, int64_t kpairs, const uint32_t* vt,
-                         int64_t ldvt, const uint32_t* pp, float* ot, int64_t ldo) {
-  Tiles tiles;
-  const int64_t steps = kpairs / 16;
-  for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
-    const int mt = d0 + 16 < Dv ? 2 : 1;
-    const char* a[2] = {reinterpret_cast<const char*>(vt + d0 * ldvt),
-                        reinterpret_cast<const char*>(vt + (d0 + 16) * ldvt)};
-    const int64_t sa[2] = {ldvt * 4, ldvt * 4};
-    for (int64_t c0 = 0; c0 < C16; c0 += 32) {
-      const int nt = c0 + 16 < C16 ? 2 : 1;
-      const char* b[2] = {reinterpret_cast<const char*>(pp + c0),
-                          reinterpret_cast<const char*>(pp + c0 + 16)};
-      const int64_t sb[2] = {C16 * 4, C16 * 4};
-      run_block(mt, nt, steps, a, sa, b, sb, reinterpret_cast<char*>(ot + d0 * ldo + c0), ldo * 4,
-                true);
+ATTN_EXT_AMX void split_fp16(const uint16_t* x, int64_t n, uint16_t* hi, uint16_t* lo) {
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = lanes16(n - i);
+    const __m512 v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, x + i));
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    // v - hi is exact; a non-finite v keeps lo = 0 (inf - inf would be NaN)
+    const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(v), inf, _CMP_LT_OQ);
+    const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_sub_ps(fin, v, hv));
+    _mm256_mask_storeu_epi16(hi + i, k, h);
+    _mm256_mask_storeu_epi16(lo + i, k, l);
+  }
+}
+
+ATTN_EXT_AMX void probs_to_pairs_split(const float* st, int64_t ld, int64_t r_begin,
+                                       int64_t r_end, int64_t rows, int64_t cols,
+                                       uint32_t* pp_hi, uint32_t* pp_lo, int64_t ldp) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                       16, 0);
+  // bf16 -> fp32 of the 16 words' halves: the low half of each word, then the high half
+  auto widen_lo = [](__m512i w) ATTN_EXT_AMX { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); };
+  auto widen_hi = [](__m512i w) ATTN_EXT_AMX {
+    return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xffff0000u))));
+  };
+  for (int64_t kp = 0; kp < rows / 2; ++kp) {
+    const int64_t r0 = 2 * kp, r1 = r0 + 1;
+    const bool in0 = r0 >= r_begin && r0 < r_end, in1 = r1 >= r_begin && r1 < r_end;
+    for (int64_t c = 0; c < ldp; c += 16) {
+      const __mmask16 k = lanes16(cols - c);
+      const __m512 a = in0 ? _mm512_maskz_loadu_ps(k, st + (r0 - r_begin) * ld + c) : _mm512_setzero_ps();
+      const __m512 b = in1 ? _mm512_maskz_loadu_ps(k, st + (r1 - r_begin) * ld + c) : _mm512_setzero_ps();
+      // words (a_hi[c], b_hi[c]), then the rests a - a_hi, b - b_hi (exact in fp32)
+      const __m512i h = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+      const __m512 ra = _mm512_sub_ps(a, widen_lo(h)), rb = _mm512_sub_ps(b, widen_hi(h));
+      _mm512_storeu_si512(pp_hi + kp * ldp + c, h);
+      _mm512_storeu_si512(pp_lo + kp * ldp + c,
+                          _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(rb, ra)));
     }
   }
+}
+
+namespace {
+// pv_amx / pv_amx_split: ot += vt pp [+ vt pp_lo + vt_lo pp], the split terms where vt_lo
+// (and pp_lo) are given.
+ATTN_EXT_AMX void pv_tiles(int64_t Dv, int64_t C16, int64_t kpairs, const uint32_t* vt,
+                           const uint32_t* vt_lo, int64_t ldvt, const uint32_t* pp,
+                           const uint32_t* pp_lo, float* ot, int64_t ldo) {
+  Tiles tiles;
+  const int nseg = vt_lo != nullptr ? 3 : 1;
+  const uint32_t* as[3] = {vt, vt, vt_lo};
+  const uint32_t* bs[3] = {pp, pp_lo, pp};
+  Seg seg[3];
+  for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
+    const int mt = d0 + 16 < Dv ? 2 : 1;
+    for (int64_t c0 = 0; c0 < C16; c0 += 32) {
+      const int nt = c0 + 16 < C16 ? 2 : 1;
+      for (int g = 0; g < nseg; ++g) {
+        seg[g] = Seg{kpairs / 16,
+                     {reinterpret_cast<const char*>(as[g] + d0 * ldvt),
+                      reinterpret_cast<const char*>(as[g] + (d0 + 16) * ldvt)},
+                     {ldvt * 4, ldvt * 4},
+                     {reinterpret_cast<const char*>(bs[g] + c0),
+                      reinterpret_cast<const char*>(bs[g] + c0 + 16)},
+                     {C16 * 4, C16 * 4}};
+      }
+      run_segs(mt, nt, nseg, seg, reinterpret_cast<char*>(ot + d0 * ldo + c0), ldo * 4, true);
+    }
+  }
+}
+}  // namespace
+
+ATTN_EXT_AMX void pv_amx(int64_t Dv, int64_t C16, int64_t kpairs, const uint32_t* vt,
+                         int64_t ldvt, const uint32_t* pp, float* ot, int64_t ldo) {
+  pv_tiles(Dv, C16, kpairs, vt, nullptr, ldvt, pp, nullptr, ot, ldo);
+}
+
+ATTN_EXT_AMX void pv_amx_split(int64_t Dv, int64_t C16, int64_t kpairs, const uint32_t* vt,
+                               const uint32_t* vt_lo, int64_t ldvt, const uint32_t* pp,
+                               const uint32_t* pp_lo, float* ot, int64_t ldo) {
+  pv_tiles(Dv, C16, kpairs, vt, vt_lo, ldvt, pp, pp_lo, ot, ldo);
 }
 
 ATTN_EXT_AMX void rows_times_pairs_amx(int64_t M, int64_t N, int64_t K, const float* A,
@@ -412,6 +529,20 @@ void pv_amx(int64_t, int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*
   std::abort();
 }
 void scale_cols(float*, int64_t, int64_t, int64_t, const float*) { std::abort(); }
+void scores_amx_split(int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*, int64_t,
+                      const uint32_t*, const uint32_t*, int64_t, float, float*, int64_t) {
+  std::abort();
+}
+void pv_amx_split(int64_t, int64_t, int64_t, const uint32_t*, const uint32_t*, int64_t,
+                  const uint32_t*, const uint32_t*, float*, int64_t) {
+  std::abort();
+}
+void split_fp16(const uint16_t*, int64_t, uint16_t*, uint16_t*) { std::abort(); }
+void probs_to_pairs_split(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t*,
+                          uint32_t*, int64_t) {
+  std::abort();
+}
+
 void rows_times_pairs_amx(int64_t, int64_t, int64_t, const float*, int64_t, const uint32_t*,
                           int64_t, float*, int64_t) {
   std::abort();

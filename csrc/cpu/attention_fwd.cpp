@@ -22,6 +22,10 @@
 //     pass 3: o (C, Dvp) = alpha * o + st^T vb
 //   out = o / l, lse = m + log l
 //
+// bf16 on AMX tiles (attention_amx.cpp) reads k's rows in place and packs v^T as bf16 key pairs
+// per head (HeadPairs); fp16 there splits k's rows (HeadSplit), v^T's pairs and q's into bf16
+// hi / lo parts and runs each product as hi hi + hi lo + lo hi in one chain (s.split).
+//
 // Scores, m and lse are in natural-log units (exp(x) = exp2(x * log2 e) after the difference
 // x = s - m, which is exact near the maximum): the backward recomputes P = exp(s - lse) from
 // the same scores (same scale folded into q, same FMA order) and the same units, so its
@@ -103,44 +107,111 @@ constexpr int64_t kAmxKeyRows = round_up(kBlockK + 62, 32);
 
 // v^T of one head as bf16 key pairs (mk::pack_vt_pairs), packed by 32-key blocks on first use:
 // the whole head (Dv, 16 * blocks words) when it fits the worker's head-rows share, else the
-// blocks of each key tile into `tile` alone.
+// blocks of each key tile into `tile` alone. fp16 (`split`): the pairs of the values' hi parts
+// there and of their lo parts in vt_lo / tile_lo (mk::split_fp16), at the same places.
 struct HeadPairs {
   const void* src = nullptr;  // the head's first row (identifies the head within one call)
-  AlignedVec<uint32_t> vt;    // whole head
-  AlignedVec<uint32_t> tile;  // (Dv, kAmxKeyRows / 2): one key tile's blocks (sized by the scratch)
+  bool split = false;
+  AlignedVec<uint32_t> vt, vt_lo;      // whole head
+  AlignedVec<uint32_t> tile, tile_lo;  // (Dv, kAmxKeyRows / 2): one key tile's blocks (sized by
+                                       // the scratch)
+  AlignedVec<uint16_t> rhi, rlo;       // (32, Dv): one block's rows split (split)
   std::vector<uint8_t> done;  // per block: 0 not packed, 1 finite, 2 not finite
 
   // Blocks [b0, b1) of the head at `head` (n rows of Dv): returns v^T's column of key pair
-  // 16 b0 and sets *ld (words) and *finite (no inf / NaN in the blocks' rows).
+  // 16 b0 (and the lo parts' in *lo, split) and sets *ld (words) and *finite (no inf / NaN in
+  // the blocks' rows).
   const uint32_t* get(bool whole, const uint16_t* head, int64_t row_stride, int64_t n,
-                      int64_t Dv, int64_t b0, int64_t b1, int64_t* ld, bool* finite) {
+                      int64_t Dv, int64_t b0, int64_t b1, int64_t* ld, bool* finite,
+                      const uint32_t** lo = nullptr) {
     const int64_t nb = ceil_div(n, 32);
     // block blk into column 16 * col of dst (ld words); whether its rows are finite
-    auto pack = [&](int64_t blk, uint32_t* dst, int64_t col) {
+    auto pack = [&](int64_t blk, uint32_t* dst, uint32_t* dst_lo, int64_t col) {
       bool f = true;
-      mk::pack_vt_pairs(head + 32 * blk * row_stride, row_stride,
-                        std::min<int64_t>(32, n - 32 * blk), Dv, dst + 16 * col, *ld, &f);
+      const int64_t rows = std::min<int64_t>(32, n - 32 * blk);
+      const uint16_t* v = head + 32 * blk * row_stride;
+      if (!split) {
+        mk::pack_vt_pairs(v, row_stride, rows, Dv, dst + 16 * col, *ld, &f);
+        return f;
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        mk::split_fp16(v + r * row_stride, Dv, rhi.data() + r * Dv, rlo.data() + r * Dv);
+      bool f_lo = true;  // (lo is 0 where v is not finite)
+      mk::pack_vt_pairs(rhi.data(), Dv, rows, Dv, dst + 16 * col, *ld, &f);
+      mk::pack_vt_pairs(rlo.data(), Dv, rows, Dv, dst_lo + 16 * col, *ld, &f_lo);
       return f;
     };
     bool fin = true;
     if (!whole) {
       *ld = 16 * (b1 - b0);
-      for (int64_t blk = b0; blk < b1; ++blk) fin = pack(blk, tile.data(), blk - b0) && fin;
+      for (int64_t blk = b0; blk < b1; ++blk)
+        fin = pack(blk, tile.data(), tile_lo.data(), blk - b0) && fin;
       *finite = fin;
+      if (lo != nullptr) *lo = tile_lo.data();
       return tile.data();
     }
     if (head != src || static_cast<size_t>(nb) > done.size()) {
       src = head;
-      if (vt.size() < static_cast<size_t>(Dv * 16 * nb)) vt.resize(static_cast<size_t>(Dv * 16 * nb));
+      const size_t words = static_cast<size_t>(Dv * 16 * nb);
+      if (vt.size() < words) vt.resize(words);
+      if (split && vt_lo.size() < words) vt_lo.resize(words);
       done.assign(static_cast<size_t>(nb), 0);
     }
     *ld = 16 * nb;
     for (int64_t blk = b0; blk < b1; ++blk) {
-      if (!done[blk]) done[blk] = pack(blk, vt.data(), blk) ? 1 : 2;
+      if (!done[blk]) done[blk] = pack(blk, vt.data(), vt_lo.data(), blk) ? 1 : 2;
       fin = fin && done[blk] == 1;
     }
     *finite = fin;
+    if (lo != nullptr) *lo = vt_lo.data() + 16 * b0;
     return vt.data() + 16 * b0;
+  }
+};
+
+// k's rows of one head split into bf16 hi / lo rows (mk::split_fp16; the fp16 scores on tiles),
+// by 32-row blocks on first use: the whole head (n, D) each when it fits the head-rows share,
+// else one key tile's rows.
+struct HeadSplit {
+  const void* src = nullptr;
+  AlignedVec<uint16_t> hi, lo;  // whole head, or one key tile (kBlockK, D)
+  std::vector<uint8_t> done;
+
+  // rows [r0, r0 + nr) of the head at `head` (n rows of D): their hi rows (D apart), *lo_out
+  // the lo rows'.
+  const uint16_t* get(bool whole, const uint16_t* head, int64_t row_stride, int64_t n, int64_t D,
+                      int64_t r0, int64_t nr, const uint16_t** lo_out) {
+    auto split_rows = [&](int64_t a, int64_t b, int64_t at) {
+      for (int64_t r = a; r < b; ++r)
+        mk::split_fp16(head + r * row_stride, D, hi.data() + (r - at) * D, lo.data() + (r - at) * D);
+    };
+    if (!whole) {
+      const size_t need = static_cast<size_t>(nr * D);
+      if (hi.size() < need) {
+        hi.resize(need);
+        lo.resize(need);
+      }
+      src = nullptr;  // (the buffers hold a tile now)
+      split_rows(r0, r0 + nr, r0);
+      *lo_out = lo.data();
+      return hi.data();
+    }
+    const int64_t nb = ceil_div(n, 32);
+    if (head != src || static_cast<size_t>(nb) > done.size()) {
+      src = head;
+      const size_t need = static_cast<size_t>(n * D);
+      if (hi.size() < need) {
+        hi.resize(need);
+        lo.resize(need);
+      }
+      done.assign(static_cast<size_t>(nb), 0);
+    }
+    for (int64_t blk = r0 / 32; blk < ceil_div(r0 + nr, 32); ++blk) {
+      if (done[blk]) continue;
+      split_rows(32 * blk, std::min<int64_t>(n, 32 * blk + 32), 0);
+      done[blk] = 1;
+    }
+    *lo_out = lo.data() + r0 * D;
+    return hi.data() + r0 * D;
   }
 };
 
@@ -168,7 +239,12 @@ struct FwdScratch {
   HeadPairs vp;             // the current head's v^T as bf16 key pairs (mk::pack_vt_pairs)
   std::vector<uint32_t> vclean;  // a key tile's v^T pairs with inf / NaN as 0 (pass3_amx)
   AlignedVec<uint32_t> qp;  // (D / 2, kBlockQ): the tile's q as bf16 pairs (bf16dp; sized on
-                            // first use)
+                            // first use); split: (3 D / 2, kBlockQ), [hi; lo; hi]
+  // fp16 on the bf16 tiles (mk::split_fp16; sized with the scratch): both products take three
+  // of the four hi / lo terms in one chain, as a depth three times as long
+  bool split = false;
+  HeadSplit ksplit;                     // k's rows split
+  AlignedVec<uint16_t> rhi, rlo;        // (kBlockQ, D): the tile's q rows split
 
   FwdScratch(int64_t D, int64_t Dv)
       : Dp(round_up(D, 8)),
@@ -195,34 +271,53 @@ struct FwdScratch {
 // tile. Where a block's v holds inf / NaN, a zero probability must not meet it (0 * inf): the
 // tiles take those entries as 0, and each is added on its own to the columns that see its key
 // (all of them on a full tile, as the fp32 gemm's products; the visible ones on a partial one).
-template <typename acc_t>
+//
+// fp16 (s.split): v^T's pairs of the values' hi and lo parts (s.vp) and p's hi and lo pairs, in
+// one chain per element: v p = hi_v hi_p + hi_v lo_p + lo_v hi_p (mk::pv_amx_split).
+template <typename scalar_t, typename acc_t>
 void pass3_amx(const AttentionParams& p, const Visibility& vis, const QueryTile& qt_, int64_t j0,
-               int64_t nk, bool partial, bool whole, const c10::BFloat16* vh, int64_t C,
+               int64_t nk, bool partial, bool whole, const scalar_t* vh, int64_t C,
                FwdScratch<acc_t>& s) {
   const int64_t Dv = p.Dv, C16 = round_up(C, 16), cols = qt_.cols();
   float* ot = s.ot.data();
   mk::scale_cols(ot, Dv, C16, cols, s.alpha.data());
   const int64_t b0 = j0 / 32, b1 = ceil_div(j0 + nk, 32);
+  const int64_t rows = 32 * (b1 - b0), pairs = rows / 2;
   int64_t ldvt = 0;
   bool finite = true;
+  const uint32_t* vt_lo = nullptr;
   const uint32_t* vt = s.vp.get(whole, reinterpret_cast<const uint16_t*>(vh), p.v_row_stride,
-                                qt_.s.Sk, Dv, b0, b1, &ldvt, &finite);
-  const int64_t rows = 32 * (b1 - b0);
+                                qt_.s.Sk, Dv, b0, b1, &ldvt, &finite, &vt_lo);
   if (!finite) {
     // v's inf / NaN entries as 0 for the tiles (a hidden key's 0 probability then adds exactly
     // 0, as with a finite value there: the visible rows keep their bits), then added one by one
     // where their key is visible (full tile: every column, as the fp32 gemm's products)
-    s.vclean.resize(static_cast<size_t>(Dv * rows / 2));
-    mk::zero_nonfinite_pairs(vt, Dv, rows / 2, ldvt, s.vclean.data(), rows / 2);
+    // (lo is 0 where v is not finite: only the hi pairs need it; the copy puts the lo pairs
+    // beside them at the same ld)
+    s.vclean.resize(static_cast<size_t>(Dv * pairs * (s.split ? 2 : 1)));
+    mk::zero_nonfinite_pairs(vt, Dv, pairs, ldvt, s.vclean.data(), pairs);
+    if (s.split) {
+      for (int64_t d = 0; d < Dv; ++d)
+        std::copy(vt_lo + d * ldvt, vt_lo + d * ldvt + pairs, s.vclean.data() + (Dv + d) * pairs);
+      vt_lo = s.vclean.data() + Dv * pairs;
+    }
     vt = s.vclean.data();
-    ldvt = rows / 2;
+    ldvt = pairs;
   }
-  mk::probs_to_pairs(s.st.data(), C, j0 - 32 * b0, j0 - 32 * b0 + nk, rows, cols, s.pp.data(), C16);
-  mk::pv_amx(Dv, C16, rows / 2, vt, ldvt, s.pp.data(), ot, C16);
+  const int64_t r_begin = j0 - 32 * b0;
+  if (s.split) {
+    uint32_t* pp = s.pp.data();
+    mk::probs_to_pairs_split(s.st.data(), C, r_begin, r_begin + nk, rows, cols, pp,
+                             pp + pairs * C16, C16);
+    mk::pv_amx_split(Dv, C16, pairs, vt, vt_lo, ldvt, pp, pp + pairs * C16, ot, C16);
+  } else {
+    mk::probs_to_pairs(s.st.data(), C, r_begin, r_begin + nk, rows, cols, s.pp.data(), C16);
+    mk::pv_amx(Dv, C16, pairs, vt, ldvt, s.pp.data(), ot, C16);
+  }
   if (finite) return;
   const int64_t nq = qt_.nq;
   for (int64_t r = 0; r < nk; ++r) {
-    const c10::BFloat16* vrow = vh + (j0 + r) * p.v_row_stride;
+    const scalar_t* vrow = vh + (j0 + r) * p.v_row_stride;
     for (int64_t d = 0; d < Dv; ++d) {
       const float x = static_cast<float>(vrow[d]);
       if (std::isfinite(x)) continue;
@@ -266,6 +361,22 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
       }
     }
   }
+  if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    if (s.split) {  // qp (D, C): q's pairs [hi; lo], unscaled, padding columns zero
+      const int64_t P = D / 2;
+      std::fill(s.qp.begin(), s.qp.begin() + 2 * P * C, 0u);
+      for (int64_t hh = 0; hh < qt_.nh; ++hh) {
+        const scalar_t* qh = q + qt_.b * p.q_batch_stride + (qt_.h0 + hh) * p.q_head_stride +
+                             (sq.q0 + qt_.i0) * p.q_row_stride;
+        for (int64_t ii = 0; ii < qt_.nq; ++ii) {
+          mk::split_fp16(reinterpret_cast<const uint16_t*>(qh + ii * p.q_row_stride), D,
+                         s.rhi.data() + ii * D, s.rlo.data() + ii * D);
+        }
+        mk::pack_bf16_pairs(s.rhi.data(), D, qt_.nq, D, s.qp.data() + hh * qt_.nq, C);
+        mk::pack_bf16_pairs(s.rlo.data(), D, qt_.nq, D, s.qp.data() + P * C + hh * qt_.nq, C);
+      }
+    }
+  }
   for (int64_t d = 0; !s.bf16dp && cols < C && d < D; ++d)
     std::fill(s.qt.begin() + d * C + cols, s.qt.begin() + (d + 1) * C, acc_t(0));
   for (int64_t hh = 0; !s.bf16dp && hh < qt_.nh; ++hh) {
@@ -305,8 +416,12 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   const bool head_rows = head_rows_fit(sq.Sk, Dp, Dvp, sizeof(acc_t), s.head_rows_budget);
   // v^T's pairs of the whole head (pass 3 on tiles) within the same share, next to k's rows
   // where pass 1 converts them
-  const bool vp_whole = s.amx_pv && (s.bf16dp ? 0 : sq.Sk * Dp * int64_t(sizeof(acc_t))) +
-                                            Dv * round_up(sq.Sk, 32) * 2 <= s.head_rows_budget;
+  // (fp16 on tiles: k's hi / lo rows and v^T's hi / lo pairs, the same bytes as fp32 rows)
+  const int64_t split_k_bytes = s.split ? sq.Sk * D * 4 : 0;
+  const bool vp_whole =
+      s.amx_pv && (s.bf16dp ? split_k_bytes : sq.Sk * Dp * int64_t(sizeof(acc_t))) +
+                          Dv * round_up(sq.Sk, 32) * (s.split ? 4 : 2) <= s.head_rows_budget;
+  const bool k_whole = vp_whole;
   for (int64_t j0 = kbeg; j0 < kend; j0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, kend - j0);
     TileKind kind = vis.classify(sq, i0, i0 + nq, j0, j0 + nk);
@@ -324,7 +439,7 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     const acc_t* kt;
     const acc_t* vt;
     int64_t ldk, ldv;
-    if (s.bf16dp) {  // pass 1 reads k's bf16 rows in place (kbf below)
+    if (s.bf16dp) {  // pass 1 reads k's bf16 rows in place (kbf below) or splits them (s.ks)
       kt = nullptr;
       ldk = 0;
     } else if (std::is_same_v<scalar_t, acc_t> &&
@@ -357,6 +472,15 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     const auto* kbf = reinterpret_cast<const uint16_t*>(kh + j0 * p.k_row_stride);
     auto pass1 = [&](int64_t r0, int64_t rows, int64_t c0, int64_t n) {
       if constexpr (std::is_same_v<acc_t, float>) {
+        if (s.split) {  // (the whole tile: s.amx)
+          const uint16_t* klo = nullptr;
+          const uint16_t* khi = s.ksplit.get(k_whole, reinterpret_cast<const uint16_t*>(kh),
+                                             p.k_row_stride, sq.Sk, D, j0 + r0, rows, &klo);
+          mk::scores_amx_split(rows, n, D, khi, klo, D, s.qp.data() + c0,
+                               s.qp.data() + D / 2 * C + c0, C, qscale,
+                               s.st.data() + r0 * C + c0, C);
+          return;
+        }
         if (s.bf16dp) {
           mk::scores_pairs(s.amx, rows, n, D, kbf + r0 * p.k_row_stride, p.k_row_stride,
                            s.qp.data() + c0, C, qscale, s.st.data() + r0 * C + c0, C);
@@ -405,9 +529,10 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
                    s.words.data(),
                    thresh, inv_keep);
     }
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    if constexpr ((std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) &&
+                  std::is_same_v<acc_t, float>) {
       if (s.amx_pv) {
-        pass3_amx(p, vis, qt_, j0, nk, partial, vp_whole, vh, C, s);
+        pass3_amx<scalar_t, acc_t>(p, vis, qt_, j0, nk, partial, vp_whole, vh, C, s);
         continue;
       }
     }
@@ -463,7 +588,7 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
       }
     }
   }
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+  if constexpr (std::is_same_v<acc_t, float>) {
     if (s.amx_pv) {  // o (C, Dvp) from o^T (Dv, C16)
       const int64_t C16 = round_up(C, 16);
       for (int64_t c = 0; c < C; ++c)
@@ -538,20 +663,32 @@ void attention_fwd_kernel(const AttentionParams& p) {
   const int64_t workers = num_threads();
   const int64_t rows_budget = head_rows_budget(workers);
   constexpr bool is_bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  const bool bf16dp = mk::bf16_scores_by_pairs(is_bf16, p.D);
-  const bool amx = bf16dp && mk::amx_for(p.D);
-  const bool amx_pv = is_bf16 && mk::amx_pv_for(p.Dv);
+  // fp16 on the tiles when both products can (mk::fp16_on_tiles): pass 1 as bf16dp / amx
+  const bool split = std::is_same_v<scalar_t, c10::Half> && mk::fp16_on_tiles(p.D, p.Dv);
+  const bool bf16dp = split || mk::bf16_scores_by_pairs(is_bf16, p.D);
+  const bool amx = split || (bf16dp && mk::amx_for(p.D));
+  const bool amx_pv = split || (is_bf16 && mk::amx_pv_for(p.Dv));
   auto make_scratch = [&] {
     FwdScratch<acc_t> s(p.D, p.Dv);
     s.head_rows_budget = rows_budget;
     s.bf16dp = bf16dp;
     s.amx = amx;
     s.amx_pv = amx_pv;
+    s.split = split;
+    s.vp.split = split;
     if (amx_pv) {  // pass 3 on tiles: o^T, p's pairs, one key tile's v^T pairs
       const int64_t C16 = round_up(kBlockQ, 16);
       s.ot.resize(static_cast<size_t>(p.Dv * C16));
-      s.pp.resize(static_cast<size_t>(kAmxKeyRows / 2 * C16));
+      s.pp.resize(static_cast<size_t>((split ? 2 : 1) * kAmxKeyRows / 2 * C16));
       s.vp.tile.resize(static_cast<size_t>(p.Dv * kAmxKeyRows / 2));
+    }
+    if (split) {
+      s.vp.tile_lo.resize(static_cast<size_t>(p.Dv * kAmxKeyRows / 2));
+      s.vp.rhi.resize(static_cast<size_t>(32 * p.Dv));
+      s.vp.rlo.resize(static_cast<size_t>(32 * p.Dv));
+      s.qp.resize(static_cast<size_t>(p.D * kBlockQ));
+      s.rhi.resize(static_cast<size_t>(kBlockQ * p.D));
+      s.rlo.resize(s.rhi.size());
     }
     return s;
   };

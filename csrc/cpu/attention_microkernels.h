@@ -359,6 +359,32 @@ void pack_row_pairs(const uint16_t* rows, int64_t stride, int64_t n_rows, int64_
 void zero_nonfinite_pairs(const uint32_t* src, int64_t rows, int64_t cols, int64_t lds,
                           uint32_t* dst, int64_t ldd);
 
+// ---- fp16 on the bf16 tiles (the tiled forward where amx_for(D) and amx_pv_for(Dv)) ---------
+// An fp16 value x is exactly hi + lo with hi = bf16(x) (round to nearest even) and lo =
+// bf16(x - hi): fp16 keeps 11 significant bits, hi 8, and the rest x - hi fits lo's 8. So a
+// product x y of two fp16 values is hi_x hi_y + hi_x lo_y + lo_x hi_y + lo_x lo_y, each term
+// exact in fp32; the tiles take the first three in one chain (the last is below 2^-16 of the
+// product, under the fp32 sums' own rounding over a row of D). Non-finite x: hi = x, lo = 0.
+// split_fp16: hi[i], lo[i] for i < n (AVX-512F; where amx_for).
+void split_fp16(const uint16_t* x, int64_t n, uint16_t* hi, uint16_t* lo);
+// The rule: fp16's tiled forward runs on the tiles when both of its products can (amx_for(D),
+// amx_pv_for(Dv)); else it widens to fp32 as before.
+inline bool fp16_on_tiles(int64_t D, int64_t Dv) { return amx_for(D) && amx_pv_for(Dv); }
+// scores_amx with the split terms: C = scale * (A B + A B_lo + A_lo B), one chain per element
+// (the three stretches in that order), A / A_lo rows at the same lda, B / B_lo at the same ldb.
+void scores_amx_split(int64_t M, int64_t N, int64_t D, const uint16_t* A, const uint16_t* A_lo,
+                      int64_t lda, const uint32_t* B, const uint32_t* B_lo, int64_t ldb,
+                      float scale, float* C, int64_t ldc);
+// pv_amx with the split terms: ot += vt pp + vt pp_lo + vt_lo pp, one chain per element.
+void pv_amx_split(int64_t Dv, int64_t C16, int64_t kpairs, const uint32_t* vt,
+                  const uint32_t* vt_lo, int64_t ldvt, const uint32_t* pp, const uint32_t* pp_lo,
+                  float* ot, int64_t ldo);
+// probs_to_pairs' pairs of the probabilities' hi (bf16 of p) into pp_hi and of their rest
+// (bf16 of p - hi) into pp_lo: p = hi + lo to 16 significant bits.
+void probs_to_pairs_split(const float* st, int64_t ld, int64_t r_begin, int64_t r_end,
+                          int64_t rows, int64_t cols, uint32_t* pp_hi, uint32_t* pp_lo,
+                          int64_t ldp);
+
 // x[r * ld + c] *= alpha[c] for r < rows, c < cols (16 columns at a time, skipping those
 // whose alpha are all 1): the online softmax's rescale of o^T.
 void scale_cols(float* x, int64_t rows, int64_t ld, int64_t cols, const float* alpha);
