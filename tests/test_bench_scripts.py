@@ -236,6 +236,16 @@ def test_transpose_check_builds_and_passes(tmp_path):
     assert "500 cases, 0 with an element that differs in a bit" in out, out
 
 
+def test_convert_check_builds_and_passes(tmp_path):
+    """tools/convert_check.cpp: the AVX2 write-out of fp16 / bf16 outputs and gradients
+    (mk::float_to_half_avx2 / float_to_bf16_avx2, store_row) gives c10's bits for x * mul on
+    random bit patterns with NaN, inf, denormals, overflow and ties, every tail length, and
+    writes nothing past n."""
+    out = _run_check_tool(tmp_path, "convert_check", "3000", "attention_microkernels_avx2.cpp",
+                          "cpu_features.cpp")
+    assert "3000 cases," in out and "0 differ in a bit" in out, out
+
+
 def test_isa_probe_builds_and_checks_its_arithmetic(tmp_path):
     """tools/isa_probe.cpp (the per-ISA peak rates RESULTS.md quotes: fp32 FMA on ymm and zmm,
     bf16 dot products) builds as its header says, checks each case's sums (exit 0) and prints

@@ -704,7 +704,7 @@ void write_dq(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64_
     if (transposed) {  // (D, kBlockQ): QueryPackLayout::amx_dq
       for (int64_t d = 0; d < p.D; ++d) dst[d] = static_cast<scalar_t>(dqt[d * kBlockQ + ii] * scale);
     } else {
-      for (int64_t d = 0; d < p.D; ++d) dst[d] = static_cast<scalar_t>(dqt[ii * Dp + d] * scale);
+      store_row(dqt + ii * Dp, scale, p.D, dst);
     }
   }
 }
@@ -725,9 +725,8 @@ void write_dkv(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64
                     hkv * bp.dv_head_stride;
     const acc_t* ks = a.dkt + j * a.ldk;
     const acc_t* vs = a.dvt + j * a.ldv;
-    for (int64_t d = 0; d < p.D; ++d) dkr[d] = static_cast<scalar_t>(ks[d] * scale);
-    if (with_dv)
-      for (int64_t d = 0; d < p.Dv; ++d) dvr[d] = static_cast<scalar_t>(vs[d]);
+    store_row(ks, scale, p.D, dkr);
+    if (with_dv) store_row(vs, acc_t(1), p.Dv, dvr);
   }
 }
 

@@ -75,6 +75,24 @@ inline void convert_row(const scalar_t* src, int64_t n, acc_t* dst) {
   }
 }
 
+// dst[0, n) = src[0, n) * mul converted to scalar_t (round to nearest even): the outputs'
+// write-out (the product in acc_t first, as the scalar loop's static_cast<scalar_t>(x * mul)).
+template <typename scalar_t, typename acc_t>
+inline void store_row(const acc_t* src, acc_t mul, int64_t n, scalar_t* dst) {
+  if constexpr (std::is_same_v<scalar_t, c10::Half> && std::is_same_v<acc_t, float>) {
+    if (mk::cpu_has_avx2_fma()) {
+      mk::float_to_half_avx2(src, mul, n, reinterpret_cast<uint16_t*>(dst));
+      return;
+    }
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    if (mk::cpu_has_avx2_fma()) {
+      mk::float_to_bf16_avx2(src, mul, n, reinterpret_cast<uint16_t*>(dst));
+      return;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(src[i] * mul);
+}
+
 // dst (rows, ld) = src rows (row r at src + r * row_stride, `cols` contiguous values);
 // columns [cols, ld) are left as they are (callers keep them zero).
 template <typename scalar_t, typename acc_t>

@@ -620,8 +620,7 @@ void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, in
             &lse_row));
         scalar_t* orow = out + t.b * p.out_batch_stride + (t.s.q0 + i) * p.out_row_stride +
                          h * p.out_head_stride;
-        const acc_t* src = o + c * Dvp;
-        for (int64_t d = 0; d < p.Dv; ++d) orow[d] = static_cast<scalar_t>(src[d] * inv);
+        store_row(o + c * Dvp, inv, p.Dv, orow);
         lse[t.b * p.lse_batch_stride + h * p.lse_head_stride + t.s.q0 + i] =
             static_cast<acc_t>(lse_row);
       }
@@ -638,8 +637,7 @@ void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, in
       const acc_t inv = seen ? acc_t(1) / l[c] : acc_t(0);
       scalar_t* orow = out + t.b * p.out_batch_stride + (t.s.q0 + i) * p.out_row_stride +
                        h * p.out_head_stride;
-      const acc_t* src = o + c * Dvp;
-      for (int64_t d = 0; d < p.Dv; ++d) orow[d] = static_cast<scalar_t>(src[d] * inv);
+      store_row(o + c * Dvp, inv, p.Dv, orow);
       lse[t.b * p.lse_batch_stride + h * p.lse_head_stride + t.s.q0 + i] =
           seen ? static_cast<acc_t>(static_cast<double>(m[c]) + std::log(static_cast<double>(l[c])))
                : -std::numeric_limits<acc_t>::infinity();

@@ -237,6 +237,11 @@ void transpose_rows_avx2(const float* src, int64_t lds, int64_t rows, int64_t co
 // n bfloat16 / float16 values (raw bits) to float.
 void bf16_to_float_avx2(const uint16_t* src, int64_t n, float* dst);
 void half_to_float_avx2(const uint16_t* src, int64_t n, float* dst);
+// dst[i] = the float16 / bfloat16 of src[i] * mul (raw bits), round to nearest even: the bits of
+// c10::Half(src[i] * mul) / c10::BFloat16(src[i] * mul) (a NaN: c10's 0x7fc0 for bfloat16, a
+// quiet NaN for float16); the outputs' write-out.
+void float_to_half_avx2(const float* src, float mul, int64_t n, uint16_t* dst);
+void float_to_bf16_avx2(const float* src, float mul, int64_t n, uint16_t* dst);
 
 // row_dots_generic's fused chains for up to 8 rows at once, the rows' chains interleaved (a
 // single chain waits on each FMA's latency; std::fma outside an FMA target is a libm call).

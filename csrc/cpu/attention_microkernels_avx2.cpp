@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include "cpu/cpu_features.h"
 #include "cpu/simd.h"
 
@@ -437,6 +438,51 @@ ATTN_AVX2 void half_to_float_avx2(const uint16_t* src, int64_t n, float* dst) {
   }
 }
 
+// (the tails of both through a zero-padded vector)
+ATTN_AVX2 void float_to_half_avx2(const float* src, float mul, int64_t n, uint16_t* dst) {
+  const __m256 m = _mm256_set1_ps(mul);
+  auto eight = [&](const float* s8, uint16_t* d8) ATTN_AVX2 {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s8), m);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d8),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) eight(src + i, dst + i);
+  if (i < n) {
+    float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    uint16_t out[8];
+    std::memcpy(tmp, src + i, static_cast<size_t>(n - i) * sizeof(float));
+    eight(tmp, out);
+    std::memcpy(dst + i, out, static_cast<size_t>(n - i) * sizeof(uint16_t));
+  }
+}
+
+ATTN_AVX2 void float_to_bf16_avx2(const float* src, float mul, int64_t n, uint16_t* dst) {
+  // round to nearest even on the bits: (u + 0x7fff + ((u >> 16) & 1)) >> 16; NaN -> 0x7fc0
+  const __m256 m = _mm256_set1_ps(mul);
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+  const __m256i qnan = _mm256_set1_epi32(0x7fc0);
+  auto eight = [&](const float* s8, uint16_t* d8) ATTN_AVX2 {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s8), m);
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), lsb), 16);
+    r = _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    // 8 words from the low halves of the 8 lanes (each < 2^16: packus keeps them)
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d8), packed);
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) eight(src + i, dst + i);
+  if (i < n) {
+    float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    uint16_t out[8];
+    std::memcpy(tmp, src + i, static_cast<size_t>(n - i) * sizeof(float));
+    eight(tmp, out);
+    std::memcpy(dst + i, out, static_cast<size_t>(n - i) * sizeof(uint16_t));
+  }
+}
+
 namespace {
 // N rows' chains side by side: one FMA of each row per step d, so N chains are in flight.
 template <int N>
@@ -489,6 +535,8 @@ void dropout_row_avx2(const float*, float*, int64_t, const uint64_t*, int, uint3
 void softcap_rows_avx2(float*, int64_t, int64_t, int64_t, float, float*) {}
 void bf16_to_float_avx2(const uint16_t*, int64_t, float*) {}
 void half_to_float_avx2(const uint16_t*, int64_t, float*) {}
+void float_to_half_avx2(const float*, float, int64_t, uint16_t*) {}
+void float_to_bf16_avx2(const float*, float, int64_t, uint16_t*) {}
 void transpose_rows_avx2(const float*, int64_t, int64_t, int64_t, float, bool, float*, int64_t) {}
 void row_dots_fma_avx2(int, int64_t, const float*, int64_t, const float*, int64_t, float*) {}
 
