@@ -364,7 +364,7 @@ def test_bench_attention_cpu_shapes_and_fp16():
 def test_amx_probe_builds_and_measures(tmp_path):
     """tools/amx_probe.cpp (the per-step cycles of a bf16 forward key tile on AMX tiles that
     RESULTS.md quotes) builds from the kernel sources as its header says and prints a positive
-    time for each step; exit 2 (no AMX) skips."""
+    time for each step and the tile softmax's error; exit 2 (no AMX) skips."""
     import re
 
     exe = _build_tool(tmp_path, "amx_probe", "attention_amx.cpp", "attention_bf16dp.cpp",
@@ -375,6 +375,11 @@ def test_amx_probe_builds_and_measures(tmp_path):
         pytest.skip("no AMX")
     assert res.returncode == 0, res.stdout + res.stderr
     times = [float(x) for x in re.findall(r"([0-9.]+) us", res.stdout)]
-    assert len(times) == 5 and all(t > 0 for t in times), res.stdout
-    for step in ("scores_amx", "softmax_avx512", "probs_to_pairs", "scale_cols", "pv_amx"):
+    assert len(times) == 6 and all(t > 0 for t in times), res.stdout
+    for step in ("scores_amx", "softmax_avx512", "probs_to_pairs", "scale_cols", "pv_amx",
+                 "softmax_pairs_amx"):
         assert step in res.stdout
+    # the tile path's exp2 (vreduceps / vscalefps, attention_amx.cpp exp2_tile_ps512): its
+    # probabilities within 2 ulp of 2^x in double at the kernel's fp32 argument x
+    worst = float(re.search(r"p against 2\^x in double: ([0-9.]+) ulp", res.stdout).group(1))
+    assert worst < 2.0, res.stdout

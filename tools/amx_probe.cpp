@@ -12,7 +12,11 @@
 // Prints, per step, microseconds and cycles per call (at the GHz given by ATTN_EXT_PROBE_GHZ,
 // default 2.6) against the 144 tdpbf16ps of one product at 16 cycles each; "no AMX" and exit
 // status 2 where cpu::amx_enabled() is false (it also asks Linux for the tile state).
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
 #include <cstdio>
 #include <cstdlib>
 
@@ -56,5 +60,34 @@ int main(int argc, char** argv) {
   time("pv_amx (v^T walks a head)", [&](int i) {
     mk::pv_amx(D, C, 48, vt.data() + (i % 42) * 48, Sk / 2, pp.data(), ot.data(), C);
   });
+  // the tile path's softmax, which writes p's pairs itself (replacing the two steps above)
+  AlignedVec<float> st0(nk * C);
+  for (int64_t i = 0; i < nk * C; ++i) st0[i] = static_cast<float>((i * 37 % 1000) / 100.0 - 5.0);
+  time("softmax_pairs_amx (+ a copy of st)", [&](int) {
+    std::memcpy(st.data(), st0.data(), sizeof(float) * nk * C);
+    mk::softmax_pairs_amx(st.data(), C, nk, C, 0, nk / 2, m.data(), l.data(), al.data(), pp.data(),
+                          nullptr, C);
+  });
+  // its probabilities against 2^x in double, in fp32 ulps, x the kernel's fp32 argument
+  // (s - max) * log2(e) (a fresh column state); the argument's own rounding is not counted
+  std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(l.begin(), l.end(), 0.f);
+  AlignedVec<float> sx(nk * C);
+  for (int64_t i = 0; i < nk * C; ++i) sx[i] = static_cast<float>(-0.013 * (i % 7919)) + 0.25f;
+  std::memcpy(st.data(), sx.data(), sizeof(float) * nk * C);
+  mk::softmax_pairs_amx(st.data(), C, nk, C, 0, nk / 2, m.data(), l.data(), al.data(), pp.data(),
+                        nullptr, C);
+  double worst = 0;
+  for (int64_t r = 0; r < nk; ++r) {
+    for (int64_t c = 0; c < C; ++c) {
+      volatile float diff = sx[r * C + c] - m[c];
+      const float x = diff * 1.4426950408889634f;
+      const double e = std::exp2(static_cast<double>(x));
+      if (e < 1e-30) continue;
+      const double ulp = std::ldexp(1.0, std::ilogb(e) - 23);
+      worst = std::max(worst, std::abs(st[r * C + c] - e) / ulp);
+    }
+  }
+  std::printf("softmax_pairs_amx p against 2^x in double: %.2f ulp at most\n", worst);
   return 0;
 }

@@ -365,6 +365,92 @@ ATTN_EXT_AMX void probs_to_pairs(const float* st, int64_t ld, int64_t r_begin, i
   }
 }
 
+namespace {
+// 2^x for x <= 0, -inf (0) and NaN (NaN), 16 lanes: f = x - floor(x) in [0, 1] (vreduceps,
+// exact), 2^f by a degree-6 polynomial with p(0) = 1 (a minimax fit of 2^f on [0, 1] in relative
+// error: 2.0e-9 in exact arithmetic, under 2 ulp in fp32 with the FMAs' rounding), then
+// p * 2^floor(x) by vscalefps, which rounds once (denormal results for x in (-150, -126], 0 below;
+// -inf gives f = 0 and 0). 2^0 = 1 exactly, so the key of a column's maximum gets exactly 1.
+ATTN_EXT_AMX inline __m512 exp2_tile_ps512(__m512 x) {
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(2.161292068194598e-04f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.246784464456141e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675451554358006e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5485282093286514e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402293086051941e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931470632553101e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, x);
+}
+}  // namespace
+
+ATTN_EXT_AMX void softmax_pairs_amx(float* st, int64_t ld, int64_t rows, int64_t cols,
+                                    int64_t r_begin, int64_t pair_rows, float* m, float* l,
+                                    float* alpha, uint32_t* pp, uint32_t* pp_lo, int64_t ldp) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 log2e = _mm512_set1_ps(1.4426950408889634f);
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                       16, 0);
+  auto widen_lo = [](__m512i w) ATTN_EXT_AMX { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); };
+  auto widen_hi = [](__m512i w) ATTN_EXT_AMX {
+    return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xffff0000u))));
+  };
+  for (int64_t c = 0; c < ldp; c += 16) {
+    if (c >= ld) {  // padding columns: zero pairs
+      for (int64_t kp = 0; kp < pair_rows; ++kp) {
+        _mm512_storeu_si512(pp + kp * ldp + c, _mm512_setzero_si512());
+        if (pp_lo != nullptr) _mm512_storeu_si512(pp_lo + kp * ldp + c, _mm512_setzero_si512());
+      }
+      continue;
+    }
+    const __mmask16 k = lanes16(ld - c);
+    const __mmask16 kc = c < cols ? lanes16(cols - c) : __mmask16(0);  // the pairs' columns
+    auto load = [&](const float* q) ATTN_EXT_AMX { return _mm512_maskz_loadu_ps(k, q); };
+    // pass 1: running max of the 16 columns
+    const __m512 m_old = load(m + c);
+    __m512 mx0 = m_old, mx1 = neg_inf;
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2) {
+      mx0 = _mm512_max_ps(mx0, load(st + r * ld + c));
+      mx1 = _mm512_max_ps(mx1, load(st + (r + 1) * ld + c));
+    }
+    if (r < rows) mx0 = _mm512_max_ps(mx0, load(st + r * ld + c));
+    const __m512 mx = _mm512_max_ps(mx0, mx1);
+    const __m512 mu = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx, neg_inf, _CMP_NEQ_UQ), mx);
+    const __m512 a = exp2_tile_ps512(_mm512_mul_ps(_mm512_sub_ps(m_old, mu), log2e));
+    // pass 2: per pair row, the two keys' probabilities (0 outside the tile), their sums, pairs
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    auto prob = [&](int64_t row) ATTN_EXT_AMX {
+      if (row < 0 || row >= rows) return _mm512_setzero_ps();
+      float* q = st + row * ld + c;
+      const __m512 e = exp2_tile_ps512(_mm512_mul_ps(_mm512_sub_ps(load(q), mu), log2e));
+      _mm512_mask_storeu_ps(q, k, e);
+      return e;
+    };
+    for (int64_t kp = 0; kp < pair_rows; ++kp) {
+      const int64_t r0 = 2 * kp - r_begin;
+      // (the key parity of a row: its chain, so the sum's order is the keys')
+      __m512 e0 = prob(r0), e1 = prob(r0 + 1);
+      s0 = _mm512_add_ps(s0, e0);
+      s1 = _mm512_add_ps(s1, e1);
+      e0 = _mm512_maskz_mov_ps(kc, e0);
+      e1 = _mm512_maskz_mov_ps(kc, e1);
+      const __m512i h = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      _mm512_storeu_si512(pp + kp * ldp + c, h);
+      if (pp_lo != nullptr) {
+        const __m512 ra = _mm512_sub_ps(e0, widen_lo(h)), rb = _mm512_sub_ps(e1, widen_hi(h));
+        _mm512_storeu_si512(pp_lo + kp * ldp + c,
+                            _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(rb, ra)));
+      }
+    }
+    const __m512 sum = _mm512_add_ps(s0, s1);
+    _mm512_mask_storeu_ps(alpha + c, k, a);
+    _mm512_mask_storeu_ps(l + c, k, _mm512_fmadd_ps(load(l + c), a, sum));
+    _mm512_mask_storeu_ps(m + c, k, mx);
+  }
+}
+
 ATTN_EXT_AMX void split_fp16(const uint16_t* x, int64_t n, uint16_t* hi, uint16_t* lo) {
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += 16) {
@@ -538,6 +624,10 @@ void pv_amx_split(int64_t, int64_t, int64_t, const uint32_t*, const uint32_t*, i
   std::abort();
 }
 void split_fp16(const uint16_t*, int64_t, uint16_t*, uint16_t*) { std::abort(); }
+void softmax_pairs_amx(float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*, float*,
+                       float*, uint32_t*, uint32_t*, int64_t) {
+  std::abort();
+}
 void probs_to_pairs_split(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t*,
                           uint32_t*, int64_t) {
   std::abort();

@@ -18,7 +18,8 @@
 //     kb (nk, Dp), vb (nk, Dvp)  = k, v rows converted to the accumulation type
 //     pass 1: st (nk, C) = kb qt                  scores, transposed
 //             mask (only partial tiles)
-//     pass 2: online softmax on st's columns      (running max m, sum l, rescale alpha)
+//     pass 2: online softmax on st's columns      (running max m, sum l, rescale alpha;
+//             on AMX tiles also p's bf16 pairs for pass 3: mk::softmax_pairs_amx)
 //     pass 3: o (C, Dvp) = alpha * o + st^T vb
 //   out = o / l, lse = m + log l
 //
@@ -274,10 +275,11 @@ struct FwdScratch {
 //
 // fp16 (s.split): v^T's pairs of the values' hi and lo parts (s.vp) and p's hi and lo pairs, in
 // one chain per element: v p = hi_v hi_p + hi_v lo_p + lo_v hi_p (mk::pv_amx_split).
+// With pairs_done the softmax has written p's pairs already (mk::softmax_pairs_amx).
 template <typename scalar_t, typename acc_t>
 void pass3_amx(const AttentionParams& p, const Visibility& vis, const QueryTile& qt_, int64_t j0,
                int64_t nk, bool partial, bool whole, const scalar_t* vh, int64_t C,
-               FwdScratch<acc_t>& s) {
+               bool pairs_done, FwdScratch<acc_t>& s) {
   const int64_t Dv = p.Dv, C16 = round_up(C, 16), cols = qt_.cols();
   float* ot = s.ot.data();
   mk::scale_cols(ot, Dv, C16, cols, s.alpha.data());
@@ -305,14 +307,15 @@ void pass3_amx(const AttentionParams& p, const Visibility& vis, const QueryTile&
     ldvt = pairs;
   }
   const int64_t r_begin = j0 - 32 * b0;
+  uint32_t* pp = s.pp.data();
+  uint32_t* pp_lo = pp + kAmxKeyRows / 2 * C16;  // (split)
   if (s.split) {
-    uint32_t* pp = s.pp.data();
-    mk::probs_to_pairs_split(s.st.data(), C, r_begin, r_begin + nk, rows, cols, pp,
-                             pp + pairs * C16, C16);
-    mk::pv_amx_split(Dv, C16, pairs, vt, vt_lo, ldvt, pp, pp + pairs * C16, ot, C16);
+    if (!pairs_done)
+      mk::probs_to_pairs_split(s.st.data(), C, r_begin, r_begin + nk, rows, cols, pp, pp_lo, C16);
+    mk::pv_amx_split(Dv, C16, pairs, vt, vt_lo, ldvt, pp, pp_lo, ot, C16);
   } else {
-    mk::probs_to_pairs(s.st.data(), C, r_begin, r_begin + nk, rows, cols, s.pp.data(), C16);
-    mk::pv_amx(Dv, C16, pairs, vt, ldvt, s.pp.data(), ot, C16);
+    if (!pairs_done) mk::probs_to_pairs(s.st.data(), C, r_begin, r_begin + nk, rows, cols, pp, C16);
+    mk::pv_amx(Dv, C16, pairs, vt, ldvt, pp, ot, C16);
   }
   if (finite) return;
   const int64_t nq = qt_.nq;
@@ -521,8 +524,20 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
         }
       }
     }
-    // pass 2: online softmax; st becomes the probabilities (relative to the new max)
-    K.softmax(s.st.data(), nk, C, s.m.data(), s.l.data(), s.alpha.data());
+    // pass 2: online softmax; st becomes the probabilities (relative to the new max). On the
+    // tile path without dropout it writes p's pairs for pass 3 too (mk::softmax_pairs_amx).
+    const bool pairs_done = std::is_same_v<acc_t, float> && s.amx_pv && !dropout;
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (pairs_done) {
+        const int64_t C16 = round_up(C, 16), b0 = j0 / 32;
+        uint32_t* pp = s.pp.data();
+        mk::softmax_pairs_amx(s.st.data(), C, nk, cols, j0 - 32 * b0,
+                              16 * (ceil_div(j0 + nk, 32) - b0), s.m.data(), s.l.data(),
+                              s.alpha.data(), pp, s.split ? pp + kAmxKeyRows / 2 * C16 : nullptr,
+                              C16);
+      }
+    }
+    if (!pairs_done) K.softmax(s.st.data(), nk, C, s.m.data(), s.l.data(), s.alpha.data());
     // dropout on the probabilities (the sum l above is of the undropped ones)
     if (dropout) {
       dropout_tile(s.st.data(), s.st.data(), nk, C, cols, terms.dropout_col(j0), s.rk.data(),
@@ -532,7 +547,7 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     if constexpr ((std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) &&
                   std::is_same_v<acc_t, float>) {
       if (s.amx_pv) {
-        pass3_amx<scalar_t, acc_t>(p, vis, qt_, j0, nk, partial, vp_whole, vh, C, s);
+        pass3_amx<scalar_t, acc_t>(p, vis, qt_, j0, nk, partial, vp_whole, vh, C, pairs_done, s);
         continue;
       }
     }

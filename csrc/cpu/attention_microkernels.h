@@ -390,6 +390,20 @@ void probs_to_pairs_split(const float* st, int64_t ld, int64_t r_begin, int64_t 
                           int64_t rows, int64_t cols, uint32_t* pp_hi, uint32_t* pp_lo,
                           int64_t ldp);
 
+// softmax_avx512's online step on the tile path, its probabilities written as the pairs
+// pv_amx reads: st (rows, ld) holds a key tile's scores, the step runs on its ld columns (m, l,
+// alpha as softmax_avx512); pair row kp of pp (ldp words, ldp >= ld a multiple of 16) gets the
+// keys st rows 2 kp - r_begin and 2 kp + 1 - r_begin (zero where that row is outside [0, rows)
+// and at columns past cols), kp < pair_rows; with
+// pp_lo, pp gets bf16 of p and pp_lo bf16 of the rest p - that (the fp16 split), else pp
+// rounds p to bf16. st keeps the fp32 probabilities (the key-by-key sums of non-finite v).
+// exp2 here is exp2_tile_ps512 (vreduceps / vscalefps: 8 operations against exp2_ps512's 14,
+// under 2 ulp): not exp2_ps512's bits, which the widened kernels and the backward keep. The
+// max and the sum run over the keys in order, even and odd keys in two chains joined at the end.
+void softmax_pairs_amx(float* st, int64_t ld, int64_t rows, int64_t cols, int64_t r_begin,
+                       int64_t pair_rows, float* m, float* l, float* alpha, uint32_t* pp,
+                       uint32_t* pp_lo, int64_t ldp);
+
 // x[r * ld + c] *= alpha[c] for r < rows, c < cols (16 columns at a time, skipping those
 // whose alpha are all 1): the online softmax's rescale of o^T.
 void scale_cols(float* x, int64_t rows, int64_t ld, int64_t cols, const float* alpha);

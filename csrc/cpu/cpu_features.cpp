@@ -76,7 +76,8 @@ bool amx_enabled() {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
     const bool amx_bf16 = (d >> 22) & 1u, amx_tile = (d >> 24) & 1u;
-    if (!amx_bf16 || !amx_tile) return false;
+    const bool avx512dq = (b >> 17) & 1u;  // (vreduceps in the tile path's softmax)
+    if (!amx_bf16 || !amx_tile || !avx512dq) return false;
     unsigned lo = 0, hi = 0;
     asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     if (((lo >> 17) & 3u) != 3u) return false;  // XTILECFG and XTILEDATA

@@ -43,7 +43,8 @@
 #if ATTN_EXT_HAVE_BF16DP_PATH && defined(__linux__) && \
     ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #define ATTN_EXT_HAVE_AMX_PATH 1
-#define ATTN_EXT_AMX ATTN_EXT_AVX512BF16
+#define ATTN_EXT_AMX \
+  __attribute__((target("avx512bf16,avx512vl,avx512dq,avx512f,avx512bw,avx2,fma,f16c")))
 #else
 #define ATTN_EXT_HAVE_AMX_PATH 0
 #endif
