@@ -451,6 +451,18 @@ ATTN_EXT_AMX void softmax_pairs_amx(float* st, int64_t ld, int64_t rows, int64_t
   }
 }
 
+ATTN_EXT_AMX void exp_sub_amx(float* st, int64_t rows, int64_t cols, const float* sub) {
+  const __m512 log2e = _mm512_set1_ps(1.4426950408889634f);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = st + r * cols;
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __mmask16 k = lanes16(cols - c);
+      const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + c), _mm512_maskz_loadu_ps(k, sub + c));
+      _mm512_mask_storeu_ps(x + c, k, exp2_tile_ps512(_mm512_mul_ps(d, log2e)));
+    }
+  }
+}
+
 ATTN_EXT_AMX void split_fp16(const uint16_t* x, int64_t n, uint16_t* hi, uint16_t* lo) {
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += 16) {
@@ -624,6 +636,7 @@ void pv_amx_split(int64_t, int64_t, int64_t, const uint32_t*, const uint32_t*, i
   std::abort();
 }
 void split_fp16(const uint16_t*, int64_t, uint16_t*, uint16_t*) { std::abort(); }
+void exp_sub_amx(float*, int64_t, int64_t, const float*) { std::abort(); }
 void softmax_pairs_amx(float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*, float*,
                        float*, uint32_t*, uint32_t*, int64_t) {
   std::abort();

@@ -397,6 +397,14 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   acc_t* const dvt = acc.dvt;
   const int64_t ldk = acc.ldk, ldv = acc.ldv;
   const PairTerms<acc_t> pt{terms, sq, b, h, i0, nq, j0, nk, C};
+  // pass 2's P = exp(s - lse): where the scores come from tiles, the tile path's exp
+  // (mk::exp_sub_amx), else the kernels' own
+  auto exp_sub = [&](acc_t* st, int64_t rows, int64_t cols, const acc_t* sub) {
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (kbf != nullptr && L.amx) return mk::exp_sub_amx(st, rows, cols, sub);
+    }
+    K.exp_sub(st, rows, cols, sub);
+  };
   // P^T with dropout applied (what pass 3 multiplies dout by)
   const acc_t* pv = dropout ? s.pz.data() : s.st.data();
   // pass 1 where the forward was the decode kernel: its scores function (its summation
@@ -515,7 +523,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
       pass1_tiled(0, nk, 0, C);                                                       // pass 1
     }
     if (with_terms) pt.terms(s.st.data(), th);
-    K.exp_sub(s.st.data(), nk, C, blk + L.lse);                       // pass 2
+    exp_sub(s.st.data(), nk, C, blk + L.lse);                       // pass 2
     if (dropout) {
       dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, terms.dropout_col(j0), rk,
                    s.words.data(), thresh, inv_keep);
@@ -580,7 +588,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   if (with_terms) pt.terms(s.st.data(), th);
   mask(s.st.data(), neg_inf);
   // pass 2: P^T (0 where hidden)
-  K.exp_sub(s.st.data(), nk, C, blk + L.lse);
+  exp_sub(s.st.data(), nk, C, blk + L.lse);
   if (dropout) {
     dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, terms.dropout_col(j0), rk,
                  s.words.data(), thresh, inv_keep);

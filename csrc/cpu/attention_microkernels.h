@@ -404,6 +404,11 @@ void softmax_pairs_amx(float* st, int64_t ld, int64_t rows, int64_t cols, int64_
                        int64_t pair_rows, float* m, float* l, float* alpha, uint32_t* pp,
                        uint32_t* pp_lo, int64_t ldp);
 
+// exp_sub_avx512's step (st = exp(st - sub[c]), as exp2 of (st - sub) log2(e)) with
+// exp2_tile_ps512: the backward's P = exp(s - lse) where its scores are on tiles (an exponent
+// of 0 gives 1 exactly; -inf, 0; NaN, NaN).
+void exp_sub_amx(float* st, int64_t rows, int64_t cols, const float* sub);
+
 // x[r * ld + c] *= alpha[c] for r < rows, c < cols (16 columns at a time, skipping those
 // whose alpha are all 1): the online softmax's rescale of o^T.
 void scale_cols(float* x, int64_t rows, int64_t ld, int64_t cols, const float* alpha);
