@@ -181,7 +181,12 @@ ATTN_EXT_AMX void run_segs(int mt, int nt, int nseg, const Seg* seg, char* c, in
 ATTN_EXT_AMX void run_block(int mt, int nt, int64_t steps, const char* const* a,
                             const int64_t* sa, const char* const* b, const int64_t* sb, char* c,
                             int64_t lc, bool load) {
-  const Seg seg{steps, {a[0], a[1]}, {sa[0], sa[1]}, {b[0], b[1]}, {sb[0], sb[1]}};
+  // (a[1] / b[1] exist only where mt / nt is 2)
+  const Seg seg{steps,
+                {a[0], mt > 1 ? a[1] : nullptr},
+                {sa[0], mt > 1 ? sa[1] : 0},
+                {b[0], nt > 1 ? b[1] : nullptr},
+                {sb[0], nt > 1 ? sb[1] : 0}};
   run_segs(mt, nt, 1, &seg, c, lc, load);
 }
 
