@@ -175,3 +175,29 @@ def test_fp16_tiles_long_heads_split_per_tile():
         _check(q, k, v, dict(causal=True, window=(1000, 0)))
 
     with_threads(16, run)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tiles_with_dropout_match_the_widened_path(monkeypatch, dtype):
+    """With dropout the tile path's softmax leaves p in fp32 for the keep mask, and the pairs
+    are made after it (probs_to_pairs / probs_to_pairs_split). The keep mask depends only on the
+    seed, offset and position, so the widened path (ATTN_EXT_CPU_AMX=0, checked against the
+    textbook elsewhere) drops the same probabilities: out within the dtype's rounding of it, lse
+    (of the undropped probabilities) within the sums' rounding, the gradients close."""
+    q, k, v = _qkv(1, 200, 200, 2, 2, 64, 64, 13)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    dout = torch.randn(1, 200, 2, 64).to(dtype)
+    kw = dict(causal=True, dropout_p=0.3)
+
+    def run():
+        torch.manual_seed(5)
+        return _run(q, k, v, dout, kw)
+
+    on = run()
+    monkeypatch.setenv("ATTN_EXT_CPU_AMX", "0")
+    off = run()
+    atol = 2e-3 if dtype == torch.float16 else 3e-2
+    torch.testing.assert_close(on[0].float(), off[0].float(), rtol=0, atol=atol)
+    torch.testing.assert_close(on[1], off[1], rtol=0, atol=1e-4)
+    for a, b in zip(on[2:], off[2:]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=atol * 5)

@@ -10,8 +10,12 @@
 //   ./amx_probe [calls]
 //
 // Prints, per step, microseconds and cycles per call (at the GHz given by ATTN_EXT_PROBE_GHZ,
-// default 2.6) against the 144 tdpbf16ps of one product at 16 cycles each; "no AMX" and exit
-// status 2 where cpu::amx_enabled() is false (it also asks Linux for the tile state).
+// default 2.6) against the 144 tdpbf16ps of one product at 16 cycles each (a tdpbf16ps stream ran
+// at 13.6 such cycles on the 2-core Xeon); then the tile path's fused softmax
+// (mk::softmax_pairs_amx, which replaces softmax_avx512 + probs_to_pairs there; timed with a copy
+// of the scores, since it overwrites them) and its probabilities' largest error against 2^x in
+// double at the kernel's fp32 argument. "no AMX" and exit status 2 where cpu::amx_enabled() is
+// false (it also asks Linux for the tile state).
 #include <algorithm>
 #include <chrono>
 #include <cmath>

@@ -151,14 +151,17 @@ struct HeadPairs {
       if (lo != nullptr) *lo = tile_lo.data();
       return tile.data();
     }
+    // (a row stride that is a multiple of 4 KiB would put a tile's 16 rows in one L1 set: one
+    // more cache line of padding then, outside the share's count: Dv lines)
+    const int64_t ld_whole = 16 * nb + (16 * nb * 4 % 4096 == 0 ? 16 : 0);
     if (head != src || static_cast<size_t>(nb) > done.size()) {
       src = head;
-      const size_t words = static_cast<size_t>(Dv * 16 * nb);
+      const size_t words = static_cast<size_t>(Dv * ld_whole);
       if (vt.size() < words) vt.resize(words);
       if (split && vt_lo.size() < words) vt_lo.resize(words);
       done.assign(static_cast<size_t>(nb), 0);
     }
-    *ld = 16 * nb;
+    *ld = ld_whole;
     for (int64_t blk = b0; blk < b1; ++blk) {
       if (!done[blk]) done[blk] = pack(blk, vt.data(), vt_lo.data(), blk) ? 1 : 2;
       fin = fin && done[blk] == 1;
