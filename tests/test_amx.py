@@ -66,27 +66,31 @@ def test_amx_switch_changes_rounding_only(monkeypatch):
     torch.testing.assert_close(on[0].float(), off[0].float(), rtol=0, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_amx_non_finite_v_of_hidden_keys(bad):
+def test_amx_non_finite_v_of_hidden_keys(bad, dtype):
     """inf / NaN in v's rows of padded keys and of keys past a window must not reach the rows that
-    cannot see them (0 * inf in the tiles): those key tiles are summed key by key. A visible
-    key's NaN still reaches its rows."""
+    cannot see them (0 * inf in the tiles): those key tiles are summed key by key, and the
+    forward's out is bitwise that of a finite value there. A visible key's NaN still reaches its
+    rows. fp16 (tests/test_fp16_amx.py): the hi pairs take them as 0 and lo is 0 there."""
     B, S, H, D = 2, 200, 2, 64
-    q, k, v = _qkv(B, S, S, H, H, D, D, 11)
-    dout = torch.randn(B, S, H, D).bfloat16()
+    q, k, v = (t.to(dtype) for t in _qkv(B, S, S, H, H, D, D, 11))
+    dout = torch.randn(B, S, H, D).to(dtype)
     kpm = torch.rand(B, S) > 0.3
     vv = v.clone()
     vv[~kpm] = bad
     kw = dict(key_padding_mask=kpm, causal=True)
     ours = _run(q, k, vv, dout, kw)
     ref64 = _ref(q, k, v, dout, kw, torch.float64)
-    ref_low = _ref(q, k, v, dout, kw, torch.bfloat16)
+    ref_low = _ref(q, k, v, dout, kw, dtype)
     for name, a, r, lo in zip(("out", "lse", "dq", "dk", "dv"), ours, ref64, ref_low):
         if name == "dv":  # the padded keys' dv: no row sees them, 0 in both
             a, r, lo = (t.masked_fill(~kpm[..., None, None], 0) for t in (a, r, lo))
         rows_ok = torch.isfinite(r)
         assert_close_rule(a.double(), r, lo.double(), name)
         assert bool(torch.isfinite(a[rows_ok]).all()), name
+    clean = attn_ext.attention(q, k, v.masked_fill(~kpm[..., None, None], 0.5), **kw)
+    assert torch.equal(ours[0], clean)
     # window: keys 100 .. 103 hold NaN; rows 0 .. 99 and rows past 103 + 16 cannot see them
     vw = v.clone()
     vw[:, 100:104] = float("nan")
@@ -131,12 +135,14 @@ def test_amx_one_visible_key_gradients_exactly_zero(kind):
     assert torch.count_nonzero(dv) > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("threads", [1, 16])
-def test_amx_threads(threads):
+def test_amx_threads(threads, dtype):
     """The tiles' results do not depend on where a tile sits, so the forward's bits do not
     depend on the thread count (no split-KV at this shape), and the backward matches the
-    textbook with the fused and the split partition; repeated runs give the same bits."""
-    q, k, v = _qkv(1, 256, 256, 2, 1, 64, 64, 5)
+    textbook with the fused and the split partition; repeated runs give the same bits (fp16:
+    its forward's split products, tests/test_fp16_amx.py)."""
+    q, k, v = (t.to(dtype) for t in _qkv(1, 256, 256, 2, 1, 64, 64, 5))
     fwd = lambda: attn_ext.attention(q, k, v, causal=True, return_lse=True)  # noqa: E731
     one = with_threads(1, fwd)
     with_threads(threads, lambda: _check(q, k, v, dict(causal=True)))
@@ -169,12 +175,14 @@ def test_amx_hidden_non_finite_k_leaves_every_other_gradient_bitwise_alone(bad):
         assert torch.equal(a, b), name
 
 
-def test_amx_long_heads_packed_per_tile():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_amx_long_heads_packed_per_tile(dtype):
     """At 16 threads each worker's head-rows share is 512 KiB, so a head of 5000 keys (v^T's pairs:
-    640 KiB at Dv = 64) is packed key tile by key tile instead of once (HeadPairs, whole = false),
-    and the few query tiles run split-KV (chunks that start off the 32-key blocks); the
-    backward's k^T pairs come per key tile either way. All against the textbook."""
-    q, k, v = _qkv(1, 100, 5000, 2, 2, 64, 64, 31)
+    640 KiB at Dv = 64) is packed key tile by key tile instead of once (HeadPairs, whole = false;
+    fp16: k's hi / lo rows too, HeadSplit), and the few query tiles run split-KV (chunks that
+    start off the 32-key blocks); the backward's k^T pairs come per key tile either way. All
+    against the textbook."""
+    q, k, v = (t.to(dtype) for t in _qkv(1, 100, 5000, 2, 2, 64, 64, 31))
 
     def run():
         assert attn_ext.explain(q, k, v).forward == "cpu.split_kv"

@@ -31,16 +31,17 @@ def _ref(q, k, v, dout, kw, dtype):
 
 
 def _check(q, k, v, kw, bad_keys=None):
-    """Ours (k with NaN in bad_keys' rows where given) against the textbook on the clean k."""
+    """Ours (k with NaN in bad_keys' rows where given) against the textbook on the clean k, the
+    low-precision reference in q's dtype (bf16 here; fp16 in tests/test_fp16_amx.py)."""
     B, Sq, H, _ = q.shape
-    dout = torch.randn(B, Sq, H, v.shape[-1]).bfloat16()
+    dout = torch.randn(B, Sq, H, v.shape[-1]).to(q.dtype)
     kk = k
     if bad_keys is not None:
         kk = k.clone()
         kk[bad_keys] = float("nan")
     ours = _run(q, kk, v, dout, kw)
     ref64 = _ref(q, k, v, dout, kw, torch.float64)
-    ref_low = _ref(q, k, v, dout, kw, torch.bfloat16)
+    ref_low = _ref(q, k, v, dout, kw, q.dtype)
     for name, a, r, lo in zip(("out", "lse", "dq", "dk", "dv"), ours, ref64, ref_low):
         if bad_keys is not None and name == "dk":
             a, r, lo = (t.masked_fill(bad_keys[..., None, None], 0) for t in (a, r, lo))

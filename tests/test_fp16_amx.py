@@ -3,10 +3,11 @@ scores_amx_split, pv_amx_split; where the CPU has AMX-TILE + AMX-BF16, D a multi
 a multiple of 16; ATTN_EXT_CPU_AMX=0 widens to fp32 as before). Every fp16 value is exactly
 hi + lo (two bf16), and each product takes hi hi + hi lo + lo hi in one tile chain, so the
 scores lose under 2^-18 of each product (the dropped lo lo); p is split the same way (16
-significant bits). The backward
-still widens fp16. Checked: the textbook by the tolerance rule (forward and backward), lse to
-fp32-level accuracy (which bf16 operands alone could not give), every tail the tiles stage, the
-fallbacks, hidden inf / NaN in v, the switch, thread counts, heads split per key tile."""
+significant bits). The backward still widens fp16. Checked here: the textbook by the tolerance
+rule (forward and backward) through every tail the tiles stage and the fallbacks, lse within the
+dropped terms' bound (which bf16 operands alone could not meet), the switch, one-key rows,
+dropout. tests/test_amx.py runs its hidden inf / NaN in v, thread-count and long-head (k and v
+split per key tile: HeadSplit / HeadPairs, whole = false) tests on fp16 too."""
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 import attn_ext
 from attn_ext import reference
 from attn_ext._explain import cpu_amx_enabled
-from tests.utils import assert_close_rule, with_threads
+from tests.test_bf16dp import _check, _run
 
 pytestmark = pytest.mark.skipif(not cpu_amx_enabled(), reason="no AMX on this CPU")
 
@@ -23,31 +24,6 @@ def _qkv(B, Sq, Sk, H, Hkv, D, Dv, seed):
     torch.manual_seed(seed)
     return (torch.randn(B, Sq, H, D).half(), torch.randn(B, Sk, Hkv, D).half(),
             torch.randn(B, Sk, Hkv, Dv).half())
-
-
-def _run(q, k, v, dout, kw):
-    ts = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, lse = attn_ext.attention(*ts, return_lse=True, **kw)
-    grads = torch.autograd.grad((out, lse), ts, (dout, torch.ones_like(lse)))
-    return [out.detach(), lse.detach(), *grads]
-
-
-def _ref(q, k, v, dout, kw, dtype):
-    ts = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = reference.attention_with_lse(*ts, **kw)
-    grads = torch.autograd.grad((out, lse), ts, (dout.to(dtype), torch.ones_like(lse)))
-    return [out.detach(), lse.detach(), *grads]
-
-
-def _check(q, k, v, kw):
-    B, Sq, H, _ = q.shape
-    dout = torch.randn(B, Sq, H, v.shape[-1]).half()
-    ours = _run(q, k, v, dout, kw)
-    ref64 = _ref(q, k, v, dout, kw, torch.float64)
-    ref_low = _ref(q, k, v, dout, kw, torch.float16)
-    for name, a, r, lo in zip(("out", "lse", "dq", "dk", "dv"), ours, ref64, ref_low):
-        assert_close_rule(a.double(), r, lo.double(), name)
-    return ours, ref64
 
 
 CASES = [
@@ -111,35 +87,6 @@ def test_fp16_tiles_switch_changes_rounding_only(monkeypatch):
     torch.testing.assert_close(on[0].float(), off[0].float(), rtol=0, atol=2e-3)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_fp16_tiles_non_finite_v_of_hidden_keys(bad):
-    """inf / NaN in v's rows of padded keys must not reach the rows that cannot see them (0 * inf
-    in the tiles): the hi pairs take them as 0 and they are added key by key where visible (lo is
-    0 there). Past a window, the NaN reaches exactly the rows that see it."""
-    B, S, H, D = 2, 200, 2, 64
-    q, k, v = _qkv(B, S, S, H, H, D, D, 11)
-    dout = torch.randn(B, S, H, D).half()
-    kpm = torch.rand(B, S) > 0.3
-    vv = v.clone()
-    vv[~kpm] = bad
-    kw = dict(key_padding_mask=kpm, causal=True)
-    ours = _run(q, k, vv, dout, kw)
-    ref64 = _ref(q, k, v, dout, kw, torch.float64)
-    ref_low = _ref(q, k, v, dout, kw, torch.float16)
-    for name, a, r, lo in zip(("out", "lse", "dq", "dk", "dv"), ours, ref64, ref_low):
-        if name == "dv":
-            a, r, lo = (t.masked_fill(~kpm[..., None, None], 0) for t in (a, r, lo))
-        assert_close_rule(a.double(), r, lo.double(), name)
-    # the hidden values leave the forward bitwise alone
-    clean = attn_ext.attention(q, k, v.masked_fill(~kpm[..., None, None], 0.5), **kw)
-    assert torch.equal(ours[0], clean)
-    vw = v.clone()
-    vw[:, 100:104] = float("nan")
-    out = attn_ext.attention(q, k, vw, causal=True, window=(16, 0))
-    assert bool(torch.isfinite(out[:, :100]).all()) and bool(torch.isfinite(out[:, 120:]).all())
-    assert bool(torch.isnan(out[:, 100:120]).all())
-
-
 def test_fp16_tiles_one_visible_key_gives_its_v():
     """A row that sees one key: p = 1 (hi 1, lo 0) and v = hi + lo exactly, so out is that
     key's v bitwise."""
@@ -148,33 +95,6 @@ def test_fp16_tiles_one_visible_key_gives_its_v():
     assert torch.equal(out, v.repeat_interleave(2, dim=2))
     out = attn_ext.attention(q, k, v, causal=True)
     assert torch.equal(out[:, 0], v[:, 0].repeat_interleave(2, dim=1))
-
-
-@pytest.mark.parametrize("threads", [1, 16])
-def test_fp16_tiles_threads(threads):
-    """An element's bits depend only on its row and column, so the forward's bits do not depend
-    on the thread count (no split-KV at this shape); repeated runs give the same bits."""
-    q, k, v = _qkv(1, 256, 256, 2, 1, 64, 64, 5)
-    fwd = lambda: attn_ext.attention(q, k, v, causal=True, return_lse=True)  # noqa: E731
-    one = with_threads(1, fwd)
-    with_threads(threads, lambda: _check(q, k, v, dict(causal=True)))
-    many, again = with_threads(threads, fwd), with_threads(threads, fwd)
-    assert all(torch.equal(x, y) for x, y in zip(one, many))
-    assert all(torch.equal(x, y) for x, y in zip(many, again))
-
-
-def test_fp16_tiles_long_heads_split_per_tile():
-    """At 16 threads the head-rows share (512 KiB) is below a head of 5000 keys' hi / lo rows and
-    pairs, so k and v are split key tile by key tile (HeadSplit / HeadPairs, whole = false), and
-    the few query tiles run split-KV (chunks off the 32-key blocks); against the textbook."""
-    q, k, v = _qkv(1, 100, 5000, 2, 2, 64, 64, 31)
-
-    def run():
-        assert attn_ext.explain(q, k, v).forward == "cpu.split_kv"
-        _check(q, k, v, dict(causal=False))
-        _check(q, k, v, dict(causal=True, window=(1000, 0)))
-
-    with_threads(16, run)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -23,15 +23,13 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "check_common.h"
 #include "cpu/attention_microkernels.h"
 
 int main(int argc, char** argv) {
   using namespace attn_ext::mk;
-  if (!cpu_has_avx2_fma()) {
-    std::printf("nothing to check: no AVX2 / FMA\n");
-    return 2;
-  }
-  const int cases = argc > 1 ? std::atoi(argv[1]) : 3000;
+  const int cases = check_cases(argc, argv, 3000);
+  if (cases == 0) return 2;
   std::mt19937 rng(7);
   const float specials[] = {0.f, -0.f, std::numeric_limits<float>::infinity(),
                             -std::numeric_limits<float>::infinity(),

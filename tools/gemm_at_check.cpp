@@ -21,16 +21,14 @@
 #include <vector>
 
 #include "cpu/aligned_vec.h"
+#include "check_common.h"
 #include "cpu/attention_microkernels.h"
 #include "gemm_case.h"
 
 int main(int argc, char** argv) {
   using namespace attn_ext::mk;
-  if (!cpu_has_avx2_fma()) {
-    std::printf("nothing to check: no AVX2 / FMA\n");
-    return 2;
-  }
-  const int cases = argc > 1 ? std::atoi(argv[1]) : 3000;
+  const int cases = check_cases(argc, argv, 3000);
+  if (cases == 0) return 2;
   std::mt19937 gen(7);
   std::uniform_real_distribution<float> uni(-1.f, 1.f);
   int differ = 0;

@@ -19,15 +19,13 @@
 #include <random>
 #include <vector>
 
+#include "check_common.h"
 #include "cpu/attention_microkernels.h"
 
 int main(int argc, char** argv) {
   using namespace attn_ext::mk;
-  if (!cpu_has_avx2_fma()) {
-    std::printf("nothing to check: no AVX2 / FMA\n");
-    return 2;
-  }
-  const int cases = argc > 1 ? std::atoi(argv[1]) : 3000;
+  const int cases = check_cases(argc, argv, 3000);
+  if (cases == 0) return 2;
   std::mt19937 gen(11);
   std::uniform_real_distribution<float> uni(-2.f, 2.f);
   const float specials[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),

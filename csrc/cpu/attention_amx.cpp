@@ -349,25 +349,45 @@ ATTN_EXT_AMX void pack_vt_pairs(const uint16_t* v, int64_t row_stride, int64_t n
   *finite = fin;
 }
 
-ATTN_EXT_AMX void probs_to_pairs(const float* st, int64_t ld, int64_t r_begin, int64_t r_end,
-                                 int64_t rows, int64_t cols, uint32_t* pp, int64_t ldp) {
-  // pair row kp of keys (2 kp, 2 kp + 1) - r_begin ... : rows outside [r_begin, r_end) are zero
+namespace {
+// The 16 words (bf16(a[c]), bf16(b[c])) of two probability rows' vectors into hi, and with lo
+// the words of their rests (a[c] - bf16(a[c]), ...: exact in fp32) rounded to bf16 likewise.
+ATTN_EXT_AMX inline void store_pairs(__m512 a, __m512 b, uint32_t* hi, uint32_t* lo) {
   const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                        24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                        16, 0);
+  // (b's 16 bf16 high, a's low), interleaved into 16 words (a[c], b[c])
+  const __m512i h = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  _mm512_storeu_si512(hi, h);
+  if (lo == nullptr) return;
+  // each word's halves back to fp32: the low half (a's), the high half (b's)
+  const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+  const __m512 hb = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(int(0xffff0000u))));
+  const __m512 ra = _mm512_sub_ps(a, ha), rb = _mm512_sub_ps(b, hb);
+  _mm512_storeu_si512(lo, _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(rb, ra)));
+}
+
+// probs_to_pairs / probs_to_pairs_split: lo pairs where pp_lo is given.
+ATTN_EXT_AMX void rows_to_pairs(const float* st, int64_t ld, int64_t r_begin, int64_t r_end,
+                                int64_t rows, int64_t cols, uint32_t* pp, uint32_t* pp_lo,
+                                int64_t ldp) {
+  // pair row kp of keys (2 kp, 2 kp + 1) - r_begin ... : rows outside [r_begin, r_end) are zero
   for (int64_t kp = 0; kp < rows / 2; ++kp) {
     const int64_t r0 = 2 * kp, r1 = r0 + 1;
     const bool in0 = r0 >= r_begin && r0 < r_end, in1 = r1 >= r_begin && r1 < r_end;
-    uint32_t* dst = pp + kp * ldp;
     for (int64_t c = 0; c < ldp; c += 16) {
       const __mmask16 k = lanes16(cols - c);
       const __m512 a = in0 ? _mm512_maskz_loadu_ps(k, st + (r0 - r_begin) * ld + c) : _mm512_setzero_ps();
       const __m512 b = in1 ? _mm512_maskz_loadu_ps(k, st + (r1 - r_begin) * ld + c) : _mm512_setzero_ps();
-      // (b's 16 bf16 high, a's low), interleaved into 16 words (a[c], b[c])
-      const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);
-      _mm512_storeu_si512(dst + c, _mm512_permutexvar_epi16(idx, ab));
+      store_pairs(a, b, pp + kp * ldp + c, pp_lo != nullptr ? pp_lo + kp * ldp + c : nullptr);
     }
   }
+}
+}  // namespace
+
+ATTN_EXT_AMX void probs_to_pairs(const float* st, int64_t ld, int64_t r_begin, int64_t r_end,
+                                 int64_t rows, int64_t cols, uint32_t* pp, int64_t ldp) {
+  rows_to_pairs(st, ld, r_begin, r_end, rows, cols, pp, nullptr, ldp);
 }
 
 namespace {
@@ -394,13 +414,6 @@ ATTN_EXT_AMX void softmax_pairs_amx(float* st, int64_t ld, int64_t rows, int64_t
                                     float* alpha, uint32_t* pp, uint32_t* pp_lo, int64_t ldp) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 log2e = _mm512_set1_ps(1.4426950408889634f);
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                       16, 0);
-  auto widen_lo = [](__m512i w) ATTN_EXT_AMX { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); };
-  auto widen_hi = [](__m512i w) ATTN_EXT_AMX {
-    return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xffff0000u))));
-  };
   for (int64_t c = 0; c < ldp; c += 16) {
     if (c >= ld) {  // padding columns: zero pairs
       for (int64_t kp = 0; kp < pair_rows; ++kp) {
@@ -414,14 +427,7 @@ ATTN_EXT_AMX void softmax_pairs_amx(float* st, int64_t ld, int64_t rows, int64_t
     auto load = [&](const float* q) ATTN_EXT_AMX { return _mm512_maskz_loadu_ps(k, q); };
     // pass 1: running max of the 16 columns
     const __m512 m_old = load(m + c);
-    __m512 mx0 = m_old, mx1 = neg_inf;
-    int64_t r = 0;
-    for (; r + 2 <= rows; r += 2) {
-      mx0 = _mm512_max_ps(mx0, load(st + r * ld + c));
-      mx1 = _mm512_max_ps(mx1, load(st + (r + 1) * ld + c));
-    }
-    if (r < rows) mx0 = _mm512_max_ps(mx0, load(st + r * ld + c));
-    const __m512 mx = _mm512_max_ps(mx0, mx1);
+    const __m512 mx = cpu::column_max_ps512(st + c, ld, rows, k, m_old);
     const __m512 mu = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx, neg_inf, _CMP_NEQ_UQ), mx);
     const __m512 a = exp2_tile_ps512(_mm512_mul_ps(_mm512_sub_ps(m_old, mu), log2e));
     // pass 2: per pair row, the two keys' probabilities (0 outside the tile), their sums, pairs
@@ -436,18 +442,11 @@ ATTN_EXT_AMX void softmax_pairs_amx(float* st, int64_t ld, int64_t rows, int64_t
     for (int64_t kp = 0; kp < pair_rows; ++kp) {
       const int64_t r0 = 2 * kp - r_begin;
       // (the key parity of a row: its chain, so the sum's order is the keys')
-      __m512 e0 = prob(r0), e1 = prob(r0 + 1);
+      const __m512 e0 = prob(r0), e1 = prob(r0 + 1);
       s0 = _mm512_add_ps(s0, e0);
       s1 = _mm512_add_ps(s1, e1);
-      e0 = _mm512_maskz_mov_ps(kc, e0);
-      e1 = _mm512_maskz_mov_ps(kc, e1);
-      const __m512i h = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-      _mm512_storeu_si512(pp + kp * ldp + c, h);
-      if (pp_lo != nullptr) {
-        const __m512 ra = _mm512_sub_ps(e0, widen_lo(h)), rb = _mm512_sub_ps(e1, widen_hi(h));
-        _mm512_storeu_si512(pp_lo + kp * ldp + c,
-                            _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(rb, ra)));
-      }
+      store_pairs(_mm512_maskz_mov_ps(kc, e0), _mm512_maskz_mov_ps(kc, e1), pp + kp * ldp + c,
+                  pp_lo != nullptr ? pp_lo + kp * ldp + c : nullptr);
     }
     const __m512 sum = _mm512_add_ps(s0, s1);
     _mm512_mask_storeu_ps(alpha + c, k, a);
@@ -486,29 +485,7 @@ ATTN_EXT_AMX void split_fp16(const uint16_t* x, int64_t n, uint16_t* hi, uint16_
 ATTN_EXT_AMX void probs_to_pairs_split(const float* st, int64_t ld, int64_t r_begin,
                                        int64_t r_end, int64_t rows, int64_t cols,
                                        uint32_t* pp_hi, uint32_t* pp_lo, int64_t ldp) {
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                       16, 0);
-  // bf16 -> fp32 of the 16 words' halves: the low half of each word, then the high half
-  auto widen_lo = [](__m512i w) ATTN_EXT_AMX { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); };
-  auto widen_hi = [](__m512i w) ATTN_EXT_AMX {
-    return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xffff0000u))));
-  };
-  for (int64_t kp = 0; kp < rows / 2; ++kp) {
-    const int64_t r0 = 2 * kp, r1 = r0 + 1;
-    const bool in0 = r0 >= r_begin && r0 < r_end, in1 = r1 >= r_begin && r1 < r_end;
-    for (int64_t c = 0; c < ldp; c += 16) {
-      const __mmask16 k = lanes16(cols - c);
-      const __m512 a = in0 ? _mm512_maskz_loadu_ps(k, st + (r0 - r_begin) * ld + c) : _mm512_setzero_ps();
-      const __m512 b = in1 ? _mm512_maskz_loadu_ps(k, st + (r1 - r_begin) * ld + c) : _mm512_setzero_ps();
-      // words (a_hi[c], b_hi[c]), then the rests a - a_hi, b - b_hi (exact in fp32)
-      const __m512i h = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-      const __m512 ra = _mm512_sub_ps(a, widen_lo(h)), rb = _mm512_sub_ps(b, widen_hi(h));
-      _mm512_storeu_si512(pp_hi + kp * ldp + c, h);
-      _mm512_storeu_si512(pp_lo + kp * ldp + c,
-                          _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(rb, ra)));
-    }
-  }
+  rows_to_pairs(st, ld, r_begin, r_end, rows, cols, pp_hi, pp_lo, ldp);
 }
 
 namespace {

@@ -438,14 +438,11 @@ ATTN_AVX2 void half_to_float_avx2(const uint16_t* src, int64_t n, float* dst) {
   }
 }
 
-// (the tails of both through a zero-padded vector)
-ATTN_AVX2 void float_to_half_avx2(const float* src, float mul, int64_t n, uint16_t* dst) {
-  const __m256 m = _mm256_set1_ps(mul);
-  auto eight = [&](const float* s8, uint16_t* d8) ATTN_AVX2 {
-    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s8), m);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(d8),
-                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  };
+namespace {
+// dst[0, n) from src[0, n) 8 values at a time by eight(src8, dst8), the tail through a
+// zero-padded vector (float_to_half_avx2 / float_to_bf16_avx2)
+template <typename Eight>
+ATTN_AVX2 inline void by_eight(const float* src, int64_t n, uint16_t* dst, Eight eight) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) eight(src + i, dst + i);
   if (i < n) {
@@ -456,13 +453,23 @@ ATTN_AVX2 void float_to_half_avx2(const float* src, float mul, int64_t n, uint16
     std::memcpy(dst + i, out, static_cast<size_t>(n - i) * sizeof(uint16_t));
   }
 }
+}  // namespace
+
+ATTN_AVX2 void float_to_half_avx2(const float* src, float mul, int64_t n, uint16_t* dst) {
+  const __m256 m = _mm256_set1_ps(mul);
+  by_eight(src, n, dst, [&](const float* s8, uint16_t* d8) ATTN_AVX2 {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s8), m);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d8),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  });
+}
 
 ATTN_AVX2 void float_to_bf16_avx2(const float* src, float mul, int64_t n, uint16_t* dst) {
   // round to nearest even on the bits: (u + 0x7fff + ((u >> 16) & 1)) >> 16; NaN -> 0x7fc0
   const __m256 m = _mm256_set1_ps(mul);
   const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
   const __m256i qnan = _mm256_set1_epi32(0x7fc0);
-  auto eight = [&](const float* s8, uint16_t* d8) ATTN_AVX2 {
+  by_eight(src, n, dst, [&](const float* s8, uint16_t* d8) ATTN_AVX2 {
     const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s8), m);
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
@@ -471,16 +478,7 @@ ATTN_AVX2 void float_to_bf16_avx2(const float* src, float mul, int64_t n, uint16
     // 8 words from the low halves of the 8 lanes (each < 2^16: packus keeps them)
     const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(d8), packed);
-  };
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) eight(src + i, dst + i);
-  if (i < n) {
-    float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    uint16_t out[8];
-    std::memcpy(tmp, src + i, static_cast<size_t>(n - i) * sizeof(float));
-    eight(tmp, out);
-    std::memcpy(dst + i, out, static_cast<size_t>(n - i) * sizeof(uint16_t));
-  }
+  });
 }
 
 namespace {

@@ -276,19 +276,12 @@ ATTN_AVX512 void softmax_avx512(float* st, int64_t rows, int64_t cols, float* m,
     auto ld = [&](const float* p) ATTN_AVX512 { return _mm512_maskz_loadu_ps(k, p); };
     // pass 1: running max of the 16 columns
     const __m512 m_old = ld(m + c);
-    __m512 mx0 = m_old, mx1 = neg_inf;
-    int64_t r = 0;
-    for (; r + 2 <= rows; r += 2) {
-      mx0 = _mm512_max_ps(mx0, ld(st + r * cols + c));
-      mx1 = _mm512_max_ps(mx1, ld(st + (r + 1) * cols + c));
-    }
-    if (r < rows) mx0 = _mm512_max_ps(mx0, ld(st + r * cols + c));
-    const __m512 mx = _mm512_max_ps(mx0, mx1);
+    const __m512 mx = cpu::column_max_ps512(st + c, cols, rows, k, m_old);
     const __m512 mu = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx, neg_inf, _CMP_NEQ_UQ), mx);
     const __m512 a = cpu::exp2_ps512(_mm512_mul_ps(_mm512_sub_ps(m_old, mu), log2e));
     // pass 2: probabilities in place and their column sums
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-    r = 0;
+    int64_t r = 0;
     for (; r + 2 <= rows; r += 2) {
       float* p0 = st + r * cols + c;
       float* p1 = p0 + cols;

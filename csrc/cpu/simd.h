@@ -15,6 +15,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include "cpu/cpu_features.h"
 
@@ -161,6 +162,22 @@ ATTN_EXT_AVX512 inline __m512 exp2_ps512(__m512 x) {
   const __m512i e = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// max(init, x[0], x[ld], ..., x[(rows - 1) ld]) lane by lane over the lanes of k (16 columns of
+// a column-wise softmax step): even and odd rows in two chains, joined at the end (max is
+// exact, so the order changes no bit; NaN follows max's operand order, the same in every
+// caller). Only where cpu::avx512_enabled().
+ATTN_EXT_AVX512 inline __m512 column_max_ps512(const float* x, int64_t ld, int64_t rows,
+                                               __mmask16 k, __m512 init) {
+  __m512 mx0 = init, mx1 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    mx0 = _mm512_max_ps(mx0, _mm512_maskz_loadu_ps(k, x + r * ld));
+    mx1 = _mm512_max_ps(mx1, _mm512_maskz_loadu_ps(k, x + (r + 1) * ld));
+  }
+  if (r < rows) mx0 = _mm512_max_ps(mx0, _mm512_maskz_loadu_ps(k, x + r * ld));
+  return _mm512_max_ps(mx0, mx1);
 }
 
 // tanh(x), 8 lanes: x P(x^2) for |x| < 0.625 (P of degree 6, a minimax fit of tanh(x) / x in
