@@ -89,12 +89,18 @@ def test_fp16_tiles_switch_changes_rounding_only(monkeypatch):
 
 def test_fp16_tiles_one_visible_key_gives_its_v():
     """A row that sees one key: p = 1 (hi 1, lo 0) and v = hi + lo exactly, so out is that
-    key's v bitwise."""
+    key's v bitwise. The backward (widened: its P may differ from 1 by the dropped lo lo terms)
+    still gives dq = dk = 0 exactly there, since dS's factor dP - Di is 0."""
     q, k, v = _qkv(2, 100, 100, 4, 2, 64, 64, 4)
     out = attn_ext.attention(q, k, v, window=(0, 0))
     assert torch.equal(out, v.repeat_interleave(2, dim=2))
     out = attn_ext.attention(q, k, v, causal=True)
     assert torch.equal(out[:, 0], v[:, 0].repeat_interleave(2, dim=1))
+    ts = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attn_ext.attention(*ts, window=(0, 0))
+    dq, dk, dv = torch.autograd.grad(out, ts, torch.randn_like(out))
+    assert torch.count_nonzero(dq) == 0 and torch.count_nonzero(dk) == 0
+    assert torch.count_nonzero(dv) > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
