@@ -706,14 +706,16 @@ void write_dq(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64_
   const AttentionParams& p = bp.fwd;
   auto* dq = static_cast<scalar_t*>(bp.dq);
   const acc_t scale = static_cast<acc_t>(p.scale);
+  std::vector<acc_t> row(transposed ? static_cast<size_t>(p.D) : 0);
   for (int64_t ii = 0; ii < nq; ++ii) {
     scalar_t* dst = dq + b * bp.dq_batch_stride + (sq.q0 + i0 + ii) * bp.dq_row_stride +
                     h * bp.dq_head_stride;
-    if (transposed) {  // (D, kBlockQ): QueryPackLayout::amx_dq
-      for (int64_t d = 0; d < p.D; ++d) dst[d] = static_cast<scalar_t>(dqt[d * kBlockQ + ii] * scale);
-    } else {
-      store_row(dqt + ii * Dp, scale, p.D, dst);
+    const acc_t* src = dqt + ii * Dp;
+    if (transposed) {  // (D, kBlockQ): QueryPackLayout::amx_dq; the row gathered first
+      for (int64_t d = 0; d < p.D; ++d) row[d] = dqt[d * kBlockQ + ii];
+      src = row.data();
     }
+    store_row(src, scale, p.D, dst);
   }
 }
 

@@ -139,8 +139,7 @@ struct HeadPairs {
         mk::pack_vt_pairs(v, row_stride, rows, Dv, dst + 16 * col, *ld, &f);
         return f;
       }
-      for (int64_t r = 0; r < rows; ++r)
-        mk::split_fp16(v + r * row_stride, Dv, rhi.data() + r * Dv, rlo.data() + r * Dv);
+      mk::split_fp16_rows(v, row_stride, rows, Dv, rhi.data(), rlo.data(), Dv);
       bool f_lo = true;  // (lo is 0 where v is not finite)
       mk::pack_vt_pairs(rhi.data(), Dv, rows, Dv, dst + 16 * col, *ld, &f);
       mk::pack_vt_pairs(rlo.data(), Dv, rows, Dv, dst_lo + 16 * col, *ld, &f_lo);
@@ -188,9 +187,10 @@ struct HeadSplit {
   // the lo rows'.
   const uint16_t* get(bool whole, const uint16_t* head, int64_t row_stride, int64_t n, int64_t D,
                       int64_t r0, int64_t nr, const uint16_t** lo_out) {
+    // rows [a, b) to hi / lo rows from row a - at on
     auto split_rows = [&](int64_t a, int64_t b, int64_t at) {
-      for (int64_t r = a; r < b; ++r)
-        mk::split_fp16(head + r * row_stride, D, hi.data() + (r - at) * D, lo.data() + (r - at) * D);
+      mk::split_fp16_rows(head + a * row_stride, row_stride, b - a, D, hi.data() + (a - at) * D,
+                          lo.data() + (a - at) * D, D);
     };
     if (!whole) {
       const size_t need = static_cast<size_t>(nr * D);
@@ -244,15 +244,19 @@ struct FwdScratch {
   bool amx_pv = false;      // pass 3 on AMX tiles (mk::amx_pv_for(Dv)): o^T in ot, below
   AlignedVec<float> ot;     // (Dv, C16): o^T, C16 = C rounded up to 16 (amx_pv; sized with it)
   AlignedVec<uint32_t> pp;  // (kAmxKeyRows / 2, C16): the probabilities as bf16 key pairs
+                            // (split: then as many of their lo parts' pairs, pp_lo)
   HeadPairs vp;             // the current head's v^T as bf16 key pairs (mk::pack_vt_pairs)
   std::vector<uint32_t> vclean;  // a key tile's v^T pairs with inf / NaN as 0 (pass3_amx)
   AlignedVec<uint32_t> qp;  // (D / 2, kBlockQ): the tile's q as bf16 pairs (bf16dp; sized on
-                            // first use); split: (3 D / 2, kBlockQ), [hi; lo; hi]
+                            // first use); split: (D, kBlockQ), the hi pairs then the lo pairs
   // fp16 on the bf16 tiles (mk::split_fp16; sized with the scratch): both products take three
-  // of the four hi / lo terms in one chain, as a depth three times as long
+  // of the four hi / lo terms in one chain
   bool split = false;
   HeadSplit ksplit;                     // k's rows split
   AlignedVec<uint16_t> rhi, rlo;        // (kBlockQ, D): the tile's q rows split
+
+  // the lo parts' pairs of the probabilities (split), after pp's (C16: the tile's column count)
+  uint32_t* pp_lo(int64_t C16) { return pp.data() + kAmxKeyRows / 2 * C16; }
 
   FwdScratch(int64_t D, int64_t Dv)
       : Dp(round_up(D, 8)),
@@ -315,7 +319,7 @@ void pass3_amx(const AttentionParams& p, const Visibility& vis, const QueryTile&
   }
   const int64_t r_begin = j0 - 32 * b0;
   uint32_t* pp = s.pp.data();
-  uint32_t* pp_lo = pp + kAmxKeyRows / 2 * C16;  // (split)
+  uint32_t* pp_lo = s.pp_lo(C16);  // (split)
   if (s.split) {
     if (!pairs_done)
       mk::probs_to_pairs_split(s.st.data(), C, r_begin, r_begin + nk, rows, cols, pp, pp_lo, C16);
@@ -378,10 +382,8 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
       for (int64_t hh = 0; hh < qt_.nh; ++hh) {
         const scalar_t* qh = q + qt_.b * p.q_batch_stride + (qt_.h0 + hh) * p.q_head_stride +
                              (sq.q0 + qt_.i0) * p.q_row_stride;
-        for (int64_t ii = 0; ii < qt_.nq; ++ii) {
-          mk::split_fp16(reinterpret_cast<const uint16_t*>(qh + ii * p.q_row_stride), D,
-                         s.rhi.data() + ii * D, s.rlo.data() + ii * D);
-        }
+        mk::split_fp16_rows(reinterpret_cast<const uint16_t*>(qh), p.q_row_stride, qt_.nq, D,
+                            s.rhi.data(), s.rlo.data(), D);
         mk::pack_bf16_pairs(s.rhi.data(), D, qt_.nq, D, s.qp.data() + hh * qt_.nq, C);
         mk::pack_bf16_pairs(s.rlo.data(), D, qt_.nq, D, s.qp.data() + P * C + hh * qt_.nq, C);
       }
@@ -449,7 +451,7 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     const acc_t* kt;
     const acc_t* vt;
     int64_t ldk, ldv;
-    if (s.bf16dp) {  // pass 1 reads k's bf16 rows in place (kbf below) or splits them (s.ks)
+    if (s.bf16dp) {  // pass 1 reads k's bf16 rows in place (kbf below) or splits them (s.ksplit)
       kt = nullptr;
       ldk = 0;
     } else if (std::is_same_v<scalar_t, acc_t> &&
@@ -537,11 +539,9 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     if constexpr (std::is_same_v<acc_t, float>) {
       if (pairs_done) {
         const int64_t C16 = round_up(C, 16), b0 = j0 / 32;
-        uint32_t* pp = s.pp.data();
         mk::softmax_pairs_amx(s.st.data(), C, nk, cols, j0 - 32 * b0,
                               16 * (ceil_div(j0 + nk, 32) - b0), s.m.data(), s.l.data(),
-                              s.alpha.data(), pp, s.split ? pp + kAmxKeyRows / 2 * C16 : nullptr,
-                              C16);
+                              s.alpha.data(), s.pp.data(), s.split ? s.pp_lo(C16) : nullptr, C16);
       }
     }
     if (!pairs_done) K.softmax(s.st.data(), nk, C, s.m.data(), s.l.data(), s.alpha.data());

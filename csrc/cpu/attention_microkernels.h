@@ -372,6 +372,11 @@ void zero_nonfinite_pairs(const uint32_t* src, int64_t rows, int64_t cols, int64
 // product, under the fp32 sums' own rounding over a row of D). Non-finite x: hi = x, lo = 0.
 // split_fp16: hi[i], lo[i] for i < n (AVX-512F; where amx_for).
 void split_fp16(const uint16_t* x, int64_t n, uint16_t* hi, uint16_t* lo);
+// split_fp16 of n rows of `cols` values (at `stride` elements) into hi / lo rows ld apart.
+inline void split_fp16_rows(const uint16_t* x, int64_t stride, int64_t n, int64_t cols,
+                            uint16_t* hi, uint16_t* lo, int64_t ld) {
+  for (int64_t r = 0; r < n; ++r) split_fp16(x + r * stride, cols, hi + r * ld, lo + r * ld);
+}
 // The rule: fp16's tiled forward runs on the tiles when both of its products can (amx_for(D),
 // amx_pv_for(Dv)); else it widens to fp32 as before.
 inline bool fp16_on_tiles(int64_t D, int64_t Dv) { return amx_for(D) && amx_pv_for(Dv); }

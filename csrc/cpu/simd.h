@@ -34,18 +34,18 @@
 #if ATTN_EXT_HAVE_AVX2_PATH && \
     ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 10))
 #define ATTN_EXT_HAVE_BF16DP_PATH 1
-#define ATTN_EXT_AVX512BF16 \
-  __attribute__((target("avx512bf16,avx512vl,avx512f,avx512bw,avx2,fma,f16c")))
+#define ATTN_EXT_AVX512BF16_TARGETS "avx512bf16,avx512vl,avx512f,avx512bw,avx2,fma,f16c"
+#define ATTN_EXT_AVX512BF16 __attribute__((target(ATTN_EXT_AVX512BF16_TARGETS)))
 #else
 #define ATTN_EXT_HAVE_BF16DP_PATH 0
 #endif
 // ... + AMX tiles (AMX-TILE, AMX-BF16; attention_amx.cpp), written as inline asm: assemblers of
 // GCC 11 / clang 12 and later know them; Linux only (the state is requested by arch_prctl).
+// Their functions also take AVX512DQ (vreduceps in the tile path's exp2; amx_enabled asks).
 #if ATTN_EXT_HAVE_BF16DP_PATH && defined(__linux__) && \
     ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #define ATTN_EXT_HAVE_AMX_PATH 1
-#define ATTN_EXT_AMX \
-  __attribute__((target("avx512bf16,avx512vl,avx512dq,avx512f,avx512bw,avx2,fma,f16c")))
+#define ATTN_EXT_AMX __attribute__((target(ATTN_EXT_AVX512BF16_TARGETS ",avx512dq")))
 #else
 #define ATTN_EXT_HAVE_AMX_PATH 0
 #endif
