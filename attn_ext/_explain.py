@@ -246,11 +246,23 @@ def cpu_fp16_tiles(dtype: torch.dtype, D: int, Dv: int) -> Optional[str]:
     on AMX tiles (cpu_bf16_amx(D) and Dv a positive multiple of 16): every fp16 value is split
     exactly into bf16 hi + lo, and each product takes hi hi + hi lo + lo hi in one tile chain
     (csrc/cpu/attention_amx.cpp split_fp16); else "widened" (fp32). None for other dtypes. The
-    backward widens fp16 either way."""
+    backward follows the same rule (its recomputed scores are the forward's split products;
+    dv, dk and dq split on the tiles too), except dP and its row term Di, which also need Dv a
+    multiple of 32 (cpu_fp16_dp)."""
     if dtype != torch.float16:
         return None
     return ("amx split" if cpu_bf16_amx(D) and Dv > 0 and Dv % 16 == 0 and _cpu_amx_on()
             else "widened")
+
+
+def cpu_fp16_dp(dtype: torch.dtype, D: int, Dv: int) -> Optional[str]:
+    """The fp16 backward's dP = dout . v and row term Di = dout . out: "amx split" where
+    cpu_fp16_tiles says "amx split" and Dv is a multiple of 32 (mk::amx_for(Dv)), else
+    "widened" (the fp32 gemm's chains, Di in the same); None for other dtypes."""
+    if dtype != torch.float16:
+        return None
+    return "amx split" if cpu_fp16_tiles(dtype, D, Dv) == "amx split" and cpu_bf16_amx(Dv) \
+        else "widened"
 
 
 def cpu_bf16_scores(dtype: torch.dtype, even: bool = True,
@@ -366,7 +378,11 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
         plan["fp16_products"] = cpu_fp16_tiles(dtype, s.D, s.Dv)
         if plan["fp16_products"] == "amx split":
             why += ("; fp16 scores and o += p v on AMX tiles, each value split exactly into bf16 "
-                    "hi + lo (hi hi + hi lo + lo hi per product; ATTN_EXT_CPU_AMX=0: widened)")
+                    "hi + lo (hi hi + hi lo + lo hi per product; ATTN_EXT_CPU_AMX=0: widened); "
+                    "its backward on the tiles too (dP and Di where Dv % 32 == 0)")
+        # fp16's backward on the tiles where its forward is (QueryPackLayout split)
+        plan["fp16_backward"] = plan["fp16_products"]
+        plan["fp16_dp"] = cpu_fp16_dp(dtype, s.D, s.Dv)
         # the backward's dk += dS^T q and dv += P^T dout (QueryPackLayout amx_dk / amx_dv)
         plan["bf16_dk"] = cpu_bf16_pv(dtype, s.D)
         plan["bf16_dv"] = plan["bf16_pv"]

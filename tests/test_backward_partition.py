@@ -72,7 +72,7 @@ def test_varlen_backward_partitions(threads):
 
 
 @pytest.mark.parametrize("threads", [2, 16, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_backward_bitwise_reproducible(threads, dtype):
     q = torch.randn(1, 300, 4, 32, dtype=dtype)
     k = torch.randn(1, 300, 2, 32, dtype=dtype)
@@ -90,7 +90,7 @@ def test_backward_bitwise_reproducible(threads, dtype):
 
 @pytest.mark.parametrize("case", ["causal_mha", "gqa_window_padding", "decode_gqa", "dropout_alibi",
                                   "rel_bias_softcap", "rel_bias_small_m", "varlen"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_backward_query_block_grouping_keeps_the_bits(case, dtype, monkeypatch):
     """The fused backward visits the key tiles for kBwdJobs query blocks at a time
     (ATTN_EXT_CPU_BWD_JOBS, read on each call): every gradient, d rel_bias included, must be

@@ -1,13 +1,17 @@
-"""fp16 on the bf16 AMX tiles in the tiled CPU forward (csrc/cpu/attention_amx.cpp split_fp16,
-scores_amx_split, pv_amx_split; where the CPU has AMX-TILE + AMX-BF16, D a multiple of 32 and Dv
-a multiple of 16; ATTN_EXT_CPU_AMX=0 widens to fp32 as before). Every fp16 value is exactly
-hi + lo (two bf16), and each product takes hi hi + hi lo + lo hi in one tile chain, so the
-scores lose under 2^-18 of each product (the dropped lo lo); p is split the same way (16
-significant bits). The backward still widens fp16. Checked here: the textbook by the tolerance
-rule (forward and backward) through every tail the tiles stage and the fallbacks, lse within the
+"""fp16 on the bf16 AMX tiles in the tiled CPU kernels (csrc/cpu/attention_amx.cpp split_fp16,
+scores_amx_split, pv_amx_split, rows_times_pairs_amx_split, scores_amx_diag_split; where the CPU
+has AMX-TILE + AMX-BF16, D a multiple of 32 and Dv a multiple of 16; ATTN_EXT_CPU_AMX=0 widens to
+fp32 as before). Every fp16 value is exactly hi + lo (two bf16), and each product takes
+hi hi + hi lo + lo hi in one tile chain, so the scores lose under 2^-18 of each product (the
+dropped lo lo); fp32 factors (p, P, dS) are split the same way (16 significant bits). The
+backward runs where its forward did: the recomputed scores are the forward's split products
+(pass 1 in the same chains), dP and the row term Di on the tiles where Dv is a multiple of 32
+(else both widened), dv, dk and dq on the tiles. Checked here: the textbook by the tolerance rule
+(forward and backward) through every tail the tiles stage and the fallbacks, lse within the
 dropped terms' bound (which bf16 operands alone could not meet), the switch, one-key rows,
-dropout. tests/test_amx.py runs its hidden inf / NaN in v, thread-count and long-head (k and v
-split per key tile: HeadSplit / HeadPairs, whole = false) tests on fp16 too."""
+dropout. tests/test_amx.py runs its hidden inf / NaN in v and k, thread-count and long-head (k
+and v split per key tile: HeadSplit / HeadPairs, whole = false) tests on fp16 too, and
+tests/test_backward_partition.py its bitwise repeatability and query-block grouping tests."""
 
 import pytest
 import torch
@@ -48,6 +52,8 @@ def test_fp16_tiles_against_textbook(B, Sq, Sk, H, Hkv, D, Dv, kw):
     assert choice.forward in ("cpu.tiled", "cpu.split_kv")
     on_tiles = D % 32 == 0 and Dv % 16 == 0
     assert choice.details["fp16_products"] == ("amx split" if on_tiles else "widened")
+    assert choice.details["fp16_backward"] == choice.details["fp16_products"]
+    assert choice.details["fp16_dp"] == ("amx split" if on_tiles and Dv % 32 == 0 else "widened")
     _check(q, k, v, kw)
 
 
@@ -87,20 +93,27 @@ def test_fp16_tiles_switch_changes_rounding_only(monkeypatch):
     torch.testing.assert_close(on[0].float(), off[0].float(), rtol=0, atol=2e-3)
 
 
-def test_fp16_tiles_one_visible_key_gives_its_v():
+@pytest.mark.parametrize("Dv", [64, 48])
+def test_fp16_tiles_one_visible_key_gives_its_v(Dv):
     """A row that sees one key: p = 1 (hi 1, lo 0) and v = hi + lo exactly, so out is that
-    key's v bitwise. The backward (widened: its P may differ from 1 by the dropped lo lo terms)
-    still gives dq = dk = 0 exactly there, since dS's factor dP - Di is 0."""
-    q, k, v = _qkv(2, 100, 100, 4, 2, 64, 64, 4)
+    key's v bitwise. The backward recomputes that key's score in the forward's split chains, so
+    P = 1 there, and its row term Di takes dP's chains (split on the tiles at Dv = 64, widened at
+    Dv = 48), so dS's factor dP - Di is 0 and dq = dk = 0 exactly."""
+    q, k, v = _qkv(2, 100, 100, 4, 2, 64, Dv, 4)
+    assert attn_ext.explain(q, k, v).details["fp16_dp"] == ("amx split" if Dv == 64 else "widened")
     out = attn_ext.attention(q, k, v, window=(0, 0))
     assert torch.equal(out, v.repeat_interleave(2, dim=2))
     out = attn_ext.attention(q, k, v, causal=True)
     assert torch.equal(out[:, 0], v[:, 0].repeat_interleave(2, dim=1))
     ts = [t.clone().requires_grad_() for t in (q, k, v)]
     out = attn_ext.attention(*ts, window=(0, 0))
-    dq, dk, dv = torch.autograd.grad(out, ts, torch.randn_like(out))
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, ts, dout)
     assert torch.count_nonzero(dq) == 0 and torch.count_nonzero(dk) == 0
-    assert torch.count_nonzero(dv) > 0
+    # P = 1 exactly (hi 1, lo 0), so dv is the group's dout summed in fp32 (a P off by the
+    # dropped lo lo terms, as from widened scores, moves some of its fp16 roundings)
+    B, S, H, _ = dout.shape
+    assert torch.equal(dv, dout.float().view(B, S, 2, H // 2, Dv).sum(3).half())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -127,3 +140,21 @@ def test_tiles_with_dropout_match_the_widened_path(monkeypatch, dtype):
     torch.testing.assert_close(on[1], off[1], rtol=0, atol=1e-4)
     for a, b in zip(on[2:], off[2:]):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=atol * 5)
+
+
+def test_fp16_backward_switch_changes_rounding_only(monkeypatch):
+    """ATTN_EXT_CPU_AMX=0 widens the fp16 backward too: the gradients differ from the tiles' by
+    the split products' rounding (under 2^-16 of each term) and fp16's own rounding, and both
+    meet the textbook (tests above)."""
+    q, k, v = _qkv(1, 200, 200, 4, 2, 64, 64, 17)
+    dout = torch.randn(1, 200, 4, 64).half()
+    kw = dict(causal=True)
+    assert attn_ext.explain(q, k, v, **kw).details["fp16_backward"] == "amx split"
+    on = _run(q, k, v, dout, kw)
+    monkeypatch.setenv("ATTN_EXT_CPU_AMX", "0")
+    assert attn_ext.explain(q, k, v, **kw).details["fp16_backward"] == "widened"
+    off = _run(q, k, v, dout, kw)
+    for name, a, b in zip(("dq", "dk", "dv"), on[2:], off[2:]):
+        assert not torch.equal(a, b), name
+        scale = b.float().abs().max()
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=4e-3 * scale, msg=name)

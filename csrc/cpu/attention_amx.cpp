@@ -9,9 +9,10 @@
 //     (pack_vt_pairs), the probabilities rounded to bf16 pairs per key tile (probs_to_pairs),
 //     o^T accumulated in fp32 tiles (pv_amx). Rounding p to bf16 is what PyTorch's own bf16
 //     flash kernel on CPU and FlashAttention on GPU do before that product.
-//   - fp16 in the forward (scores_amx_split, pv_amx_split): each fp16 value is split exactly into
-//     bf16 hi + lo (split_fp16), and each product takes hi hi + hi lo + lo hi as three stretches
-//     of one chain (Seg); the probabilities are split the same way (probs_to_pairs_split).
+//   - fp16 (scores_amx_split, pv_amx_split, and in the backward scores_amx_diag_split and
+//     rows_times_pairs_amx_split): each fp16 value is split exactly into bf16 hi + lo
+//     (split_fp16), and each product takes hi hi + hi lo + lo hi as three stretches of one chain
+//     (Seg); fp32 factors (the probabilities, dS) are split the same way to 16 significant bits.
 //
 // One tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 fp32 sums (8192
 // multiply-adds); the fp32 zmm FMA does 16. Every output element is the chain of tdpbf16ps over
@@ -299,21 +300,46 @@ ATTN_EXT_AMX void scores_amx_split(int64_t M, int64_t N, int64_t D, const uint16
   scores_tiles(M, N, D, A, A_lo, lda, B, B_lo, ldb, scale, C, ldc);
 }
 
-ATTN_EXT_AMX void scores_amx_diag(int64_t n, int64_t D, const uint16_t* A, int64_t lda,
-                                  const uint32_t* B, int64_t ldb, int64_t N, float* out) {
+namespace {
+// scores_amx_diag / scores_amx_diag_split: the diagonal of scores_tiles' sums (scale 1), the
+// split terms where A_lo (and B_lo) are given, in scores_tiles' order of stretches.
+ATTN_EXT_AMX void diag_tiles(int64_t n, int64_t D, const uint16_t* A, const uint16_t* A_lo,
+                             int64_t lda, const uint32_t* B, const uint32_t* B_lo, int64_t ldb,
+                             int64_t N, float* out) {
   if (n <= 0) return;
   Tiles tiles;
   const int64_t steps = D / 32, pairs = D / 2;
+  const bool split = A_lo != nullptr;
   alignas(64) float sums[16 * 16];
+  Seg seg[3];
+  for (Seg& g : seg) g = Seg{steps, {nullptr, nullptr}, {0, 0}, {nullptr, nullptr}, {0, 0}};
   for (int64_t m0 = 0; m0 < n; m0 += 16) {
-    const char* a[1];
-    const char* b[1];
-    int64_t sa[1], sb[1];
-    a[0] = a_tile(A, lda, n, m0, D, t_stage.a, &sa[0]);
-    b[0] = b_tile(B, ldb, N, m0, pairs, t_stage.b, &sb[0]);
-    run_block(1, 1, steps, a, sa, b, sb, reinterpret_cast<char*>(sums), 64, false);
+    seg[0].a[0] = a_tile(A, lda, n, m0, D, t_stage.a, &seg[0].sa[0]);
+    seg[0].b[0] = b_tile(B, ldb, N, m0, pairs, t_stage.b, &seg[0].sb[0]);
+    if (split) {  // hi hi, hi lo, lo hi
+      seg[1].a[0] = seg[0].a[0];
+      seg[1].sa[0] = seg[0].sa[0];
+      seg[1].b[0] = b_tile(B_lo, ldb, N, m0, pairs, t_stage.b2, &seg[1].sb[0]);
+      seg[2].a[0] = a_tile(A_lo, lda, n, m0, D, t_stage.a2, &seg[2].sa[0]);
+      seg[2].b[0] = seg[0].b[0];
+      seg[2].sb[0] = seg[0].sb[0];
+    }
+    run_segs(1, 1, split ? 3 : 1, seg, reinterpret_cast<char*>(sums), 64, false);
     for (int64_t r = 0; r < std::min<int64_t>(16, n - m0); ++r) out[m0 + r] = sums[r * 16 + r];
   }
+}
+}  // namespace
+
+ATTN_EXT_AMX void scores_amx_diag(int64_t n, int64_t D, const uint16_t* A, int64_t lda,
+                                  const uint32_t* B, int64_t ldb, int64_t N, float* out) {
+  diag_tiles(n, D, A, nullptr, lda, B, nullptr, ldb, N, out);
+}
+
+ATTN_EXT_AMX void scores_amx_diag_split(int64_t n, int64_t D, const uint16_t* A,
+                                        const uint16_t* A_lo, int64_t lda, const uint32_t* B,
+                                        const uint32_t* B_lo, int64_t ldb, int64_t N,
+                                        float* out) {
+  diag_tiles(n, D, A, A_lo, lda, B, B_lo, ldb, N, out);
 }
 
 ATTN_EXT_AMX void pack_vt_pairs(const uint16_t* v, int64_t row_stride, int64_t nk, int64_t Dv,
@@ -529,48 +555,82 @@ ATTN_EXT_AMX void pv_amx_split(int64_t Dv, int64_t C16, int64_t kpairs, const ui
   pv_tiles(Dv, C16, kpairs, vt, vt_lo, ldvt, pp, pp_lo, ot, ldo);
 }
 
-ATTN_EXT_AMX void rows_times_pairs_amx(int64_t M, int64_t N, int64_t K, const float* A,
-                                      int64_t lda, const uint32_t* B, int64_t ldb, float* C,
-                                      int64_t ldc) {
+namespace {
+// rows_times_pairs_amx / rows_times_pairs_amx_split: C += A B [+ A B_lo + A_lo B], A's rows split
+// into bf16 hi (round to nearest even) and lo = bf16(A - hi) where B_lo is given.
+ATTN_EXT_AMX void rows_times_pairs_tiles(int64_t M, int64_t N, int64_t K, const float* A,
+                                         int64_t lda, const uint32_t* B, const uint32_t* B_lo,
+                                         int64_t ldb, float* C, int64_t ldc) {
   if (M <= 0 || N <= 0 || K <= 0) return;
+  const bool split = B_lo != nullptr;
   const int64_t steps = (K + 31) / 32, Kp = 32 * steps, M16 = (M + 15) / 16 * 16;
-  // A's rows as bf16 (round to nearest even), zero-padded to (M16, Kp)
+  // A's rows as bf16 (round to nearest even), zero-padded to (M16, Kp); split: the rests too
+  // (A - hi is exact in fp32; 0 where A is not finite, as split_fp16's lo)
   std::vector<uint16_t>& ab = t_stage.a;
+  std::vector<uint16_t>& al = t_stage.a2;
   ab.resize(static_cast<size_t>(M16 * Kp));
+  if (split) al.resize(ab.size());
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   for (int64_t r = 0; r < M16; ++r) {
     uint16_t* dst = ab.data() + r * Kp;
     for (int64_t c = 0; c < Kp; c += 16) {
       const __mmask16 k = r < M ? lanes16(K - c) : __mmask16(0);
       const __m512 x = _mm512_maskz_loadu_ps(k, A + r * lda + c);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), (__m256i)_mm512_cvtneps_pbh(x));
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), h);
+      if (!split) continue;
+      const __m512 hx = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(x), inf, _CMP_LT_OQ);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(al.data() + r * Kp + c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_sub_ps(fin, x, hx)));
     }
   }
   Tiles tiles;
   alignas(64) float ctmp[32 * 32];
+  const int nseg = split ? 3 : 1;
+  const uint16_t* as[3] = {ab.data(), ab.data(), al.data()};  // hi hi, hi lo, lo hi
+  const uint32_t* bs[3] = {B, B_lo, B};
+  Seg seg[3];
   for (int64_t m0 = 0; m0 < M; m0 += 32) {
     const int mt = m0 + 16 < M ? 2 : 1;
-    const char* a[2] = {reinterpret_cast<const char*>(ab.data() + m0 * Kp),
-                        reinterpret_cast<const char*>(ab.data() + (m0 + 16) * Kp)};
-    const int64_t sa[2] = {Kp * 2, Kp * 2};
     const int64_t rows = std::min<int64_t>(16 * mt, M - m0);
     for (int64_t n0 = 0; n0 < N; n0 += 32) {
       const int nt = n0 + 16 < N ? 2 : 1;
-      const char* b[2] = {reinterpret_cast<const char*>(B + n0),
-                          reinterpret_cast<const char*>(B + n0 + 16)};
-      const int64_t sb[2] = {ldb * 4, ldb * 4};
+      for (int g = 0; g < nseg; ++g) {
+        seg[g] = Seg{steps,
+                     {reinterpret_cast<const char*>(as[g] + m0 * Kp),
+                      reinterpret_cast<const char*>(as[g] + (m0 + 16) * Kp)},
+                     {Kp * 2, Kp * 2},
+                     {reinterpret_cast<const char*>(bs[g] + n0),
+                      reinterpret_cast<const char*>(bs[g] + n0 + 16)},
+                     {ldb * 4, ldb * 4}};
+      }
       float* c = C + m0 * ldc + n0;
       if (rows == 16 * mt) {
-        run_block(mt, nt, steps, a, sa, b, sb, reinterpret_cast<char*>(c), ldc * 4, true);
+        run_segs(mt, nt, nseg, seg, reinterpret_cast<char*>(c), ldc * 4, true);
         continue;
       }
       // a tail of rows: the sums of the rows that exist, staged (the others stay zero)
       const int64_t w = 16 * nt;
       std::fill(ctmp, ctmp + 32 * 32, 0.f);
       for (int64_t r = 0; r < rows; ++r) std::memcpy(ctmp + r * 32, c + r * ldc, w * 4);
-      run_block(mt, nt, steps, a, sa, b, sb, reinterpret_cast<char*>(ctmp), 32 * 4, true);
+      run_segs(mt, nt, nseg, seg, reinterpret_cast<char*>(ctmp), 32 * 4, true);
       for (int64_t r = 0; r < rows; ++r) std::memcpy(c + r * ldc, ctmp + r * 32, w * 4);
     }
   }
+}
+}  // namespace
+
+ATTN_EXT_AMX void rows_times_pairs_amx(int64_t M, int64_t N, int64_t K, const float* A,
+                                      int64_t lda, const uint32_t* B, int64_t ldb, float* C,
+                                      int64_t ldc) {
+  rows_times_pairs_tiles(M, N, K, A, lda, B, nullptr, ldb, C, ldc);
+}
+
+ATTN_EXT_AMX void rows_times_pairs_amx_split(int64_t M, int64_t N, int64_t K, const float* A,
+                                            int64_t lda, const uint32_t* B, const uint32_t* B_lo,
+                                            int64_t ldb, float* C, int64_t ldc) {
+  rows_times_pairs_tiles(M, N, K, A, lda, B, B_lo, ldb, C, ldc);
 }
 
 ATTN_EXT_AMX void scale_cols(float* ot, int64_t rows, int64_t ld, int64_t cols,
@@ -630,6 +690,14 @@ void probs_to_pairs_split(const float*, int64_t, int64_t, int64_t, int64_t, int6
 
 void rows_times_pairs_amx(int64_t, int64_t, int64_t, const float*, int64_t, const uint32_t*,
                           int64_t, float*, int64_t) {
+  std::abort();
+}
+void rows_times_pairs_amx_split(int64_t, int64_t, int64_t, const float*, int64_t,
+                                const uint32_t*, const uint32_t*, int64_t, float*, int64_t) {
+  std::abort();
+}
+void scores_amx_diag_split(int64_t, int64_t, const uint16_t*, const uint16_t*, int64_t,
+                           const uint32_t*, const uint32_t*, int64_t, int64_t, float*) {
   std::abort();
 }
 

@@ -81,6 +81,12 @@ struct BwdScratch {
   // (kKeyPairs, kBlockQ; mk::probs_to_pairs, per pair of tiles)
   static constexpr int64_t kKeyPairs = ceil_div(kBlockK, 32) * 16;
   AlignedVec<uint32_t> kpt, dsp;
+  // fp16 on the tiles (QueryPackLayout::split): the key tile's k rows (kBlockK, D) and v rows
+  // (kBlockK, Dv; where pass 4 is on tiles) split into bf16 hi / lo (mk::split_fp16), k^T's and
+  // dS^T's lo pairs beside kpt / dsp, and one query block's q / dout / out rows split while it
+  // is packed (kBlockQ, max(D, Dv))
+  AlignedVec<uint16_t> khi, klo, vhi, vlo, rhi, rlo;
+  AlignedVec<uint32_t> kpt_lo, dsp_lo;
 
   BwdScratch(int64_t D, int64_t Dv, int64_t pack_size, const ScoreTerms& terms, bool decode_order,
              bool decode_pairs)
@@ -130,6 +136,8 @@ struct BwdScratch {
 //                        chains; only where dout_pairs, else empty)
 //   qn   (kBlockQ / 2, D) q's rows paired (mk::pack_row_pairs: pass 6 on AMX tiles; amx_dk)
 //   dn   (kBlockQ / 2, Dv) dout's rows paired (pass 3 on AMX tiles; amx_dv)
+// fp16 on the tiles (split): qp, dp, qn and dn each hold the pairs of the values' bf16 hi parts
+// and after them those of their lo parts (mk::split_fp16; *_lo below), for the split products.
 //
 // P = exp(s - lse) must reproduce the forward's probabilities, whose rounding the forward's
 // out and lse carry: the scores s are the forward's own (same scale folded into q, same FMA
@@ -141,8 +149,9 @@ struct QueryPackLayout {
   bool amx_dp = false;  // pass 4 and Di on AMX tiles (mk::amx_for(Dv))
   bool amx_dk = false;  // pass 6 (dk += dS^T q) on AMX tiles (mk::amx_pv_for(D)): qn
   bool amx_dv = false;  // pass 3 (dv += P^T dout) on AMX tiles (mk::amx_pv_for(Dv)): dn
+  bool split = false;   // fp16 on the tiles: every product takes hi hi + hi lo + lo hi
   QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp, bool pairs, bool dout_pairs,
-                  bool q_rows_pairs = false, bool dout_rows_pairs = false)
+                  bool q_rows_pairs = false, bool dout_rows_pairs = false, bool split_ = false)
       : qt(0),
         qr(qt + D * kBlockQ),
         qs(qr + kBlockQ * Dp),
@@ -152,17 +161,26 @@ struct QueryPackLayout {
         di(lse + kBlockQ),
         fin(di + kBlockQ),
         qp(fin + 8),
-        dp(qp + (pairs ? D / 2 * kBlockQ : 0)),
-        qn(dp + (dout_pairs ? Dv / 2 * kBlockQ : 0)),
-        dn(qn + (q_rows_pairs ? kBlockQ / 2 * D : 0)),
-        size(dn + (dout_rows_pairs ? kBlockQ / 2 * Dv : 0)),
+        dp(qp + (pairs ? D / 2 * kBlockQ : 0) * (split_ ? 2 : 1)),
+        qn(dp + (dout_pairs ? Dv / 2 * kBlockQ : 0) * (split_ ? 2 : 1)),
+        dn(qn + (q_rows_pairs ? kBlockQ / 2 * D : 0) * (split_ ? 2 : 1)),
+        size(dn + (dout_rows_pairs ? kBlockQ / 2 * Dv : 0) * (split_ ? 2 : 1)),
         amx_dk(q_rows_pairs),
-        amx_dv(dout_rows_pairs) {}
+        amx_dv(dout_rows_pairs),
+        split(split_),
+        D_(D),
+        Dv_(Dv) {}
   bool has_q_pairs() const { return dp > qp; }
   bool has_dout_pairs() const { return qn > dp; }
   // pass 7 on AMX tiles as dq^T += k^T dS^T: the rule of pass 6 (D a multiple of 16); the job's
   // dq accumulator is then (D, kBlockQ), transposed
   bool amx_dq() const { return amx_dk; }
+  // the lo parts' pairs (split)
+  int64_t qp_lo() const { return qp + D_ / 2 * kBlockQ; }
+  int64_t dp_lo() const { return dp + Dv_ / 2 * kBlockQ; }
+  int64_t qn_lo() const { return qn + kBlockQ / 2 * D_; }
+  int64_t dn_lo() const { return dn + kBlockQ / 2 * Dv_; }
+  int64_t D_, Dv_;
 };
 
 // Packs rows [i0, i0 + nq) of head h of sequence b into blk (layout L; blk starts zeroed and
@@ -170,7 +188,7 @@ struct QueryPackLayout {
 template <typename scalar_t, typename acc_t>
 void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, const SeqInfo& sq,
                       int64_t b, int64_t h, int64_t i0, int64_t nq, acc_t* blk, acc_t* tmp,
-                      bool fused_dp, bool decode_order) {
+                      bool fused_dp, bool decode_order, uint16_t* rhi, uint16_t* rlo) {
   const AttentionParams& p = bp.fwd;
   const int64_t D = p.D, Dv = p.Dv, Dp = round_up(D, 8), Dvp = round_up(Dv, 8);
   const auto* q = static_cast<const scalar_t*>(p.q);
@@ -212,8 +230,8 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     // (mk::gemm_chain_length), so that where out equals one key's v (a row whose probability
     // sits on that key) Di equals its dP bitwise and dS = P * (dP - Di) is 0 there, as in the
     // textbook.
-    if (dpp != nullptr && L.amx_dp) {
-      // taken for the whole block below (mk::scores_amx_diag)
+    if ((dpp != nullptr || L.split) && L.amx_dp) {
+      // taken for the whole block below (mk::scores_amx_diag / _split)
     } else if (dpp != nullptr) {
       // pass 4's own chains (mk::scores_bf16dp: out's row against dout's pairs, one lane per
       // query column, the same vdpbf16ps per lane whatever its position)
@@ -240,6 +258,43 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
       // the block's out x dout tile (its bits do not depend on its position)
       mk::scores_amx_diag(nq, Dv, reinterpret_cast<const uint16_t*>(oh), bp.o_row_stride, dpp,
                           kBlockQ, kBlockQ, blk + L.di);
+    }
+  }
+  if constexpr (std::is_same_v<scalar_t, c10::Half> && std::is_same_v<acc_t, float>) {
+    if (L.split) {
+      // fp16 on the tiles: the rows split into bf16 hi / lo (rhi / rlo), then paired as the
+      // bf16 path pairs its rows; lo pairs after the hi ones
+      auto pairs_of = [&](const scalar_t* rows, int64_t stride, int64_t depth, int64_t off,
+                          int64_t off_lo, int64_t rows_off, int64_t rows_off_lo, bool cols,
+                          bool row_pairs) {
+        mk::split_fp16_rows(reinterpret_cast<const uint16_t*>(rows), stride, nq, depth, rhi, rlo,
+                            depth);
+        const uint16_t* part[2] = {rhi, rlo};
+        const int64_t at[2] = {off, off_lo}, rat[2] = {rows_off, rows_off_lo};
+        for (int x = 0; x < 2; ++x) {
+          if (cols) {  // (depth / 2, kBlockQ), columns [nq, kBlockQ) zero
+            auto* dst = reinterpret_cast<uint32_t*>(blk + at[x]);
+            mk::pack_bf16_pairs(part[x], depth, nq, depth, dst, kBlockQ);
+            for (int64_t t = 0; t < depth / 2; ++t)
+              std::fill(dst + t * kBlockQ + nq, dst + (t + 1) * kBlockQ, 0u);
+          }
+          if (row_pairs) {
+            mk::pack_row_pairs(part[x], depth, nq, depth, reinterpret_cast<uint32_t*>(blk + rat[x]),
+                               depth, kBlockQ / 2);
+          }
+        }
+      };
+      pairs_of(qh, p.q_row_stride, D, L.qp, L.qp_lo(), L.qn, L.qn_lo(), L.has_q_pairs(), L.amx_dk);
+      pairs_of(dh, bp.dout_row_stride, Dv, L.dp, L.dp_lo(), L.dn, L.dn_lo(), L.has_dout_pairs(),
+               L.amx_dv);
+      if (L.has_dout_pairs() && L.amx_dp) {
+        // Di in pass 4's chains: out's row i against dout's column i, both split
+        mk::split_fp16_rows(reinterpret_cast<const uint16_t*>(oh), bp.o_row_stride, nq, Dv, rhi,
+                            rlo, Dv);
+        mk::scores_amx_diag_split(nq, Dv, rhi, rlo, Dv, reinterpret_cast<const uint32_t*>(blk + L.dp),
+                                  reinterpret_cast<const uint32_t*>(blk + L.dp_lo()), kBlockQ,
+                                  kBlockQ, blk + L.di);
+      }
     }
   }
   // lse's gradient folds into the row term: dS = P * (dP - (Di - dlse_i))
@@ -401,7 +456,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   // (mk::exp_sub_amx), else the kernels' own
   auto exp_sub = [&](acc_t* st, int64_t rows, int64_t cols, const acc_t* sub) {
     if constexpr (std::is_same_v<acc_t, float>) {
-      if (kbf != nullptr && L.amx) return mk::exp_sub_amx(st, rows, cols, sub);
+      if ((kbf != nullptr || L.split) && L.amx) return mk::exp_sub_amx(st, rows, cols, sub);
     }
     K.exp_sub(st, rows, cols, sub);
   };
@@ -443,6 +498,14 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   // k's bf16 rows in place, as the forward
   auto pass1_tiled = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
     if constexpr (std::is_same_v<acc_t, float>) {
+      if (L.split) {  // fp16 on the tiles: the forward's split products (scores_amx_split)
+        const auto* qp = reinterpret_cast<const uint32_t*>(blk + L.qp);
+        const auto* qp_lo = reinterpret_cast<const uint32_t*>(blk + L.qp_lo());
+        mk::scores_amx_split(nr, n, D, s.khi.data() + r0 * D, s.klo.data() + r0 * D, D, qp + c0,
+                             qp_lo + c0, kBlockQ, static_cast<float>(terms.scale),
+                             s.st.data() + r0 * C + c0, C);
+        return;
+      }
       if (kbf != nullptr) {
         mk::scores_pairs(L.amx, nr, n, D, kbf + r0 * p.k_row_stride, p.k_row_stride,
                          reinterpret_cast<const uint32_t*>(blk + L.qp) + c0, kBlockQ,
@@ -456,6 +519,13 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   // dout's pairs (Di was taken in the same chains: pack_query_block)
   auto pass4_tiled = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
     if constexpr (std::is_same_v<acc_t, float>) {
+      if (L.split && L.amx_dp) {
+        const auto* dp = reinterpret_cast<const uint32_t*>(blk + L.dp);
+        const auto* dp_lo = reinterpret_cast<const uint32_t*>(blk + L.dp_lo());
+        mk::scores_amx_split(nr, n, Dv, s.vhi.data() + r0 * Dv, s.vlo.data() + r0 * Dv, Dv,
+                             dp + c0, dp_lo + c0, kBlockQ, 1.f, s.dpt.data() + r0 * C + c0, C);
+        return;
+      }
       if (vbf != nullptr) {
         mk::scores_pairs(L.amx_dp, nr, n, Dv, vbf + r0 * p.v_row_stride, p.v_row_stride,
                          reinterpret_cast<const uint32_t*>(blk + L.dp) + c0, kBlockQ, 1.f,
@@ -481,6 +551,13 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   // L.amx_dv) the whole tile, P rounded to bf16 (as the forward's o += p v)
   auto pass3 = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
     if constexpr (std::is_same_v<acc_t, float>) {
+      if (L.amx_dv && L.split) {
+        mk::rows_times_pairs_amx_split(nk, Dv, nq, pv, C,
+                                       reinterpret_cast<const uint32_t*>(blk + L.dn),
+                                       reinterpret_cast<const uint32_t*>(blk + L.dn_lo()), Dv,
+                                       dvt, ldv);
+        return;
+      }
       if (L.amx_dv) {
         mk::rows_times_pairs_amx(nk, Dv, nq, pv, C, reinterpret_cast<const uint32_t*>(blk + L.dn),
                                  Dv, dvt, ldv);
@@ -492,6 +569,13 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   // pass 6: dkt rows += dS^T q likewise (L.amx_dk: dS rounded to bf16)
   auto pass6 = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
     if constexpr (std::is_same_v<acc_t, float>) {
+      if (L.amx_dk && L.split) {
+        mk::rows_times_pairs_amx_split(nk, D, nq, s.dpt.data(), C,
+                                       reinterpret_cast<const uint32_t*>(blk + L.qn),
+                                       reinterpret_cast<const uint32_t*>(blk + L.qn_lo()), D,
+                                       dkt, ldk);
+        return;
+      }
       if (L.amx_dk) {
         mk::rows_times_pairs_amx(nk, D, nq, s.dpt.data(), C,
                                  reinterpret_cast<const uint32_t*>(blk + L.qn), D, dkt, ldk);
@@ -507,6 +591,14 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     if constexpr (std::is_same_v<acc_t, float>) {
       if (L.amx_dq()) {
         const int64_t rows = round_up(nk, 32), C16 = round_up(nq, 16);
+        if (L.split) {
+          mk::probs_to_pairs_split(s.dpt.data(), C, 0, nk, rows, nq, s.dsp.data(),
+                                   s.dsp_lo.data(), C16);
+          mk::pv_amx_split(D, C16, rows / 2, s.kpt.data(), s.kpt_lo.data(),
+                           BwdScratch<acc_t>::kKeyPairs, s.dsp.data(), s.dsp_lo.data(), dqt,
+                           kBlockQ);
+          return;
+        }
         mk::probs_to_pairs(s.dpt.data(), C, 0, nk, rows, nq, s.dsp.data(), C16);
         mk::pv_amx(D, C16, rows / 2, s.kpt.data(), BwdScratch<acc_t>::kKeyPairs, s.dsp.data(),
                    dqt, kBlockQ);
@@ -580,7 +672,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   // pass 1: st = kb qt on the visible column panels, then mask
   if (decode_order) {
     pass1_decode();
-  } else if (kbf != nullptr && L.amx) {
+  } else if ((kbf != nullptr || L.split) && L.amx) {
     pass1_tiled(0, nk, 0, C);  // (tiles: the whole tile, the mask hides the rest)
   } else {
     for_panels(pass1_tiled);
@@ -594,7 +686,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
                  s.words.data(), thresh, inv_keep);
   }
   // pass 4: dP^T = v dout^T on the visible column panels, then 0 where hidden
-  if (vbf != nullptr && L.amx_dp) {
+  if ((vbf != nullptr || L.split) && L.amx_dp) {
     pass4_tiled(0, nk, 0, C);
   } else {
     for_panels(pass4_tiled);
@@ -778,11 +870,6 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const bool bf16dp = mk::bf16_scores_by_pairs(std::is_same_v<scalar_t, c10::BFloat16>, p.D);
   // ... and pass 4, dP = dout v^T, whose operands are bf16 too (Dv even)
   const bool bf16dp4 = mk::bf16_scores_by_pairs(std::is_same_v<scalar_t, c10::BFloat16>, p.Dv);
-  constexpr bool is_bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  QueryPackLayout L(p.D, p.Dv, Dp, Dvp, bf16dp, bf16dp4, is_bf16 && mk::amx_pv_for(p.D),
-                    is_bf16 && mk::amx_pv_for(p.Dv));
-  L.amx = bf16dp && mk::amx_for(p.D);
-  L.amx_dp = bf16dp4 && mk::amx_for(p.Dv);
   const ScoreTerms terms = p.score_terms();
   // The forward of these shapes was the decode kernel (attention_decode.h): the scores are
   // recomputed in its summation order, so that P = exp(s - lse) meets the forward's bits.
@@ -794,6 +881,19 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const bool decode_dp = false;
 #endif
   const bool decode_pairs = decode_order && decode_detail::kDecodePairs<scalar_t> && !decode_dp;
+  constexpr bool is_bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  // fp16 where its tiled forward ran on the tiles (mk::fp16_on_tiles): every product split
+  // (bf16 hi + lo, hi hi + hi lo + lo hi), pass 1 in the forward's own chains; dP and Di on the
+  // tiles where Dv is a multiple of 32 (else widened, in the fp32 gemm's chains)
+  const bool fp16_split = std::is_same_v<scalar_t, c10::Half> && !decode_order &&
+                     mk::fp16_on_tiles(p.D, p.Dv);
+  const bool split_dp = fp16_split && mk::amx_for(p.Dv);
+  const bool rows_d = (is_bf16 || fp16_split) && mk::amx_pv_for(p.D);
+  const bool rows_dv = (is_bf16 || fp16_split) && mk::amx_pv_for(p.Dv);
+  QueryPackLayout L(p.D, p.Dv, Dp, Dvp, bf16dp || fp16_split, bf16dp4 || split_dp, rows_d,
+                    rows_dv, fp16_split);
+  L.amx = (bf16dp || fp16_split) && mk::amx_for(p.D);
+  L.amx_dp = (bf16dp4 || split_dp) && mk::amx_for(p.Dv);
   const int64_t rows_budget = head_rows_budget(num_threads());
 #if ATTN_EXT_HAVE_AVX2_PATH
   // the decode kernel's switches, read once for the call (the forward read them once too)
@@ -810,6 +910,20 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     if (L.amx_dq()) {  // pass 7 on tiles: k^T's and dS^T's pairs
       s.kpt.resize(static_cast<size_t>(p.D * BwdScratch<acc_t>::kKeyPairs));
       s.dsp.resize(static_cast<size_t>(BwdScratch<acc_t>::kKeyPairs * kBlockQ));
+      if (fp16_split) {
+        s.kpt_lo.resize(s.kpt.size());
+        s.dsp_lo.resize(s.dsp.size());
+      }
+    }
+    if (fp16_split) {
+      s.khi.resize(static_cast<size_t>(kBlockK * p.D));
+      s.klo.resize(s.khi.size());
+      if (L.amx_dp) {
+        s.vhi.resize(static_cast<size_t>(kBlockK * p.Dv));
+        s.vlo.resize(s.vhi.size());
+      }
+      s.rhi.resize(static_cast<size_t>(kBlockQ * std::max(p.D, p.Dv)));
+      s.rlo.resize(s.rhi.size());
     }
     return s;
   };
@@ -873,7 +987,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     job.db = db;
     if (db != nullptr) job.dbj.assign(static_cast<size_t>(nbias), 0.0);
     pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, job.nq, job.blk.data(), s.tmp.data(),
-                                      fused_dp, decode_order);
+                                      fused_dp, decode_order, s.rhi.data(), s.rlo.data());
     std::fill(job.dqt.begin(), job.dqt.begin() + (L.amx_dq() ? p.D * kBlockQ : job.nq * Dp), acc_t(0));
     if (terms.has_dropout()) {
       for (int64_t c = 0; c < job.nq; ++c) job.rk[c] = terms.dropout_row_key(b, h, i0 + c);
@@ -919,7 +1033,25 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
                                           static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride +
                                           hkv * p.v_head_stride + (sq.k0 + j0) * p.v_row_stride)
                                     : nullptr;
-      if (want_dq && L.amx_dq()) {  // k^T's pairs for pass 7 on tiles
+      if (fp16_split) {  // the key tile's k (and v) rows split (mk::split_fp16), k^T's hi / lo pairs
+        const auto* kt16 = reinterpret_cast<const uint16_t*>(
+            static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride +
+            (sq.k0 + j0) * p.k_row_stride);
+        mk::split_fp16_rows(kt16, p.k_row_stride, nk, p.D, s.khi.data(), s.klo.data(), p.D);
+        if (L.amx_dp) {
+          mk::split_fp16_rows(reinterpret_cast<const uint16_t*>(
+                                  static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride +
+                                  hkv * p.v_head_stride + (sq.k0 + j0) * p.v_row_stride),
+                              p.v_row_stride, nk, p.Dv, s.vhi.data(), s.vlo.data(), p.Dv);
+        }
+        if (want_dq && L.amx_dq()) {
+          bool fin = true;
+          mk::pack_vt_pairs(s.khi.data(), p.D, nk, p.D, s.kpt.data(), BwdScratch<acc_t>::kKeyPairs,
+                            &fin);
+          mk::pack_vt_pairs(s.klo.data(), p.D, nk, p.D, s.kpt_lo.data(),
+                            BwdScratch<acc_t>::kKeyPairs, &fin);
+        }
+      } else if (want_dq && L.amx_dq()) {  // k^T's pairs for pass 7 on tiles
         bool fin = true;
         mk::pack_vt_pairs(reinterpret_cast<const uint16_t*>(
                               static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride +

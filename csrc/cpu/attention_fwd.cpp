@@ -30,11 +30,9 @@
 // Scores, m and lse are in natural-log units (exp(x) = exp2(x * log2 e) after the difference
 // x = s - m, which is exact near the maximum): the backward recomputes P = exp(s - lse) from
 // the same scores (same scale folded into q, same FMA order) and the same units, so its
-// probabilities are the forward's up to the rounding of lse (issue 18 item 8). Not yet for fp16
-// on tiles: its backward still widens, so its scores are the fp32 sums of the exact products
-// and differ from the forward's split ones by the dropped lo lo terms (under
-// scale * sum |q_d k_d| * 2^-17), and P = exp(s - lse) from the forward's by that factor; a row
-// that sees one key still gets dq = dk = 0 exactly (dS's factor dP - Di is 0 there).
+// probabilities are the forward's up to the rounding of lse (issue 18 item 8). fp16 on tiles
+// too: its backward recomputes the scores by the same split products (scores_amx_split) where
+// its forward ran on the tiles (attention_bwd.cpp, QueryPackLayout::split).
 //
 // No (Sq, Sk) buffer exists: the extra memory is O(threads * tile). Tiles run in parallel
 // with dynamic scheduling, most expensive (latest causal rows) first. When there are fewer

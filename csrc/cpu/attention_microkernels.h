@@ -364,7 +364,7 @@ void pack_row_pairs(const uint16_t* rows, int64_t stride, int64_t n_rows, int64_
 void zero_nonfinite_pairs(const uint32_t* src, int64_t rows, int64_t cols, int64_t lds,
                           uint32_t* dst, int64_t ldd);
 
-// ---- fp16 on the bf16 tiles (the tiled forward where amx_for(D) and amx_pv_for(Dv)) ---------
+// ---- fp16 on the bf16 tiles (the tiled kernels where amx_for(D) and amx_pv_for(Dv)) ---------
 // An fp16 value x is exactly hi + lo with hi = bf16(x) (round to nearest even) and lo =
 // bf16(x - hi): fp16 keeps 11 significant bits, hi 8, and the rest x - hi fits lo's 8. So a
 // product x y of two fp16 values is hi_x hi_y + hi_x lo_y + lo_x hi_y + lo_x lo_y, each term
@@ -378,7 +378,8 @@ inline void split_fp16_rows(const uint16_t* x, int64_t stride, int64_t n, int64_
   for (int64_t r = 0; r < n; ++r) split_fp16(x + r * stride, cols, hi + r * ld, lo + r * ld);
 }
 // The rule: fp16's tiled forward runs on the tiles when both of its products can (amx_for(D),
-// amx_pv_for(Dv)); else it widens to fp32 as before.
+// amx_pv_for(Dv)); else it widens to fp32 as before. Its backward follows (attention_bwd.cpp,
+// QueryPackLayout::split; dP and Di also need amx_for(Dv)).
 inline bool fp16_on_tiles(int64_t D, int64_t Dv) { return amx_for(D) && amx_pv_for(Dv); }
 // scores_amx with the split terms: C = scale * (A B + A B_lo + A_lo B), one chain per element
 // (the three stretches in that order), A / A_lo rows at the same lda, B / B_lo at the same ldb.
@@ -389,6 +390,16 @@ void scores_amx_split(int64_t M, int64_t N, int64_t D, const uint16_t* A, const 
 void pv_amx_split(int64_t Dv, int64_t C16, int64_t kpairs, const uint32_t* vt,
                   const uint32_t* vt_lo, int64_t ldvt, const uint32_t* pp, const uint32_t* pp_lo,
                   float* ot, int64_t ldo);
+// The backward's products with the split terms (fp16 on the tiles): scores_amx_diag of
+// scores_amx_split's sums (Di in the chains of dP); rows_times_pairs_amx with A's fp32 rows split
+// into bf16 hi + lo (lo = bf16(A - hi), 0 where A is not finite: 16 significant bits) and B's
+// hi / lo pairs: C += A B + A B_lo + A_lo B.
+void scores_amx_diag_split(int64_t n, int64_t D, const uint16_t* A, const uint16_t* A_lo,
+                           int64_t lda, const uint32_t* B, const uint32_t* B_lo, int64_t ldb,
+                           int64_t N, float* out);
+void rows_times_pairs_amx_split(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                                const uint32_t* B, const uint32_t* B_lo, int64_t ldb, float* C,
+                                int64_t ldc);
 // probs_to_pairs' pairs of the probabilities' hi (bf16 of p) into pp_hi and of their rest
 // (bf16 of p - hi) into pp_lo: p = hi + lo to 16 significant bits.
 void probs_to_pairs_split(const float* st, int64_t ld, int64_t r_begin, int64_t r_end,
