@@ -121,7 +121,7 @@ def cpu_isa() -> str:
             ours += "; bf16 decode scores widened to fp32 (Intel CPU or ATTN_EXT_CPU_BF16DP=0)"
         if cpu_bf16_amx(64):
             ours += ("; AMX tiles for the tiled kernels' bf16 products (D % 32 == 0) and the "
-                     "fp16 forward's (bf16 hi / lo split)")
+                     "fp16 ones, forward and backward (bf16 hi / lo split)")
         ours += ")"
     flags = cpu_flags()
     shown = [x for x in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16") if x in flags]

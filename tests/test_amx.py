@@ -99,11 +99,12 @@ def test_amx_non_finite_v_of_hidden_keys(bad, dtype):
     assert bool(torch.isnan(out[:, 100:120]).all())
 
 
-def test_amx_score_terms_and_layouts():
-    """ALiBi, softcap and sinks on the tiles' scores; BHSD views give the contiguous call's bits;
-    packed sequences give each sequence's own bits."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_amx_score_terms_and_layouts(dtype):
+    """ALiBi, softcap and sinks on the tiles' scores (forward and backward); BHSD views give the
+    contiguous call's bits; packed sequences give each sequence's own bits."""
     B, S, H, Hkv, D = 2, 160, 4, 2, 64
-    q, k, v = _qkv(B, S, S, H, Hkv, D, D, 3)
+    q, k, v = (t.to(dtype) for t in _qkv(B, S, S, H, Hkv, D, D, 3))
     _check(q, k, v, dict(causal=True, alibi_slopes=torch.rand(H), softcap=20.0,
                          sinks=torch.randn(H)))
     qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
