@@ -193,3 +193,28 @@ def test_amx_long_heads_packed_per_tile(dtype):
         _check(q, k, v, dict(causal=True, window=(1000, 0)))
 
     with_threads(16, run)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_amx_visible_non_finite_k_same_bits_for_any_block_grouping(dtype, monkeypatch):
+    """A visible key whose k holds inf: the rows that see it get dq = scale * dS k with 0 * inf
+    = NaN in that column, as in the textbook, whichever query blocks visit its key tile together
+    (ATTN_EXT_CPU_BWD_JOBS). The partial pairs take k's non-finite entries as 0 on the tiles in a
+    copy of k^T's pairs; zeroing the shared pairs in place once left the full pairs visited after
+    it in the same visit without the NaN."""
+    torch.manual_seed(41)
+    B, S, H, D = 1, 300, 1, 64
+    q = torch.randn(B, S, H, D)
+    q[..., 3] = -q[..., 3].abs() - 1.0  # every row's score for key 5 is -inf: P = dS = 0 there
+    k, v = torch.randn(B, S, H, D), torch.randn(B, S, H, D)
+    k[:, 5, :, 3] = float("inf")
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    dout = torch.randn(B, S, H, D).to(dtype)
+    runs = []
+    for jobs in ("1", "4"):
+        monkeypatch.setenv("ATTN_EXT_CPU_BWD_JOBS", jobs)
+        runs.append(with_threads(1, lambda: _run(q, k, v, dout, dict(causal=True))))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *runs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
+    dq = runs[0][2][0, :, 0, 3]
+    assert bool(dq[5:].isnan().all()) and not bool(dq[:5].isnan().any())

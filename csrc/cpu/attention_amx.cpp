@@ -179,18 +179,6 @@ ATTN_EXT_AMX void run_segs(int mt, int nt, int nseg, const Seg* seg, char* c, in
   else tile_block<1, 1>(nseg, seg, c, lc, load);
 }
 
-ATTN_EXT_AMX void run_block(int mt, int nt, int64_t steps, const char* const* a,
-                            const int64_t* sa, const char* const* b, const int64_t* sb, char* c,
-                            int64_t lc, bool load) {
-  // (a[1] / b[1] exist only where mt / nt is 2)
-  const Seg seg{steps,
-                {a[0], mt > 1 ? a[1] : nullptr},
-                {sa[0], mt > 1 ? sa[1] : 0},
-                {b[0], nt > 1 ? b[1] : nullptr},
-                {sb[0], nt > 1 ? sb[1] : 0}};
-  run_segs(mt, nt, 1, &seg, c, lc, load);
-}
-
 // Per-thread staging for tails: A rows (16, D) and B columns (D / 2, 16), zero-padded.
 struct Staging {
   std::vector<uint16_t> a, a2;  // (a2, b2: the lo operands of the split products)
@@ -342,15 +330,43 @@ ATTN_EXT_AMX void scores_amx_diag_split(int64_t n, int64_t D, const uint16_t* A,
   diag_tiles(n, D, A, A_lo, lda, B, B_lo, ldb, N, out);
 }
 
+namespace {
+// r[i] word j -> r[j] word i (16 x 16 words): pairs of rows unpacked by 32 then 64 bits (u[4 b + e]
+// holds column 4 L + e of rows 4 b .. 4 b + 3 in its 128-bit lane L), then the lanes gathered.
+ATTN_EXT_AMX inline void transpose_16x16_epi32(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int a = 0; a < 8; ++a) {
+    t[2 * a] = _mm512_unpacklo_epi32(r[2 * a], r[2 * a + 1]);
+    t[2 * a + 1] = _mm512_unpackhi_epi32(r[2 * a], r[2 * a + 1]);
+  }
+  for (int b = 0; b < 4; ++b) {
+    u[4 * b + 0] = _mm512_unpacklo_epi64(t[4 * b], t[4 * b + 2]);
+    u[4 * b + 1] = _mm512_unpackhi_epi64(t[4 * b], t[4 * b + 2]);
+    u[4 * b + 2] = _mm512_unpacklo_epi64(t[4 * b + 1], t[4 * b + 3]);
+    u[4 * b + 3] = _mm512_unpackhi_epi64(t[4 * b + 1], t[4 * b + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i p01 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44);
+    const __m512i p23 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xee);
+    const __m512i q01 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
+    const __m512i q23 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xee);
+    r[e] = _mm512_shuffle_i32x4(p01, q01, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(p01, q01, 0xdd);
+    r[8 + e] = _mm512_shuffle_i32x4(p23, q23, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(p23, q23, 0xdd);
+  }
+}
+}  // namespace
+
 ATTN_EXT_AMX void pack_vt_pairs(const uint16_t* v, int64_t row_stride, int64_t nk, int64_t Dv,
                                 uint32_t* vt, int64_t ldvt, bool* finite) {
   // keys [0, nk) of 32 * ceil(nk / 32); the rest zero
   const int64_t kp_end = (nk + 31) / 32 * 16;
   bool fin = true;
-  alignas(64) uint32_t w[16 * 16];
+  __m512i r[16];
   for (int64_t kp0 = 0; kp0 < kp_end; kp0 += 16) {
     for (int64_t d0 = 0; d0 < Dv; d0 += 16) {
-      // w[kp][d] = (v[2 kp][d], v[2 kp + 1][d]) for 16 pairs and 16 columns, then transposed
+      // r[kp] word d = (v[2 kp][d], v[2 kp + 1][d]) for 16 pairs and 16 columns, then transposed
       for (int64_t kp = 0; kp < 16; ++kp) {
         const int64_t r0 = 2 * (kp0 + kp), r1 = r0 + 1;
         __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
@@ -364,12 +380,11 @@ ATTN_EXT_AMX void pack_vt_pairs(const uint16_t* v, int64_t row_stride, int64_t n
         const __m512i hi_e = _mm512_and_si512(x, _mm512_set1_epi32(0x7f800000));
         fin = fin && _mm512_cmpeq_epi32_mask(lo_e, _mm512_set1_epi32(0x7f80)) == 0 &&
               _mm512_cmpeq_epi32_mask(hi_e, _mm512_set1_epi32(0x7f800000)) == 0;
-        _mm512_store_si512(w + kp * 16, x);
+        r[kp] = x;
       }
-      for (int64_t d = 0; d < 16; ++d) {
-        uint32_t* dst = vt + (d0 + d) * ldvt + kp0;
-        for (int64_t kp = 0; kp < 16; ++kp) dst[kp] = w[kp * 16 + d];
-      }
+      transpose_16x16_epi32(r);
+      for (int64_t d = 0; d < 16; ++d)
+        _mm512_storeu_si512(vt + (d0 + d) * ldvt + kp0, r[d]);
     }
   }
   *finite = fin;
@@ -389,7 +404,10 @@ ATTN_EXT_AMX inline void store_pairs(__m512 a, __m512 b, uint32_t* hi, uint32_t*
   // each word's halves back to fp32: the low half (a's), the high half (b's)
   const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
   const __m512 hb = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(int(0xffff0000u))));
-  const __m512 ra = _mm512_sub_ps(a, ha), rb = _mm512_sub_ps(b, hb);
+  // (0 where the hi part is not finite, as split_fp16's lo: inf - inf would be NaN)
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  const __m512 ra = _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(ha), inf, _CMP_LT_OQ), a, ha);
+  const __m512 rb = _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(hb), inf, _CMP_LT_OQ), b, hb);
   _mm512_storeu_si512(lo, _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(rb, ra)));
 }
 
@@ -565,7 +583,7 @@ ATTN_EXT_AMX void rows_times_pairs_tiles(int64_t M, int64_t N, int64_t K, const 
   const bool split = B_lo != nullptr;
   const int64_t steps = (K + 31) / 32, Kp = 32 * steps, M16 = (M + 15) / 16 * 16;
   // A's rows as bf16 (round to nearest even), zero-padded to (M16, Kp); split: the rests too
-  // (A - hi is exact in fp32; 0 where A is not finite, as split_fp16's lo)
+  // (A - hi is exact in fp32; 0 where hi is not finite, as split_fp16's lo)
   std::vector<uint16_t>& ab = t_stage.a;
   std::vector<uint16_t>& al = t_stage.a2;
   ab.resize(static_cast<size_t>(M16 * Kp));
@@ -580,7 +598,8 @@ ATTN_EXT_AMX void rows_times_pairs_tiles(int64_t M, int64_t N, int64_t K, const 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), h);
       if (!split) continue;
       const __m512 hx = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(x), inf, _CMP_LT_OQ);
+      // (0 where hi is not finite: x not finite, or rounded up past bf16's largest value)
+      const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(hx), inf, _CMP_LT_OQ);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(al.data() + r * Kp + c),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_sub_ps(fin, x, hx)));
     }

@@ -81,6 +81,7 @@ struct BwdScratch {
   // (kKeyPairs, kBlockQ; mk::probs_to_pairs, per pair of tiles)
   static constexpr int64_t kKeyPairs = ceil_div(kBlockK, 32) * 16;
   AlignedVec<uint32_t> kpt, dsp;
+  AlignedVec<uint32_t> kpt_z;  // kpt with k's inf / NaN entries as 0 (a partial pair's, sized on use)
   // fp16 on the tiles (QueryPackLayout::split): the key tile's k rows (kBlockK, D) and v rows
   // (kBlockK, Dv; where pass 4 is on tiles) split into bf16 hi / lo (mk::split_fp16), k^T's and
   // dS^T's lo pairs beside kpt / dsp, and one query block's q / dout / out rows split while it
@@ -548,7 +549,8 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     }
   };
   // pass 3: dvt rows [r0, r0 + nr) += P^T dout over queries [c0, c0 + n); on AMX tiles (bf16,
-  // L.amx_dv) the whole tile, P rounded to bf16 (as the forward's o += p v)
+  // L.amx_dv) the whole tile, P rounded to bf16 (as the forward's o += p v); fp16 (L.split): P
+  // and dout split into hi + lo, hi hi + hi lo + lo hi
   auto pass3 = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
     if constexpr (std::is_same_v<acc_t, float>) {
       if (L.amx_dv && L.split) {
@@ -566,7 +568,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     }
     K.gemm(nr, Dvp, n, pv + r0 * C + c0, C, 1, dor + c0 * Dvp, Dvp, dvt + r0 * ldv, ldv, true);
   };
-  // pass 6: dkt rows += dS^T q likewise (L.amx_dk: dS rounded to bf16)
+  // pass 6: dkt rows += dS^T q likewise (L.amx_dk: dS rounded to bf16; fp16: split)
   auto pass6 = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
     if constexpr (std::is_same_v<acc_t, float>) {
       if (L.amx_dk && L.split) {
@@ -586,22 +588,23 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
            true);
   };
   // pass 7 on the whole tile: dqt += dS k, or (L.amx_dq()) dq^T += k^T dS^T on AMX tiles, dS
-  // rounded to bf16 (the job's accumulator transposed, (D, kBlockQ))
-  auto pass7_tile = [&] {
+  // rounded to bf16 (fp16: dS and k split) (the job's accumulator transposed, (D, kBlockQ))
+  // (kpt: k^T's hi pairs, s.kpt or a copy with k's inf / NaN entries as 0)
+  auto pass7_tile = [&](const uint32_t* kpt) {
     if constexpr (std::is_same_v<acc_t, float>) {
       if (L.amx_dq()) {
         const int64_t rows = round_up(nk, 32), C16 = round_up(nq, 16);
         if (L.split) {
           mk::probs_to_pairs_split(s.dpt.data(), C, 0, nk, rows, nq, s.dsp.data(),
                                    s.dsp_lo.data(), C16);
-          mk::pv_amx_split(D, C16, rows / 2, s.kpt.data(), s.kpt_lo.data(),
+          mk::pv_amx_split(D, C16, rows / 2, kpt, s.kpt_lo.data(),
                            BwdScratch<acc_t>::kKeyPairs, s.dsp.data(), s.dsp_lo.data(), dqt,
                            kBlockQ);
           return;
         }
         mk::probs_to_pairs(s.dpt.data(), C, 0, nk, rows, nq, s.dsp.data(), C16);
-        mk::pv_amx(D, C16, rows / 2, s.kpt.data(), BwdScratch<acc_t>::kKeyPairs, s.dsp.data(),
-                   dqt, kBlockQ);
+        mk::pv_amx(D, C16, rows / 2, kpt, BwdScratch<acc_t>::kKeyPairs, s.dsp.data(), dqt,
+                   kBlockQ);
         return;
       }
     }
@@ -625,7 +628,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     pass5();                                                                          // pass 5
     if (with_terms) pt.grad(s.dpt.data(), th, acc.db);
     if (dkt != nullptr) pass6(0, nk, 0, nq);                                          // pass 6
-    if (dqt != nullptr) pass7_tile();                                                 // pass 7
+    if (dqt != nullptr) pass7_tile(s.kpt.data());                                     // pass 7
     return;
   }
   // Partial tile: key j0 + r is seen by the columns [cols(r).lo, cols(r).hi) (band) if it is
@@ -738,12 +741,16 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     if constexpr (std::is_same_v<acc_t, float>) {
       if (dqt != nullptr && L.amx_dq()) {
         // on tiles as the dense path (dS is 0 at the hidden pairs), k's inf / NaN entries taken
-        // as 0 there and each added on its own to the rows that see its key
+        // as 0 there (in a copy: the other blocks of this visit read s.kpt as it is) and each
+        // added on its own to the rows that see its key (lo is 0 where k is not finite)
+        const uint32_t* kpt = s.kpt.data();
         if (!k_finite) {
           const int64_t kp = round_up(nk, 32) / 2, ldk2 = BwdScratch<acc_t>::kKeyPairs;
-          mk::zero_nonfinite_pairs(s.kpt.data(), D, kp, ldk2, s.kpt.data(), ldk2);
+          if (s.kpt_z.size() < s.kpt.size()) s.kpt_z.resize(s.kpt.size());
+          mk::zero_nonfinite_pairs(s.kpt.data(), D, kp, ldk2, s.kpt_z.data(), ldk2);
+          kpt = s.kpt_z.data();
         }
-        pass7_tile();
+        pass7_tile(kpt);
         for (int64_t r = 0; r < nk && !k_finite; ++r) {
           const Range c = seen_by[r];
           for (int64_t d = 0; d < D; ++d) {
@@ -778,7 +785,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   }
   // pass 7: dqt rows += dS k over the keys each 6 queries see (tiles: the whole tile, dS is 0 at
   // the hidden pairs)
-  if (dqt != nullptr && L.amx_dq()) pass7_tile();
+  if (dqt != nullptr && L.amx_dq()) pass7_tile(s.kpt.data());
   for (int64_t c0 = 0; c0 < nq && dqt != nullptr && !L.amx_dq(); c0 += 6) {
     const int64_t mrows = std::min<int64_t>(6, nq - c0);
     const Range keys = vis.band_keys_of_rows(sq, i0 + c0, i0 + c0 + mrows);
@@ -849,7 +856,8 @@ void write_dkv(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64
 // Extra memory: dk / dv accumulate in the outputs when those are the accumulation type with
 // D, Dv multiples of 8; otherwise in one fp32 (B, Hkv, Sk, Dp + Dvp) buffer. Beyond that,
 // kBwdJobs query blocks with their dq tiles and one key tile per worker (about 1.2 MiB at
-// D = 128): independent of the thread count. In the fused partition, gradients whose rows lie
+// D = 128; fp16 on the tiles about 1.8 MiB, the pairs of hi and lo parts): independent of the
+// thread count. In the fused partition, gradients whose rows lie
 // apart (those of BSHD inputs: H * D apart, a page per row at 4 KiB, a few cache sets for a
 // whole head) accumulate per work unit in a contiguous (Sk, Dp + Dvp) buffer instead, written
 // out at the unit's end, where that fits the head-rows share (head_rows_budget: at most

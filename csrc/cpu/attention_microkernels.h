@@ -392,7 +392,7 @@ void pv_amx_split(int64_t Dv, int64_t C16, int64_t kpairs, const uint32_t* vt,
                   float* ot, int64_t ldo);
 // The backward's products with the split terms (fp16 on the tiles): scores_amx_diag of
 // scores_amx_split's sums (Di in the chains of dP); rows_times_pairs_amx with A's fp32 rows split
-// into bf16 hi + lo (lo = bf16(A - hi), 0 where A is not finite: 16 significant bits) and B's
+// into bf16 hi + lo (lo = bf16(A - hi), 0 where hi is not finite: 16 significant bits) and B's
 // hi / lo pairs: C += A B + A B_lo + A_lo B.
 void scores_amx_diag_split(int64_t n, int64_t D, const uint16_t* A, const uint16_t* A_lo,
                            int64_t lda, const uint32_t* B, const uint32_t* B_lo, int64_t ldb,
@@ -401,7 +401,7 @@ void rows_times_pairs_amx_split(int64_t M, int64_t N, int64_t K, const float* A,
                                 const uint32_t* B, const uint32_t* B_lo, int64_t ldb, float* C,
                                 int64_t ldc);
 // probs_to_pairs' pairs of the probabilities' hi (bf16 of p) into pp_hi and of their rest
-// (bf16 of p - hi) into pp_lo: p = hi + lo to 16 significant bits.
+// (bf16 of p - hi; 0 where hi is not finite) into pp_lo: p = hi + lo to 16 significant bits.
 void probs_to_pairs_split(const float* st, int64_t ld, int64_t r_begin, int64_t r_end,
                           int64_t rows, int64_t cols, uint32_t* pp_hi, uint32_t* pp_lo,
                           int64_t ldp);
