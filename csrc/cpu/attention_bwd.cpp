@@ -74,7 +74,8 @@ struct BwdScratch {
   const acc_t* kbp = nullptr;  // the key tile's k rows (nk, Dp): in kb or hk
   const acc_t* vbp = nullptr;  // its v rows (nk, Dvp): in vb or hv
   // The work unit's dk / dv accumulators, (Sk, Dp) then (Sk, Dvp), when the gradients' rows lie
-  // apart in memory (unit_rows in attention_bwd_kernel; sized on the unit's first use).
+  // apart in memory or are not fp32 (unit_rows in attention_bwd_kernel; sized on the unit's
+  // first use).
   AlignedVec<acc_t> unit_kv;
   // pass 7 on AMX tiles (QueryPackLayout::amx_dq()): the key tile's k^T as bf16 key pairs
   // (D, kKeyPairs; mk::pack_vt_pairs, once per key tile) and dS^T as bf16 key pairs
@@ -854,7 +855,8 @@ void write_dkv(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64
 //     1, 2, 4, 5, 7, the probabilities recomputed). More arithmetic, but work for every thread.
 //
 // Extra memory: dk / dv accumulate in the outputs when those are the accumulation type with
-// D, Dv multiples of 8; otherwise in one fp32 (B, Hkv, Sk, Dp + Dvp) buffer. Beyond that,
+// D, Dv multiples of 8; otherwise in the fused partition's per-unit buffers below where they
+// fit, else in one fp32 (B, Hkv, Sk, Dp + Dvp) buffer. Beyond that,
 // kBwdJobs query blocks with their dq tiles and one key tile per worker (about 1.2 MiB at
 // D = 128; fp16 on the tiles about 1.8 MiB, the pairs of hi and lo parts): independent of the
 // thread count. In the fused partition, gradients whose rows lie
@@ -943,8 +945,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   };
   // dk / dv accumulators of (b, hkv): rows j at kacc(b, hkv) + j * ld.
   const bool in_place = std::is_same_v<scalar_t, acc_t> && p.D == Dp && p.Dv == Dvp;
-  AlignedVec<acc_t> kv_buf;
-  if (!in_place) kv_buf.assign(static_cast<size_t>(p.B * p.Hkv * p.Sk * (Dp + Dvp)), acc_t(0));
+  AlignedVec<acc_t> kv_buf;  // (allocated below, where no unit buffer takes its place)
   auto key_acc = [&](int64_t b, int64_t hkv, const SeqInfo& sq, int64_t j0) -> KeyAcc<acc_t> {
     if (in_place) {
       auto* dk = reinterpret_cast<acc_t*>(bp.dk);
@@ -971,9 +972,15 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   // contiguous and are fetched again from L3 when a page apart (a D = 64 BSHD backward took
   // 1.07x the time of the same call on BHSD views; RESULTS.md, twentieth session). The same
   // additions in the same order: the same bits.
-  const bool unit_rows = !split && in_place &&
-                         (bp.dk_row_stride != p.D || bp.dv_row_stride != p.Dv) &&
+  // Where dk / dv are not the accumulation type (bf16, fp16), the fused units accumulate in
+  // such a buffer too when it fits, instead of in one fp32 buffer for every (batch, kv head)
+  // (whose fresh pages cost 2-3 % of a bf16 backward at (1, 8, 4096, 128), and whose size grew
+  // with K and V): the same additions in the same order, the same bits.
+  const bool unit_rows = !split &&
+                         (!in_place || bp.dk_row_stride != p.D || bp.dv_row_stride != p.Dv) &&
                          p.Sk * (Dp + Dvp) * static_cast<int64_t>(sizeof(acc_t)) <= rows_budget;
+  if (!in_place && !unit_rows)
+    kv_buf.assign(static_cast<size_t>(p.B * p.Hkv * p.Sk * (Dp + Dvp)), acc_t(0));
   const int64_t n_chunks = split ? std::min(n_kb, ceil_div(2 * workers, p.B * p.Hkv)) : 1;
   std::vector<double> db_parts(static_cast<size_t>(p.B * p.Hkv * n_chunks * group * nbias), 0.0);
   // partial row of query head h in the unit (b, hkv, chunk c)
