@@ -330,34 +330,6 @@ ATTN_EXT_AMX void scores_amx_diag_split(int64_t n, int64_t D, const uint16_t* A,
   diag_tiles(n, D, A, A_lo, lda, B, B_lo, ldb, N, out);
 }
 
-namespace {
-// r[i] word j -> r[j] word i (16 x 16 words): pairs of rows unpacked by 32 then 64 bits (u[4 b + e]
-// holds column 4 L + e of rows 4 b .. 4 b + 3 in its 128-bit lane L), then the lanes gathered.
-ATTN_EXT_AMX inline void transpose_16x16_epi32(__m512i (&r)[16]) {
-  __m512i t[16], u[16];
-  for (int a = 0; a < 8; ++a) {
-    t[2 * a] = _mm512_unpacklo_epi32(r[2 * a], r[2 * a + 1]);
-    t[2 * a + 1] = _mm512_unpackhi_epi32(r[2 * a], r[2 * a + 1]);
-  }
-  for (int b = 0; b < 4; ++b) {
-    u[4 * b + 0] = _mm512_unpacklo_epi64(t[4 * b], t[4 * b + 2]);
-    u[4 * b + 1] = _mm512_unpackhi_epi64(t[4 * b], t[4 * b + 2]);
-    u[4 * b + 2] = _mm512_unpacklo_epi64(t[4 * b + 1], t[4 * b + 3]);
-    u[4 * b + 3] = _mm512_unpackhi_epi64(t[4 * b + 1], t[4 * b + 3]);
-  }
-  for (int e = 0; e < 4; ++e) {
-    const __m512i p01 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44);
-    const __m512i p23 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xee);
-    const __m512i q01 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
-    const __m512i q23 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xee);
-    r[e] = _mm512_shuffle_i32x4(p01, q01, 0x88);
-    r[4 + e] = _mm512_shuffle_i32x4(p01, q01, 0xdd);
-    r[8 + e] = _mm512_shuffle_i32x4(p23, q23, 0x88);
-    r[12 + e] = _mm512_shuffle_i32x4(p23, q23, 0xdd);
-  }
-}
-}  // namespace
-
 ATTN_EXT_AMX void pack_vt_pairs(const uint16_t* v, int64_t row_stride, int64_t nk, int64_t Dv,
                                 uint32_t* vt, int64_t ldvt, bool* finite) {
   // keys [0, nk) of 32 * ceil(nk / 32); the rest zero
@@ -382,7 +354,7 @@ ATTN_EXT_AMX void pack_vt_pairs(const uint16_t* v, int64_t row_stride, int64_t n
               _mm512_cmpeq_epi32_mask(hi_e, _mm512_set1_epi32(0x7f800000)) == 0;
         r[kp] = x;
       }
-      transpose_16x16_epi32(r);
+      cpu::transpose_16x16_epi32(r);
       for (int64_t d = 0; d < 16; ++d)
         _mm512_storeu_si512(vt + (d0 + d) * ldvt + kp0, r[d]);
     }

@@ -31,17 +31,51 @@ bool bf16dp_tiled_enabled() {
   return cpu::env_is("ATTN_EXT_CPU_BF16DP", "1") || !cpu::intel_cpu();
 }
 
-void pack_bf16_pairs(const uint16_t* rows, int64_t row_stride, int64_t n_rows, int64_t D,
-                     uint32_t* qp, int64_t ldq) {
-  const int64_t pairs = D / 2;
-  for (int64_t n = 0; n < n_rows; ++n) {
+namespace {
+// pack_bf16_pairs on rows [n0, n1) and pairs [t0, t1), one word at a time.
+void pack_pairs_scalar(const uint16_t* rows, int64_t row_stride, int64_t n0, int64_t n1,
+                       int64_t t0, int64_t t1, uint32_t* qp, int64_t ldq) {
+  for (int64_t n = n0; n < n1; ++n) {
     const uint16_t* row = rows + n * row_stride;
-    for (int64_t t = 0; t < pairs; ++t) {
+    for (int64_t t = t0; t < t1; ++t) {
       uint32_t w;
       std::memcpy(&w, row + 2 * t, sizeof(w));
       qp[t * ldq + n] = w;
     }
   }
+}
+
+#if ATTN_EXT_HAVE_AVX2_PATH
+// The whole 16 rows x 16 pairs blocks by a register transpose (cpu::transpose_16x16_epi32);
+// returns the rows and pairs it covered (multiples of 16).
+ATTN_EXT_AVX512 void pack_pairs_512(const uint16_t* rows, int64_t row_stride, int64_t n_rows,
+                                    int64_t pairs, uint32_t* qp, int64_t ldq, int64_t* n16,
+                                    int64_t* t16) {
+  *n16 = n_rows / 16 * 16;
+  *t16 = pairs / 16 * 16;
+  __m512i r[16];
+  for (int64_t n0 = 0; n0 < *n16; n0 += 16) {
+    for (int64_t t0 = 0; t0 < *t16; t0 += 16) {
+      for (int i = 0; i < 16; ++i)
+        r[i] = _mm512_loadu_si512(rows + (n0 + i) * row_stride + 2 * t0);
+      cpu::transpose_16x16_epi32(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(qp + (t0 + i) * ldq + n0, r[i]);
+    }
+  }
+}
+#endif
+}  // namespace
+
+void pack_bf16_pairs(const uint16_t* rows, int64_t row_stride, int64_t n_rows, int64_t D,
+                     uint32_t* qp, int64_t ldq) {
+  const int64_t pairs = D / 2;
+  int64_t n16 = 0, t16 = 0;
+#if ATTN_EXT_HAVE_AVX2_PATH
+  if (cpu::avx512_enabled()) pack_pairs_512(rows, row_stride, n_rows, pairs, qp, ldq, &n16, &t16);
+#endif
+  // the rest word by word: pairs past t16 of the blocks' rows, then the rows past n16
+  pack_pairs_scalar(rows, row_stride, 0, n16, t16, pairs, qp, ldq);
+  pack_pairs_scalar(rows, row_stride, n16, n_rows, 0, pairs, qp, ldq);
 }
 
 #if ATTN_EXT_HAVE_BF16DP_PATH

@@ -334,14 +334,42 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
 // Loads key tile [j0, j0 + nk) of kv head hkv of sequence b: s.kbp / s.vbp (the head's rows
 // converted once per worker when they fit, else this tile's in s.kb / s.vb) and s.kvalid.
 // Returns the number of keys that take part (not padded); *k_finite: all of kb is finite.
+// rows16: every product of the pair reads k and v as 16-bit rows or pairs (bf16 / fp16 on the
+// tiles: tiles_read_rows16 in attention_bwd_kernel), so the fp32 rows are needed only where k
+// holds an inf / NaN (the key-by-key fallbacks): then the finiteness is read off k's 16-bit rows
+// and s.kbp / s.vbp stay null unless it is not finite (no conversion, and no 4 MiB of fp32 rows
+// per worker in the caches beside the tiles' operands).
 template <typename scalar_t, typename acc_t>
 int64_t load_key_tile(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq,
                       int64_t b, int64_t hkv, int64_t j0, int64_t nk, BwdScratch<acc_t>& s,
-                      bool* k_finite) {
+                      bool* k_finite, bool rows16 = false) {
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
   const scalar_t* kh = k + b * p.k_batch_stride + hkv * p.k_head_stride + sq.k0 * p.k_row_stride;
   const scalar_t* vh = v + b * p.v_batch_stride + hkv * p.v_head_stride + sq.k0 * p.v_row_stride;
+  int64_t n_valid = nk;
+  if (vis.has_padding()) {
+    n_valid = 0;
+    for (int64_t r = 0; r < nk; ++r) n_valid += (s.kvalid[r] = vis.key_valid(b, j0 + r));
+  }
+  if constexpr (sizeof(scalar_t) == 2) {
+    if (rows16) {
+      // a 16-bit float is inf / NaN where its exponent bits are all ones
+      const uint16_t e = std::is_same_v<scalar_t, c10::BFloat16> ? 0x7f80 : 0x7c00;
+      bool fin = true;
+      for (int64_t r = 0; r < nk && fin; ++r) {
+        const auto* row = reinterpret_cast<const uint16_t*>(kh + (j0 + r) * p.k_row_stride);
+        uint16_t bad = 0;
+        for (int64_t d = 0; d < p.D; ++d) bad |= static_cast<uint16_t>((row[d] & e) == e);
+        fin = bad == 0;
+      }
+      if (fin) {
+        s.kbp = s.vbp = nullptr;
+        *k_finite = true;
+        return n_valid;
+      }
+    }
+  }
   const bool whole = head_rows_fit(sq.Sk, s.Dp, s.Dvp, sizeof(acc_t), s.head_rows_budget);
   s.kbp = s.hk.tile(whole, kh, p.k_row_stride, sq.Sk, p.D, s.Dp, j0, nk, s.kb);
   if constexpr (std::is_same_v<acc_t, float>) {
@@ -351,11 +379,6 @@ int64_t load_key_tile(const AttentionParams& p, const Visibility& vis, const Seq
   }
   s.vbp = s.hv.tile(whole, vh, p.v_row_stride, sq.Sk, p.Dv, s.Dvp, j0, nk, s.vb);
   *k_finite = whole ? s.hk.finite(j0, nk) : all_finite(s.kbp, nk, p.D, s.Dp);
-  int64_t n_valid = nk;
-  if (vis.has_padding()) {
-    n_valid = 0;
-    for (int64_t r = 0; r < nk; ++r) n_valid += (s.kvalid[r] = vis.key_valid(b, j0 + r));
-  }
   return n_valid;
 }
 
@@ -904,6 +927,10 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
                     rows_dv, fp16_split);
   L.amx = (bf16dp || fp16_split) && mk::amx_for(p.D);
   L.amx_dp = (bf16dp4 || split_dp) && mk::amx_for(p.Dv);
+  // every product reads k and v as 16-bit rows or pairs (load_key_tile's rows16): pass 1 by
+  // pairs or split, pass 4 likewise, pass 7 on the tiles, not the decode order
+  const bool rows16 = !decode_order && (bf16dp || fp16_split) && (bf16dp4 || split_dp) &&
+                      L.amx_dq();
   const int64_t rows_budget = head_rows_budget(num_threads());
 #if ATTN_EXT_HAVE_AVX2_PATH
   // the decode kernel's switches, read once for the call (the forward read them once too)
@@ -1039,7 +1066,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       }
       if (!any) continue;
       bool k_finite = true;
-      const int64_t n_valid = load_key_tile<scalar_t, acc_t>(p, vis, sq, b, hkv, j0, nk, s, &k_finite);
+      const int64_t n_valid =
+          load_key_tile<scalar_t, acc_t>(p, vis, sq, b, hkv, j0, nk, s, &k_finite, rows16);
       const uint16_t* kbf = bf16dp ? reinterpret_cast<const uint16_t*>(
                                          static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride +
                                          hkv * p.k_head_stride + (sq.k0 + j0) * p.k_row_stride)

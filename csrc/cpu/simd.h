@@ -164,6 +164,34 @@ ATTN_EXT_AVX512 inline __m512 exp2_ps512(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+// r[i] word j -> r[j] word i (16 x 16 32-bit words): pairs of rows unpacked by 32 then 64 bits
+// (u[4 b + e] holds column 4 L + e of rows 4 b .. 4 b + 3 in its 128-bit lane L), then the lanes
+// gathered by two rounds of 128-bit shuffles: 64 instructions. The pair packs of the tile kernels
+// (mk::pack_vt_pairs, mk::pack_bf16_pairs). Only where cpu::avx512_enabled().
+ATTN_EXT_AVX512 inline void transpose_16x16_epi32(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int a = 0; a < 8; ++a) {
+    t[2 * a] = _mm512_unpacklo_epi32(r[2 * a], r[2 * a + 1]);
+    t[2 * a + 1] = _mm512_unpackhi_epi32(r[2 * a], r[2 * a + 1]);
+  }
+  for (int b = 0; b < 4; ++b) {
+    u[4 * b + 0] = _mm512_unpacklo_epi64(t[4 * b], t[4 * b + 2]);
+    u[4 * b + 1] = _mm512_unpackhi_epi64(t[4 * b], t[4 * b + 2]);
+    u[4 * b + 2] = _mm512_unpacklo_epi64(t[4 * b + 1], t[4 * b + 3]);
+    u[4 * b + 3] = _mm512_unpackhi_epi64(t[4 * b + 1], t[4 * b + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i p01 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44);
+    const __m512i p23 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xee);
+    const __m512i q01 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
+    const __m512i q23 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xee);
+    r[e] = _mm512_shuffle_i32x4(p01, q01, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(p01, q01, 0xdd);
+    r[8 + e] = _mm512_shuffle_i32x4(p23, q23, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(p23, q23, 0xdd);
+  }
+}
+
 // max(init, x[0], x[ld], ..., x[(rows - 1) ld]) lane by lane over the lanes of k (16 columns of
 // a column-wise softmax step): even and odd rows in two chains, joined at the end (max is
 // exact, so the order changes no bit; NaN follows max's operand order, the same in every
