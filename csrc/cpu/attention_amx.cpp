@@ -171,6 +171,15 @@ ATTN_EXT_AMX void tile_block(int nseg, const Seg* seg, char* c, int64_t lc, bool
   if constexpr (MT > 1 && NT > 1) ATTN_EXT_TILE_STORE(3, c11, lc);
 }
 
+// The stretch of a block of up to 2 x 2 tiles whose operands lie in place: A's rows from a,
+// a_row bytes apart (its second tile 16 rows down), B's pair rows from b, b_row bytes apart (its
+// second tile 16 words right).
+inline Seg block_seg(int64_t steps, const void* a, int64_t a_row, const void* b, int64_t b_row) {
+  const char* ac = static_cast<const char*>(a);
+  const char* bc = static_cast<const char*>(b);
+  return Seg{steps, {ac, ac + 16 * a_row}, {a_row, a_row}, {bc, bc + 64}, {b_row, b_row}};
+}
+
 ATTN_EXT_AMX void run_segs(int mt, int nt, int nseg, const Seg* seg, char* c, int64_t lc,
                            bool load) {
   if (mt == 2 && nt == 2) tile_block<2, 2>(nseg, seg, c, lc, load);
@@ -520,13 +529,7 @@ ATTN_EXT_AMX void pv_tiles(int64_t Dv, int64_t C16, int64_t kpairs, const uint32
     for (int64_t c0 = 0; c0 < C16; c0 += 32) {
       const int nt = c0 + 16 < C16 ? 2 : 1;
       for (int g = 0; g < nseg; ++g) {
-        seg[g] = Seg{kpairs / 16,
-                     {reinterpret_cast<const char*>(as[g] + d0 * ldvt),
-                      reinterpret_cast<const char*>(as[g] + (d0 + 16) * ldvt)},
-                     {ldvt * 4, ldvt * 4},
-                     {reinterpret_cast<const char*>(bs[g] + c0),
-                      reinterpret_cast<const char*>(bs[g] + c0 + 16)},
-                     {C16 * 4, C16 * 4}};
+        seg[g] = block_seg(kpairs / 16, as[g] + d0 * ldvt, ldvt * 4, bs[g] + c0, C16 * 4);
       }
       run_segs(mt, nt, nseg, seg, reinterpret_cast<char*>(ot + d0 * ldo + c0), ldo * 4, true);
     }
@@ -588,13 +591,7 @@ ATTN_EXT_AMX void rows_times_pairs_tiles(int64_t M, int64_t N, int64_t K, const 
     for (int64_t n0 = 0; n0 < N; n0 += 32) {
       const int nt = n0 + 16 < N ? 2 : 1;
       for (int g = 0; g < nseg; ++g) {
-        seg[g] = Seg{steps,
-                     {reinterpret_cast<const char*>(as[g] + m0 * Kp),
-                      reinterpret_cast<const char*>(as[g] + (m0 + 16) * Kp)},
-                     {Kp * 2, Kp * 2},
-                     {reinterpret_cast<const char*>(bs[g] + n0),
-                      reinterpret_cast<const char*>(bs[g] + n0 + 16)},
-                     {ldb * 4, ldb * 4}};
+        seg[g] = block_seg(steps, as[g] + m0 * Kp, Kp * 2, bs[g] + n0, ldb * 4);
       }
       float* c = C + m0 * ldc + n0;
       if (rows == 16 * mt) {
