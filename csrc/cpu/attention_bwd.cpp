@@ -77,6 +77,7 @@ struct BwdScratch {
   // apart in memory or are not fp32 (unit_rows in attention_bwd_kernel; sized on the unit's
   // first use).
   AlignedVec<acc_t> unit_kv;
+  int64_t unit_j0 = 0, unit_n = 0;  // unit_kv's first key and its rows per part
   // pass 7 on AMX tiles (QueryPackLayout::amx_dq()): the key tile's k^T as bf16 key pairs
   // (D, kKeyPairs; mk::pack_vt_pairs, once per key tile) and dS^T as bf16 key pairs
   // (kKeyPairs, kBlockQ; mk::probs_to_pairs, per pair of tiles)
@@ -335,7 +336,7 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
 // converted once per worker when they fit, else this tile's in s.kb / s.vb) and s.kvalid.
 // Returns the number of keys that take part (not padded); *k_finite: all of kb is finite.
 // rows16: every product of the pair reads k and v as 16-bit rows or pairs (bf16 / fp16 on the
-// tiles: tiles_read_rows16 in attention_bwd_kernel), so the fp32 rows are needed only where k
+// tiles: rows16 in attention_bwd_kernel), so the fp32 rows are needed only where k
 // holds an inf / NaN (the key-by-key fallbacks): then the finiteness is read off k's 16-bit rows
 // and s.kbp / s.vbp stay null unless it is not finite (no conversion, and no 4 MiB of fp32 rows
 // per worker in the caches beside the tiles' operands).
@@ -842,22 +843,24 @@ void write_dq(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64_
   }
 }
 
-// dk rows of kv head hkv of sequence b = scale * a's dk rows; dv rows = a's dv rows when
-// with_dv (else they were accumulated in dv itself).
+// dk rows [j_begin, j_end) (default: all) of kv head hkv of sequence b = scale * a's dk rows
+// (a's first row is j_begin's); dv rows = a's dv rows when with_dv (else they were accumulated
+// in dv itself).
 template <typename scalar_t, typename acc_t>
 void write_dkv(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64_t hkv,
-               const KeyAcc<acc_t>& a, bool with_dv) {
+               const KeyAcc<acc_t>& a, bool with_dv, int64_t j_begin = 0, int64_t j_end = -1) {
   const AttentionParams& p = bp.fwd;
   auto* dk = static_cast<scalar_t*>(bp.dk);
   auto* dv = static_cast<scalar_t*>(bp.dv);
   const acc_t scale = static_cast<acc_t>(p.scale);
-  for (int64_t j = 0; j < sq.Sk; ++j) {
+  if (j_end < 0) j_end = sq.Sk;
+  for (int64_t j = j_begin; j < j_end; ++j) {
     scalar_t* dkr = dk + b * bp.dk_batch_stride + (sq.k0 + j) * bp.dk_row_stride +
                     hkv * bp.dk_head_stride;
     scalar_t* dvr = dv + b * bp.dv_batch_stride + (sq.k0 + j) * bp.dv_row_stride +
                     hkv * bp.dv_head_stride;
-    const acc_t* ks = a.dkt + j * a.ldk;
-    const acc_t* vs = a.dvt + j * a.ldv;
+    const acc_t* ks = a.dkt + (j - j_begin) * a.ldk;
+    const acc_t* vs = a.dvt + (j - j_begin) * a.ldv;
     store_row(ks, scale, p.D, dkr);
     if (with_dv) store_row(vs, acc_t(1), p.Dv, dvr);
   }
@@ -967,8 +970,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
 
   // Rows from j0 of the dk / dv accumulators of one (b, hkv) in a buffer laid out as (Sk, Dp)
   // then (Sk, Dvp) (kv_buf's part of the pair, or a work unit's unit_kv).
-  auto buffer_acc = [&](acc_t* base, int64_t j0) -> KeyAcc<acc_t> {
-    return {base + j0 * Dp, Dp, base + p.Sk * Dp + j0 * Dvp, Dvp, nullptr};
+  auto buffer_acc = [&](acc_t* base, int64_t n, int64_t j0) -> KeyAcc<acc_t> {
+    return {base + j0 * Dp, Dp, base + n * Dp + j0 * Dvp, Dvp, nullptr};
   };
   // dk / dv accumulators of (b, hkv): rows j at kacc(b, hkv) + j * ld.
   const bool in_place = std::is_same_v<scalar_t, acc_t> && p.D == Dp && p.Dv == Dvp;
@@ -983,7 +986,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
               dv + b * bp.dv_batch_stride + j * bp.dv_row_stride + hkv * bp.dv_head_stride,
               bp.dv_row_stride, nullptr};
     }
-    return buffer_acc(kv_buf.data() + (b * p.Hkv + hkv) * p.Sk * (Dp + Dvp), j0);
+    return buffer_acc(kv_buf.data() + (b * p.Hkv + hkv) * p.Sk * (Dp + Dvp), p.Sk, j0);
   };
 
   // d rel_bias: each query block visit sums its pairs' dS into its own (2M + 1) row (in key
@@ -1006,9 +1009,15 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const bool unit_rows = !split &&
                          (!in_place || bp.dk_row_stride != p.D || bp.dv_row_stride != p.Dv) &&
                          p.Sk * (Dp + Dvp) * static_cast<int64_t>(sizeof(acc_t)) <= rows_budget;
-  if (!in_place && !unit_rows)
-    kv_buf.assign(static_cast<size_t>(p.B * p.Hkv * p.Sk * (Dp + Dvp)), acc_t(0));
   const int64_t n_chunks = split ? std::min(n_kb, ceil_div(2 * workers, p.B * p.Hkv)) : 1;
+  const int64_t per_chunk = ceil_div(n_kb, n_chunks);
+  // ... and so do the split partition's phase-1 units (one kv head's chunk of keys, written by
+  // that unit alone) where a chunk's rows fit
+  const bool chunk_rows = split && !in_place &&
+                          per_chunk * kBlockK * (Dp + Dvp) * static_cast<int64_t>(sizeof(acc_t)) <=
+                              rows_budget;
+  if (!in_place && !unit_rows && !chunk_rows)
+    kv_buf.assign(static_cast<size_t>(p.B * p.Hkv * p.Sk * (Dp + Dvp)), acc_t(0));
   std::vector<double> db_parts(static_cast<size_t>(p.B * p.Hkv * n_chunks * group * nbias), 0.0);
   // partial row of query head h in the unit (b, hkv, chunk c)
   auto db_row = [&](int64_t b, int64_t h, int64_t c) -> double* {
@@ -1102,7 +1111,10 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
                           p.k_row_stride, nk, p.D, s.kpt.data(), BwdScratch<acc_t>::kKeyPairs, &fin);
       }
       KeyAcc<acc_t> acc{nullptr, 0, nullptr, 0, nullptr};
-      if (want_kv) acc = unit_rows ? buffer_acc(s.unit_kv.data(), j0) : key_acc(b, hkv, sq, j0);
+      if (want_kv) {
+        acc = unit_rows || chunk_rows ? buffer_acc(s.unit_kv.data(), s.unit_n, j0 - s.unit_j0)
+                                      : key_acc(b, hkv, sq, j0);
+      }
       for (int j = 0; j < n_jobs; ++j) {
         if (!sees[j]) continue;
         Job& job = s.jobs[j];
@@ -1128,6 +1140,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       const int64_t per_head = ceil_div(sq.Sq, kBlockQ);
       const int64_t n_blocks = group * per_head;
       if (unit_rows) {
+        s.unit_j0 = 0;
+        s.unit_n = p.Sk;
         if (s.unit_kv.empty()) s.unit_kv.resize(static_cast<size_t>(p.Sk * (Dp + Dvp)));
         std::fill(s.unit_kv.begin(), s.unit_kv.begin() + sq.Sk * Dp, acc_t(0));
         std::fill(s.unit_kv.begin() + p.Sk * Dp, s.unit_kv.begin() + p.Sk * Dp + sq.Sk * Dvp,
@@ -1147,12 +1161,11 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
         }
       }
       if (unit_rows) {  // dk = scale * dk accumulator, dv = dv accumulator (the pass below)
-        write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, buffer_acc(s.unit_kv.data(), 0), true);
+        write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, buffer_acc(s.unit_kv.data(), p.Sk, 0), true);
       }
     });
   } else {
     // phase 1: dk / dv (and d rel_bias) by key chunks
-    const int64_t per_chunk = ceil_div(n_kb, n_chunks);
     parallel_tasks(p.B * p.Hkv * n_chunks, make_scratch, [&](int64_t t, BwdScratch<acc_t>& s) {
       const int64_t c = t % n_chunks, bh = t / n_chunks;
       const int64_t b = bh / p.Hkv, hkv = bh % p.Hkv;
@@ -1160,12 +1173,26 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       const int64_t kt0 = c * per_chunk, kt1 = std::min(n_kb, kt0 + per_chunk);
       const int64_t j0 = kt0 * kBlockK, j1 = std::min(sq.Sk, kt1 * kBlockK);
       if (j0 >= j1) return;
+      if (chunk_rows) {  // the chunk's rows in the unit buffer: (n, Dp) then (n, Dvp)
+        const int64_t n = per_chunk * kBlockK;
+        s.unit_j0 = j0;
+        s.unit_n = n;
+        if (s.unit_kv.size() < static_cast<size_t>(n * (Dp + Dvp)))
+          s.unit_kv.resize(static_cast<size_t>(n * (Dp + Dvp)));
+        std::fill(s.unit_kv.begin(), s.unit_kv.begin() + (j1 - j0) * Dp, acc_t(0));
+        std::fill(s.unit_kv.begin() + n * Dp, s.unit_kv.begin() + n * Dp + (j1 - j0) * Dvp,
+                  acc_t(0));
+      }
       const Range rows = vis.band_rows_of_keys(sq, j0, j1);  // rows that see some key of it
       for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
         for (int64_t i0 = rows.lo / kBlockQ * kBlockQ; i0 < rows.hi; i0 += kBlockQ) {
           start_job(s, 0, sq, b, h, i0, db_row(b, h, c));
           visit(s, 1, sq, b, hkv, kt0, kt1, true, false);
         }
+      }
+      if (chunk_rows) {
+        write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, buffer_acc(s.unit_kv.data(), s.unit_n, 0),
+                                   true, j0, j1);
       }
     });
     // phase 2: dq by query blocks
@@ -1195,8 +1222,9 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     }
   }
 
-  // dk = scale * dk accumulator, dv = dv accumulator (the units did it with unit_rows).
-  if (unit_rows) return;
+  // dk = scale * dk accumulator, dv = dv accumulator (the units did it with unit_rows /
+  // chunk_rows).
+  if (unit_rows || chunk_rows) return;
   parallel_tasks(p.B * p.Hkv, [] { return 0; }, [&](int64_t t, int&) {
     const int64_t b = t / p.Hkv, hkv = t % p.Hkv;
     const SeqInfo sq = vis.seq(b);
