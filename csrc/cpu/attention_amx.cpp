@@ -119,6 +119,15 @@ struct Tiles {
   Tiles& operator=(const Tiles&) = delete;
 };
 
+// x's rest after its bf16 hi part hx (x rounded to bf16, as fp32): x - hx, exact in fp32, and 0
+// where hx is not finite (x not finite, or rounded past bf16's largest value: inf - inf or
+// x - inf would give NaN / inf). The one split rule of the fp16 values (split_fp16) and of the
+// fp32 factors split beside them (store_pairs, rows_times_pairs_tiles); lo = bf16(rest).
+ATTN_EXT_AMX inline __m512 split_rest_ps512(__m512 x, __m512 hx) {
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  return _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(hx), inf, _CMP_LT_OQ), x, hx);
+}
+
 // One stretch of a chain: `steps` depth steps of 32 bf16, A tile i at a[i] (rows sa[i] bytes
 // apart, step s at +64 s bytes), B tile j at b[j] (pair rows sb[j] bytes apart, step s at
 // +16 sb[j] s).
@@ -298,31 +307,18 @@ ATTN_EXT_AMX void scores_amx_split(int64_t M, int64_t N, int64_t D, const uint16
 }
 
 namespace {
-// scores_amx_diag / scores_amx_diag_split: the diagonal of scores_tiles' sums (scale 1), the
-// split terms where A_lo (and B_lo) are given, in scores_tiles' order of stretches.
+// scores_amx_diag / scores_amx_diag_split: the diagonal of scores_tiles' sums (scale 1: the sums
+// themselves), 16 rows and their 16 columns at a time; the split terms where A_lo is given.
 ATTN_EXT_AMX void diag_tiles(int64_t n, int64_t D, const uint16_t* A, const uint16_t* A_lo,
                              int64_t lda, const uint32_t* B, const uint32_t* B_lo, int64_t ldb,
                              int64_t N, float* out) {
-  if (n <= 0) return;
-  Tiles tiles;
-  const int64_t steps = D / 32, pairs = D / 2;
-  const bool split = A_lo != nullptr;
-  alignas(64) float sums[16 * 16];
-  Seg seg[3];
-  for (Seg& g : seg) g = Seg{steps, {nullptr, nullptr}, {0, 0}, {nullptr, nullptr}, {0, 0}};
+  alignas(64) float c[16 * 16];
   for (int64_t m0 = 0; m0 < n; m0 += 16) {
-    seg[0].a[0] = a_tile(A, lda, n, m0, D, t_stage.a, &seg[0].sa[0]);
-    seg[0].b[0] = b_tile(B, ldb, N, m0, pairs, t_stage.b, &seg[0].sb[0]);
-    if (split) {  // hi hi, hi lo, lo hi
-      seg[1].a[0] = seg[0].a[0];
-      seg[1].sa[0] = seg[0].sa[0];
-      seg[1].b[0] = b_tile(B_lo, ldb, N, m0, pairs, t_stage.b2, &seg[1].sb[0]);
-      seg[2].a[0] = a_tile(A_lo, lda, n, m0, D, t_stage.a2, &seg[2].sa[0]);
-      seg[2].b[0] = seg[0].b[0];
-      seg[2].sb[0] = seg[0].sb[0];
-    }
-    run_segs(1, 1, split ? 3 : 1, seg, reinterpret_cast<char*>(sums), 64, false);
-    for (int64_t r = 0; r < std::min<int64_t>(16, n - m0); ++r) out[m0 + r] = sums[r * 16 + r];
+    const int64_t rows = std::min<int64_t>(16, n - m0);
+    scores_tiles(rows, std::min<int64_t>(16, N - m0), D, A + m0 * lda,
+                 A_lo != nullptr ? A_lo + m0 * lda : nullptr, lda, B + m0,
+                 B_lo != nullptr ? B_lo + m0 : nullptr, ldb, 1.f, c, 16);
+    for (int64_t r = 0; r < rows; ++r) out[m0 + r] = c[r * 16 + r];
   }
 }
 }  // namespace
@@ -385,10 +381,7 @@ ATTN_EXT_AMX inline void store_pairs(__m512 a, __m512 b, uint32_t* hi, uint32_t*
   // each word's halves back to fp32: the low half (a's), the high half (b's)
   const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
   const __m512 hb = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(int(0xffff0000u))));
-  // (0 where the hi part is not finite, as split_fp16's lo: inf - inf would be NaN)
-  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
-  const __m512 ra = _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(ha), inf, _CMP_LT_OQ), a, ha);
-  const __m512 rb = _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(hb), inf, _CMP_LT_OQ), b, hb);
+  const __m512 ra = split_rest_ps512(a, ha), rb = split_rest_ps512(b, hb);
   _mm512_storeu_si512(lo, _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(rb, ra)));
 }
 
@@ -493,15 +486,13 @@ ATTN_EXT_AMX void exp_sub_amx(float* st, int64_t rows, int64_t cols, const float
 }
 
 ATTN_EXT_AMX void split_fp16(const uint16_t* x, int64_t n, uint16_t* hi, uint16_t* lo) {
-  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 k = lanes16(n - i);
     const __m512 v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, x + i));
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-    // v - hi is exact; a non-finite v keeps lo = 0 (inf - inf would be NaN)
+    // (fp16's range is inside bf16's: hi is not finite exactly where v is not)
     const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(v), inf, _CMP_LT_OQ);
-    const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_sub_ps(fin, v, hv));
+    const __m256i l = (__m256i)_mm512_cvtneps_pbh(split_rest_ps512(v, hv));
     _mm256_mask_storeu_epi16(hi + i, k, h);
     _mm256_mask_storeu_epi16(lo + i, k, l);
   }
@@ -558,12 +549,11 @@ ATTN_EXT_AMX void rows_times_pairs_tiles(int64_t M, int64_t N, int64_t K, const 
   const bool split = B_lo != nullptr;
   const int64_t steps = (K + 31) / 32, Kp = 32 * steps, M16 = (M + 15) / 16 * 16;
   // A's rows as bf16 (round to nearest even), zero-padded to (M16, Kp); split: the rests too
-  // (A - hi is exact in fp32; 0 where hi is not finite, as split_fp16's lo)
+  // (split_rest_ps512)
   std::vector<uint16_t>& ab = t_stage.a;
   std::vector<uint16_t>& al = t_stage.a2;
   ab.resize(static_cast<size_t>(M16 * Kp));
   if (split) al.resize(ab.size());
-  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   for (int64_t r = 0; r < M16; ++r) {
     uint16_t* dst = ab.data() + r * Kp;
     for (int64_t c = 0; c < Kp; c += 16) {
@@ -573,10 +563,8 @@ ATTN_EXT_AMX void rows_times_pairs_tiles(int64_t M, int64_t N, int64_t K, const 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), h);
       if (!split) continue;
       const __m512 hx = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      // (0 where hi is not finite: x not finite, or rounded up past bf16's largest value)
-      const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(hx), inf, _CMP_LT_OQ);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(al.data() + r * Kp + c),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_sub_ps(fin, x, hx)));
+                          (__m256i)_mm512_cvtneps_pbh(split_rest_ps512(x, hx)));
     }
   }
   Tiles tiles;

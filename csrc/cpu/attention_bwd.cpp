@@ -211,9 +211,10 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
   const int64_t stat = b * p.lse_batch_stride + h * p.lse_head_stride + r0;  // lse / dlse of row i0
   // the bf16 pairs of nq rows (at `stride`) of `depth` elements at blk + off, columns [nq,
   // kBlockQ) zero (a shorter last block after a full one left values there)
-  auto pack_pairs = [&](const scalar_t* rows, int64_t stride, int64_t depth, int64_t off) {
+  // (rows: bf16 values, or the hi / lo parts of split fp16 ones)
+  auto pack_pairs = [&](const void* rows, int64_t stride, int64_t depth, int64_t off) {
     auto* dst = reinterpret_cast<uint32_t*>(blk + off);
-    mk::pack_bf16_pairs(reinterpret_cast<const uint16_t*>(rows), stride, nq, depth, dst, kBlockQ);
+    mk::pack_bf16_pairs(static_cast<const uint16_t*>(rows), stride, nq, depth, dst, kBlockQ);
     for (int64_t t = 0; t < depth / 2; ++t) std::fill(dst + t * kBlockQ + nq, dst + (t + 1) * kBlockQ, 0u);
     return dst;
   };
@@ -275,12 +276,7 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
         const uint16_t* part[2] = {rhi, rlo};
         const int64_t at[2] = {off, off_lo}, rat[2] = {rows_off, rows_off_lo};
         for (int x = 0; x < 2; ++x) {
-          if (cols) {  // (depth / 2, kBlockQ), columns [nq, kBlockQ) zero
-            auto* dst = reinterpret_cast<uint32_t*>(blk + at[x]);
-            mk::pack_bf16_pairs(part[x], depth, nq, depth, dst, kBlockQ);
-            for (int64_t t = 0; t < depth / 2; ++t)
-              std::fill(dst + t * kBlockQ + nq, dst + (t + 1) * kBlockQ, 0u);
-          }
+          if (cols) pack_pairs(part[x], depth, depth, at[x]);
           if (row_pairs) {
             mk::pack_row_pairs(part[x], depth, nq, depth, reinterpret_cast<uint32_t*>(blk + rat[x]),
                                depth, kBlockQ / 2);
@@ -1018,6 +1014,22 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
                               rows_budget;
   if (!in_place && !unit_rows && !chunk_rows)
     kv_buf.assign(static_cast<size_t>(p.B * p.Hkv * p.Sk * (Dp + Dvp)), acc_t(0));
+  // The unit buffer (unit_rows / chunk_rows) of a unit owning keys [j0, j1): n rows per part
+  // ((n, Dp) then (n, Dvp)), the unit's rows zeroed; written to dk / dv at the unit's end (dk
+  // scaled, both converted).
+  auto open_unit = [&](BwdScratch<acc_t>& s, int64_t j0, int64_t j1, int64_t n) {
+    s.unit_j0 = j0;
+    s.unit_n = n;
+    if (s.unit_kv.size() < static_cast<size_t>(n * (Dp + Dvp)))
+      s.unit_kv.resize(static_cast<size_t>(n * (Dp + Dvp)));
+    std::fill(s.unit_kv.begin(), s.unit_kv.begin() + (j1 - j0) * Dp, acc_t(0));
+    std::fill(s.unit_kv.begin() + n * Dp, s.unit_kv.begin() + n * Dp + (j1 - j0) * Dvp, acc_t(0));
+  };
+  auto close_unit = [&](BwdScratch<acc_t>& s, const SeqInfo& sq, int64_t b, int64_t hkv,
+                        int64_t j0, int64_t j1) {
+    write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, buffer_acc(s.unit_kv.data(), s.unit_n, 0), true,
+                               j0, j1);
+  };
   std::vector<double> db_parts(static_cast<size_t>(p.B * p.Hkv * n_chunks * group * nbias), 0.0);
   // partial row of query head h in the unit (b, hkv, chunk c)
   auto db_row = [&](int64_t b, int64_t h, int64_t c) -> double* {
@@ -1139,14 +1151,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       // the unit's query blocks, head by head, kBwdJobs at a time (one visit of the key tiles)
       const int64_t per_head = ceil_div(sq.Sq, kBlockQ);
       const int64_t n_blocks = group * per_head;
-      if (unit_rows) {
-        s.unit_j0 = 0;
-        s.unit_n = p.Sk;
-        if (s.unit_kv.empty()) s.unit_kv.resize(static_cast<size_t>(p.Sk * (Dp + Dvp)));
-        std::fill(s.unit_kv.begin(), s.unit_kv.begin() + sq.Sk * Dp, acc_t(0));
-        std::fill(s.unit_kv.begin() + p.Sk * Dp, s.unit_kv.begin() + p.Sk * Dp + sq.Sk * Dvp,
-                  acc_t(0));
-      }
+      if (unit_rows) open_unit(s, 0, sq.Sk, p.Sk);
       for (int64_t x0 = 0; x0 < n_blocks; x0 += jobs) {
         const int n_jobs = static_cast<int>(std::min<int64_t>(jobs, n_blocks - x0));
         for (int j = 0; j < n_jobs; ++j) {
@@ -1160,9 +1165,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
                                     L.amx_dq());
         }
       }
-      if (unit_rows) {  // dk = scale * dk accumulator, dv = dv accumulator (the pass below)
-        write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, buffer_acc(s.unit_kv.data(), p.Sk, 0), true);
-      }
+      if (unit_rows) close_unit(s, sq, b, hkv, 0, sq.Sk);
     });
   } else {
     // phase 1: dk / dv (and d rel_bias) by key chunks
@@ -1173,16 +1176,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       const int64_t kt0 = c * per_chunk, kt1 = std::min(n_kb, kt0 + per_chunk);
       const int64_t j0 = kt0 * kBlockK, j1 = std::min(sq.Sk, kt1 * kBlockK);
       if (j0 >= j1) return;
-      if (chunk_rows) {  // the chunk's rows in the unit buffer: (n, Dp) then (n, Dvp)
-        const int64_t n = per_chunk * kBlockK;
-        s.unit_j0 = j0;
-        s.unit_n = n;
-        if (s.unit_kv.size() < static_cast<size_t>(n * (Dp + Dvp)))
-          s.unit_kv.resize(static_cast<size_t>(n * (Dp + Dvp)));
-        std::fill(s.unit_kv.begin(), s.unit_kv.begin() + (j1 - j0) * Dp, acc_t(0));
-        std::fill(s.unit_kv.begin() + n * Dp, s.unit_kv.begin() + n * Dp + (j1 - j0) * Dvp,
-                  acc_t(0));
-      }
+      if (chunk_rows) open_unit(s, j0, j1, per_chunk * kBlockK);
       const Range rows = vis.band_rows_of_keys(sq, j0, j1);  // rows that see some key of it
       for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
         for (int64_t i0 = rows.lo / kBlockQ * kBlockQ; i0 < rows.hi; i0 += kBlockQ) {
@@ -1190,10 +1184,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
           visit(s, 1, sq, b, hkv, kt0, kt1, true, false);
         }
       }
-      if (chunk_rows) {
-        write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, buffer_acc(s.unit_kv.data(), s.unit_n, 0),
-                                   true, j0, j1);
-      }
+      if (chunk_rows) close_unit(s, sq, b, hkv, j0, j1);
     });
     // phase 2: dq by query blocks
     parallel_tasks(p.B * p.H * n_qb, make_scratch, [&](int64_t t, BwdScratch<acc_t>& s) {
