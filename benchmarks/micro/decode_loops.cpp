@@ -74,14 +74,14 @@ static void run_case(const char* name, int64_t Hkv, int64_t C, int64_t NK, int64
         if constexpr (sizeof(T) == 2) {
           if (what == 3) {
             decode_detail::dp_scores(qb.data() + h * C * D, D, C, K.data() + h * D + r0 * rs, rs,
-                                     8, D, 1.f, s.data() + h * C * ks + r0, ks);
+                                     8, D, 1.f, s.data() + h * C * ks + r0, ks, true);
             continue;
           }
         }
 #endif
         if (what == 0)
           decode_detail::scores(qs.data() + h * C * D, C, D, K.data() + h * D + r0 * rs, 8,
-                                s.data() + h * C * ks + r0, ks, rs, true);
+                                s.data() + h * C * ks + r0, ks, rs, true, have512);
         else
           decode_detail::pv(s.data() + h * C * ks + r0, ks, C, V.data() + h * D + r0 * rs, D,
                             use.data() + r0, 8, o.data() + h * C * D, rs, what == 2);
