@@ -778,6 +778,84 @@ ATTN_EXT_AVX2 inline void pv(const float* p, int64_t ld, int64_t C, const vT* vb
   });
 }
 
+// ---- one 8-key group of one kv head, with the dispatch done once per call ----------------
+// The in-place blocks take the scores and the PV product of every kv head 8 keys at a time.
+// Through scores() / pv() each such call went down 4-5 levels of dispatch (row length, column
+// count, ymm / zmm), none of them inlined (the zmm functions cannot inline into the AVX2
+// ones). group_products() picks, once per call, one function for each product that runs the
+// same loops (scores_dc / pv512_dc / pv_dc's): the same operations in the same order, so the
+// same bits. Measured (RESULTS.md, twenty-fourth session; alternated process by process, 2
+// threads): bf16 decode 3-8 % faster at (1, 4096) and (4, 2048), fp32 0-8 %.
+template <typename T>
+struct GroupProducts {
+  // s[c * ld + r] = qs[c] . kb[r], r < 8 (scores() with nk8 = 8)
+  void (*scores)(const float* qs, int64_t C, int64_t Dp, const T* kb, float* s, int64_t ld,
+                 int64_t ldk);
+  // o (C, Dvp) += p (C, 8; ld) vb (8 rows, stride ldv) for the keys with use[r] (pv(), nk = 8)
+  void (*pv)(const float* p, int64_t ld, int64_t C, const T* vb, int64_t Dvp,
+             const uint8_t* use, float* o, int64_t ldv);
+};
+
+template <typename kT, int DC, bool Quads>
+ATTN_EXT_AVX512 void group_scores512(const float* qs, int64_t C, int64_t Dp, const kT* kb,
+                                     float* s, int64_t ld, int64_t ldk) {
+  int64_t c0 = 0;  // scores_dc's columns with wide = true
+  if constexpr (sizeof(kT) == 2 && Quads) {
+    for (; c0 + 4 <= C; c0 += 4) scores_cols512<kT, 4, DC>(qs + c0 * Dp, Dp, kb, 8, s + c0 * ld, ld, ldk);
+  }
+  for (int64_t c = c0; c < C; c += 2) {
+    if (C - c >= 2)
+      scores_cols512<kT, 2, DC>(qs + c * Dp, Dp, kb, 8, s + c * ld, ld, ldk);
+    else
+      scores_cols<kT, 1, DC>(qs + c * Dp, Dp, kb, 8, s + c * ld, ld, ldk);
+  }
+}
+
+template <typename kT, int DC, bool Quads>
+ATTN_EXT_AVX2 void group_scores256(const float* qs, int64_t C, int64_t Dp, const kT* kb,
+                                   float* s, int64_t ld, int64_t ldk) {
+  scores_dc<kT, DC>(qs, C, Dp, kb, 8, s, ld, ldk, Quads, false);
+}
+
+template <int DC, typename vT>
+ATTN_EXT_AVX512 void group_pv512(const float* p, int64_t ld, int64_t C, const vT* vb,
+                                 int64_t Dvp, const uint8_t* use, float* o, int64_t ldv) {
+  int64_t c0 = 0;  // pv512_dc's column blocks: 4 at a time, then the rest
+  for (; c0 + 4 <= C; c0 += 4) pv512_cols<4, DC>(p + c0 * ld, ld, vb, Dvp, use, 8, o + c0 * Dvp, ldv);
+  switch (C - c0) {
+    case 3: pv512_cols<3, DC>(p + c0 * ld, ld, vb, Dvp, use, 8, o + c0 * Dvp, ldv); break;
+    case 2: pv512_cols<2, DC>(p + c0 * ld, ld, vb, Dvp, use, 8, o + c0 * Dvp, ldv); break;
+    case 1: pv512_cols<1, DC>(p + c0 * ld, ld, vb, Dvp, use, 8, o + c0 * Dvp, ldv); break;
+    default: break;
+  }
+}
+
+template <int DC, typename vT>
+ATTN_EXT_AVX2 void group_pv256(const float* p, int64_t ld, int64_t C, const vT* vb,
+                               int64_t Dvp, const uint8_t* use, float* o, int64_t ldv) {
+  pv_dc<DC>(p, ld, C, vb, Dvp, use, 8, o, ldv);
+}
+
+// The functions scores(..., nk8 = 8, ldk, quads, wide_scores) and pv(..., nk = 8, ldv, wide_pv)
+// would run for rows of Dp / Dvp elements.
+template <typename T>
+GroupProducts<T> group_products(int64_t Dp, int64_t Dvp, bool quads, bool wide_scores,
+                                bool wide_pv) {
+  GroupProducts<T> g{};
+  with_fixed_length(Dp, [&](auto dc) {
+    constexpr int DC = decltype(dc)::value;
+    if (wide_scores)
+      g.scores = quads ? &group_scores512<T, DC, true> : &group_scores512<T, DC, false>;
+    else
+      g.scores = quads ? &group_scores256<T, DC, true> : &group_scores256<T, DC, false>;
+  });
+  with_fixed_length(Dvp, [&](auto dc) {
+    constexpr int DC = decltype(dc)::value;
+    g.pv = wide_pv && Dvp % 16 == 0 ? &group_pv512<DC, T> : &group_pv256<DC, T>;
+  });
+  return g;
+}
+
 // Software prefetch of rows [r0, min(r1, kend)) of one kv head.
 template <typename T>
 inline void prefetch_rows(const T* base, int64_t r0, int64_t r1, int64_t kend, int64_t row_stride,
@@ -921,6 +999,8 @@ void attention_decode_kernel(const AttentionParams& p) {
   const bool quads = decode_quads_enabled();
   const bool wide = decode_pv512_enabled();  // pv512 (the same bits)
   const bool wide_scores = decode_scores512_enabled();  // scores_cols512 (the same bits)
+  // the in-place blocks' products of one 8-key group, resolved once
+  const GroupProducts<scalar_t> gp = group_products<scalar_t>(Dp, Dvp, quads, wide_scores, wide);
   [[maybe_unused]] const bool tile16 = dp_tile16_enabled();  // dp_scores_tile16 (same bits)
   // bf16 scores by vdpbf16ps (dp_scores) for every block of the call, in place or not
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
@@ -1089,8 +1169,8 @@ void attention_decode_kernel(const AttentionParams& p) {
             if (dp && j0 == kbeg && r0 == 0)  // (the unit's second group, which none asks for)
               prefetch_next_group(kseq, hkv, Hkv, j0, kend, p.k_row_stride, p.k_head_stride, p.D);
             if (dp_block(hkv, j0 + r0, 8, w.s.data() + hkv * s_head + r0)) continue;
-            scores(w.qs.data() + hkv * C * Dp, C, Dp, kh + (j0 + r0) * p.k_row_stride, 8,
-                   w.s.data() + hkv * s_head + r0, ks, p.k_row_stride, quads, wide_scores);
+            gp.scores(w.qs.data() + hkv * C * Dp, C, Dp, kh + (j0 + r0) * p.k_row_stride,
+                      w.s.data() + hkv * s_head + r0, ks, p.k_row_stride);
           }
         }
       }
@@ -1140,8 +1220,8 @@ void attention_decode_kernel(const AttentionParams& p) {
           for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
             const scalar_t* vh = vseq + hkv * p.v_head_stride;
             prefetch_next_group(vseq, hkv, Hkv, j0 + r0, kend, p.v_row_stride, p.v_head_stride, p.Dv);
-            pv(w.s.data() + hkv * s_head + r0, ks, C, vh + (j0 + r0) * p.v_row_stride,
-               Dvp, w.use.data() + r0, 8, part_of(b, chunk, hkv), p.v_row_stride, wide);
+            gp.pv(w.s.data() + hkv * s_head + r0, ks, C, vh + (j0 + r0) * p.v_row_stride, Dvp,
+                  w.use.data() + r0, part_of(b, chunk, hkv), p.v_row_stride);
           }
         }
       }
