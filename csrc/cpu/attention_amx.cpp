@@ -41,17 +41,20 @@
 namespace attn_ext {
 namespace mk {
 
-namespace {
-// The tiles' switches: the CPU has them, bf16 products are not all widened
-// (ATTN_EXT_CPU_BF16DP=0) and ATTN_EXT_CPU_AMX=0 is not set.
-bool amx_on() {
-  return cpu::amx_enabled() && bf16dp_enabled() && !cpu::env_is("ATTN_EXT_CPU_AMX", "0");
+bool amx_for(int64_t depth) { return tile_rule().amx_for(depth); }
+
+bool amx_pv_for(int64_t Dv) { return tile_rule().amx_pv_for(Dv); }
+
+// The one place of the rules: the pairs where the CPU is not Intel's or ATTN_EXT_CPU_BF16DP=1
+// (attention_microkernels.h, bf16dp_tiled_enabled), the tiles where the CPU has them, bf16
+// products are not all widened (ATTN_EXT_CPU_BF16DP=0) and ATTN_EXT_CPU_AMX=0 is not set.
+TileRule tile_rule() {
+  TileRule r;
+  r.bf16dp = bf16dp_enabled();
+  r.bf16dp_tiled = r.bf16dp && (cpu::env_is("ATTN_EXT_CPU_BF16DP", "1") || !cpu::intel_cpu());
+  r.amx = r.bf16dp && cpu::amx_enabled() && !cpu::env_is("ATTN_EXT_CPU_AMX", "0");
+  return r;
 }
-}  // namespace
-
-bool amx_for(int64_t depth) { return depth > 0 && depth % 32 == 0 && amx_on(); }
-
-bool amx_pv_for(int64_t Dv) { return Dv > 0 && Dv % 16 == 0 && amx_on(); }
 
 void pack_row_pairs(const uint16_t* rows, int64_t stride, int64_t n_rows, int64_t cols,
                     uint32_t* out, int64_t ldo, int64_t pair_rows) {

@@ -26,10 +26,7 @@ bool bf16dp_enabled() {
   return cpu::avx512bf16_enabled() && !cpu::env_is("ATTN_EXT_CPU_BF16DP", "0");
 }
 
-bool bf16dp_tiled_enabled() {
-  if (!bf16dp_enabled()) return false;
-  return cpu::env_is("ATTN_EXT_CPU_BF16DP", "1") || !cpu::intel_cpu();
-}
+bool bf16dp_tiled_enabled() { return tile_rule().bf16dp_tiled; }
 
 namespace {
 // pack_bf16_pairs on rows [n0, n1) and pairs [t0, t1), one word at a time.

@@ -899,16 +899,18 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const int64_t n_kb = ceil_div(p.Sk, kBlockK);
   const Visibility vis = p.visibility();
   // bf16 with AVX512_BF16: pass 1 by mk::scores_bf16dp, as the forward's (the one rule)
-  const bool bf16dp = mk::bf16_scores_by_pairs(std::is_same_v<scalar_t, c10::BFloat16>, p.D);
+  // (every switch read once for the call: mk::TileRule)
+  const mk::TileRule rule = mk::tile_rule();
+  const bool bf16dp = rule.bf16_scores_by_pairs(std::is_same_v<scalar_t, c10::BFloat16>, p.D);
   // ... and pass 4, dP = dout v^T, whose operands are bf16 too (Dv even)
-  const bool bf16dp4 = mk::bf16_scores_by_pairs(std::is_same_v<scalar_t, c10::BFloat16>, p.Dv);
+  const bool bf16dp4 = rule.bf16_scores_by_pairs(std::is_same_v<scalar_t, c10::BFloat16>, p.Dv);
   const ScoreTerms terms = p.score_terms();
   // The forward of these shapes was the decode kernel (attention_decode.h): the scores are
   // recomputed in its summation order, so that P = exp(s - lse) meets the forward's bits.
   const bool decode_order = decode_supported(p, std::is_same_v<acc_t, double>);
   // bf16 where the forward's scores were dp_scores (AVX512_BF16): those, from q and k in place
 #if ATTN_EXT_HAVE_AVX2_PATH
-  const bool decode_dp = decode_order && decode_detail::decode_scores_by_pairs<scalar_t>();
+  const bool decode_dp = decode_order && decode_detail::decode_scores_by_pairs<scalar_t>(rule);
 #else
   const bool decode_dp = false;
 #endif
@@ -918,14 +920,14 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   // (bf16 hi + lo, hi hi + hi lo + lo hi), pass 1 in the forward's own chains; dP and Di on the
   // tiles where Dv is a multiple of 32 (else widened, in the fp32 gemm's chains)
   const bool fp16_split = std::is_same_v<scalar_t, c10::Half> && !decode_order &&
-                     mk::fp16_on_tiles(p.D, p.Dv);
-  const bool split_dp = fp16_split && mk::amx_for(p.Dv);
-  const bool rows_d = (is_bf16 || fp16_split) && mk::amx_pv_for(p.D);
-  const bool rows_dv = (is_bf16 || fp16_split) && mk::amx_pv_for(p.Dv);
+                     rule.fp16_on_tiles(p.D, p.Dv);
+  const bool split_dp = fp16_split && rule.amx_for(p.Dv);
+  const bool rows_d = (is_bf16 || fp16_split) && rule.amx_pv_for(p.D);
+  const bool rows_dv = (is_bf16 || fp16_split) && rule.amx_pv_for(p.Dv);
   QueryPackLayout L(p.D, p.Dv, Dp, Dvp, bf16dp || fp16_split, bf16dp4 || split_dp, rows_d,
                     rows_dv, fp16_split);
-  L.amx = (bf16dp || fp16_split) && mk::amx_for(p.D);
-  L.amx_dp = (bf16dp4 || split_dp) && mk::amx_for(p.Dv);
+  L.amx = (bf16dp || fp16_split) && rule.amx_for(p.D);
+  L.amx_dp = (bf16dp4 || split_dp) && rule.amx_for(p.Dv);
   // every product reads k and v as 16-bit rows or pairs (load_key_tile's rows16): pass 1 by
   // pairs or split, pass 4 likewise, pass 7 on the tiles, not the decode order
   const bool rows16 = !decode_order && (bf16dp || fp16_split) && (bf16dp4 || split_dp) &&

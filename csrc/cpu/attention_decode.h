@@ -750,7 +750,7 @@ ATTN_EXT_AVX512BF16 inline void dp_scores(const c10::BFloat16* q, int64_t ldq, i
 
 #endif  // ATTN_EXT_HAVE_BF16DP_PATH
 
-// Whether a decode call on scalar_t scores by dp_scores: bf16 and mk::bf16dp_tiled_enabled(),
+// Whether a decode call on scalar_t scores by dp_scores: bf16 and the rule's bf16dp_tiled,
 // the tiled kernels' rule (AVX512_BF16, not ATTN_EXT_CPU_BF16DP=0, and ATTN_EXT_CPU_BF16DP=1 or
 // a CPU that is not Intel's). On the Intel Xeon of the nineteenth session, where vdpbf16ps runs
 // at half the fp32 zmm FMA rate, the widened scores on zmm (scores_cols512) took 0.85-0.95x the
@@ -759,9 +759,9 @@ ATTN_EXT_AVX512BF16 inline void dp_scores(const c10::BFloat16* q, int64_t ldq, i
 // per call each: the two must see the same value (the backward recomputes the forward's scores
 // bit for bit).
 template <typename scalar_t>
-inline bool decode_scores_by_pairs() {
+inline bool decode_scores_by_pairs(const mk::TileRule& rule) {
   return ATTN_EXT_HAVE_BF16DP_PATH && std::is_same_v<scalar_t, c10::BFloat16> &&
-         mk::bf16dp_tiled_enabled();
+         rule.bf16dp_tiled;
 }
 
 // Rows of 64 and 128 take instances with the length fixed at compile time (with_fixed_length;
@@ -1004,7 +1004,7 @@ void attention_decode_kernel(const AttentionParams& p) {
   [[maybe_unused]] const bool tile16 = dp_tile16_enabled();  // dp_scores_tile16 (same bits)
   // bf16 scores by vdpbf16ps (dp_scores) for every block of the call, in place or not
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  const bool dp = decode_scores_by_pairs<scalar_t>();
+  const bool dp = decode_scores_by_pairs<scalar_t>(mk::tile_rule());
 
   // Keys some row of sequence b sees by the band (the same for every kv head).
   auto seq_keys = [&](const SeqInfo& s) -> Range {

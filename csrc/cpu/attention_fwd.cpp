@@ -682,10 +682,12 @@ void attention_fwd_kernel(const AttentionParams& p) {
   const int64_t rows_budget = head_rows_budget(workers);
   constexpr bool is_bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   // fp16 on the tiles when both products can (mk::fp16_on_tiles): pass 1 as bf16dp / amx
-  const bool split = std::is_same_v<scalar_t, c10::Half> && mk::fp16_on_tiles(p.D, p.Dv);
-  const bool bf16dp = split || mk::bf16_scores_by_pairs(is_bf16, p.D);
-  const bool amx = split || (bf16dp && mk::amx_for(p.D));
-  const bool amx_pv = split || (is_bf16 && mk::amx_pv_for(p.Dv));
+  // (every switch read once for the call: mk::TileRule)
+  const mk::TileRule rule = mk::tile_rule();
+  const bool split = std::is_same_v<scalar_t, c10::Half> && rule.fp16_on_tiles(p.D, p.Dv);
+  const bool bf16dp = split || rule.bf16_scores_by_pairs(is_bf16, p.D);
+  const bool amx = split || (bf16dp && rule.amx_for(p.D));
+  const bool amx_pv = split || (is_bf16 && rule.amx_pv_for(p.Dv));
   auto make_scratch = [&] {
     FwdScratch<acc_t> s(p.D, p.Dv);
     s.head_rows_budget = rows_budget;

@@ -306,8 +306,26 @@ bool bf16dp_tiled_enabled();
 // amx_pv_for: the forward's pass 3 (o += p v) on tiles, Dv a multiple of 16, same switches.
 bool amx_for(int64_t depth);
 bool amx_pv_for(int64_t Dv);
+// The switches above as one snapshot (tile_rule(): each variable read once). A kernel call
+// takes every decision of its products from one TileRule, so a switch changed by another
+// thread while the call sets up cannot give it a mix of layouts (say the fp16 split pack with
+// pass 1 off the tiles). The free functions are the same rules on a fresh snapshot.
+struct TileRule {
+  bool bf16dp = false;        // bf16dp_enabled()
+  bool bf16dp_tiled = false;  // bf16dp_tiled_enabled()
+  bool amx = false;           // the tiles: the CPU has them, bf16dp, not ATTN_EXT_CPU_AMX=0
+  bool amx_for(int64_t depth) const { return amx && depth > 0 && depth % 32 == 0; }
+  bool amx_pv_for(int64_t Dv) const { return amx && Dv > 0 && Dv % 16 == 0; }
+  // the one rule of both tiled kernels' bf16 pass 1 (and the backward's pass 4, on Dv)
+  bool bf16_scores_by_pairs(bool is_bf16, int64_t D) const {
+    return is_bf16 && D % 2 == 0 && (amx_for(D) || bf16dp_tiled);
+  }
+  // fp16's tiled forward runs on the tiles when both of its products can (below)
+  bool fp16_on_tiles(int64_t D, int64_t Dv) const { return amx_for(D) && amx_pv_for(Dv); }
+};
+TileRule tile_rule();
 inline bool bf16_scores_by_pairs(bool is_bf16, int64_t D) {
-  return is_bf16 && D % 2 == 0 && (amx_for(D) || bf16dp_tiled_enabled());
+  return tile_rule().bf16_scores_by_pairs(is_bf16, D);
 }
 
 // qp[t * ldq + n] = the bf16 pair (row_n[2t], row_n[2t + 1]) as one 32-bit word, for rows
@@ -380,7 +398,7 @@ inline void split_fp16_rows(const uint16_t* x, int64_t stride, int64_t n, int64_
 // The rule: fp16's tiled forward runs on the tiles when both of its products can (amx_for(D),
 // amx_pv_for(Dv)); else it widens to fp32 as before. Its backward follows (attention_bwd.cpp,
 // QueryPackLayout::split; dP and Di also need amx_for(Dv)).
-inline bool fp16_on_tiles(int64_t D, int64_t Dv) { return amx_for(D) && amx_pv_for(Dv); }
+inline bool fp16_on_tiles(int64_t D, int64_t Dv) { return tile_rule().fp16_on_tiles(D, Dv); }
 // scores_amx with the split terms: C = scale * (A B + A B_lo + A_lo B), one chain per element
 // (the three stretches in that order), A / A_lo rows at the same lda, B / B_lo at the same ldb.
 void scores_amx_split(int64_t M, int64_t N, int64_t D, const uint16_t* A, const uint16_t* A_lo,
