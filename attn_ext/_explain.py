@@ -285,13 +285,13 @@ def cpu_bf16_scores(dtype: torch.dtype, even: bool = True,
     return "vdpbf16ps" if dp else "widened"
 
 
-def cpu_decode_scores(dtype: torch.dtype) -> Optional[str]:
+def cpu_decode_scores(dtype: torch.dtype, D: Optional[int] = None) -> Optional[str]:
     """The register width of the decode kernel's widened scores (attention_decode.h scores():
     fp32 / fp16, and bf16 where cpu_bf16_scores says "widened"): "zmm" where
     cpu_avx512_enabled() and ATTN_EXT_CPU_DECODE_SCORES512 is not 0
     (decode_scores512_enabled; 2 or 4 columns at a time, one column on ymm), else "ymm"; None
-    where the scores are vdpbf16ps pairs."""
-    if cpu_bf16_scores(dtype) == "vdpbf16ps":
+    where the scores are vdpbf16ps pairs or (``D`` given) on AMX tiles."""
+    if cpu_bf16_scores(dtype, depth=D) in ("vdpbf16ps", "amx"):
         return None
     if cpu_avx512_enabled() and os.environ.get("ATTN_EXT_CPU_DECODE_SCORES512") != "0":
         return "zmm"
@@ -320,8 +320,8 @@ def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (
     band_keys = int(seen[-1]) + 1 - int(seen[0]) if seen.numel() else 0
     n_chunks = min(n_chunks, max(1, band_keys // CPU_DECODE_MIN_CHUNK))
     return {"threads": threads, "columns_per_kv_head": s.Sq * group, "kv_heads": s.B * s.Hkv,
-            "n_chunks": n_chunks, "bf16_scores": cpu_bf16_scores(dtype),
-            "scores": cpu_decode_scores(dtype)}
+            "n_chunks": n_chunks, "bf16_scores": cpu_bf16_scores(dtype, depth=s.D),
+            "scores": cpu_decode_scores(dtype, s.D)}
 
 
 def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
@@ -347,6 +347,9 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
             "chunk order; float32 accumulation"
             + ("; bf16 scores by vdpbf16ps (AVX512_BF16; ATTN_EXT_CPU_BF16DP=0 widens "
                "them to float32 instead)" if decode["bf16_scores"] == "vdpbf16ps" else "")
+            + ("; bf16 scores on AMX tiles, K read where it is (ATTN_EXT_CPU_AMX=0 or "
+               "ATTN_EXT_CPU_BF16DP=0: widened to float32)" if decode["bf16_scores"] == "amx"
+               else "")
             + ("; scores of 2+ columns on zmm registers (ATTN_EXT_CPU_DECODE_SCORES512=0: ymm, "
                "same bits)" if decode["scores"] == "zmm" else "")
             + " (ATTN_EXT_CPU_DECODE=0 turns it off)")

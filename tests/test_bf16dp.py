@@ -196,6 +196,7 @@ def test_decode_dp_tile16_same_bits(monkeypatch, B, Sq, Sk, H, Hkv, D):
     dout = torch.randn(B, Sq, H, D).bfloat16()
     kw = dict(causal=True)
     monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", "1")  # the pairs (on Intel CPUs, not the default)
+    monkeypatch.setenv("ATTN_EXT_CPU_AMX", "0")  # (where the CPU has AMX: not the tiles)
     choice = attn_ext.explain(q, k, v, **kw)
     assert choice.forward == "cpu.decode" and choice.details["bf16_scores"] == "vdpbf16ps"
     monkeypatch.setenv("ATTN_EXT_CPU_DP_TILE16", "1")

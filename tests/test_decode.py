@@ -240,6 +240,7 @@ def test_decode_bf16_dot_product_scores(monkeypatch, mode, B, Sq, Sk, H, Hkv, D,
     only."""
     from tests.test_attention import check
     monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", mode)
+    monkeypatch.setenv("ATTN_EXT_CPU_AMX", "0")  # the pairs, not the tiles (test below)
     torch.manual_seed(B * 1000 + Sk)
     q, k, v = _inputs(B, Sq, Sk, H, Hkv, D, Dv, torch.bfloat16)
     assert attn_ext.explain(q, k, v, causal=True).forward == "cpu.decode"
@@ -260,6 +261,76 @@ def test_decode_bf16_dot_product_scores(monkeypatch, mode, B, Sq, Sk, H, Hkv, D,
             lses[m] = attn_ext.attention(q, k, v, return_lse=True)[1]
         assert not torch.equal(lses["1"], lses["0"])
         torch.testing.assert_close(lses["1"], lses["0"], rtol=0, atol=1e-4)
+
+
+_HAVE_AMX = __import__("attn_ext._explain")._explain.cpu_amx_enabled()
+
+
+@pytest.mark.skipif(not _HAVE_AMX, reason="no AMX-TILE / AMX-BF16 on this CPU")
+@pytest.mark.parametrize("B,Sq,Sk,H,Hkv,D,Dv", [
+    (1, 1, 600, 32, 8, 128, 128),  # GQA 4: 32-key tile pairs, a tail of 24 keys per unit
+    (2, 2, 301, 8, 4, 64, 64),     # 4 columns, a unit tail of 5 keys (staged rows)
+    (1, 4, 257, 8, 2, 96, 72),     # 16 columns, D = 3 depth steps, Dv with a tail chunk
+    (2, 1, 77, 4, 4, 32, 40),      # MHA: one column, fewer than 32 keys past the groups
+])
+def test_decode_bf16_scores_on_tiles(monkeypatch, B, Sq, Sk, H, Hkv, D, Dv):
+    """bf16 decode scores on AMX tiles (attention_decode.h decode_scores_on_tiles,
+    mk::decode_scores_amx: K read where it is, 32 keys of every kv head at a time; the backward
+    recomputes them with scores_amx): forward (causal, window, key padding with NaN in the
+    hidden keys) and backward within the tolerance rule of the float64 textbook; explain says
+    so; ATTN_EXT_CPU_AMX=0 widens them again (another summation order: lse differs by rounding
+    only)."""
+    from tests.test_attention import check
+    monkeypatch.delenv("ATTN_EXT_CPU_BF16DP", raising=False)
+    monkeypatch.delenv("ATTN_EXT_CPU_AMX", raising=False)
+    torch.manual_seed(B * 1000 + Sk + D)
+    q, k, v = _inputs(B, Sq, Sk, H, Hkv, D, Dv, torch.bfloat16)
+    choice = attn_ext.explain(q, k, v, causal=True)
+    assert choice.forward == "cpu.decode" and choice.details["bf16_scores"] == "amx"
+    assert choice.details["scores"] is None and "AMX tiles" in str(choice)
+    for causal in (False, True):
+        check(q, k, v, causal)
+    kpm = torch.rand(B, Sk) > 0.3
+    kpm[:, 0] = True
+    k_bad = k.clone()
+    k_bad[~kpm] = float("nan")  # hidden keys' rows are read in place by the tiles: masked after
+    for kw in (dict(causal=True, window=(50, 0)), dict(causal=False, key_padding_mask=kpm)):
+        kk = k_bad if "key_padding_mask" in kw else k
+        out, lse = attn_ext.attention(q, kk, v, return_lse=True, **kw)
+        _check(out, lse, q, k, v, **kw)
+    lse_tiles = attn_ext.attention(q, k, v, return_lse=True)[1]
+    monkeypatch.setenv("ATTN_EXT_CPU_AMX", "0")
+    assert attn_ext.explain(q, k, v).details["bf16_scores"] != "amx"
+    lse_wide = attn_ext.attention(q, k, v, return_lse=True)[1]
+    torch.testing.assert_close(lse_tiles, lse_wide, rtol=0, atol=1e-4)
+    if D == 128:  # (sums of 128 bf16 products: the two orders round differently somewhere)
+        assert not torch.equal(lse_tiles, lse_wide)
+
+
+@pytest.mark.skipif(not _HAVE_AMX, reason="no AMX-TILE / AMX-BF16 on this CPU")
+def test_decode_tiles_one_visible_key_gives_its_v():
+    """A decode row that sees one key (key padding) has p = exp(s - lse) = 1 only if the
+    backward's recomputed score is the forward's bit for bit (lse = that score): then out is
+    the key's v and dv the row's dout, exactly, with the scores on tiles."""
+    torch.manual_seed(3)
+    B, Sk, H, Hkv, D = 2, 200, 8, 2, 128
+    q = torch.randn(B, 1, H, D).bfloat16().requires_grad_()
+    k = torch.randn(B, Sk, Hkv, D).bfloat16().requires_grad_()
+    v = torch.randn(B, Sk, Hkv, D).bfloat16().requires_grad_()
+    kpm = torch.zeros(B, Sk, dtype=torch.bool)
+    kpm[0, 37] = kpm[1, 150] = True
+    assert attn_ext.explain(q, k, v, key_padding_mask=kpm).details["bf16_scores"] == "amx"
+    out = attn_ext.attention(q, k, v, key_padding_mask=kpm)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    group = H // Hkv
+    for b, j in ((0, 37), (1, 150)):
+        for h in range(H):
+            assert torch.equal(out[b, 0, h], v[b, j, h // group].detach())
+        for hk in range(Hkv):
+            want = dout[b, 0, hk * group:(hk + 1) * group].float().sum(0)
+            torch.testing.assert_close(v.grad[b, j, hk].float(), want.bfloat16().float(),
+                                       rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not __import__("attn_ext._explain").\

@@ -419,7 +419,8 @@ def test_explain_refuses_non_tensors_like_attention():
 
 
 def test_explain_names_the_bf16_decode_scores(monkeypatch):
-    """details["bf16_scores"] of a bf16 decode: "vdpbf16ps" where the CPU has AVX512_BF16 and
+    """details["bf16_scores"] of a bf16 decode: "amx" where the CPU has AMX (D a multiple of
+    32; not ATTN_EXT_CPU_BF16DP=0), else "vdpbf16ps" where the CPU has AVX512_BF16 and
     ATTN_EXT_CPU_BF16DP=1, or by default on a CPU that is not Intel's (the tiled kernels' rule,
     mk::bf16dp_tiled_enabled), else "widened"; None for other dtypes. It agrees with what
     runs: the default's lse is the widened path's bits exactly when it says widened, else the
@@ -441,8 +442,11 @@ def test_explain_names_the_bf16_decode_scores(monkeypatch):
         assert ("vdpbf16ps" in str(choice)) == (said[mode] == "vdpbf16ps")
         lse[mode] = attn_ext.attention(q, k, v, return_lse=True)[1]
     assert said["0"] == "widened"
-    assert said["1"] == ("vdpbf16ps" if cpu_avx512bf16_enabled() else "widened")
-    assert said[None] == ("vdpbf16ps" if cpu_avx512bf16_enabled() and not intel else "widened")
+    # (D = 128: on a CPU with AMX the decode's scores are on tiles unless ATTN_EXT_CPU_BF16DP=0)
+    assert said["1"] == ("amx" if cpu_amx_enabled() else
+                         "vdpbf16ps" if cpu_avx512bf16_enabled() else "widened")
+    assert said[None] == ("amx" if cpu_amx_enabled() else
+                          "vdpbf16ps" if cpu_avx512bf16_enabled() and not intel else "widened")
     assert torch.equal(lse["1"], lse["0"]) == (said["1"] == "widened")
     assert torch.equal(lse[None], lse["0"]) == (said[None] == "widened")
     assert torch.equal(lse[None], lse["1"]) == (said[None] == said["1"])

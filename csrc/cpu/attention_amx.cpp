@@ -302,6 +302,40 @@ ATTN_EXT_AMX void scores_amx(int64_t M, int64_t N, int64_t D, const uint16_t* A,
   scores_tiles(M, N, D, A, nullptr, lda, B, nullptr, ldb, scale, C, ldc);
 }
 
+ATTN_EXT_AMX void decode_scores_amx(int64_t Hkv, int64_t nk, int64_t D, const uint16_t* k,
+                                    int64_t row_stride, int64_t head_stride, const uint32_t* qp,
+                                    int64_t qp_head, int64_t C, float scale, float* s,
+                                    int64_t s_head, int64_t ld) {
+  if (nk <= 0 || C <= 0) return;
+  Tiles tiles;
+  alignas(64) float sums[32 * 16];
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int64_t m0 = 0; m0 < nk; m0 += 32) {
+    for (int64_t h = 0; h < Hkv; ++h) {  // 32 keys of every head: memory order in a BSHD cache
+      const uint16_t* A = k + h * head_stride;
+      Seg seg{D / 32, {nullptr, nullptr}, {0, 0}, {nullptr, nullptr}, {0, 0}};
+      const int mt = panel_tiles(
+          m0, nk,
+          [&](int64_t m, int64_t* st) { return a_tile(A, row_stride, nk, m, D, t_stage.a, st); },
+          seg.a, seg.sa);
+      seg.b[0] = reinterpret_cast<const char*>(qp + h * qp_head);
+      seg.sb[0] = 64;
+      run_segs(mt, 1, 1, &seg, reinterpret_cast<char*>(sums), 64, false);
+      // (keys, columns) -> s's (column, keys), times scale as scores_tiles
+      for (int t = 0; t < mt; ++t) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i)
+          r[i] = _mm512_load_si512(reinterpret_cast<const __m512i*>(sums + (16 * t + i) * 16));
+        cpu::transpose_16x16_epi32(r);
+        const __mmask16 km = lanes16(std::min<int64_t>(16, nk - m0 - 16 * t));
+        float* sh = s + h * s_head + m0 + 16 * t;
+        for (int64_t c = 0; c < C; ++c)
+          _mm512_mask_storeu_ps(sh + c * ld, km, _mm512_mul_ps(_mm512_castsi512_ps(r[c]), vs));
+      }
+    }
+  }
+}
+
 ATTN_EXT_AMX void scores_amx_split(int64_t M, int64_t N, int64_t D, const uint16_t* A,
                                    const uint16_t* A_lo, int64_t lda, const uint32_t* B,
                                    const uint32_t* B_lo, int64_t ldb, float scale, float* C,
@@ -634,6 +668,10 @@ void scores_amx(int64_t, int64_t, int64_t, const uint16_t*, int64_t, const uint3
 }
 void scores_amx_diag(int64_t, int64_t, const uint16_t*, int64_t, const uint32_t*, int64_t,
                      int64_t, float*) {
+  std::abort();
+}
+void decode_scores_amx(int64_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
+                       const uint32_t*, int64_t, int64_t, float, float*, int64_t, int64_t) {
   std::abort();
 }
 void pack_vt_pairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*, int64_t, bool*) {

@@ -70,6 +70,7 @@ struct BwdScratch {
   HeadRows<acc_t> hk, hv;  // the current kv head's converted k / v rows (head_rows_fit)
   int64_t head_rows_budget = kHeadRowsBytes;  // this call's per-worker share
   bool decode_wide = false;  // decode-order scores on zmm (decode_scores512_enabled; per call)
+  bool decode_tiles = false;  // decode-order bf16 scores on AMX tiles (decode_scores_on_tiles)
   bool dp_tile16 = true;     // dp_scores' 16-accumulator tiles (dp_tile16_enabled; per call)
   const acc_t* kbp = nullptr;  // the key tile's k rows (nk, Dp): in kb or hk
   const acc_t* vbp = nullptr;  // its v rows (nk, Dvp): in vb or hv
@@ -490,6 +491,17 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
 #if ATTN_EXT_HAVE_AVX2_PATH
     if constexpr (std::is_same_v<acc_t, float>) {
       const int64_t nk8 = round_up(nk, 8);
+      if (s.decode_tiles) {
+        // bf16 on AMX tiles: the forward's chains (mk::decode_scores_amx) by scores_amx on k's
+        // rows in place and q's pairs, straight into st (keys, columns)
+        const auto* kh = static_cast<const uint16_t*>(p.k) + b * p.k_batch_stride +
+                         (h / (p.H / p.Hkv)) * p.k_head_stride + (sq.k0 + j0) * p.k_row_stride;
+        mk::scores_amx(nk, nq, D, kh, p.k_row_stride,
+                       reinterpret_cast<const uint32_t*>(blk + L.qp), kBlockQ,
+                       static_cast<float>(terms.scale), s.st.data(), C);
+        for (int64_t r = 0; r < nk; ++r) std::fill(s.st.data() + r * C + nq, s.st.data() + (r + 1) * C, acc_t(0));
+        return;
+      }
 #if ATTN_EXT_HAVE_BF16DP_PATH
       if (decode_dp) {
         // bf16 with AVX512_BF16: the forward's dp_scores, q and k read where they are
@@ -910,11 +922,16 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const bool decode_order = decode_supported(p, std::is_same_v<acc_t, double>);
   // bf16 where the forward's scores were dp_scores (AVX512_BF16): those, from q and k in place
 #if ATTN_EXT_HAVE_AVX2_PATH
-  const bool decode_dp = decode_order && decode_detail::decode_scores_by_pairs<scalar_t>(rule);
+  const bool decode_dp = decode_order && decode_detail::decode_scores_by_pairs<scalar_t>(rule, p.D);
+  // bf16 where the forward's scores were on tiles (mk::decode_scores_amx): scores_amx on k in
+  // place and q's pairs, the same chains
+  const bool decode_tiles =
+      decode_order && decode_detail::decode_scores_on_tiles<scalar_t>(rule, p.D);
 #else
-  const bool decode_dp = false;
+  const bool decode_dp = false, decode_tiles = false;
 #endif
-  const bool decode_pairs = decode_order && decode_detail::kDecodePairs<scalar_t> && !decode_dp;
+  const bool decode_pairs =
+      decode_order && decode_detail::kDecodePairs<scalar_t> && !decode_dp && !decode_tiles;
   constexpr bool is_bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   // fp16 where its tiled forward ran on the tiles (mk::fp16_on_tiles): every product split
   // (bf16 hi + lo, hi hi + hi lo + lo hi), pass 1 in the forward's own chains; dP and Di on the
@@ -944,6 +961,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     BwdScratch<acc_t> s(p.D, p.Dv, L.size, terms, decode_order, decode_pairs);
     s.head_rows_budget = rows_budget;
     s.decode_wide = decode_wide;
+    s.decode_tiles = decode_tiles;
     s.dp_tile16 = dp_tile16;
     if (L.amx_dq()) {  // pass 7 on tiles: k^T's and dS^T's pairs
       s.kpt.resize(static_cast<size_t>(p.D * BwdScratch<acc_t>::kKeyPairs));

@@ -759,9 +759,22 @@ ATTN_EXT_AVX512BF16 inline void dp_scores(const c10::BFloat16* q, int64_t ldq, i
 // per call each: the two must see the same value (the backward recomputes the forward's scores
 // bit for bit).
 template <typename scalar_t>
-inline bool decode_scores_by_pairs(const mk::TileRule& rule) {
+inline bool decode_scores_on_tiles(const mk::TileRule& rule, int64_t D);
+template <typename scalar_t>
+inline bool decode_scores_by_pairs(const mk::TileRule& rule, int64_t D) {
   return ATTN_EXT_HAVE_BF16DP_PATH && std::is_same_v<scalar_t, c10::BFloat16> &&
-         rule.bf16dp_tiled;
+         rule.bf16dp_tiled && !decode_scores_on_tiles<scalar_t>(rule, D);
+}
+
+// Whether a decode call on scalar_t takes its scores from AMX tiles (mk::decode_scores_amx):
+// bf16 where the tiled kernels' products are on tiles at this depth (rule.amx_for(D): AMX,
+// D a multiple of 32), for every block of the call, K read where it is. The decode is bound
+// by its arithmetic at the cache-resident sizes (RESULTS.md, twenty-fourth session: the same
+// time per key with K / V in L2 as in L3); the tiles take a fraction of the widened FMAs'
+// time. The backward asks the same rule and recomputes with scores_amx (the same chains).
+template <typename scalar_t>
+inline bool decode_scores_on_tiles(const mk::TileRule& rule, int64_t D) {
+  return std::is_same_v<scalar_t, c10::BFloat16> && rule.amx_for(D);
 }
 
 // Rows of 64 and 128 take instances with the length fixed at compile time (with_fixed_length;
@@ -896,6 +909,7 @@ struct DecodeScratch {
   int64_t Dp, Dvp;
   AlignedVec<float> qs;   // (Hkv, C, Dp): scale * q of every column of every kv head
   AlignedVec<c10::BFloat16> qb;  // (Hkv, C, D): q of every column, bf16 (dp_scores only)
+  std::vector<uint32_t> qp;  // (Hkv, D / 2, 16): q's bf16 pairs, column c at word c (tiles only)
   int64_t nb;             // keys per block where some block may be packed (block_keys)
   int64_t ks;             // keys per block at most: nb, or kDecodeKeysInPlace (big_blocks)
   int64_t pack_cap;       // keys a packed block holds: nb, or ks when the big blocks are
@@ -1004,7 +1018,11 @@ void attention_decode_kernel(const AttentionParams& p) {
   [[maybe_unused]] const bool tile16 = dp_tile16_enabled();  // dp_scores_tile16 (same bits)
   // bf16 scores by vdpbf16ps (dp_scores) for every block of the call, in place or not
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  const bool dp = decode_scores_by_pairs<scalar_t>(mk::tile_rule());
+  const mk::TileRule rule = mk::tile_rule();
+  const bool tiles = decode_scores_on_tiles<scalar_t>(rule, p.D);  // mk::decode_scores_amx
+  const bool dp = decode_scores_by_pairs<scalar_t>(rule, p.D);
+  const bool k_direct = tiles || dp;  // scores from K where it is (no packed fp32 K)
+  const int64_t qp_head = p.D / 2 * 16;  // tiles: q's pairs of one kv head (16 columns)
 
   // Keys some row of sequence b sees by the band (the same for every kv head).
   auto seq_keys = [&](const SeqInfo& s) -> Range {
@@ -1058,7 +1076,9 @@ void attention_decode_kernel(const AttentionParams& p) {
 
     // qs (or qb): kv head hkv, column c = hh * Sq + ii (rows past the sequence stay zero and
     // hidden)
-    if (dp) {
+    if (tiles) {
+      w.qp.assign(static_cast<size_t>(Hkv * qp_head), 0u);
+    } else if (dp) {
       w.qb.resize(static_cast<size_t>(Hkv * C * p.D));
       std::fill(w.qb.begin(), w.qb.end(), c10::BFloat16());
     } else {
@@ -1069,6 +1089,11 @@ void attention_decode_kernel(const AttentionParams& p) {
       for (int64_t ii = 0; ii < nq; ++ii) {
         const scalar_t* src = q + b * p.q_batch_stride + (sq.q0 + ii) * p.q_row_stride + h * p.q_head_stride;
         if constexpr (kBf16) {
+          if (tiles) {  // pair t of the row (elements 2 t, 2 t + 1) is its word t
+            uint32_t* dst = w.qp.data() + hkv * qp_head + hh * p.Sq + ii;
+            for (int64_t t = 0; t < p.D / 2; ++t) std::memcpy(dst + t * 16, src + 2 * t, 4);
+            continue;
+          }
           if (dp) {
             std::memcpy(w.qb.data() + (hkv * C + hh * p.Sq + ii) * p.D, src, p.D * sizeof(scalar_t));
             continue;
@@ -1094,9 +1119,20 @@ void attention_decode_kernel(const AttentionParams& p) {
     const int64_t ks = w.ks;  // row stride of the scores in w.s
     const scalar_t* kseq = k + b * p.k_batch_stride + sq.k0 * p.k_row_stride;
     const scalar_t* vseq = v + b * p.v_batch_stride + sq.k0 * p.v_row_stride;
-    // scores of kv head hkv for keys [j0, j0 + n) of the unit into sc (row stride ks): by
-    // dp_scores from K where it is (returns true), else false (the caller's scores() call)
+    // scores of kv head hkv for keys [j0, j0 + n) of the unit into sc (row stride ks): on the
+    // tiles or by dp_scores from K where it is (returns true), else false (the caller's
+    // scores() call)
     auto dp_block = [&](int64_t hkv, int64_t j0, int64_t n, float* sc) {
+      if constexpr (kBf16) {
+        if (tiles) {
+          mk::decode_scores_amx(1, n, p.D,
+                                reinterpret_cast<const uint16_t*>(kseq + hkv * p.k_head_stride +
+                                                                  j0 * p.k_row_stride),
+                                p.k_row_stride, 0, w.qp.data() + hkv * qp_head, qp_head, C,
+                                qscale, sc, 0, w.ks);
+          return true;
+        }
+      }
 #if ATTN_EXT_HAVE_BF16DP_PATH
       if constexpr (kBf16) {
         if (dp) {
@@ -1140,8 +1176,8 @@ void attention_decode_kernel(const AttentionParams& p) {
       // (no copy); else the block's rows of every kv head are packed, row by row: one pass
       // over a contiguous range of a BSHD cache (k first, then v)
       const bool in_place = kInPlace && !masked && nk % 8 == 0;
-      if (!in_place) w.pack_blocks(!dp);
-      for (int64_t r = 0; r < nk && !in_place && !dp; ++r) {  // (dp: scores from K in place)
+      if (!in_place) w.pack_blocks(!k_direct);
+      for (int64_t r = 0; r < nk && !in_place && !k_direct; ++r) {  // (else from K in place)
         if (!w.use[r]) continue;
         for (int64_t hkv = 0; hkv < Hkv; ++hkv)
           pack_row(kseq + (j0 + r) * p.k_row_stride + hkv * p.k_head_stride, p.D,
@@ -1154,7 +1190,13 @@ void attention_decode_kernel(const AttentionParams& p) {
                    w.vb.data() + (hkv * pc + r) * Dvp);
       }
       const int64_t s_head = C * ks;  // scores of one kv head in w.s
-      if (in_place) {
+      if (in_place && tiles) {
+        // on the tiles, 32 keys of every kv head at a time (memory order in a BSHD cache)
+        mk::decode_scores_amx(Hkv, nk, p.D,
+                              reinterpret_cast<const uint16_t*>(kseq + j0 * p.k_row_stride),
+                              p.k_row_stride, p.k_head_stride, w.qp.data(), qp_head, C, qscale,
+                              w.s.data(), s_head, ks);
+      } else if (in_place) {
         // scores of every kv head first, 8 keys at a time across the heads: in a BSHD cache
         // that reads K in memory order (one pass, hardware prefetch streams in order), each
         // row once per pair of columns (bf16 / fp16 with quads: once per 4 columns)
@@ -1178,7 +1220,7 @@ void attention_decode_kernel(const AttentionParams& p) {
         float* sh = w.s.data() + hkv * s_head;
         float* part = part_of(b, chunk, hkv);
         float *o = part, *m = part + C * Dvp, *l = m + C;
-        float* kbh = in_place || dp ? nullptr : w.kb.data() + hkv * pc * Dp;
+        float* kbh = in_place || k_direct ? nullptr : w.kb.data() + hkv * pc * Dp;
         const float* vbh = in_place ? nullptr : w.vb.data() + hkv * pc * Dvp;
         if (!in_place && !dp_block(hkv, j0, nk, sh)) {
           // (dp_block: every row's score from K where it is; hidden and padding rows are

@@ -348,6 +348,15 @@ void scores_bf16dp(int64_t M, int64_t N, int64_t D, const uint16_t* A, int64_t l
 // mixed in one call).
 void scores_amx(int64_t M, int64_t N, int64_t D, const uint16_t* A, int64_t lda,
                 const uint32_t* B, int64_t ldb, float scale, float* C, int64_t ldc);
+// The decode kernel's bf16 scores on tiles (attention_decode.h, decode_scores_on_tiles), for
+// every kv head h < Hkv: s[h * s_head + c * ld + r] = scores_amx's C(r, c) with A = k's rows of
+// head h (k + h * head_stride, rows row_stride apart, r < nk) and B = qp + h * qp_head (D / 2
+// pair rows of 16 words, columns c < C <= 16; the rest zero): the same chains, so the backward
+// recomputes them with scores_amx. 32 keys of every head at a time (memory order in a BSHD
+// cache), the tiles configured once per call.
+void decode_scores_amx(int64_t Hkv, int64_t nk, int64_t D, const uint16_t* k, int64_t row_stride,
+                       int64_t head_stride, const uint32_t* qp, int64_t qp_head, int64_t C,
+                       float scale, float* s, int64_t s_head, int64_t ld);
 // out[i] = scores_amx's C(i, i) (scale 1) for i < n, B holding N >= n columns: the backward's
 // row term Di = out . dout in its dP's chains.
 void scores_amx_diag(int64_t n, int64_t D, const uint16_t* A, int64_t lda, const uint32_t* B,
