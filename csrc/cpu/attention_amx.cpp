@@ -310,13 +310,16 @@ ATTN_EXT_AMX void decode_scores_amx(int64_t Hkv, int64_t nk, int64_t D, const ui
   Tiles tiles;
   alignas(64) float sums[32 * 16];
   const __m512 vs = _mm512_set1_ps(scale);
+  // (the thread-local staging looked up once: in a loop, each use of a thread_local is a
+  // __tls_get_addr call, around which the zmm registers spill)
+  std::vector<uint16_t>& stage = t_stage.a;
   for (int64_t m0 = 0; m0 < nk; m0 += 32) {
     for (int64_t h = 0; h < Hkv; ++h) {  // 32 keys of every head: memory order in a BSHD cache
       const uint16_t* A = k + h * head_stride;
       Seg seg{D / 32, {nullptr, nullptr}, {0, 0}, {nullptr, nullptr}, {0, 0}};
       const int mt = panel_tiles(
           m0, nk,
-          [&](int64_t m, int64_t* st) { return a_tile(A, row_stride, nk, m, D, t_stage.a, st); },
+          [&](int64_t m, int64_t* st) { return a_tile(A, row_stride, nk, m, D, stage, st); },
           seg.a, seg.sa);
       seg.b[0] = reinterpret_cast<const char*>(qp + h * qp_head);
       seg.sb[0] = 64;
