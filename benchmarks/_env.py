@@ -117,11 +117,12 @@ def cpu_isa() -> str:
             ours += ", fp32 gemms"
         if cpu_bf16_scores(torch.bfloat16) == "vdpbf16ps":
             ours += ", AVX512_BF16 bf16 decode and tiled scores"
-        elif "avx512_bf16" in cpu_flags():
+        elif "avx512_bf16" in cpu_flags() and not cpu_bf16_amx(128):
             ours += "; bf16 decode scores widened to fp32 (Intel CPU or ATTN_EXT_CPU_BF16DP=0)"
         if cpu_bf16_amx(64):
             ours += ("; AMX tiles for the tiled kernels' bf16 products (D % 32 == 0) and the "
-                     "fp16 ones, forward and backward (bf16 hi / lo split)")
+                     "fp16 ones, forward and backward (bf16 hi / lo split), and the bf16 decode's "
+                     "scores")
         ours += ")"
     flags = cpu_flags()
     shown = [x for x in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16") if x in flags]
