@@ -348,7 +348,7 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
             + ("; bf16 scores by vdpbf16ps (AVX512_BF16; ATTN_EXT_CPU_BF16DP=0 widens "
                "them to float32 instead)" if decode["bf16_scores"] == "vdpbf16ps" else "")
             + ("; bf16 scores on AMX tiles, K read where it is (ATTN_EXT_CPU_AMX=0 or "
-               "ATTN_EXT_CPU_BF16DP=0: widened to float32)" if decode["bf16_scores"] == "amx"
+               "ATTN_EXT_CPU_BF16DP=0 turns them off)" if decode["bf16_scores"] == "amx"
                else "")
             + ("; scores of 2+ columns on zmm registers (ATTN_EXT_CPU_DECODE_SCORES512=0: ymm, "
                "same bits)" if decode["scores"] == "zmm" else "")

@@ -116,7 +116,8 @@ def cpu_isa() -> str:
         if cpu_gemm(torch.float32) == "avx512":
             ours += ", fp32 gemms"
         if cpu_bf16_scores(torch.bfloat16) == "vdpbf16ps":
-            ours += ", AVX512_BF16 bf16 decode and tiled scores"
+            ours += (", AVX512_BF16 bf16 decode and tiled scores" +
+                     (" where D % 32 != 0" if cpu_bf16_amx(128) else ""))
         elif "avx512_bf16" in cpu_flags() and not cpu_bf16_amx(128):
             ours += "; bf16 decode scores widened to fp32 (Intel CPU or ATTN_EXT_CPU_BF16DP=0)"
         if cpu_bf16_amx(64):

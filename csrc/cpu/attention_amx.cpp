@@ -307,6 +307,7 @@ ATTN_EXT_AMX void decode_scores_amx(int64_t Hkv, int64_t nk, int64_t D, const ui
                                     int64_t qp_head, int64_t C, float scale, float* s,
                                     int64_t s_head, int64_t ld) {
   if (nk <= 0 || C <= 0) return;
+  if (C > 16 || D % 32 != 0) std::abort();  // (16-word pair rows; whole depth steps)
   Tiles tiles;
   alignas(64) float sums[32 * 16];
   const __m512 vs = _mm512_set1_ps(scale);

@@ -750,9 +750,10 @@ ATTN_EXT_AVX512BF16 inline void dp_scores(const c10::BFloat16* q, int64_t ldq, i
 
 #endif  // ATTN_EXT_HAVE_BF16DP_PATH
 
-// Whether a decode call on scalar_t scores by dp_scores: bf16 and the rule's bf16dp_tiled,
-// the tiled kernels' rule (AVX512_BF16, not ATTN_EXT_CPU_BF16DP=0, and ATTN_EXT_CPU_BF16DP=1 or
-// a CPU that is not Intel's). On the Intel Xeon of the nineteenth session, where vdpbf16ps runs
+// Whether a decode call on scalar_t scores by dp_scores: bf16, not on the tiles
+// (decode_scores_on_tiles, below, takes precedence) and the rule's bf16dp_tiled, the tiled
+// kernels' rule (AVX512_BF16, not ATTN_EXT_CPU_BF16DP=0, and ATTN_EXT_CPU_BF16DP=1 or a CPU
+// that is not Intel's). On the Intel Xeon of the nineteenth session, where vdpbf16ps runs
 // at half the fp32 zmm FMA rate, the widened scores on zmm (scores_cols512) took 0.85-0.95x the
 // pairs' time at issue 16's bf16 decode shapes, 1 and 2 threads (RESULTS.md); on the Zen 4 of
 // the seventeenth the pairs were the faster. The one rule the forward and the backward ask, once
@@ -772,6 +773,8 @@ inline bool decode_scores_by_pairs(const mk::TileRule& rule, int64_t D) {
 // by its arithmetic at the cache-resident sizes (RESULTS.md, twenty-fourth session: the same
 // time per key with K / V in L2 as in L3); the tiles take a fraction of the widened FMAs'
 // time. The backward asks the same rule and recomputes with scores_amx (the same chains).
+// As for the pairs: q . k is summed before the scale (it overflows fp32 sqrt(D) times sooner
+// than the widened path), and the tiles count denormal inputs as zero.
 template <typename scalar_t>
 inline bool decode_scores_on_tiles(const mk::TileRule& rule, int64_t D) {
   return std::is_same_v<scalar_t, c10::BFloat16> && rule.amx_for(D);

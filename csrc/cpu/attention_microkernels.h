@@ -298,7 +298,8 @@ bool bf16dp_enabled();
 // on the bf16 prefill forward and backward, RESULTS.md eighteenth session; on a Zen 4 the pairs
 // were 1.14-1.33x faster than widening; the decode's widened scores on zmm were 0.85-0.95x the
 // pairs' time on that Xeon, nineteenth session). bf16_scores_by_pairs() is the one rule both
-// tiled kernels ask.
+// tiled kernels ask. Where the tiles are on (amx_for(D)) they take precedence: the tiled
+// kernels' pass 1 and the decode's scores (decode_scores_on_tiles) run on them.
 bool bf16dp_tiled_enabled();
 // Whether AMX tiles form the bf16 products of this depth (attention_amx.cpp): the CPU has AMX
 // (cpu::amx_enabled), depth is a multiple of 32, bf16dp_enabled() (ATTN_EXT_CPU_BF16DP=0
