@@ -49,9 +49,11 @@ bool amx_pv_for(int64_t Dv) { return tile_rule().amx_pv_for(Dv); }
 // (attention_microkernels.h, bf16dp_tiled_enabled), the tiles where the CPU has them, bf16
 // products are not all widened (ATTN_EXT_CPU_BF16DP=0) and ATTN_EXT_CPU_AMX=0 is not set.
 TileRule tile_rule() {
+  const char* dp_env = std::getenv("ATTN_EXT_CPU_BF16DP");  // (read once)
+  auto dp_is = [&](const char* v) { return dp_env != nullptr && std::strcmp(dp_env, v) == 0; };
   TileRule r;
-  r.bf16dp = bf16dp_enabled();
-  r.bf16dp_tiled = r.bf16dp && (cpu::env_is("ATTN_EXT_CPU_BF16DP", "1") || !cpu::intel_cpu());
+  r.bf16dp = cpu::avx512bf16_enabled() && !dp_is("0");
+  r.bf16dp_tiled = r.bf16dp && (dp_is("1") || !cpu::intel_cpu());
   r.amx = r.bf16dp && cpu::amx_enabled() && !cpu::env_is("ATTN_EXT_CPU_AMX", "0");
   return r;
 }

@@ -22,9 +22,7 @@
 namespace attn_ext {
 namespace mk {
 
-bool bf16dp_enabled() {
-  return cpu::avx512bf16_enabled() && !cpu::env_is("ATTN_EXT_CPU_BF16DP", "0");
-}
+bool bf16dp_enabled() { return tile_rule().bf16dp; }
 
 bool bf16dp_tiled_enabled() { return tile_rule().bf16dp_tiled; }
 

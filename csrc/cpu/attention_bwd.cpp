@@ -493,13 +493,12 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
       const int64_t nk8 = round_up(nk, 8);
       if (s.decode_tiles) {
         // bf16 on AMX tiles: the forward's chains (mk::decode_scores_amx) by scores_amx on k's
-        // rows in place and q's pairs, straight into st (keys, columns)
-        const auto* kh = static_cast<const uint16_t*>(p.k) + b * p.k_batch_stride +
-                         (h / (p.H / p.Hkv)) * p.k_head_stride + (sq.k0 + j0) * p.k_row_stride;
-        mk::scores_amx(nk, nq, D, kh, p.k_row_stride,
+        // rows in place (kbf: the tiles imply bf16dp) and q's pairs, straight into st
+        mk::scores_amx(nk, nq, D, kbf, p.k_row_stride,
                        reinterpret_cast<const uint32_t*>(blk + L.qp), kBlockQ,
                        static_cast<float>(terms.scale), s.st.data(), C);
-        for (int64_t r = 0; r < nk; ++r) std::fill(s.st.data() + r * C + nq, s.st.data() + (r + 1) * C, acc_t(0));
+        for (int64_t r = 0; r < nk; ++r)
+          std::fill(s.st.data() + r * C + nq, s.st.data() + (r + 1) * C, acc_t(0));
         return;
       }
 #if ATTN_EXT_HAVE_BF16DP_PATH

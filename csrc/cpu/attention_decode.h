@@ -799,8 +799,8 @@ ATTN_EXT_AVX2 inline void pv(const float* p, int64_t ld, int64_t C, const vT* vb
 // Through scores() / pv() each such call went down 4-5 levels of dispatch (row length, column
 // count, ymm / zmm), none of them inlined (the zmm functions cannot inline into the AVX2
 // ones). group_products() picks, once per call, one function for each product that runs the
-// same loops (scores_dc / pv512_dc / pv_dc's): the same operations in the same order, so the
-// same bits. Measured (RESULTS.md, twenty-fourth session; alternated process by process, 2
+// same loops (scores_dc / pv512_dc / pv_dc, inlined): the same operations in the same order, so
+// the same bits. Measured (RESULTS.md, twenty-fourth session; alternated process by process, 2
 // threads): bf16 decode 3-8 % faster at (1, 4096) and (4, 2048), fp32 0-8 %.
 template <typename T>
 struct GroupProducts {
@@ -812,19 +812,13 @@ struct GroupProducts {
              const uint8_t* use, float* o, int64_t ldv);
 };
 
+// (flatten: scores_dc / pv512_dc and the zmm functions they call are inlined here, which an
+// AVX2 caller cannot do)
 template <typename kT, int DC, bool Quads>
-ATTN_EXT_AVX512 void group_scores512(const float* qs, int64_t C, int64_t Dp, const kT* kb,
-                                     float* s, int64_t ld, int64_t ldk) {
-  int64_t c0 = 0;  // scores_dc's columns with wide = true
-  if constexpr (sizeof(kT) == 2 && Quads) {
-    for (; c0 + 4 <= C; c0 += 4) scores_cols512<kT, 4, DC>(qs + c0 * Dp, Dp, kb, 8, s + c0 * ld, ld, ldk);
-  }
-  for (int64_t c = c0; c < C; c += 2) {
-    if (C - c >= 2)
-      scores_cols512<kT, 2, DC>(qs + c * Dp, Dp, kb, 8, s + c * ld, ld, ldk);
-    else
-      scores_cols<kT, 1, DC>(qs + c * Dp, Dp, kb, 8, s + c * ld, ld, ldk);
-  }
+ATTN_EXT_AVX512 __attribute__((flatten)) void group_scores512(const float* qs, int64_t C,
+                                                              int64_t Dp, const kT* kb, float* s,
+                                                              int64_t ld, int64_t ldk) {
+  scores_dc<kT, DC>(qs, C, Dp, kb, 8, s, ld, ldk, Quads, true);
 }
 
 template <typename kT, int DC, bool Quads>
@@ -834,16 +828,11 @@ ATTN_EXT_AVX2 void group_scores256(const float* qs, int64_t C, int64_t Dp, const
 }
 
 template <int DC, typename vT>
-ATTN_EXT_AVX512 void group_pv512(const float* p, int64_t ld, int64_t C, const vT* vb,
-                                 int64_t Dvp, const uint8_t* use, float* o, int64_t ldv) {
-  int64_t c0 = 0;  // pv512_dc's column blocks: 4 at a time, then the rest
-  for (; c0 + 4 <= C; c0 += 4) pv512_cols<4, DC>(p + c0 * ld, ld, vb, Dvp, use, 8, o + c0 * Dvp, ldv);
-  switch (C - c0) {
-    case 3: pv512_cols<3, DC>(p + c0 * ld, ld, vb, Dvp, use, 8, o + c0 * Dvp, ldv); break;
-    case 2: pv512_cols<2, DC>(p + c0 * ld, ld, vb, Dvp, use, 8, o + c0 * Dvp, ldv); break;
-    case 1: pv512_cols<1, DC>(p + c0 * ld, ld, vb, Dvp, use, 8, o + c0 * Dvp, ldv); break;
-    default: break;
-  }
+ATTN_EXT_AVX512 __attribute__((flatten)) void group_pv512(const float* p, int64_t ld, int64_t C,
+                                                          const vT* vb, int64_t Dvp,
+                                                          const uint8_t* use, float* o,
+                                                          int64_t ldv) {
+  pv512_dc<DC>(p, ld, C, vb, Dvp, use, 8, o, ldv);
 }
 
 template <int DC, typename vT>
@@ -1122,19 +1111,22 @@ void attention_decode_kernel(const AttentionParams& p) {
     const int64_t ks = w.ks;  // row stride of the scores in w.s
     const scalar_t* kseq = k + b * p.k_batch_stride + sq.k0 * p.k_row_stride;
     const scalar_t* vseq = v + b * p.v_batch_stride + sq.k0 * p.v_row_stride;
+    // on the tiles: scores of kv heads [h0, h0 + nh) for keys [j0, j0 + n) of the unit into
+    // sc (kv head h0's; the next heads' C * ks floats on, rows ks apart)
+    auto tile_scores = [&](int64_t h0, int64_t nh, int64_t j0, int64_t n, float* sc) {
+      mk::decode_scores_amx(nh, n, p.D,
+                            reinterpret_cast<const uint16_t*>(kseq + h0 * p.k_head_stride +
+                                                              j0 * p.k_row_stride),
+                            p.k_row_stride, p.k_head_stride, w.qp.data() + h0 * qp_head, qp_head,
+                            C, qscale, sc, C * w.ks, w.ks);
+    };
     // scores of kv head hkv for keys [j0, j0 + n) of the unit into sc (row stride ks): on the
     // tiles or by dp_scores from K where it is (returns true), else false (the caller's
     // scores() call)
     auto dp_block = [&](int64_t hkv, int64_t j0, int64_t n, float* sc) {
-      if constexpr (kBf16) {
-        if (tiles) {
-          mk::decode_scores_amx(1, n, p.D,
-                                reinterpret_cast<const uint16_t*>(kseq + hkv * p.k_head_stride +
-                                                                  j0 * p.k_row_stride),
-                                p.k_row_stride, 0, w.qp.data() + hkv * qp_head, qp_head, C,
-                                qscale, sc, 0, w.ks);
-          return true;
-        }
+      if (tiles) {
+        tile_scores(hkv, 1, j0, n, sc);
+        return true;
       }
 #if ATTN_EXT_HAVE_BF16DP_PATH
       if constexpr (kBf16) {
@@ -1195,10 +1187,7 @@ void attention_decode_kernel(const AttentionParams& p) {
       const int64_t s_head = C * ks;  // scores of one kv head in w.s
       if (in_place && tiles) {
         // on the tiles, 32 keys of every kv head at a time (memory order in a BSHD cache)
-        mk::decode_scores_amx(Hkv, nk, p.D,
-                              reinterpret_cast<const uint16_t*>(kseq + j0 * p.k_row_stride),
-                              p.k_row_stride, p.k_head_stride, w.qp.data(), qp_head, C, qscale,
-                              w.s.data(), s_head, ks);
+        tile_scores(0, Hkv, j0, nk, w.s.data());
       } else if (in_place) {
         // scores of every kv head first, 8 keys at a time across the heads: in a BSHD cache
         // that reads K in memory order (one pass, hardware prefetch streams in order), each
