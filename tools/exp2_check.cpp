@@ -3,16 +3,22 @@
 //
 //   g++ -O2 -std=c++20 -I csrc -I "$(python -c 'import torch, os; print(os.path.dirname(torch.__file__))')/include" \
 //       tools/exp2_check.cpp csrc/cpu/cpu_features.cpp -o exp2_check
-//   ./exp2_check [points]
+//   ./exp2_check [points] [stride]
 //
 // Prints the largest error in fp32 ulps over `points` values (default 3.2e7; half uniform on
 // [-126, 0], 3/8 on [-1, 0], where the softmax's probabilities live, 1/8 on [0, 127], which
 // the backward's exp(s - lse) can meet with an inconsistent lse) and checks the special
 // values the kernels rely on: 2^0 = 1 exactly (a row's maximum), -inf and x < -126.5 give 0
-// (masked scores), NaN stays NaN, 2^-1 = 0.5. Exits 1 if the error reaches 1 ulp or a special
-// value is wrong, 2 without AVX2 / FMA.
+// (masked scores), NaN stays NaN, 2^-1 = 0.5. Where the CPU has AVX-512 (cpu::avx512_enabled()),
+// also checks that cpu::exp2_ps512 gives exp2_ps's bits on every stride-th of the 2^32 bit
+// patterns (default 1: all of them, ~25 s; NaN against NaN of any payload), with and without
+// FTZ / DAZ, and on every pattern in [-127, -126] and its negatives' neighbourhood of 0 (the
+// zero mask's edge, denormal results). Exits 1 if the error reaches 1 ulp, a special value is
+// wrong or a bit differs, 2 without AVX2 / FMA.
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <random>
 
@@ -23,6 +29,42 @@ namespace {
 
 ATTN_EXT_AVX2 void exp2_of(const float* in, float* out) {
   _mm256_storeu_ps(out, attn_ext::cpu::exp2_ps(_mm256_loadu_ps(in)));
+}
+
+ATTN_EXT_AVX512 void exp2_of512(const float* in, float* out) {
+  _mm512_storeu_ps(out, attn_ext::cpu::exp2_ps512(_mm512_loadu_ps(in)));
+}
+
+bool same_bits(float a, float b) {
+  uint32_t ua, ub;
+  std::memcpy(&ua, &a, 4);
+  std::memcpy(&ub, &b, 4);
+  return ua == ub || (std::isnan(a) && std::isnan(b));
+}
+
+// Patterns [lo, hi) at `stride` through exp2_ps512 and exp2_ps: how many differ.
+uint64_t bits_differ(uint64_t lo, uint64_t hi, uint64_t stride, uint64_t* checked) {
+  uint64_t bad = 0;
+  float in[16], a[16], b[16];
+  for (uint64_t u = lo; u < hi;) {
+    int n = 0;
+    for (; n < 16 && u < hi; ++n, u += stride) {
+      const uint32_t w = static_cast<uint32_t>(u);
+      std::memcpy(in + n, &w, 4);
+    }
+    for (int l = n; l < 16; ++l) in[l] = in[0];
+    exp2_of512(in, a);
+    exp2_of(in, b);
+    exp2_of(in + 8, b + 8);
+    for (int l = 0; l < n; ++l) {
+      if (!same_bits(a[l], b[l])) {
+        if (bad < 5) std::printf("differ: x = %a: exp2_ps512 %a, exp2_ps %a\n", in[l], a[l], b[l]);
+        ++bad;
+      }
+    }
+    *checked += n;
+  }
+  return bad;
 }
 
 }  // namespace
@@ -60,7 +102,30 @@ int main(int argc, char** argv) {
               "2^-1000 = %g, 2^-1 = %g, 2^-0 = %g: %s\n",
               out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7],
               ok_special ? "ok" : "WRONG");
-  return worst_ulp < 1.0 && ok_special ? 0 : 1;
+  bool ok_bits = true;
+  if (attn_ext::cpu::avx512_enabled()) {
+    const uint64_t stride = argc > 2 ? std::max(1L, std::atol(argv[2])) : 1;
+    uint64_t checked = 0, bad = 0;
+    const unsigned csr = _mm_getcsr();
+    for (int ftz = 0; ftz < 2; ++ftz) {
+      _mm_setcsr(ftz ? (csr | 0x8040) : (csr & ~0x8040u));
+      bad += bits_differ(0, uint64_t(1) << 32, stride, &checked);
+      float lo = -127.f, hi = -126.f;  // the zero mask's edge, every pattern
+      uint32_t ulo, uhi;
+      std::memcpy(&ulo, &hi, 4);
+      std::memcpy(&uhi, &lo, 4);
+      bad += bits_differ(ulo, uint64_t(uhi) + 1, 1, &checked);
+    }
+    _mm_setcsr(csr);
+    ok_bits = bad == 0;
+    std::printf("exp2_ps512 against exp2_ps: %llu patterns (stride %llu, FTZ / DAZ off and on), "
+                "%llu differ\n",
+                static_cast<unsigned long long>(checked), static_cast<unsigned long long>(stride),
+                static_cast<unsigned long long>(bad));
+  } else {
+    std::printf("exp2_ps512 against exp2_ps: no AVX-512, not checked\n");
+  }
+  return worst_ulp < 1.0 && ok_special && ok_bits ? 0 : 1;
 }
 #else
 int main() {

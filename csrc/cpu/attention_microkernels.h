@@ -441,7 +441,7 @@ void probs_to_pairs_split(const float* st, int64_t ld, int64_t r_begin, int64_t 
 // and at columns past cols), kp < pair_rows; with
 // pp_lo, pp gets bf16 of p and pp_lo bf16 of the rest p - that (the fp16 split), else pp
 // rounds p to bf16. st keeps the fp32 probabilities (the key-by-key sums of non-finite v).
-// exp2 here is exp2_tile_ps512 (vreduceps / vscalefps: 8 operations against exp2_ps512's 14,
+// exp2 here is exp2_tile_ps512 (vreduceps / vscalefps: 8 operations against exp2_ps512's 11,
 // under 2 ulp): not exp2_ps512's bits, which the widened kernels and the backward keep. The
 // max and the sum run over the keys in order, even and odd keys in two chains joined at the end.
 void softmax_pairs_amx(float* st, int64_t ld, int64_t rows, int64_t cols, int64_t r_begin,
