@@ -206,7 +206,7 @@ def test_extra_memory_of_forward_and_backward_flat_up_to_64_threads():
     """Issue 16 item 2 at 16 and 64 threads, not only 2: each worker used to keep its kv
     head's converted K and V rows (up to 4 MiB), so one backward at (1, 2048, 8, 128) took
     ~170 MiB more at 64 threads than at 1 (forward alike). The workers' head rows now share
-    8 MiB in all (csrc/cpu/attention_common.h kHeadRowsTotalBytes)."""
+    10 MiB in all (csrc/cpu/attention_common.h kHeadRowsTotalBytes)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
     def probe(threads):

@@ -54,3 +54,34 @@ def test_forward_packed_sequences_share_no_rows():
     out = attn_ext.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True)
     ref, _ = reference.attention_varlen_with_lse(q.double(), k.double(), v.double(), cu, cu, causal=True)
     assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("D", [128, 256])
+@pytest.mark.parametrize("threads", [1, 64])
+def test_forward_aliasing_v_rows_packed_padded_same_bits(D, threads):
+    """v rows a multiple of 512 bytes apart and wider than one 64-float panel alias in L1 as
+    the pass-3 gemm's B operand, so the forward packs them at a padded leading dimension
+    (b_rows_alias / padded_ld in attention_common.h): the head's rows at 1 thread, each key
+    tile's at 64 (the share per worker is then too small for a head). The arithmetic is the
+    same: the same values read in place at a stride that does not alias (D + 8 floats) give
+    the same bits, with a causal band and a NaN in a hidden key's v (the partial tiles'
+    non-finite path)."""
+    torch.manual_seed(2)
+    B, Hkv, H, S = 1, 2, 4, 300
+    q = torch.randn(B, H, S, D).transpose(1, 2)
+    k = torch.randn(B, Hkv, S, D).transpose(1, 2)
+    v = torch.randn(B, Hkv, S, D)
+    v[:, :, S - 1] = float("nan")  # seen by the last row only
+    v_alias = v.transpose(1, 2)  # (B, S, Hkv, D) view, rows D floats apart
+    wide = torch.zeros(B, Hkv, S, D + 8)
+    wide[..., :D] = v
+    v_plain = wide[..., :D].transpose(1, 2)  # rows D + 8 floats apart
+    assert v_alias.stride(1) * 4 % 512 == 0 and v_plain.stride(1) * 4 % 512 != 0
+    for causal in (True, False):
+        a = with_threads(threads, lambda: attn_ext.attention(q, k, v_alias, causal=causal, return_lse=True))
+        b = with_threads(threads, lambda: attn_ext.attention(q, k, v_plain, causal=causal, return_lse=True))
+        for x, y in zip(a, b):
+            assert torch.equal(x.isnan(), y.isnan())
+            assert torch.equal(x.nan_to_num().view(torch.int32), y.nan_to_num().view(torch.int32))
+        if causal:  # the NaN reaches the last row only
+            assert a[0][:, :-1].isfinite().all() and a[0][:, -1].isnan().all()

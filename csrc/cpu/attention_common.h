@@ -52,6 +52,25 @@ inline bool rows_read_in_place(int64_t row_stride, int64_t cols, size_t elem_siz
   return row_stride == cols || (row_stride * static_cast<int64_t>(elem_size)) % 1024 != 0;
 }
 
+// Whether rows `row_stride` elements apart, `cols` wide, alias in L1 as a gemm's B operand: the
+// zmm gemms read B in column panels of 64 floats (one 256-byte piece of each row); where rows
+// are wider than a panel and a multiple of 512 bytes apart (D = 128 fp32 in a BHSD tensor or
+// a packed tile), a panel's 96 rows fall into half of L1's 64 sets or fewer: 12 lines a set, as
+// many as it has ways, so A's and C's lines evict B's (the forward's pass 3 ran ~13 % below
+// pass 1: RESULTS.md, twentieth and twenty-fifth sessions). Such rows are packed with
+// padded_ld.
+inline bool b_rows_alias(int64_t row_stride, int64_t cols, size_t elem_size) {
+  return cols * static_cast<int64_t>(elem_size) > 256 &&
+         (row_stride * static_cast<int64_t>(elem_size)) % 512 == 0;
+}
+// The leading dimension of packed B rows of cols_p (a multiple of 8) columns: cols_p, plus one
+// 64-byte line where cols_p would alias (b_rows_alias), so that consecutive rows start one set
+// apart.
+inline int64_t padded_ld(int64_t cols_p, size_t elem_size) {
+  return b_rows_alias(cols_p, cols_p, elem_size) ? cols_p + 64 / static_cast<int64_t>(elem_size)
+                                                 : cols_p;
+}
+
 // dst[0, n) = src[0, n) converted to acc_t (fp32 for fp32/bf16/fp16, fp64 for fp64).
 template <typename scalar_t, typename acc_t>
 inline void convert_row(const scalar_t* src, int64_t n, acc_t* dst) {
@@ -121,11 +140,12 @@ bool all_finite(const acc_t* x, int64_t rows, int64_t cols, int64_t ld) {
 // 4 KiB) re-reads it from L3 each time (issue 16 item 3). Only for heads whose K plus V fit
 // the worker's share (head_rows_fit): at most kHeadRowsBytes, and all workers' shares together
 // at most kHeadRowsTotalBytes, so a call's extra memory does not grow with the thread count
-// (up to 2 workers each gets 4 MiB; at 4, 2 MiB; at 16, 512 KiB; at 64, 128 KiB). Longer
-// heads are packed tile by tile, with the same values (the conversion is exact), so the
-// choice never changes a result.
-constexpr int64_t kHeadRowsBytes = 4194304;         // 4 MiB per worker
-constexpr int64_t kHeadRowsTotalBytes = 8388608;  // 8 MiB over all workers
+// (up to 2 workers each gets 5 MiB; at 4, 2.5 MiB; at 16, 640 KiB; at 64, 160 KiB). 5 MiB
+// holds a head of 4096 keys at D = 128 fp32 with its v rows padded (padded_ld: 4096 x (128 +
+// 144) x 4 bytes = 4.25 MiB). Longer heads are packed tile by tile, with the same values (the
+// conversion is exact), so the choice never changes a result.
+constexpr int64_t kHeadRowsBytes = 5242880;         // 5 MiB per worker
+constexpr int64_t kHeadRowsTotalBytes = 10485760;  // 10 MiB over all workers
 
 // The per-worker share for a call run by `workers` threads (computed outside the parallel
 // region, where the thread count is the call's).

@@ -227,7 +227,8 @@ struct FwdScratch {
   AlignedVec<acc_t> qt;     // (D, kBlockQ): scaled q^T of the tile
   AlignedVec<acc_t> st;     // (kBlockK, kBlockQ): scores, then probabilities (transposed)
   AlignedVec<acc_t> kb;     // (kBlockK, Dp): k rows, zero-padded columns
-  AlignedVec<acc_t> vb;     // (kBlockK, Dvp): v rows, zero-padded columns
+  int64_t ldvb;             // padded_ld(Dvp): packed v rows' leading dimension
+  AlignedVec<acc_t> vb;     // (kBlockK, ldvb): v rows, zero-padded columns
   AlignedVec<acc_t> o;      // (kBlockQ, Dvp): unnormalised output accumulator
   AlignedVec<acc_t> m, l, alpha;  // (kBlockQ): running max, sum, rescale
   AlignedVec<acc_t> tmp;    // (max(D, Dv)): one converted row
@@ -262,7 +263,8 @@ struct FwdScratch {
         qt(static_cast<size_t>(std::max<int64_t>(D, 1) * kBlockQ)),
         st(static_cast<size_t>(kBlockK * kBlockQ)),
         kb(static_cast<size_t>(kBlockK * Dp), acc_t(0)),
-        vb(static_cast<size_t>(kBlockK * Dvp), acc_t(0)),
+        ldvb(padded_ld(Dvp, sizeof(acc_t))),
+        vb(static_cast<size_t>(kBlockK * ldvb), acc_t(0)),
         o(static_cast<size_t>(kBlockQ * std::max<int64_t>(Dvp, 1))),
         m(kBlockQ),
         l(kBlockQ),
@@ -423,7 +425,27 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   const int64_t i0 = qt_.i0, nq = qt_.nq;
   const bool one_head = qt_.nh == 1;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-  const bool head_rows = head_rows_fit(sq.Sk, Dp, Dvp, sizeof(acc_t), s.head_rows_budget);
+  // k / v rows read in place where they already are acc_t (k is only broadcast from, so any
+  // row stride works; v needs Dv % 8 == 0 to be a gemm B operand) and do not alias in the
+  // cache, else converted / packed (kb / vb, or the head's rows in hk / hv when those of the
+  // packed ones fit the worker's share)
+  const bool k_in_place = !s.bf16dp && std::is_same_v<scalar_t, acc_t> &&
+                          rows_read_in_place(p.k_row_stride, D, sizeof(acc_t));
+  // (v rows that alias as a B operand, b_rows_alias, are packed at the padded s.ldvb: the
+  // head's rows when they fit so, else each tile's; v rows packed anyway whose head fits only
+  // unpadded keep Dvp)
+  const bool v_dense = !s.amx_pv && std::is_same_v<scalar_t, acc_t> && Dv == Dvp &&
+                       rows_read_in_place(p.v_row_stride, Dv, sizeof(acc_t));
+  const bool v_in_place = v_dense && !b_rows_alias(p.v_row_stride, Dv, sizeof(acc_t));
+  const int64_t k_cols = k_in_place || s.bf16dp ? 0 : Dp;
+  const bool v_packed = !v_in_place && !s.amx_pv;
+  int64_t v_ld = s.ldvb;
+  bool head_rows = head_rows_fit(sq.Sk, k_cols, v_packed ? v_ld : 0, sizeof(acc_t), s.head_rows_budget);
+  if (!head_rows && v_packed && !v_dense &&
+      head_rows_fit(sq.Sk, k_cols, Dvp, sizeof(acc_t), s.head_rows_budget)) {
+    head_rows = true;
+    v_ld = Dvp;
+  }
   // v^T's pairs of the whole head (pass 3 on tiles) within the same share, next to k's rows
   // where pass 1 converts them
   // (fp16 on tiles: k's hi / lo rows and v^T's hi / lo pairs, the same bytes as fp32 rows)
@@ -443,17 +465,14 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
       if (n_valid < nk) kind = TileKind::kPartial;
     }
     const bool partial = kind == TileKind::kPartial;
-    // k and v rows in the accumulation type: read in place when they already are (k is only
-    // broadcast from, so any row stride works; v needs Dv % 8 == 0 to be a gemm B operand)
-    // and the rows do not alias in the cache, else converted / packed into kb / vb.
+    // k and v rows in the accumulation type (k_in_place / v_in_place above)
     const acc_t* kt;
     const acc_t* vt;
     int64_t ldk, ldv;
     if (s.bf16dp) {  // pass 1 reads k's bf16 rows in place (kbf below) or splits them (s.ksplit)
       kt = nullptr;
       ldk = 0;
-    } else if (std::is_same_v<scalar_t, acc_t> &&
-               rows_read_in_place(p.k_row_stride, D, sizeof(acc_t))) {
+    } else if (k_in_place) {
       kt = reinterpret_cast<const acc_t*>(kh + j0 * p.k_row_stride);
       ldk = p.k_row_stride;
     } else {
@@ -463,13 +482,12 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
     if (s.amx_pv) {  // pass 3 reads v's bf16 rows (s.vp)
       vt = nullptr;
       ldv = 0;
-    } else if (std::is_same_v<scalar_t, acc_t> && Dv == Dvp &&
-        rows_read_in_place(p.v_row_stride, Dv, sizeof(acc_t))) {
+    } else if (v_in_place) {
       vt = reinterpret_cast<const acc_t*>(vh + j0 * p.v_row_stride);
       ldv = p.v_row_stride;
     } else {
-      vt = s.hv.tile(head_rows, vh, p.v_row_stride, sq.Sk, Dv, Dvp, j0, nk, s.vb);
-      ldv = Dvp;
+      vt = s.hv.tile(head_rows, vh, p.v_row_stride, sq.Sk, Dv, v_ld, j0, nk, s.vb);
+      ldv = v_ld;
     }
     // Columns [a, b) of head block hh that see key j0 + r by the band.
     auto key_cols = [&](int64_t r) {
