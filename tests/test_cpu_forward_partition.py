@@ -85,3 +85,30 @@ def test_forward_aliasing_v_rows_packed_padded_same_bits(D, threads):
             assert torch.equal(x.nan_to_num().view(torch.int32), y.nan_to_num().view(torch.int32))
         if causal:  # the NaN reaches the last row only
             assert a[0][:, :-1].isfinite().all() and a[0][:, -1].isnan().all()
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("threads", [1, 64])
+def test_forward_bf16_aliasing_k_rows_copied_same_bits(D, threads):
+    """bf16 k rows a multiple of 1 KiB apart (BSHD with 8+ kv heads) alias as the AMX tiles' /
+    pair products' operands read in place, so the forward copies them D apart first
+    (rows16_alias / HeadRows16 in attention_fwd.cpp: the head's rows at 1 thread, the asked
+    rows each time at 64). The same values at a stride that does not alias give the same bits,
+    with a causal band, a window and a NaN in a hidden key's k."""
+    torch.manual_seed(3)
+    B, H, Hkv, S = 1, 16, 8, 260
+    q = torch.randn(B, S, H, D).bfloat16()
+    k = torch.randn(B, S, Hkv, D).bfloat16()
+    v = torch.randn(B, S, Hkv, D).bfloat16()
+    k[:, S - 1, :, 0] = float("nan")  # seen by the last row only (causal)
+    wide = torch.zeros(B, S, Hkv * D + 32, dtype=torch.bfloat16)
+    wide[..., :Hkv * D] = k.reshape(B, S, Hkv * D)
+    k_plain = wide[..., :Hkv * D].unflatten(-1, (Hkv, D))
+    assert k.stride(1) * 2 % 1024 == 0 and k_plain.stride(1) * 2 % 1024 != 0
+    for kw in (dict(causal=True), dict(causal=True, window=(100, 0))):
+        a = with_threads(threads, lambda: attn_ext.attention(q, k, v, return_lse=True, **kw))
+        b = with_threads(threads, lambda: attn_ext.attention(q, k_plain, v, return_lse=True, **kw))
+        for x, y in zip(a, b):
+            assert torch.equal(x.isnan(), y.isnan())
+            assert torch.equal(x.float().nan_to_num().view(torch.int32), y.float().nan_to_num().view(torch.int32))
+        assert a[0][:, :-1].isfinite().all() and a[0][:, -1].isnan().all()

@@ -64,6 +64,14 @@ inline bool b_rows_alias(int64_t row_stride, int64_t cols, size_t elem_size) {
   return cols * static_cast<int64_t>(elem_size) > 256 &&
          (row_stride * static_cast<int64_t>(elem_size)) % 512 == 0;
 }
+// Whether 16-bit rows (bf16 / fp16) `row_stride` elements apart, `cols` wide, alias as the AMX
+// tiles' / pair products' operands read in place: not dense and a multiple of 1 KiB apart (a
+// BSHD tensor of 8+ heads), so a tile's 16 rows fall into one or two L1 sets. The forward
+// copies such k rows `cols` apart first (HeadRows16 in attention_fwd.cpp). (The backward reads
+// them in place: copying its key tiles' k / v rows per visit changed nothing measurable.)
+inline bool rows16_alias(int64_t row_stride, int64_t cols) {
+  return row_stride != cols && (row_stride * 2) % 1024 == 0;
+}
 // The leading dimension of packed B rows of cols_p (a multiple of 8) columns: cols_p, plus one
 // 64-byte line where cols_p would alias (b_rows_alias), so that consecutive rows start one set
 // apart.

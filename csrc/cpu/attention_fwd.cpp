@@ -221,6 +221,49 @@ struct HeadSplit {
   }
 };
 
+// k's bf16 rows of one head copied D apart, for pass 1 on the pairs / tiles where the rows lie
+// a multiple of 1 KiB apart in place (a BSHD cache: H * D * 2 bytes, 2 KiB at 16 heads of 64 or
+// 8 of 128): the tiles' 16-row loads put such rows into one or two L1 sets, 16 rows a set for a
+// 2 x 2 block, more than its 12 ways (RESULTS.md, twenty-fifth session). The whole head by
+// 32-row blocks on first use when it fits the head-rows share, else the rows asked for, each
+// time. The same values, so the same scores.
+struct HeadRows16 {
+  const void* src = nullptr;
+  AlignedVec<uint16_t> rows;  // (n + 32, D) or (nr + 32, D): rows past the asked ones unused
+  std::vector<uint8_t> done;
+
+  // rows [r0, r0 + nr) of the head at `head` (n rows of D): D apart
+  const uint16_t* get(bool whole, const uint16_t* head, int64_t row_stride, int64_t n, int64_t D,
+                      int64_t r0, int64_t nr) {
+    auto copy = [&](int64_t a, int64_t b, int64_t at) {
+      for (int64_t r = a; r < b; ++r) {
+        std::memcpy(rows.data() + (r - at) * D, head + r * row_stride,
+                    static_cast<size_t>(D) * sizeof(uint16_t));
+      }
+    };
+    if (!whole) {
+      const size_t need = static_cast<size_t>((nr + 32) * D);
+      if (rows.size() < need) rows.resize(need);
+      src = nullptr;  // (the buffer holds these rows only now)
+      copy(r0, r0 + nr, r0);
+      return rows.data();
+    }
+    const int64_t nb = ceil_div(n, 32);
+    if (head != src || static_cast<size_t>(nb) > done.size()) {
+      src = head;
+      const size_t need = static_cast<size_t>((n + 32) * D);
+      if (rows.size() < need) rows.resize(need);
+      done.assign(static_cast<size_t>(nb), 0);
+    }
+    for (int64_t blk = r0 / 32; blk < ceil_div(r0 + nr, 32); ++blk) {
+      if (done[blk]) continue;
+      copy(32 * blk, std::min<int64_t>(n, 32 * blk + 32), 0);
+      done[blk] = 1;
+    }
+    return rows.data() + r0 * D;
+  }
+};
+
 template <typename acc_t>
 struct FwdScratch {
   int64_t Dp, Dvp;
@@ -252,6 +295,7 @@ struct FwdScratch {
   // of the four hi / lo terms in one chain
   bool split = false;
   HeadSplit ksplit;                     // k's rows split
+  HeadRows16 k16;                       // k's bf16 rows D apart (bf16dp where they alias)
   AlignedVec<uint16_t> rhi, rlo;        // (kBlockQ, D): the tile's q rows split
 
   // the lo parts' pairs of the probabilities (split), after pp's (C16: the tile's column count)
@@ -454,6 +498,11 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
       s.amx_pv && (s.bf16dp ? split_k_bytes : sq.Sk * Dp * int64_t(sizeof(acc_t))) +
                           Dv * round_up(sq.Sk, 32) * (s.split ? 4 : 2) <= s.head_rows_budget;
   const bool k_whole = vp_whole;
+  // bf16 k rows a multiple of 1 KiB apart (and not dense): copied D apart first (HeadRows16),
+  // the head's when they fit the share next to v^T's pairs
+  const bool k16 = s.bf16dp && !s.split && rows16_alias(p.k_row_stride, D);
+  const bool k16_whole = sq.Sk * D * 2 + (s.amx_pv ? Dv * round_up(sq.Sk, 32) * 2 : 0) <=
+                         s.head_rows_budget;
   for (int64_t j0 = kbeg; j0 < kend; j0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, kend - j0);
     TileKind kind = vis.classify(sq, i0, i0 + nq, j0, j0 + nk);
@@ -510,8 +559,15 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
           return;
         }
         if (s.bf16dp) {
-          mk::scores_pairs(s.amx, rows, n, D, kbf + r0 * p.k_row_stride, p.k_row_stride,
-                           s.qp.data() + c0, C, qscale, s.st.data() + r0 * C + c0, C);
+          const uint16_t* ka = kbf + r0 * p.k_row_stride;
+          int64_t lda = p.k_row_stride;
+          if (k16) {
+            ka = s.k16.get(k16_whole, reinterpret_cast<const uint16_t*>(kh), p.k_row_stride, sq.Sk,
+                           D, j0 + r0, rows);
+            lda = D;
+          }
+          mk::scores_pairs(s.amx, rows, n, D, ka, lda, s.qp.data() + c0, C, qscale,
+                           s.st.data() + r0 * C + c0, C);
           return;
         }
       }
