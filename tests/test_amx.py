@@ -180,12 +180,12 @@ def test_amx_hidden_non_finite_k_leaves_every_other_gradient_bitwise_alone(bad, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_amx_long_heads_packed_per_tile(dtype):
-    """At 16 threads each worker's head-rows share is 512 KiB, so a head of 5000 keys (v^T's pairs:
-    640 KiB at Dv = 64) is packed key tile by key tile instead of once (HeadPairs, whole = false;
+    """At 16 threads each worker's head-rows share is 640 KiB, so a head of 6000 keys (v^T's pairs:
+    752 KiB at Dv = 64) is packed key tile by key tile instead of once (HeadPairs, whole = false;
     fp16: k's hi / lo rows too, HeadSplit), and the few query tiles run split-KV (chunks that
     start off the 32-key blocks); the backward's k^T pairs come per key tile either way. All
     against the textbook."""
-    q, k, v = (t.to(dtype) for t in _qkv(1, 100, 5000, 2, 2, 64, 64, 31))
+    q, k, v = (t.to(dtype) for t in _qkv(1, 100, 6000, 2, 2, 64, 64, 31))
 
     def run():
         assert attn_ext.explain(q, k, v).forward == "cpu.split_kv"

@@ -96,7 +96,7 @@ def test_forward_bf16_aliasing_k_rows_copied_same_bits(D, threads):
     rows each time at 64). The same values at a stride that does not alias give the same bits,
     with a causal band, a window and a NaN in a hidden key's k."""
     torch.manual_seed(3)
-    B, H, Hkv, S = 1, 16, 8, 260
+    B, H, Hkv, S = 1, 16, 8, 700  # (at 64 threads a head's k rows and v^T pairs exceed the 160 KiB share)
     q = torch.randn(B, S, H, D).bfloat16()
     k = torch.randn(B, S, Hkv, D).bfloat16()
     v = torch.randn(B, S, Hkv, D).bfloat16()
@@ -112,3 +112,41 @@ def test_forward_bf16_aliasing_k_rows_copied_same_bits(D, threads):
             assert torch.equal(x.isnan(), y.isnan())
             assert torch.equal(x.float().nan_to_num().view(torch.int32), y.float().nan_to_num().view(torch.int32))
         assert a[0][:, :-1].isfinite().all() and a[0][:, -1].isnan().all()
+
+
+@pytest.mark.parametrize("dtype,D,lens,expand", [
+    (torch.float32, 128, [9500, 9000], "v"),   # padded v rows (HeadRows ld) then Dvp rows
+    (torch.float32, 128, [5000, 4500], "kv"),
+    (torch.bfloat16, 64, [40, 50], "k"),       # HeadRows16: a longer head in the same block
+    (torch.bfloat16, 64, [40, 60, 50], "k"),
+    (torch.bfloat16, 64, [200, 100], "v"),     # HeadPairs (v^T pairs)
+    (torch.float16, 64, [40, 50], "kv"),       # HeadSplit / HeadPairs split
+])
+def test_forward_head_caches_keyed_by_length(dtype, D, lens, expand):
+    """The forward's per-worker head caches (HeadRows, HeadRows16, HeadSplit, HeadPairs) are
+    keyed by the head's first row; packed sequences over k / v rows of stride 0 (expand) give
+    every sequence the same first row with another length, so a cache must also be keyed by
+    the length (and HeadRows by its leading dimension), else a shorter or longer sequence reads
+    rows laid out for the other one (review of stop 44: wrong values, and a read past the
+    buffer). Against the same call on contiguous copies."""
+    torch.manual_seed(4)
+    H = 1
+    Tk = sum(lens)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    nq = 64
+    cu_q = torch.arange(0, nq * (len(lens) + 1), nq, dtype=torch.int32)
+    q = torch.randn(nq * len(lens), H, D).to(dtype)
+    k = torch.randn(Tk, H, D).to(dtype)
+    v = torch.randn(Tk, H, D).to(dtype)
+    if "k" in expand:
+        k = torch.randn(1, H, D).to(dtype).expand(Tk, H, D)
+    if "v" in expand:
+        v = torch.randn(1, H, D).to(dtype).expand(Tk, H, D)
+
+    def call(kk, vv):
+        return attn_ext.attention_varlen(q, kk, vv, cu_q, cu_k, nq, max(lens), causal=False)
+
+    got = with_threads(1, lambda: call(k, v))
+    want = with_threads(1, lambda: call(k.contiguous(), v.contiguous()))
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2 if dtype != torch.float32 else 1e-5,
+                               atol=2e-2 if dtype != torch.float32 else 1e-5)

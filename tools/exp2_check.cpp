@@ -12,8 +12,8 @@
 // (masked scores), NaN stays NaN, 2^-1 = 0.5. Where the CPU has AVX-512 (cpu::avx512_enabled()),
 // also checks that cpu::exp2_ps512 gives exp2_ps's bits on every stride-th of the 2^32 bit
 // patterns (default 1: all of them, ~25 s; NaN against NaN of any payload), with and without
-// FTZ / DAZ, and on every pattern in [-127, -126] and its negatives' neighbourhood of 0 (the
-// zero mask's edge, denormal results). Exits 1 if the error reaches 1 ulp, a special value is
+// FTZ / DAZ, and on every pattern in [-127, -126] (the zero mask's edge and the denormal
+// results). Exits 1 if the error reaches 1 ulp, a special value is
 // wrong or a bit differs, 2 without AVX2 / FMA.
 #include <cmath>
 #include <cstdint>

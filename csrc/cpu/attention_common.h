@@ -199,6 +199,7 @@ inline void prefetch_range(const void* p, int64_t bytes) {
 template <typename acc_t>
 struct HeadRows {
   const void* src = nullptr;  // the head's first row (identifies the head within one call)
+  int64_t n_ = -1, ld_ = -1;  // its rows and their leading dimension
   AlignedVec<acc_t> rows;     // (n + 8, ld): padding columns stay zero; the 8 rows past n
                               // (any values: a shorter head may follow a longer one) are read
                               // only by the decode-order scores of the backward, whose results
@@ -210,10 +211,15 @@ struct HeadRows {
   template <typename scalar_t>
   const acc_t* get(const scalar_t* head, int64_t row_stride, int64_t n, int64_t cols, int64_t ld,
                    int64_t j0, int64_t nk) {
-    if (head != src || static_cast<size_t>(n) > done.size()) {
-      src = head;
+    // (keyed by the head's first row, its length and the leading dimension: the same first row
+    // may come back with another length, e.g. packed sequences over rows of stride 0, and a
+    // layout change leaves no stale values in the padding columns)
+    if (head != src || n != n_ || ld != ld_) {
       const size_t need = static_cast<size_t>((n + 8) * ld);
-      if (rows.size() < need) rows.assign(need, acc_t(0));
+      if (rows.size() < need || ld != ld_) rows.assign(std::max(need, rows.size()), acc_t(0));
+      src = head;
+      n_ = n;
+      ld_ = ld;
       done.assign(static_cast<size_t>(n), 0);
     }
     const int64_t row_bytes = cols * static_cast<int64_t>(sizeof(scalar_t));

@@ -114,6 +114,7 @@ constexpr int64_t kAmxKeyRows = round_up(kBlockK + 62, 32);
 // there and of their lo parts in vt_lo / tile_lo (mk::split_fp16), at the same places.
 struct HeadPairs {
   const void* src = nullptr;  // the head's first row (identifies the head within one call)
+  int64_t n_ = -1;            // its rows
   bool split = false;
   AlignedVec<uint32_t> vt, vt_lo;      // whole head
   AlignedVec<uint32_t> tile, tile_lo;  // (Dv, kAmxKeyRows / 2): one key tile's blocks (sized by
@@ -155,8 +156,9 @@ struct HeadPairs {
     // (a row stride that is a multiple of 4 KiB would put a tile's 16 rows in one L1 set: one
     // more cache line of padding then, outside the share's count: Dv lines)
     const int64_t ld_whole = 16 * nb + (16 * nb * 4 % 4096 == 0 ? 16 : 0);
-    if (head != src || static_cast<size_t>(nb) > done.size()) {
+    if (head != src || n != n_) {  // (the same first row may come back with another length)
       src = head;
+      n_ = n;
       const size_t words = static_cast<size_t>(Dv * ld_whole);
       if (vt.size() < words) vt.resize(words);
       if (split && vt_lo.size() < words) vt_lo.resize(words);
@@ -178,6 +180,7 @@ struct HeadPairs {
 // else one key tile's rows.
 struct HeadSplit {
   const void* src = nullptr;
+  int64_t n_ = -1;  // the head's rows
   AlignedVec<uint16_t> hi, lo;  // whole head, or one key tile (kBlockK, D)
   std::vector<uint8_t> done;
 
@@ -202,8 +205,9 @@ struct HeadSplit {
       return hi.data();
     }
     const int64_t nb = ceil_div(n, 32);
-    if (head != src || static_cast<size_t>(nb) > done.size()) {
+    if (head != src || n != n_) {  // (the same first row may come back with another length)
       src = head;
+      n_ = n;
       const size_t need = static_cast<size_t>(n * D);
       if (hi.size() < need) {
         hi.resize(need);
@@ -229,6 +233,7 @@ struct HeadSplit {
 // time. The same values, so the same scores.
 struct HeadRows16 {
   const void* src = nullptr;
+  int64_t n_ = -1;  // the head's rows
   AlignedVec<uint16_t> rows;  // (n + 32, D) or (nr + 32, D): rows past the asked ones unused
   std::vector<uint8_t> done;
 
@@ -249,8 +254,9 @@ struct HeadRows16 {
       return rows.data();
     }
     const int64_t nb = ceil_div(n, 32);
-    if (head != src || static_cast<size_t>(nb) > done.size()) {
+    if (head != src || n != n_) {  // (the same first row may come back with another length)
       src = head;
+      n_ = n;
       const size_t need = static_cast<size_t>((n + 32) * D);
       if (rows.size() < need) rows.resize(need);
       done.assign(static_cast<size_t>(nb), 0);
@@ -501,8 +507,9 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   // bf16 k rows a multiple of 1 KiB apart (and not dense): copied D apart first (HeadRows16),
   // the head's when they fit the share next to v^T's pairs
   const bool k16 = s.bf16dp && !s.split && rows16_alias(p.k_row_stride, D);
-  const bool k16_whole = sq.Sk * D * 2 + (s.amx_pv ? Dv * round_up(sq.Sk, 32) * 2 : 0) <=
-                         s.head_rows_budget;
+  const int64_t v_share = s.amx_pv ? Dv * round_up(sq.Sk, 32) * 2  // v^T's pairs, or v's rows
+                                   : (v_packed && head_rows ? sq.Sk * v_ld * int64_t(sizeof(acc_t)) : 0);
+  const bool k16_whole = sq.Sk * D * 2 + v_share <= s.head_rows_budget;
   for (int64_t j0 = kbeg; j0 < kend; j0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, kend - j0);
     TileKind kind = vis.classify(sq, i0, i0 + nq, j0, j0 + nk);
