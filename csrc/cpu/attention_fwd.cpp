@@ -175,14 +175,40 @@ struct HeadPairs {
   }
 };
 
+// The 32-row blocks of one head's rows converted on first use (HeadSplit, HeadRows16): keyed by
+// the head's first row and its length (packed sequences over rows of stride 0 give every
+// sequence the same first row with another length).
+struct HeadBlocks {
+  const void* src = nullptr;
+  int64_t n = -1;
+  std::vector<uint8_t> done;
+
+  // Whether the blocks were reset for the head at `head` of `rows` rows (then its buffers are
+  // to be sized for it).
+  bool start(const void* head, int64_t rows) {
+    if (head == src && rows == n) return false;
+    src = head;
+    n = rows;
+    done.assign(static_cast<size_t>(ceil_div(rows, 32)), 0);
+    return true;
+  }
+  // fill(a, b) for the rows of each block of rows [r0, r0 + nr) not converted yet
+  template <typename F>
+  void fill(int64_t r0, int64_t nr, F&& f) {
+    for (int64_t blk = r0 / 32; blk < ceil_div(r0 + nr, 32); ++blk) {
+      if (done[blk]) continue;
+      f(32 * blk, std::min<int64_t>(n, 32 * blk + 32));
+      done[blk] = 1;
+    }
+  }
+};
+
 // k's rows of one head split into bf16 hi / lo rows (mk::split_fp16; the fp16 scores on tiles),
 // by 32-row blocks on first use: the whole head (n, D) each when it fits the head-rows share,
 // else one key tile's rows.
 struct HeadSplit {
-  const void* src = nullptr;
-  int64_t n_ = -1;  // the head's rows
+  HeadBlocks blocks;
   AlignedVec<uint16_t> hi, lo;  // whole head, or one key tile (kBlockK, D)
-  std::vector<uint8_t> done;
 
   // rows [r0, r0 + nr) of the head at `head` (n rows of D): their hi rows (D apart), *lo_out
   // the lo rows'.
@@ -193,33 +219,22 @@ struct HeadSplit {
       mk::split_fp16_rows(head + a * row_stride, row_stride, b - a, D, hi.data() + (a - at) * D,
                           lo.data() + (a - at) * D, D);
     };
-    if (!whole) {
-      const size_t need = static_cast<size_t>(nr * D);
+    auto size_for = [&](int64_t rows) {
+      const size_t need = static_cast<size_t>(rows * D);
       if (hi.size() < need) {
         hi.resize(need);
         lo.resize(need);
       }
-      src = nullptr;  // (the buffers hold a tile now)
+    };
+    if (!whole) {
+      size_for(nr);
+      blocks.src = nullptr;  // (the buffers hold a tile now)
       split_rows(r0, r0 + nr, r0);
       *lo_out = lo.data();
       return hi.data();
     }
-    const int64_t nb = ceil_div(n, 32);
-    if (head != src || n != n_) {  // (the same first row may come back with another length)
-      src = head;
-      n_ = n;
-      const size_t need = static_cast<size_t>(n * D);
-      if (hi.size() < need) {
-        hi.resize(need);
-        lo.resize(need);
-      }
-      done.assign(static_cast<size_t>(nb), 0);
-    }
-    for (int64_t blk = r0 / 32; blk < ceil_div(r0 + nr, 32); ++blk) {
-      if (done[blk]) continue;
-      split_rows(32 * blk, std::min<int64_t>(n, 32 * blk + 32), 0);
-      done[blk] = 1;
-    }
+    if (blocks.start(head, n)) size_for(n);
+    blocks.fill(r0, nr, [&](int64_t a, int64_t b) { split_rows(a, b, 0); });
     *lo_out = lo.data() + r0 * D;
     return hi.data() + r0 * D;
   }
@@ -232,40 +247,31 @@ struct HeadSplit {
 // 32-row blocks on first use when it fits the head-rows share, else the rows asked for, each
 // time. The same values, so the same scores.
 struct HeadRows16 {
-  const void* src = nullptr;
-  int64_t n_ = -1;  // the head's rows
+  HeadBlocks blocks;
   AlignedVec<uint16_t> rows;  // (n + 32, D) or (nr + 32, D): rows past the asked ones unused
-  std::vector<uint8_t> done;
 
   // rows [r0, r0 + nr) of the head at `head` (n rows of D): D apart
   const uint16_t* get(bool whole, const uint16_t* head, int64_t row_stride, int64_t n, int64_t D,
                       int64_t r0, int64_t nr) {
+    // rows [a, b) to rows from row a - at on
     auto copy = [&](int64_t a, int64_t b, int64_t at) {
       for (int64_t r = a; r < b; ++r) {
         std::memcpy(rows.data() + (r - at) * D, head + r * row_stride,
                     static_cast<size_t>(D) * sizeof(uint16_t));
       }
     };
-    if (!whole) {
-      const size_t need = static_cast<size_t>((nr + 32) * D);
+    auto size_for = [&](int64_t n_rows) {
+      const size_t need = static_cast<size_t>((n_rows + 32) * D);
       if (rows.size() < need) rows.resize(need);
-      src = nullptr;  // (the buffer holds these rows only now)
+    };
+    if (!whole) {
+      size_for(nr);
+      blocks.src = nullptr;  // (the buffer holds these rows only now)
       copy(r0, r0 + nr, r0);
       return rows.data();
     }
-    const int64_t nb = ceil_div(n, 32);
-    if (head != src || n != n_) {  // (the same first row may come back with another length)
-      src = head;
-      n_ = n;
-      const size_t need = static_cast<size_t>((n + 32) * D);
-      if (rows.size() < need) rows.resize(need);
-      done.assign(static_cast<size_t>(nb), 0);
-    }
-    for (int64_t blk = r0 / 32; blk < ceil_div(r0 + nr, 32); ++blk) {
-      if (done[blk]) continue;
-      copy(32 * blk, std::min<int64_t>(n, 32 * blk + 32), 0);
-      done[blk] = 1;
-    }
+    if (blocks.start(head, n)) size_for(n);
+    blocks.fill(r0, nr, [&](int64_t a, int64_t b) { copy(a, b, 0); });
     return rows.data() + r0 * D;
   }
 };
