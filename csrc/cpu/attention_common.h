@@ -196,48 +196,77 @@ inline void prefetch_range(const void* p, int64_t bytes) {
   }
 }
 
+// What a per-worker head cache (HeadRows below; the forward's HeadPairs, HeadSplit and
+// HeadRows16) holds: the head it was filled for and which blocks of `block` rows are done.
+// Keyed by the head's first row, its length and the layout the owner keeps the rows in: the
+// same first row may come back with another length (packed sequences over rows of stride 0
+// give every sequence the same first row), and a head must not be read at another layout than
+// it was filled at. done: 0 not yet, else the owner's state (1; or 1 / 2, finite or not).
+struct HeadBlocks {
+  const void* src = nullptr;
+  int64_t n = -1, block = 1, layout = -1;
+  std::vector<uint8_t> done;
+
+  // Whether the cache was reset for the head at `head` of `rows` rows (the owner then sizes
+  // its buffers for it).
+  bool start(const void* head, int64_t rows, int64_t blk, int64_t lay = 0) {
+    if (head == src && rows == n && blk == block && lay == layout) return false;
+    src = head;
+    n = rows;
+    block = blk;
+    layout = lay;
+    done.assign(static_cast<size_t>(ceil_div(rows, blk)), 0);
+    return true;
+  }
+  // The owner's buffers hold something else now (one key tile's rows).
+  void drop() { src = nullptr; }
+  // For each block of rows [r0, r0 + nr) not done yet: its state = f(first row, end row).
+  template <typename F>
+  void fill(int64_t r0, int64_t nr, F&& f) {
+    // (locals: the stores to done may alias the members, which would be reloaded, and the
+    // bound divided again, on every block)
+    const int64_t bs = block, rows = n, end = ceil_div(r0 + nr, bs);
+    uint8_t* d = done.data();
+    for (int64_t blk = r0 / bs; blk < end; ++blk) {
+      if (!d[blk]) d[blk] = f(bs * blk, std::min<int64_t>(rows, bs * blk + bs));
+    }
+  }
+};
+
 template <typename acc_t>
 struct HeadRows {
-  const void* src = nullptr;  // the head's first row (identifies the head within one call)
-  int64_t n_ = -1, ld_ = -1;  // its rows and their leading dimension
+  HeadBlocks blocks;          // rows one at a time (done[r]: 1 converted and finite, 2 not
+                              // finite), laid out at ld
   AlignedVec<acc_t> rows;     // (n + 8, ld): padding columns stay zero; the 8 rows past n
                               // (any values: a shorter head may follow a longer one) are read
                               // only by the decode-order scores of the backward, whose results
                               // for them are dropped
-  std::vector<uint8_t> done;  // (n): 0 not converted, 1 converted and finite, 2 not finite
   bool check_finite = true;   // false: finite() is not asked (1 means converted only)
 
   // Rows [j0, j0 + nk) of the head starting at `head` (n rows), (nk, ld).
   template <typename scalar_t>
   const acc_t* get(const scalar_t* head, int64_t row_stride, int64_t n, int64_t cols, int64_t ld,
                    int64_t j0, int64_t nk) {
-    // (keyed by the head's first row, its length and the leading dimension: the same first row
-    // may come back with another length, e.g. packed sequences over rows of stride 0, and a
-    // layout change leaves no stale values in the padding columns)
-    if (head != src || n != n_ || ld != ld_) {
+    const bool relayout = ld != blocks.layout;  // (no stale values left in padding columns)
+    if (blocks.start(head, n, 1, ld)) {
       const size_t need = static_cast<size_t>((n + 8) * ld);
-      if (rows.size() < need || ld != ld_) rows.assign(std::max(need, rows.size()), acc_t(0));
-      src = head;
-      n_ = n;
-      ld_ = ld;
-      done.assign(static_cast<size_t>(n), 0);
+      if (rows.size() < need || relayout) rows.assign(std::max(need, rows.size()), acc_t(0));
     }
     const int64_t row_bytes = cols * static_cast<int64_t>(sizeof(scalar_t));
-    for (int64_t r = j0; r < j0 + nk; ++r) {
-      if (done[r]) continue;
+    blocks.fill(j0, nk, [&](int64_t r, int64_t) -> uint8_t {
       // rows at a large stride lie in different pages, which the hardware prefetchers do not
       // follow: ask for the row 8 ahead (several misses in flight instead of one)
       if (r + 8 < n) prefetch_range(head + (r + 8) * row_stride, row_bytes);
       acc_t* dst = rows.data() + r * ld;
       convert_row(head + r * row_stride, cols, dst);
-      done[r] = !check_finite || all_finite(dst, 1, cols, ld) ? 1 : 2;
-    }
+      return !check_finite || all_finite(dst, 1, cols, ld) ? 1 : 2;
+    });
     return rows.data() + j0 * ld;
   }
   // Rows [j0, j0 + nk), converted by get(), are all finite.
   bool finite(int64_t j0, int64_t nk) const {
     for (int64_t r = j0; r < j0 + nk; ++r)
-      if (done[r] != 1) return false;
+      if (blocks.done[r] != 1) return false;
     return true;
   }
   // The key tile [j0, j0 + nk) of the head at `head` as (nk, ld) rows: from this head's rows

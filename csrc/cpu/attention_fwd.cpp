@@ -113,14 +113,12 @@ constexpr int64_t kAmxKeyRows = round_up(kBlockK + 62, 32);
 // blocks of each key tile into `tile` alone. fp16 (`split`): the pairs of the values' hi parts
 // there and of their lo parts in vt_lo / tile_lo (mk::split_fp16), at the same places.
 struct HeadPairs {
-  const void* src = nullptr;  // the head's first row (identifies the head within one call)
-  int64_t n_ = -1;            // its rows
+  HeadBlocks blocks;  // by 32-key blocks: 1 packed and finite, 2 not finite
   bool split = false;
   AlignedVec<uint32_t> vt, vt_lo;      // whole head
   AlignedVec<uint32_t> tile, tile_lo;  // (Dv, kAmxKeyRows / 2): one key tile's blocks (sized by
                                        // the scratch)
   AlignedVec<uint16_t> rhi, rlo;       // (32, Dv): one block's rows split (split)
-  std::vector<uint8_t> done;  // per block: 0 not packed, 1 finite, 2 not finite
 
   // Blocks [b0, b1) of the head at `head` (n rows of Dv): returns v^T's column of key pair
   // 16 b0 (and the lo parts' in *lo, split) and sets *ld (words) and *finite (no inf / NaN in
@@ -156,50 +154,19 @@ struct HeadPairs {
     // (a row stride that is a multiple of 4 KiB would put a tile's 16 rows in one L1 set: one
     // more cache line of padding then, outside the share's count: Dv lines)
     const int64_t ld_whole = 16 * nb + (16 * nb * 4 % 4096 == 0 ? 16 : 0);
-    if (head != src || n != n_) {  // (the same first row may come back with another length)
-      src = head;
-      n_ = n;
+    if (blocks.start(head, n, 32)) {
       const size_t words = static_cast<size_t>(Dv * ld_whole);
       if (vt.size() < words) vt.resize(words);
       if (split && vt_lo.size() < words) vt_lo.resize(words);
-      done.assign(static_cast<size_t>(nb), 0);
     }
     *ld = ld_whole;
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      if (!done[blk]) done[blk] = pack(blk, vt.data(), vt_lo.data(), blk) ? 1 : 2;
-      fin = fin && done[blk] == 1;
-    }
+    blocks.fill(32 * b0, 32 * (b1 - b0), [&](int64_t a, int64_t) -> uint8_t {
+      return pack(a / 32, vt.data(), vt_lo.data(), a / 32) ? 1 : 2;
+    });
+    for (int64_t blk = b0; blk < b1; ++blk) fin = fin && blocks.done[blk] == 1;
     *finite = fin;
     if (lo != nullptr) *lo = vt_lo.data() + 16 * b0;
     return vt.data() + 16 * b0;
-  }
-};
-
-// The 32-row blocks of one head's rows converted on first use (HeadSplit, HeadRows16): keyed by
-// the head's first row and its length (packed sequences over rows of stride 0 give every
-// sequence the same first row with another length).
-struct HeadBlocks {
-  const void* src = nullptr;
-  int64_t n = -1;
-  std::vector<uint8_t> done;
-
-  // Whether the blocks were reset for the head at `head` of `rows` rows (then its buffers are
-  // to be sized for it).
-  bool start(const void* head, int64_t rows) {
-    if (head == src && rows == n) return false;
-    src = head;
-    n = rows;
-    done.assign(static_cast<size_t>(ceil_div(rows, 32)), 0);
-    return true;
-  }
-  // fill(a, b) for the rows of each block of rows [r0, r0 + nr) not converted yet
-  template <typename F>
-  void fill(int64_t r0, int64_t nr, F&& f) {
-    for (int64_t blk = r0 / 32; blk < ceil_div(r0 + nr, 32); ++blk) {
-      if (done[blk]) continue;
-      f(32 * blk, std::min<int64_t>(n, 32 * blk + 32));
-      done[blk] = 1;
-    }
   }
 };
 
@@ -228,13 +195,16 @@ struct HeadSplit {
     };
     if (!whole) {
       size_for(nr);
-      blocks.src = nullptr;  // (the buffers hold a tile now)
+      blocks.drop();  // (the buffers hold a tile now)
       split_rows(r0, r0 + nr, r0);
       *lo_out = lo.data();
       return hi.data();
     }
-    if (blocks.start(head, n)) size_for(n);
-    blocks.fill(r0, nr, [&](int64_t a, int64_t b) { split_rows(a, b, 0); });
+    if (blocks.start(head, n, 32)) size_for(n);
+    blocks.fill(r0, nr, [&](int64_t a, int64_t b) -> uint8_t {
+      split_rows(a, b, 0);
+      return 1;
+    });
     *lo_out = lo.data() + r0 * D;
     return hi.data() + r0 * D;
   }
@@ -266,12 +236,15 @@ struct HeadRows16 {
     };
     if (!whole) {
       size_for(nr);
-      blocks.src = nullptr;  // (the buffer holds these rows only now)
+      blocks.drop();  // (the buffer holds these rows only now)
       copy(r0, r0 + nr, r0);
       return rows.data();
     }
-    if (blocks.start(head, n)) size_for(n);
-    blocks.fill(r0, nr, [&](int64_t a, int64_t b) { copy(a, b, 0); });
+    if (blocks.start(head, n, 32)) size_for(n);
+    blocks.fill(r0, nr, [&](int64_t a, int64_t b) -> uint8_t {
+      copy(a, b, 0);
+      return 1;
+    });
     return rows.data() + r0 * D;
   }
 };
