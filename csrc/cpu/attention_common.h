@@ -220,6 +220,27 @@ struct HeadBlocks {
   }
   // The owner's buffers hold something else now (one key tile's rows).
   void drop() { src = nullptr; }
+  // Rows [r0, r0 + nr) of a head kept by 32-row blocks on first use (the forward's HeadSplit,
+  // HeadRows16): when `whole`, the head's rows (size_for(n) on a new head, convert(a, b, 0) for
+  // the blocks not done); else only the asked rows (size_for(nr), convert(r0, r0 + nr, r0)).
+  // convert(a, b, at) puts rows [a, b) at the owner's rows a - at on. Returns the owner's row
+  // of r0.
+  template <typename SizeFor, typename Convert>
+  int64_t rows_of(bool whole, const void* head, int64_t n, int64_t r0, int64_t nr,
+                  SizeFor&& size_for, Convert&& convert) {
+    if (!whole) {
+      size_for(nr);
+      drop();
+      convert(r0, r0 + nr, r0);
+      return 0;
+    }
+    if (start(head, n, 32)) size_for(n);
+    fill(r0, nr, [&](int64_t a, int64_t b) -> uint8_t {
+      convert(a, b, 0);
+      return 1;
+    });
+    return r0;
+  }
   // For each block of rows [r0, r0 + nr) not done yet: its state = f(first row, end row).
   template <typename F>
   void fill(int64_t r0, int64_t nr, F&& f) {

@@ -193,20 +193,9 @@ struct HeadSplit {
         lo.resize(need);
       }
     };
-    if (!whole) {
-      size_for(nr);
-      blocks.drop();  // (the buffers hold a tile now)
-      split_rows(r0, r0 + nr, r0);
-      *lo_out = lo.data();
-      return hi.data();
-    }
-    if (blocks.start(head, n, 32)) size_for(n);
-    blocks.fill(r0, nr, [&](int64_t a, int64_t b) -> uint8_t {
-      split_rows(a, b, 0);
-      return 1;
-    });
-    *lo_out = lo.data() + r0 * D;
-    return hi.data() + r0 * D;
+    const int64_t at = blocks.rows_of(whole, head, n, r0, nr, size_for, split_rows);  // (may resize)
+    *lo_out = lo.data() + at * D;
+    return hi.data() + at * D;
   }
 };
 
@@ -234,18 +223,8 @@ struct HeadRows16 {
       const size_t need = static_cast<size_t>((n_rows + 32) * D);
       if (rows.size() < need) rows.resize(need);
     };
-    if (!whole) {
-      size_for(nr);
-      blocks.drop();  // (the buffer holds these rows only now)
-      copy(r0, r0 + nr, r0);
-      return rows.data();
-    }
-    if (blocks.start(head, n, 32)) size_for(n);
-    blocks.fill(r0, nr, [&](int64_t a, int64_t b) -> uint8_t {
-      copy(a, b, 0);
-      return 1;
-    });
-    return rows.data() + r0 * D;
+    const int64_t at = blocks.rows_of(whole, head, n, r0, nr, size_for, copy);  // (may resize)
+    return rows.data() + at * D;
   }
 };
 
