@@ -475,6 +475,7 @@ ATTN_EXT_AMX void softmax_pairs_amx(float* st, int64_t ld, int64_t rows, int64_t
                                     float* alpha, uint32_t* pp, uint32_t* pp_lo, int64_t ldp) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 log2e = _mm512_set1_ps(1.4426950408889634f);
+  alignas(64) float mxs[96];  // pass 1's maxima of the current 96 columns
   for (int64_t c = 0; c < ldp; c += 16) {
     if (c >= ld) {  // padding columns: zero pairs
       for (int64_t kp = 0; kp < pair_rows; ++kp) {
@@ -486,9 +487,11 @@ ATTN_EXT_AMX void softmax_pairs_amx(float* st, int64_t ld, int64_t rows, int64_t
     const __mmask16 k = lanes16(ld - c);
     const __mmask16 kc = c < cols ? lanes16(cols - c) : __mmask16(0);  // the pairs' columns
     auto load = [&](const float* q) ATTN_EXT_AMX { return _mm512_maskz_loadu_ps(k, q); };
-    // pass 1: running max of the 16 columns
+    // pass 1 (each 96 columns at once): running max of the 16 columns
+    if (c % 96 == 0)
+      cpu::column_max_all_ps512(st + c, ld, rows, std::min<int64_t>(96, ld - c), m + c, mxs);
     const __m512 m_old = load(m + c);
-    const __m512 mx = cpu::column_max_ps512(st + c, ld, rows, k, m_old);
+    const __m512 mx = load(mxs + c % 96);
     const __m512 mu = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx, neg_inf, _CMP_NEQ_UQ), mx);
     const __m512 a = exp2_tile_ps512(_mm512_mul_ps(_mm512_sub_ps(m_old, mu), log2e));
     // pass 2: per pair row, the two keys' probabilities (0 outside the tile), their sums, pairs

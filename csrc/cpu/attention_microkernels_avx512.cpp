@@ -271,17 +271,33 @@ ATTN_AVX512 void softmax_avx512(float* st, int64_t rows, int64_t cols, float* m,
                                 float* alpha) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 log2e = _mm512_set1_ps(1.4426950408889634f);
+  alignas(64) float mxs[96];  // pass 1's maxima of the current 96 columns
   for (int64_t c = 0; c < cols; c += 16) {
     const __mmask16 k = lanes16(cols - c);
     auto ld = [&](const float* p) ATTN_AVX512 { return _mm512_maskz_loadu_ps(k, p); };
-    // pass 1: running max of the 16 columns
+    // pass 1 (each 96 columns at once): running max of the 16 columns
+    if (c % 96 == 0)
+      cpu::column_max_all_ps512(st + c, cols, rows, std::min<int64_t>(96, cols - c), m + c, mxs);
     const __m512 m_old = ld(m + c);
-    const __m512 mx = cpu::column_max_ps512(st + c, cols, rows, k, m_old);
+    const __m512 mx = ld(mxs + c % 96);
     const __m512 mu = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx, neg_inf, _CMP_NEQ_UQ), mx);
     const __m512 a = cpu::exp2_ps512(_mm512_mul_ps(_mm512_sub_ps(m_old, mu), log2e));
     // pass 2: probabilities in place and their column sums
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
     int64_t r = 0;
+    // (four rows a step: four independent exp chains side by side, so fewer of a step's
+    // operations wait in the scheduler; the sums keep the rows' order, even rows into s0)
+    for (; r + 4 <= rows; r += 4) {
+      float* p0 = st + r * cols + c;
+      __m512 e[4];
+      for (int i = 0; i < 4; ++i) e[i] = _mm512_mul_ps(_mm512_sub_ps(ld(p0 + i * cols), mu), log2e);
+      cpu::exp2_ps512_x4<true>(e);  // (x <= 0 or NaN: mu is the column's max)
+      for (int i = 0; i < 4; ++i) _mm512_mask_storeu_ps(p0 + i * cols, k, e[i]);
+      s0 = _mm512_add_ps(s0, e[0]);
+      s1 = _mm512_add_ps(s1, e[1]);
+      s0 = _mm512_add_ps(s0, e[2]);
+      s1 = _mm512_add_ps(s1, e[3]);
+    }
     for (; r + 2 <= rows; r += 2) {
       float* p0 = st + r * cols + c;
       float* p1 = p0 + cols;
@@ -309,10 +325,20 @@ ATTN_AVX512 void exp_sub_avx512(float* st, int64_t rows, int64_t cols, const flo
   const __m512 log2e = _mm512_set1_ps(1.4426950408889634f);
   for (int64_t r = 0; r < rows; ++r) {
     float* s = st + r * cols;
-    for (int64_t c = 0; c < cols; c += 16) {
-      const __mmask16 k = lanes16(cols - c);
-      const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + c), _mm512_maskz_loadu_ps(k, sub + c));
-      _mm512_mask_storeu_ps(s + c, k, cpu::exp2_ps512(_mm512_mul_ps(x, log2e)));
+    // (64 columns a step: four exp chains side by side; lanes past cols are neither loaded
+    // nor stored)
+    for (int64_t c = 0; c < cols; c += 64) {
+      __mmask16 k[4];
+      __m512 e[4];
+      for (int i = 0; i < 4; ++i) {
+        const int64_t left = cols - c - 16 * i;
+        k[i] = lanes16(left);
+        const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k[i], s + c + 16 * i),
+                                       _mm512_maskz_loadu_ps(k[i], sub + c + 16 * i));
+        e[i] = _mm512_mul_ps(x, log2e);
+      }
+      cpu::exp2_ps512_x4(e);
+      for (int i = 0; i < 4; ++i) _mm512_mask_storeu_ps(s + c + 16 * i, k[i], e[i]);
     }
   }
 }

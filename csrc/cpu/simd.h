@@ -167,6 +167,28 @@ ATTN_EXT_AVX512 inline __m512 exp2_ps512(__m512 x) {
   return _mm512_maskz_scalef_ps(live, p, n);
 }
 
+// exp2_ps512 on four vectors in place, step by step side by side (the same operations on
+// each, so the same bits): four short dependent chains interleaved in program order.
+// NonPositive: every x is <= 0 or NaN (a softmax's x - max), where the upper clamp returns x
+// itself (NaN included: min returns its second operand), so it is left out.
+template <bool NonPositive = false>
+ATTN_EXT_AVX512 inline void exp2_ps512_x4(__m512 (&x)[4]) {
+  __m512 n[4], f[4], p[4];
+  __mmask16 live[4];
+  if constexpr (!NonPositive) {
+    for (int i = 0; i < 4; ++i) x[i] = _mm512_min_ps(_mm512_set1_ps(127.0f), x[i]);
+  }
+  for (int i = 0; i < 4; ++i) live[i] = _mm512_cmp_ps_mask(x[i], _mm512_set1_ps(-126.5f), _CMP_NLT_UQ);
+  for (int i = 0; i < 4; ++i) n[i] = _mm512_roundscale_ps(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  for (int i = 0; i < 4; ++i) f[i] = _mm512_sub_ps(x[i], n[i]);
+  for (int i = 0; i < 4; ++i) p[i] = _mm512_set1_ps(kExp2Poly[0]);
+#pragma GCC unroll 6
+  for (int j = 1; j < 7; ++j) {
+    for (int i = 0; i < 4; ++i) p[i] = _mm512_fmadd_ps(p[i], f[i], _mm512_set1_ps(kExp2Poly[j]));
+  }
+  for (int i = 0; i < 4; ++i) x[i] = _mm512_maskz_scalef_ps(live[i], p[i], n[i]);
+}
+
 // r[i] word j -> r[j] word i (16 x 16 32-bit words): pairs of rows unpacked by 32 then 64 bits
 // (u[4 b + e] holds column 4 L + e of rows 4 b .. 4 b + 3 in its 128-bit lane L), then the lanes
 // gathered by two rounds of 128-bit shuffles: 64 instructions. The pair packs of the tile kernels
@@ -209,6 +231,53 @@ ATTN_EXT_AVX512 inline __m512 column_max_ps512(const float* x, int64_t ld, int64
   }
   if (r < rows) mx0 = _mm512_max_ps(mx0, _mm512_maskz_loadu_ps(k, x + r * ld));
   return _mm512_max_ps(mx0, mx1);
+}
+
+// column_max_ps512 on NV 16-column groups at once (the last group's lanes: k_last), init from
+// init[16 v ..], results to out[16 v ..]: each lane's maxes in column_max_ps512's order, so its
+// bits; the NV groups' loads of a row are adjacent and their 2 NV chains independent (one group
+// at a time is load-latency bound: ~20 % of a softmax step).
+template <int NV>
+ATTN_EXT_AVX512 inline void column_max_group_ps512(const float* x, int64_t ld, int64_t rows,
+                                                   __mmask16 k_last, const float* init,
+                                                   float* out) {
+  auto lanes = [&](int v) ATTN_EXT_AVX512 { return v + 1 == NV ? k_last : __mmask16(0xffff); };
+  __m512 mx0[NV], mx1[NV];
+  for (int v = 0; v < NV; ++v) {
+    mx0[v] = _mm512_maskz_loadu_ps(lanes(v), init + 16 * v);
+    mx1[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  }
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    for (int v = 0; v < NV; ++v) {
+      mx0[v] = _mm512_max_ps(mx0[v], _mm512_maskz_loadu_ps(lanes(v), x + r * ld + 16 * v));
+      mx1[v] = _mm512_max_ps(mx1[v], _mm512_maskz_loadu_ps(lanes(v), x + (r + 1) * ld + 16 * v));
+    }
+  }
+  if (r < rows) {
+    for (int v = 0; v < NV; ++v)
+      mx0[v] = _mm512_max_ps(mx0[v], _mm512_maskz_loadu_ps(lanes(v), x + r * ld + 16 * v));
+  }
+  for (int v = 0; v < NV; ++v)
+    _mm512_mask_storeu_ps(out + 16 * v, lanes(v), _mm512_max_ps(mx0[v], mx1[v]));
+}
+
+// column_max_ps512 of columns [0, cols) (cols <= 96) into out[0 .. cols): the groups of
+// column_max_group_ps512, its bits.
+ATTN_EXT_AVX512 inline void column_max_all_ps512(const float* x, int64_t ld, int64_t rows,
+                                                 int64_t cols, const float* init, float* out) {
+  const int nv = static_cast<int>((cols + 15) / 16);
+  const int64_t rest = cols - 16 * (nv - 1);
+  const __mmask16 k = static_cast<__mmask16>(rest >= 16 ? 0xffff : (1u << rest) - 1);
+  switch (nv) {
+    case 6: column_max_group_ps512<6>(x, ld, rows, k, init, out); break;
+    case 5: column_max_group_ps512<5>(x, ld, rows, k, init, out); break;
+    case 4: column_max_group_ps512<4>(x, ld, rows, k, init, out); break;
+    case 3: column_max_group_ps512<3>(x, ld, rows, k, init, out); break;
+    case 2: column_max_group_ps512<2>(x, ld, rows, k, init, out); break;
+    case 1: column_max_group_ps512<1>(x, ld, rows, k, init, out); break;
+    default: break;
+  }
 }
 
 // tanh(x), 8 lanes: x P(x^2) for |x| < 0.625 (P of degree 6, a minimax fit of tanh(x) / x in
