@@ -42,14 +42,18 @@ inline int bwd_jobs() {
 template <typename acc_t>
 struct BwdScratch {
   int64_t Dp, Dvp;
-  AlignedVec<acc_t> kb;    // (kBlockK, Dp): k rows of the key tile
+  // The leading dimension of the key tile's k rows (kb / hk) and of the jobs' dq accumulators:
+  // padded_ld(Dp) where the rows would alias as passes 7's B operand and C (512-byte multiples:
+  // D = 128 fp32), except in the decode order, whose scores read k's rows at Dp
+  int64_t ldk, ldq;
+  AlignedVec<acc_t> kb;    // (kBlockK, ldk): k rows of the key tile
   AlignedVec<acc_t> vb;    // (kBlockK, Dvp): v rows of the key tile
   AlignedVec<acc_t> st;    // (kBlockK, kBlockQ): scores, then P^T
   AlignedVec<acc_t> dpt;   // (kBlockK, kBlockQ): dP^T, then dS^T
   // kBwdJobs query blocks visit the key tiles together (attention_bwd_kernel): per block
   struct Job {
     AlignedVec<acc_t> blk;          // the packed query block (QueryPackLayout::size)
-    AlignedVec<acc_t> dqt;          // (kBlockQ, Dp): its dq accumulator (unscaled)
+    AlignedVec<acc_t> dqt;          // (kBlockQ, ldq): its dq accumulator (unscaled)
     std::vector<uint64_t> rk;       // (kBlockQ): dropout row keys of its rows
     int64_t h = 0, i0 = 0, nq = 0;  // query head and rows [i0, i0 + nq)
     double* db = nullptr;           // its head's d rel_bias row in the work unit (or nullptr)
@@ -72,7 +76,7 @@ struct BwdScratch {
   bool decode_wide = false;  // decode-order scores on zmm (decode_scores512_enabled; per call)
   bool decode_tiles = false;  // decode-order bf16 scores on AMX tiles (decode_scores_on_tiles)
   bool dp_tile16 = true;     // dp_scores' 16-accumulator tiles (dp_tile16_enabled; per call)
-  const acc_t* kbp = nullptr;  // the key tile's k rows (nk, Dp): in kb or hk
+  const acc_t* kbp = nullptr;  // the key tile's k rows (nk, ldk): in kb or hk
   const acc_t* vbp = nullptr;  // its v rows (nk, Dvp): in vb or hv
   // The work unit's dk / dv accumulators, (Sk, Dp) then (Sk, Dvp), when the gradients' rows lie
   // apart in memory or are not fp32 (unit_rows in attention_bwd_kernel; sized on the unit's
@@ -96,7 +100,9 @@ struct BwdScratch {
              bool decode_pairs)
       : Dp(round_up(D, 8)),
         Dvp(round_up(Dv, 8)),
-        kb(static_cast<size_t>(kBlockK * Dp), acc_t(0)),
+        ldk(decode_order ? Dp : padded_ld(Dp, sizeof(acc_t))),
+        ldq(padded_ld(Dp, sizeof(acc_t))),
+        kb(static_cast<size_t>(kBlockK * ldk), acc_t(0)),
         vb(static_cast<size_t>(kBlockK * Dvp), acc_t(0)),
         st(static_cast<size_t>(kBlockK * kBlockQ)),
         dpt(static_cast<size_t>(kBlockK * kBlockQ)),
@@ -114,7 +120,7 @@ struct BwdScratch {
     Job& x = jobs[j];
     if (x.blk.empty()) {
       x.blk.assign(static_cast<size_t>(pack_size_), acc_t(0));
-      x.dqt.resize(static_cast<size_t>(kBlockQ * Dp));
+      x.dqt.resize(static_cast<size_t>(kBlockQ * ldq));
       x.rk.resize(kBlockQ);
     }
     return x;
@@ -126,11 +132,11 @@ struct BwdScratch {
 // worker's scratch when the block is visited. Offsets in elements; padding rows/columns are
 // zero:
 //   qt   (D, kBlockQ)    scale * q^T (the forward's scores, bitwise; natural-log units, like lse)
-//   qr   (kBlockQ, Dp)   q rows
+//   qr   (kBlockQ, ldq)  q rows (ldq = padded_ld(Dp): pass 6's B operand)
 //   qs   (kBlockQ, Dp)   scale * q rows in the decode kernel's element order (its operand;
 //                        filled only where decode_order, else left zero and unused)
 //   dot  (Dv, kBlockQ)   dout^T
-//   dor  (kBlockQ, Dvp)  dout rows
+//   dor  (kBlockQ, ldo)  dout rows (ldo = padded_ld(Dvp): pass 3's B operand)
 //   lse  (kBlockQ)       lse; +inf for padding rows and rows that see no key (P = 0)
 //   di   (kBlockQ)       rowsum(dout * out) - dlse
 //   fin  (1)             1 when the block's q and dout are all finite
@@ -148,20 +154,24 @@ struct BwdScratch {
 // order), in the units lse is stored in, so in a row whose probability sits on one key
 // lse == s there and P = 1 as in the forward (issue 18 item 8).
 struct QueryPackLayout {
+  int64_t ldq, ldo;  // qr's and dor's leading dimensions
   int64_t qt, qr, qs, dot, dor, lse, di, fin, qp, dp, qn, dn, size;
   bool amx = false;     // the pairs' products (pass 1) on AMX tiles (mk::amx_for(D)), as the forward's
   bool amx_dp = false;  // pass 4 and Di on AMX tiles (mk::amx_for(Dv))
   bool amx_dk = false;  // pass 6 (dk += dS^T q) on AMX tiles (mk::amx_pv_for(D)): qn
   bool amx_dv = false;  // pass 3 (dv += P^T dout) on AMX tiles (mk::amx_pv_for(Dv)): dn
   bool split = false;   // fp16 on the tiles: every product takes hi hi + hi lo + lo hi
-  QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp, bool pairs, bool dout_pairs,
-                  bool q_rows_pairs = false, bool dout_rows_pairs = false, bool split_ = false)
-      : qt(0),
+  QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp, int64_t ldq_, int64_t ldo_,
+                  bool pairs, bool dout_pairs, bool q_rows_pairs = false,
+                  bool dout_rows_pairs = false, bool split_ = false)
+      : ldq(ldq_),
+        ldo(ldo_),
+        qt(0),
         qr(qt + D * kBlockQ),
-        qs(qr + kBlockQ * Dp),
+        qs(qr + kBlockQ * ldq),
         dot(qs + kBlockQ * Dp),
         dor(dot + Dv * kBlockQ),
-        lse(dor + kBlockQ * Dvp),
+        lse(dor + kBlockQ * ldo),
         di(lse + kBlockQ),
         fin(di + kBlockQ),
         qp(fin + 8),
@@ -224,12 +234,12 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     if (L.has_dout_pairs()) dpp = pack_pairs(dh, bp.dout_row_stride, Dv, L.dp);
   }
   for (int64_t ii = 0; ii < nq; ++ii) {
-    acc_t* qrow = qr + ii * Dp;
+    acc_t* qrow = qr + ii * L.ldq;
     convert_row(qh + ii * p.q_row_stride, D, qrow);
     for (int64_t d = 0; decode_order && d < D; ++d)
       blk[L.qs + ii * Dp + decode_detail::decode_pos(decode_detail::kDecodePairs<scalar_t>, d, D)] =
           qrow[d] * qscale;
-    acc_t* drow = dor + ii * Dvp;
+    acc_t* drow = dor + ii * L.ldo;
     convert_row(dh + ii * bp.dout_row_stride, Dv, drow);
     // Di in the order (and with the rounding) of the dP gemm's chains over d
     // (mk::gemm_chain_length), so that where out equals one key's v (a row whose probability
@@ -250,7 +260,7 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
       const int64_t g = ii % 8;
       convert_row(oh + ii * bp.o_row_stride, Dv, tmp + g * Dvp);
       if (g == 7 || ii == nq - 1) {
-        mk::row_dots<acc_t>(static_cast<int>(g + 1), Dv, tmp, Dvp, dor + (ii - g) * Dvp, Dvp,
+        mk::row_dots<acc_t>(static_cast<int>(g + 1), Dv, tmp, Dvp, dor + (ii - g) * L.ldo, L.ldo,
                             blk + L.di + (ii - g), fused_dp);
       }
     }
@@ -311,14 +321,14 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     }
   }
   // qt = scale * q^T and dot = dout^T from the converted rows (one rounding, as the forward's qt)
-  mk::transpose_rows<acc_t>(qr, Dp, nq, D, qscale, true, qt, kBlockQ);
-  mk::transpose_rows<acc_t>(dor, Dvp, nq, Dv, acc_t(1), false, dot, kBlockQ);
+  mk::transpose_rows<acc_t>(qr, L.ldq, nq, D, qscale, true, qt, kBlockQ);
+  mk::transpose_rows<acc_t>(dor, L.ldo, nq, Dv, acc_t(1), false, dot, kBlockQ);
   // rows [nq, kBlockQ): a shorter block (the last of a sequence) after a full one left values
   // there; make them padding again
   for (int64_t ii = nq; ii < kBlockQ; ++ii) {
-    std::fill(qr + ii * Dp, qr + (ii + 1) * Dp, acc_t(0));
+    std::fill(qr + ii * L.ldq, qr + ii * L.ldq + Dp, acc_t(0));
     std::fill(blk + L.qs + ii * Dp, blk + L.qs + (ii + 1) * Dp, acc_t(0));
-    std::fill(dor + ii * Dvp, dor + (ii + 1) * Dvp, acc_t(0));
+    std::fill(dor + ii * L.ldo, dor + ii * L.ldo + Dvp, acc_t(0));
     for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + ii] = 0;
     for (int64_t d = 0; d < Dv; ++d) dot[d * kBlockQ + ii] = 0;
     blk[L.di + ii] = 0;
@@ -326,7 +336,7 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
   }
   // Whether the block's q and dout rows are all finite (then a hidden pair's 0 times them is
   // 0, and the partial tiles may use the dense products).
-  blk[L.fin] = all_finite(qr, nq, D, Dp) && all_finite(dor, nq, Dv, Dvp) ? acc_t(1) : acc_t(0);
+  blk[L.fin] = all_finite(qr, nq, D, L.ldq) && all_finite(dor, nq, Dv, L.ldo) ? acc_t(1) : acc_t(0);
 }
 
 // Loads key tile [j0, j0 + nk) of kv head hkv of sequence b: s.kbp / s.vbp (the head's rows
@@ -368,15 +378,15 @@ int64_t load_key_tile(const AttentionParams& p, const Visibility& vis, const Seq
       }
     }
   }
-  const bool whole = head_rows_fit(sq.Sk, s.Dp, s.Dvp, sizeof(acc_t), s.head_rows_budget);
-  s.kbp = s.hk.tile(whole, kh, p.k_row_stride, sq.Sk, p.D, s.Dp, j0, nk, s.kb);
+  const bool whole = head_rows_fit(sq.Sk, s.ldk, s.Dvp, sizeof(acc_t), s.head_rows_budget);
+  s.kbp = s.hk.tile(whole, kh, p.k_row_stride, sq.Sk, p.D, s.ldk, j0, nk, s.kb);
   if constexpr (std::is_same_v<acc_t, float>) {
     // pass1_decode's operand in the forward's element order (bf16), once per tile
     for (int64_t r = 0; r < round_up(nk, 8) && !s.kdo.empty(); ++r)
-      decode_detail::to_decode_order<c10::BFloat16>(s.kbp + r * s.Dp, p.D, s.kdo.data() + r * s.Dp);
+      decode_detail::to_decode_order<c10::BFloat16>(s.kbp + r * s.ldk, p.D, s.kdo.data() + r * s.Dp);
   }
   s.vbp = s.hv.tile(whole, vh, p.v_row_stride, sq.Sk, p.Dv, s.Dvp, j0, nk, s.vb);
-  *k_finite = whole ? s.hk.finite(j0, nk) : all_finite(s.kbp, nk, p.D, s.Dp);
+  *k_finite = whole ? s.hk.finite(j0, nk) : all_finite(s.kbp, nk, p.D, s.ldk);
   return n_valid;
 }
 
@@ -460,6 +470,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
               const KeyAcc<acc_t>& acc, acc_t* dqt, const mk::Kernels<acc_t>& K,
               BwdScratch<acc_t>& s) {
   const int64_t D = p.D, Dv = p.Dv, Dp = s.Dp, Dvp = s.Dvp;
+  const int64_t ldkb = s.ldk, ldq = L.ldq, ldo = L.ldo, lddq = s.ldq;
   const ScoreTerms terms = p.score_terms();
   const bool with_terms = terms.active(), dropout = terms.has_dropout();
   acc_t* const th = terms.softcap > 0.0 ? s.th.data() : nullptr;
@@ -546,7 +557,8 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
         return;
       }
     }
-    K.gemm(nr, n, D, s.kbp + r0 * Dp, Dp, 1, qt + c0, kBlockQ, s.st.data() + r0 * C + c0, C, false);
+    K.gemm(nr, n, D, s.kbp + r0 * ldkb, ldkb, 1, qt + c0, kBlockQ, s.st.data() + r0 * C + c0, C,
+           false);
   };
   // pass 4 likewise: dpt = v dout^T, or (vbf) scores_bf16dp on v's bf16 rows in place and
   // dout's pairs (Di was taken in the same chains: pack_query_block)
@@ -598,7 +610,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
         return;
       }
     }
-    K.gemm(nr, Dvp, n, pv + r0 * C + c0, C, 1, dor + c0 * Dvp, Dvp, dvt + r0 * ldv, ldv, true);
+    K.gemm(nr, Dvp, n, pv + r0 * C + c0, C, 1, dor + c0 * ldo, ldo, dvt + r0 * ldv, ldv, true);
   };
   // pass 6: dkt rows += dS^T q likewise (L.amx_dk: dS rounded to bf16; fp16: split)
   auto pass6 = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
@@ -616,7 +628,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
         return;
       }
     }
-    K.gemm(nr, Dp, n, s.dpt.data() + r0 * C + c0, C, 1, qr + c0 * Dp, Dp, dkt + r0 * ldk, ldk,
+    K.gemm(nr, Dp, n, s.dpt.data() + r0 * C + c0, C, 1, qr + c0 * ldq, ldq, dkt + r0 * ldk, ldk,
            true);
   };
   // pass 7 on the whole tile: dqt += dS k, or (L.amx_dq()) dq^T += k^T dS^T on AMX tiles, dS
@@ -640,7 +652,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
         return;
       }
     }
-    K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kbp, Dp, dqt, Dp, true);
+    K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kbp, ldkb, dqt, lddq, true);
   };
   if (kind == TileKind::kFull) {
     // Every (key, query) pair of the tile is visible.
@@ -760,13 +772,13 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
       if (dvt != nullptr && !dv_tiles) {
         std::fill(chain, chain + Dv, acc_t(0));
         for (int64_t cc = c.lo; cc < c.hi; ++cc)
-          mk::axpy_as_gemm(chain, pv[r * C + cc], dor + cc * Dvp, Dv, fused);
+          mk::axpy_as_gemm(chain, pv[r * C + cc], dor + cc * ldo, Dv, fused);
         mk::add_chain(dvt + r * ldv, chain, Dv);
       }
       if (dkt != nullptr && !dk_tiles) {
         std::fill(chain, chain + D, acc_t(0));
         for (int64_t cc = c.lo; cc < c.hi; ++cc)
-          mk::axpy_as_gemm(chain, s.dpt[r * C + cc], qr + cc * Dp, D, fused);
+          mk::axpy_as_gemm(chain, s.dpt[r * C + cc], qr + cc * ldq, D, fused);
         mk::add_chain(dkt + r * ldk, chain, D);
       }
     }
@@ -786,7 +798,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
         for (int64_t r = 0; r < nk && !k_finite; ++r) {
           const Range c = seen_by[r];
           for (int64_t d = 0; d < D; ++d) {
-            const acc_t x = s.kbp[r * Dp + d];
+            const acc_t x = s.kbp[r * ldkb + d];
             if (std::isfinite(x)) continue;
             for (int64_t cc = c.lo; cc < c.hi; ++cc) dqt[d * kBlockQ + cc] += s.dpt[r * C + cc] * x;
           }
@@ -798,9 +810,9 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
       std::fill(chain, chain + D, acc_t(0));
       for (int64_t r = 0; r < nk; ++r) {
         if (cc >= seen_by[r].lo && cc < seen_by[r].hi)
-          mk::axpy_as_gemm(chain, s.dpt[r * C + cc], s.kbp + r * Dp, D, fused);
+          mk::axpy_as_gemm(chain, s.dpt[r * C + cc], s.kbp + r * ldkb, D, fused);
       }
-      mk::add_chain(dqt + cc * Dp, chain, D);
+      mk::add_chain(dqt + cc * lddq, chain, D);
     }
     return;
   }
@@ -824,8 +836,8 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     const int64_t klo = std::clamp<int64_t>(keys.lo - j0, 0, nk);
     const int64_t khi = std::clamp<int64_t>(keys.hi - j0, 0, nk);
     if (khi > klo) {
-      K.gemm(mrows, Dp, khi - klo, s.dpt.data() + klo * C + c0, 1, C, s.kbp + klo * Dp, Dp,
-             dqt + c0 * Dp, Dp, true);
+      K.gemm(mrows, Dp, khi - klo, s.dpt.data() + klo * C + c0, 1, C, s.kbp + klo * ldkb, ldkb,
+             dqt + c0 * lddq, lddq, true);
     }
   }
 }
@@ -833,7 +845,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
 // dq rows [i0, i0 + nq) of head h of sequence b = scale * dqt.
 template <typename scalar_t, typename acc_t>
 void write_dq(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64_t h, int64_t i0,
-              int64_t nq, const acc_t* dqt, int64_t Dp, bool transposed) {
+              int64_t nq, const acc_t* dqt, int64_t ldq, bool transposed) {
   const AttentionParams& p = bp.fwd;
   auto* dq = static_cast<scalar_t*>(bp.dq);
   const acc_t scale = static_cast<acc_t>(p.scale);
@@ -841,7 +853,7 @@ void write_dq(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64_
   for (int64_t ii = 0; ii < nq; ++ii) {
     scalar_t* dst = dq + b * bp.dq_batch_stride + (sq.q0 + i0 + ii) * bp.dq_row_stride +
                     h * bp.dq_head_stride;
-    const acc_t* src = dqt + ii * Dp;
+    const acc_t* src = dqt + ii * ldq;
     if (transposed) {  // (D, kBlockQ): QueryPackLayout::amx_dq; the row gathered first
       for (int64_t d = 0; d < p.D; ++d) row[d] = dqt[d * kBlockQ + ii];
       src = row.data();
@@ -940,8 +952,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const bool split_dp = fp16_split && rule.amx_for(p.Dv);
   const bool rows_d = (is_bf16 || fp16_split) && rule.amx_pv_for(p.D);
   const bool rows_dv = (is_bf16 || fp16_split) && rule.amx_pv_for(p.Dv);
-  QueryPackLayout L(p.D, p.Dv, Dp, Dvp, bf16dp || fp16_split, bf16dp4 || split_dp, rows_d,
-                    rows_dv, fp16_split);
+  QueryPackLayout L(p.D, p.Dv, Dp, Dvp, padded_ld(Dp, sizeof(acc_t)), padded_ld(Dvp, sizeof(acc_t)),
+                    bf16dp || fp16_split, bf16dp4 || split_dp, rows_d, rows_dv, fp16_split);
   L.amx = (bf16dp || fp16_split) && rule.amx_for(p.D);
   L.amx_dp = (bf16dp4 || split_dp) && rule.amx_for(p.Dv);
   // every product reads k and v as 16-bit rows or pairs (load_key_tile's rows16): pass 1 by
@@ -1070,7 +1082,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     if (db != nullptr) job.dbj.assign(static_cast<size_t>(nbias), 0.0);
     pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, job.nq, job.blk.data(), s.tmp.data(),
                                       fused_dp, decode_order, s.rhi.data(), s.rlo.data());
-    std::fill(job.dqt.begin(), job.dqt.begin() + (L.amx_dq() ? p.D * kBlockQ : job.nq * Dp), acc_t(0));
+    std::fill(job.dqt.begin(), job.dqt.begin() + (L.amx_dq() ? p.D * kBlockQ : job.nq * s.ldq), acc_t(0));
     if (terms.has_dropout()) {
       for (int64_t c = 0; c < job.nq; ++c) job.rk[c] = terms.dropout_row_key(b, h, i0 + c);
     }
@@ -1180,7 +1192,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
         visit(s, n_jobs, sq, b, hkv, 0, n_kb, true, true);
         for (int j = 0; j < n_jobs; ++j) {
           const Job& job = s.jobs[j];
-          write_dq<scalar_t, acc_t>(bp, sq, b, job.h, job.i0, job.nq, job.dqt.data(), Dp,
+          write_dq<scalar_t, acc_t>(bp, sq, b, job.h, job.i0, job.nq, job.dqt.data(), s.ldq,
                                     L.amx_dq());
         }
       }
@@ -1214,7 +1226,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       if (i0 >= sq.Sq) return;
       const Job& job = start_job(s, 0, sq, b, h, i0, nullptr);
       visit(s, 1, sq, b, h / group, 0, n_kb, false, true);
-      write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, job.nq, job.dqt.data(), Dp, L.amx_dq());
+      write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, job.nq, job.dqt.data(), s.ldq, L.amx_dq());
     });
   }
 
