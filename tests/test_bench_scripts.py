@@ -222,7 +222,7 @@ def test_gemm_probe_builds_and_measures(tmp_path):
     rates = [float(x) for x in re.findall(r"([0-9.]+) GFLOP/s", out)]
     isas = ["avx2 (ymm)"] + (["avx512 (zmm)"] if cpu_avx512_enabled() else [])
     assert [line[3:] for line in out.splitlines() if line.startswith("== ")] == isas, out
-    assert len(rates) == (5 + 4 + 4 + 5) * len(isas), out
+    assert len(rates) == (7 + 4 + 5 + 5) * len(isas), out
     assert all(r > 0 for r in rates), out
     for section in ("pass ", "fwd ", "bwd ", "softmax ", "each gemm"):
         assert section in out

@@ -20,7 +20,10 @@
 //         gemms counted;
 //   bwd   the backward's five gemms of one query block against NT key tiles, dk / dv
 //         accumulated at a row stride of 8 heads x 128 (the in-place BSHD gradients), NT = 2
-//         and 43, and at NT = 43 with the dk / dv tiles or the K / V tiles held hot; then each
+//         and 43, and at NT = 43 with the dk / dv tiles or the K / V tiles held hot, or with
+//         the three B operands whose rows are 512 bytes apart (k, q and dout rows) and dq at
+//         ld = D + 16 (padded_ld in csrc/cpu/attention_common.h, as the backward packs them
+//         since the twenty-sixth session); then each
 //         of the five alone, timed inside that loop with two query blocks taking each key tile
 //         in turn (as the backward's visits do), NT = 43.
 // The FMA peak of this machine is 7.33 G FMA instructions / s per core = 117 GFLOP/s fp32
@@ -102,6 +105,9 @@ void probe(int reps, const GemmSet& set) {
   const int64_t NT_MAX = 43, ldkv = 8 * D;  // dk / dv rows of 8 kv heads (BSHD)
   auto K = filled(NT_MAX * KB * D, 1e-3f), V = filled(NT_MAX * KB * D, 1e-2f);
   auto dk = filled(NT_MAX * KB * ldkv, 0.f), dv = filled(NT_MAX * KB * ldkv, 0.f);
+  const int64_t DP = D + 16;  // padded_ld(D) for fp32
+  auto Kp = filled(NT_MAX * KB * DP, 1e-3f), qrp = filled(Q * DP, 1e-3f),
+       dorp = filled(Q * DP, 1e-3f), dqp = filled(Q * DP, 0.f);
   auto qt = filled(D * Q, 1e-3f), qr = filled(Q * D, 1e-3f), dot = filled(D * Q, 1e-3f),
        dor = filled(Q * D, 1e-3f), st = filled(KB * Q, 0.f), dpt = filled(KB * Q, 1e-3f),
        dq = filled(Q * D, 0.f), o = filled(Q * D, 0.f);
@@ -117,6 +123,8 @@ void probe(int reps, const GemmSet& set) {
       {"dv += P^T dout (K = queries)", KB, D, Q, st.data(), Q, 1, dor.data(), D, dv.data(), D, true},
       {"  same, dv rows 4 KiB apart ", KB, D, Q, st.data(), Q, 1, dor.data(), D, dv.data(), ldkv, true},
       {"dq += dS k     (K = keys)   ", Q, D, KB, dpt.data(), 1, Q, K.data(), D, dq.data(), D, true},
+      {"dv += P^T dout, dout at D+16", KB, D, Q, st.data(), Q, 1, dorp.data(), DP, dv.data(), D, true},
+      {"dq += dS k, k and dq at D+16", Q, D, KB, dpt.data(), 1, Q, Kp.data(), DP, dqp.data(), DP, true},
   };
   for (const Pass& c : passes) {
     const double g = best_gflops(reps, n * pair, [&] {
@@ -166,25 +174,31 @@ void probe(int reps, const GemmSet& set) {
   }
 
   std::printf("bwd (tile pairs of one query block, 5 gemms)\n");
-  // hot: 0 none, 1 the dk / dv tiles (two tiles reused), 2 the K / V tiles
+  // hot: 0 none, 1 the dk / dv tiles (two tiles reused), 2 the K / V tiles; 3 none, with k, q,
+  // dout and dq at ld DP
   const struct { int64_t NT; int hot; const char* name; } cases[] = {
       {2, 0, "NT  2                     "}, {NT_MAX, 0, "NT 43                     "},
-      {NT_MAX, 1, "NT 43, dk / dv tiles hot  "}, {NT_MAX, 2, "NT 43, K / V tiles hot    "}};
+      {NT_MAX, 1, "NT 43, dk / dv tiles hot  "}, {NT_MAX, 2, "NT 43, K / V tiles hot    "},
+      {NT_MAX, 3, "NT 43, B operands at D+16 "}};
   for (const auto& c : cases) {
     const int rounds = static_cast<int>(std::max<int64_t>(1, 100 / c.NT));
     const double g = best_gflops(reps, rounds * c.NT * 5 * pair, [&] {
       for (int i = 0; i < rounds; ++i) {
         for (int64_t t = 0; t < c.NT; ++t) {
           const int64_t tk = c.hot == 2 ? t % 2 : t, td = c.hot == 1 ? t % 2 : t;
-          const float* kb = K.data() + tk * KB * D;
+          const bool pad = c.hot == 3;
+          const int64_t ld = pad ? DP : D;
+          const float* kb = (pad ? Kp.data() : K.data()) + tk * KB * ld;
           const float* vb = V.data() + tk * KB * D;
           float* dkt = dk.data() + td * KB * ldkv;
           float* dvt = dv.data() + td * KB * ldkv;
-          gemm(KB, Q, D, kb, D, 1, qt.data(), Q, st.data(), Q, false);       // s
-          gemm(KB, D, Q, st.data(), Q, 1, dor.data(), D, dvt, ldkv, true);   // dv
-          gemm(KB, Q, D, vb, D, 1, dot.data(), Q, dpt.data(), Q, false);     // dP
-          gemm(KB, D, Q, dpt.data(), Q, 1, qr.data(), D, dkt, ldkv, true);   // dk
-          gemm(Q, D, KB, dpt.data(), 1, Q, kb, D, dq.data(), D, true);       // dq
+          gemm(KB, Q, D, kb, ld, 1, qt.data(), Q, st.data(), Q, false);                  // s
+          gemm(KB, D, Q, st.data(), Q, 1, pad ? dorp.data() : dor.data(), ld, dvt, ldkv,
+               true);                                                                    // dv
+          gemm(KB, Q, D, vb, D, 1, dot.data(), Q, dpt.data(), Q, false);                 // dP
+          gemm(KB, D, Q, dpt.data(), Q, 1, pad ? qrp.data() : qr.data(), ld, dkt, ldkv,
+               true);                                                                    // dk
+          gemm(Q, D, KB, dpt.data(), 1, Q, kb, ld, pad ? dqp.data() : dq.data(), ld, true);  // dq
         }
       }
     });

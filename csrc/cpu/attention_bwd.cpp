@@ -43,7 +43,7 @@ template <typename acc_t>
 struct BwdScratch {
   int64_t Dp, Dvp;
   // The leading dimension of the key tile's k rows (kb / hk) and of the jobs' dq accumulators:
-  // padded_ld(Dp) where the rows would alias as passes 7's B operand and C (512-byte multiples:
+  // padded_ld(Dp) where the rows would alias as pass 7's B operand and C (512-byte multiples:
   // D = 128 fp32), except in the decode order, whose scores read k's rows at Dp
   int64_t ldk, ldq;
   AlignedVec<acc_t> kb;    // (kBlockK, ldk): k rows of the key tile
