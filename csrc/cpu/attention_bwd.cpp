@@ -43,8 +43,9 @@ template <typename acc_t>
 struct BwdScratch {
   int64_t Dp, Dvp;
   // The leading dimension of the key tile's k rows (kb / hk) and of the jobs' dq accumulators:
-  // padded_ld(Dp) where the rows would alias as pass 7's B operand and C (512-byte multiples:
-  // D = 128 fp32), except in the decode order, whose scores read k's rows at Dp
+  // the pack's q rows' (QueryPackLayout::ldq, padded_ld(Dp): rows that would alias as pass 7's
+  // B operand and C, 512-byte multiples at D = 128 fp32, are padded), except that k keeps Dp in
+  // the decode order (its scores read k's rows at Dp)
   int64_t ldk, ldq;
   AlignedVec<acc_t> kb;    // (kBlockK, ldk): k rows of the key tile
   AlignedVec<acc_t> vb;    // (kBlockK, Dvp): v rows of the key tile
@@ -97,11 +98,11 @@ struct BwdScratch {
   AlignedVec<uint32_t> kpt_lo, dsp_lo;
 
   BwdScratch(int64_t D, int64_t Dv, int64_t pack_size, const ScoreTerms& terms, bool decode_order,
-             bool decode_pairs)
+             bool decode_pairs, int64_t ld_rows)
       : Dp(round_up(D, 8)),
         Dvp(round_up(Dv, 8)),
-        ldk(decode_order ? Dp : padded_ld(Dp, sizeof(acc_t))),
-        ldq(padded_ld(Dp, sizeof(acc_t))),
+        ldk(decode_order ? Dp : ld_rows),
+        ldq(ld_rows),
         kb(static_cast<size_t>(kBlockK * ldk), acc_t(0)),
         vb(static_cast<size_t>(kBlockK * Dvp), acc_t(0)),
         st(static_cast<size_t>(kBlockK * kBlockQ)),
@@ -454,6 +455,7 @@ struct PairTerms {
 //   pass 6: dkt (nk, Dp) += dpt qr           (when acc.dkt)
 //   pass 7: dqt (nq, Dp) += dpt^T kb         (when dqt)
 //
+// (kb's rows are s.ldk apart, qr's and dqt's L.ldq, dor's L.ldo: padded_ld, QueryPackLayout.)
 // The tile is classified by the visibility layer: full tiles run the dense products; partial
 // tiles skip their hidden parts in 6-key / 6-query steps and mask what is left.
 //
@@ -470,6 +472,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
               const KeyAcc<acc_t>& acc, acc_t* dqt, const mk::Kernels<acc_t>& K,
               BwdScratch<acc_t>& s) {
   const int64_t D = p.D, Dv = p.Dv, Dp = s.Dp, Dvp = s.Dvp;
+  // (ldkb: the k rows'; ldk / ldv below: the dk / dv accumulators'; s.ldq == L.ldq)
   const int64_t ldkb = s.ldk, ldq = L.ldq, ldo = L.ldo, lddq = s.ldq;
   const ScoreTerms terms = p.score_terms();
   const bool with_terms = terms.active(), dropout = terms.has_dropout();
@@ -969,7 +972,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   const bool decode_wide = false, dp_tile16 = true;
 #endif
   auto make_scratch = [&] {
-    BwdScratch<acc_t> s(p.D, p.Dv, L.size, terms, decode_order, decode_pairs);
+    BwdScratch<acc_t> s(p.D, p.Dv, L.size, terms, decode_order, decode_pairs, L.ldq);
     s.head_rows_budget = rows_budget;
     s.decode_wide = decode_wide;
     s.decode_tiles = decode_tiles;

@@ -304,7 +304,7 @@ ATTN_AVX512 void softmax_avx512(float* st, int64_t rows, int64_t cols, float* m,
       float* p0 = st + r * cols + c;
       __m512 e[4];
       for (int i = 0; i < 4; ++i) e[i] = _mm512_mul_ps(_mm512_sub_ps(ld(p0 + i * cols), mu), log2e);
-      cpu::exp2_ps512_x4<true>(e);  // (x <= 0 or NaN: mu is the column's max)
+      cpu::exp2_ps512_n<4>(e);
       for (int i = 0; i < 4; ++i) _mm512_mask_storeu_ps(p0 + i * cols, k, e[i]);
       s0 = _mm512_add_ps(s0, e[0]);
       s1 = _mm512_add_ps(s1, e[1]);
@@ -350,7 +350,7 @@ ATTN_AVX512 void exp_sub_avx512(float* st, int64_t rows, int64_t cols, const flo
                                        _mm512_maskz_loadu_ps(k[i], sub + c + 16 * i));
         e[i] = _mm512_mul_ps(x, log2e);
       }
-      cpu::exp2_ps512_x4(e);
+      cpu::exp2_ps512_n<4>(e);
       for (int i = 0; i < 4; ++i) _mm512_mask_storeu_ps(s + c + 16 * i, k[i], e[i]);
     }
   }

@@ -156,37 +156,32 @@ ATTN_EXT_AVX2 inline __m256 exp2_ps(__m256 x) {
 // a zero mask: exp2_ps gives 0 exactly where its clamped x rounds to n = -127, i.e. x < -126.5
 // (-inf included); NaN is not below it and stays NaN. 11 operations against 14. Only in
 // functions called where cpu::avx512_enabled().
-ATTN_EXT_AVX512 inline __m512 exp2_ps512(__m512 x) {
-  x = _mm512_min_ps(_mm512_set1_ps(127.0f), x);  // (NaN stays NaN: x goes second)
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.5f), _CMP_NLT_UQ);
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
-#pragma GCC unroll 6
-  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
-  return _mm512_maskz_scalef_ps(live, p, n);
-}
-
-// exp2_ps512 on four vectors in place, step by step side by side (the same operations on
-// each, so the same bits): four short dependent chains interleaved in program order.
-// NonPositive: every x is <= 0 or NaN (a softmax's x - max), where the upper clamp returns x
-// itself (NaN included: min returns its second operand), so it is left out.
-template <bool NonPositive = false>
-ATTN_EXT_AVX512 inline void exp2_ps512_x4(__m512 (&x)[4]) {
-  __m512 n[4], f[4], p[4];
-  __mmask16 live[4];
-  if constexpr (!NonPositive) {
-    for (int i = 0; i < 4; ++i) x[i] = _mm512_min_ps(_mm512_set1_ps(127.0f), x[i]);
-  }
-  for (int i = 0; i < 4; ++i) live[i] = _mm512_cmp_ps_mask(x[i], _mm512_set1_ps(-126.5f), _CMP_NLT_UQ);
-  for (int i = 0; i < 4; ++i) n[i] = _mm512_roundscale_ps(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  for (int i = 0; i < 4; ++i) f[i] = _mm512_sub_ps(x[i], n[i]);
-  for (int i = 0; i < 4; ++i) p[i] = _mm512_set1_ps(kExp2Poly[0]);
+// exp2_ps512_n: N vectors in place, each step for all N before the next (the same operations on
+// each, so the same bits): N short dependent chains side by side in program order, for loops
+// whose own steps would leave the scheduler waiting on one chain (the softmax: N = 4).
+// (The clamp stays even where x = s - max: a NaN score can make the column's max chain drop a
+// larger score before it, so x may exceed 127 there.)
+template <int N>
+ATTN_EXT_AVX512 inline void exp2_ps512_n(__m512 (&x)[N]) {
+  __m512 n[N], f[N], p[N];
+  __mmask16 live[N];
+  for (int i = 0; i < N; ++i) x[i] = _mm512_min_ps(_mm512_set1_ps(127.0f), x[i]);  // (NaN: x)
+  for (int i = 0; i < N; ++i) live[i] = _mm512_cmp_ps_mask(x[i], _mm512_set1_ps(-126.5f), _CMP_NLT_UQ);
+  for (int i = 0; i < N; ++i)
+    n[i] = _mm512_roundscale_ps(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  for (int i = 0; i < N; ++i) f[i] = _mm512_sub_ps(x[i], n[i]);
+  for (int i = 0; i < N; ++i) p[i] = _mm512_set1_ps(kExp2Poly[0]);
 #pragma GCC unroll 6
   for (int j = 1; j < 7; ++j) {
-    for (int i = 0; i < 4; ++i) p[i] = _mm512_fmadd_ps(p[i], f[i], _mm512_set1_ps(kExp2Poly[j]));
+    for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(p[i], f[i], _mm512_set1_ps(kExp2Poly[j]));
   }
-  for (int i = 0; i < 4; ++i) x[i] = _mm512_maskz_scalef_ps(live[i], p[i], n[i]);
+  for (int i = 0; i < N; ++i) x[i] = _mm512_maskz_scalef_ps(live[i], p[i], n[i]);
+}
+
+ATTN_EXT_AVX512 inline __m512 exp2_ps512(__m512 x) {
+  __m512 v[1] = {x};
+  exp2_ps512_n<1>(v);
+  return v[0];
 }
 
 // r[i] word j -> r[j] word i (16 x 16 32-bit words): pairs of rows unpacked by 32 then 64 bits
@@ -217,26 +212,13 @@ ATTN_EXT_AVX512 inline void transpose_16x16_epi32(__m512i (&r)[16]) {
   }
 }
 
-// max(init, x[0], x[ld], ..., x[(rows - 1) ld]) lane by lane over the lanes of k (16 columns of
-// a column-wise softmax step): even and odd rows in two chains, joined at the end (max is
-// exact, so the order changes no bit; NaN follows max's operand order, the same in every
-// caller). Only where cpu::avx512_enabled().
-ATTN_EXT_AVX512 inline __m512 column_max_ps512(const float* x, int64_t ld, int64_t rows,
-                                               __mmask16 k, __m512 init) {
-  __m512 mx0 = init, mx1 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t r = 0;
-  for (; r + 2 <= rows; r += 2) {
-    mx0 = _mm512_max_ps(mx0, _mm512_maskz_loadu_ps(k, x + r * ld));
-    mx1 = _mm512_max_ps(mx1, _mm512_maskz_loadu_ps(k, x + (r + 1) * ld));
-  }
-  if (r < rows) mx0 = _mm512_max_ps(mx0, _mm512_maskz_loadu_ps(k, x + r * ld));
-  return _mm512_max_ps(mx0, mx1);
-}
-
-// column_max_ps512 on NV 16-column groups at once (the last group's lanes: k_last), init from
-// init[16 v ..], results to out[16 v ..]: each lane's maxes in column_max_ps512's order, so its
-// bits; the NV groups' loads of a row are adjacent and their 2 NV chains independent (one group
-// at a time is load-latency bound: ~20 % of a softmax step).
+// max(init, x[0], x[ld], ..., x[(rows - 1) ld]) lane by lane (a column-wise softmax step's
+// running max) for NV 16-column groups at once (the last group's lanes: k_last), init from
+// init[16 v ..], results to out[16 v ..]. Per lane: even rows in one chain from init, odd rows
+// in one from -inf, joined at the end (max is exact, so the order changes no bit for numbers;
+// NaN follows max's operand order, the same in every caller). The NV groups' loads of a row are
+// adjacent and their 2 NV chains independent (one group at a time was load-latency bound: ~20 %
+// of a softmax step; RESULTS.md, twenty-sixth session). Only where cpu::avx512_enabled().
 template <int NV>
 ATTN_EXT_AVX512 inline void column_max_group_ps512(const float* x, int64_t ld, int64_t rows,
                                                    __mmask16 k_last, const float* init,
@@ -262,8 +244,7 @@ ATTN_EXT_AVX512 inline void column_max_group_ps512(const float* x, int64_t ld, i
     _mm512_mask_storeu_ps(out + 16 * v, lanes(v), _mm512_max_ps(mx0[v], mx1[v]));
 }
 
-// column_max_ps512 of columns [0, cols) (cols <= 96) into out[0 .. cols): the groups of
-// column_max_group_ps512, its bits.
+// column_max_group_ps512 of columns [0, cols) (cols <= 96) into out[0 .. cols).
 ATTN_EXT_AVX512 inline void column_max_all_ps512(const float* x, int64_t ld, int64_t rows,
                                                  int64_t cols, const float* init, float* out) {
   const int nv = static_cast<int>((cols + 15) / 16);
