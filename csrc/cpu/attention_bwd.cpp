@@ -472,8 +472,9 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
               const KeyAcc<acc_t>& acc, acc_t* dqt, const mk::Kernels<acc_t>& K,
               BwdScratch<acc_t>& s) {
   const int64_t D = p.D, Dv = p.Dv, Dp = s.Dp, Dvp = s.Dvp;
-  // (ldkb: the k rows'; ldk / ldv below: the dk / dv accumulators'; s.ldq == L.ldq)
-  const int64_t ldkb = s.ldk, ldq = L.ldq, ldo = L.ldo, lddq = s.ldq;
+  // (ldkb: the k rows'; ldq: q's rows' and dqt's (s.ldq is L.ldq); ldk / ldv below: the dk /
+  // dv accumulators')
+  const int64_t ldkb = s.ldk, ldq = L.ldq, ldo = L.ldo;
   const ScoreTerms terms = p.score_terms();
   const bool with_terms = terms.active(), dropout = terms.has_dropout();
   acc_t* const th = terms.softcap > 0.0 ? s.th.data() : nullptr;
@@ -655,7 +656,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
         return;
       }
     }
-    K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kbp, ldkb, dqt, lddq, true);
+    K.gemm(nq, Dp, nk, s.dpt.data(), 1, C, s.kbp, ldkb, dqt, ldq, true);
   };
   if (kind == TileKind::kFull) {
     // Every (key, query) pair of the tile is visible.
@@ -815,7 +816,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
         if (cc >= seen_by[r].lo && cc < seen_by[r].hi)
           mk::axpy_as_gemm(chain, s.dpt[r * C + cc], s.kbp + r * ldkb, D, fused);
       }
-      mk::add_chain(dqt + cc * lddq, chain, D);
+      mk::add_chain(dqt + cc * ldq, chain, D);
     }
     return;
   }
@@ -840,7 +841,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     const int64_t khi = std::clamp<int64_t>(keys.hi - j0, 0, nk);
     if (khi > klo) {
       K.gemm(mrows, Dp, khi - klo, s.dpt.data() + klo * C + c0, 1, C, s.kbp + klo * ldkb, ldkb,
-             dqt + c0 * lddq, lddq, true);
+             dqt + c0 * ldq, ldq, true);
     }
   }
 }

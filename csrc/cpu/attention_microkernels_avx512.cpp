@@ -74,6 +74,21 @@ ATTN_AVX512 inline void step512(const float* a, int64_t a_row, const float* b, _
   }
 }
 
+// Steps [t0, t1) of a tile, A(r, t) = A[r * a_row + t * a_col], B's row t at B + t * ldb; the
+// unmasked loads where the last vector is whole.
+template <int MR, int NV>
+ATTN_AVX512 inline void steps512(int64_t t0, int64_t t1, const float* A, int64_t a_row,
+                                 int64_t a_col, const float* B, int64_t ldb, __mmask16 last,
+                                 __m512 (&acc)[MR][NV]) {
+  if (last == 0xFFFF) {
+    for (int64_t t = t0; t < t1; ++t)
+      step512<MR, NV, true>(A + t * a_col, a_row, B + t * ldb, last, acc);
+  } else {
+    for (int64_t t = t0; t < t1; ++t)
+      step512<MR, NV, false>(A + t * a_col, a_row, B + t * ldb, last, acc);
+  }
+}
+
 template <int MR, int NV>
 ATTN_AVX512 inline void zero(__m512 (&acc)[MR][NV]) {
 #pragma GCC unroll 12
@@ -96,13 +111,7 @@ ATTN_AVX512 inline void tile512(int64_t K, const float* A, int64_t a_row, int64_
     const bool add = accumulate || t0 > 0;
     __m512 acc[MR][NV];
     zero<MR, NV>(acc);
-    if (last == 0xFFFF) {
-      for (int64_t t = t0; t < t1; ++t)
-        step512<MR, NV, true>(A + t * a_col, a_row, B + t * ldb, last, acc);
-    } else {
-      for (int64_t t = t0; t < t1; ++t)
-        step512<MR, NV, false>(A + t * a_col, a_row, B + t * ldb, last, acc);
-    }
+    steps512<MR, NV>(t0, t1, A, a_row, a_col, B, ldb, last, acc);
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
@@ -125,11 +134,7 @@ ATTN_AVX512 inline void at_tile512(int64_t K, const float* A, int64_t a_col, con
                                    __mmask16 last) {
   __m512 acc[MR][NV];
   zero<MR, NV>(acc);
-  if (last == 0xFFFF) {
-    for (int64_t t = 0; t < K; ++t) step512<MR, NV, true>(A + t * a_col, 1, B + t * ldb, last, acc);
-  } else {
-    for (int64_t t = 0; t < K; ++t) step512<MR, NV, false>(A + t * a_col, 1, B + t * ldb, last, acc);
-  }
+  steps512<MR, NV>(0, K, A, 1, a_col, B, ldb, last, acc);
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) {
     const __m512 sr = scale != nullptr ? _mm512_set1_ps(scale[r]) : _mm512_setzero_ps();
