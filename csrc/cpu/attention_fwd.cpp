@@ -358,7 +358,8 @@ void pass3_amx(const AttentionParams& p, const Visibility& vis, const QueryTile&
 // 6-query steps when the tile holds one head).
 template <typename scalar_t, typename acc_t>
 int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTile& qt_,
-                 int64_t kbeg, int64_t kend, const mk::Kernels<acc_t>& K, FwdScratch<acc_t>& s) {
+                 int64_t kbeg, int64_t kend, const mk::Kernels<acc_t>& K, FwdScratch<acc_t>& s,
+                 const QueryTile* next = nullptr) {
   const int64_t D = p.D, Dv = p.Dv, Dp = s.Dp, Dvp = s.Dvp;
   const int64_t cols = qt_.cols();
   const int64_t C = round_up(cols, 8);
@@ -468,8 +469,19 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   const int64_t v_share = s.amx_pv ? Dv * round_up(sq.Sk, 32) * 2  // v^T's pairs, or v's rows
                                    : (v_packed && head_rows ? sq.Sk * v_ld * int64_t(sizeof(acc_t)) : 0);
   const bool k16_whole = sq.Sk * D * 2 + v_share <= s.head_rows_budget;
+  // the q rows of the worker's likely next tile (`next`), asked for a share at each key tile
+  // (into L2), so that its transpose does not wait on them
+  const int64_t pf_rows = next != nullptr && next->nq > 0 ? next->nh * next->nq : 0;
+  const int64_t pf_step = pf_rows > 0 ? ceil_div(pf_rows, std::max<int64_t>(1, ceil_div(kend - kbeg, kBlockK))) : 0;
+  int64_t pf_done = 0;
   for (int64_t j0 = kbeg; j0 < kend; j0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, kend - j0);
+    for (const int64_t pf_end = std::min(pf_rows, pf_done + pf_step); pf_done < pf_end; ++pf_done) {
+      const int64_t hh = pf_done / next->nq, ii = pf_done % next->nq;
+      prefetch_range(q + next->b * p.q_batch_stride + (next->h0 + hh) * p.q_head_stride +
+                         (next->s.q0 + next->i0 + ii) * p.q_row_stride,
+                     D * static_cast<int64_t>(sizeof(scalar_t)));
+    }
     TileKind kind = vis.classify(sq, i0, i0 + nq, j0, j0 + nk);
     if (kind == TileKind::kInvisible) continue;
     if (vis.has_padding()) {
@@ -768,7 +780,9 @@ void attention_fwd_kernel(const AttentionParams& p) {
       const QueryTile t = tile_at(p, vis, plan, idx);
       if (t.nq <= 0) return;
       const Range keys = tile_keys(vis, t);
-      run_tile<scalar_t, acc_t>(p, vis, t, keys.lo, keys.hi, kern, s);
+      // (the group's next tile: the one this worker most likely takes next)
+      const QueryTile next = (idx + 1) % per_head != 0 ? tile_at(p, vis, plan, idx + 1) : QueryTile{};
+      run_tile<scalar_t, acc_t>(p, vis, t, keys.lo, keys.hi, kern, s, &next);
       write_tile<scalar_t, acc_t>(p, t, s.o.data(), s.Dvp, s.m.data(), s.l.data());
     });
     return;
