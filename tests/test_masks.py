@@ -266,6 +266,51 @@ def test_masked_nonfinite_backward(dtype, masking):
         assert (dirty[2][0, bad_j] == 0).all() and (dirty[3][0, bad_j] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("masking", ["window", "padding"])
+def test_nonfinite_rows_stay_out_of_the_keys_they_cannot_see(dtype, bad, masking):
+    """A visible non-finite k makes the rows that see it non-finite; those rows must not reach
+    dv / dk of keys they cannot see (a hidden pair's P is exactly 0, whatever the row's lse).
+    The keys past the bad rows' reach lie in a later key tile than the bad key, on a partial
+    tile of the bad rows' query block."""
+    if masking == "window":
+        S, D, bad_j = 300, 40, 286
+        kw = dict(window=(3, 2))  # key 286 is seen by rows 284..289, which see keys 281..291
+        reach = set(range(281, 292))
+    else:
+        S, D, bad_j = 128, 8, 0
+        kpm = torch.ones(1, S, dtype=torch.bool)
+        kpm[0, -1] = False  # the last key is seen by no row
+        kw = dict(key_padding_mask=kpm)
+        reach = set(range(S - 1))
+    q, k, v = [randn(1, S, 2, D, dtype=dtype) for _ in range(3)]
+    if masking == "padding":
+        q = torch.ones_like(q)  # every row's score with key 0 is inf: every row is non-finite
+    dout = randn(1, S, 2, D, dtype=dtype)
+
+    def grads(k):
+        qq, kk, vv = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = attn_ext.attention(qq, kk, vv, **kw)
+        out.backward(dout)
+        return out.detach(), qq.grad, kk.grad, vv.grad
+
+    clean = grads(k)
+    k = k.clone()
+    k[0, bad_j, 0, 0] = bad
+    dirty = grads(k)
+    keys = [j for j in range(S) if j not in reach]
+    for name, a, b in zip(["dk", "dv"], clean[2:], dirty[2:]):
+        assert torch.isfinite(b[0, keys]).all(), f"{name}: a non-finite row leaked into {name}"
+        _assert_near(b[0, keys], a[0, keys], name)
+    if masking == "padding":  # the padded key's own gradients are exactly 0
+        assert (dirty[2][0, -1] == 0).all() and (dirty[3][0, -1] == 0).all()
+    else:  # rows that do not see the bad key keep their values
+        rows = [i for i in range(S) if not 284 <= i <= 289]
+        for name, a, b in zip(["out", "dq"], clean[:2], dirty[:2]):
+            _assert_near(b[0, rows], a[0, rows], name)
+
+
 def test_masked_tiles_are_skipped_bitwise_equal_to_dense_on_visible_part():
     """A window wider than the sequence is the same numbers as no window (same tiles)."""
     q, k, v = [randn(2, 150, 2, 32) for _ in range(3)]

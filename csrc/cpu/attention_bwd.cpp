@@ -730,8 +730,13 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   }
   if (with_terms) pt.terms(s.st.data(), th);
   mask(s.st.data(), neg_inf);
-  // pass 2: P^T (0 where hidden)
+  // pass 2: P^T (0 where hidden). A row whose lse is not finite (it sees an inf / NaN score)
+  // gets exp(-inf - lse) = NaN at its hidden pairs too: those are set to exactly 0, so that the
+  // row reaches no dv of a key it cannot see (pass 3 reads P over band panels, padded keys
+  // included)
   exp_sub(s.st.data(), nk, C, blk + L.lse);
+  if (!std::all_of(blk + L.lse, blk + L.lse + nq, [](acc_t x) { return std::isfinite(x); }))
+    mask(s.st.data(), acc_t(0));
   if (dropout) {
     dropout_tile(s.st.data(), s.pz.data(), nk, C, nq, terms.dropout_col(j0), rk,
                  s.words.data(), thresh, inv_keep);
