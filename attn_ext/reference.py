@@ -100,12 +100,17 @@ def attention_with_lse(
     scores = (qh @ kh.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
     d = score_distance(Sq, Sk, q.device)
     scores = add_score_terms(scores, d, softcap, alibi_slopes, rel_bias)
+    keep = None
     if causal or window is not None or key_padding_mask is not None:
         keep = visibility_mask(Sq, Sk, causal, window, key_padding_mask, q.device)
         scores = scores.masked_fill(~keep, float("-inf"))
     # An empty row (every score -inf) has probabilities exp(-inf - lse) = 0, so its output is
     # 0; a NaN anywhere in a row still makes that row NaN.
     probs, lse = softmax_with_sinks(scores, sinks)  # lse (B, H, Sq); -inf for an empty row
+    if keep is not None:
+        # A hidden pair's probability is exactly 0, also in a row whose lse is NaN (where
+        # exp(-inf - lse) is NaN): such a row reaches no gradient of a key it cannot see.
+        probs = probs.masked_fill(~keep, 0.0)
     if dropout_p > 0:
         if dropout_mask is None:
             raise ValueError("dropout_p > 0 needs dropout_mask (B, H, Sq, Sk), True = kept "

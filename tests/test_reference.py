@@ -62,6 +62,22 @@ def test_empty_rows_are_zero_and_nan_is_not_hidden():
     assert torch.equal(out_n[keep], out.detach()[keep])
 
 
+def test_a_nan_row_reaches_no_gradient_of_a_key_it_cannot_see():
+    """A row made NaN by a visible NaN key has probability exactly 0 at its hidden keys, so the
+    dv / dk of a key no row sees (padding) stay 0."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = [torch.randn(1, 5, 1, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+    k[0, 0, 0, 0] = float("nan")  # seen by every row: every row is NaN
+    kpm = torch.ones(1, 5, dtype=torch.bool)
+    kpm[0, 4] = False
+    q, k, v = [t.requires_grad_() for t in (q, k, v)]
+    out = ref.attention(q, k, v, causal=True, key_padding_mask=kpm)
+    assert torch.isnan(out).all()
+    out.sum().backward()
+    assert torch.equal(v.grad[0, 4], torch.zeros_like(v.grad[0, 4]))
+    assert torch.equal(k.grad[0, 4], torch.zeros_like(k.grad[0, 4]))
+
+
 def test_causal_mask_matches_textbook_triu_and_aligns_bottom_right():
     s = 5
     textbook = ~torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
