@@ -250,8 +250,8 @@ def _agree_on_shard(x, dim, layout, group, error) -> None:
                           "unshard_sequence: the shards of rank(s) {bad} of the group failed "
                           "their checks (see the error raised there); no data was gathered")
     if any(row != rows[0] for row in rows):
-        desc = "; ".join(f"rank {r}: shape {row[5:5 + row[1]]}, dim {row[2]}, "
-                         f"layout {LAYOUTS[row[4]]!r}" for r, row in enumerate(rows))
+        desc = "; ".join(f"rank {r}: shape {row[5:5 + row[1]]}, dtype {_dtype_of_crc(row[3])}, "
+                         f"dim {row[2]}, layout {LAYOUTS[row[4]]!r}" for r, row in enumerate(rows))
         raise ValueError("unshard_sequence: every rank's shard must have the same shape and "
                          f"dtype, with the same dim and layout, got {desc}")
 
@@ -874,7 +874,8 @@ def _agree_on_inputs(q, k, v, group, error, keywords: Optional[List[int]] = None
                           "ring_attention: the inputs of rank(s) {bad} of the group failed their "
                           "checks (see the error raised there); no rank started the ring")
     if any(row[:14] != rows[0][:14] for row in rows):
-        desc = "; ".join(f"rank {r}: q {row[1:5]}, k {row[5:9]}, v {row[9:13]}"
+        desc = "; ".join(f"rank {r}: q {row[1:5]}, k {row[5:9]}, v {row[9:13]}, "
+                         f"dtype {_DTYPE_NAMES.get(row[13], 'unknown')}"
                          for r, row in enumerate(rows))
         raise ValueError("ring_attention: every rank's shards must have the same shapes and "
                          f"dtype (equal S_local), got {desc}")
@@ -886,6 +887,17 @@ def _agree_on_inputs(q, k, v, group, error, keywords: Optional[List[int]] = None
 
 
 _DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+_DTYPE_NAMES = {code: str(dt) for dt, code in _DTYPE_CODES.items()}
+
+
+def _dtype_of_crc(code: int) -> str:
+    """The dtype whose name's crc32 _agree_on_shard sent (for its error message)."""
+    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+               torch.complex128):
+        if zlib.crc32(str(dt).encode()) == code:
+            return str(dt)
+    return "unknown"
 
 
 def _broadcast_seed_offset(seed: int, offset: int, group, device) -> Tuple[int, int]:

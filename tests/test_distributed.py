@@ -307,6 +307,12 @@ def _case_input_agreement(rank, world):
             None, "contiguous")
     _expect(ValueError, "same shape", cp.unshard_sequence,
             torch.randn(2, 4, 3, dtype=torch.float64 if rank == 0 else torch.float32), 1)
+    # the message shows each rank's dtype (the shapes are the same)
+    _expect(ValueError, "rank 0: shape [2, 4, 3], dtype torch.float64", cp.unshard_sequence,
+            torch.randn(2, 4, 3, dtype=torch.float64 if rank == 0 else torch.float32), 1)
+    xd = torch.zeros(1, 4, 2, 4, dtype=torch.float64 if rank == 0 else torch.float32)
+    _expect(ValueError, "dtype torch.float64; rank 1: q [1, 4, 2, 4], k [1, 4, 2, 4], "
+            "v [1, 4, 2, 4], dtype torch.float32", cp.ring_attention, xd, xd, xd)
     x = torch.randn(2, 4, 3)
     assert cp.unshard_sequence(x, 1).shape == (2, 4 * world, 3)
     for bad in (-2, 3.0, True):
