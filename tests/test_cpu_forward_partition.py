@@ -150,3 +150,36 @@ def test_forward_head_caches_keyed_by_length(dtype, D, lens, expand):
     want = with_threads(1, lambda: call(k.contiguous(), v.contiguous()))
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2 if dtype != torch.float32 else 1e-5,
                                atol=2e-2 if dtype != torch.float32 else 1e-5)
+
+
+@pytest.mark.parametrize("where", ["k0", "k96", "q", "alibi"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_split_keys_merge_keeps_nan_rows(where, dtype):
+    """Few query tiles and many threads split each tile's keys into chunks merged through their
+    (max, sum). A chunk whose only score of a row is NaN can keep the row's max at -inf with a
+    NaN sum; the merge used to skip it (and std::max dropped NaN maxima), so the row came back
+    as if it had not seen the NaN (out 0 / lse -inf, or the key left out). The NaN rows must be
+    the same at every thread count."""
+    torch.manual_seed(0)
+    Sq = 17 if where == "q" else 700
+    q = torch.randn(1, Sq, 1, 96).to(dtype)
+    k, v = [torch.randn(1, 700, 1, 96).to(dtype) for _ in range(2)]
+    kw = dict(causal=where != "q")
+    if where == "k0":
+        k[0, 0, 0, 5] = float("nan")  # causal: row 0 sees key 0 only
+    elif where == "k96":
+        k[0, 96, 0, 5] = float("nan")  # rows 96.. see it
+    elif where == "q":
+        q[0, 0, 0, 9] = float("nan")
+    else:
+        kw["alibi_slopes"] = torch.full((1,), float("nan"))
+    f = lambda: attn_ext.attention(q, k, v, return_lse=True, **kw)
+    one = with_threads(1, f)
+    nan_rows = torch.isnan(one[1][0, 0])
+    assert nan_rows.any()
+    for n in (2, 16):
+        out, lse = with_threads(n, f)
+        assert torch.equal(torch.isnan(lse[0, 0]), nan_rows), n
+        assert torch.equal(torch.isnan(out[0, :, 0]).any(-1), nan_rows), n
+        ok = ~nan_rows
+        torch.testing.assert_close(out[0, ok], one[0][0, ok], rtol=2e-2, atol=2e-2)

@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "common/attention_mask.h"
+#include "common/attention_params.h"
 #include "common/dropout_rng.h"
 #include "cpu/aligned_vec.h"
 #include "cpu/attention_microkernels.h"
@@ -390,6 +391,46 @@ void parallel_tasks(int64_t n, MakeScratch&& make_scratch, Task&& task) {
       task(t, scratch);
     }
   });
+}
+
+// Whether every fp16 value of q and k that takes part in the call is finite (bits: an exponent
+// field of all ones is inf / NaN): k's rows of the keys some row sees (band and padding) and
+// q's rows that see some key by the band. fp16 runs its products on AMX tiles as bf16 hi + lo
+// parts (mk::fp16_on_tiles), where an inf factor meets the other factor's lo part: inf * 0 =
+// NaN where the product is +-inf (a score of -inf, or one a softcap makes finite). A call where
+// such a value takes part runs the widened fp32 path instead, forward and backward alike (both
+// ask this, so the backward's scores are the forward's). A hidden value changes no path, so it
+// leaves every other result's bits alone; a visible one changes the rounding of the others.
+inline bool half_qk_finite(const AttentionParams& p, const Visibility& vis) {
+  std::atomic<bool> finite{true};
+  auto row_ok = [](const uint16_t* row, int64_t heads, int64_t head_stride, int64_t D) {
+    uint32_t bad = 0;
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t d = 0; d < D; ++d) bad |= (row[h * head_stride + d] & 0x7C00u) == 0x7C00u;
+    return bad == 0;
+  };
+  // one task per (sequence, q or k)
+  parallel_tasks(2 * p.B, [] { return 0; }, [&](int64_t t, int&) {
+    const int64_t b = t / 2;
+    const SeqInfo sq = vis.seq(b);
+    if (t % 2 == 0) {
+      const auto* q = static_cast<const uint16_t*>(p.q) + b * p.q_batch_stride;
+      for (int64_t i = 0; i < sq.Sq && finite.load(std::memory_order_relaxed); ++i) {
+        const Range keys = vis.band_keys(sq, i);
+        if (keys.lo < keys.hi && !row_ok(q + (sq.q0 + i) * p.q_row_stride, p.H, p.q_head_stride, p.D))
+          finite.store(false, std::memory_order_relaxed);
+      }
+    } else {
+      const auto* k = static_cast<const uint16_t*>(p.k) + b * p.k_batch_stride;
+      const Range keys = sq.Sq > 0 ? vis.band_keys_of_rows(sq, 0, sq.Sq) : Range{0, 0};
+      for (int64_t j = keys.lo; j < keys.hi && finite.load(std::memory_order_relaxed); ++j) {
+        if (vis.key_valid(b, j) &&
+            !row_ok(k + (sq.k0 + j) * p.k_row_stride, p.Hkv, p.k_head_stride, p.D))
+          finite.store(false, std::memory_order_relaxed);
+      }
+    }
+  });
+  return finite.load();
 }
 
 // Tasks in groups (task = group * per_group + k), dynamically scheduled with group affinity:

@@ -1281,7 +1281,9 @@ void attention_decode_kernel(const AttentionParams& p) {
         for (int64_t ch = 0; ch < n_chunks; ++ch) {
           const float* part = part_of(b, ch, hkv);
           const float pmc = part[C * Dvp + c];
-          if (pmc == neg_inf) continue;
+          // the chunk saw no key of this column (max -inf and sum exactly 0; a chunk whose
+          // only scores are NaN may keep the max -inf with a NaN sum, which must reach it)
+          if (pmc == neg_inf && part[C * Dvp + C + c] == 0.f) continue;
           const float a = std::exp(pmc - mx);
           l += a * part[C * Dvp + C + c];
           const float* oc = part + c * Dvp;
@@ -1290,8 +1292,10 @@ void attention_decode_kernel(const AttentionParams& p) {
       } else {
         // nothing seen, or a NaN max: NaN (from a NaN input) must stay NaN
         for (int64_t ch = 0; ch < n_chunks; ++ch) {
-          const float pmc = part_of(b, ch, hkv)[C * Dvp + c];
+          const float* part = part_of(b, ch, hkv);
+          const float pmc = part[C * Dvp + c];
           if (std::isnan(pmc)) mx = pmc;
+          if (std::isnan(part[C * Dvp + C + c])) l = part[C * Dvp + C + c];  // (max still -inf)
         }
       }
       // l == 0: the row sees no key (out 0, lse -inf); NaN stays NaN.

@@ -735,7 +735,9 @@ void attention_fwd_kernel(const AttentionParams& p) {
   // fp16 on the tiles when both products can (mk::fp16_on_tiles): pass 1 as bf16dp / amx
   // (every switch read once for the call: mk::TileRule)
   const mk::TileRule rule = mk::tile_rule();
-  const bool split = std::is_same_v<scalar_t, c10::Half> && rule.fp16_on_tiles(p.D, p.Dv);
+  // (and q and k finite: half_qk_finite)
+  const bool split = std::is_same_v<scalar_t, c10::Half> && rule.fp16_on_tiles(p.D, p.Dv) &&
+                     half_qk_finite(p, vis);
   const bool bf16dp = split || rule.bf16_scores_by_pairs(is_bf16, p.D);
   const bool amx = split || (bf16dp && rule.amx_for(p.D));
   const bool amx_pv = split || (is_bf16 && rule.amx_pv_for(p.Dv));
@@ -818,9 +820,12 @@ void attention_fwd_kernel(const AttentionParams& p) {
     acc_t* l = m + kBlockQ;
     const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
     for (int64_t c = 0; c < cols; ++c) {
+      // (a NaN chunk maximum makes the row's NaN: std::max would drop it)
       acc_t mx = neg_inf;
       for (int64_t sp = 0; sp < n_split; ++sp) {
-        mx = std::max(mx, parts[(idx * n_split + sp) * per_part + kBlockQ * Dvp + c]);
+        const acc_t ms = parts[(idx * n_split + sp) * per_part + kBlockQ * Dvp + c];
+        mx = std::isnan(ms) || std::isnan(mx) ? std::numeric_limits<acc_t>::quiet_NaN()
+                                              : std::max(mx, ms);
       }
       m[c] = mx;
       l[c] = 0;
@@ -828,7 +833,9 @@ void attention_fwd_kernel(const AttentionParams& p) {
       for (int64_t sp = 0; sp < n_split; ++sp) {
         const acc_t* part = parts.data() + (idx * n_split + sp) * per_part;
         const acc_t ms = part[kBlockQ * Dvp + c];
-        if (ms == neg_inf) continue;  // the chunk saw no key of this row
+        // the chunk saw no key of this row (max -inf and sum exactly 0; a chunk whose only
+        // scores are NaN can keep the max -inf with a NaN sum, which must reach the row)
+        if (ms == neg_inf && part[kBlockQ * Dvp + kBlockQ + c] == acc_t(0)) continue;
         const acc_t w = std::exp(ms - mx);
         l[c] += w * part[kBlockQ * Dvp + kBlockQ + c];
         for (int64_t d = 0; d < Dvp; ++d) o[c * Dvp + d] += w * part[c * Dvp + d];
