@@ -957,7 +957,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   // (bf16 hi + lo, hi hi + hi lo + lo hi), pass 1 in the forward's own chains; dP and Di on the
   // tiles where Dv is a multiple of 32 (else widened, in the fp32 gemm's chains)
   const bool fp16_split = std::is_same_v<scalar_t, c10::Half> && !decode_order &&
-                     rule.fp16_on_tiles(p.D, p.Dv) && half_qk_finite(p, vis);
+                     rule.fp16_on_tiles(p.D, p.Dv) && half_qk_no_inf(p, vis);
   const bool split_dp = fp16_split && rule.amx_for(p.Dv);
   const bool rows_d = (is_bf16 || fp16_split) && rule.amx_pv_for(p.D);
   const bool rows_dv = (is_bf16 || fp16_split) && rule.amx_pv_for(p.Dv);

@@ -393,20 +393,22 @@ void parallel_tasks(int64_t n, MakeScratch&& make_scratch, Task&& task) {
   });
 }
 
-// Whether every fp16 value of q and k that takes part in the call is finite (bits: an exponent
-// field of all ones is inf / NaN): k's rows of the keys some row sees (band and padding) and
-// q's rows that see some key by the band. fp16 runs its products on AMX tiles as bf16 hi + lo
-// parts (mk::fp16_on_tiles), where an inf factor meets the other factor's lo part: inf * 0 =
-// NaN where the product is +-inf (a score of -inf, or one a softcap makes finite). A call where
-// such a value takes part runs the widened fp32 path instead, forward and backward alike (both
-// ask this, so the backward's scores are the forward's). A hidden value changes no path, so it
-// leaves every other result's bits alone; a visible one changes the rounding of the others.
-inline bool half_qk_finite(const AttentionParams& p, const Visibility& vis) {
+// Whether no fp16 value of q and k that takes part in the call is +-inf (bits: exponent all
+// ones, mantissa 0): k's rows of the keys some row sees (band and padding) and q's rows that
+// see some key by the band. fp16 runs its products on AMX tiles as bf16 hi + lo parts
+// (mk::fp16_on_tiles), where an inf factor meets the other factor's lo part: inf * 0 = NaN
+// where the product is +-inf. A score of +inf makes its row NaN either way, but one of -inf
+// (probability 0) or one a softcap makes finite (+-softcap) must not. A call where an inf takes
+// part runs the widened fp32 path instead, forward and backward alike (both ask this, so the
+// backward's scores are the forward's). A NaN gives NaN either way and keeps the tiles; a
+// hidden inf changes no path, so neither touches any other result's bits; a visible inf
+// changes the rounding of the call's other rows.
+inline bool half_qk_no_inf(const AttentionParams& p, const Visibility& vis) {
   std::atomic<bool> finite{true};
   auto row_ok = [](const uint16_t* row, int64_t heads, int64_t head_stride, int64_t D) {
     uint32_t bad = 0;
     for (int64_t h = 0; h < heads; ++h)
-      for (int64_t d = 0; d < D; ++d) bad |= (row[h * head_stride + d] & 0x7C00u) == 0x7C00u;
+      for (int64_t d = 0; d < D; ++d) bad |= (row[h * head_stride + d] & 0x7FFFu) == 0x7C00u;
     return bad == 0;
   };
   // one task per (sequence, q or k)

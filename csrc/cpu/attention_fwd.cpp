@@ -735,9 +735,9 @@ void attention_fwd_kernel(const AttentionParams& p) {
   // fp16 on the tiles when both products can (mk::fp16_on_tiles): pass 1 as bf16dp / amx
   // (every switch read once for the call: mk::TileRule)
   const mk::TileRule rule = mk::tile_rule();
-  // (and q and k finite: half_qk_finite)
+  // (and no inf in the q and k that take part: half_qk_no_inf)
   const bool split = std::is_same_v<scalar_t, c10::Half> && rule.fp16_on_tiles(p.D, p.Dv) &&
-                     half_qk_finite(p, vis);
+                     half_qk_no_inf(p, vis);
   const bool bf16dp = split || rule.bf16_scores_by_pairs(is_bf16, p.D);
   const bool amx = split || (bf16dp && rule.amx_for(p.D));
   const bool amx_pv = split || (is_bf16 && rule.amx_pv_for(p.Dv));
