@@ -218,3 +218,28 @@ def test_amx_visible_non_finite_k_same_bits_for_any_block_grouping(dtype, monkey
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
     dq = runs[0][2][0, :, 0, 3]
     assert bool(dq[5:].isnan().all()) and not bool(dq[:5].isnan().any())
+
+
+@pytest.mark.parametrize("dtype,bad", [(torch.bfloat16, float("inf")), (torch.bfloat16, float("nan")),
+                                       (torch.float16, float("nan"))])
+def test_amx_non_finite_q_row_leaves_the_keys_it_cannot_see_bitwise_alone(bad, dtype):
+    """Row 0 (causal: it sees key 0 only) with an inf / NaN in q: dk and dv of keys 1.. are
+    bitwise those of a finite q there. The tiles run dv / dk with that row's operands as 0 and
+    add its visible pairs on their own (before, the whole tile took the per-pair path, whose
+    rounding differs from the tiles'). (fp16 with a visible inf runs the widened path:
+    half_qk_no_inf, which changes the other rows' rounding.)"""
+    torch.manual_seed(0)
+    q, k, v, dout = [torch.randn(1, 97, 2, 64).to(dtype) for _ in range(4)]
+
+    def grads(qq):
+        ts = [t.clone().requires_grad_() for t in (qq, k, v)]
+        attn_ext.attention(*ts, causal=True).backward(dout)
+        return ts[1].grad, ts[2].grad
+
+    clean = grads(q)
+    qb = q.clone()
+    qb[0, 0, 1, 3] = bad
+    dirty = grads(qb)
+    for name, a, b in zip(("dk", "dv"), dirty, clean):
+        assert torch.equal(a[0, 1:], b[0, 1:]), name
+        assert torch.isfinite(a[0, 1:]).all(), name

@@ -90,6 +90,8 @@ struct BwdScratch {
   static constexpr int64_t kKeyPairs = ceil_div(kBlockK, 32) * 16;
   AlignedVec<uint32_t> kpt, dsp;
   AlignedVec<uint32_t> kpt_z;  // kpt with k's inf / NaN entries as 0 (a partial pair's, sized on use)
+  AlignedVec<uint32_t> dn_z, qn_z;  // the block's dout / q row pairs with its non-finite rows as 0
+                                    // (a partial pair's, on the tiles; sized on use)
   // fp16 on the tiles (QueryPackLayout::split): the key tile's k rows (kBlockK, D) and v rows
   // (kBlockK, Dv; where pass 4 is on tiles) split into bf16 hi / lo (mk::split_fp16), k^T's and
   // dS^T's lo pairs beside kpt / dsp, and one query block's q / dout / out rows split while it
@@ -599,18 +601,18 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   // pass 3: dvt rows [r0, r0 + nr) += P^T dout over queries [c0, c0 + n); on AMX tiles (bf16,
   // L.amx_dv) the whole tile, P rounded to bf16 (as the forward's o += p v); fp16 (L.split): P
   // and dout split into hi + lo, hi hi + hi lo + lo hi
+  // the tiles' B operands of passes 3 and 6: dout's and q's row pairs (then their lo pairs,
+  // kBlockQ / 2 pair rows on); the non-finite block's copies below
+  const uint32_t* dn = reinterpret_cast<const uint32_t*>(blk + L.dn);
+  const uint32_t* qn = reinterpret_cast<const uint32_t*>(blk + L.qn);
   auto pass3 = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
     if constexpr (std::is_same_v<acc_t, float>) {
       if (L.amx_dv && L.split) {
-        mk::rows_times_pairs_amx_split(nk, Dv, nq, pv, C,
-                                       reinterpret_cast<const uint32_t*>(blk + L.dn),
-                                       reinterpret_cast<const uint32_t*>(blk + L.dn_lo()), Dv,
-                                       dvt, ldv);
+        mk::rows_times_pairs_amx_split(nk, Dv, nq, pv, C, dn, dn + kBlockQ / 2 * Dv, Dv, dvt, ldv);
         return;
       }
       if (L.amx_dv) {
-        mk::rows_times_pairs_amx(nk, Dv, nq, pv, C, reinterpret_cast<const uint32_t*>(blk + L.dn),
-                                 Dv, dvt, ldv);
+        mk::rows_times_pairs_amx(nk, Dv, nq, pv, C, dn, Dv, dvt, ldv);
         return;
       }
     }
@@ -620,15 +622,12 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   auto pass6 = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
     if constexpr (std::is_same_v<acc_t, float>) {
       if (L.amx_dk && L.split) {
-        mk::rows_times_pairs_amx_split(nk, D, nq, s.dpt.data(), C,
-                                       reinterpret_cast<const uint32_t*>(blk + L.qn),
-                                       reinterpret_cast<const uint32_t*>(blk + L.qn_lo()), D,
+        mk::rows_times_pairs_amx_split(nk, D, nq, s.dpt.data(), C, qn, qn + kBlockQ / 2 * D, D,
                                        dkt, ldk);
         return;
       }
       if (L.amx_dk) {
-        mk::rows_times_pairs_amx(nk, D, nq, s.dpt.data(), C,
-                                 reinterpret_cast<const uint32_t*>(blk + L.qn), D, dkt, ldk);
+        mk::rows_times_pairs_amx(nk, D, nq, s.dpt.data(), C, qn, D, dkt, ldk);
         return;
       }
     }
@@ -771,9 +770,53 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     // On AMX tiles, where q and dout are finite (only k is not), dv and dk run as in the dense
     // path: P and dS are 0 at the hidden pairs, and those products read no k.
     const bool qd_finite = blk[L.fin] != acc_t(0);
-    const bool dv_tiles = dvt != nullptr && L.amx_dv && qd_finite;
-    const bool dk_tiles = dkt != nullptr && L.amx_dk && qd_finite;
+    // Where q or dout is not finite, dv and dk on the tiles too: the B operands in copies with
+    // the rows that hold an inf / NaN (bad rows) as 0, so that every key gets from the other
+    // rows the products (and bits) it gets when those values are finite; then each bad row's
+    // visible pairs added on their own, as the per-pair path below takes them.
+    bool bad_rows = false;
+    uint8_t bad[kBlockQ] = {};
+    if (!qd_finite && ((dvt != nullptr && L.amx_dv) || (dkt != nullptr && L.amx_dk))) {
+      bad_rows = true;
+      for (int64_t cc = 0; cc < nq; ++cc) {
+        bad[cc] = !(all_finite(qr + cc * ldq, 1, D, D) && all_finite(dor + cc * ldo, 1, Dv, Dv));
+      }
+      // row pairs (kBlockQ / 2 pair rows x cols words, then as many lo ones where split), the
+      // bad rows' halves (row 2 t: the low 16 bits) as 0
+      auto zeroed = [&](const uint32_t* src, int64_t cols, AlignedVec<uint32_t>& dst) {
+        const int64_t parts = L.split ? 2 : 1, words = kBlockQ / 2 * cols;
+        if (dst.size() < static_cast<size_t>(parts * words)) dst.resize(static_cast<size_t>(parts * words));
+        std::copy(src, src + parts * words, dst.data());
+        for (int64_t cc = 0; cc < nq; ++cc) {
+          if (!bad[cc]) continue;
+          const uint32_t keep = cc % 2 == 0 ? 0xFFFF0000u : 0x0000FFFFu;
+          for (int64_t x = 0; x < parts; ++x) {
+            uint32_t* row = dst.data() + x * words + cc / 2 * cols;
+            for (int64_t d = 0; d < cols; ++d) row[d] &= keep;
+          }
+        }
+        return dst.data();
+      };
+      if (dvt != nullptr && L.amx_dv) dn = zeroed(dn, Dv, s.dn_z);
+      if (dkt != nullptr && L.amx_dk) qn = zeroed(qn, D, s.qn_z);
+    }
+    const bool dv_tiles = dvt != nullptr && L.amx_dv && (qd_finite || bad_rows);
+    const bool dk_tiles = dkt != nullptr && L.amx_dk && (qd_finite || bad_rows);
     dv_dk_tiles(dv_tiles, dk_tiles);
+    for (int64_t r = 0; r < nk && bad_rows; ++r) {
+      const Range c = seen_by[r];
+      for (int64_t cc = c.lo; cc < c.hi; ++cc) {
+        if (!bad[cc]) continue;
+        if (dv_tiles) {
+          const acc_t pr = pv[r * C + cc];
+          for (int64_t d = 0; d < Dv; ++d) dvt[r * ldv + d] += pr * dor[cc * ldo + d];
+        }
+        if (dk_tiles) {
+          const acc_t ds = s.dpt[r * C + cc];
+          for (int64_t d = 0; d < D; ++d) dkt[r * ldk + d] += ds * qr[cc * ldq + d];
+        }
+      }
+    }
     for (int64_t r = 0; r < nk && ((dvt != nullptr && !dv_tiles) || (dkt != nullptr && !dk_tiles));
          ++r) {
       const Range c = seen_by[r];
