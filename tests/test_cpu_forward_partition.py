@@ -183,3 +183,22 @@ def test_split_keys_merge_keeps_nan_rows(where, dtype):
         assert torch.equal(torch.isnan(out[0, :, 0]).any(-1), nan_rows), n
         ok = ~nan_rows
         torch.testing.assert_close(out[0, ok], one[0][0, ok], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("Sq", [1, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_split_keys_merge_keeps_a_nan_v_at_a_zero_probability(dtype, Sq):
+    """Keys whose scores are all -inf (probability 0) and a NaN v among them: 0 * NaN is NaN in
+    one pass over the keys (and in the float64 textbook), so it must stay NaN when the keys are
+    split into chunks (split-KV, the decode's chunks): such a chunk has max -inf and sum 0 but a
+    NaN partial output, and the merges used to skip it."""
+    torch.manual_seed(0)
+    Sk, D = 1024, 64
+    q = torch.randn(1, Sq, 1, D).abs().to(dtype)
+    k, v = [torch.randn(1, Sk, 1, D).to(dtype) for _ in range(2)]
+    k[0, :300, 0, 0] = -float("inf")  # q[..., 0] > 0: keys 0..299 score -inf for every row
+    v[0, 10, 0, 3] = float("nan")
+    ref = reference.attention(q.double(), k.double(), v.double())
+    for n in (1, 2, 16):
+        out = with_threads(n, lambda: attn_ext.attention(q, k, v))
+        assert torch.equal(torch.isnan(out), torch.isnan(ref)), n

@@ -184,3 +184,26 @@ def test_fp16_inf_in_q_or_k_keeps_the_math_finite_where_it_is(where, bad, D):
         assert torch.equal(torch.isfinite(a), fin), name
         torch.testing.assert_close(a.float()[fin], b[fin], rtol=2e-2, atol=2e-2, msg=name)
     assert torch.isfinite(half[0]).all() and torch.isfinite(half[1]).all()
+
+
+def test_fp16_hidden_inf_keeps_the_tiles_and_every_other_bit():
+    """An inf in a padded key, or in a q row whose band keys are all padded, takes part in no
+    score: the call stays on the tiles, and every other row's results keep their bits."""
+    torch.manual_seed(0)
+    q, k, v, g = [torch.randn(1, 100, 2, 64).half() for _ in range(4)]
+    kpm = torch.ones(1, 100, dtype=torch.bool)
+    kpm[0, 0] = False  # causal: row 0 sees key 0 only, which is padded
+
+    def run(q, k):
+        ts = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attn_ext.attention(*ts, causal=True, key_padding_mask=kpm)
+        out.backward(g)
+        return [out.detach()] + [t.grad for t in ts]
+
+    clean = run(q, k)
+    qb, kb = q.clone(), k.clone()
+    qb[0, 0, 1, 5] = float("inf")
+    kb[0, 0, 0, 7] = float("inf")
+    for dirty in (run(qb, k), run(q, kb)):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), dirty, clean):
+            assert torch.equal(a[0, 1:], b[0, 1:]), name

@@ -411,24 +411,51 @@ inline bool half_qk_no_inf(const AttentionParams& p, const Visibility& vis) {
       for (int64_t d = 0; d < D; ++d) bad |= (row[h * head_stride + d] & 0x7FFFu) == 0x7C00u;
     return bad == 0;
   };
-  // one task per (sequence, q or k)
-  parallel_tasks(2 * p.B, [] { return 0; }, [&](int64_t t, int&) {
-    const int64_t b = t / 2;
+  // tasks: (sequence, q or k, a chunk of kScanRows rows), so that a long K is read by every
+  // worker; per sequence the valid keys before each key (key padding: a q row takes part when
+  // its band holds a valid key)
+  constexpr int64_t kScanRows = 256;
+  int64_t max_q = 0, max_k = 0;
+  std::vector<std::vector<int64_t>> valid_before(static_cast<size_t>(vis.has_padding() ? p.B : 0));
+  for (int64_t b = 0; b < p.B; ++b) {
     const SeqInfo sq = vis.seq(b);
-    if (t % 2 == 0) {
+    max_q = std::max(max_q, sq.Sq);
+    max_k = std::max(max_k, sq.Sk);
+    if (vis.has_padding()) {
+      auto& vb = valid_before[static_cast<size_t>(b)];
+      vb.assign(static_cast<size_t>(sq.Sk + 1), 0);
+      for (int64_t j = 0; j < sq.Sk; ++j) vb[j + 1] = vb[j] + (vis.key_valid(b, j) ? 1 : 0);
+    }
+  }
+  const int64_t cq = ceil_div(max_q, kScanRows), ck = ceil_div(max_k, kScanRows);
+  parallel_tasks(p.B * (cq + ck), [] { return 0; }, [&](int64_t t, int&) {
+    if (!finite.load(std::memory_order_relaxed)) return;
+    const int64_t b = t / (cq + ck), c = t % (cq + ck);
+    const SeqInfo sq = vis.seq(b);
+    if (c < cq) {
       const auto* q = static_cast<const uint16_t*>(p.q) + b * p.q_batch_stride;
-      for (int64_t i = 0; i < sq.Sq && finite.load(std::memory_order_relaxed); ++i) {
+      for (int64_t i = c * kScanRows; i < std::min(sq.Sq, (c + 1) * kScanRows); ++i) {
         const Range keys = vis.band_keys(sq, i);
-        if (keys.lo < keys.hi && !row_ok(q + (sq.q0 + i) * p.q_row_stride, p.H, p.q_head_stride, p.D))
+        const bool sees = vis.has_padding()
+                              ? keys.lo < keys.hi && valid_before[static_cast<size_t>(b)][keys.hi] >
+                                                         valid_before[static_cast<size_t>(b)][keys.lo]
+                              : keys.lo < keys.hi;
+        if (sees && !row_ok(q + (sq.q0 + i) * p.q_row_stride, p.H, p.q_head_stride, p.D)) {
           finite.store(false, std::memory_order_relaxed);
+          return;
+        }
       }
     } else {
       const auto* k = static_cast<const uint16_t*>(p.k) + b * p.k_batch_stride;
       const Range keys = sq.Sq > 0 ? vis.band_keys_of_rows(sq, 0, sq.Sq) : Range{0, 0};
-      for (int64_t j = keys.lo; j < keys.hi && finite.load(std::memory_order_relaxed); ++j) {
+      const int64_t j0 = std::max(keys.lo, (c - cq) * kScanRows);
+      const int64_t j1 = std::min(keys.hi, (c - cq + 1) * kScanRows);
+      for (int64_t j = j0; j < j1; ++j) {
         if (vis.key_valid(b, j) &&
-            !row_ok(k + (sq.k0 + j) * p.k_row_stride, p.Hkv, p.k_head_stride, p.D))
+            !row_ok(k + (sq.k0 + j) * p.k_row_stride, p.Hkv, p.k_head_stride, p.D)) {
           finite.store(false, std::memory_order_relaxed);
+          return;
+        }
       }
     }
   });
