@@ -250,7 +250,8 @@ def _agree_on_shard(x, dim, layout, group, error) -> None:
                           "unshard_sequence: the shards of rank(s) {bad} of the group failed "
                           "their checks (see the error raised there); no data was gathered")
     if any(row != rows[0] for row in rows):
-        desc = "; ".join(f"rank {r}: shape {row[5:5 + row[1]]}, dtype {_dtype_of_crc(row[3])}, "
+        desc = "; ".join(f"rank {r}: shape {row[5:5 + row[1]]}, "
+                         f"dtype {_DTYPE_OF_CRC.get(row[3], 'unknown')}, "
                          f"dim {row[2]}, layout {LAYOUTS[row[4]]!r}" for r, row in enumerate(rows))
         raise ValueError("unshard_sequence: every rank's shard must have the same shape and "
                          f"dtype, with the same dim and layout, got {desc}")
@@ -890,14 +891,10 @@ _DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bflo
 _DTYPE_NAMES = {code: str(dt) for dt, code in _DTYPE_CODES.items()}
 
 
-def _dtype_of_crc(code: int) -> str:
-    """The dtype whose name's crc32 _agree_on_shard sent (for its error message)."""
-    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
-               torch.complex128):
-        if zlib.crc32(str(dt).encode()) == code:
-            return str(dt)
-    return "unknown"
+# the dtypes' names by the crc32 of the name that _agree_on_shard sends (for its error message)
+_DTYPE_OF_CRC = {zlib.crc32(str(dt).encode()): str(dt) for dt in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
 
 
 def _broadcast_seed_offset(seed: int, offset: int, group, device) -> Tuple[int, int]:

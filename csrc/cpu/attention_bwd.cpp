@@ -605,10 +605,11 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   // kBlockQ / 2 pair rows on); the non-finite block's copies below
   const uint32_t* dn = reinterpret_cast<const uint32_t*>(blk + L.dn);
   const uint32_t* qn = reinterpret_cast<const uint32_t*>(blk + L.qn);
+  const int64_t dn_lo = L.dn_lo() - L.dn, qn_lo = L.qn_lo() - L.qn;  // (words past the hi pairs)
   auto pass3 = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
     if constexpr (std::is_same_v<acc_t, float>) {
       if (L.amx_dv && L.split) {
-        mk::rows_times_pairs_amx_split(nk, Dv, nq, pv, C, dn, dn + kBlockQ / 2 * Dv, Dv, dvt, ldv);
+        mk::rows_times_pairs_amx_split(nk, Dv, nq, pv, C, dn, dn + dn_lo, Dv, dvt, ldv);
         return;
       }
       if (L.amx_dv) {
@@ -622,8 +623,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
   auto pass6 = [&](int64_t r0, int64_t nr, int64_t c0, int64_t n) {
     if constexpr (std::is_same_v<acc_t, float>) {
       if (L.amx_dk && L.split) {
-        mk::rows_times_pairs_amx_split(nk, D, nq, s.dpt.data(), C, qn, qn + kBlockQ / 2 * D, D,
-                                       dkt, ldk);
+        mk::rows_times_pairs_amx_split(nk, D, nq, s.dpt.data(), C, qn, qn + qn_lo, D, dkt, ldk);
         return;
       }
       if (L.amx_dk) {
@@ -781,10 +781,10 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
       for (int64_t cc = 0; cc < nq; ++cc) {
         bad[cc] = !(all_finite(qr + cc * ldq, 1, D, D) && all_finite(dor + cc * ldo, 1, Dv, Dv));
       }
-      // row pairs (kBlockQ / 2 pair rows x cols words, then as many lo ones where split), the
-      // bad rows' halves (row 2 t: the low 16 bits) as 0
-      auto zeroed = [&](const uint32_t* src, int64_t cols, AlignedVec<uint32_t>& dst) {
-        const int64_t parts = L.split ? 2 : 1, words = kBlockQ / 2 * cols;
+      // row pairs (cols words a pair row; where split, the lo ones `lo` words on), the bad
+      // rows' halves (row 2 t: the low 16 bits) as 0
+      auto zeroed = [&](const uint32_t* src, int64_t cols, int64_t lo, AlignedVec<uint32_t>& dst) {
+        const int64_t parts = L.split ? 2 : 1, words = lo;
         if (dst.size() < static_cast<size_t>(parts * words)) dst.resize(static_cast<size_t>(parts * words));
         std::copy(src, src + parts * words, dst.data());
         for (int64_t cc = 0; cc < nq; ++cc) {
@@ -797,8 +797,8 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
         }
         return dst.data();
       };
-      if (dvt != nullptr && L.amx_dv) dn = zeroed(dn, Dv, s.dn_z);
-      if (dkt != nullptr && L.amx_dk) qn = zeroed(qn, D, s.qn_z);
+      if (dvt != nullptr && L.amx_dv) dn = zeroed(dn, Dv, dn_lo, s.dn_z);
+      if (dkt != nullptr && L.amx_dk) qn = zeroed(qn, D, qn_lo, s.qn_z);
     }
     const bool dv_tiles = dvt != nullptr && L.amx_dv && (qd_finite || bad_rows);
     const bool dk_tiles = dkt != nullptr && L.amx_dk && (qd_finite || bad_rows);
@@ -807,14 +807,8 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
       const Range c = seen_by[r];
       for (int64_t cc = c.lo; cc < c.hi; ++cc) {
         if (!bad[cc]) continue;
-        if (dv_tiles) {
-          const acc_t pr = pv[r * C + cc];
-          for (int64_t d = 0; d < Dv; ++d) dvt[r * ldv + d] += pr * dor[cc * ldo + d];
-        }
-        if (dk_tiles) {
-          const acc_t ds = s.dpt[r * C + cc];
-          for (int64_t d = 0; d < D; ++d) dkt[r * ldk + d] += ds * qr[cc * ldq + d];
-        }
+        if (dv_tiles) mk::axpy_as_gemm(dvt + r * ldv, pv[r * C + cc], dor + cc * ldo, Dv, fused);
+        if (dk_tiles) mk::axpy_as_gemm(dkt + r * ldk, s.dpt[r * C + cc], qr + cc * ldq, D, fused);
       }
     }
     for (int64_t r = 0; r < nk && ((dvt != nullptr && !dv_tiles) || (dkt != nullptr && !dk_tiles));

@@ -393,6 +393,18 @@ void parallel_tasks(int64_t n, MakeScratch&& make_scratch, Task&& task) {
   });
 }
 
+// Whether a key chunk's partial state of one row (max ms, sum ls, unnormalised output o of n
+// values) adds nothing to the row when the chunks are merged (the forward's split-KV, the
+// decode's chunks): max -inf, sum exactly 0 and o finite, or no chunk of the row has a finite
+// max (mx -inf: the row saw nothing, out 0). Otherwise it takes part, as one pass over the keys
+// would: a chunk whose only scores are NaN can keep its max -inf with a NaN sum, and one whose
+// scores are all -inf can hold 0 * NaN from a NaN v.
+template <typename acc_t>
+inline bool chunk_adds_nothing(acc_t ms, acc_t ls, const acc_t* o, int64_t n, acc_t mx) {
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  return ms == neg_inf && ls == acc_t(0) && (mx == neg_inf || all_finite(o, 1, n, n));
+}
+
 // Whether no fp16 value of q and k that takes part in the call is +-inf (bits: exponent all
 // ones, mantissa 0): k's rows of the keys some row sees (band and padding) and q's rows that
 // see some key by the band. fp16 runs its products on AMX tiles as bf16 hi + lo parts

@@ -1281,11 +1281,7 @@ void attention_decode_kernel(const AttentionParams& p) {
         for (int64_t ch = 0; ch < n_chunks; ++ch) {
           const float* part = part_of(b, ch, hkv);
           const float pmc = part[C * Dvp + c];
-          // the chunk gives this column nothing: max -inf, sum exactly 0 and its partial output
-          // finite (a chunk whose only scores are NaN may keep the max -inf with a NaN sum, and
-          // one whose scores are all -inf can hold 0 * NaN from a NaN v: those reach it)
-          if (pmc == neg_inf && part[C * Dvp + C + c] == 0.f && all_finite(part + c * Dvp, 1, Dvp, Dvp))
-            continue;
+          if (chunk_adds_nothing(pmc, part[C * Dvp + C + c], part + c * Dvp, Dvp, mx)) continue;
           const float a = std::exp(pmc - mx);
           l += a * part[C * Dvp + C + c];
           const float* oc = part + c * Dvp;

@@ -833,12 +833,7 @@ void attention_fwd_kernel(const AttentionParams& p) {
       for (int64_t sp = 0; sp < n_split; ++sp) {
         const acc_t* part = parts.data() + (idx * n_split + sp) * per_part;
         const acc_t ms = part[kBlockQ * Dvp + c];
-        // the chunk gives this row nothing: max -inf, sum exactly 0 and its partial output
-        // finite (a chunk whose only scores are NaN can keep the max -inf with a NaN sum, and
-        // one whose scores are all -inf can hold 0 * NaN from a NaN v: as in one chunk, those
-        // reach the row; when no chunk has a finite max, the row saw nothing: out 0)
-        if (ms == neg_inf && part[kBlockQ * Dvp + kBlockQ + c] == acc_t(0) &&
-            (mx == neg_inf || all_finite(part + c * Dvp, 1, Dvp, Dvp)))
+        if (chunk_adds_nothing(ms, part[kBlockQ * Dvp + kBlockQ + c], part + c * Dvp, Dvp, mx))
           continue;
         const acc_t w = std::exp(ms - mx);
         l[c] += w * part[kBlockQ * Dvp + kBlockQ + c];
