@@ -298,6 +298,19 @@ def cpu_decode_scores(dtype: torch.dtype, D: Optional[int] = None) -> Optional[s
     return "ymm"
 
 
+def cpu_decode_pv(dtype: torch.dtype, D: int, Dv: int) -> Optional[str]:
+    """How the bf16 decode kernel forms o += p v (attention_decode.h decode_pv_by_pairs):
+    "vdpbf16ps" (p rounded to bf16, two keys per instruction) where its scores are vdpbf16ps
+    pairs (cpu_bf16_scores), Dv is a multiple of 16 and ATTN_EXT_CPU_DECODE_PV_PAIRS is not 0,
+    else "widened" (fp32 FMAs, p in fp32); None for other dtypes."""
+    if dtype != torch.bfloat16:
+        return None
+    if (cpu_bf16_scores(dtype, depth=D) == "vdpbf16ps" and Dv % 16 == 0
+            and os.environ.get("ATTN_EXT_CPU_DECODE_PV_PAIRS") != "0"):
+        return "vdpbf16ps"
+    return "widened"
+
+
 def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
                     causal: bool = False, window=(-1, -1)) -> Optional[dict]:
     """csrc/cpu/attention_decode.h decode_supported and its split-K chunk count, or None when
@@ -321,7 +334,7 @@ def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (
     n_chunks = min(n_chunks, max(1, band_keys // CPU_DECODE_MIN_CHUNK))
     return {"threads": threads, "columns_per_kv_head": s.Sq * group, "kv_heads": s.B * s.Hkv,
             "n_chunks": n_chunks, "bf16_scores": cpu_bf16_scores(dtype, depth=s.D),
-            "scores": cpu_decode_scores(dtype, s.D)}
+            "scores": cpu_decode_scores(dtype, s.D), "bf16_pv": cpu_decode_pv(dtype, s.D, s.Dv)}
 
 
 def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
@@ -349,6 +362,9 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
                "them to float32 instead)" if decode["bf16_scores"] == "vdpbf16ps" else "")
             + ("; bf16 scores on AMX tiles, K read where it is (ATTN_EXT_CPU_AMX=0 or "
                "ATTN_EXT_CPU_BF16DP=0 turns them off)" if decode["bf16_scores"] == "amx"
+               else "")
+            + ("; o += p v by vdpbf16ps, p rounded to bf16 as PyTorch's bf16 flash kernel does "
+               "(ATTN_EXT_CPU_DECODE_PV_PAIRS=0: fp32 FMAs)" if decode["bf16_pv"] == "vdpbf16ps"
                else "")
             + ("; scores of 2+ columns on zmm registers (ATTN_EXT_CPU_DECODE_SCORES512=0: ymm, "
                "same bits)" if decode["scores"] == "zmm" else "")

@@ -1,7 +1,7 @@
 """A/B of a CPU kernel switch read on every call, alternated call by call in one process: this
 machine's speed drifts by +-15 % between runs, so the values are only compared within a round.
 
-    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads|decode-pv512|decode-scores512|bf16dp|gemm512|dp-tile16]
+    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads|decode-pv512|decode-pv-pairs|decode-scores512|bf16dp|gemm512|dp-tile16]
                                          [--repeats N]
                                          [--threads T] [--values A,B] [--quick]
 
@@ -16,7 +16,14 @@ read per second.
 
 --switch decode-pv512: ATTN_EXT_CPU_DECODE_PV512, the decode kernel's PV product with AVX-512
 (1; where the CPU has AVX-512F/BW) or AVX2 (0) (csrc/cpu/attention_decode.h pv512). The same
-rows as decode-quads.
+rows as decode-quads, with ATTN_EXT_CPU_DECODE_PV_PAIRS=0 set (bf16's product by pairs, where
+it is on, takes neither).
+
+--switch decode-pv-pairs: ATTN_EXT_CPU_DECODE_PV_PAIRS, the bf16 decode's o += p v by vdpbf16ps
+pairs with p rounded to bf16 (1; where its scores are pairs, AVX512_BF16 on a CPU that is not
+Intel's by default) or widened to fp32 FMAs (0) (csrc/cpu/attention_decode.h pv_pairs). The
+same rows as decode-quads (fp32: a control); the two values round differently, so outputs are
+checked close, not bitwise.
 
 --switch decode-scores512: ATTN_EXT_CPU_DECODE_SCORES512, the decode kernel's widened scores
 (fp32, fp16, and bf16 where they are not vdpbf16ps pairs) on zmm registers, two key groups per
@@ -42,7 +49,7 @@ the CPU has AVX-512F/BW) or ymm (0) (csrc/cpu/attention_microkernels_avx512.cpp)
 causal prefill forward and backward at (1, 8, 4096, 128) and (1, 16, 2048, 64), on BSHD memory and
 on BHSD memory through transpose views; the same bits.
 
-Every value's outputs are checked bitwise equal first (bf16dp: close); the order of the values alternates from
+Every value's outputs are checked bitwise equal first (bf16dp, decode-pv-pairs: close); the order of the values alternates from
 round to round; medians over the rounds, and the ratios to the first value.
 """
 
@@ -69,6 +76,7 @@ DECODE_SHAPES = [(1, 4096, 32, 8), (4, 2048, 32, 8), (16, 2048, 32, 8), (1, 3276
 SWITCHES = {"bwd-jobs": ("ATTN_EXT_CPU_BWD_JOBS", "1,4", True),
             "decode-quads": ("ATTN_EXT_CPU_DECODE_QUADS", "0,1", True),
             "decode-pv512": ("ATTN_EXT_CPU_DECODE_PV512", "0,1", True),
+            "decode-pv-pairs": ("ATTN_EXT_CPU_DECODE_PV_PAIRS", "0,1", False),
             "decode-scores512": ("ATTN_EXT_CPU_DECODE_SCORES512", "0,1", True),
             "bf16dp": ("ATTN_EXT_CPU_BF16DP", "0,1", False),
             "gemm512": ("ATTN_EXT_CPU_GEMM512", "0,1", True),
@@ -118,7 +126,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--values", default=None, help="values to alternate (bwd-jobs: 1,4; "
-                                                   "decode-quads / decode-pv512 / bf16dp / gemm512 / dp-tile16: 0,1)")
+                                                   "the others: 0,1)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds (a smoke test)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -134,9 +142,17 @@ def main():
             bench_fp32_prefill(var, values, repeats, args)
         else:
             dp_old = os.environ.get("ATTN_EXT_CPU_BF16DP")
+            pairs_old = os.environ.get("ATTN_EXT_CPU_DECODE_PV_PAIRS")
             if args.switch == "dp-tile16":  # the pairs (on an Intel CPU not the default)
                 os.environ["ATTN_EXT_CPU_BF16DP"] = "1"
+            if args.switch == "decode-pv512":  # (bf16's pairs product takes neither)
+                os.environ["ATTN_EXT_CPU_DECODE_PV_PAIRS"] = "0"
             bench_decode_quads(var, values, repeats, args, same_bits)
+            if args.switch == "decode-pv512":
+                if pairs_old is None:
+                    os.environ.pop("ATTN_EXT_CPU_DECODE_PV_PAIRS")
+                else:
+                    os.environ["ATTN_EXT_CPU_DECODE_PV_PAIRS"] = pairs_old
             if args.switch == "dp-tile16":
                 if dp_old is None:
                     os.environ.pop("ATTN_EXT_CPU_BF16DP")

@@ -322,6 +322,7 @@ def test_bench_switch_ab_smoke():
 
 @pytest.mark.parametrize("switch,var", [("decode-quads", "ATTN_EXT_CPU_DECODE_QUADS"),
                                         ("decode-pv512", "ATTN_EXT_CPU_DECODE_PV512"),
+                                        ("decode-pv-pairs", "ATTN_EXT_CPU_DECODE_PV_PAIRS"),
                                         ("decode-scores512", "ATTN_EXT_CPU_DECODE_SCORES512"),
                                         ("bf16dp", "ATTN_EXT_CPU_BF16DP"),
                                         ("dp-tile16", "ATTN_EXT_CPU_DP_TILE16")])

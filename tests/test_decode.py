@@ -179,7 +179,9 @@ def test_decode_avx512_pv_gives_the_avx2_bits(monkeypatch, dt):
     same fma per output element as the AVX2 one, keys in the same order: ATTN_EXT_CPU_DECODE_PV512
     (read on every call) 1 and 0 give the same bits, for every column count (1..16, GQA / MHA /
     several query rows), in-place and packed blocks (masks, padding, odd key counts), and row
-    lengths with and without a natural-order tail (Dv 40, 72)."""
+    lengths with and without a natural-order tail (Dv 40, 72). (bf16's product by vdpbf16ps
+    pairs, where it is on, takes neither: turned off here.)"""
+    monkeypatch.setenv("ATTN_EXT_CPU_DECODE_PV_PAIRS", "0")
     torch.manual_seed(0)
     cases = [(1, 1, 1000, 8, 2, 64, 64), (2, 1, 700, 4, 4, 128, 128), (1, 1, 96, 16, 16, 128, 128),
              (1, 1, 520, 6, 2, 96, 96), (1, 2, 300, 8, 4, 64, 48), (1, 1, 301, 8, 2, 128, 128),
@@ -261,6 +263,109 @@ def test_decode_bf16_dot_product_scores(monkeypatch, mode, B, Sq, Sk, H, Hkv, D,
             lses[m] = attn_ext.attention(q, k, v, return_lse=True)[1]
         assert not torch.equal(lses["1"], lses["0"])
         torch.testing.assert_close(lses["1"], lses["0"], rtol=0, atol=1e-4)
+
+
+def _force_pairs(monkeypatch):
+    """The bf16 decode's scores and PV product by vdpbf16ps pairs on any AVX512_BF16 CPU (an
+    Intel one takes them only with ATTN_EXT_CPU_BF16DP=1, and its tiles come first)."""
+    monkeypatch.setenv("ATTN_EXT_CPU_BF16DP", "1")
+    monkeypatch.setenv("ATTN_EXT_CPU_AMX", "0")
+    monkeypatch.delenv("ATTN_EXT_CPU_DECODE_PV_PAIRS", raising=False)
+
+
+@pytest.mark.skipif(not _HAVE_BF16DP, reason="no AVX512_BF16 on this CPU")
+@pytest.mark.parametrize("B,Sq,Sk,H,Hkv,D,Dv", [
+    (1, 1, 1000, 32, 8, 128, 128),  # GQA 4: in-place blocks of 128, 64 d at a time
+    (2, 1, 300, 8, 8, 64, 64),      # MHA: one column
+    (1, 2, 301, 8, 4, 64, 48),      # 4 columns; Dv = 48: 16 d at a time; 5 keys past the groups
+    (2, 4, 257, 8, 2, 59, 80),      # 16 columns (4 passes of 4), odd D, packed blocks
+    (1, 1, 130, 6, 2, 96, 96),      # 3 columns
+])
+def test_decode_bf16_pv_by_pairs(monkeypatch, B, Sq, Sk, H, Hkv, D, Dv):
+    """The bf16 decode's o += p v by vdpbf16ps (attention_decode.h pv_pairs, p rounded to bf16,
+    two keys per instruction) where its scores are pairs: explain says so; forward (causal,
+    window, key padding with NaN / inf in the hidden keys' v, which must meet no probability)
+    and backward within the tolerance rule of the float64 textbook; ATTN_EXT_CPU_DECODE_PV_PAIRS=0
+    (p in fp32, widened FMAs) gives other bits within that rule too."""
+    from tests.test_attention import check
+    _force_pairs(monkeypatch)
+    torch.manual_seed(B * 1000 + Sk + Dv)
+    q, k, v = _inputs(B, Sq, Sk, H, Hkv, D, Dv, torch.bfloat16)
+    choice = attn_ext.explain(q, k, v, causal=True)
+    assert choice.forward == "cpu.decode" and choice.details["bf16_pv"] == "vdpbf16ps"
+    assert "o += p v by vdpbf16ps" in str(choice)
+    for causal in (False, True):
+        check(q, k, v, causal)
+    kpm = torch.rand(B, Sk) > 0.3
+    kpm[:, 0] = True
+    v_bad = v.clone()
+    v_bad[~kpm] = float("nan")
+    v_bad[~kpm & (torch.arange(Sk) % 2 == 0)] = float("inf")
+    v_win = v.clone()
+    v_win[:, : Sk - Sq - 60] = float("nan")  # hidden from every row by the window below
+    for kw, vv in ((dict(causal=True, window=(50, 0)), v_win),
+                   (dict(causal=False, key_padding_mask=kpm), v_bad),
+                   (dict(causal=True, key_padding_mask=kpm), v_bad)):
+        out, lse = attn_ext.attention(q, k, vv, return_lse=True, **kw)
+        _check(out, lse, q, k, v, **kw)
+    res = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("ATTN_EXT_CPU_DECODE_PV_PAIRS", mode)
+        assert attn_ext.explain(q, k, v).details["bf16_pv"] == ("vdpbf16ps" if mode == "1" else "widened")
+        res[mode] = attn_ext.attention(q, k, v, return_lse=True)
+        _check(*res[mode], q, k, v)
+    assert torch.equal(res["1"][1], res["0"][1])  # lse: the same scores and sums
+    if Dv >= 64:  # (the rounded p shows in some output's last bit)
+        assert not torch.equal(res["1"][0], res["0"][0])
+
+
+@pytest.mark.skipif(not _HAVE_BF16DP, reason="no AVX512_BF16 on this CPU")
+def test_decode_bf16_pv_by_pairs_one_visible_key_gives_its_v(monkeypatch):
+    """A row that sees one key has p = 1, which bf16 holds exactly: out is that key's v bit for
+    bit through the pairs' product, in a packed block (key padding) and at a band's edge (a
+    window of one key), whatever the other keys' v hold."""
+    _force_pairs(monkeypatch)
+    torch.manual_seed(5)
+    B, Sk, H, Hkv, D = 2, 300, 8, 2, 128
+    q, k, v = _inputs(B, 1, Sk, H, Hkv, D, D, torch.bfloat16)
+    assert attn_ext.explain(q, k, v).details["bf16_pv"] == "vdpbf16ps"
+    kpm = torch.zeros(B, Sk, dtype=torch.bool)
+    kpm[0, 37] = kpm[1, 299] = True
+    v[0, 36] = v[0, 38] = float("inf")
+    out = attn_ext.attention(q, k, v, key_padding_mask=kpm)
+    group = H // Hkv
+    for b, j in ((0, 37), (1, 299)):
+        for h in range(H):
+            assert torch.equal(out[b, 0, h], v[b, j, h // group])
+    out = attn_ext.attention(q, k, v, causal=True, window=(0, 0))  # the last key only
+    for b in range(B):
+        for h in range(H):
+            assert torch.equal(out[b, 0, h], v[b, Sk - 1, h // group])
+
+
+@pytest.mark.skipif(not _HAVE_BF16DP, reason="no AVX512_BF16 on this CPU")
+def test_decode_bf16_pv_by_pairs_in_place_equals_packed(tmp_path):
+    """With the pairs' product, K / V read in place and packed blocks
+    (ATTN_EXT_CPU_DECODE_IN_PLACE=0) give the same bits: the same pairs of keys in the same
+    order, whichever group size the product takes them in."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "run.py"
+    script.write_text(_IN_PLACE_SCRIPT)
+    res = {}
+    for mode in ("1", "0"):
+        env = dict(os.environ, ATTN_EXT_CPU_DECODE_IN_PLACE=mode, ATTN_EXT_CPU_BF16DP="1",
+                   ATTN_EXT_CPU_AMX="0")
+        env.pop("ATTN_EXT_CPU_DECODE_PV_PAIRS", None)
+        out = tmp_path / f"out{mode}.pt"
+        subprocess.run([sys.executable, str(script), root, str(out)], env=env, check=True, timeout=120)
+        res[mode] = torch.load(out)
+    assert len(res["1"]) == len(res["0"]) == 72
+    for a, b in zip(res["1"], res["0"]):
+        assert torch.equal(a, b)
 
 
 _HAVE_AMX = __import__("attn_ext._explain")._explain.cpu_amx_enabled()

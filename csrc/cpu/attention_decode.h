@@ -22,7 +22,9 @@
 //               bf16 16 elements at a time in the decode order (decode_pos); the backward
 //               takes its scores from the same function)
 //       softmax online per (kv head, column): m, l, o rescale
-//       PV      o += p vb, 8 keys at a time across all kv heads (V in memory order)
+//       PV      o += p vb, 8 keys at a time across all kv heads (V in memory order); bf16
+//               where its scores are vdpbf16ps pairs: two keys per vdpbf16ps, p rounded to
+//               bf16 (pv_pairs, decode_pv_by_pairs)
 //     otherwise: pack kb (Hkv, nb, Dp), vb (Hkv, nb, Dvp) fp32 in the decode order, row by
 //     row in memory order, then per kv head scores, mask (hidden (c, j) -> -inf, visibility
 //     layer, decided once per block), softmax, PV (d-chunk outer, columns in registers; keys
@@ -748,6 +750,109 @@ ATTN_EXT_AVX512BF16 inline void dp_scores(const c10::BFloat16* q, int64_t ldq, i
   });
 }
 
+// ---- the bf16 PV product by pairwise dot products (AVX512_BF16: decode_pv_by_pairs) ----
+// o (NC, Dvp) += p v with p rounded to bf16 (round to nearest even), two keys per vdpbf16ps:
+// each fp32 lane of o adds bf16(p_r) v_r + bf16(p_r+1) v_r+1 for the keys in pairs (0, 1),
+// (2, 3), ... in order, half the instructions of the widened FMAs and no widening of V.
+// Rounding p to bf16 before this product is what PyTorch's own bf16 flash kernel on CPU, and
+// the tiles' pass 3 (attention_amx.cpp pv_amx), do. vpermt2w puts the pairs (v_r[e], v_r+1[e])
+// of 16 elements e of the two rows into the 16 lanes in the decode order (decode_pos: the even
+// elements of each 16-element chunk, then the odd ones), so o's layout is the fp32 paths'.
+// The instruction counts denormal inputs as zero and flushes denormal sums.
+alignas(64) inline constexpr int16_t kPairIdx[2][32] = {
+    {0, 32, 2, 34, 4, 36, 6, 38, 8, 40, 10, 42, 12, 44, 14, 46,
+     1, 33, 3, 35, 5, 37, 7, 39, 9, 41, 11, 43, 13, 45, 15, 47},
+    {16, 48, 18, 50, 20, 52, 22, 54, 24, 56, 26, 58, 28, 60, 30, 62,
+     17, 49, 19, 51, 21, 53, 23, 55, 25, 57, 27, 59, 29, 61, 31, 63}};
+
+// keys [0, nk) of NC columns (nk a multiple of 8, at most kDecodePairKeys; every key used:
+// the callers zero the rows and probabilities of keys that take no part)
+constexpr int64_t kDecodePairKeys = 16;
+template <int NC, int DC>
+ATTN_EXT_AVX512BF16 inline void pv_pairs_cols(const float* p, int64_t ld,
+                                              const c10::BFloat16* vb, int64_t Dvp_, int64_t nk,
+                                              float* o, int64_t ldv) {
+  const int64_t Dvp = DC ? DC : Dvp_;
+  alignas(64) uint32_t pw[NC][kDecodePairKeys / 2];
+#pragma GCC unroll 4
+  for (int c = 0; c < NC; ++c)
+    for (int64_t r = 0; r < nk; r += 8)
+      _mm_store_si128(reinterpret_cast<__m128i*>(&pw[c][r / 2]),
+                      (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(p + c * ld + r)));
+  const __m512i i0 = _mm512_load_si512(kPairIdx[0]), i1 = _mm512_load_si512(kPairIdx[1]);
+  int64_t d0 = 0;
+  for (; d0 + 64 <= Dvp; d0 += 64) {
+    __m512 acc[NC][4];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[c][j] = _mm512_loadu_ps(o + c * Dvp + d0 + 16 * j);
+    for (int64_t t = 0; t < nk / 2; ++t) {
+      const c10::BFloat16* a = vb + 2 * t * ldv + d0;
+      const __m512i a0 = _mm512_loadu_si512(a), a1 = _mm512_loadu_si512(a + 32);
+      const __m512i b0 = _mm512_loadu_si512(a + ldv), b1 = _mm512_loadu_si512(a + ldv + 32);
+      const __m512bh x[4] = {(__m512bh)_mm512_permutex2var_epi16(a0, i0, b0),
+                             (__m512bh)_mm512_permutex2var_epi16(a0, i1, b0),
+                             (__m512bh)_mm512_permutex2var_epi16(a1, i0, b1),
+                             (__m512bh)_mm512_permutex2var_epi16(a1, i1, b1)};
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[c][t]));
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) acc[c][j] = _mm512_dpbf16_ps(acc[c][j], x[j], w);
+      }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + c * Dvp + d0 + 16 * j, acc[c][j]);
+  }
+  for (; d0 < Dvp; d0 += 16) {  // (Dvp a multiple of 16)
+    __m512 acc[NC];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm512_loadu_ps(o + c * Dvp + d0);
+    for (int64_t t = 0; t < nk / 2; ++t) {
+      const c10::BFloat16* a = vb + 2 * t * ldv + d0;
+      const __m512bh x = (__m512bh)_mm512_permutex2var_epi16(
+          _mm512_maskz_loadu_epi16(0xFFFF, a), i0, _mm512_maskz_loadu_epi16(0xFFFF, a + ldv));
+      for (int c = 0; c < NC; ++c)
+        acc[c] = _mm512_dpbf16_ps(acc[c], x, (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[c][t])));
+    }
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + c * Dvp + d0, acc[c]);
+  }
+}
+
+template <int DC>
+ATTN_EXT_AVX512BF16 inline void pv_pairs_dc(const float* p, int64_t ld, int64_t C,
+                                            const c10::BFloat16* vb, int64_t Dvp, int64_t nk,
+                                            float* o, int64_t ldv) {
+  for (int64_t c0 = 0; c0 < C; c0 += 4) {
+    with_col_count<4>(C - c0, [&](auto nc) ATTN_EXT_AVX512BF16 {
+      pv_pairs_cols<decltype(nc)::value, DC>(p + c0 * ld, ld, vb, Dvp, nk, o + c0 * Dvp, ldv);
+    });
+  }
+}
+
+// o (C, Dvp) += bf16(p) (C, nk; ld) vb (nk rows, stride ldv), nk a multiple of 8: keys taken
+// kDecodePairKeys at a time (the same pairs in the same order: the same bits for any split).
+ATTN_EXT_AVX512BF16 inline void pv_pairs(const float* p, int64_t ld, int64_t C,
+                                         const c10::BFloat16* vb, int64_t Dvp, int64_t nk,
+                                         float* o, int64_t ldv) {
+  with_fixed_length(Dvp, [&](auto dc) ATTN_EXT_AVX512BF16 {
+    for (int64_t r = 0; r < nk; r += kDecodePairKeys)
+      pv_pairs_dc<decltype(dc)::value>(p + r, ld, C, vb + r * ldv, Dvp,
+                                       std::min(kDecodePairKeys, nk - r), o, ldv);
+  });
+}
+
+// The in-place blocks' 8-key group (GroupProducts::pv)
+template <int DC>
+ATTN_EXT_AVX512BF16 __attribute__((flatten)) void group_pv_pairs(const float* p, int64_t ld,
+                                                                 int64_t C, const c10::BFloat16* vb,
+                                                                 int64_t Dvp, const uint8_t*,
+                                                                 float* o, int64_t ldv) {
+  pv_pairs_dc<DC>(p, ld, C, vb, Dvp, 8, o, ldv);
+}
+
 #endif  // ATTN_EXT_HAVE_BF16DP_PATH
 
 // Whether a decode call on scalar_t scores by dp_scores: bf16, not on the tiles
@@ -778,6 +883,20 @@ inline bool decode_scores_by_pairs(const mk::TileRule& rule, int64_t D) {
 template <typename scalar_t>
 inline bool decode_scores_on_tiles(const mk::TileRule& rule, int64_t D) {
   return std::is_same_v<scalar_t, c10::BFloat16> && rule.amx_for(D);
+}
+
+// Whether a decode call on scalar_t forms o += p v by pairs (pv_pairs: p rounded to bf16, two
+// keys per vdpbf16ps): where its scores are pairs (decode_scores_by_pairs: a CPU whose
+// vdpbf16ps runs at the fp32 FMA's rate or better), Dv a multiple of 16, and
+// ATTN_EXT_CPU_DECODE_PV_PAIRS=0 not set (read once per call; for A/B runs: the widened product
+// keeps p in fp32, so the bits differ). Every block of the call takes it (in place, packed, and
+// the keys at a band's edge, which round p the same way), so reading in place or packing gives
+// the same bits. The backward does not ask: it recomputes P in fp32 from lse, as the tiles' and
+// PyTorch's bf16 kernels do after their rounded forward product.
+template <typename scalar_t>
+inline bool decode_pv_by_pairs(const mk::TileRule& rule, int64_t D, int64_t Dv) {
+  return decode_scores_by_pairs<scalar_t>(rule, D) && Dv % 16 == 0 &&
+         !cpu::env_is("ATTN_EXT_CPU_DECODE_PV_PAIRS", "0");
 }
 
 // Rows of 64 and 128 take instances with the length fixed at compile time (with_fixed_length;
@@ -909,6 +1028,8 @@ struct DecodeScratch {
   AlignedVec<float> kb;   // (Hkv, pack_cap, Dp): the block's k rows of every kv head; sized
   AlignedVec<float> vb;   // (Hkv, pack_cap, Dvp)   by pack_blocks() on the first packed block
                           // only (blocks read in place need neither: no fresh pages to fault in)
+  AlignedVec<c10::BFloat16> vh;  // (Hkv, pack_cap, Dv): V's bf16 rows where pv_pairs takes
+                                 // the product (instead of vb)
   AlignedVec<float> s;    // (Hkv, C, ks): scores, then probabilities
   std::vector<uint8_t> use;  // (ks): key seen by some column
   std::vector<uint8_t> seen; // (C, ks): column c sees key r (band and padding)
@@ -920,10 +1041,12 @@ struct DecodeScratch {
         pack_cap(pack_big ? ks : nb),
         s(static_cast<size_t>(Hkv * C * ks)),
         use(static_cast<size_t>(ks)), seen(static_cast<size_t>(C * ks)), Hkv_(Hkv) {}
-  // with_k: K is packed too (not where dp_scores reads it in place)
-  void pack_blocks(bool with_k) {
+  // with_k: K is packed too (not where dp_scores reads it in place); v_pairs: V as bf16 rows
+  // (pv_pairs), else fp32 ones
+  void pack_blocks(bool with_k, bool v_pairs) {
     if (with_k && kb.empty()) kb.assign(static_cast<size_t>(Hkv_ * pack_cap * Dp), 0.f);
-    if (vb.empty()) vb.assign(static_cast<size_t>(Hkv_ * pack_cap * Dvp), 0.f);
+    if (v_pairs && vh.empty()) vh.assign(static_cast<size_t>(Hkv_ * pack_cap * Dvp), c10::BFloat16());
+    if (!v_pairs && vb.empty()) vb.assign(static_cast<size_t>(Hkv_ * pack_cap * Dvp), 0.f);
   }
   int64_t Hkv_;
 };
@@ -1006,7 +1129,7 @@ void attention_decode_kernel(const AttentionParams& p) {
   const bool wide = decode_pv512_enabled();  // pv512 (the same bits)
   const bool wide_scores = decode_scores512_enabled();  // scores_cols512 (the same bits)
   // the in-place blocks' products of one 8-key group, resolved once
-  const GroupProducts<scalar_t> gp = group_products<scalar_t>(Dp, Dvp, quads, wide_scores, wide);
+  GroupProducts<scalar_t> gp = group_products<scalar_t>(Dp, Dvp, quads, wide_scores, wide);
   [[maybe_unused]] const bool tile16 = dp_tile16_enabled();  // dp_scores_tile16 (same bits)
   // bf16 scores by vdpbf16ps (dp_scores) for every block of the call, in place or not
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
@@ -1014,6 +1137,15 @@ void attention_decode_kernel(const AttentionParams& p) {
   const bool tiles = decode_scores_on_tiles<scalar_t>(rule, p.D);  // mk::decode_scores_amx
   const bool dp = decode_scores_by_pairs<scalar_t>(rule, p.D);
   const bool k_direct = tiles || dp;  // scores from K where it is (no packed fp32 K)
+  // o += p v by pairs (pv_pairs; p rounded to bf16) in every block of the call
+  const bool v_pairs = decode_pv_by_pairs<scalar_t>(rule, p.D, p.Dv);
+#if ATTN_EXT_HAVE_BF16DP_PATH
+  if constexpr (kBf16) {
+    if (v_pairs) {
+      with_fixed_length(Dvp, [&](auto dc) { gp.pv = &group_pv_pairs<decltype(dc)::value>; });
+    }
+  }
+#endif
   const int64_t qp_head = p.D / 2 * 16;  // tiles: q's pairs of one kv head (16 columns)
 
   // Keys some row of sequence b sees by the band (the same for every kv head).
@@ -1171,18 +1303,30 @@ void attention_decode_kernel(const AttentionParams& p) {
       // (no copy); else the block's rows of every kv head are packed, row by row: one pass
       // over a contiguous range of a BSHD cache (k first, then v)
       const bool in_place = kInPlace && !masked && nk % 8 == 0;
-      if (!in_place) w.pack_blocks(!k_direct);
+      if (!in_place) w.pack_blocks(!k_direct, v_pairs);
       for (int64_t r = 0; r < nk && !in_place && !k_direct; ++r) {  // (else from K in place)
         if (!w.use[r]) continue;
         for (int64_t hkv = 0; hkv < Hkv; ++hkv)
           pack_row(kseq + (j0 + r) * p.k_row_stride + hkv * p.k_head_stride, p.D,
                    w.kb.data() + (hkv * pc + r) * Dp);
       }
-      for (int64_t r = 0; r < nk && !in_place; ++r) {
+      for (int64_t r = 0; r < nk && !in_place && !v_pairs; ++r) {
         if (!w.use[r]) continue;
         for (int64_t hkv = 0; hkv < Hkv; ++hkv)
           pack_row(vseq + (j0 + r) * p.v_row_stride + hkv * p.v_head_stride, p.Dv,
                    w.vb.data() + (hkv * pc + r) * Dvp);
+      }
+      // (pv_pairs: V's rows as they are; the rows of keys that take no part, up to whole
+      // 8-key groups, zero, so that a non-finite v there meets no probability)
+      for (int64_t r = 0; r < nk8 && !in_place && v_pairs; ++r) {
+        for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+          c10::BFloat16* dst = w.vh.data() + (hkv * pc + r) * Dvp;
+          if (r < nk && w.use[r])
+            std::memcpy(dst, vseq + (j0 + r) * p.v_row_stride + hkv * p.v_head_stride,
+                        p.Dv * sizeof(scalar_t));
+          else
+            std::fill(dst, dst + Dvp, c10::BFloat16());
+        }
       }
       const int64_t s_head = C * ks;  // scores of one kv head in w.s
       if (in_place && tiles) {
@@ -1213,7 +1357,7 @@ void attention_decode_kernel(const AttentionParams& p) {
         float* part = part_of(b, chunk, hkv);
         float *o = part, *m = part + C * Dvp, *l = m + C;
         float* kbh = in_place || k_direct ? nullptr : w.kb.data() + hkv * pc * Dp;
-        const float* vbh = in_place ? nullptr : w.vb.data() + hkv * pc * Dvp;
+        const float* vbh = in_place || v_pairs ? nullptr : w.vb.data() + hkv * pc * Dvp;
         if (!in_place && !dp_block(hkv, j0, nk, sh)) {
           // (dp_block: every row's score from K where it is; hidden and padding rows are
           // masked below, so a non-finite k there never counts)
@@ -1233,6 +1377,28 @@ void attention_decode_kernel(const AttentionParams& p) {
         // Hidden (c, r) have p = 0 exactly; a non-finite v there would give 0 * inf. Such keys
         // (only at the band's edges) go through the scalar path, which skips hidden pairs.
         if (in_place) continue;  // PV of every head below, in memory order
+#if ATTN_EXT_HAVE_BF16DP_PATH
+        if constexpr (kBf16) {
+          if (v_pairs) {
+            const c10::BFloat16* vhh = w.vh.data() + hkv * pc * Dvp;
+            if (!edge) {
+              pv_pairs(sh, ks, C, vhh, Dvp, nk8, o, Dvp);
+            } else {  // p rounded as pv_pairs rounds it; hidden pairs skipped
+              for (int64_t c = 0; c < C; ++c) {
+                float* oc = o + c * Dvp;
+                for (int64_t r = 0; r < nk; ++r) {
+                  if (!w.seen[c * ks + r]) continue;
+                  const float pr = static_cast<float>(c10::BFloat16(sh[c * ks + r]));
+                  const c10::BFloat16* vr = vhh + r * Dvp;
+                  for (int64_t d = 0; d < p.Dv; ++d)
+                    oc[decode_pos(true, d, p.Dv)] += pr * static_cast<float>(vr[d]);
+                }
+              }
+            }
+            continue;
+          }
+        }
+#endif
         if (!edge) {
           pv(sh, ks, C, vbh, Dvp, w.use.data(), nk, o, -1, wide);
         } else {
