@@ -322,8 +322,10 @@ def test_decode_bf16_pv_by_pairs(monkeypatch, B, Sq, Sk, H, Hkv, D, Dv):
 @pytest.mark.skipif(not _HAVE_BF16DP, reason="no AVX512_BF16 on this CPU")
 def test_decode_bf16_pv_by_pairs_one_visible_key_gives_its_v(monkeypatch):
     """A row that sees one key has p = 1, which bf16 holds exactly: out is that key's v bit for
-    bit through the pairs' product, in a packed block (key padding) and at a band's edge (a
-    window of one key), whatever the other keys' v hold."""
+    bit through the pairs' product, in a packed block (key padding) and at a band's edge (Sq = 2
+    and a window of one key: each row's key is hidden from the other row, the block's edge
+    path, which must skip the hidden pair: the last key's inf would give row 0 NaN), whatever
+    the other keys' v hold."""
     _force_pairs(monkeypatch)
     torch.manual_seed(5)
     B, Sk, H, Hkv, D = 2, 300, 8, 2, 128
@@ -341,6 +343,37 @@ def test_decode_bf16_pv_by_pairs_one_visible_key_gives_its_v(monkeypatch):
     for b in range(B):
         for h in range(H):
             assert torch.equal(out[b, 0, h], v[b, Sk - 1, h // group])
+    q2 = torch.randn(B, 2, H, D).bfloat16()
+    v2 = v.clone()
+    v2[:, : Sk - 2] = float("nan")
+    v2[:, Sk - 1, :, ::3] = float("inf")  # row 1 sees it (inf there), row 0 must not
+    assert attn_ext.explain(q2, k, v2, causal=True).details["bf16_pv"] == "vdpbf16ps"
+    out = attn_ext.attention(q2, k, v2, causal=True, window=(0, 0))  # row i: key Sk - 2 + i
+    for b in range(B):
+        for i in range(2):
+            for h in range(H):
+                assert torch.equal(out[b, i, h], v2[b, Sk - 2 + i, h // group])
+
+
+_PAIRS_IN_PLACE_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import attn_ext  # noqa: F401
+torch.manual_seed(0)
+outs = []
+# Dv 128 / 64 (whole 64-element steps, fixed lengths), 80 / 48 / 16 (16-element steps); group
+# 4, 1, 3 and Sq = 2; key counts that leave a block of whole groups and a last short one
+for B, Sq, Sk, H, Hkv, D, Dv in ((1, 1, 1000, 32, 8, 128, 128), (2, 1, 700, 4, 4, 64, 64),
+                                 (1, 1, 520, 6, 2, 64, 80), (1, 2, 300, 8, 4, 32, 48),
+                                 (1, 1, 301, 8, 2, 128, 16), (2, 1, 257, 8, 8, 128, 256),
+                                 (1, 1, 96, 16, 16, 64, 64), (1, 2, 333, 8, 2, 64, 128),
+                                 (1, 1, 129, 8, 2, 96, 96), (3, 1, 64, 8, 2, 64, 64)):
+    q = torch.randn(B, Sq, H, D).bfloat16()
+    k, v = torch.randn(B, Sk, Hkv, D).bfloat16(), torch.randn(B, Sk, Hkv, Dv).bfloat16()
+    outs += list(torch.ops.attn_ext.attention_forward(q, k, v, False, None))
+    outs += list(torch.ops.attn_ext.attention_forward(q, k, v, True, None))
+torch.save(outs, sys.argv[2])
+"""
 
 
 @pytest.mark.skipif(not _HAVE_BF16DP, reason="no AVX512_BF16 on this CPU")
@@ -355,6 +388,7 @@ def test_decode_bf16_pv_by_pairs_in_place_equals_packed(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = tmp_path / "run.py"
     script.write_text(_IN_PLACE_SCRIPT)
+    script.write_text(_PAIRS_IN_PLACE_SCRIPT)
     res = {}
     for mode in ("1", "0"):
         env = dict(os.environ, ATTN_EXT_CPU_DECODE_IN_PLACE=mode, ATTN_EXT_CPU_BF16DP="1",
@@ -363,7 +397,7 @@ def test_decode_bf16_pv_by_pairs_in_place_equals_packed(tmp_path):
         out = tmp_path / f"out{mode}.pt"
         subprocess.run([sys.executable, str(script), root, str(out)], env=env, check=True, timeout=120)
         res[mode] = torch.load(out)
-    assert len(res["1"]) == len(res["0"]) == 72
+    assert len(res["1"]) == len(res["0"]) == 40
     for a, b in zip(res["1"], res["0"]):
         assert torch.equal(a, b)
 

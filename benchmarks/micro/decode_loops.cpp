@@ -6,8 +6,9 @@
 //   make -C benchmarks/micro run
 //
 // It prints the commit it was built from, the compiler and the CPU flags that matter, then one
-// row per case: K / V rows at the BSHD cache stride (Hkv x D elements) of 8-key groups, as the
-// kernel's in-place blocks read them. "L1" cases hold one 8-key group of one kv head; "L2"
+// row per case (bf16 where the CPU has AVX512_BF16: also pv_pairs, p rounded to bf16): K / V
+// rows at the BSHD cache stride (Hkv x D elements) of 8-key groups, as the kernel's in-place
+// blocks read them. "L1" cases hold one 8-key group of one kv head; "L2"
 // cases 128 keys x Hkv heads (K or V alone 256 KiB at Hkv 8, D 128, bf16). Cycles assume the
 // clock the FMA loop implies (2 FMA pipes of 8 lanes). Medians of 5 repeats.
 #include <algorithm>
@@ -77,6 +78,12 @@ static void run_case(const char* name, int64_t Hkv, int64_t C, int64_t NK, int64
                                      8, D, 1.f, s.data() + h * C * ks + r0, ks, true);
             continue;
           }
+          if (what == 4) {
+            decode_detail::pv_pairs(s.data() + h * C * ks + r0, ks, C,
+                                    reinterpret_cast<const BF*>(V.data()) + h * D + r0 * rs, D, 8,
+                                    o.data() + h * C * D, rs);
+            continue;
+          }
         }
 #endif
         if (what == 0)
@@ -95,18 +102,19 @@ static void run_case(const char* name, int64_t Hkv, int64_t C, int64_t NK, int64
     same = std::memcmp(o1.data(), o2.data(), o1.size() * sizeof(float)) == 0;
   }
   const int iters = std::max<int64_t>(1, 2000000 / (NK * Hkv));
-  double cyc[4] = {0, 0, 0, 0};
-  for (int what = 0; what < 4; ++what) {
-    if ((what == 2 && !have512) || (what == 3 && !have_dp)) continue;
+  double cyc[5] = {0, 0, 0, 0, 0};
+  for (int what = 0; what < 5; ++what) {
+    if ((what == 2 && !have512) || (what >= 3 && !have_dp)) continue;
     std::vector<float>& o = what == 2 ? o2 : o1;
     const double ns = median_ns([&] { for (int it = 0; it < iters; ++it) pass(what, o); });
     cyc[what] = ns / iters / (NK * Hkv) * ghz;
   }
   const double ideal = double(C) * D / 16.0;  // FMA-bound cycles of one product per key
-  std::printf("| %s | %s | %ld | %ld | %ld | %.1f | %s | %.1f | %s | %.0f | %s |\n", name,
+  std::printf("| %s | %s | %ld | %ld | %ld | %.1f | %s | %.1f | %s | %s | %.0f | %s |\n", name,
               sizeof(T) == 2 ? "bf16" : "fp32", (long)Hkv, (long)C, (long)D, cyc[0],
               have_dp ? std::to_string(cyc[3]).substr(0, 5).c_str() : "-", cyc[1],
-              have512 ? std::to_string(cyc[2]).substr(0, 5).c_str() : "-", ideal,
+              have512 ? std::to_string(cyc[2]).substr(0, 5).c_str() : "-",
+              have_dp ? std::to_string(cyc[4]).substr(0, 5).c_str() : "-", ideal,
               have512 ? (same ? "yes" : "NO") : "-");
 }
 
@@ -128,8 +136,8 @@ int main() {
   std::printf("# fma loop: %.1f G lane-FMA/s = %.2f GHz at 16 lane-FMA per cycle\n\n",
               lane_fma_per_ns, ghz);
   std::printf("| case | dtype | Hkv | columns | D | scores cyc | scores dp cyc | pv AVX2 cyc | "
-              "pv AVX-512 cyc | FMA-bound cyc (each) | same bits (pv) |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|\n");
+              "pv AVX-512 cyc | pv dp cyc | FMA-bound cyc (each) | same bits (pv) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   run_case<BF>("L1", 1, 4, 8, 128, ghz);
   run_case<BF>("L2", 8, 4, 128, 128, ghz);
   run_case<float>("L1", 1, 4, 8, 128, ghz);

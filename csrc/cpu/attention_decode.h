@@ -26,9 +26,11 @@
 //               where its scores are vdpbf16ps pairs: two keys per vdpbf16ps, p rounded to
 //               bf16 (pv_pairs, decode_pv_by_pairs)
 //     otherwise: pack kb (Hkv, nb, Dp), vb (Hkv, nb, Dvp) fp32 in the decode order, row by
-//     row in memory order, then per kv head scores, mask (hidden (c, j) -> -inf, visibility
-//     layer, decided once per block), softmax, PV (d-chunk outer, columns in registers; keys
-//     hidden from some columns take a scalar path that skips hidden pairs)
+//     row in memory order (K not where its scores read it in place: bf16 pairs or tiles; V as
+//     bf16 rows, vh, where pv_pairs takes the product), then per kv head scores, mask (hidden
+//     (c, j) -> -inf, visibility layer, decided once per block), softmax, PV (d-chunk outer,
+//     columns in registers; keys hidden from some columns take a path that skips hidden
+//     pairs)
 //
 // Extra memory: per thread one block of K/V and q; the chunk partials are
 // (B, chunks, Hkv, C, Dvp + 2) floats. ATen-free; AVX2+FMA(+F16C): callers check
@@ -844,6 +846,34 @@ ATTN_EXT_AVX512BF16 inline void pv_pairs(const float* p, int64_t ld, int64_t C,
   });
 }
 
+// The keys of a block at a band's edge (seen by some columns, hidden from others; every block
+// of a varlen call whose sequence has fewer rows than the call's columns) with the pairs'
+// rounding: o_c += bf16(p_c,r) v_r for the pairs (c, r) with seen[c * lds + r], one key at a
+// time, so a hidden pair's zero probability never meets a non-finite v; 64 (then 16) elements
+// of d in registers, in the decode order (DecodeIO16). Dvp a multiple of 16.
+ATTN_EXT_AVX512BF16 inline void pv_pairs_edge(const float* p, int64_t ld, int64_t C,
+                                              const c10::BFloat16* vb, int64_t Dvp,
+                                              const uint8_t* seen, int64_t lds, int64_t nk,
+                                              float* o) {
+  for (int64_t c = 0; c < C; ++c) {
+    float* oc = o + c * Dvp;
+    int64_t d0 = 0;
+    for (; d0 < Dvp; d0 += (d0 + 64 <= Dvp ? 64 : 16)) {
+      const int nv = d0 + 64 <= Dvp ? 4 : 1;
+      __m512 acc[4];
+      for (int j = 0; j < nv; ++j) acc[j] = _mm512_loadu_ps(oc + d0 + 16 * j);
+      for (int64_t r = 0; r < nk; ++r) {
+        if (!seen[c * lds + r]) continue;
+        const __m512 pr = _mm512_set1_ps(static_cast<float>(c10::BFloat16(p[c * ld + r])));
+        const c10::BFloat16* vr = vb + r * Dvp + d0;
+        for (int j = 0; j < nv; ++j)
+          acc[j] = _mm512_fmadd_ps(pr, DecodeIO16<c10::BFloat16>::load(vr + 16 * j), acc[j]);
+      }
+      for (int j = 0; j < nv; ++j) _mm512_storeu_ps(oc + d0 + 16 * j, acc[j]);
+    }
+  }
+}
+
 // The in-place blocks' 8-key group (GroupProducts::pv)
 template <int DC>
 ATTN_EXT_AVX512BF16 __attribute__((flatten)) void group_pv_pairs(const float* p, int64_t ld,
@@ -1028,8 +1058,8 @@ struct DecodeScratch {
   AlignedVec<float> kb;   // (Hkv, pack_cap, Dp): the block's k rows of every kv head; sized
   AlignedVec<float> vb;   // (Hkv, pack_cap, Dvp)   by pack_blocks() on the first packed block
                           // only (blocks read in place need neither: no fresh pages to fault in)
-  AlignedVec<c10::BFloat16> vh;  // (Hkv, pack_cap, Dv): V's bf16 rows where pv_pairs takes
-                                 // the product (instead of vb)
+  AlignedVec<c10::BFloat16> vh;  // (Hkv, pack_cap, Dvp): V's bf16 rows where pv_pairs takes
+                                 // the product (instead of vb; Dvp = Dv there)
   AlignedVec<float> s;    // (Hkv, C, ks): scores, then probabilities
   std::vector<uint8_t> use;  // (ks): key seen by some column
   std::vector<uint8_t> seen; // (C, ks): column c sees key r (band and padding)
@@ -1384,16 +1414,7 @@ void attention_decode_kernel(const AttentionParams& p) {
             if (!edge) {
               pv_pairs(sh, ks, C, vhh, Dvp, nk8, o, Dvp);
             } else {  // p rounded as pv_pairs rounds it; hidden pairs skipped
-              for (int64_t c = 0; c < C; ++c) {
-                float* oc = o + c * Dvp;
-                for (int64_t r = 0; r < nk; ++r) {
-                  if (!w.seen[c * ks + r]) continue;
-                  const float pr = static_cast<float>(c10::BFloat16(sh[c * ks + r]));
-                  const c10::BFloat16* vr = vhh + r * Dvp;
-                  for (int64_t d = 0; d < p.Dv; ++d)
-                    oc[decode_pos(true, d, p.Dv)] += pr * static_cast<float>(vr[d]);
-                }
-              }
+              pv_pairs_edge(sh, ks, C, vhh, Dvp, w.seen.data(), ks, nk, o);
             }
             continue;
           }
