@@ -147,25 +147,37 @@ torch.save(outs, sys.argv[2])
 """
 
 
-@pytest.mark.parametrize("switch", ["ATTN_EXT_CPU_DECODE_IN_PLACE", "ATTN_EXT_CPU_DECODE_QUADS"])
-def test_decode_in_place_reads_equal_packed_blocks(tmp_path, switch):
-    """K/V read in place (full unmasked blocks; fp32, or bf16 / fp16 widened in registers) give
-    the same bits as the packed blocks (ATTN_EXT_CPU_DECODE_IN_PLACE=0): the same products in
-    the same order. Likewise the scores of 4 columns x 2 keys against pairs of columns x 4 keys
-    (ATTN_EXT_CPU_DECODE_QUADS=0; the shapes with group 4, or 2 rows x 2 heads, take quads)."""
+def _run_in_both_modes(tmp_path, script_text, env_of):
+    """The outputs a script saves when run in a fresh process with the environment variables
+    env_of(mode) (None: unset) for mode "1" and "0" (switches read once per process)."""
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = tmp_path / "run.py"
-    script.write_text(_IN_PLACE_SCRIPT)
+    script.write_text(script_text)
     res = {}
     for mode in ("1", "0"):
-        env = dict(os.environ, **{switch: mode})
+        env = dict(os.environ)
+        for name, value in env_of(mode).items():
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
         out = tmp_path / f"out{mode}.pt"
         subprocess.run([sys.executable, str(script), root, str(out)], env=env, check=True, timeout=120)
         res[mode] = torch.load(out)
+    return res
+
+
+@pytest.mark.parametrize("switch", ["ATTN_EXT_CPU_DECODE_IN_PLACE", "ATTN_EXT_CPU_DECODE_QUADS"])
+def test_decode_in_place_reads_equal_packed_blocks(tmp_path, switch):
+    """K/V read in place (full unmasked blocks; fp32, or bf16 / fp16 widened in registers) give
+    the same bits as the packed blocks (ATTN_EXT_CPU_DECODE_IN_PLACE=0): the same products in
+    the same order. Likewise the scores of 4 columns x 2 keys against pairs of columns x 4 keys
+    (ATTN_EXT_CPU_DECODE_QUADS=0; the shapes with group 4, or 2 rows x 2 heads, take quads)."""
+    res = _run_in_both_modes(tmp_path, _IN_PLACE_SCRIPT, lambda mode: {switch: mode})
     assert len(res["1"]) == len(res["0"]) == 72
     for a, b in zip(res["1"], res["0"]):
         assert torch.equal(a, b)
@@ -381,22 +393,10 @@ def test_decode_bf16_pv_by_pairs_in_place_equals_packed(tmp_path):
     """With the pairs' product, K / V read in place and packed blocks
     (ATTN_EXT_CPU_DECODE_IN_PLACE=0) give the same bits: the same pairs of keys in the same
     order, whichever group size the product takes them in."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = tmp_path / "run.py"
-    script.write_text(_IN_PLACE_SCRIPT)
-    script.write_text(_PAIRS_IN_PLACE_SCRIPT)
-    res = {}
-    for mode in ("1", "0"):
-        env = dict(os.environ, ATTN_EXT_CPU_DECODE_IN_PLACE=mode, ATTN_EXT_CPU_BF16DP="1",
-                   ATTN_EXT_CPU_AMX="0")
-        env.pop("ATTN_EXT_CPU_DECODE_PV_PAIRS", None)
-        out = tmp_path / f"out{mode}.pt"
-        subprocess.run([sys.executable, str(script), root, str(out)], env=env, check=True, timeout=120)
-        res[mode] = torch.load(out)
+    res = _run_in_both_modes(tmp_path, _PAIRS_IN_PLACE_SCRIPT,
+                             lambda mode: dict(ATTN_EXT_CPU_DECODE_IN_PLACE=mode,
+                                               ATTN_EXT_CPU_BF16DP="1", ATTN_EXT_CPU_AMX="0",
+                                               ATTN_EXT_CPU_DECODE_PV_PAIRS=None))
     assert len(res["1"]) == len(res["0"]) == 40
     for a, b in zip(res["1"], res["0"]):
         assert torch.equal(a, b)

@@ -522,6 +522,21 @@ struct DecodeIO16<c10::BFloat16> {
   }
 };
 
+// The accumulators of NC columns x 64 elements of o (rows ld apart) loaded from (Store false)
+// or stored to (true) o: the PV products' register tile (pv512_cols, pv_pairs_cols).
+template <int NC, bool Store>
+ATTN_EXT_AVX512 inline void acc_tile_io(float* o, int64_t ld, __m512 (&acc)[NC][4]) {
+#pragma GCC unroll 4
+  for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (Store)
+        _mm512_storeu_ps(o + c * ld + 16 * j, acc[c][j]);
+      else
+        acc[c][j] = _mm512_loadu_ps(o + c * ld + 16 * j);
+    }
+}
+
 // o (NC, Dvp) += p (NC, nk; ld) vb (nk rows, stride ldv), NC <= 4: 64 elements of d at a time
 // (4 NC accumulators), then single 16-element vectors.
 template <int NC, int DC, typename vT>
@@ -531,10 +546,7 @@ ATTN_EXT_AVX512 inline void pv512_cols(const float* p, int64_t ld, const vT* vb,
   int64_t d0 = 0;
   for (; d0 + 64 <= Dvp; d0 += 64) {
     __m512 acc[NC][4];
-#pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c)
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) acc[c][j] = _mm512_loadu_ps(o + c * Dvp + d0 + 16 * j);
+    acc_tile_io<NC, false>(o + d0, Dvp, acc);
     for (int64_t r = 0; r < nk; ++r) {
       if (!use[r]) continue;
       __m512 vv[4];
@@ -547,10 +559,7 @@ ATTN_EXT_AVX512 inline void pv512_cols(const float* p, int64_t ld, const vT* vb,
         for (int j = 0; j < 4; ++j) acc[c][j] = _mm512_fmadd_ps(pr, vv[j], acc[c][j]);
       }
     }
-#pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c)
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + c * Dvp + d0 + 16 * j, acc[c][j]);
+    acc_tile_io<NC, true>(o + d0, Dvp, acc);
   }
   for (; d0 < Dvp; d0 += 16) {
     __m512 acc[NC];
@@ -785,10 +794,7 @@ ATTN_EXT_AVX512BF16 inline void pv_pairs_cols(const float* p, int64_t ld,
   int64_t d0 = 0;
   for (; d0 + 64 <= Dvp; d0 += 64) {
     __m512 acc[NC][4];
-#pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c)
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) acc[c][j] = _mm512_loadu_ps(o + c * Dvp + d0 + 16 * j);
+    acc_tile_io<NC, false>(o + d0, Dvp, acc);
     for (int64_t t = 0; t < nk / 2; ++t) {
       const c10::BFloat16* a = vb + 2 * t * ldv + d0;
       const __m512i a0 = _mm512_loadu_si512(a), a1 = _mm512_loadu_si512(a + 32);
@@ -804,10 +810,7 @@ ATTN_EXT_AVX512BF16 inline void pv_pairs_cols(const float* p, int64_t ld,
         for (int j = 0; j < 4; ++j) acc[c][j] = _mm512_dpbf16_ps(acc[c][j], x[j], w);
       }
     }
-#pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c)
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + c * Dvp + d0 + 16 * j, acc[c][j]);
+    acc_tile_io<NC, true>(o + d0, Dvp, acc);
   }
   for (; d0 < Dvp; d0 += 16) {  // (Dvp a multiple of 16)
     __m512 acc[NC];
