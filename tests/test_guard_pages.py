@@ -50,6 +50,7 @@ def guarded(t, before=False):
 
 _CASES = _GUARD + r'''
 torch.manual_seed(0)
+torch.set_num_threads(int(sys.argv[2]))
 ops = torch.ops.attn_ext
 n = 0
 
@@ -151,7 +152,10 @@ def test_guard_page_faults_on_one_byte_outside(tmp_path, where):
     assert res.returncode == -11, (res.returncode, res.stdout, res.stderr)
 
 
-def test_kernels_stay_inside_guarded_tensors(tmp_path):
-    res = _run(tmp_path, _CASES)
+@pytest.mark.parametrize("threads", [2, 8])
+def test_kernels_stay_inside_guarded_tensors(tmp_path, threads):
+    """The cases at 2 threads and at 8 (oversubscribed here: more key chunks in the split-KV
+    forward and the decode, the split backward for more shapes)."""
+    res = _run(tmp_path, _CASES, str(threads))
     assert res.returncode == 0, f"rc {res.returncode}\n{res.stdout}\n{res.stderr[-3000:]}"
     assert res.stdout.strip().endswith("ok 198"), res.stdout[-500:]
