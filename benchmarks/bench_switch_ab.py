@@ -141,23 +141,20 @@ def main():
         elif args.switch == "gemm512":
             bench_fp32_prefill(var, values, repeats, args)
         else:
-            dp_old = os.environ.get("ATTN_EXT_CPU_BF16DP")
-            pairs_old = os.environ.get("ATTN_EXT_CPU_DECODE_PV_PAIRS")
-            if args.switch == "dp-tile16":  # the pairs (on an Intel CPU not the default)
-                os.environ["ATTN_EXT_CPU_BF16DP"] = "1"
-            if args.switch == "decode-pv512":  # (bf16's pairs product takes neither)
-                os.environ["ATTN_EXT_CPU_DECODE_PV_PAIRS"] = "0"
-            bench_decode_quads(var, values, repeats, args, same_bits)
-            if args.switch == "decode-pv512":
-                if pairs_old is None:
-                    os.environ.pop("ATTN_EXT_CPU_DECODE_PV_PAIRS")
-                else:
-                    os.environ["ATTN_EXT_CPU_DECODE_PV_PAIRS"] = pairs_old
-            if args.switch == "dp-tile16":
-                if dp_old is None:
-                    os.environ.pop("ATTN_EXT_CPU_BF16DP")
-                else:
-                    os.environ["ATTN_EXT_CPU_BF16DP"] = dp_old
+            # other switches a decode A/B holds fixed: dp-tile16 the pairs (on an Intel CPU
+            # not the default); decode-pv512 bf16's widened product (its pairs take neither)
+            pinned = {"dp-tile16": {"ATTN_EXT_CPU_BF16DP": "1"},
+                      "decode-pv512": {"ATTN_EXT_CPU_DECODE_PV_PAIRS": "0"}}.get(args.switch, {})
+            saved = {name: os.environ.get(name) for name in pinned}
+            os.environ.update(pinned)
+            try:
+                bench_decode_quads(var, values, repeats, args, same_bits)
+            finally:
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
             if args.switch == "bf16dp":
                 bench_bf16_prefill(var, values, repeats, args)
     finally:

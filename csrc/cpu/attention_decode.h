@@ -994,10 +994,11 @@ ATTN_EXT_AVX2 void group_pv256(const float* p, int64_t ld, int64_t C, const vT* 
 }
 
 // The functions scores(..., nk8 = 8, ldk, quads, wide_scores) and pv(..., nk = 8, ldv, wide_pv)
-// would run for rows of Dp / Dvp elements.
+// would run for rows of Dp / Dvp elements; for bf16 with pairs_pv (decode_pv_by_pairs),
+// pv_pairs' 8-key group instead of pv().
 template <typename T>
 GroupProducts<T> group_products(int64_t Dp, int64_t Dvp, bool quads, bool wide_scores,
-                                bool wide_pv) {
+                                bool wide_pv, bool pairs_pv) {
   GroupProducts<T> g{};
   with_fixed_length(Dp, [&](auto dc) {
     constexpr int DC = decltype(dc)::value;
@@ -1009,6 +1010,11 @@ GroupProducts<T> group_products(int64_t Dp, int64_t Dvp, bool quads, bool wide_s
   with_fixed_length(Dvp, [&](auto dc) {
     constexpr int DC = decltype(dc)::value;
     g.pv = wide_pv && Dvp % 16 == 0 ? &group_pv512<DC, T> : &group_pv256<DC, T>;
+#if ATTN_EXT_HAVE_BF16DP_PATH
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (pairs_pv) g.pv = &group_pv_pairs<DC>;  // (decode_pv_by_pairs)
+    }
+#endif
   });
   return g;
 }
@@ -1161,8 +1167,6 @@ void attention_decode_kernel(const AttentionParams& p) {
   const bool quads = decode_quads_enabled();
   const bool wide = decode_pv512_enabled();  // pv512 (the same bits)
   const bool wide_scores = decode_scores512_enabled();  // scores_cols512 (the same bits)
-  // the in-place blocks' products of one 8-key group, resolved once
-  GroupProducts<scalar_t> gp = group_products<scalar_t>(Dp, Dvp, quads, wide_scores, wide);
   [[maybe_unused]] const bool tile16 = dp_tile16_enabled();  // dp_scores_tile16 (same bits)
   // bf16 scores by vdpbf16ps (dp_scores) for every block of the call, in place or not
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
@@ -1172,13 +1176,9 @@ void attention_decode_kernel(const AttentionParams& p) {
   const bool k_direct = tiles || dp;  // scores from K where it is (no packed fp32 K)
   // o += p v by pairs (pv_pairs; p rounded to bf16) in every block of the call
   const bool v_pairs = decode_pv_by_pairs<scalar_t>(rule, p.D, p.Dv);
-#if ATTN_EXT_HAVE_BF16DP_PATH
-  if constexpr (kBf16) {
-    if (v_pairs) {
-      with_fixed_length(Dvp, [&](auto dc) { gp.pv = &group_pv_pairs<decltype(dc)::value>; });
-    }
-  }
-#endif
+  // the in-place blocks' products of one 8-key group, resolved once
+  const GroupProducts<scalar_t> gp =
+      group_products<scalar_t>(Dp, Dvp, quads, wide_scores, wide, v_pairs);
   const int64_t qp_head = p.D / 2 * 16;  // tiles: q's pairs of one kv head (16 columns)
 
   // Keys some row of sequence b sees by the band (the same for every kv head).
