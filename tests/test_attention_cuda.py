@@ -410,6 +410,33 @@ def test_split_kv_rows_without_keys(cuda):
     check_fwd(out, lse, q, k, v, True, name="split causal")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_kv_nan_propagates(dtype, cuda):
+    """A NaN query row on the split-KV path: every chunk of that row sees only NaN scores, so
+    each keeps max -inf with a NaN sum, and the merge must give NaN (as the unsplit kernel and
+    the CPU do), not the out 0 / lse -inf of a row without keys. A NaN in one key reaches the
+    rows that see it; the other heads keep their clean bits."""
+    q = randn(2, 1, 4, 128, dtype=dtype, device=cuda)
+    k = randn(2, 4096, 2, 128, dtype=dtype, device=cuda)
+    v = randn(2, 4096, 2, 128, dtype=dtype, device=cuda)
+    names = kernel_names(lambda: fwd(q, k, v, False))
+    assert ran(names, "simple_fwd_split_kernel"), names
+    assert ran(names, "simple_fwd_combine_kernel"), names
+    clean, clean_lse = fwd(q, k, v, False)
+    qb = q.clone()
+    qb[1, 0, 2, 7] = float("nan")
+    out, lse = fwd(qb, k, v, False)
+    assert torch.isnan(out[1, 0, 2]).all() and torch.isnan(lse[1, 2, 0])
+    mask = torch.ones_like(out, dtype=torch.bool)
+    mask[1, 0, 2] = False
+    assert torch.equal(out[mask], clean[mask])
+    kb = k.clone()
+    kb[0, 3000, 1, 5] = float("nan")  # kv head 1: query heads 2 and 3
+    out, lse = fwd(q, kb, v, False)
+    assert torch.isnan(out[0, 0, 2:]).all() and torch.isnan(lse[0, 2:, 0]).all()
+    assert torch.equal(out[0, 0, :2], clean[0, 0, :2]) and torch.equal(out[1], clean[1])
+
+
 # ---- the fast (tensor-core) backward --------------------------------------------------------
 
 

@@ -303,7 +303,8 @@ __global__ void __launch_bounds__(kWarps * 32, 4) simple_fwd_kernel(AttentionPar
 //   writes the chunk's unnormalised output to part_o (rows, n_split, Dv) and its (max, sum)
 //   to part_ml (rows, n_split, 2), acc_t, rows in (b, h, i) order.
 // Pass 2 (simple_fwd_combine_kernel): one warp per query row merges the n_split partials
-//   (chunks that saw no key have max -inf and are skipped) and writes out and lse.
+//   (chunks that saw no key, max -inf and sum 0, are skipped; a NaN sum is merged, so a NaN
+//   reaches the row as in the unsplit kernel) and writes out and lse.
 template <typename T>
 __global__ void __launch_bounds__(kWarps * 32, 4)
     simple_fwd_split_kernel(AttentionParams p, int64_t chunk, int n_split, void* part_o_ptr,
@@ -363,17 +364,19 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   acc_t l = 0, o[kCols];
 #pragma unroll
   for (int c = 0; c < kCols; ++c) o[c] = 0;
-  if (mx != neg_inf<acc_t>()) {
-    for (int sp = 0; sp < n_split; ++sp) {
-      const acc_t ms = pml[2 * sp];
-      if (ms == neg_inf<acc_t>()) continue;  // this chunk saw no key of the row
-      const acc_t w = exp2_acc(ms - mx);
-      l += w * pml[2 * sp + 1];
+  for (int sp = 0; sp < n_split; ++sp) {
+    const acc_t ms = pml[2 * sp], ls = pml[2 * sp + 1];
+    // a chunk that saw no key of the row (max -inf, sum 0, o 0) adds nothing. One whose
+    // visible scores were all NaN keeps max -inf (fmax drops NaN) with a NaN sum: it must
+    // reach the row as in the unsplit kernel, so it is not skipped (its weight exp2(ms - mx)
+    // is 0 or NaN, and 0 * NaN is NaN either way); nor is one with a finite max.
+    if (ms == neg_inf<acc_t>() && ls == acc_t(0)) continue;
+    const acc_t w = exp2_acc(ms - mx);
+    l += w * ls;
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const int64_t d = lane + 32 * c;
-        if (d < p.Dv) o[c] += w * po[sp * p.Dv + d];
-      }
+    for (int c = 0; c < kCols; ++c) {
+      const int64_t d = lane + 32 * c;
+      if (d < p.Dv) o[c] += w * po[sp * p.Dv + d];
     }
   }
   write_row<T, acc_t>(p, sq, b, h, i, lane, mx, l, o);
