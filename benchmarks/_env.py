@@ -68,10 +68,26 @@ def allocator_mode(device: str = "cpu") -> str:
         knobs = [f"{k}={os.environ[k]}" for k in GLIBC_KNOBS if k in os.environ]
         host = ("glibc malloc, " + " ".join(knobs)) if knobs else \
             "glibc malloc default (blocks above the mmap threshold are mapped fresh per allocation)"
+    host += "; " + huge_pages()
     if device == "cuda":
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
         host += f"; CUDA caching allocator {conf if conf else 'default config'}"
     return host
+
+
+def huge_pages() -> str:
+    """Whether large tensors may be in transparent huge pages: the kernel's THP mode and
+    THP_MEM_ALLOC_ENABLE (PyTorch's CPU allocator advises huge pages for large tensors when it
+    is 1). A read pass over a cache-sized tensor and the decode kernel both move with it
+    (RESULTS.md, twenty-ninth session)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        mode = "unknown"
+    advised = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
+    return (f"transparent huge pages {mode}, THP_MEM_ALLOC_ENABLE="
+            f"{'1 (torch advises them)' if advised else os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")
 
 
 def threads() -> str:

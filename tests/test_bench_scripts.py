@@ -108,6 +108,12 @@ def test_env_allocator_mode_reports_the_knobs(monkeypatch):
     assert "MALLOC_MMAP_THRESHOLD_=4294967296" in env.allocator_mode("cpu")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     assert "expandable_segments:True" in env.allocator_mode("cuda")
+    # the huge-page state: the kernel's mode and whether torch advises them
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    assert "THP_MEM_ALLOC_ENABLE=1 (torch advises them)" in env.allocator_mode("cpu")
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
+    assert "THP_MEM_ALLOC_ENABLE=unset" in env.allocator_mode("cpu")
+    assert "transparent huge pages " in env.allocator_mode("cpu")
 
 
 def test_env_round_orders_balance_the_neighbours():
