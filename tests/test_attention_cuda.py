@@ -410,6 +410,20 @@ def test_split_kv_rows_without_keys(cuda):
     check_fwd(out, lse, q, k, v, True, name="split causal")
 
 
+def nan_query_row_only(q, k, v, causal, b, i, h):
+    """A NaN in query row (b, i, h) makes exactly that row's out and lse NaN (not 0, not -inf);
+    every other output keeps the bits of the call without it. Returns that call's out."""
+    clean, _ = fwd(q, k, v, causal)
+    qb = q.clone()
+    qb[b, i, h, 3] = float("nan")
+    out, lse = fwd(qb, k, v, causal)
+    assert torch.isnan(out[b, i, h]).all() and torch.isnan(lse[b, h, i])
+    mask = torch.ones_like(out, dtype=torch.bool)
+    mask[b, i, h] = False
+    assert torch.equal(out[mask], clean[mask])
+    return clean
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_split_kv_nan_propagates(dtype, cuda):
     """A NaN query row on the split-KV path: every chunk of that row sees only NaN scores, so
@@ -422,14 +436,7 @@ def test_split_kv_nan_propagates(dtype, cuda):
     names = kernel_names(lambda: fwd(q, k, v, False))
     assert ran(names, "simple_fwd_split_kernel"), names
     assert ran(names, "simple_fwd_combine_kernel"), names
-    clean, clean_lse = fwd(q, k, v, False)
-    qb = q.clone()
-    qb[1, 0, 2, 7] = float("nan")
-    out, lse = fwd(qb, k, v, False)
-    assert torch.isnan(out[1, 0, 2]).all() and torch.isnan(lse[1, 2, 0])
-    mask = torch.ones_like(out, dtype=torch.bool)
-    mask[1, 0, 2] = False
-    assert torch.equal(out[mask], clean[mask])
+    clean = nan_query_row_only(q, k, v, False, 1, 0, 2)
     kb = k.clone()
     kb[0, 3000, 1, 5] = float("nan")  # kv head 1: query heads 2 and 3
     out, lse = fwd(q, kb, v, False)
@@ -546,14 +553,7 @@ def test_nan_propagates_on_cuda(fast, cuda, simple_kernels):
         simple_kernels()
     names = kernel_names(lambda: fwd(q, k, v, True))
     assert ran(names, "fa2_fwd_kernel" if fast else "simple_fwd_kernel"), names
-    clean, clean_lse = fwd(q, k, v, True)
-    qb = q.clone()
-    qb[0, 5, 1, 3] = float("nan")
-    out, lse = fwd(qb, k, v, True)
-    assert torch.isnan(out[0, 5, 1]).all() and torch.isnan(lse[0, 1, 5])
-    mask = torch.ones_like(out, dtype=torch.bool)
-    mask[0, 5, 1] = False
-    assert torch.equal(out[mask], clean[mask])
+    clean = nan_query_row_only(q, k, v, True, 0, 5, 1)
     kb = k.clone()
     kb[0, 40, 0, 0] = float("nan")
     out = fwd(q, kb, v, True)[0]
