@@ -85,9 +85,9 @@ def huge_pages() -> str:
             mode = f.read().split("[")[1].split("]")[0]
     except (OSError, IndexError):
         mode = "unknown"
-    advised = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
-    return (f"transparent huge pages {mode}, THP_MEM_ALLOC_ENABLE="
-            f"{'1 (torch advises them)' if advised else os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")
+    value = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
+    advised = " (torch advises them)" if value == "1" else ""
+    return f"transparent huge pages {mode}, THP_MEM_ALLOC_ENABLE={value}{advised}"
 
 
 def threads() -> str:

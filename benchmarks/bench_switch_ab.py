@@ -56,6 +56,7 @@ round to round; medians over the rounds, and the ratios to the first value.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -120,6 +121,20 @@ def alternate(var, values, repeats, fn, same_bits=True):
     return [statistics.median(times[x]) for x in values]
 
 
+@contextlib.contextmanager
+def restored_env(names):
+    """The environment variables `names` as they were before the block, on the way out."""
+    saved = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--switch", choices=sorted(SWITCHES), default="bwd-jobs")
@@ -134,34 +149,21 @@ def main():
     var, default_values, same_bits = SWITCHES[args.switch]
     values = (args.values or default_values).split(",")
     repeats = 2 if args.quick else args.repeats
-    old = os.environ.get(var)
-    try:
+    # other switches a decode A/B holds fixed: dp-tile16 the pairs (on an Intel CPU not the
+    # default); decode-pv512 bf16's widened product (its pairs take neither)
+    pinned = {"dp-tile16": {"ATTN_EXT_CPU_BF16DP": "1"},
+              "decode-pv512": {"ATTN_EXT_CPU_DECODE_PV_PAIRS": "0"}}.get(args.switch, {})
+    with restored_env([var]):
         if args.switch == "bwd-jobs":
             bench_bwd_jobs(var, values, repeats, args)
         elif args.switch == "gemm512":
             bench_fp32_prefill(var, values, repeats, args)
         else:
-            # other switches a decode A/B holds fixed: dp-tile16 the pairs (on an Intel CPU
-            # not the default); decode-pv512 bf16's widened product (its pairs take neither)
-            pinned = {"dp-tile16": {"ATTN_EXT_CPU_BF16DP": "1"},
-                      "decode-pv512": {"ATTN_EXT_CPU_DECODE_PV_PAIRS": "0"}}.get(args.switch, {})
-            saved = {name: os.environ.get(name) for name in pinned}
-            os.environ.update(pinned)
-            try:
+            with restored_env(pinned):
+                os.environ.update(pinned)
                 bench_decode_quads(var, values, repeats, args, same_bits)
-            finally:
-                for name, value in saved.items():
-                    if value is None:
-                        os.environ.pop(name, None)
-                    else:
-                        os.environ[name] = value
             if args.switch == "bf16dp":
                 bench_bf16_prefill(var, values, repeats, args)
-    finally:
-        if old is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = old
 
 
 def bench_bwd_jobs(var, values, repeats, args):
