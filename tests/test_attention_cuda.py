@@ -444,6 +444,129 @@ def test_split_kv_nan_propagates(dtype, cuda):
     assert torch.equal(out[0, 0, :2], clean[0, 0, :2]) and torch.equal(out[1], clean[1])
 
 
+def op_fwd_bwd(dev, q, k, v, dout, **kw):
+    """attention_forward then attention_backward on device dev with the op's keyword arguments
+    (the backward gets those it takes); returns [out, lse, dq, dk, dv] on the CPU."""
+    q, k, v, dout = (x.to(dev) for x in (q, k, v, dout))
+    kw = {n: (x.to(dev) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+    out, lse = torch.ops.attn_ext.attention_forward(q, k, v, False, **kw)
+    bkw = {n: x for n, x in kw.items() if n != "sinks"}
+    grads = torch.ops.attn_ext.attention_backward(dout, q, k, v, out, lse, False, **bkw)
+    return [x.cpu() for x in (out, lse, *grads)]
+
+
+def same_nonfinite_and_close(got, want, tol, names=("out", "lse", "dq", "dk", "dv")):
+    """Each pair has NaN / inf at the same places with the same signs, and the finite values
+    agree within tol relative to the largest of them."""
+    for name, a, b in zip(names, got, want):
+        a, b = a.double(), b.double()
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), name
+        fin = torch.isfinite(b)
+        assert torch.equal(fin, torch.isfinite(a)) and torch.equal(a[~fin & ~torch.isnan(b)],
+                                                                    b[~fin & ~torch.isnan(b)]), name
+        if fin.any():
+            scale = max(1.0, b[fin].abs().max().item())
+            assert (a[fin] - b[fin]).abs().max().item() <= tol * scale, name
+
+
+def neg_inf_first_chunks(dev, Sk):
+    """fp32 (the simple CUDA kernels; Sk >= 512: split-KV): one query row whose visible scores
+    are all -inf but the last key's (rel_bias [-inf, 0, -inf]: only distance 0, key Sk - 1, is
+    finite), so every earlier 32-key chunk of the simple kernel sees only -inf. Its out is that
+    key's v row, as on the CPU (the simple kernel made it NaN: exp2(-inf - -inf))."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, S, 1, 8, generator=g) for S in (1, Sk, Sk))
+    dout = torch.randn(1, 1, 1, 8, generator=g)
+    rel = torch.tensor([[float("-inf"), 0.0, float("-inf")]])
+    got = op_fwd_bwd(dev, q, k, v, dout, rel_bias=rel)
+    want = op_fwd_bwd("cpu", q, k, v, dout, rel_bias=rel)
+    assert torch.allclose(want[0][0, 0, 0], v[0, -1, 0]) and torch.isfinite(want[1]).all()
+    same_nonfinite_and_close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("Sk", [64, 600])
+def test_simple_kernels_neg_inf_scores_before_a_finite_one(Sk, cuda):
+    neg_inf_first_chunks(cuda, Sk)
+
+
+def rows_without_finite_scores(dev, dtype, D):
+    """Every visible score -inf (rel_bias [[-inf]]: every distance clamps to its one entry):
+    every row is a row without keys, out 0 and lse -inf, and every gradient 0, as on the CPU.
+    The simple backward used to take P = exp2(s - lse) = exp2(-inf - -inf) = NaN there."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 70, 2, D, generator=g).to(dtype) for _ in range(3))
+    dout = torch.randn(2, 70, 2, D, generator=g).to(dtype)
+    rel = torch.full((2, 1), float("-inf"))
+    got = op_fwd_bwd(dev, q, k, v, dout, rel_bias=rel)
+    want = op_fwd_bwd("cpu", q, k, v, dout, rel_bias=rel)
+    assert (want[1] == float("-inf")).all()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+    assert all((x == 0).all() for x in want[:1] + want[2:])
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.float32, 64), (torch.float16, 96)], ids=str)
+def test_rows_without_finite_scores_zero_grads_on_cuda(dtype, D, cuda):
+    """fp32: the simple forward and backward; fp16 at D = 96: the fast forward, the simple
+    backward (the fast one is built for D = 64 / 128 only)."""
+    rows_without_finite_scores(cuda, dtype, D)
+
+
+def dropped_key_nonfinite_v(dev):
+    """Dropout with inf in the v row of one key: the rows that see it get 0 * inf = NaN where
+    the key is dropped too (reference.py's probs * mask @ v, the CPU kernels, the fast CUDA
+    kernels); the simple CUDA kernels used to skip dropped keys' rows and stay finite."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, S, 2, 16, generator=g) for S in (40, 50, 50))
+    v[0, 17, 1, 3] = float("inf")
+    dout = torch.randn(1, 40, 2, 16, generator=g)
+    kw = dict(dropout_p=0.5, dropout_seed=99, dropout_offset=3)
+    got = op_fwd_bwd(dev, q, k, v, dout, **kw)
+    want = op_fwd_bwd("cpu", q, k, v, dout, **kw)
+    keep = reference.dropout_keep_mask(99, 3, 1, 2, range(40), range(50), 0.5)
+    kept, col = keep[0, 1, :, 17], want[0][0, :, 1, 3]
+    assert not kept.all() and kept.any()
+    assert torch.isinf(col[kept]).all() and torch.isnan(col[~kept]).all()  # dropped: 0 * inf
+    same_nonfinite_and_close(got, want, 1e-5)
+
+
+def test_simple_kernels_dropped_nonfinite_v_as_cpu(cuda):
+    dropped_key_nonfinite_v(cuda)
+
+
+def fp16_max_dropout(dev):
+    """fp16, dropout_p = 1 - 2^-16 (the largest the ops take): a kept key with P ~ 1 weighs 65536
+    P, past fp16's maximum, so the fast kernels must not pack the rescaled P to fp16 (they did:
+    out and dv inf / NaN). Row i's own key dominates it (q_i = 40 k_i, k's rows of unit
+    length); the seed is the first whose keep mask keeps some (i, i). v and dout are small, so
+    the true out and dv fit fp16."""
+    p = 1 - 2 ** -16
+    seed = next(s for s in range(100000)
+                if reference.dropout_keep_mask(s, 0, 1, 1, range(64), range(64), p)[0, 0].diagonal().any())
+    g = torch.Generator().manual_seed(6)
+    k = torch.nn.functional.normalize(torch.randn(1, 64, 1, 64, generator=g), dim=-1)
+    q = 40 * k
+    v = 0.01 * torch.randn(1, 64, 1, 64, generator=g)
+    dout = 1e-3 * torch.randn(1, 64, 1, 64, generator=g)
+    q, k, v, dout = (x.half() for x in (q, k, v, dout))
+    kw = dict(dropout_p=p, dropout_seed=seed, dropout_offset=0)
+    got = op_fwd_bwd(dev, q, k, v, dout, **kw)
+    want = op_fwd_bwd("cpu", q, k, v, dout, **kw)
+    i = int(reference.dropout_keep_mask(seed, 0, 1, 1, range(64), range(64), p)[0, 0].diagonal().nonzero()[0])
+    assert want[0][0, i, 0].abs().max() > 10  # ~65536 v_i: the kept key's rescaled weight
+    for x in got:
+        assert torch.isfinite(x).all()
+    same_nonfinite_and_close(got, want, 5e-3)
+    return got
+
+
+def test_fast_kernels_fp16_max_dropout_finite(cuda):
+    if not (fast_fwd_fits(64) and fast_bwd_fits(64)):
+        pytest.skip("the fast kernels' shared memory exceeds this device's limit")
+    names = kernel_names(lambda: fp16_max_dropout(cuda))
+    assert ran(names, "fa2_fwd_kernel") and ran(names, "fa2_bwd_kernel"), names
+
+
 # ---- the fast (tensor-core) backward --------------------------------------------------------
 
 

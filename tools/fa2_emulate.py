@@ -426,8 +426,8 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, mask, scale, m_block, out, lse, slope=None, 
                         w1 = np.where((col & 3) == 3, _word(rk, col + 1), w0)
                         k0 = _field(w0, col) >= thresh
                         k1 = _field(w1, col + 1) >= thresh
-                        s[t, :, 2 * r] = np.where(k0, s[t, :, 2 * r] / (1 - p_), 0.0)
-                        s[t, :, 2 * r + 1] = np.where(k1, s[t, :, 2 * r + 1] / (1 - p_), 0.0)
+                        s[t, :, 2 * r] = np.where(k0, s[t, :, 2 * r], 0.0)
+                        s[t, :, 2 * r + 1] = np.where(k1, s[t, :, 2 * r + 1], 0.0)
             for kk in range(kBlockN // 16):
                 a = np.zeros((32, 4, 2))
                 a[:, 0] = s[2 * kk][:, 0:2]
@@ -445,6 +445,8 @@ def fa2_fwd_cta(q, k, v, Sq, Sk, D, mask, scale, m_block, out, lse, slope=None, 
             l = l + l[lane ^ 2]
             empty = l == 0
             inv = np.where(empty, 0.0, 1.0 / np.where(empty, 1.0, l))
+            if drop is not None:  # 1 / (1 - p) in the epilogue, not on P
+                inv = inv / (1 - drop[0])
             row = row_a if r == 0 else row_b
             for ln in range(32):
                 if row[ln] < Sq:
@@ -505,6 +507,7 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
     acc_dv = np.zeros((kWarps, kDTiles, 32, 4))
     terms = slopes is not None or cap is not None or rel is not None or drop is not None
     rel_m = (rel.shape[1] - 1) // 2 if rel is not None else 0
+    drop_scale = 1.0 if drop is None else 1.0 / (1 - drop[0])
     off = Sk - Sq  # TileBands::off (no block position in these cases)
     for st in range(steps):
         h = st // n_m
@@ -560,10 +563,9 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
                                 pr = np.exp2(x * log2e - sLseb[qc])
                                 if drop is not None:
                                     col = drop_col0 + kr
-                                    z = np.where(_field(_word(sRkb[qc], col), col) >= drop_thresh,
-                                                 1.0 / (1 - p_), 0.0)
-                                    ds = pr * (z * dp[t, :, e] - sDeltab[qc])
-                                    pr = pr * z
+                                    kept = _field(_word(sRkb[qc], col), col) >= drop_thresh
+                                    ds = pr * (np.where(kept, 1.0 / (1 - p_), 0.0) * dp[t, :, e] - sDeltab[qc])
+                                    pr = np.where(kept, pr, 0.0)  # 1 / (1 - p) on dv at the end
                                 else:
                                     ds = pr * (dp[t, :, e] - sDeltab[qc])
                                 chain = 1.0 - th * th
@@ -634,7 +636,7 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
                     for t in range(kDTiles):
                         col = c2[l] + t * 8
                         dk[key, col: col + 2] = scale * acc_dk[warp, t, l, 2 * r: 2 * r + 2]
-                        dv[key, col: col + 2] = acc_dv[warp, t, l, 2 * r: 2 * r + 2]
+                        dv[key, col: col + 2] = drop_scale * acc_dv[warp, t, l, 2 * r: 2 * r + 2]
 
 
 def reference_bwd(q, k, v, do, mask, scale, slopes=None, cap=None, rel=None, drop=None):

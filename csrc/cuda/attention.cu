@@ -19,7 +19,7 @@
 //        fits the device's opt-in limit (99 KiB at D = 256); q, k, v data pointers 16-byte
 //        aligned and their batch/row/head strides multiples of 8 elements; Sk > 0;
 //        B, H <= 65535 (grid y/z); Sq + Sk < 2^30 (the kernels count a sequence's rows,
-//        keys and distances in 32 bits); no score term.
+//        keys and distances in 32 bits); no score term at D = 256 (the score terms below).
 //   2. otherwise the simple kernel (simple::launch_simple_fwd): any dtype (fp32, fp64, fp16,
 //      bf16), any D, Dv <= 256, any strides with a contiguous last dim.
 // attn_ext::_set_cuda_attention_kernels(1) (attn_ext.ops._simple_cuda_kernels()) skips 0 and

@@ -405,11 +405,12 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
             pr = fast_exp2(x * kLog2eF - sLseb[qc]);
             if (kDropout && drop) {
               // the forward's keep bit of (row, key) (common/dropout_rng.h): dV takes
-              // P Z / (1 - p), dS = P (Z / (1 - p) dP - delta)
+              // P Z / (1 - p), dS = P (Z / (1 - p) dP - delta); P here is P Z (packed to T
+              // for dV's product: the 1 / (1 - p) joins acc_dv at the end, as in the forward)
               const int64_t col = drop_col0 + (e < 2 ? kra : krb);
-              const float z = dropout::keep(sRkb[qc], col, drop_thresh) ? drop_scale : 0.f;
-              ds = pr * (z * dp[t][e] - sDeltab[qc]);
-              pr *= z;
+              const bool kept = dropout::keep(sRkb[qc], col, drop_thresh);
+              ds = pr * ((kept ? drop_scale : 0.f) * dp[t][e] - sDeltab[qc]);
+              pr = kept ? pr : 0.f;
             } else {
               ds = pr * (dp[t][e] - sDeltab[qc]);
             }
@@ -572,7 +573,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
     }
   }
 
-  // epilogue: dk = scale * acc_dk, dv = acc_dv (as dk / dv: (B, Sk, Hkv, D), packed
+  // epilogue: dk = scale * acc_dk, dv = acc_dv / (1 - p) (1 without dropout) (as dk / dv: (B, Sk, Hkv, D), packed
   // (Tk, Hkv, D), contiguous); keys past Sk skipped
   T* gdK = static_cast<T*>(bp.dk) + b * bp.dk_batch_stride;
   T* gdV = static_cast<T*>(bp.dv) + b * bp.dv_batch_stride;
@@ -586,7 +587,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
         *reinterpret_cast<uint32_t*>(gdK + off + t * 8) =
             pack2<T>(scale * acc_dk[t][2 * r], scale * acc_dk[t][2 * r + 1]);
         *reinterpret_cast<uint32_t*>(gdV + off + t * 8) =
-            pack2<T>(acc_dv[t][2 * r], acc_dv[t][2 * r + 1]);
+            pack2<T>(drop_scale * acc_dv[t][2 * r], drop_scale * acc_dv[t][2 * r + 1]);
       }
     }
   }

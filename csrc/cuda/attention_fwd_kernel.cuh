@@ -227,12 +227,12 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
   float row_sum[2] = {0.f, 0.f};               // this thread's partial sums (quad-reduced at end)
   const float scale_log2 = static_cast<float>(p.scale) * kLog2eF;
   // score terms of this CTA's query head (kTerms): ALiBi slope, rel_bias row (centred);
-  // dropout: the row keys of this thread's two rows, the keep threshold and the rescaling
+  // dropout: the row keys of this thread's two rows and the keep threshold (the rescaling is
+  // the epilogue's)
   float slope_h = 0.f;
   const float* rel_h = nullptr;
   uint64_t drop_ka = 0, drop_kb = 0;
   uint32_t drop_thresh = 0;
-  float drop_scale = 1.f;
   const bool drop = kTerms && p.terms.has_dropout();
   if constexpr (kTerms) {
     if (p.terms.alibi != nullptr) slope_h = p.terms.slope<float>(b, h);
@@ -242,7 +242,6 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
       drop_ka = dt.dropout_row_key(b, h, m0 + ra);
       drop_kb = dt.dropout_row_key(b, h, m0 + rb);
       drop_thresh = dropout::threshold(dt.dropout_p);
-      drop_scale = static_cast<float>(1.0 / (1.0 - dt.dropout_p));
     }
   }
 
@@ -391,8 +390,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
             const uint64_t w1 = (col & 3) == 3 ? dropout::word(rk, col + 1) : w0;
             const bool k0 = dropout::field(w0, col) >= drop_thresh;
             const bool k1 = dropout::field(w1, col + 1) >= drop_thresh;
-            s[t][2 * r] = k0 ? s[t][2 * r] * drop_scale : 0.f;
-            s[t][2 * r + 1] = k1 ? s[t][2 * r + 1] * drop_scale : 0.f;
+            s[t][2 * r] = k0 ? s[t][2 * r] : 0.f;
+            s[t][2 * r + 1] = k1 ? s[t][2 * r + 1] : 0.f;
           }
         }
       }
@@ -492,6 +491,9 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
         lse_row = static_cast<float>(lse_d);
       }
     }
+    // dropout's 1 / (1 - p) here, in fp32, not on P: P is packed to T for the P V product,
+    // and P * 65536 (p = 1 - 2^-16, the largest p) passes fp16's maximum once P > 0.9995
+    if (drop) inv *= static_cast<float>(1.0 / (1.0 - p.terms.dropout_p));
     const int64_t row = m0 + (r == 0 ? ra : rb);
     if (row < Sq) {
       T* orow = gO() + row * p.out_row_stride + (lane & 3) * 2;

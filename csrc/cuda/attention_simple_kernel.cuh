@@ -59,6 +59,14 @@ __device__ __forceinline__ acc_t neg_inf() {
   return -static_cast<acc_t>(INFINITY);
 }
 
+// A row's lse in base 2 for the backward's P = exp2(s2 - lse2): a row that saw no key (lse
+// -inf; its visible scores, if any, all -inf) takes +inf, so its P is 0, never
+// exp2((-inf) - (-inf)) = NaN (the CPU backward and the fast one do the same).
+template <typename acc_t>
+__device__ __forceinline__ acc_t lse_log2(acc_t lse) {
+  return lse == neg_inf<acc_t>() ? static_cast<acc_t>(INFINITY) : lse * static_cast<acc_t>(kLog2e);
+}
+
 template <typename acc_t>
 __device__ __forceinline__ acc_t warp_sum(acc_t x) {
 #pragma unroll
@@ -162,10 +170,11 @@ __device__ __forceinline__ PairGrad<acc_t> pair_grad(const ScoreTerms& t, const 
   if (t.active()) s2 = term_score(t, s2, b, h, d, &th);
   const acc_t pr = exp2_acc(s2 - lse2);
   acc_t pv = pr;
-  if (dr.on) {
-    const bool kept = dr.keep(row_key, j);
-    pv = kept ? pr * dr.inv_keep : acc_t(0);
-    dp = kept ? dp * dr.inv_keep : acc_t(0);
+  if (dr.on) {  // (z = Z / (1 - p); a dropped pair's 0 times a non-finite dp is NaN, as on
+                // the CPU and in the fast backward)
+    const acc_t z = dr.keep(row_key, j) ? dr.inv_keep : acc_t(0);
+    pv = pr * z;
+    dp = dp * z;
   }
   PairGrad<acc_t> g;
   g.pv = pv;
@@ -205,27 +214,23 @@ __device__ __forceinline__ void attend_keys(const AttentionParams& p, const Visi
     }
     const unsigned live_bits = __ballot_sync(0xffffffffu, live);
     if (live_bits == 0u) continue;  // every key of the chunk is hidden (padding)
-    // pass 2: online softmax over the 32 scores (some key is live, so m_new is finite or
-    // NaN, never -inf)
+    // pass 2: online softmax over the 32 scores. m_new stays -inf while every live score so
+    // far is -inf (a -inf rel_bias entry, an overflowed q.k): subtract 0 then, never
+    // (-inf) - (-inf) (NaN), as the CPU's softmax and the fast forward do
     const acc_t m_new = fmax(m, warp_max(s));
-    const acc_t corr = exp2_acc(m - m_new);  // 0 on the first chunk (m = -inf)
-    const acc_t pj = live ? exp2_acc(s - m_new) : acc_t(0);
+    const acc_t mu = m_new == neg_inf<acc_t>() ? acc_t(0) : m_new;
+    const acc_t corr = exp2_acc(m - mu);  // 0 on the first chunk (m = -inf)
+    const acc_t pj = live ? exp2_acc(s - mu) : acc_t(0);
     l = l * corr + warp_sum(pj);
     m = m_new;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) o[c] *= corr;
-    // pass 3: o += p_j * v_j over the live keys (the kept ones with dropout), lane owns
-    // columns lane + 32 c
+    // pass 3: o += p_j * v_j over the live keys, lane owns columns lane + 32 c. With dropout a
+    // dropped key's weight is 0 and its v row is still read, as the CPU kernels, the fast
+    // kernel and reference.py multiply it: 0 * (inf or NaN) in v_j is NaN there too.
     const int64_t n = (kend - j0) < 32 ? (kend - j0) : 32;
-    if (dr.on) {
-      const bool kept = live && dr.keep(rk, j);
-      const unsigned kept_bits = __ballot_sync(0xffffffffu, kept);
-      add_weighted_rows(o, kept ? pj * dr.inv_keep : acc_t(0), v + j0 * p.v_row_stride,
-                        p.v_row_stride, n, p.Dv, lane, kept_bits);
-    } else {
-      add_weighted_rows(o, pj, v + j0 * p.v_row_stride, p.v_row_stride, n, p.Dv, lane,
-                        live_bits);
-    }
+    const acc_t wj = dr.on ? pj * (live && dr.keep(rk, j) ? dr.inv_keep : acc_t(0)) : pj;
+    add_weighted_rows(o, wj, v + j0 * p.v_row_stride, p.v_row_stride, n, p.Dv, lane, live_bits);
   }
 }
 
@@ -444,7 +449,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   if (bp.dlse != nullptr) di -= static_cast<const acc_t*>(bp.dlse)[stat];
   if (lane == 0) static_cast<acc_t*>(delta_ptr)[row] = di;  // row == (b*H + h)*Sq + i
   __syncwarp();
-  const acc_t lse2 = static_cast<const acc_t*>(bp.lse)[stat] * static_cast<acc_t>(kLog2e);
+  const acc_t lse2 = lse_log2(static_cast<const acc_t*>(bp.lse)[stat]);
 
   const ScoreTerms terms = p.score_terms();
   const Dropout<acc_t> dr(terms);
@@ -534,7 +539,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
       const bool live = i < rows.hi;  // the band: row i sees key j
       acc_t pr = 0, ds = 0;  // pr: the weight of dout_i in dV_j (P, or P * Z / (1 - p))
       if (live) {
-        const acc_t lse2 = lse_all[stat + i] * static_cast<acc_t>(kLog2e);
+        const acc_t lse2 = lse_log2(lse_all[stat + i]);
         const acc_t s2 = dot_row(k_s[warp], q + i * p.q_row_stride, p.D);
         const acc_t dp = dot_row(v_s[warp], dout + i * bp.dout_row_stride, p.Dv);
         if (plain) {
@@ -617,7 +622,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
     if (i < ihi && vis.visible(sq, b, i, j)) {
       const acc_t s2 = dot_row(q + i * p.q_row_stride, k + j * p.k_row_stride, p.D) * qscale;
       const acc_t dp = dot_row(dout + i * bp.dout_row_stride, v + j * p.v_row_stride, p.Dv);
-      const acc_t lse2 = lse_all[i] * static_cast<acc_t>(kLog2e);
+      const acc_t lse2 = lse_log2(lse_all[i]);
       sum += static_cast<double>(
           pair_grad<acc_t>(terms, dr, s2, dp, lse2, delta[i], b, h, d,
                            dr.on ? dr.row(b, h, i) : 0, j).ds);
