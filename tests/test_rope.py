@@ -419,3 +419,23 @@ def test_rope_nan_inf_propagate(device, dtype, interleaved):
     ref = R.rope(x.double(), cos.double(), sin.double(), interleaved=interleaved)
     assert torch.equal(torch.isnan(out), torch.isnan(ref))
     assert torch.equal(torch.isinf(out), torch.isinf(ref))
+
+
+def test_rope_cuda_row_of_more_than_2_31_units():
+    """One token row of 2^32 + 32 heads (bf16, D = 2: one work unit per head on the scalar
+    path): the CUDA launcher counted a row's units in 32 bits, so this call rotated heads 0-31
+    only and left the rest of `out` unwritten (and rope_qk_'s sum of two such counts wrapped
+    negative). 16 GiB each for x and out; skipped without a GPU that has the room."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    H = 2 ** 32 + 32
+    if torch.cuda.mem_get_info()[0] < 2 * (2 * H * 2) + (2 << 30):
+        pytest.skip("needs ~34 GiB of free GPU memory")
+    x = torch.randn(1, 1, H, 2, dtype=torch.bfloat16, device="cuda")
+    cos, sin = attn_ext.rope_cache(4, 2, dtype=torch.float32, device="cuda")
+    out = attn_ext.rope(x, cos, sin, offset=3)
+    for h0 in (0, 2 ** 31 - 8, 2 ** 32 - 8, H - 16):  # around both 32-bit boundaries, and the end
+        _check(out[:, :, h0:h0 + 16].cpu(), x[:, :, h0:h0 + 16].cpu(), cos.cpu(), sin.cpu(),
+               None, 3, False, name=f"heads {h0}+")
+    del out
+    torch.cuda.empty_cache()

@@ -42,18 +42,20 @@ struct alignas(Align) Pack {
 constexpr int kAlignOf(int bytes) { return bytes >= 16 ? 16 : bytes; }
 
 template <typename T, typename TT, int V>
-__global__ void rope_kernel(RopeParams p, int units0, int units1, int uph0, int uph1) {
+// units0 / units1: one row's work units of tensor 0 / 1 (heads x units per head: uph0 / uph1),
+// counted in 64 bits like every index here (a row of 2^31+ units would wrap in 32).
+__global__ void rope_kernel(RopeParams p, int64_t units0, int64_t units1, int64_t uph0, int64_t uph1) {
   using acc = typename AccOf<T>::type;
   using XPack = Pack<T, V, kAlignOf(V * int(sizeof(T)))>;
   using TPack = Pack<TT, V, kAlignOf(V * int(sizeof(TT)))>;
-  int w = static_cast<int>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (w >= units0 + units1) return;
   const int t = w < units0 ? 0 : 1;
   if (t == 1) w -= units0;
   const RopeTensorParams& tp = p.t[t];
-  const int uph = t == 0 ? uph0 : uph1;  // units per head
-  const int h = w / uph;
-  const int unit = w - h * uph;
+  const int64_t uph = t == 0 ? uph0 : uph1;  // units per head
+  const int64_t h = w / uph;
+  const int64_t unit = w - h * uph;
   const int64_t half = p.half;
   const int64_t nrot = half / V;  // rotary units per head
   const acc sign = p.inverse ? acc(-1) : acc(1);
@@ -150,15 +152,15 @@ bool rope_vector_ok(const RopeParams& p) {
 
 template <typename T, typename TT, int V>
 void launch_rope_v(const RopeParams& p, cudaStream_t stream) {
-  int units[2] = {0, 0}, uph[2] = {1, 1};
+  int64_t units[2] = {0, 0}, uph[2] = {1, 1};
   for (int t = 0; t < p.num_tensors; ++t) {
     const RopeTensorParams& tp = p.t[t];
     const int64_t pass = tp.out != tp.x ? (tp.D - 2 * p.half) / V : 0;
     const int64_t u = p.half / V + pass;
-    uph[t] = static_cast<int>(u > 0 ? u : 1);
-    units[t] = u > 0 ? static_cast<int>(tp.H * u) : 0;  // one row's units of this tensor
+    uph[t] = u > 0 ? u : 1;
+    units[t] = u > 0 ? tp.H * u : 0;  // one row's units of this tensor
   }
-  const int64_t row_units = int64_t(units[0]) + units[1];
+  const int64_t row_units = units[0] + units[1];
   const int64_t rows = p.B * p.S;
   if (row_units == 0 || rows == 0) return;
   const int threads = row_units >= 256 ? 256 : (row_units >= 64 ? 64 : 32);
