@@ -78,10 +78,7 @@ def _cuda_kernel_mode() -> int:
 
     if not _cuda_library_loaded():
         return 0
-    op = getattr(torch.ops.attn_ext, FORCE_SIMPLE_OP)
-    mode = op(1)  # set returns the previous mode; put it back
-    op(mode)
-    return mode
+    return getattr(torch.ops.attn_ext, FORCE_SIMPLE_OP)(-1)  # -1: read, change nothing
 
 
 def cuda_fwd_smem_bytes(head_dim: int) -> int:
@@ -546,6 +543,12 @@ def cuda_backward_choice(s: Shape, dtype: torch.dtype, aligned: bool, smem_optin
 
 
 def _explain_cuda(s: Shape, q, k, v, dout, terms: tuple = (), rel_max: int = 0) -> KernelChoice:
+    from . import build_info
+    from .ops import _cuda_library_loaded
+
+    if not _cuda_library_loaded():  # attention() on q would fail in the dispatcher
+        raise ValueError(f"q is on {q.device}, but attn_ext's CUDA kernels are not loaded in this "
+                         f"process: {build_info()['cuda_status']}")
     if s.D > CUDA_SIMPLE_MAX_HEAD_DIM or s.Dv > CUDA_SIMPLE_MAX_HEAD_DIM:
         raise ValueError(f"head dims must be <= {CUDA_SIMPLE_MAX_HEAD_DIM} on CUDA, got "
                          f"D = {s.D}, Dv = {s.Dv} (the call would fail)")
@@ -650,7 +653,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     _check_causal(causal)
     _check_scale(scale)
     left, right = _window_args(window)
-    _check_key_padding_mask(key_padding_mask, s.B, s.Sk)
+    _check_key_padding_mask(key_padding_mask, s.B, s.Sk, q.device)
     alibi_slopes, rel_bias, softcap, sinks, dropout_p = _checked_score_terms(
         q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
     _check_term_shapes(q, alibi_slopes, rel_bias, sinks=sinks)

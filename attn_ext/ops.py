@@ -675,9 +675,9 @@ def _check_causal(causal) -> None:
         raise ValueError(f"causal must be a bool, got {causal!r}")
 
 
-def _check_key_padding_mask(key_padding_mask, B: int, Sk: int) -> None:
+def _check_key_padding_mask(key_padding_mask, B: int, Sk: int, device=None) -> None:
     """A key_padding_mask checked on the host (where no kernel checks it first): None, or
-    bool of shape (B, Sk)."""
+    bool of shape (B, Sk), on `device` (q's) when given."""
     if key_padding_mask is None:
         return
     if (not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool
@@ -685,6 +685,9 @@ def _check_key_padding_mask(key_padding_mask, B: int, Sk: int) -> None:
         got = (f"dtype {key_padding_mask.dtype}, shape {list(key_padding_mask.shape)}"
                if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__)
         raise ValueError(f"key_padding_mask must be bool (B, Sk) = ({B}, {Sk}), got {got}")
+    if device is not None and key_padding_mask.device != torch.device(device):
+        raise ValueError(f"key_padding_mask must be on the same device as q ({device}), got "
+                         f"{key_padding_mask.device}")
 
 
 def _dropout_seed_offset(device: torch.device) -> Tuple[int, int]:
@@ -1289,7 +1292,7 @@ def attention_weights(
             raise ValueError(f"lse must be a floating-point tensor, got {lse.dtype}")
     _check_causal(causal)
     left, right = _window_args(window)
-    _check_key_padding_mask(key_padding_mask, B, Sk)
+    _check_key_padding_mask(key_padding_mask, B, Sk, q.device)
     alibi_slopes, rel_bias, softcap = _weights_terms(q, alibi_slopes, rel_bias, softcap)
     probs = _attention_probs(q, k, causal, scale, lse, alibi_slopes, rel_bias, softcap, left,
                              right, key_padding_mask)

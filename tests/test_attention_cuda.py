@@ -567,6 +567,50 @@ def test_fast_kernels_fp16_max_dropout_finite(cuda):
     assert ran(names, "fa2_fwd_kernel") and ran(names, "fa2_bwd_kernel"), names
 
 
+def empty_call_refusals(dev):
+    """Calls with an empty q (B = 0, Sq = 0 or a packed Tq = 0) and a bad mask / window /
+    block-position argument: the CUDA adapters returned the empty result before checking those
+    arguments (the CPU refuses them first). Each must raise on dev as on the CPU."""
+    lib = torch.ops.attn_ext
+    bad = {  # the message each must raise
+        "key_padding_mask must be": dict(key_padding_mask=torch.ones(3, 3)),
+        "window must be": dict(window_left=-5),
+        "q_start and k_start must be given together": dict(q_start=4),
+        "sinks cannot be combined": dict(sinks=torch.zeros(2), q_start=0, k_start=0),
+    }
+    for shape in ((0, 4, 2, 8), (2, 0, 2, 8)):
+        q = torch.randn(*shape)
+        k = v = torch.randn(shape[0], 3, 2, 8)
+        for name, kw in bad.items():
+            if name.startswith("sinks") and shape[0] == 0:
+                continue
+            for d in ("cpu", dev):
+                kwd = {n: (x.to(d) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+                with pytest.raises(RuntimeError, match=name):
+                    lib.attention_forward(q.to(d), k.to(d), v.to(d), False, **kwd)
+                if not name.startswith("sinks"):  # (the backward takes no sinks)
+                    out = torch.empty(shape[0], shape[1], 2, 8, device=d)
+                    lse = torch.empty(shape[0], 2, shape[1], device=d)
+                    with pytest.raises(RuntimeError, match=name):
+                        lib.attention_backward(out, q.to(d), k.to(d), v.to(d), out, lse, False, **kwd)
+    # packed: Tq = 0, a bad window
+    cu = torch.zeros(2, dtype=torch.int32)
+    for d in ("cpu", dev):
+        q = torch.randn(0, 2, 8, device=d)
+        k = torch.randn(3, 2, 8, device=d)
+        cuk = torch.tensor([0, 3], dtype=torch.int32, device=d)
+        with pytest.raises(RuntimeError, match="window must be"):
+            lib.attention_varlen_forward(q, k, k, cu.to(d), cuk, 0, 3, False, None, -5)
+        out, lse = torch.empty(0, 2, 8, device=d), torch.empty(2, 0, device=d)
+        with pytest.raises(RuntimeError, match="window must be"):
+            lib.attention_varlen_backward(out, q, k, k, out, lse, cu.to(d), cuk, 0, 3, False,
+                                          None, -5)
+
+
+def test_empty_calls_refuse_bad_mask_arguments_on_cuda(cuda):
+    empty_call_refusals(cuda)
+
+
 # ---- the fast (tensor-core) backward --------------------------------------------------------
 
 

@@ -358,6 +358,8 @@ _BAD_CALLS = {
     "scale_bool": dict(scale=True),
     "scale_str": dict(scale="a"),
     "causal": dict(causal=None),
+    # (explain checked the mask's dtype and shape, not its device)
+    "key_padding_mask": dict(key_padding_mask=torch.ones(2, 6, dtype=torch.bool, device="meta")),
 }
 
 
@@ -373,7 +375,7 @@ def test_explain_refuses_what_attention_refuses(name):
     for fn in (attn_ext.attention, attn_ext.explain):
         with pytest.raises((ValueError, RuntimeError), match=arg):
             fn(q, k, k, **kw)
-    if arg in ("scale", "causal"):  # the need_weights path refuses them alike
+    if arg in ("scale", "causal", "key_padding_mask"):  # the need_weights path refuses them alike
         with pytest.raises((ValueError, RuntimeError), match=arg):
             attn_ext.attention_weights(q, k, **kw)
 
@@ -496,3 +498,17 @@ def test_explain_names_the_fp32_gemm(monkeypatch):
     if cpu_avx512_enabled():
         assert choice.details["gemm"] == "avx512"
         assert "AVX-512 zmm" in choice.forward_reason
+
+
+def test_explain_cuda_without_the_cuda_library(monkeypatch):
+    """A CUDA q in a process without attn_ext's CUDA kernels (a CPU-only build, or a torch
+    whose CUDA the build does not match): attention() fails in the dispatcher, so explain()
+    refuses too, quoting why the kernels are not loaded, instead of naming a CUDA kernel. (The
+    CUDA branch is called directly: this machine has no CUDA tensors.)"""
+    from attn_ext import _explain, ops
+
+    monkeypatch.setattr(ops, "_cuda_library_loaded", lambda: False)
+    q = randn(1, 4, 2, 16)
+    s = _explain._check(q, q, q)
+    with pytest.raises(ValueError, match="CUDA kernels are not loaded in this process: "):
+        _explain._explain_cuda(s, q, q, q, None)

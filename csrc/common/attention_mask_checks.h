@@ -84,6 +84,19 @@ inline void fill_block_position(AttentionParams& p, std::optional<int64_t> q_sta
 }
 
 // dlse: the gradient of the forward's lse, same shape and dtype.
+// The mask and block-position arguments refused as fill_mask_params / fill_block_position
+// refuse them, with nothing kept: for adapters that return early on an empty input before they
+// build their params (the CUDA ones), so that an empty call refuses what the same call with
+// data (and the CPU adapter) refuses.
+inline void check_mask_args(const AttentionShape& s, const Tensor& q, bool causal,
+                            int64_t window_left, int64_t window_right,
+                            const OptTensor& key_padding_mask, std::optional<int64_t> q_start,
+                            std::optional<int64_t> k_start, bool has_sinks) {
+  AttentionParams p{};
+  fill_mask_params(p, s, q, causal, window_left, window_right, key_padding_mask);
+  fill_block_position(p, q_start, k_start, has_sinks);
+}
+
 inline void check_dlse(const Tensor& dlse, const Tensor& lse) {
   STD_TORCH_CHECK(same_sizes(dlse, sizes_vec(lse)), "dlse must have lse's shape ", shape_of(lse),
                   ", got ", shape_of(dlse));

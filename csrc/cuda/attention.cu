@@ -128,9 +128,13 @@ std::atomic<int> g_kernel_mode{0};
 
 bool force_simple() { return g_kernel_mode.load(std::memory_order_relaxed) == 1; }
 
+// mode -1 only reads the current mode (explain() asks it: setting and restoring it would switch
+// other threads' calls to the simple kernels in between).
 int64_t set_cuda_attention_kernels(int64_t mode) {
-  STD_TORCH_CHECK(mode == 0 || mode == 1,
-                  "mode must be 0 (automatic) or 1 (simple kernels only), got ", mode);
+  STD_TORCH_CHECK(mode == 0 || mode == 1 || mode == -1,
+                  "mode must be 0 (automatic), 1 (simple kernels only) or -1 (read the mode), got ",
+                  mode);
+  if (mode == -1) return g_kernel_mode.load();
   return g_kernel_mode.exchange(static_cast<int>(mode));
 }
 
@@ -262,6 +266,8 @@ std::tuple<Tensor, Tensor> attention_forward_cuda(
   const ScoreTerms terms = checked_terms(
       {tab.alibi_slopes, tab.rel_bias, softcap, tab.sinks, dropout_p, dropout_seed, dropout_offset},
       q, s);
+  check_mask_args(s, q, causal, window_left, window_right, key_padding_mask, q_start, k_start,
+                  sinks.has_value());
   if (s.B * s.H * s.Sq == 0) return {out, lse};
   check_grid_rows(s.B * s.H * s.Sq, "query");
   const DeviceGuard guard(q.get_device_index());
@@ -307,6 +313,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
   Tensor dq = alloc(q, {s.B, s.Sq, s.H, s.D});
   Tensor dk = alloc(q, {s.B, s.Sk, s.Hkv, s.D});
   Tensor dv = alloc(q, {s.B, s.Sk, s.Hkv, s.Dv});
+  check_mask_args(s, q, causal, window_left, window_right, key_padding_mask, q_start, k_start,
+                  /*has_sinks=*/false);
   if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
   const DeviceGuard guard(q.get_device_index());
   if (s.Sq == 0 || s.H == 0) {  // no query: no gradient reaches k or v
@@ -361,6 +369,8 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_cuda(
   const int64_t Tq = q.size(0);
   Tensor out = alloc(q, {Tq, s.H, s.Dv});
   Tensor lse = alloc(q, {s.H, Tq}, lse_dtype(q.scalar_type()));
+  check_mask_args(s, q, causal, window_left, window_right, std::nullopt, std::nullopt,
+                  std::nullopt, false);  // (the window: make_params_packed's, below)
   if (Tq * s.H == 0 || s.B == 0) return {out, lse};
   check_grid_rows(s.B * s.H * s.Sq, "query");
   const DeviceGuard guard(q.get_device_index());
@@ -398,6 +408,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
   Tensor dq = alloc_zeros(q, {Tq, s.H, s.D}, q.scalar_type());
   Tensor dk = alloc_zeros(q, {Tk, s.Hkv, s.D}, q.scalar_type());
   Tensor dv = alloc_zeros(q, {Tk, s.Hkv, s.Dv}, q.scalar_type());
+  check_mask_args(s, q, causal, window_left, window_right, std::nullopt, std::nullopt,
+                  std::nullopt, false);  // (the window: make_varlen_bwd_params', below)
   if (Tq == 0 || s.H == 0 || Tk == 0 || s.B == 0) return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
   check_grid_rows(s.B * s.H * s.Sq, "query");
   check_grid_rows(s.B * s.Hkv * s.Sk, "key");
