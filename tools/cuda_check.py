@@ -80,22 +80,25 @@ def compile_one(nvcc: str, src: str, archs: list[str], flags: list[str], outdir:
     return src, proc.returncode, proc.stdout + proc.stderr
 
 
-def summarize_ptxas(log: str) -> list[tuple[str, str, int, int, int]]:
-    """(arch, kernel, registers, spill stores, spill loads) per compiled function."""
+def summarize_ptxas(log: str) -> list[tuple[str, str, int, int, int, int]]:
+    """(arch, kernel, registers, spill stores, spill loads, stack frame bytes) per compiled
+    function. A stack frame without spills is a local array: a register array indexed at run
+    time (the fa2 kernels' exact paths copy theirs into one inside the rare branch; indexing
+    the score tile itself put its stores after every tile: RESULTS.md, thirtieth session)."""
     rows = []
-    func, arch, spill_st, spill_ld = None, "?", 0, 0
+    func, arch, spill_st, spill_ld, stack = None, "?", 0, 0, 0
     for line in log.splitlines():
         m = re.search(r"Compiling entry function '([^']+)' for '(sm_\d+)'", line)
         if m:
             func, arch = m.group(1), m.group(2)
             continue
-        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
         if m and func:
-            spill_st, spill_ld = int(m.group(1)), int(m.group(2))
+            stack, spill_st, spill_ld = int(m.group(1)), int(m.group(2)), int(m.group(3))
             continue
         m = re.search(r"Used (\d+) registers", line)
         if m and func:
-            rows.append((arch, func, int(m.group(1)), spill_st, spill_ld))
+            rows.append((arch, func, int(m.group(1)), spill_st, spill_ld, stack))
             func = None
     return rows
 
@@ -139,11 +142,11 @@ def main() -> int:
             rows = summarize_ptxas(log)
             names = demangle(sorted({r[1] for r in rows}))
             print(f"\n=== {rel}: ok ({len(rows)} kernel instances)")
-            print(f"  {'arch':6} {'regs':>4} {'spill st/ld':>12}  kernel")
-            for arch, fn, regs, st, ld in sorted(rows, key=lambda r: (names[r[1]], r[0])):
+            print(f"  {'arch':6} {'regs':>4} {'spill st/ld':>12} {'stack':>5}  kernel")
+            for arch, fn, regs, st, ld, stack in sorted(rows, key=lambda r: (names[r[1]], r[0])):
                 name = names[fn]
                 short = name if len(name) < 110 else name[:107] + "..."
-                print(f"  {arch:6} {regs:4d} {st:5d}/{ld:<6d}  {short}")
+                print(f"  {arch:6} {regs:4d} {st:5d}/{ld:<6d} {stack:5d}  {short}")
                 if (st or ld) and args.fail_on_spill and re.search(args.fail_on_spill, name):
                     spilled.append(f"{arch} {name}")
     if spilled:

@@ -466,18 +466,26 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
           // this half by scalar products over the visible (key, query) pairs only. P^T and
           // dS^T of query column q0 + q sit in element (q % 2) (+2) of n8 tile (q % 32) / 8 on
           // quad lane (q % 8) / 2.
+          // (a copy of this lane's P^T / dS^T values made here, in the rare path, and indexed
+          // by q at run time: indexing s / dp themselves by a run-time tile put both arrays in
+          // local memory, stored on every step of every masked instance)
+          float sp[kSubTiles][4], sd[kSubTiles][4];
+#pragma unroll
+          for (int t = 0; t < kSubTiles; ++t) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              sp[t][e] = s[t][e];
+              sd[t][e] = dp[t][e];
+            }
+          }
 #pragma unroll 1
           for (int q = 0; q < kQSub; ++q) {
-            float pa = 0.f, pb = 0.f, da = 0.f, db = 0.f;
-#pragma unroll
-            for (int t = 0; t < kSubTiles; ++t) {
-              if (t == q / 8) {
-                pa = (q & 1) ? s[t][1] : s[t][0];
-                pb = (q & 1) ? s[t][3] : s[t][2];
-                da = (q & 1) ? dp[t][1] : dp[t][0];
-                db = (q & 1) ? dp[t][3] : dp[t][2];
-              }
-            }
+            const float* pt = sp[q / 8];
+            const float* dt = sd[q / 8];
+            float pa = (q & 1) ? pt[1] : pt[0];
+            float pb = (q & 1) ? pt[3] : pt[2];
+            float da = (q & 1) ? dt[1] : dt[0];
+            float db = (q & 1) ? dt[3] : dt[2];
             const int src = (lane & ~3) | ((q & 7) >> 1);
             pa = __shfl_sync(0xffffffffu, pa, src);
             pb = __shfl_sync(0xffffffffu, pb, src);

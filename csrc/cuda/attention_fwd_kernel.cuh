@@ -414,18 +414,22 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, FwdTraits<kHead
       }
       if (__syncthreads_or(bad)) {
         const TileBand band = bands.at(m0, n0, kBlockM, kBlockN);
+        // (a copy of this thread's P made here, in the rare path, and indexed by kk at run
+        // time: indexing s itself by a run-time tile put s in local memory, stored after every
+        // tile's pass 1 in every masked instance)
+        float sp[kNTiles][4];
+#pragma unroll
+        for (int t = 0; t < kNTiles; ++t) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sp[t][e] = s[t][e];
+        }
 #pragma unroll 1
         for (int kk = 0; kk < kBlockN; ++kk) {
           // P of key n0 + kk for rows a and b: element (kk % 2) (+2) of n8 tile kk / 8 on quad
           // lane (kk % 8) / 2
-          float pa = 0.f, pb = 0.f;
-#pragma unroll
-          for (int t = 0; t < kNTiles; ++t) {
-            if (t == kk / 8) {
-              pa = (kk & 1) ? s[t][1] : s[t][0];
-              pb = (kk & 1) ? s[t][3] : s[t][2];
-            }
-          }
+          const float* pt = sp[kk / 8];
+          float pa = (kk & 1) ? pt[1] : pt[0];
+          float pb = (kk & 1) ? pt[3] : pt[2];
           const int src = (lane & ~3) | ((kk & 7) >> 1);
           pa = __shfl_sync(0xffffffffu, pa, src);
           pb = __shfl_sync(0xffffffffu, pb, src);
