@@ -469,24 +469,34 @@ def same_nonfinite_and_close(got, want, tol, names=("out", "lse", "dq", "dk", "d
             assert (a[fin] - b[fin]).abs().max().item() <= tol * scale, name
 
 
-def neg_inf_first_chunks(dev, Sk):
+def neg_inf_first_chunks(dev, Sk, inf_v=False):
     """fp32 (the simple CUDA kernels; Sk >= 512: split-KV): one query row whose visible scores
     are all -inf but the last key's (rel_bias [-inf, 0, -inf]: only distance 0, key Sk - 1, is
     finite), so every earlier 32-key chunk of the simple kernel sees only -inf. Its out is that
-    key's v row, as on the CPU (the simple kernel made it NaN: exp2(-inf - -inf))."""
+    key's v row, as on the CPU (the simple kernel made it NaN: exp2(-inf - -inf)). inf_v: an
+    inf in the v row of key 10 (score -inf): 0 * inf = NaN in that column, as on the CPU (the
+    split-KV merge skipped the chunk: max -inf, sum 0, and a finite column)."""
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, S, 1, 8, generator=g) for S in (1, Sk, Sk))
+    if inf_v:
+        v[0, 10, 0, 2] = float("inf")
     dout = torch.randn(1, 1, 1, 8, generator=g)
     rel = torch.tensor([[float("-inf"), 0.0, float("-inf")]])
     got = op_fwd_bwd(dev, q, k, v, dout, rel_bias=rel)
     want = op_fwd_bwd("cpu", q, k, v, dout, rel_bias=rel)
-    assert torch.allclose(want[0][0, 0, 0], v[0, -1, 0]) and torch.isfinite(want[1]).all()
+    assert torch.isfinite(want[1]).all()
+    if inf_v:  # (the forward only: the NaN row term then reaches every gradient of the row)
+        assert torch.isnan(want[0][0, 0, 0, 2]) and torch.isfinite(want[0][0, 0, 0, :2]).all()
+        got, want = got[:2], want[:2]
+    else:
+        assert torch.allclose(want[0][0, 0, 0], v[0, -1, 0])
     same_nonfinite_and_close(got, want, 1e-5)
 
 
+@pytest.mark.parametrize("inf_v", [False, True])
 @pytest.mark.parametrize("Sk", [64, 600])
-def test_simple_kernels_neg_inf_scores_before_a_finite_one(Sk, cuda):
-    neg_inf_first_chunks(cuda, Sk)
+def test_simple_kernels_neg_inf_scores_before_a_finite_one(Sk, inf_v, cuda):
+    neg_inf_first_chunks(cuda, Sk, inf_v)
 
 
 def rows_without_finite_scores(dev, dtype, D):

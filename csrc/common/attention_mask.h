@@ -423,7 +423,12 @@ struct ScoreTerms {
   ATTN_MASK_FN T add_row(T s, T slope_bh, const T* row, I d, T* th = nullptr, I* rd = nullptr) const {
     if (softcap > 0.0) s = cap(s, th);
     if (alibi != nullptr) s = alibi_add(s, slope_bh, d);
-    if (row != nullptr) s = rel_add(s, row, static_cast<I>(rel_max), d, rd);
+    // (32-bit I: the fast kernels' distances, |d| < 2^30 (fast_lengths_ok), so M is clamped
+    // to 2^30 there exactly, rather than narrowed: a table of M >= 2^31 would wrap)
+    const int64_t m = sizeof(I) < sizeof(int64_t) && rel_max > (int64_t(1) << 30)
+                          ? (int64_t(1) << 30)
+                          : rel_max;
+    if (row != nullptr) s = rel_add(s, row, static_cast<I>(m), d, rd);
     return s;
   }
   // add_row's last step: s + row[clamp(d, -m, m)] (row centred, m = rel_max), the clamped
@@ -517,5 +522,18 @@ struct ScoreTerms {
     *cb = static_cast<int>(z);
   }
 };
+
+// Whether one key chunk's partial state of a row (max ms, sum ls; o_finite: its unnormalised
+// output holds no inf / NaN) adds nothing when a row's chunks are merged (split-KV on CPU and
+// CUDA, the CPU decode's chunks; mx: the largest chunk max): max -inf with sum exactly 0 and a
+// finite output (the chunk saw no key, or only -inf scores), or no chunk of the row has a
+// finite max (mx -inf: the row saw nothing, out 0). Otherwise it takes part, as one pass over
+// the keys would: a chunk whose only scores are NaN can keep its max -inf with a NaN sum, and
+// one whose scores are all -inf can hold 0 * inf = NaN from a non-finite v.
+template <typename acc_t>
+ATTN_MASK_FN bool chunk_adds_nothing(acc_t ms, acc_t ls, bool o_finite, acc_t mx) {
+  const acc_t neg_inf = -static_cast<acc_t>(INFINITY);
+  return ms == neg_inf && ls == acc_t(0) && (mx == neg_inf || o_finite);
+}
 
 }  // namespace attn_ext

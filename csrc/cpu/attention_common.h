@@ -393,16 +393,13 @@ void parallel_tasks(int64_t n, MakeScratch&& make_scratch, Task&& task) {
   });
 }
 
-// Whether a key chunk's partial state of one row (max ms, sum ls, unnormalised output o of n
-// values) adds nothing to the row when the chunks are merged (the forward's split-KV, the
-// decode's chunks): max -inf, sum exactly 0 and o finite, or no chunk of the row has a finite
-// max (mx -inf: the row saw nothing, out 0). Otherwise it takes part, as one pass over the keys
-// would: a chunk whose only scores are NaN can keep its max -inf with a NaN sum, and one whose
-// scores are all -inf can hold 0 * NaN from a NaN v.
+// common/attention_mask.h's chunk_adds_nothing for a chunk whose unnormalised output is o (n
+// values). (The finiteness scan runs only for a chunk with max -inf and sum 0.)
 template <typename acc_t>
 inline bool chunk_adds_nothing(acc_t ms, acc_t ls, const acc_t* o, int64_t n, acc_t mx) {
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-  return ms == neg_inf && ls == acc_t(0) && (mx == neg_inf || all_finite(o, 1, n, n));
+  if (!(ms == neg_inf && ls == acc_t(0))) return false;
+  return attn_ext::chunk_adds_nothing(ms, ls, mx != neg_inf ? all_finite(o, 1, n, n) : true, mx);
 }
 
 // Whether no fp16 value of q and k that takes part in the call is +-inf (bits: exponent all

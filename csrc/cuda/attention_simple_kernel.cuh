@@ -371,11 +371,18 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   for (int c = 0; c < kCols; ++c) o[c] = 0;
   for (int sp = 0; sp < n_split; ++sp) {
     const acc_t ms = pml[2 * sp], ls = pml[2 * sp + 1];
-    // a chunk that saw no key of the row (max -inf, sum 0, o 0) adds nothing. One whose
-    // visible scores were all NaN keeps max -inf (fmax drops NaN) with a NaN sum: it must
-    // reach the row as in the unsplit kernel, so it is not skipped (its weight exp2(ms - mx)
-    // is 0 or NaN, and 0 * NaN is NaN either way); nor is one with a finite max.
-    if (ms == neg_inf<acc_t>() && ls == acc_t(0)) continue;
+    // the CPU's rule (common/attention_mask.h chunk_adds_nothing): a chunk that saw no key of
+    // the row adds nothing; one whose visible scores were all NaN (max -inf: fmax drops NaN;
+    // NaN sum), or all -inf with 0 * inf = NaN in its output, reaches the row as in one pass
+    // (its weight exp2(ms - mx) is 0 or NaN, and 0 * NaN is NaN either way)
+    bool o_finite = true;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int64_t d = lane + 32 * c;
+      if (d < p.Dv) o_finite = o_finite && isfinite(po[sp * p.Dv + d]);
+    }
+    o_finite = __all_sync(0xffffffffu, o_finite);
+    if (chunk_adds_nothing(ms, ls, o_finite, mx)) continue;
     const acc_t w = exp2_acc(ms - mx);
     l += w * ls;
 #pragma unroll
