@@ -79,6 +79,7 @@ from .modules import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
     TransformerBlock,
+    reset_buffers,
 )
 from . import models, reference
 from . import distributed  # noqa: F401  (context parallelism: attn_ext.distributed.ring_attention)
@@ -106,6 +107,7 @@ __all__ = [
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "TransformerBlock",
+    "reset_buffers",
     "models",
     "reference",
     "library_path",

@@ -55,7 +55,10 @@ class KVCache:
     copied at the boundary (TorchScript classes are), so a scripted layer called from Python
     writes the new keys / values into the cache's tensors but the Python object's ``length``
     does not advance. Run the decoding loop inside TorchScript (a scripted method that owns
-    its caches), or set ``cache.length += s`` after each scripted call.
+    its caches), or set ``cache.length += s`` after each scripted call; a left-padded batch's
+    ``start`` does not come back either: call ``cache.set_left_padding(...)`` on the Python
+    caches before the scripted prefill (a scripted model's own ``set_left_padding`` call sets
+    only its copies).
     """
 
     def __init__(self, k: Tensor, v: Tensor):
@@ -179,6 +182,12 @@ class RotaryEmbedding(nn.Module):
         self.built_in_float64 = False
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute the cos / sin tables (non-persistent buffers: not in the state dict) where
+        and as they are now: after ``to_empty()`` (a model built on the meta device) they hold
+        uninitialised memory. :func:`attn_ext.reset_buffers` does it for a whole model."""
+        self.cos, self.sin = self._build(self.cos.size(0), self.cos.device, self.cos.dtype)
 
     def _build(self, n: int, device: torch.device, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
         # torch.full per frequency, not torch.tensor(self.inv_freq, dtype=torch.float64):
@@ -563,6 +572,14 @@ class MultiHeadAttention(nn.Module):
             key_padding_mask, slopes, self._rel_table(q.dtype),
             self.softcap, None, dropout_p, seed, offset)
 
+    def reset_buffers(self) -> None:
+        """Recompute the ALiBi slopes (a non-persistent buffer) where and as they are now:
+        after ``to_empty()`` they hold uninitialised memory. The rotary tables and the
+        relative bias have their own (:func:`attn_ext.reset_buffers` reaches every module)."""
+        if self.alibi_slopes is not None:
+            s = self.alibi_slopes
+            self.alibi_slopes = alibi_slopes(self.num_heads, torch.float64).to(s.device, s.dtype)
+
     def forward(
         self,
         x: Tensor,
@@ -653,7 +670,11 @@ class MultiHeadAttention(nn.Module):
                     raise ValueError(
                         "cross-attention with kv_cache: the first call must pass memory (its "
                         "keys/values are computed once and kept in the cache)")
-                src = x if memory is None else memory
+                if memory is None:  # (it used to attend over x, or fail in kv_proj's matmul)
+                    raise ValueError(
+                        "a cross_attention=True layer needs memory (the keys'/values' source): "
+                        "forward(x, memory)")
+                src = memory
                 Sk = src.size(1)
                 kv = self.kv_proj(src)  # (B, Sk, Hkv * (D + Dv))
                 k = kv[:, :, : self.k_size].view(B, Sk, Hkv, D)
@@ -857,3 +878,25 @@ class TransformerBlock(nn.Module):
             x = self.ln1(x + self.drop(self.attn(x, None, kv_cache, False, key_padding_mask)[0]))
             x = self.ln2(x + self.drop(self.ff(x)))
         return x
+
+
+def reset_buffers(model: nn.Module) -> nn.Module:
+    """Recompute the derived, non-persistent buffers of every attn_ext module in ``model``
+    (rotary cos / sin tables, ALiBi slopes, the relative bias's index) on their current device
+    and dtype, and return ``model``. They are not in the state dict, so a model built on the
+    meta device and materialised with ``to_empty()`` (FSDP2's recommended initialisation) holds
+    uninitialised memory there until this runs, whether or not a state dict is loaded::
+
+        with torch.device("meta"):
+            model = TinyGPT(...)
+        model.to_empty(device="cuda")
+        attn_ext.reset_buffers(model)
+        model.load_state_dict(state)
+    """
+    from .position_bias import RelativePositionBias
+
+    for m in model.modules():
+        if isinstance(m, (RotaryEmbedding, MultiHeadAttention, RelativePositionBias)):
+            m.reset_buffers()
+    return model
+

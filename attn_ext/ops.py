@@ -325,7 +325,8 @@ def rope_inv_freq(
             f"scaling must be a dict such as {{'type': 'linear', 'factor': 2.0}} or None, got "
             f"{type(scaling).__name__} {scaling!r}")
     dim = rotary_dim
-    exps = torch.arange(0, dim, 2, dtype=torch.float64) / dim  # 2i / dim
+    # (on the CPU whatever the default device: host constants, also under torch.device("meta"))
+    exps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim  # 2i / dim
 
     def inv(b):
         return 1.0 / (b**exps)

@@ -113,17 +113,26 @@ class RelativePositionBias(nn.Module):
         self.max_distance = max_distance
         self.bidirectional = bidirectional
         self.num_buckets = num_buckets
-        d = torch.arange(-max_distance, max_distance + 1)
         if num_buckets is not None:
             self.weight = nn.Parameter(torch.zeros(num_heads, num_buckets))
-            index = t5_bucket(d, bidirectional, num_buckets, max_distance)
         else:
             # one entry per distance: 2M + 1 entries, or M + 1 when keys after the query share
             # distance 0's entry
             width = 2 * max_distance + 1 if bidirectional else max_distance + 1
             self.weight = nn.Parameter(torch.zeros(num_heads, width))
-            index = d + max_distance if bidirectional else d.clamp(min=0)
-        self.register_buffer("index", index, persistent=False)
+        self.register_buffer("index", self._index(None), persistent=False)
+
+    def _index(self, device: Optional[torch.device]) -> Tensor:
+        """The table entry of each distance -M..M."""
+        d = torch.arange(-self.max_distance, self.max_distance + 1, device=device)
+        if self.num_buckets is not None:
+            return t5_bucket(d, self.bidirectional, self.num_buckets, self.max_distance)
+        return d + self.max_distance if self.bidirectional else d.clamp(min=0)
+
+    def reset_buffers(self) -> None:
+        """Recompute the distance -> entry index (a non-persistent buffer) on its device: after
+        ``to_empty()`` it holds uninitialised memory (:func:`attn_ext.reset_buffers`)."""
+        self.index = self._index(self.index.device)
 
     def forward(self) -> Tensor:
         """The ``(H, 2M + 1)`` table (differentiable in ``weight``)."""

@@ -347,3 +347,13 @@ def test_attention_weights_lse_and_scale_errors():
         attn_ext.attention_weights(q[:, :, 0], k[:, :, 0], lse=torch.zeros(1, 4))
     with pytest.raises(ValueError, match=r"scale must be finite \(a number or None\), got nan"):
         attn_ext.attention_weights(q, k, scale=float("nan"))
+
+
+def test_cross_attention_layer_without_memory_is_refused():
+    """A cross_attention=True layer called without memory used to attend over x (kv_dim ==
+    d_model: silently self-attention, not causal) or fail in kv_proj's matmul without naming
+    the argument."""
+    for kv_dim in (None, 24):
+        layer = MultiHeadAttention(32, 4, cross_attention=True, kv_dim=kv_dim)
+        with pytest.raises(ValueError, match="cross_attention=True layer needs memory"):
+            layer(torch.randn(2, 5, 32))

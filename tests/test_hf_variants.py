@@ -201,3 +201,36 @@ def test_output_attentions_match_eager(make_cfg, monkeypatch):
                 g, w = g.clone(), w.clone()
                 g[1, :, :3], w[1, :, :3] = 0, 0
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def _encoder(cls_name, cfg_name, impl, **extra):
+    cfg = getattr(transformers, cfg_name)(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                          num_attention_heads=4, intermediate_size=32,
+                                          max_position_embeddings=64, **extra)
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    return getattr(transformers, cls_name)(cfg).eval()
+
+
+@pytest.mark.parametrize("cls_name,cfg_name,extra", [
+    ("AlignTextModel", "AlignTextConfig", {}),
+    ("SplinterModel", "SplinterConfig", {"question_token_id": 5}),
+], ids=["align_text", "splinter"])
+def test_bidirectional_encoder_without_is_causal(cls_name, cfg_name, extra, monkeypatch):
+    """Encoders whose attention modules have no is_causal attribute (transformers' eager code
+    never reads it): the hook took such a module for causal, so every position but the last
+    attended to fewer keys than eager (up to 0.02 apart); the mask builder's bidirectional
+    answer now tells the attention function. With and without a padding mask, on the kernel."""
+    _no_fallback(monkeypatch)
+    ours = _encoder(cls_name, cfg_name, "attn_ext", **extra)
+    ref = _encoder(cls_name, cfg_name, "eager", **extra)
+    ours.load_state_dict(ref.state_dict())
+    assert not any(hasattr(m, "is_causal") for m in ours.modules() if "Attention" in type(m).__name__)
+    torch.manual_seed(1)
+    ids = torch.randint(5, 90, (2, 7))
+    am = torch.ones(2, 7, dtype=torch.long)
+    am[1, 5:] = 0
+    with torch.no_grad():
+        for kw in ({}, {"attention_mask": am}):
+            got, want = ours(input_ids=ids, **kw).last_hidden_state, ref(input_ids=ids, **kw).last_hidden_state
+            assert (got - want)[0].abs().max() < 1e-5 and (got - want)[1, :5].abs().max() < 1e-5, kw

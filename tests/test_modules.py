@@ -421,3 +421,27 @@ def test_rope_tables_grown_in_inference_mode_still_train():
     x = torch.randn(1, 12, 32, dtype=f64, requires_grad=True)
     m(x)[0].sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("pos", ["rope", "alibi", "relative"])
+def test_meta_device_init_then_reset_buffers(pos):
+    """FSDP2-style initialisation: built under torch.device("meta"), materialised with
+    to_empty(), weights loaded. The derived buffers (rotary tables, ALiBi slopes, the relative
+    bias's index) are not in the state dict, so they held uninitialised memory (ALiBi off by
+    0.07, RoPE NaN, the relative index out of bounds); RotaryEmbedding could not even be built
+    under meta. attn_ext.reset_buffers recomputes them."""
+    from attn_ext.models import TinyGPT
+
+    torch.manual_seed(0)
+    ref = TinyGPT(50, d_model=32, num_heads=4, num_layers=1, max_len=16, pos=pos).eval()
+    with torch.device("meta"):
+        m = TinyGPT(50, d_model=32, num_heads=4, num_layers=1, max_len=16, pos=pos)
+    m.to_empty(device="cpu")
+    assert attn_ext.reset_buffers(m) is m
+    m.load_state_dict(ref.state_dict())
+    m.eval()
+    for a, b in zip(m.buffers(), ref.buffers()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    idx = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(m(idx), ref(idx))

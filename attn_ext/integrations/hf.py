@@ -131,7 +131,15 @@ def attention_forward(
                          is_causal, kwargs, terms, position_bias), None
     plain = softcap is None and sinks is None and dropout == 0.0 and position_bias is None
 
-    causal_default = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    if is_causal is not None:
+        causal_default = bool(is_causal)
+    elif getattr(attention_mask, "_attn_ext_bidirectional", False):
+        # the mask builder matched transformers' bidirectional pattern (a module without an
+        # is_causal attribute would otherwise be taken as causal): the mask decides, as a
+        # mask given to SDPA does
+        causal_default = False
+    else:
+        causal_default = getattr(module, "is_causal", True)
     sliding = kwargs.get("sliding_window")
     window = (int(sliding) - 1, 0) if sliding is not None and causal_default else None
 
@@ -312,6 +320,16 @@ def attn_ext_mask(
         batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
         local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs,
     )
+    device = kwargs.get("device", "cpu")
+    if full is None and mask_function is bidirectional_mask_function and q_length > 1:
+        # transformers skips a bidirectional mask without padding; the attention function
+        # would then take a module without an is_causal attribute for causal. An all-True
+        # padding mask, marked as eager's bidirectional answer below (traced: the 4-D mask)
+        if torch.compiler.is_compiling():
+            return torch.ones(batch_size, 1, q_length, kv_length, dtype=torch.bool, device=device)
+        mask = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
+        mask._attn_ext_bidirectional = True
+        return mask
     if full is None or (attention_mask is not None and attention_mask.dim() != 2):
         return full
     if torch.compiler.is_compiling():
@@ -335,6 +353,13 @@ def attn_ext_mask(
         band = band & (q_pos - k_pos < local_size)
     for pattern in (band, torch.ones_like(band)):  # causal (with window), bidirectional
         if torch.equal(full[..., :n], pattern[None, None] & pad[:, None, None, :]):
+            if pattern is not band and not torch.equal(band, pattern) and kv_offset == 0:
+                # bidirectional where causal would differ: the padding mask (all True without
+                # padding), marked, so that the attention function does not take the module's
+                # missing is_causal for True (AlignText, Splinter, CLAP's text model)
+                mask = pad.clone()
+                mask._attn_ext_bidirectional = True
+                return mask
             if kv_offset > 0:
                 # The cache holds positions kv_offset.. only (a sliding window's static layer
                 # once full): return the caller's mask over absolute positions [0, kv_offset +
@@ -361,6 +386,10 @@ def _traced_mask(full, batch_size, q_length, kv_length, q_offset, kv_offset, mas
     keeps transformers' 4-D mask, which the attention function runs on the kernel for one
     query row (decoding) and otherwise hands to SDPA."""
     if mask_function is not causal_mask_function and mask_function is not bidirectional_mask_function:
+        return full
+    if mask_function is bidirectional_mask_function and q_length > 1:
+        # (eager marks its bidirectional answer for the attention function; a traced tensor
+        # carries no such mark, so the 4-D mask goes on: SDPA with transformers' own mask)
         return full
     if local_size is not None or not isinstance(q_offset, int) or not isinstance(kv_offset, int):
         return full
