@@ -564,8 +564,9 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
                                 if drop is not None:
                                     col = drop_col0 + kr
                                     kept = _field(_word(sRkb[qc], col), col) >= drop_thresh
-                                    ds = pr * (np.where(kept, 1.0 / (1 - p_), 0.0) * dp[t, :, e] - sDeltab[qc])
-                                    pr = np.where(kept, pr, 0.0)  # 1 / (1 - p) on dv at the end
+                                    # (1 - p) dS and P Z; 1 / (1 - p) on dv, dk, dq, d rel_bias
+                                    ds = pr * (np.where(kept, 1.0, 0.0) * dp[t, :, e] - (1 - p_) * sDeltab[qc])
+                                    pr = np.where(kept, pr, 0.0)
                                 else:
                                     ds = pr * (dp[t, :, e] - sDeltab[qc])
                                 chain = 1.0 - th * th
@@ -581,7 +582,7 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
                                 chain = np.where(ok, chain, 1.0)
                         if terms:
                             if rel is not None:  # sDrel[rel_m + rd] += ds (shared atomics)
-                                np.add.at(drel[h], rel_m + rd, ds)
+                                np.add.at(drel[h], rel_m + rd, drop_scale * ds)
                             ds = ds * chain
                         s[t, :, e] = pr
                         dp[t, :, e] = ds
@@ -626,8 +627,8 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
                         if row < Sq:
                             for t in range(kDqChunk // 8):
                                 col = dq_col0 + dc + c2[l] + t * 8
-                                dq_acc[h, row, col] += scale * acc_dq[t, l, 2 * r]
-                                dq_acc[h, row, col + 1] += scale * acc_dq[t, l, 2 * r + 1]
+                                dq_acc[h, row, col] += scale * drop_scale * acc_dq[t, l, 2 * r]
+                                dq_acc[h, row, col + 1] += scale * drop_scale * acc_dq[t, l, 2 * r + 1]
     for warp in range(kWarps):
         for r in range(2):
             for l in range(32):
@@ -635,7 +636,7 @@ def fa2_bwd_cta(q, k, v, do, lse, delta, Sq, Sk, D, mask, scale, n_block, dq_acc
                 if key < Sk:
                     for t in range(kDTiles):
                         col = c2[l] + t * 8
-                        dk[key, col: col + 2] = scale * acc_dk[warp, t, l, 2 * r: 2 * r + 2]
+                        dk[key, col: col + 2] = scale * drop_scale * acc_dk[warp, t, l, 2 * r: 2 * r + 2]
                         dv[key, col: col + 2] = drop_scale * acc_dv[warp, t, l, 2 * r: 2 * r + 2]
 
 

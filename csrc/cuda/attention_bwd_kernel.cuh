@@ -259,7 +259,12 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   const float scale_log2 = scale * kLog2eF;
   const bool has_cap = kTerms && p.terms.softcap > 0.0;
   const uint32_t drop_thresh = drop ? dropout::threshold(p.terms.dropout_p) : 0u;
+  // dropout: P Z and (1 - p) dS go through the tensor-core products (packed to T: P Z / (1 - p)
+  // and dS pass fp16's maximum at p near 1); the 1 / (1 - p) joins dv, dk, dq and d rel_bias in
+  // fp32 (1 without dropout: the same bits)
   const float drop_scale = drop ? static_cast<float>(1.0 / (1.0 - p.terms.dropout_p)) : 1.f;
+  const float keep_p = drop ? static_cast<float>(1.0 - p.terms.dropout_p) : 1.f;
+  const float ds_scale = scale * drop_scale;  // dk = ds_scale * acc_dk, dq += ds_scale * acc_dq
   // rel_bias (kTerms): the table and its gradient's accumulator of the current query head
   const float* rel_tab = kTerms ? static_cast<const float*>(p.terms.rel_bias) : nullptr;
   const int rel_m = kTerms ? static_cast<int>(p.terms.rel_max) : 0;
@@ -405,11 +410,12 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
             pr = fast_exp2(x * kLog2eF - sLseb[qc]);
             if (kDropout && drop) {
               // the forward's keep bit of (row, key) (common/dropout_rng.h): dV takes
-              // P Z / (1 - p), dS = P (Z / (1 - p) dP - delta); P here is P Z (packed to T
-              // for dV's product: the 1 / (1 - p) joins acc_dv at the end, as in the forward)
+              // P Z / (1 - p), dS = P (Z / (1 - p) dP - delta). Here P Z and (1 - p) dS =
+              // P (Z dP - (1 - p) delta) (drop_scale above; Z * dP keeps a dropped pair's
+              // non-finite dP NaN, as on the CPU)
               const int64_t col = drop_col0 + (e < 2 ? kra : krb);
               const bool kept = dropout::keep(sRkb[qc], col, drop_thresh);
-              ds = pr * ((kept ? drop_scale : 0.f) * dp[t][e] - sDeltab[qc]);
+              ds = pr * ((kept ? 1.f : 0.f) * dp[t][e] - keep_p * sDeltab[qc]);
               pr = kept ? pr : 0.f;
             } else {
               ds = pr * (dp[t][e] - sDeltab[qc]);
@@ -426,7 +432,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
           }
           if constexpr (kTerms) {
             // d rel_bias: dS of the biased score (the bias comes after the cap)
-            if (rel_h != nullptr && ds != 0.f) atomicAdd(sDrel + rel_m + rd, ds);
+            if (rel_h != nullptr && ds != 0.f) atomicAdd(sDrel + rel_m + rd, drop_scale * ds);
             // a masked 0 stays 0 even when the hidden score was NaN (its chain factor too)
             ds = ds != 0.f ? ds * chain : 0.f;
           }
@@ -565,8 +571,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
                        dc + c2;
 #pragma unroll
           for (int t = 0; t < kDqChunk / 8; ++t) {
-            atomicAdd(dst + t * 8, scale * acc_dq[t][2 * r]);
-            atomicAdd(dst + t * 8 + 1, scale * acc_dq[t][2 * r + 1]);
+            atomicAdd(dst + t * 8, ds_scale * acc_dq[t][2 * r]);
+            atomicAdd(dst + t * 8 + 1, ds_scale * acc_dq[t][2 * r + 1]);
           }
         }
       }
@@ -581,7 +587,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
     }
   }
 
-  // epilogue: dk = scale * acc_dk, dv = acc_dv / (1 - p) (1 without dropout) (as dk / dv: (B, Sk, Hkv, D), packed
+  // epilogue: dk = scale * acc_dk and dv = acc_dv, each / (1 - p) with dropout (as dk / dv: (B, Sk, Hkv, D), packed
   // (Tk, Hkv, D), contiguous); keys past Sk skipped
   T* gdK = static_cast<T*>(bp.dk) + b * bp.dk_batch_stride;
   T* gdV = static_cast<T*>(bp.dv) + b * bp.dv_batch_stride;
@@ -593,7 +599,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
 #pragma unroll
       for (int t = 0; t < kDTiles; ++t) {
         *reinterpret_cast<uint32_t*>(gdK + off + t * 8) =
-            pack2<T>(scale * acc_dk[t][2 * r], scale * acc_dk[t][2 * r + 1]);
+            pack2<T>(ds_scale * acc_dk[t][2 * r], ds_scale * acc_dk[t][2 * r + 1]);
         *reinterpret_cast<uint32_t*>(gdV + off + t * 8) =
             pack2<T>(drop_scale * acc_dv[t][2 * r], drop_scale * acc_dv[t][2 * r + 1]);
       }
