@@ -893,8 +893,6 @@ def reset_buffers(model: nn.Module) -> nn.Module:
         attn_ext.reset_buffers(model)
         model.load_state_dict(state)
     """
-    from .position_bias import RelativePositionBias
-
     for m in model.modules():
         if isinstance(m, (RotaryEmbedding, MultiHeadAttention, RelativePositionBias)):
             m.reset_buffers()
