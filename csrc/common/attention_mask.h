@@ -523,6 +523,15 @@ struct ScoreTerms {
   }
 };
 
+// A row's lse in base 2 for a CUDA backward's P = exp2(s2 - lse2): a row that saw no key (lse
+// -inf; its visible scores, if any, all -inf) takes +inf, so its P is 0, never
+// exp2((-inf) - (-inf)) = NaN (the CPU backward maps lse -inf the same way).
+template <typename T>
+ATTN_MASK_FN T lse_log2(T lse) {
+  return lse == -static_cast<T>(INFINITY) ? static_cast<T>(INFINITY)
+                                          : lse * static_cast<T>(1.4426950408889634074);
+}
+
 // Whether one key chunk's partial state of a row (max ms, sum ls; o_finite: its unnormalised
 // output holds no inf / NaN) adds nothing when a row's chunks are merged (split-KV on CPU and
 // CUDA, the CPU decode's chunks; mx: the largest chunk max): max -inf with sum exactly 0 and a

@@ -83,7 +83,6 @@ inline void fill_block_position(AttentionParams& p, std::optional<int64_t> q_sta
   p.mask.k_start = *k_start;
 }
 
-// dlse: the gradient of the forward's lse, same shape and dtype.
 // The mask and block-position arguments refused as fill_mask_params / fill_block_position
 // refuse them, with nothing kept: for adapters that return early on an empty input before they
 // build their params (the CUDA ones), so that an empty call refuses what the same call with
@@ -97,6 +96,7 @@ inline void check_mask_args(const AttentionShape& s, const Tensor& q, bool causa
   fill_block_position(p, q_start, k_start, has_sinks);
 }
 
+// dlse: the gradient of the forward's lse, same shape and dtype.
 inline void check_dlse(const Tensor& dlse, const Tensor& lse) {
   STD_TORCH_CHECK(same_sizes(dlse, sizes_vec(lse)), "dlse must have lse's shape ", shape_of(lse),
                   ", got ", shape_of(dlse));

@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
       if (row < Sq) {
         const int64_t idx = b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + row;
         const float l = static_cast<const float*>(bp.lse)[idx];
-        l2 = l == -INFINITY ? INFINITY : l * kLog2eF;
+        l2 = lse_log2(l);
         dl = delta[idx];
       }
       sLse[buf * kBlockM + tid] = l2;
@@ -587,8 +587,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
     }
   }
 
-  // epilogue: dk = scale * acc_dk and dv = acc_dv, each / (1 - p) with dropout (as dk / dv: (B, Sk, Hkv, D), packed
-  // (Tk, Hkv, D), contiguous); keys past Sk skipped
+  // epilogue: dk = scale * acc_dk and dv = acc_dv, each / (1 - p) with dropout (as dk / dv:
+  // (B, Sk, Hkv, D), packed (Tk, Hkv, D), contiguous); keys past Sk skipped
   T* gdK = static_cast<T*>(bp.dk) + b * bp.dk_batch_stride;
   T* gdV = static_cast<T*>(bp.dv) + b * bp.dv_batch_stride;
 #pragma unroll

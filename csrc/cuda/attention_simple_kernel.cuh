@@ -59,14 +59,6 @@ __device__ __forceinline__ acc_t neg_inf() {
   return -static_cast<acc_t>(INFINITY);
 }
 
-// A row's lse in base 2 for the backward's P = exp2(s2 - lse2): a row that saw no key (lse
-// -inf; its visible scores, if any, all -inf) takes +inf, so its P is 0, never
-// exp2((-inf) - (-inf)) = NaN (the CPU backward and the fast one do the same).
-template <typename acc_t>
-__device__ __forceinline__ acc_t lse_log2(acc_t lse) {
-  return lse == neg_inf<acc_t>() ? static_cast<acc_t>(INFINITY) : lse * static_cast<acc_t>(kLog2e);
-}
-
 template <typename acc_t>
 __device__ __forceinline__ acc_t warp_sum(acc_t x) {
 #pragma unroll
@@ -375,14 +367,17 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
     // the row adds nothing; one whose visible scores were all NaN (max -inf: fmax drops NaN;
     // NaN sum), or all -inf with 0 * inf = NaN in its output, reaches the row as in one pass
     // (its weight exp2(ms - mx) is 0 or NaN, and 0 * NaN is NaN either way)
-    bool o_finite = true;
+    // (the output's finiteness, a warp vote, only for a chunk it can decide: max -inf and sum
+    // 0, the same for every lane)
+    if (ms == neg_inf<acc_t>() && ls == acc_t(0)) {
+      bool o_finite = true;
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const int64_t d = lane + 32 * c;
-      if (d < p.Dv) o_finite = o_finite && isfinite(po[sp * p.Dv + d]);
+      for (int c = 0; c < kCols; ++c) {
+        const int64_t d = lane + 32 * c;
+        if (d < p.Dv) o_finite = o_finite && isfinite(po[sp * p.Dv + d]);
+      }
+      if (chunk_adds_nothing(ms, ls, __all_sync(0xffffffffu, o_finite), mx)) continue;
     }
-    o_finite = __all_sync(0xffffffffu, o_finite);
-    if (chunk_adds_nothing(ms, ls, o_finite, mx)) continue;
     const acc_t w = exp2_acc(ms - mx);
     l += w * ls;
 #pragma unroll

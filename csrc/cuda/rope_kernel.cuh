@@ -41,10 +41,11 @@ struct alignas(Align) Pack {
 
 constexpr int kAlignOf(int bytes) { return bytes >= 16 ? 16 : bytes; }
 
-template <typename T, typename TT, int V>
 // units0 / units1: one row's work units of tensor 0 / 1 (heads x units per head: uph0 / uph1),
 // counted in 64 bits like every index here (a row of 2^31+ units would wrap in 32).
-__global__ void rope_kernel(RopeParams p, int64_t units0, int64_t units1, int64_t uph0, int64_t uph1) {
+template <typename T, typename TT, int V>
+__global__ void rope_kernel(RopeParams p, int64_t units0, int64_t units1, int64_t uph0,
+                            int64_t uph1) {
   using acc = typename AccOf<T>::type;
   using XPack = Pack<T, V, kAlignOf(V * int(sizeof(T)))>;
   using TPack = Pack<TT, V, kAlignOf(V * int(sizeof(TT)))>;
