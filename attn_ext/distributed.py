@@ -203,7 +203,7 @@ def unshard_sequence(x: torch.Tensor, dim: int = 1, group=None, layout: str = "z
             raise ValueError(f"unshard_sequence: x may have at most {_MAX_AGREED_DIMS} dims, "
                              f"got shape {list(x.shape)}")
         error = None
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # (any: raised on this rank after the agreement, none left waiting)
         error = e
     if world == 1:
         if error is not None:
@@ -238,23 +238,31 @@ def _gather_checks(sig: List[int], x, group, world: int, error, failed: str) -> 
 
 def _agree_on_shard(x, dim, layout, group, error) -> None:
     """unshard_sequence's agreement: every rank learns whether every other rank's x passed its
-    checks and has the same shape, dtype, dim and layout; all raise together otherwise."""
+    checks and has the same shape, dtype, dim and layout, and whether every rank records a
+    gradient (the backward is an all_reduce: a rank without a graph would never join it, and
+    the others would wait, or pair it with another collective); all raise together otherwise."""
     _, world = _rank_world(group)
     ok = error is None
-    sig = [int(ok)] + [0] * (4 + _MAX_AGREED_DIMS)
+    sig = [int(ok)] + [0] * (5 + _MAX_AGREED_DIMS)
     if ok:
-        sig[1:5] = [x.dim(), dim, zlib.crc32(str(x.dtype).encode()),
-                    LAYOUTS.index(layout)]
-        sig[5:5 + x.dim()] = list(x.shape)
+        records_grad = torch.is_grad_enabled() and x.requires_grad
+        sig[1:6] = [x.dim(), dim, zlib.crc32(str(x.dtype).encode()),
+                    LAYOUTS.index(layout), int(records_grad)]
+        sig[6:6 + x.dim()] = list(x.shape)
     rows = _gather_checks(sig, x, group, world, error,
                           "unshard_sequence: the shards of rank(s) {bad} of the group failed "
                           "their checks (see the error raised there); no data was gathered")
-    if any(row != rows[0] for row in rows):
-        desc = "; ".join(f"rank {r}: shape {row[5:5 + row[1]]}, "
+    if any(row[:5] + row[6:] != rows[0][:5] + rows[0][6:] for row in rows):
+        desc = "; ".join(f"rank {r}: shape {row[6:6 + row[1]]}, "
                          f"dtype {_DTYPE_OF_CRC.get(row[3], 'unknown')}, "
                          f"dim {row[2]}, layout {LAYOUTS[row[4]]!r}" for r, row in enumerate(rows))
         raise ValueError("unshard_sequence: every rank's shard must have the same shape and "
                          f"dtype, with the same dim and layout, got {desc}")
+    if any(row[5] != rows[0][5] for row in rows):
+        grads = ", ".join(f"rank {r}: {bool(row[5])}" for r, row in enumerate(rows))
+        raise ValueError("unshard_sequence: the ranks differ in whether a gradient is recorded "
+                         f"(grad mode and x.requires_grad): {grads}; its backward is a "
+                         "collective every rank must join")
 
 
 def shard_positions(
@@ -312,9 +320,12 @@ def block_call(
     global position. With ``positional`` (ALiBi, rel_bias or dropout: they read ``d`` or the
     global row and column) every visible block gets its global position.
     """
+    from attn_ext.ops import _window_args
+
+    left, right = _window_args(window)  # (checked: a public helper)
+    window = None if window is None else (left, right)
     if sq <= 0 or sk <= 0:
         return None
-    left, right = window if window is not None else (-1, -1)
     lo = 0 if causal else None  # visible iff lo <= d <= hi (None: unbounded)
     if right >= 0:
         lo = -right if lo is None else max(lo, -right)
@@ -788,7 +799,7 @@ def ring_attention(
         keywords = _keyword_signature(bool(causal), scale, layout, left, right, alibi_t, rel_t,
                                       softcap, dropout_p, key_padding_mask, sinks_t, records_grad)
         error = None
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # (any: raised on this rank after the agreement, none left waiting)
         error, keywords = e, None
     _agree_on_inputs(q, k, v, group, error, keywords)
     win = None if (left, right) == (-1, -1) else (left, right)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import List, Optional, Tuple
 
 import torch
@@ -395,7 +396,7 @@ class MultiHeadAttention(nn.Module):
         if rel_bias is not None and rel_bias.num_heads != num_heads:
             raise ValueError(f"rel_bias has {rel_bias.num_heads} heads, the layer {num_heads}")
         if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
-                                    or not 0 < softcap < math.inf):
+                                    or not 0 < softcap <= sys.float_info.max):
             raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
         self.rel_bias = rel_bias
         self.softcap: Optional[float] = None if softcap is None else float(softcap)

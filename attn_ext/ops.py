@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import sys
 from typing import Optional, Tuple
 
 import torch
@@ -657,6 +658,19 @@ def _window_args(window) -> tuple:
 _MAX_DROPOUT_P = 1.0 - 2.0**-16
 
 
+_FLOAT_MAX = sys.float_info.max
+
+
+def _number_repr(x) -> str:
+    """A number for an error message (an int as it is, shortened past float's range, where it
+    has no float)."""
+    if not isinstance(x, numbers.Integral):
+        return f"{float(x)!r}"  # (an f-string: dynamo traces it for a symbolic float)
+    if abs(x) <= _FLOAT_MAX:
+        return f"{x!r}"
+    return f"an int of {len(str(abs(int(x))))} digits, beyond float's range"
+
+
 def _check_scale(scale) -> None:
     """scale: None or a finite number. A bool is refused (the op's float parser would take it
     as 0 / 1), and so is a string or a tensor, by name. No math.isfinite: under
@@ -665,8 +679,8 @@ def _check_scale(scale) -> None:
         return
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise ArgumentTypeError(f"scale must be finite (a number or None), got {scale!r}")
-    if not -math.inf < scale < math.inf:
-        raise ArgumentValueError(f"scale must be finite (a number or None), got {float(scale)!r}")
+    if not -_FLOAT_MAX <= scale <= _FLOAT_MAX:  # (an int past float's range: no float())
+        raise ArgumentValueError(f"scale must be finite (a number or None), got {_number_repr(scale)}")
 
 
 def _check_causal(causal) -> None:
@@ -750,8 +764,8 @@ def _checked_score_terms(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
         # a softcap that changes between calls becomes a symbolic float
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
             raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
-        if not 0 < softcap < math.inf:
-            raise ValueError(f"softcap must be a finite number > 0 (or None), got {float(softcap)!r}")
+        if not 0 < softcap <= _FLOAT_MAX:
+            raise ValueError(f"softcap must be a finite number > 0 (or None), got {_number_repr(softcap)}")
         softcap = float(softcap)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not (
         0.0 <= dropout_p <= _MAX_DROPOUT_P

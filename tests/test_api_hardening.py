@@ -109,9 +109,18 @@ def test_causal_and_softcap_arguments_are_checked():
         with pytest.raises(ValueError, match="causal must be a bool"):
             attn_ext.attention_weights(q, q, causal=bad)
     torch.testing.assert_close(attn_ext.attention(q, q, q, causal=1), attn_ext.attention(q, q, q, causal=True))
-    for bad in (float("inf"), True, 0.0, "3"):
+    for bad in (float("inf"), True, 0.0, "3", 10**400):
         with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
             MultiHeadAttention(16, 2, softcap=bad)
+    # an int past float's range is refused by name (float() used to raise a bare OverflowError)
+    for name in ("scale", "softcap"):
+        for big in (10**400, -(10**400)):
+            with pytest.raises(ValueError, match=rf"{name} must be .*an int of 401 digits"):
+                attn_ext.attention(q, q, q, **{name: big})
+    with pytest.raises(ValueError, match="scale must be finite"):
+        attn_ext.attention_weights(q, q, scale=10**400)
+    big_ok = attn_ext.attention(q, q, q, scale=10**300)  # an int within float's range is a scale
+    assert big_ok.shape == q.shape
     with pytest.raises(ValueError, match="kv_dim .* is for cross_attention=True layers"):
         MultiHeadAttention(16, 2, kv_dim=8)  # used to be dropped without a word
 

@@ -315,6 +315,24 @@ def _case_input_agreement(rank, world):
             "v [1, 4, 2, 4], dtype torch.float32", cp.ring_attention, xd, xd, xd)
     x = torch.randn(2, 4, 3)
     assert cp.unshard_sequence(x, 1).shape == (2, 4 * world, 3)
+    # a gradient recorded on rank 0 only: its backward's all_reduce would pair with another
+    # collective of the other ranks (a wrong gradient) or wait for one that never comes; refused
+    # on every rank, and the group still works
+    xg = torch.randn(2, 4, 3).requires_grad_(rank == 0)
+    _expect(ValueError, "differ in whether a gradient is recorded", cp.unshard_sequence, xg, 1)
+    with torch.no_grad():
+        assert cp.unshard_sequence(xg, 1).shape == (2, 4 * world, 3)
+    xg = torch.ones(2, 4, 3, requires_grad=True)  # every rank records one: the summed gradient
+    cp.unshard_sequence(xg, 1).sum().backward()
+    assert torch.equal(xg.grad, torch.full_like(xg, float(world)))
+    # a check that fails on one rank with another exception type (an int past float's range
+    # used to raise OverflowError there and leave the other ranks waiting): refused everywhere,
+    # naming the argument where it failed
+    for name in ("softcap", "scale"):
+        kw = {name: 10**400 if rank == 0 else 1.0}
+        _expect(ValueError, f"{name} must be" if rank == 0 else "failed their checks",
+                cp.ring_attention, q, q, q, **kw)
+    good()
     for bad in (-2, 3.0, True):
         _expect(ValueError, "local_len must be an int >= 0", cp.shard_positions, bad)
     _expect(ValueError, "rank must be in [0, world)", cp.chunk_ids, world, world, "zigzag")
@@ -746,6 +764,12 @@ def test_block_call_rule():
     # terms that read positions: every visible block gets its global position
     assert cp.block_call(10, 5, 0, 5, True, None, positional=True) == cp.BlockArgs(False, None, 10, 0)
     assert cp.block_call(5, 5, 5, 5, True, None, positional=True) == cp.BlockArgs(True, None, 5, 5)
+    # the window is checked as everywhere else (it used to be unpacked as given: (-5, 0) was
+    # unbounded, (3,) a bare unpacking error)
+    for bad in ((3,), (-5, 0), (2, -7), (1.0, 0)):
+        with pytest.raises(ValueError, match="window must be"):
+            cp.block_call(0, 4, 0, 4, True, bad)
+    assert cp.block_call(2, 5, 0, 5, True, [3, 0]) == cp.BlockArgs(True, (3, 0), 2, 0)
 
 
 def test_block_call_matches_the_global_mask():
