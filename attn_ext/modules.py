@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+import warnings
 from typing import List, Optional, Tuple
 
 import torch
@@ -153,8 +154,12 @@ class RotaryEmbedding(nn.Module):
         base, scaling: as in :func:`attn_ext.rope_cache` (linear / ntk / yarn / llama3).
         interleaved: pairing of channels (False: half-split, GPT-NeoX / HF LLaMA;
             True: ``2i, 2i+1``, GPT-J / RoFormer / Meta LLaMA).
-        max_seq_len: initial cache length (the cache doubles when a longer sequence comes;
-            for the length-dependent "ntk" scaling it is also the length the base is set for).
+        max_seq_len: initial cache length (the cache doubles when a longer sequence comes).
+            For the length-dependent "ntk" / "dynamic" scaling it is also the length the base
+            is set for, once: unlike Hugging Face's "dynamic" rotary embedding, which sets the
+            base per call from the current length, tables that grow keep it. Pass the longest
+            length you will run; at or below original_max_position_embeddings the tables are
+            the unscaled ones (a warning says so).
 
     The frequencies are kept as a Python list of floats (not a buffer), so ``model.half()``
     cannot degrade them; tables are built in float64 and stored in float32.
@@ -175,6 +180,15 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         inv_freq, attn_factor = rope_inv_freq(rotary_dim, base, scaling, max_seq_len)
+        if scaling is not None and scaling.get("type", scaling.get("rope_type")) in ("ntk", "dynamic"):
+            L0 = scaling.get("original_max_position_embeddings", scaling.get("max_position_embeddings"))
+            if max_seq_len <= L0:
+                warnings.warn(
+                    f"RotaryEmbedding: {scaling.get('type', scaling.get('rope_type'))!r} scaling "
+                    f"sets the base once, for max_seq_len = {max_seq_len} <= "
+                    f"original_max_position_embeddings = {L0}: these tables are unscaled at every "
+                    f"length. Pass max_seq_len = the longest length to run (tables that grow "
+                    f"keep the base; there is no per-call rescaling)", stacklevel=2)
         self.rotary_dim = rotary_dim
         self.interleaved = interleaved
         self.inv_freq: List[float] = [float(f) for f in inv_freq.tolist()]

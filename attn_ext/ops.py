@@ -305,7 +305,7 @@ def rope_qk(
     )
 
 
-_SCALING_TYPES = ("linear", "ntk", "dynamic", "yarn", "llama3")
+_SCALING_TYPES = ("default", "linear", "ntk", "dynamic", "yarn", "llama3")
 
 
 def rope_inv_freq(
@@ -345,6 +345,17 @@ def rope_inv_freq(
                              f" for scaling type {kind!r}, got {v!r}")
         return float(v)
 
+    def optional_number(key, positive):  # absent or None: derived (HF's reading)
+        return None if scaling.get(key) is None else number(key, None, positive)
+
+    # transformers' rope_parameters carry the base as rope_theta: used by nobody here, so it
+    # must not disagree with `base` (it used to be dropped silently)
+    theta = optional_number("rope_theta", True)
+    if theta is not None and theta != float(base):
+        raise ValueError(f"scaling['rope_theta'] = {theta!r} differs from base = {base!r}; pass "
+                         f"base={theta!r} (the base is not read from the dict)")
+    if kind == "default":  # transformers' name for no scaling
+        return inv(base), 1.0
     factor = number("factor", 1.0)
 
     def orig(default=None):
@@ -382,9 +393,9 @@ def rope_inv_freq(
         def mscale(scale, m=1.0):
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-        attn = scaling.get("attention_factor")
+        attn = optional_number("attention_factor", True)
         if attn is None:
-            m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            m, m_all = optional_number("mscale", False), optional_number("mscale_all_dim", False)
             attn = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
 
         def correction_dim(rotations):  # dim index whose wavelength fits `rotations` times in L0
@@ -430,8 +441,10 @@ def rope_cache(
     in float64 and cast to ``dtype`` (default float32, which :func:`rope` accepts for every
     x dtype). Unscaled: ``inv_freq_i = base^(-2i/rotary_dim)``, ``a = 1``. ``scaling`` follows
     Hugging Face transformers' ``modeling_rope_utils`` rope-init functions
-    (key ``"type"`` or ``"rope_type"``):
+    (key ``"type"`` or ``"rope_type"``; a ``"rope_theta"`` entry, as in transformers'
+    ``rope_parameters``, must equal ``base``):
 
+    - ``{"type": "default"}``: no scaling (transformers' name for it).
     - ``{"type": "linear", "factor": f}``: position interpolation, ``inv_freq_i / f``
       (same as positions ``p / f``).
     - ``{"type": "ntk" | "dynamic", "factor": f, "original_max_position_embeddings": L0}``
@@ -589,8 +602,28 @@ def _inplace_kernels(name, written):
                 torch.autograd.graph.increment_version(t)
         return out
 
+    def math_bit_kernel(keyset, *args, **kwargs):
+        # A written tensor with the negative / conjugate bit set (torch's math-bit fallback
+        # failed with "Expected Tensor but got None", naming neither op nor argument: it takes
+        # a mutating op to return its argument); in every mode, inference mode included.
+        for t, arg_name in targets(args, kwargs):
+            if t.is_neg() or t.is_conj():
+                raise RuntimeError(
+                    f"attn_ext::{name}: {arg_name} is a lazily negated / conjugated view (its "
+                    f"negative or conjugate bit is set, e.g. z.conj().imag); write to "
+                    f"{arg_name}.resolve_neg().resolve_conj(), or use the out-of-place op")
+        # a read-only argument with the bit (cos, sin, positions): its resolved copy
+        def resolved(a):
+            return a.resolve_neg().resolve_conj() if isinstance(a, torch.Tensor) else a
+
+        rest = keyset.remove(torch._C.DispatchKey.Negative).remove(torch._C.DispatchKey.Conjugate)
+        return op.redispatch(rest, *[resolved(a) for a in args],
+                             **{k: resolved(a) for k, a in kwargs.items()})
+
     _impl_lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
     _impl_lib.impl(name, inplace_or_view_kernel, "ADInplaceOrView", with_keyset=True)
+    _impl_lib.impl(name, math_bit_kernel, "Negative", with_keyset=True)
+    _impl_lib.impl(name, math_bit_kernel, "Conjugate", with_keyset=True)
 
 
 for _name, _written in _INPLACE_WRITES.items():

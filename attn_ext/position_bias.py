@@ -15,10 +15,16 @@ ordinary differentiable PyTorch, so its gradient reaches whatever parameters it 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
+
+
+def _is_int(x) -> bool:
+    """An int (numpy's too), not a bool."""
+    return not isinstance(x, bool) and isinstance(x, numbers.Integral)
 
 
 def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32,
@@ -26,8 +32,9 @@ def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32,
     """ALiBi's head slopes: the geometric sequence ``2^(-8/n), 2^(-16/n), ...`` for ``n`` a
     power of two; otherwise the ``2^floor(log2 H)`` sequence followed by every other slope of
     the next power's sequence (the paper's recipe). Returns ``(num_heads,)``."""
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
+    if not _is_int(num_heads) or num_heads <= 0:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    num_heads = int(num_heads)
 
     def geometric(n: int):
         start = 2.0 ** (-8.0 / n)
@@ -101,6 +108,16 @@ class RelativePositionBias(nn.Module):
     def __init__(self, num_heads: int, max_distance: int = 128, bidirectional: bool = False,
                  num_buckets: Optional[int] = None):
         super().__init__()
+        for name, v in (("num_heads", num_heads), ("max_distance", max_distance),
+                        ("num_buckets", num_buckets)):
+            if v is not None and not _is_int(v):
+                raise ValueError(f"{name} must be an int, got {v!r}")
+        if not isinstance(bidirectional, bool) and not (isinstance(bidirectional, int)
+                                                        and bidirectional in (0, 1)):
+            raise ValueError(f"bidirectional must be a bool, got {bidirectional!r}")
+        bidirectional = bool(bidirectional)
+        num_heads, max_distance = int(num_heads), int(max_distance)
+        num_buckets = None if num_buckets is None else int(num_buckets)
         if num_heads <= 0:
             raise ValueError(f"num_heads must be positive, got {num_heads}")
         if max_distance <= 0:

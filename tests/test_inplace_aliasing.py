@@ -59,6 +59,27 @@ def test_rope_qk_row_shift_names_overlap(device):
         ops.rope_qk_(q, k, cos, sin, None, 0, False)
 
 
+def test_inplace_ops_refuse_a_negated_view_by_name(device):
+    """A written tensor with the negative / conjugate bit set is refused naming the op and the
+    argument, in every mode (torch's math-bit fallback failed with "Expected Tensor but got
+    None"); a read-only argument with the bit is resolved and used."""
+    cos, sin = _tables(8, 16, device)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            x = randn(2, 4, 3, 16, device=device)._neg_view()
+            with pytest.raises(RuntimeError, match=r"attn_ext::rope_: x is a lazily negated"):
+                ops.rope_(x, cos, sin, None, 0, False)
+            with pytest.raises(RuntimeError, match=r"attn_ext::rope_qk_: k is a lazily negated"):
+                ops.rope_qk_(randn(2, 4, 3, 16, device=device), x, cos, sin, None, 0, False)
+            with pytest.raises(RuntimeError, match=r"attn_ext::sinusoidal_pe_: x is a lazily"):
+                ops.sinusoidal_pe_(x[:, :, 0], None, 0, 10000.0)
+            y = randn(2, 4, 3, 16, device=device)
+            y2 = y.clone()
+            ops.rope_(y, (-cos)._neg_view(), sin, None, 0, False)  # reads as cos
+            ops.rope_(y2, cos, sin, None, 0, False)
+            assert torch.equal(y, y2)
+
+
 def test_internally_overlapping_inplace_args_are_rejected(device):
     cos, sin = _tables(8, 16, device)
     x = randn(2, 4, 1, 16, device=device).expand(2, 4, 3, 16)  # 3 heads, one memory row

@@ -90,6 +90,20 @@ def test_bucketed_table_gradient_reaches_the_buckets():
 def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="num_heads"):
         RelativePositionBias(0, 4)
+    # types too (a float failed inside torch.zeros naming nothing; max_distance=True was taken)
+    for args, kw, name in (((2.5,), {}, "num_heads"), ((True,), {}, "num_heads"),
+                           ((2, 3.5), {}, "max_distance"), ((2, True), {}, "max_distance"),
+                           ((2, 8), {"num_buckets": 4.5}, "num_buckets"),
+                           ((2, 8), {"bidirectional": "yes"}, "bidirectional")):
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            RelativePositionBias(*args, **kw)
+    np = pytest.importorskip("numpy")
+    r = RelativePositionBias(np.int64(2), np.int64(9), num_buckets=np.int32(8))
+    assert (r.num_heads, r.max_distance, r.num_buckets) == (2, 9, 8)
+    assert type(r.max_distance) is int
+    from attn_ext import alibi_slopes
+
+    assert torch.equal(alibi_slopes(np.int64(4)), alibi_slopes(4))  # numpy ints are ints
     with pytest.raises(ValueError, match="max_distance"):
         RelativePositionBias(2, 0)
     with pytest.raises(ValueError, match="num_buckets"):

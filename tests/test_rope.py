@@ -359,6 +359,51 @@ def test_rope_cache_errors():
         attn_ext.rope_cache(4, 8, scaling={"type": "bogus", "factor": 2.0})
     with pytest.raises(ValueError, match="original_max_position_embeddings"):
         attn_ext.rope_cache(4, 8, scaling={"type": "yarn", "factor": 2.0})
+    # YaRN's optional numbers are checked like the others (NaN / inf / 0 / a string used to
+    # be taken: NaN, inf, all-zero tables, or a TypeError naming nothing)
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    for key, bad in (("attention_factor", float("nan")), ("attention_factor", float("inf")),
+                     ("attention_factor", 0), ("attention_factor", -2.0), ("attention_factor", "1.1"),
+                     ("mscale", "a"), ("mscale", float("nan")), ("mscale_all_dim", float("inf"))):
+        extra = {"mscale": 1.0, "mscale_all_dim": 1.0} if key != "attention_factor" else {}
+        with pytest.raises(ValueError, match=rf"scaling\['{key}'\] must be a finite number"):
+            attn_ext.rope_cache(8, 8, scaling={**yarn, **extra, key: bad})
+    # None means "derived", as in transformers
+    torch.testing.assert_close(attn_ext.rope_cache(8, 8, scaling={**yarn, "attention_factor": None}),
+                               attn_ext.rope_cache(8, 8, scaling=yarn), rtol=0, atol=0)
+
+
+def test_rope_cache_takes_transformers_rope_parameters():
+    """transformers 5's config.rope_parameters: {"rope_type": "default", "rope_theta": ...} is
+    no scaling; a rope_theta must agree with base (it used to be dropped silently)."""
+    plain = attn_ext.rope_cache(16, 8, base=500000.0)
+    got = attn_ext.rope_cache(16, 8, base=500000.0,
+                              scaling={"rope_type": "default", "rope_theta": 500000.0})
+    assert all(torch.equal(a, b) for a, b in zip(got, plain))
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    a = attn_ext.rope_cache(16, 8, base=500000.0, scaling={**llama3, "rope_theta": 500000})
+    b = attn_ext.rope_cache(16, 8, base=500000.0, scaling=llama3)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    with pytest.raises(ValueError, match=r"rope_theta'\] = 500000.0 differs from base = 10000.0"):
+        attn_ext.rope_cache(16, 8, scaling={**llama3, "rope_theta": 500000.0})
+
+
+def test_rotary_embedding_warns_when_dynamic_scaling_does_nothing():
+    """The module sets the ntk / dynamic base once, for max_seq_len: at or below L0 the
+    tables are unscaled at every length, which used to pass without a word."""
+    scaling = {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}
+    with pytest.warns(UserWarning, match="unscaled at every length"):
+        rot = attn_ext.RotaryEmbedding(16, scaling=scaling, max_seq_len=64)
+    plain = attn_ext.RotaryEmbedding(16, max_seq_len=64)
+    assert torch.equal(rot.tables(256)[0], plain.tables(256)[0])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rot = attn_ext.RotaryEmbedding(16, scaling=scaling, max_seq_len=256)
+    want, _ = attn_ext.rope_cache(256, 16, scaling=scaling)
+    assert torch.equal(rot.tables(256)[0], want)
 
 
 # ---------------------------------------------------------------------------------------

@@ -195,6 +195,31 @@ def test_fast_path_recurrence_rows(device, dtype, offset):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0, -17, 5, 999_999_990])
+def test_rows_depend_on_the_position_alone(dtype, offset):
+    """A row is the same whatever the thread count and wherever the call starts (prefill vs
+    one token at a time, a sequence in pieces): the recurrence restarts at absolute positions.
+    (It restarted at each thread's first row: 1243 of 3001 x 64 fp32 values differed between
+    1 and 16 threads, and a token-by-token decode differed from the prefill.)"""
+    x = randn(2, 301, 72, dtype=dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = attn_ext.sinusoidal_pe(x, offset=offset)
+        pieces = [(0, 7), (7, 40), (40, 41), (41, 301)]
+        got = torch.cat([attn_ext.sinusoidal_pe(x[:, a:b], offset=offset + a) for a, b in pieces], 1)
+        assert torch.equal(got, want)
+        tokens = torch.cat([attn_ext.sinusoidal_pe(x[:, s:s + 1], offset=offset + s)
+                            for s in range(0, 301, 13)], 1)
+        assert torch.equal(tokens, want[:, ::13])
+        for n in (2, 3, 16):
+            torch.set_num_threads(n)
+            assert torch.equal(attn_ext.sinusoidal_pe(x, offset=offset), want), n
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_fast_path_nan_inf_propagate(device, dtype):
     x = randn(2, 20, 48, dtype=dtype, device=device)
     x[0, 3, 5] = float("nan")

@@ -59,8 +59,8 @@ void pe_row(acc_t* pe, int64_t D, double pos, const double* inv_freq) {
   pe_row_tail<acc_t>(pe, D, 0, pos, inv_freq);
 }
 
-// Rows per block: PE rows are computed kRestart at a time, and the angle-addition
-// recurrence restarts from an exact row at every block start.
+// Rows per block: PE rows are computed up to kRestart at a time, and the angle-addition
+// recurrence restarts from an exact row at every position that is a multiple of kRestart.
 constexpr int64_t kRestart = 16;
 
 #if ATTN_EXT_HAVE_AVX2_PATH
@@ -206,16 +206,22 @@ void sinusoidal_kernel(const SinusoidalParams& p) {
 
   torch::stable::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> pe(kRestart * D + 8);
-    // Consecutive positions (offset + s): angle-addition steps between exact rows.
+    // Consecutive positions (offset + s): angle-addition steps from the exact row at the last
+    // position that is a multiple of kRestart (in the fast range), so that a row is a function
+    // of its position alone, whatever the thread count or the call's first position (the
+    // restarts used to be counted from each thread's first row: RESULTS.md, thirty-first
+    // session). A block of rows ends at such a position; a thread's first row that is not one
+    // steps there from the exact row before it (warm, at most kRestart - 1 steps).
     const bool recur = simd && p.positions == nullptr;
     std::vector<double> st_sin(recur ? pairs : 0), st_cos(recur ? pairs : 0);
-    bool state_ok = false;  // st_* hold the previous position's row
-    // Pass 1 computes the PE rows of a block of kRestart items into pe (kRestart x D floats,
-    // L2-resident); pass 2 adds them to x batch by batch, so each batch reads one contiguous
-    // run of kRestart rows (long sequential streams for the prefetchers) instead of hopping
+    std::vector<acc_t> warm(recur ? 2 * (D + 8) : 0);
+    auto phase = [](int64_t pos) { return ((pos % kRestart) + kRestart) % kRestart; };
+    // Pass 1 computes the PE rows of a block of up to kRestart items into pe (kRestart x D
+    // floats, L2-resident); pass 2 adds them to x batch by batch, so each batch reads one
+    // contiguous run of rows (long sequential streams for the prefetchers) instead of hopping
     // across all B batches for every row.
-    for (int64_t blk = begin; blk < end; blk += kRestart) {
-      const int64_t n = std::min<int64_t>(kRestart, end - blk);
+    for (int64_t blk = begin; blk < end;) {
+      const int64_t n = std::min<int64_t>(recur ? kRestart - phase(p.offset + blk) : kRestart, end - blk);
       // pass 1: PE rows of items blk .. blk + n
       for (int64_t j = 0; j < n; ++j) {
         const int64_t item = blk + j;
@@ -231,23 +237,38 @@ void sinusoidal_kernel(const SinusoidalParams& p) {
           if (simd && std::abs(dpos) <= kFastMaxPos) {
             // Pairs [0, n4) vectorised, the rest (and an odd D's last sin) below.
             const int64_t n4 = (D / 2) / 4 * 4;
-            if (recur && state_ok && (item - begin) % kRestart != 0) {
-              if constexpr (kF32Step) {  // j >= 1 here: row j - 1 is in the block buffer
+            const int64_t steps = recur ? phase(pos) : 0;  // from the exact row pos - steps
+            const bool chain = steps > 0 && std::abs(dpos - static_cast<double>(steps)) <= kFastMaxPos;
+            const bool keep = recur && !kF32Step;  // double state only for the fp32 step
+            if (chain && j > 0) {  // row j - 1 (position pos - 1) is in the block buffer
+              if constexpr (kF32Step) {
                 pe_row_step_f32_avx2(pe_j, pe_j - D, n4, cw2.data(), sw2.data());
               } else {
                 pe_row_step_avx2(pe_j, n4, st_sin.data(), st_cos.data(), cos_w.data(),
                                  sin_w.data());
               }
+            } else if (chain) {  // a thread's first row: from the exact row, steps ahead
+              acc_t* a = warm.data();
+              acc_t* b = warm.data() + D + 8;
+              pe_row_avx2(a, n4, dpos - static_cast<double>(steps), inv_freq.data(),
+                          keep ? st_sin.data() : nullptr, keep ? st_cos.data() : nullptr);
+              for (int64_t t = 1; t <= steps; ++t) {
+                acc_t* dst = t == steps ? pe_j : b;
+                if constexpr (kF32Step) {
+                  pe_row_step_f32_avx2(dst, a, n4, cw2.data(), sw2.data());
+                } else {
+                  pe_row_step_avx2(dst, n4, st_sin.data(), st_cos.data(), cos_w.data(),
+                                   sin_w.data());
+                }
+                std::swap(a, b);
+              }
             } else {
-              const bool keep = recur && !kF32Step;  // double state only for the fp32 step
               pe_row_avx2(pe_j, n4, dpos, inv_freq.data(), keep ? st_sin.data() : nullptr,
                           keep ? st_cos.data() : nullptr);
-              state_ok = recur;
             }
             pe_row_tail<acc_t>(pe_j, D, n4, dpos, inv_freq.data());
           } else {
             pe_row<acc_t>(pe_j, D, dpos, inv_freq.data());
-            state_ok = false;
           }
         } else {
           pe_row<acc_t>(pe_j, D, dpos, inv_freq.data());
@@ -282,6 +303,7 @@ void sinusoidal_kernel(const SinusoidalParams& p) {
           }
         }
       }
+      blk += n;
     }
   });
 }
