@@ -203,6 +203,17 @@ class RotaryEmbedding(nn.Module):
         and as they are now: after ``to_empty()`` (a model built on the meta device) they hold
         uninitialised memory. :func:`attn_ext.reset_buffers` does it for a whole model."""
         self.cos, self.sin = self._build(self.cos.size(0), self.cos.device, self.cos.dtype)
+        self.built_in_float64 = self.cos.dtype == torch.float64
+
+    def _apply(self, fn, recurse=True):
+        # A dtype change (.half(), .to(torch.bfloat16), ...) recomputes the tables at the new
+        # dtype from the float64 angles: a conversion rounds them, and a round trip such as
+        # .bfloat16().float() used to leave bf16's rounding in float32 tables (2.4e-4 off).
+        before = self.cos.dtype
+        super()._apply(fn, recurse)
+        if self.cos.dtype != before:
+            self.reset_buffers()
+        return self
 
     def _build(self, n: int, device: torch.device, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
         # torch.full per frequency, not torch.tensor(self.inv_freq, dtype=torch.float64):
@@ -359,6 +370,19 @@ class MultiHeadAttention(nn.Module):
         softcap: Optional[float] = None,
     ):
         super().__init__()
+        # flags and sizes by type (a string such as cross_attention="no" used to be truthy)
+        for name, flag in (("causal", causal), ("cross_attention", cross_attention),
+                           ("alibi", alibi), ("bias", bias)):
+            if flag is not None and not isinstance(flag, bool) and not (
+                    isinstance(flag, int) and flag in (0, 1)):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        for name, size in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                           ("d_model", d_model), ("qk_dim", qk_dim), ("v_dim", v_dim),
+                           ("kv_dim", kv_dim)):
+            # (values <= 0: below, except kv_dim's)
+            if size is not None and (isinstance(size, bool) or not isinstance(size, numbers.Integral)
+                                     or (name == "kv_dim" and size <= 0)):
+                raise ValueError(f"{name} must be a positive int, got {size!r}")
         # over a memory (forward(x, memory)) a layer is causal only when asked: a decoder's
         # memory is not in its future (causal=None: True for self-attention, False over memory)
         self.memory_causal = bool(causal) if causal is not None else False
@@ -588,12 +612,23 @@ class MultiHeadAttention(nn.Module):
             self.softcap, None, dropout_p, seed, offset)
 
     def reset_buffers(self) -> None:
-        """Recompute the ALiBi slopes (a non-persistent buffer) where and as they are now:
-        after ``to_empty()`` they hold uninitialised memory. The rotary tables and the
+        """Recompute the ALiBi slopes (a non-persistent buffer) on the weights' device, in
+        their dtype: after ``to_empty()`` they hold uninitialised memory. The rotary tables and the
         relative bias have their own (:func:`attn_ext.reset_buffers` reaches every module)."""
         if self.alibi_slopes is not None:
-            s = self.alibi_slopes
-            self.alibi_slopes = alibi_slopes(self.num_heads, torch.float64).to(s.device, s.dtype)
+            # on the weights' device (after a meta-device init with load_state_dict(...,
+            # assign=True) the buffer is still on meta), in the buffer's dtype
+            self.alibi_slopes = alibi_slopes(self.num_heads, torch.float64).to(
+                self.out_proj.weight.device, self.alibi_slopes.dtype)
+
+    def _apply(self, fn, recurse=True):
+        # the ALiBi slopes recomputed at a new dtype (a round trip such as .half().float()
+        # used to keep fp16's rounding of them), as RotaryEmbedding's tables
+        before = None if self.alibi_slopes is None else self.alibi_slopes.dtype
+        super()._apply(fn, recurse)
+        if self.alibi_slopes is not None and self.alibi_slopes.dtype != before:
+            self.reset_buffers()
+        return self
 
     def forward(
         self,
@@ -840,7 +875,11 @@ class LearnedPositionalEmbedding(nn.Module):
                     f"{self.max_len}; learned absolute positions cannot extrapolate"
                 )
             positions = torch.arange(offset, end, device=x.device)
-        elif positions.numel() > 0 and (int(positions.max().item()) >= self.max_len or int(positions.min().item()) < 0):
+        elif (positions.numel() > 0 and not torch.compiler.is_compiling()
+              and (int(positions.max().item()) >= self.max_len or int(positions.min().item()) < 0)):
+            # (a check of the values: eager only, as left_padding's; under torch.compile /
+            # torch.export a data-dependent raise breaks the graph, and the lookup itself
+            # refuses an index past the table)
             raise ValueError(
                 f"LearnedPositionalEmbedding: positions must be in [0, {self.max_len}); learned "
                 "absolute positions cannot extrapolate"

@@ -407,7 +407,8 @@ def rope_inv_freq(
         low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low)
+                / (high - low)).clamp(0, 1)
         extrapolate = 1.0 - ramp  # 1: keep the original frequency, 0: interpolate (/ factor)
         f = inv(base)
         return f / factor * (1 - extrapolate) + f * extrapolate, float(attn)
@@ -471,7 +472,11 @@ def rope_cache(
     dtype = dtype or torch.float32
     _check_table_dtype(dtype)
     inv_freq, attn = rope_inv_freq(rotary_dim, base, scaling, seq_len)
-    angle = torch.arange(seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    # (on the CPU, as rope_inv_freq's constants, whatever the default device; then moved to
+    # `device`, by default the default device, as a factory function's result)
+    if device is None:
+        device = torch.get_default_device()
+    angle = torch.arange(seq_len, dtype=torch.float64, device="cpu")[:, None] * inv_freq[None, :]
     cos = (torch.cos(angle) * attn).to(dtype=dtype, device=device)
     sin = (torch.sin(angle) * attn).to(dtype=dtype, device=device)
     return cos, sin

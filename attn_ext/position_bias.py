@@ -147,12 +147,20 @@ class RelativePositionBias(nn.Module):
         return d + self.max_distance if self.bidirectional else d.clamp(min=0)
 
     def reset_buffers(self) -> None:
-        """Recompute the distance -> entry index (a non-persistent buffer) on its device: after
-        ``to_empty()`` it holds uninitialised memory (:func:`attn_ext.reset_buffers`)."""
-        self.index = self._index(self.index.device)
+        """Recompute the distance -> entry index (a non-persistent buffer) on the weight's
+        device: after ``to_empty()`` it holds uninitialised memory, and after a meta-device
+        init with ``load_state_dict(..., assign=True)`` it is still on the meta device
+        (:func:`attn_ext.reset_buffers`)."""
+        self.index = self._index(self.weight.device)
 
     def forward(self) -> Tensor:
         """The ``(H, 2M + 1)`` table (differentiable in ``weight``)."""
+        if self.index.device != self.weight.device:
+            # (indexing a CPU weight by a meta index returned uninitialised memory)
+            raise RuntimeError(
+                f"RelativePositionBias: the index buffer is on {self.index.device}, the weight on "
+                f"{self.weight.device} (a meta-device init whose buffers were not rebuilt?); call "
+                f"attn_ext.reset_buffers(model) after to_empty() / load_state_dict(assign=True)")
         return self.weight[:, self.index]
 
     def extra_repr(self) -> str:

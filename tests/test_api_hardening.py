@@ -123,6 +123,15 @@ def test_causal_and_softcap_arguments_are_checked():
     assert big_ok.shape == q.shape
     with pytest.raises(ValueError, match="kv_dim .* is for cross_attention=True layers"):
         MultiHeadAttention(16, 2, kv_dim=8)  # used to be dropped without a word
+    # flags and sizes by type (cross_attention="no" was truthy: a cross-attention layer;
+    # kv_dim=0 was taken; causal="no" failed only at forward)
+    for kw, name in (({"cross_attention": "no"}, "cross_attention"), ({"causal": "no"}, "causal"),
+                     ({"alibi": "yes"}, "alibi"), ({"kv_dim": 0, "cross_attention": True}, "kv_dim"),
+                     ({"num_kv_heads": 1.0}, "num_kv_heads"), ({"qk_dim": 4.5}, "qk_dim")):
+        with pytest.raises(ValueError, match=f"{name} must be a"):
+            MultiHeadAttention(16, 2, **kw)
+    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+        MultiHeadAttention(16, 2.0)
 
 
 def test_cached_cross_attention_computes_memory_once():

@@ -11,6 +11,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import attn_ext
+from attn_ext.models import TinyGPT
 from deploy_utils import JIT_DEPRECATION, rope_attention, tiny_gpt
 
 # Importing inductor imports torch.utils.mkldnn, whose ScriptModules use the deprecated
@@ -141,11 +142,17 @@ def test_softcap_passed_per_call_compiles_fullgraph(dynamic):
                        match=r"softcap must be a finite number > 0 \(or None\), got -1.0"):
         compiled(q, k, v, -1.0)
 
-def test_left_padded_attention_mask_compiles_fullgraph():
+@pytest.mark.parametrize("pos", ["rope", "learned"])
+def test_left_padded_attention_mask_compiles_fullgraph(pos):
     """TinyGPT's left-padded ``attention_mask`` path compiles without a graph break (its value
-    check runs in eager only) and gives eager's logits; eager still refuses a mask that is not
-    left-padded."""
+    checks run in eager only: left_padding's, and learned positions' range check, which broke
+    the graph on a data-dependent .item()) and gives eager's logits; eager still refuses a mask
+    that is not left-padded."""
     model = tiny_gpt(seed=5, num_kv_heads=2).eval()
+    if pos == "learned":
+        torch.manual_seed(5)
+        model = TinyGPT(100, d_model=32, num_heads=4, num_layers=2, max_len=64, pos="learned",
+                        causal=True, num_kv_heads=2).eval()
     idx = torch.randint(0, 100, (2, 10))
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[1, :3] = 0

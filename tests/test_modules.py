@@ -1,6 +1,8 @@
 """attn_ext modules against the textbook MultiHeadAttentionRef (same weights), KV-cache
 decoding against full recomputation, attention maps, and no copies on the hot path."""
 
+import copy
+
 import pytest
 import torch
 
@@ -445,3 +447,77 @@ def test_meta_device_init_then_reset_buffers(pos):
     idx = torch.randint(0, 50, (2, 12))
     with torch.no_grad():
         assert torch.equal(m(idx), ref(idx))
+
+
+@pytest.mark.parametrize("pos", ["alibi", "relative"])  # (rotary tables have no weight to follow)
+def test_meta_device_init_with_assign_then_reset_buffers(pos):
+    """Meta-device init, then load_state_dict(assign=True): the parameters arrive on the CPU,
+    the derived buffers stay on meta. The relative bias's index used to index the CPU weight
+    from meta (uninitialised memory, logits 1.3 off, no error), and reset_buffers rebuilt it on
+    meta again: now forward refuses the mix by name, and reset_buffers rebuilds on the
+    weight's device."""
+    from attn_ext.models import TinyGPT
+
+    torch.manual_seed(0)
+    ref = TinyGPT(50, d_model=32, num_heads=4, num_layers=1, max_len=16, pos=pos).eval()
+    with torch.device("meta"):
+        m = TinyGPT(50, d_model=32, num_heads=4, num_layers=1, max_len=16, pos=pos)
+    m.load_state_dict(ref.state_dict(), assign=True)
+    m.eval()
+    idx = torch.randint(0, 50, (2, 12))
+    if pos == "relative":
+        with pytest.raises(RuntimeError, match="reset_buffers"):
+            m(idx)
+    attn_ext.reset_buffers(m)
+    with torch.no_grad():
+        assert torch.equal(m(idx), ref(idx))
+
+
+@pytest.mark.parametrize("pos", ["rope", "alibi"])
+def test_low_precision_round_trip_recomputes_derived_buffers(pos):
+    """.bfloat16().float() (or .half().float()) used to leave the rotary tables and the ALiBi
+    slopes with the low precision's rounding (logits 1e-3 / 1e-4 off with the same fp32
+    weights); a dtype change now recomputes them."""
+    from attn_ext.models import TinyGPT
+
+    torch.manual_seed(0)
+    ref = TinyGPT(50, d_model=48, num_heads=12, num_layers=1, max_len=16, pos=pos).eval()
+    idx = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():
+        ref(idx)  # (the tables exist at their fp32 size)
+        for there in (lambda m: m.bfloat16(), lambda m: m.half(), lambda m: m.double()):
+            m = copy.deepcopy(ref)
+            there(m).float()
+            m.load_state_dict(ref.state_dict())
+            for a, b in zip(m.buffers(), ref.buffers()):  # (.float() makes float64 slopes fp32)
+                assert torch.equal(a, b.to(a.dtype))
+            assert torch.equal(m(idx), ref(idx))
+    rot = RotaryEmbedding(8, max_seq_len=32).double()
+    want, _ = attn_ext.rope_cache(32, 8, dtype=torch.float64)
+    assert torch.equal(rot.cos, want)  # built in float64, not float32 widened
+
+
+def test_yarn_rotary_builds_under_meta():
+    scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    with torch.device("meta"):
+        rot = RotaryEmbedding(8, scaling=scaling, max_seq_len=32)
+        cos, _ = attn_ext.rope_cache(32, 8, scaling=scaling)
+    assert cos.is_meta  # (rope_cache follows the default device)
+    rot.to_empty(device="cpu")
+    rot.reset_buffers()
+    assert torch.equal(rot.cos, attn_ext.rope_cache(32, 8, scaling=scaling)[0])
+
+
+def test_tinygpt_attention_mask_must_match_idx():
+    """A mask longer or shorter than the prompt used to be read as the prompt's with caches
+    (wrong tokens, no error)."""
+    from attn_ext.models import TinyGPT
+
+    m = TinyGPT(50, d_model=32, num_heads=4, num_layers=1, max_len=32, pos="rope").eval()
+    idx = torch.randint(0, 50, (2, 6))
+    for bad in (torch.ones(2, 9, dtype=torch.long), torch.ones(2, 2, dtype=torch.long),
+                torch.ones(3, 6, dtype=torch.long), torch.ones(6, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"attention_mask must have idx's shape \(B, S\) = \[2, 6\]"):
+            m(idx, m.new_caches(2, 32), bad)
+        with pytest.raises(ValueError, match="attention_mask must have idx's shape"):
+            m.generate(idx, 3, attention_mask=bad)
