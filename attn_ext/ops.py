@@ -774,6 +774,17 @@ def _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
     return (*terms, seed, offset)
 
 
+def _refuse_alibi_grad(alibi_slopes, in_autograd_setup: bool = False) -> None:
+    """ALiBi slopes that would record a gradient are refused rather than silently detached
+    (DESIGN: no gradient for ALiBi slopes): by the wrappers, and by the ops' autograd setup
+    for callers of torch.ops.attn_ext.* (TorchScript, C++), whose slopes used to get none
+    (setup_context runs only when a gradient is recorded, with grad mode off)."""
+    if (isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.requires_grad
+            and (torch.is_grad_enabled() or in_autograd_setup)):
+        raise ValueError("alibi_slopes get no gradient (ALiBi's slopes are fixed); pass "
+                         "alibi_slopes.detach(), or use rel_bias for a learnable position bias")
+
+
 def _checked_score_terms(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
     """The Python side of the score-term checks (types, softcap, dropout_p, ALiBi without
     gradient): ``(alibi_slopes, rel_bias, softcap, sinks, dropout_p)`` with the tables in the
@@ -788,10 +799,7 @@ def _checked_score_terms(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
             raise ValueError(f"{name} must be a floating-point tensor {shape}, got {got}")
         return t.to(acc).contiguous()
 
-    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.requires_grad and torch.is_grad_enabled():
-        # refused rather than silently detached (DESIGN: no gradient for ALiBi slopes)
-        raise ValueError("alibi_slopes get no gradient (ALiBi's slopes are fixed); pass "
-                         "alibi_slopes.detach(), or use rel_bias for a learnable position bias")
+    _refuse_alibi_grad(alibi_slopes)
     alibi_slopes = table(alibi_slopes, "alibi_slopes", "(H,) or (B, H)")
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.detach()  # ALiBi slopes are fixed (no gradient)
@@ -1129,6 +1137,7 @@ def _simple_cuda_kernels():
 def _attention_forward_setup(ctx, inputs, output):
     (q, k, v, causal, scale, window_left, window_right, key_padding_mask, alibi_slopes, rel_bias,
      softcap, sinks, dropout_p, dropout_seed, dropout_offset, q_start, k_start) = inputs
+    _refuse_alibi_grad(alibi_slopes, in_autograd_setup=True)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, alibi_slopes, rel_bias, sinks)
     ctx.causal = causal
@@ -1168,6 +1177,7 @@ _register_autograd(
 def _attention_varlen_setup(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, alibi_slopes,
      rel_bias, softcap, sinks, dropout_p, dropout_seed, dropout_offset) = inputs
+    _refuse_alibi_grad(alibi_slopes, in_autograd_setup=True)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, rel_bias, sinks)
     ctx.max_seqlen = (max_q, max_k)

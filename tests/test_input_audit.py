@@ -303,6 +303,39 @@ def test_alibi_slopes_that_require_grad_are_refused_not_detached():
                                rtol=1e-4, atol=1e-5)
     with torch.no_grad():
         A.attention(q, k, v, causal=True, alibi_slopes=slopes)
+    # ... and by the ops themselves (TorchScript / C++ callers): the slopes used to come back
+    # with no gradient, silently; dense and varlen
+    ops = torch.ops.attn_ext
+    with pytest.raises(ValueError, match="alibi_slopes get no gradient"):
+        ops.attention_forward(q.requires_grad_(), k, v, True, None, -1, -1, None, slopes)
+    with pytest.raises(ValueError, match="alibi_slopes get no gradient"):
+        ops.attention_forward(q.detach(), k, v, True, None, -1, -1, None, slopes)
+    B, S = q.shape[:2]
+    cu = torch.arange(0, B * S + 1, S, dtype=torch.int32)
+    with pytest.raises(ValueError, match="alibi_slopes get no gradient"):
+        ops.attention_varlen_forward(q.detach().flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                     cu, cu, S, S, True, None, -1, -1, slopes)
+    out, _ = ops.attention_forward(q, k, v, True, None, -1, -1, None, slopes.detach())
+    out.sum().backward()  # detached slopes: the other gradients flow
+    assert q.grad is not None
+
+
+def test_d_rel_bias_reaches_lse_with_empty_head_dims():
+    """D = Dv = 0: the scores are rel_bias alone, so lse depends on it. The dense backward
+    returned before its kernel when dq, dk and dv were empty, and d rel_bias came back 0."""
+    torch.manual_seed(0)
+    q = torch.zeros(1, 4, 2, 0, dtype=torch.float64)
+    rel = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    _, lse = A.attention(q, q, q, causal=True, rel_bias=rel, return_lse=True)
+    (g,) = torch.autograd.grad((lse * torch.arange(1.0, 5.0, dtype=torch.float64)).sum(), rel)
+    rel_r = rel.detach().clone().requires_grad_()
+    d = torch.arange(4)[:, None] - torch.arange(4)[None, :]
+    s = rel_r[:, d.clamp(-2, 2) + 2].masked_fill(d < 0, float("-inf"))  # (H, Sq, Sk)
+    lse_r = torch.logsumexp(s, -1)  # (H, Sq)
+    (want,) = torch.autograd.grad((lse_r * torch.arange(1.0, 5.0, dtype=torch.float64)).sum(), rel_r)
+    torch.testing.assert_close(lse[0], lse_r.detach())
+    torch.testing.assert_close(g, want)
+    assert g.abs().sum() > 0
 
 
 # ---- second audit round -------------------------------------------------------------------

@@ -1350,7 +1350,11 @@ BwdResult attention_backward_cpu(
   fill_block_position(bp.fwd, q_start, k_start, /*has_sinks=*/false);
   Tensor drel_bias = make_drel_bias(tab.rel_bias, q);
   if (rel_bias.has_value()) bp.drel_bias = drel_bias.data_ptr();
-  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
+  // (no gradient to compute, unless rel_bias's reaches lse: D = Dv = 0 with a dlse)
+  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0 &&
+      !(rel_bias.has_value() && dlse_in.has_value())) {
+    return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
+  }
   if (s.Sq == 0 || s.H == 0) {  // no query: no gradient reaches k or v
     return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
   }

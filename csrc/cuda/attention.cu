@@ -315,7 +315,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cuda(
   Tensor dv = alloc(q, {s.B, s.Sk, s.Hkv, s.Dv});
   check_mask_args(s, q, causal, window_left, window_right, key_padding_mask, q_start, k_start,
                   /*has_sinks=*/false);
-  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
+  // (no gradient to compute, unless rel_bias's reaches lse: D = Dv = 0 with a dlse)
+  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0 &&
+      !(rel_bias.has_value() && dlse.has_value())) {
+    return {dq, dk, dv, drel_as_table(drel_bias, rel_bias)};
+  }
   const DeviceGuard guard(q.get_device_index());
   if (s.Sq == 0 || s.H == 0) {  // no query: no gradient reaches k or v
     torch::stable::zero_(dk);
