@@ -147,7 +147,8 @@ class TinyGPT(nn.Module):
 
     def forward(self, idx: Tensor, caches: Optional[List[KVCache]] = None,
                 attention_mask: Optional[Tensor] = None) -> Tensor:
-        if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.size(0) != idx.size(0)
+        if attention_mask is not None and (attention_mask.dim() != 2
+                                           or attention_mask.size(0) != idx.size(0)
                                            or attention_mask.size(1) != idx.size(1)):
             # (with caches a longer or shorter mask used to be read as the prompt's: wrong
             # tokens, no error)

@@ -180,11 +180,13 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         inv_freq, attn_factor = rope_inv_freq(rotary_dim, base, scaling, max_seq_len)
-        if scaling is not None and scaling.get("type", scaling.get("rope_type")) in ("ntk", "dynamic"):
-            L0 = scaling.get("original_max_position_embeddings", scaling.get("max_position_embeddings"))
+        kind = None if scaling is None else scaling.get("type", scaling.get("rope_type"))
+        if kind in ("ntk", "dynamic"):
+            L0 = scaling.get("original_max_position_embeddings",
+                             scaling.get("max_position_embeddings"))
             if max_seq_len <= L0:
                 warnings.warn(
-                    f"RotaryEmbedding: {scaling.get('type', scaling.get('rope_type'))!r} scaling "
+                    f"RotaryEmbedding: {kind!r} scaling "
                     f"sets the base once, for max_seq_len = {max_seq_len} <= "
                     f"original_max_position_embeddings = {L0}: these tables are unscaled at every "
                     f"length. Pass max_seq_len = the longest length to run (tables that grow "
@@ -380,7 +382,8 @@ class MultiHeadAttention(nn.Module):
                            ("d_model", d_model), ("qk_dim", qk_dim), ("v_dim", v_dim),
                            ("kv_dim", kv_dim)):
             # (values <= 0: below, except kv_dim's)
-            if size is not None and (isinstance(size, bool) or not isinstance(size, numbers.Integral)
+            if size is not None and (isinstance(size, bool)
+                                     or not isinstance(size, numbers.Integral)
                                      or (name == "kv_dim" and size <= 0)):
                 raise ValueError(f"{name} must be a positive int, got {size!r}")
         # over a memory (forward(x, memory)) a layer is causal only when asked: a decoder's
@@ -876,7 +879,8 @@ class LearnedPositionalEmbedding(nn.Module):
                 )
             positions = torch.arange(offset, end, device=x.device)
         elif (positions.numel() > 0 and not torch.compiler.is_compiling()
-              and (int(positions.max().item()) >= self.max_len or int(positions.min().item()) < 0)):
+              and (int(positions.max().item()) >= self.max_len
+                   or int(positions.min().item()) < 0)):
             # (a check of the values: eager only, as left_padding's; under torch.compile /
             # torch.export a data-dependent raise breaks the graph, and the lookup itself
             # refuses an index past the table)

@@ -718,7 +718,8 @@ def _check_scale(scale) -> None:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise ArgumentTypeError(f"scale must be finite (a number or None), got {scale!r}")
     if not -_FLOAT_MAX <= scale <= _FLOAT_MAX:  # (an int past float's range: no float())
-        raise ArgumentValueError(f"scale must be finite (a number or None), got {_number_repr(scale)}")
+        raise ArgumentValueError(
+            f"scale must be finite (a number or None), got {_number_repr(scale)}")
 
 
 def _check_causal(causal) -> None:
@@ -811,7 +812,8 @@ def _checked_score_terms(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
             raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
         if not 0 < softcap <= _FLOAT_MAX:
-            raise ValueError(f"softcap must be a finite number > 0 (or None), got {_number_repr(softcap)}")
+            raise ValueError(
+                f"softcap must be a finite number > 0 (or None), got {_number_repr(softcap)}")
         softcap = float(softcap)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not (
         0.0 <= dropout_p <= _MAX_DROPOUT_P

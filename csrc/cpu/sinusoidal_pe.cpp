@@ -221,7 +221,8 @@ void sinusoidal_kernel(const SinusoidalParams& p) {
     // contiguous run of rows (long sequential streams for the prefetchers) instead of hopping
     // across all B batches for every row.
     for (int64_t blk = begin; blk < end;) {
-      const int64_t n = std::min<int64_t>(recur ? kRestart - phase(p.offset + blk) : kRestart, end - blk);
+      const int64_t n =
+          std::min<int64_t>(recur ? kRestart - phase(p.offset + blk) : kRestart, end - blk);
       // pass 1: PE rows of items blk .. blk + n
       for (int64_t j = 0; j < n; ++j) {
         const int64_t item = blk + j;
@@ -238,7 +239,8 @@ void sinusoidal_kernel(const SinusoidalParams& p) {
             // Pairs [0, n4) vectorised, the rest (and an odd D's last sin) below.
             const int64_t n4 = (D / 2) / 4 * 4;
             const int64_t steps = recur ? phase(pos) : 0;  // from the exact row pos - steps
-            const bool chain = steps > 0 && std::abs(dpos - static_cast<double>(steps)) <= kFastMaxPos;
+            const bool chain =
+                steps > 0 && std::abs(dpos - static_cast<double>(steps)) <= kFastMaxPos;
             const bool keep = recur && !kF32Step;  // double state only for the fp32 step
             if (chain && j > 0) {  // row j - 1 (position pos - 1) is in the block buffer
               if constexpr (kF32Step) {
