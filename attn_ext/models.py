@@ -82,6 +82,9 @@ class TinyGPT(nn.Module):
         super().__init__()
         if pos not in POSITIONAL:
             raise ValueError(f"pos must be one of {POSITIONAL}, got {pos!r}")
+        if d_model % num_heads:  # (the rotary tables would be built for a truncated head dim)
+            raise ValueError(f"d_model must be divisible by num_heads, got d_model={d_model}, "
+                             f"num_heads={num_heads}")
         self.pos = pos
         self.max_len = max_len
         self.tok = nn.Embedding(vocab_size, d_model)
@@ -154,6 +157,9 @@ class TinyGPT(nn.Module):
             # tokens, no error)
             raise ValueError(f"attention_mask must have idx's shape (B, S) = {list(idx.shape)}, "
                              f"got {list(attention_mask.shape)}")
+        if caches is not None and len(caches) != len(self.blocks):  # (an IndexError before)
+            raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}), got "
+                             f"{len(caches)}")
         offset = 0 if caches is None else caches[0].length
         positions: Optional[Tensor] = None
         key_padding_mask: Optional[Tensor] = None
@@ -198,6 +204,8 @@ class TinyGPT(nn.Module):
         if S == 0:
             raise ValueError("generate: idx must hold a prompt of at least one token per row, got "
                              f"shape {list(idx.shape)}")
+        if max_new_tokens < 0:  # (it used to fail as "KVCache is full")
+            raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
         dev = self.head.weight.device.type
         # (autocast leaves float64 layers in float64, and so the caches)
         autocast = torch.is_autocast_enabled(dev) and self.head.weight.dtype != torch.float64

@@ -521,3 +521,16 @@ def test_tinygpt_attention_mask_must_match_idx():
             m(idx, m.new_caches(2, 32), bad)
         with pytest.raises(ValueError, match="attention_mask must have idx's shape"):
             m.generate(idx, 3, attention_mask=bad)
+
+
+def test_tinygpt_argument_errors_name_the_argument():
+    """(They failed as "rotary_dim must be even, got 7", "KVCache is full" and an IndexError.)"""
+    with pytest.raises(ValueError, match="d_model must be divisible by num_heads"):
+        TinyGPT(50, d_model=30, num_heads=4, pos="rope")
+    m = TinyGPT(50, d_model=32, num_heads=4, num_layers=2, max_len=16).eval()
+    idx = torch.randint(0, 50, (1, 4))
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -2"):
+        m.generate(idx, -2)
+    assert torch.equal(m.generate(idx, 0), idx)
+    with pytest.raises(ValueError, match=r"caches must hold one KVCache per layer \(2\), got 1"):
+        m(idx, m.new_caches(1, 16)[:1])
