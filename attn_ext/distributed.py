@@ -243,23 +243,23 @@ def _agree_on_shard(x, dim, layout, group, error) -> None:
     the others would wait, or pair it with another collective); all raise together otherwise."""
     _, world = _rank_world(group)
     ok = error is None
-    sig = [int(ok)] + [0] * (5 + _MAX_AGREED_DIMS)
+    sig = [int(ok)] + [0] * (5 + _MAX_AGREED_DIMS)  # ..., shape, whether it records a gradient
     if ok:
-        records_grad = torch.is_grad_enabled() and x.requires_grad
-        sig[1:6] = [x.dim(), dim, zlib.crc32(str(x.dtype).encode()),
-                    LAYOUTS.index(layout), int(records_grad)]
-        sig[6:6 + x.dim()] = list(x.shape)
+        sig[1:5] = [x.dim(), dim, zlib.crc32(str(x.dtype).encode()),
+                    LAYOUTS.index(layout)]
+        sig[5:5 + x.dim()] = list(x.shape)
+        sig[-1] = int(torch.is_grad_enabled() and x.requires_grad)
     rows = _gather_checks(sig, x, group, world, error,
                           "unshard_sequence: the shards of rank(s) {bad} of the group failed "
                           "their checks (see the error raised there); no data was gathered")
-    if any(row[:5] + row[6:] != rows[0][:5] + rows[0][6:] for row in rows):
-        desc = "; ".join(f"rank {r}: shape {row[6:6 + row[1]]}, "
+    if any(row[:-1] != rows[0][:-1] for row in rows):
+        desc = "; ".join(f"rank {r}: shape {row[5:5 + row[1]]}, "
                          f"dtype {_DTYPE_OF_CRC.get(row[3], 'unknown')}, "
                          f"dim {row[2]}, layout {LAYOUTS[row[4]]!r}" for r, row in enumerate(rows))
         raise ValueError("unshard_sequence: every rank's shard must have the same shape and "
                          f"dtype, with the same dim and layout, got {desc}")
-    if any(row[5] != rows[0][5] for row in rows):
-        grads = ", ".join(f"rank {r}: {bool(row[5])}" for r, row in enumerate(rows))
+    if any(row[-1] != rows[0][-1] for row in rows):
+        grads = ", ".join(f"rank {r}: {bool(row[-1])}" for r, row in enumerate(rows))
         raise ValueError("unshard_sequence: the ranks differ in whether a gradient is recorded "
                          f"(grad mode and x.requires_grad): {grads}; its backward is a "
                          "collective every rank must join")

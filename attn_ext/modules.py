@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import sys
 import warnings
 from typing import List, Optional, Tuple
 
@@ -26,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import _attention_probs, _dropout_seed_offset, _window_args, rope_inv_freq
+from .ops import (_attention_probs, _checked_softcap, _dropout_seed_offset, _is_int, _window_args,
+                  rope_inv_freq)
 from .position_bias import RelativePositionBias, alibi_slopes
 
 __all__ = [
@@ -146,7 +146,24 @@ class KVCache:
         self.start = None
 
 
-class RotaryEmbedding(nn.Module):
+class _DerivedBuffers(nn.Module):
+    """A module whose own buffers are derived (reset_buffers recomputes them exactly): a dtype
+    change (.half(), .to(torch.bfloat16), ...) recomputes them at the new dtype, since a
+    conversion rounds them, and a round trip such as .bfloat16().float() used to leave bf16's
+    rounding in float32 rotary tables (2.4e-4 off) and ALiBi slopes."""
+
+    def reset_buffers(self) -> None:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        before = [b.dtype for b in self.buffers(recurse=False)]
+        super()._apply(fn, recurse)
+        if [b.dtype for b in self.buffers(recurse=False)] != before:
+            self.reset_buffers()
+        return self
+
+
+class RotaryEmbedding(_DerivedBuffers):
     """Rotary position embedding tables with a growable cos/sin cache.
 
     Args:
@@ -181,16 +198,12 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, attn_factor = rope_inv_freq(rotary_dim, base, scaling, max_seq_len)
         kind = None if scaling is None else scaling.get("type", scaling.get("rope_type"))
-        if kind in ("ntk", "dynamic"):
-            L0 = scaling.get("original_max_position_embeddings",
-                             scaling.get("max_position_embeddings"))
-            if max_seq_len <= L0:
-                warnings.warn(
-                    f"RotaryEmbedding: {kind!r} scaling "
-                    f"sets the base once, for max_seq_len = {max_seq_len} <= "
-                    f"original_max_position_embeddings = {L0}: these tables are unscaled at every "
-                    f"length. Pass max_seq_len = the longest length to run (tables that grow "
-                    f"keep the base; there is no per-call rescaling)", stacklevel=2)
+        if kind in ("ntk", "dynamic") and torch.equal(inv_freq, rope_inv_freq(rotary_dim, base)[0]):
+            warnings.warn(
+                f"RotaryEmbedding: {kind!r} scaling sets the base once, for max_seq_len = "
+                f"{max_seq_len}, within original_max_position_embeddings: these tables are "
+                f"unscaled at every length. Pass max_seq_len = the longest length to run (tables "
+                f"that grow keep the base; there is no per-call rescaling)", stacklevel=2)
         self.rotary_dim = rotary_dim
         self.interleaved = interleaved
         self.inv_freq: List[float] = [float(f) for f in inv_freq.tolist()]
@@ -206,16 +219,6 @@ class RotaryEmbedding(nn.Module):
         uninitialised memory. :func:`attn_ext.reset_buffers` does it for a whole model."""
         self.cos, self.sin = self._build(self.cos.size(0), self.cos.device, self.cos.dtype)
         self.built_in_float64 = self.cos.dtype == torch.float64
-
-    def _apply(self, fn, recurse=True):
-        # A dtype change (.half(), .to(torch.bfloat16), ...) recomputes the tables at the new
-        # dtype from the float64 angles: a conversion rounds them, and a round trip such as
-        # .bfloat16().float() used to leave bf16's rounding in float32 tables (2.4e-4 off).
-        before = self.cos.dtype
-        super()._apply(fn, recurse)
-        if self.cos.dtype != before:
-            self.reset_buffers()
-        return self
 
     def _build(self, n: int, device: torch.device, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
         # torch.full per frequency, not torch.tensor(self.inv_freq, dtype=torch.float64):
@@ -312,7 +315,7 @@ def _rope_out_of_place(requires_grad: bool) -> bool:
     return False
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(_DerivedBuffers):
     """Multi-head (and grouped-query) attention that never copies q, k, v or the output.
 
     Args:
@@ -382,9 +385,7 @@ class MultiHeadAttention(nn.Module):
                            ("d_model", d_model), ("qk_dim", qk_dim), ("v_dim", v_dim),
                            ("kv_dim", kv_dim)):
             # (values <= 0: below, except kv_dim's)
-            if size is not None and (isinstance(size, bool)
-                                     or not isinstance(size, numbers.Integral)
-                                     or (name == "kv_dim" and size <= 0)):
+            if size is not None and (not _is_int(size) or (name == "kv_dim" and size <= 0)):
                 raise ValueError(f"{name} must be a positive int, got {size!r}")
         # over a memory (forward(x, memory)) a layer is causal only when asked: a decoder's
         # memory is not in its future (causal=None: True for self-attention, False over memory)
@@ -436,11 +437,8 @@ class MultiHeadAttention(nn.Module):
         self.rotary = rotary
         if rel_bias is not None and rel_bias.num_heads != num_heads:
             raise ValueError(f"rel_bias has {rel_bias.num_heads} heads, the layer {num_heads}")
-        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
-                                    or not 0 < softcap <= sys.float_info.max):
-            raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
         self.rel_bias = rel_bias
-        self.softcap: Optional[float] = None if softcap is None else float(softcap)
+        self.softcap: Optional[float] = _checked_softcap(softcap)
         # float64: exact for .double() layers; every use casts it to the accumulation type
         self.register_buffer("alibi_slopes", alibi_slopes(num_heads, torch.float64) if alibi else None,
                              persistent=False)
@@ -623,15 +621,6 @@ class MultiHeadAttention(nn.Module):
             # assign=True) the buffer is still on meta), in the buffer's dtype
             self.alibi_slopes = alibi_slopes(self.num_heads, torch.float64).to(
                 self.out_proj.weight.device, self.alibi_slopes.dtype)
-
-    def _apply(self, fn, recurse=True):
-        # the ALiBi slopes recomputed at a new dtype (a round trip such as .half().float()
-        # used to keep fp16's rounding of them), as RotaryEmbedding's tables
-        before = None if self.alibi_slopes is None else self.alibi_slopes.dtype
-        super()._apply(fn, recurse)
-        if self.alibi_slopes is not None and self.alibi_slopes.dtype != before:
-            self.reset_buffers()
-        return self
 
     def forward(
         self,

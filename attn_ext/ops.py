@@ -709,6 +709,25 @@ def _number_repr(x) -> str:
     return f"an int of {len(str(abs(int(x))))} digits, beyond float's range"
 
 
+def _is_int(x) -> bool:
+    """An int (numpy's too), not a bool."""
+    return not isinstance(x, bool) and isinstance(x, numbers.Integral)
+
+
+def _checked_softcap(softcap) -> Optional[float]:
+    """softcap: None or a number with 0 < softcap < inf, as a float (the ops' and the layers'
+    check). Not math.isfinite, and float() to format it: under torch.compile a softcap that
+    changes between calls becomes a symbolic float."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
+    if not 0 < softcap <= _FLOAT_MAX:
+        raise ValueError(
+            f"softcap must be a finite number > 0 (or None), got {_number_repr(softcap)}")
+    return float(softcap)
+
+
 def _check_scale(scale) -> None:
     """scale: None or a finite number. A bool is refused (the op's float parser would take it
     as 0 / 1), and so is a string or a tensor, by name. No math.isfinite: under
@@ -806,15 +825,7 @@ def _checked_score_terms(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
         alibi_slopes = alibi_slopes.detach()  # ALiBi slopes are fixed (no gradient)
     rel_bias = table(rel_bias, "rel_bias", "(H, 2M + 1)")
     sinks = table(sinks, "sinks", "(H,)")
-    if softcap is not None:
-        # 0 < softcap < inf, not math.isfinite, and float() to format it: under torch.compile
-        # a softcap that changes between calls becomes a symbolic float
-        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-            raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
-        if not 0 < softcap <= _FLOAT_MAX:
-            raise ValueError(
-                f"softcap must be a finite number > 0 (or None), got {_number_repr(softcap)}")
-        softcap = float(softcap)
+    softcap = _checked_softcap(softcap)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not (
         0.0 <= dropout_p <= _MAX_DROPOUT_P
     ):

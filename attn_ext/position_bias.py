@@ -15,16 +15,12 @@ ordinary differentiable PyTorch, so its gradient reaches whatever parameters it 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-
-def _is_int(x) -> bool:
-    """An int (numpy's too), not a bool."""
-    return not isinstance(x, bool) and isinstance(x, numbers.Integral)
+from .ops import _is_int
 
 
 def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32,
