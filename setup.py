@@ -123,8 +123,24 @@ def _cuda_plan():
     return True, f"nvcc {found} at {root} matches torch's CUDA {torch_cuda}", root, found
 
 
+def _git_commit():
+    """The checkout's short commit ('+dirty' when tracked files differ), None outside git:
+    benchmarks print it next to the checkout's, so a stale build shows."""
+    try:
+        sha = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=12", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _write_build_info(with_cuda, reason, nvcc_version, arch_list):
     info = {
+        "commit": _git_commit(),
         "torch_version": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "torch_target_version": TORCH_TARGET_VERSION,

@@ -7,15 +7,17 @@ The rules below restate the kernels' dispatch in Python, so they can be read wit
   the call has no score term but sinks (not float64, SIMD on, ``ATTN_EXT_CPU_DECODE`` not 0);
   else query tiles of up to ``kBlockQ`` (head, row) columns; split-KV (the keys of each tile cut into chunks run in
   parallel and merged) when there are fewer tiles than threads and ``Sk >= 4 * kBlockK``,
-  else the plain tiled kernel. CPU backward (attention_bwd.cpp): one path, parallel over key
-  tiles.
+  else the plain tiled kernel. CPU backward (attention_bwd.cpp): fused per (batch, kv head)
+  when those units are at least the threads (or Sk <= ``kBlockK``), else the
+  FlashAttention-2 split (dk / dv by key chunks, then dq by query blocks).
 - CUDA forward (csrc/cuda/attention.cu ``plan_split`` / ``use_fast_forward``): split-KV decode,
   else the fast FA2-style tensor-core kernel, else the simple kernel; CUDA backward
   (``use_fast_backward``): the fast FA2-style kernel, else the simple kernels.
 - Masks do not change the choice: causal, ``window``, ``key_padding_mask`` and the packed
-  sequences of ``attention_varlen`` (there Sq / Sk are ``max_seqlen_q`` / ``max_seqlen_k``, and
-  there is no split-KV path) run on the same kernels under the same conditions, and so does a
-  loss on lse.
+  sequences of ``attention_varlen`` (there B is the number of sequences and Sq / Sk are
+  ``max_seqlen_q`` / ``max_seqlen_k``; on CPU its decode and split-KV paths are the dense
+  ones, on CUDA it has no split-KV path) run on the same kernels under the same conditions,
+  and so does a loss on lse.
 - Score terms (``alibi_slopes``, ``rel_bias``, ``softcap``, ``sinks``, ``dropout_p > 0``; issue
   15): split-KV and the simple kernels take all of them; the fast CUDA forward takes all
   (its terms instances, not at D = 256); the fast backward all, dropout at D = 64 only
@@ -42,7 +44,6 @@ import torch
 from .ops import (_FLOAT_DTYPES, _check_causal, _check_key_padding_mask,
                   _check_last_dim_contiguous, _check_qkv, _check_scale, _check_term_shapes,
                   _checked_score_terms, _heads_4d, _window_args)
-from .reference import visibility_mask
 
 # csrc/cpu/attention_common.h
 CPU_BLOCK_Q = 96  # kBlockQ: score columns (head, query row) per query tile
@@ -308,6 +309,21 @@ def cpu_decode_pv(dtype: torch.dtype, D: int, Dv: int) -> Optional[str]:
     return "widened"
 
 
+def band_keys(sq: int, sk: int, causal: bool = False, window=(-1, -1)) -> int:
+    """How many keys some row of an (sq, sk) call sees by the band (causal, window): the
+    length of the union of the rows' key ranges, as reference.visibility_mask's column count
+    with some True, in O(1) (a decode shape's mask can be gigabytes). Row i sees the keys j
+    with dmin <= i + (sk - sq) - j <= dmax; the rows' ranges shift by one key per row, so
+    their union is one range, cut to [0, sk)."""
+    left, right = window if window is not None else (-1, -1)
+    dmin = max(0 if causal else -(sk + sq), -right if right >= 0 else -(sk + sq))
+    dmax = left if left >= 0 else sk + sq
+    if sq <= 0 or sk <= 0 or dmin > dmax:
+        return 0
+    off = sk - sq
+    return max(0, min(sk - 1, sq - 1 + off - dmin) - max(0, off - dmax) + 1)
+
+
 def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
                     causal: bool = False, window=(-1, -1)) -> Optional[dict]:
     """csrc/cpu/attention_decode.h decode_supported and its split-K chunk count, or None when
@@ -325,10 +341,7 @@ def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (
         return None
     # work units (sequence, key chunk), each covering every kv head
     n_chunks = max(1, _ceil_div(4 * max(threads, 1), max(s.B, 1)))
-    band = visibility_mask(s.Sq, s.Sk, causal, window)  # (-1, -1): unbounded
-    seen = band.any(0).nonzero()
-    band_keys = int(seen[-1]) + 1 - int(seen[0]) if seen.numel() else 0
-    n_chunks = min(n_chunks, max(1, band_keys // CPU_DECODE_MIN_CHUNK))
+    n_chunks = min(n_chunks, max(1, band_keys(s.Sq, s.Sk, causal, window) // CPU_DECODE_MIN_CHUNK))
     return {"threads": threads, "columns_per_kv_head": s.Sq * group, "kv_heads": s.B * s.Hkv,
             "n_chunks": n_chunks, "bf16_scores": cpu_bf16_scores(dtype, depth=s.D),
             "scores": cpu_decode_scores(dtype, s.D), "bf16_pv": cpu_decode_pv(dtype, s.D, s.Dv)}

@@ -676,7 +676,7 @@ def _window_args(window) -> tuple:
     if (
         not isinstance(window, (tuple, list))
         or len(window) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
+        or not all(_is_int(w) for w in window)
     ):
         raise ValueError(f"window must be a pair of ints (left, right), got {window!r}")
     left, right = int(window[0]), int(window[1])
@@ -714,6 +714,16 @@ def _is_int(x) -> bool:
     return not isinstance(x, bool) and isinstance(x, numbers.Integral)
 
 
+def _host_number(x):
+    """A numpy float scalar as a Python float, anything else as it is: comparing a numpy
+    float32 with _FLOAT_MAX casts the bound to float32 (inf, with an overflow warning on every
+    call), so np.float32(inf) passed the range checks. (Not float() for everything: an int
+    past float's range has none, and a symbolic float under torch.compile stays symbolic.)"""
+    if type(x).__module__ == "numpy" and not isinstance(x, numbers.Integral):
+        return float(x)
+    return x
+
+
 def _checked_softcap(softcap) -> Optional[float]:
     """softcap: None or a number with 0 < softcap < inf, as a float (the ops' and the layers'
     check). Not math.isfinite, and float() to format it: under torch.compile a softcap that
@@ -722,6 +732,7 @@ def _checked_softcap(softcap) -> Optional[float]:
         return None
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
+    softcap = _host_number(softcap)
     if not 0 < softcap <= _FLOAT_MAX:
         raise ValueError(
             f"softcap must be a finite number > 0 (or None), got {_number_repr(softcap)}")
@@ -736,6 +747,7 @@ def _check_scale(scale) -> None:
         return
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise ArgumentTypeError(f"scale must be finite (a number or None), got {scale!r}")
+    scale = _host_number(scale)
     if not -_FLOAT_MAX <= scale <= _FLOAT_MAX:  # (an int past float's range: no float())
         raise ArgumentValueError(
             f"scale must be finite (a number or None), got {_number_repr(scale)}")
@@ -982,6 +994,8 @@ def attention_varlen(
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, numbers.Integral):
             raise ArgumentTypeError(f"{name} must be an int, got {type(m).__name__}")
+        if not -2**63 <= m < 2**63:  # (torch's parser: "expected int, found int")
+            raise ArgumentValueError(f"{name} must fit in int64, got {_number_repr(m)}")
     _check_causal(causal)
     _check_scale(scale)
     left, right = _window_args(window)

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -31,21 +29,16 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
 import attn_ext  # noqa: E402
-from _env import print_env_header  # noqa: E402
+from _env import interleaved_medians, print_env_header  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def timed(fns: dict, repeats: int) -> dict:
-    times = {name: [] for name in fns}
-    for name, fn in fns.items():  # warm-up (and compilation)
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    """Median ms of each method: one warm-up call (and compilation) each, then `repeats`
+    rounds of one call each, in _env.round_orders' order (a fixed order biased the method that
+    always ran after the one that evicts the caches)."""
+    return {name: t * 1e3 for name, t in interleaved_medians(fns, repeats).items()}
 
 
 def fwd_bwd(fn, inputs):

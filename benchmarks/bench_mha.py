@@ -31,7 +31,7 @@ import attn_ext  # noqa: E402
 from attn_ext import reference as ref  # noqa: E402
 from attn_ext.modules import MultiHeadAttention  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
-from _env import print_env_header  # noqa: E402
+from _env import print_env_header, round_orders  # noqa: E402
 
 
 class TextbookSDPA(ref.MultiHeadAttentionRef):
@@ -141,8 +141,8 @@ def bench_shape(B, S, d_model, heads, kv_heads, dtype, repeats, modes):
 
         for n in names:
             run(n)  # warm up
-        for _ in range(repeats):
-            for n in names:  # interleaved
+        for order in round_orders(names, repeats):  # interleaved, the order varied by round
+            for n in order:
                 t0 = time.perf_counter()
                 run(n)
                 times[n].append(time.perf_counter() - t0)

@@ -208,8 +208,8 @@ def main():
     else:
         qk_shape, x_shape = (4, 2048, 32, 128), (8, 2048, 1024)
 
-    print(f"## Positional encodings ({args.device.upper()})\n")
     print_env_header(args.device, prefix="- ")  # commit, torch, threads, allocator, machine, ...
+    print(f"\n## Positional encodings ({args.device.upper()})\n")
     if args.reuse:
         print("- (re-executed with the reuse env)")
     print(f"- SIMD path: {'off (ATTN_EXT_CPU_SIMD=0)' if os.environ.get('ATTN_EXT_CPU_SIMD') == '0' else 'auto'}")

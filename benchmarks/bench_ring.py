@@ -67,18 +67,30 @@ TERMS = {}  # the attention keywords of this run (--window, --alibi), set in mai
 
 
 def terms_of(args):
-    """``--window W`` (a sliding window of W keys, Mistral-style: left = W - 1) and ``--alibi``
-    as keywords of attn_ext.attention / ring_attention (global positions in the ring)."""
+    """``--window W`` (a sliding window of W keys) and ``--alibi`` as keywords of
+    attn_ext.attention / ring_attention (global positions in the ring). The window is
+    resolved per mode by terms_for: every row sees W keys in both."""
     t = {}
     if args.window:
-        t["window"] = (args.window - 1, -1)
+        t["window"] = args.window
     if args.alibi:
         t["alibi_slopes"] = attn_ext.alibi_slopes(args.heads)
     return t
 
 
+def terms_for(causal):
+    """TERMS for one mode: a causal row's window is Mistral's (W - 1 keys before it, itself),
+    a full row's is centred ((W - 1) // 2 after it, the rest before), W keys each. (One
+    (W - 1, -1) for both let the full rows see every later key.)"""
+    t = dict(TERMS)
+    if "window" in t:
+        W = t["window"]
+        t["window"] = (W - 1, -1) if causal else (W - 1 - (W - 1) // 2, (W - 1) // 2)
+    return t
+
+
 def single(q, k, v, causal):
-    return attn_ext.attention(q, k, v, causal=causal, **TERMS)
+    return attn_ext.attention(q, k, v, causal=causal, **terms_for(causal))
 
 
 def time_single(args, threads):
@@ -108,7 +120,7 @@ def _rank(rank, world, port, args, queue):
     local = [cp.shard_sequence(t, 1, None, layout).contiguous() for t in (q, k, v, dout)]
 
     def ring(q_, k_, v_, causal):
-        return cp.ring_attention(q_, k_, v_, causal=causal, layout=layout, **TERMS)
+        return cp.ring_attention(q_, k_, v_, causal=causal, layout=layout, **terms_for(causal))
 
     result = {}
     for causal, bwd in MODES:
@@ -167,7 +179,8 @@ def main():
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--window", type=int, default=0,
-                    help="sliding window of W keys (window=(W-1, -1); 0 = none)")
+                    help="sliding window of W keys (causal rows: window=(W-1, -1); full rows: "
+                         "centred, (W-1-(W-1)//2, (W-1)//2); 0 = none)")
     ap.add_argument("--alibi", action="store_true", help="ALiBi slopes on every head")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test of the script)")
     args = ap.parse_args()

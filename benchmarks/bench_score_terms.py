@@ -16,8 +16,10 @@ Cases (float32, causal, (1, 16, S, 64)):
             learnable table (its gradient reaches the table through the gather) | softcap in
             eager PyTorch
 
-Every method is validated against the float32 SDPA result (max abs error of out, and of
-the q/k/v and table gradients) before it is timed; timing is interleaved (one call of each
+Every method is validated before it is timed: against the float32 SDPA result (max abs
+error of out, and of the q/k/v and table gradients; plain against SDPA's causal kernel),
+softcap against the float64 textbook, dropout against the textbook with the kernels' keep
+bits (its first 64 query rows); timing is interleaved (one call of each
 per round), medians of --repeats rounds. The ratios are what issue 15 asks for:
 terms / plain (goal <= 1.15; softcap is held to the same), dropout / plain (goal <= 1.3), baseline / ours (goal >= 2 fwd,
 >= 3 fwd+bwd vs the learnable dense bias).
@@ -37,6 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 import attn_ext  # noqa: E402
+from attn_ext import reference  # noqa: E402
 from _env import print_env_header  # noqa: E402
 from bench_masks import check, fwd_bwd, timed  # noqa: E402
 
@@ -96,6 +99,27 @@ def flex_fn(kind, table, slopes, H, S):
     return run
 
 
+def sdpa_causal(q, k, v):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          is_causal=True).transpose(1, 2)
+
+
+def check_dropout(S, q, k, v, run, p=0.1, rows=64):
+    """The timed dropout call (seeded: torch.manual_seed(1)) against the textbook with the
+    kernels' keep bits (reference.dropout_keep_mask of the seed and offset that call draws),
+    on its first `rows` query rows: under the causal mask they see only keys < rows, so the
+    (1, H, rows, rows) bits suffice (all S x S bits would be gigabytes of 64-bit words)."""
+    out, grads = run()
+    torch.manual_seed(1)
+    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64).tolist()  # (ops' draw)
+    H = q.shape[2]
+    keep = reference.dropout_keep_mask(seed, offset, 1, H, range(rows), range(rows), p)
+    want, _ = reference.attention_with_lse(*(t[:, :rows].double() for t in (q, k, v)), causal=True,
+                                           dropout_p=p, dropout_mask=keep)
+    check(f"S={S} dropout out (first {rows} rows)", out[:, :rows], want, 1e-4)
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
@@ -143,10 +167,10 @@ def main():
         want = {"alibi": fns["sdpa dense alibi"](q, k, v), "rel": fns["sdpa dense rel"](q, k, v),
                 "softcap": eager_softcap(q.double(), k.double(), v.double()).float()}
         ours_of = {"alibi": "ours alibi", "rel": "ours rel_bias", "softcap": "ours softcap"}
+        plain_want = sdpa_causal(q, k, v)
         for name, fn in fns.items():
-            if name == "ours plain":
-                continue
-            check(f"S={S} {name}", fn(q, k, v), want[kind_of(name)], 1e-4)
+            check(f"S={S} {name}", fn(q, k, v),
+                  plain_want if name == "ours plain" else want[kind_of(name)], 1e-4)
         ms = timed({n: (lambda fn=fn: fn(q, k, v)) for n, fn in fns.items()}, args.repeats)
         plain = ms["ours plain"]
         for name, t in ms.items():
@@ -179,6 +203,11 @@ def main():
             "sdpa dense learnable rel": fwd_bwd(sdpa_rel, (q, k, v, table)),
             "eager softcap": fwd_bwd(eager_softcap, (q, k, v)),
         }
+        (o0, g0), (op, gp) = bw["ours plain"](), fwd_bwd(sdpa_causal, (q, k, v))()
+        check(f"S={S} plain fwd+bwd out", o0, op, 1e-4)
+        for name, a, b in zip(("plain dq", "plain dk", "plain dv"), g0, gp):
+            check(f"S={S} {name}", a, b, 1e-3)
+        check_dropout(S, q, k, v, bw["ours dropout 0.1"])
         (o1, g1), (o2, g2) = bw["ours rel_bias"](), bw["sdpa dense learnable rel"]()
         check(f"S={S} fwd+bwd out", o1, o2, 1e-4)
         for name, a, b in zip(("dq", "dk", "dv", "d rel_bias"), g1, g2):

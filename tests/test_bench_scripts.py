@@ -91,6 +91,12 @@ def test_env_header_fields():
     assert info["threads"].startswith(f"{torch.get_num_threads()} intra-op")
     assert "malloc" in info["allocator"] or "preloaded" in info["allocator"]
     assert buf.getvalue().splitlines()[0] == f"# commit: {info['commit']}"
+    # the loaded build's commit (setup.py records it), flagged when it is not the checkout's
+    import attn_ext
+    built = attn_ext.build_info().get("commit")
+    assert info["built from"].startswith(built or "unknown")
+    same = built is not None and built.split("+")[0] == info["commit"].split("+")[0].split()[0]
+    assert ("NOT the checkout's commit" in info["built from"]) == (not same)
     # which ISA each side of a CPU comparison runs (ours: AVX2 or portable; torch's ATen level)
     assert info["cpu isa"].startswith("attn_ext kernels "), info["cpu isa"]
     assert f"torch ATen {torch.backends.cpu.get_cpu_capability()}" in info["cpu isa"]

@@ -73,3 +73,29 @@ def test_cpp_errors_exit_nonzero_with_a_message(run_model, tmp_path):
                          text=True, timeout=60)
     assert bad.returncode == 1 and "run_model: error:" in bad.stderr
     assert "Exception raised from" not in bad.stderr  # no C++ backtrace dump
+
+
+def test_cmake_install_gives_a_working_run_model(run_model, tmp_path):
+    """`cmake --install` puts lib/libattn_ext_ops.so and bin/run_model under the prefix (the
+    install rules used to be missing: nothing was installed), and the installed run_model,
+    with the build tree gone from its RPATH, finds the op library and gives the build's
+    output."""
+    prefix = tmp_path / "prefix"
+    proc = subprocess.run(["cmake", "--install", BUILD, "--prefix", str(prefix)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    libs = list(prefix.glob("lib*/libattn_ext_ops.so"))
+    exe = prefix / "bin" / "run_model"
+    assert len(libs) == 1 and exe.is_file()
+    rpath = subprocess.run(["readelf", "-d", str(exe)], capture_output=True, text=True).stdout
+    assert BUILD not in rpath and "$ORIGIN/../" in rpath
+    model = tiny_gpt(seed=7)
+    path = str(tmp_path / "tinygpt.pt")
+    torch.jit.script(model).save(path)
+    idx = torch.randint(0, 100, (1, 5))
+    args = [path, "1", "5", *map(str, idx.flatten().tolist())]
+    built = subprocess.run([run_model, *args], capture_output=True, text=True, timeout=120)
+    installed = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=120,
+                               cwd=str(tmp_path))
+    assert built.returncode == 0 and installed.returncode == 0, installed.stderr
+    assert installed.stdout == built.stdout

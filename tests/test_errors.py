@@ -516,3 +516,32 @@ def test_forward_mode_ad_elsewhere_and_reverse_mode_still_work():
     assert max_err(g, g_ref) < 1e-10
     batched = torch.func.vmap(attn_ext.attention)(q[:, None], k[:, None], v[:, None])
     assert max_err(batched[:, 0], R.attention(q, k, v)) < 1e-10
+
+
+def test_numpy_scalars_for_scale_softcap_window_and_max_seqlen():
+    """numpy float scalars: a finite one is taken silently as the same Python float (comparing
+    a float32 with float's max cast the bound to inf: an overflow warning on every call, and
+    np.float32(inf) passed to the op, which refused it without naming the argument); numpy
+    ints are a window's sides like ints; a max_seqlen past int64 is refused by name."""
+    import warnings
+
+    import numpy as np
+
+    import attn_ext
+    from attn_ext.ops import ArgumentValueError
+
+    q, k = torch.randn(1, 3, 2, 8), torch.randn(1, 5, 2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = attn_ext.attention(q, k, k, scale=np.float32(0.5), softcap=np.float16(30))
+    assert torch.equal(got, attn_ext.attention(q, k, k, scale=0.5, softcap=30.0))
+    with pytest.raises(ArgumentValueError, match="scale must be finite"):
+        attn_ext.attention(q, k, k, scale=np.float32("inf"))
+    with pytest.raises(ValueError, match="softcap must be a finite number"):
+        attn_ext.attention(q, k, k, softcap=np.float32("inf"))
+    assert torch.equal(attn_ext.attention(q, k, k, window=(np.int64(2), np.int32(0))),
+                       attn_ext.attention(q, k, k, window=(2, 0)))
+    qv, cu = torch.randn(5, 2, 8), torch.tensor([0, 5], dtype=torch.int32)
+    for name, args in (("max_seqlen_q", (2**63, 5)), ("max_seqlen_k", (5, -2**63 - 1))):
+        with pytest.raises(ArgumentValueError, match=f"{name} must fit in int64"):
+            attn_ext.attention_varlen(qv, qv, qv, cu, cu, *args)

@@ -512,3 +512,42 @@ def test_explain_cuda_without_the_cuda_library(monkeypatch):
     s = _explain._check(q, q, q)
     with pytest.raises(ValueError, match="CUDA kernels are not loaded in this process: "):
         _explain._explain_cuda(s, q, q, q, None)
+
+
+def test_band_keys_is_the_masks_seen_columns():
+    """band_keys (O(1); the decode plan used to build the (Sq, Sk) mask, gigabytes at a long
+    decode) counts the keys some row sees, as reference.visibility_mask's columns with a True."""
+    from attn_ext.reference import visibility_mask
+    for sq in (0, 1, 2, 5, 9):
+        for sk in (0, 1, 3, 8, 13):
+            for causal in (False, True):
+                for window in ((-1, -1), (0, 0), (2, -1), (-1, 1), (3, 0), (0, 4), (6, 2), (1, 1)):
+                    mask = visibility_mask(sq, sk, causal, window)
+                    want = int(mask.any(0).sum()) if sq and sk else 0
+                    assert X.band_keys(sq, sk, causal, window) == want, (sq, sk, causal, window)
+
+
+def test_decode_switch_is_read_per_call_as_explain_reads_it(monkeypatch):
+    """ATTN_EXT_CPU_DECODE=0 set after the first call turns the decode kernel off for the next
+    call, as explain says (the C++ read it once per process: explain named the tiled kernel
+    while the decode kernel still ran). The decode and the tiled kernel give different bits
+    on these random inputs; clearing the switch gives the decode's bits back."""
+    if not X.cpu_simd_enabled():
+        pytest.skip("the decode kernel needs AVX2")
+    q, k, v = randn(1, 1, 1, 64), randn(1, 1500, 1, 64), randn(1, 1500, 1, 64)
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        monkeypatch.delenv("ATTN_EXT_CPU_DECODE", raising=False)
+        assert attn_ext.explain(q, k, v).forward == "cpu.decode"
+        decode = attn_ext.attention(q, k, v)
+        monkeypatch.setenv("ATTN_EXT_CPU_DECODE", "0")
+        assert attn_ext.explain(q, k, v).forward == "cpu.tiled"
+        tiled = attn_ext.attention(q, k, v)
+        monkeypatch.delenv("ATTN_EXT_CPU_DECODE")
+        again = attn_ext.attention(q, k, v)
+    finally:
+        torch.set_num_threads(prev)
+    assert not torch.equal(decode, tiled)
+    assert torch.equal(decode, again)
+    torch.testing.assert_close(decode, tiled, rtol=1e-5, atol=1e-5)

@@ -234,3 +234,186 @@ def test_bidirectional_encoder_without_is_causal(cls_name, cfg_name, extra, monk
         for kw in ({}, {"attention_mask": am}):
             got, want = ours(input_ids=ids, **kw).last_hidden_state, ref(input_ids=ids, **kw).last_hidden_state
             assert (got - want)[0].abs().max() < 1e-5 and (got - want)[1, :5].abs().max() < 1e-5, kw
+
+
+def _models(cls_name, cfg, impls=("attn_ext", "eager"), dtype=torch.float64):
+    models = []
+    for impl in impls:
+        c = copy.deepcopy(cfg)
+        c._attn_implementation = impl
+        torch.manual_seed(0)
+        models.append(getattr(transformers, cls_name)(c).eval().to(dtype))
+    return models
+
+
+def test_a_causal_mask_decides_over_is_causal_false(monkeypatch):
+    """Moonshine's decoder passes is_causal = self.is_causal and attention_mask is None, and
+    Aimv2's text model is_causal=False, each with a causal mask from create_causal_mask; SDPA
+    lets the mask decide. The hook took the flag, so padded batches attended to later tokens
+    (1.82 and 0.76 from eager at real tokens). Now the builder's (B, n) causal answer decides,
+    on the kernel."""
+    _no_fallback(monkeypatch)
+    moon = transformers.MoonshineConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, encoder_num_hidden_layers=1,
+        decoder_num_hidden_layers=1, encoder_num_attention_heads=4, decoder_num_attention_heads=4,
+        max_position_embeddings=64)
+    ours, ref = _models("MoonshineModel", moon)
+    torch.manual_seed(1)
+    audio = torch.randn(2, 4000, dtype=torch.float64)
+    dec = torch.randint(3, 100, (2, 6))
+    dm = torch.ones(2, 6, dtype=torch.long)
+    dm[1, 4:] = 0
+    with torch.no_grad():
+        got = ours(input_values=audio, decoder_input_ids=dec, decoder_attention_mask=dm).last_hidden_state
+        want = ref(input_values=audio, decoder_input_ids=dec, decoder_attention_mask=dm).last_hidden_state
+    assert (got - want)[dm.bool()].abs().max() < 1e-5  # (SDPA: 1.1e-7 from eager here)
+    aim = transformers.Aimv2TextConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=1, num_attention_heads=4,
+                                       max_position_embeddings=64, eos_token_id=2)
+    ours, ref = _models("Aimv2TextModel", aim)
+    ids = torch.randint(3, 100, (2, 7))
+    m = torch.ones_like(ids)
+    m[1, 5:] = 0
+    with torch.no_grad():
+        got = ours(input_ids=ids, attention_mask=m).last_hidden_state
+        want = ref(input_ids=ids, attention_mask=m).last_hidden_state
+    assert (got - want)[m.bool()].abs().max() < 1e-5
+
+
+def test_bidirectional_answer_survives_reentrant_checkpointing():
+    """The bidirectional answer was an attribute on the mask tensor, which reentrant
+    checkpointing drops when it detaches its inputs: the recomputed forward of AlignText
+    (no is_causal attribute) ran causal, and the word embeddings' gradient came back 0.06
+    off. Now a (B, 1, 1, n) shape carries it: the same gradients as eager's."""
+    cfg = transformers.AlignTextConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                       num_attention_heads=4, intermediate_size=32,
+                                       max_position_embeddings=64, attention_probs_dropout_prob=0.0,
+                                       hidden_dropout_prob=0.0)
+    ids = torch.randint(5, 90, (2, 7))
+    am = torch.ones(2, 7, dtype=torch.long)
+    am[1, 5:] = 0
+    grads = []
+    for model in _models("AlignTextModel", cfg):
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        for kw in ({}, {"attention_mask": am}):
+            out = model(input_ids=ids, **kw).last_hidden_state
+            (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads.append(model.embeddings.word_embeddings.weight.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-6, atol=1e-7)
+
+
+def test_t5_bias_fallback_keeps_the_causal_band():
+    """A position_bias that is not a function of i - j (always the case under torch.compile,
+    where the test cannot read values) went to the eager formula with the padding mask only:
+    a causal decoder layer saw later keys (2.5 from SDPA). The fallback now applies the whole
+    pattern, with and without padding, and over packed sequences."""
+    m = torch.nn.Module()
+    m.is_causal = True
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(1, 2, 5, 5, dtype=torch.float64)
+    sdpa = transformers.integrations.sdpa_attention.sdpa_attention_forward
+    pad = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    with pytest.warns(UserWarning, match="fall back"):
+        attn_ext_hf._warned_fallback = False
+        got, _ = attn_ext_hf.attention_forward(m, q, k, v, None, scaling=1.0, position_bias=bias)
+    want, _ = sdpa(m, q, k, v, None, scaling=1.0, position_bias=bias)
+    torch.testing.assert_close(got, want)
+    got, _ = attn_ext_hf.attention_forward(m, q, k, v, pad, scaling=1.0, position_bias=bias)
+    full = causal[None, None] & pad[:, None, None, :]
+    want, _ = sdpa(m, q, k, v, full, scaling=1.0, position_bias=bias)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1, 1:], want[1, 1:])
+    assert torch.equal(got[1, 0], torch.zeros_like(got[1, 0]))  # sees no key (DESIGN: 0)
+    # packed: two sequences of 2 and 3 tokens in one row
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    got, _ = attn_ext_hf.attention_forward(m, q[:1], k[:1], v[:1], None, scaling=1.0,
+                                           position_bias=bias, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                           max_length_q=3, max_length_k=3)
+    block = torch.zeros(5, 5, dtype=torch.bool)
+    block[:2, :2] = causal[:2, :2]
+    block[2:, 2:] = causal[:3, :3]
+    want, _ = sdpa(m, q[:1], k[:1], v[:1], block[None, None], scaling=1.0, position_bias=bias)
+    torch.testing.assert_close(got, want)
+
+
+def test_t5_compiled_decoder_stays_causal():
+    """Under torch.compile the T5 bias always takes the fallback (its i - j test reads values);
+    it dropped the causal band there: 2.2 from eager, and the last decoder token changed the
+    earlier positions' logits."""
+    cfg = _t5_cfg()
+    cfg.num_layers = cfg.num_decoder_layers = 1
+    models = []
+    for impl in ("attn_ext", "eager"):
+        torch.manual_seed(0)
+        models.append(transformers.T5ForConditionalGeneration._from_config(
+            cfg, attn_implementation=impl).eval())
+    ours, ref = models
+    x, y = torch.randint(0, 100, (2, 9)), torch.randint(0, 100, (2, 6))
+
+    def f(model, x, y):
+        return model(input_ids=x, decoder_input_ids=y, use_cache=False).logits
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(f, backend="eager", fullgraph=True)(ours, x, y)
+        want = f(ref, x, y)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["doge", "pix2struct"])
+def test_models_that_slice_a_4d_mask_run(model):
+    """Doge and Pix2Struct's text model index the mask they are handed as 4-D
+    (mask[:, :, :, :k]); the 2-D padding answer raised IndexError with any padding. They get
+    transformers' 4-D mask now, and give SDPA's outputs at the real tokens."""
+    if model == "doge":
+        cfg = transformers.DogeConfig(vocab_size=100, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+        cls, kw = "DogeForCausalLM", {}
+    else:
+        cfg = transformers.Pix2StructTextConfig(vocab_size=100, hidden_size=32, d_kv=8, d_ff=64,
+                                                num_layers=1, num_heads=4,
+                                                relative_attention_num_buckets=8,
+                                                initializer_range=0.02)
+        cls, kw = "Pix2StructTextModel", {}
+    ours, ref = _models(cls, cfg, ("attn_ext", "sdpa"), torch.float32)
+    ids = torch.randint(3, 100, (2, 7))
+    m = torch.ones_like(ids)
+    m[1, :2] = 0 if model == "doge" else 1
+    m[1, 5:] = 1 if model == "doge" else 0
+    import warnings
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = ours(input_ids=ids, attention_mask=m, **kw).logits
+        want = ref(input_ids=ids, attention_mask=m, **kw).logits
+    assert (got - want)[m.bool()].abs().max() < 1e-4
+
+
+def test_compiled_and_exported_bidirectional_encoder_run_on_the_kernel(monkeypatch):
+    """A compiled or exported encoder (BERT, with padding) took SDPA: the bidirectional answer
+    was an attribute a traced tensor cannot carry. The (B, 1, 1, n) answer is decided from the
+    mask function alone, so tracing gets it too: on the kernel, eager's outputs."""
+    _no_fallback(monkeypatch)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                  num_attention_heads=4, intermediate_size=32,
+                                  max_position_embeddings=64)
+    ours, ref = _models("BertModel", cfg, dtype=torch.float32)
+    ids = torch.randint(5, 90, (2, 7))
+    am = torch.ones(2, 7, dtype=torch.long)
+    am[1, 5:] = 0
+
+    def f(model, i, a):
+        return model(input_ids=i, attention_mask=a).last_hidden_state
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(f, backend="eager", fullgraph=True)(ours, ids, am)
+        want = f(ref, ids, am)
+        ep = torch.export.export(ours, (), {"input_ids": ids, "attention_mask": am})
+        exported = ep.module()(input_ids=ids, attention_mask=am).last_hidden_state
+    assert (got - want)[am.bool()].abs().max() < 1e-5
+    assert (exported - want)[am.bool()].abs().max() < 1e-5
+    assert any("attn_ext" in str(n.target) for n in ep.graph.nodes)

@@ -17,8 +17,12 @@ What runs on attn_ext's kernel and what does not:
 
 - Causal (or bidirectional) attention, prefill and cached decoding with ``DynamicCache``.
 - Padded batches: the mask builder registered under ``"attn_ext"`` (:func:`attn_ext_mask`)
-  hands the attention function the 2-D ``(B, Sk)`` padding mask, which reaches the kernel as
-  ``key_padding_mask`` (left padding for generation, right padding for training).
+  hands the attention function the 2-D ``(B, Sk)`` padding mask for a causal pattern and a
+  ``(B, 1, 1, Sk)`` one for a bidirectional one, which reach the kernel as
+  ``key_padding_mask`` (left padding for generation, right padding for training). A given
+  mask decides whether the call is causal, as it does for SDPA (a model may pass
+  ``is_causal=False`` with a causal mask); without a mask ``is_causal``, else the module's
+  ``is_causal`` (default True), decides.
 - Sliding windows (Mistral-style ``config.sliding_window = W``): ``window=(W - 1, 0)``.
 - Packed training (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``: the
   ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments) runs
@@ -35,7 +39,8 @@ What runs on attn_ext's kernel and what does not:
   ``(B, 1, Sq, Sk)`` mask once per forward, as ``"sdpa"`` does, whenever there is padding.)
 - ``torch.compile(fullgraph=True)`` / ``torch.export``: no value may steer Python, so the
   mask builder decides from the mask function, sizes and offsets (:func:`_traced_mask`):
-  plain causal or bidirectional masks with padding reach the kernel as ``key_padding_mask``;
+  plain causal and bidirectional masks with padding reach the kernel as ``key_padding_mask``
+  (bidirectional encoders included);
   one query row's 4-D mask does too; other 4-D masks take SDPA (no warning while tracing),
   and T5's bias the eager formula.
 - ``softcap`` (Gemma 2's ``attn_logit_softcapping``), attention sinks (GPT-OSS's ``s_aux``)
@@ -126,24 +131,34 @@ def attention_forward(
     sinks = kwargs.get("s_aux")
     terms = dict(softcap=softcap, sinks=sinks, dropout_p=float(dropout))
     position_bias = kwargs.get("position_bias")  # T5: dense (1, H, Sq, Sk)
-    if position_bias is not None and kwargs.get("cu_seq_lens_q") is not None:
-        return _fallback(module, query, key, value, attention_mask, dropout, scaling,
-                         is_causal, kwargs, terms, position_bias), None
     plain = softcap is None and sinks is None and dropout == 0.0 and position_bias is None
+    q_len, kv_len = query.shape[2], key.shape[2]
 
+    # Causal or not. A mask decides, as a mask given to SDPA does (models such as Moonshine's
+    # decoder or Aimv2's text model build a causal mask and pass is_causal=False with it):
+    # attn_ext_mask's (B, n) padding mask is its causal answer, a boolean (B or 1, 1, 1, Sk)
+    # mask is the same keys for every query, i.e. bidirectional over key padding (both read
+    # from the shape, which survives detach(), reentrant checkpointing and tracing, where an
+    # attribute on the tensor did not). With no mask: is_causal, else module.is_causal.
     if is_causal is not None:
         causal_default = bool(is_causal)
-    elif getattr(attention_mask, "_attn_ext_bidirectional", False):
-        # the mask builder matched transformers' bidirectional pattern (a module without an
-        # is_causal attribute would otherwise be taken as causal): the mask decides, as a
-        # mask given to SDPA does
-        causal_default = False
     else:
         causal_default = getattr(module, "is_causal", True)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        causal_default = True
+    elif _is_key_row_mask(attention_mask, query.shape[0], kv_len) and q_len > 1:
+        causal_default = False
+        attention_mask = attention_mask[:, 0, 0].expand(query.shape[0], kv_len)
     sliding = kwargs.get("sliding_window")
     window = (int(sliding) - 1, 0) if sliding is not None and causal_default else None
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if position_bias is not None and cu_q is not None and cu_k is not None:
+        # (T5's dense bias over a packed batch: the eager formula, each sequence seeing its own
+        # keys only)
+        keep = _packed_keep(cu_q, cu_k, q_len, kv_len, causal_default, window, query.device)
+        return _fallback(module, query, key, value, keep, dropout, scaling, is_causal, kwargs,
+                         terms, position_bias), None
     if cu_q is not None and cu_k is not None and query.shape[0] == 1:
         # packed batch (DataCollatorWithFlattening): query (1, H, T, D), one row per token
         out = attn_ext.attention_varlen(
@@ -153,11 +168,10 @@ def attention_forward(
         )
         return out[None], None
 
-    q_len, kv_len = query.shape[2], key.shape[2]
     if attention_mask is not None and attention_mask.dim() != 2:
         # A 4-D mask: transformers' own (a static cache's unfilled slots; a pattern the mask
         # builder could not check under torch.compile / torch.export) or a custom one.
-        read = _read_as_padding(attention_mask, query.shape[0], q_len, kv_len, causal_default, window)
+        read = _read_as_padding(attention_mask, query.shape[0], q_len, kv_len, causal_default, sliding)
         if read is None:
             return _fallback(module, query, key, value, attention_mask, dropout, scaling,
                              is_causal, kwargs, terms, position_bias), None
@@ -184,7 +198,11 @@ def attention_forward(
         table = None if torch.compiler.is_compiling() else _rel_bias_table(
             position_bias, q_len, key.shape[2])
         if table is None:
-            keep = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+            # the kernel's whole pattern, not the padding alone (the causal band was dropped:
+            # T5's decoder saw later tokens whenever the bias took this path, always under
+            # torch.compile)
+            keep = visibility_mask(q_len, key.shape[2], causal_default, window, key_padding_mask,
+                                   query.device)
             return _fallback(module, query, key, value, keep, dropout, scaling,
                              is_causal, kwargs, terms, position_bias), None
         terms["rel_bias"] = table
@@ -225,10 +243,43 @@ def _on_kernel(query, key, value, key_padding_mask, causal_default, scaling, win
     return out, weights.to(query.dtype)
 
 
-def _read_as_padding(mask, batch, q_len, kv_len, causal, window):
+def _is_key_row_mask(mask, batch, kv_len) -> bool:
+    """A boolean ``(B or 1, 1, 1, kv_len)`` mask: every query sees the same keys (what
+    attn_ext_mask returns for transformers' bidirectional pattern)."""
+    return (mask is not None and mask.dtype == torch.bool and mask.dim() == 4
+            and mask.shape[0] in (1, batch) and tuple(mask.shape[1:]) == (1, 1, kv_len))
+
+
+def _packed_keep(cu_q, cu_k, q_len, kv_len, causal, window, device):
+    """The ``(Tq, Tk)`` mask of a packed batch (cu_seq_lens): query t of sequence s sees key u
+    of the same sequence under the kernel's per-sequence pattern (bottom-right aligned), as
+    attn_ext.attention_varlen applies it."""
+    cu_q, cu_k = cu_q.to(device=device, dtype=torch.long), cu_k.to(device=device, dtype=torch.long)
+    tq, tk = torch.arange(q_len, device=device), torch.arange(kv_len, device=device)
+    last = cu_q.numel() - 2
+    sq = torch.searchsorted(cu_q[1:], tq, right=True).clamp(max=last)  # each query's sequence
+    sk = torch.searchsorted(cu_k[1:], tk, right=True).clamp(max=last)
+    i, j = tq - cu_q[sq], tk - cu_k[sk]
+    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    d = i[:, None] + (len_k - len_q)[sq][:, None] - j[None, :]
+    keep = sq[:, None] == sk[None, :]
+    if causal:
+        keep = keep & (d >= 0)
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            keep = keep & (d <= left)
+        if right >= 0:
+            keep = keep & (d >= -right)
+    return keep
+
+
+def _read_as_padding(mask, batch, q_len, kv_len, causal, sliding):
     """A boolean ``(B or 1, 1, Sq, Sk)`` mask read as the kernel's arguments:
     ``(key_padding_mask (B, n), causal, window)`` for the first ``n`` keys, or None when
-    the kernel cannot apply it (the caller falls back).
+    the kernel cannot apply it (the caller falls back). The mask decides whether it is causal
+    (``causal``, the layer's default, is tried first; a causal pattern takes the layer's
+    ``sliding`` window).
 
     - One query row (decoding): its mask row is a key padding mask, whatever made it (a
       static cache's unfilled slots, a window): no value is read, so this also holds in a
@@ -236,7 +287,8 @@ def _read_as_padding(mask, batch, q_len, kv_len, causal, window):
     - Several rows, eager only: the keys no query sees are cut off the end (a static cache's
       unfilled slots, which would shift the kernel's bottom-right alignment), and the rest
       must equal ``visibility_mask(Sq, n, causal, window, pad)`` with ``pad`` the keys some
-      query sees. Under torch.compile / torch.export that test would read values: None.
+      query sees, causal or not. Under torch.compile / torch.export that test would read
+      values: None.
     """
     if (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
             or mask.shape[2] != q_len or mask.shape[3] != kv_len or mask.shape[0] not in (1, batch)):
@@ -251,9 +303,11 @@ def _read_as_padding(mask, batch, q_len, kv_len, causal, window):
         return None
     n = int(cols[-1]) + 1
     pad = mask[..., :n].any(dim=1)  # (B, n)
-    if not torch.equal(visibility_mask(q_len, n, causal, window, pad, mask.device)[:, 0], mask[..., :n]):
-        return None
-    return pad, causal, window
+    for c in (causal, not causal):
+        window = (int(sliding) - 1, 0) if sliding is not None and c else None
+        if torch.equal(visibility_mask(q_len, n, c, window, pad, mask.device)[:, 0], mask[..., :n]):
+            return pad, c, window
+    return None
 
 
 def _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs,
@@ -294,9 +348,16 @@ def _eager(module, query, key, value, attention_mask, dropout, scaling, position
             scores = scores.masked_fill(~attention_mask, float("-inf"))
         else:
             scores = scores + attention_mask
-    probs, _ = softmax_with_sinks(scores.float(), sinks)
+    # (float32 at least, as eager; float64 stays float64)
+    probs, _ = softmax_with_sinks(scores.to(torch.promote_types(scores.dtype, torch.float32)), sinks)
     probs = torch.nn.functional.dropout(probs.to(query.dtype), dropout, training=module.training)
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+
+# Models that index the mask they are handed as a 4-D tensor (mask[:, :, :, :k]) before the
+# attention function sees it: the 2-D padding answer made them fail (IndexError), so they get
+# transformers' own 4-D mask, which the attention function reads back as padding in eager.
+_CROPS_4D_MASK = frozenset({"doge", "pix2struct_text_model"})
 
 
 def attn_ext_mask(
@@ -311,26 +372,30 @@ def attn_ext_mask(
     allow_is_causal_skip: bool = True,
     **kwargs,
 ):
-    """transformers mask builder for ``"attn_ext"``: None when no mask is needed, the 2-D
-    ``(B, n)`` key padding mask when transformers' mask is exactly that padding on top of
-    the causal (or bidirectional) pattern and the sliding window ``local_size`` that the
-    attention function applies (bottom-right aligned), and transformers' full 4-D SDPA mask
-    otherwise (-> the attention function falls back to SDPA)."""
+    """transformers mask builder for ``"attn_ext"``. Its answers, which the attention function
+    reads by their shape:
+
+    - None when no mask is needed (transformers' own ``sdpa_mask`` gives None);
+    - transformers' bidirectional pattern (``bidirectional_mask_function``, no window, several
+      queries): the ``(B, 1, 1, kv_length)`` boolean key padding mask, the same keys for
+      every query (an SDPA-style 4-D mask, so models that slice or add to it still work);
+    - a causal pattern with the sliding window ``local_size`` that the attention function
+      applies (bottom-right aligned) on top of key padding: the 2-D ``(B, n)`` padding mask;
+    - otherwise transformers' full 4-D SDPA mask (-> the attention function reads it as
+      padding where it can, else falls back to SDPA)."""
+    if (mask_function is bidirectional_mask_function and q_length > 1 and local_size is None
+            and isinstance(kv_offset, int)
+            and (attention_mask is None or attention_mask.dim() == 2)):
+        # (decided from the mask function itself, so the same in eager and while tracing)
+        return _key_row_mask(batch_size, kv_length, kv_offset, attention_mask,
+                             kwargs.get("device", "cpu"))
     full = sdpa_mask(
         batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
         local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs,
     )
-    device = kwargs.get("device", "cpu")
-    if full is None and mask_function is bidirectional_mask_function and q_length > 1:
-        # transformers skips a bidirectional mask without padding; the attention function
-        # would then take a module without an is_causal attribute for causal. An all-True
-        # padding mask, marked as eager's bidirectional answer below (traced: the 4-D mask)
-        if torch.compiler.is_compiling():
-            return torch.ones(batch_size, 1, q_length, kv_length, dtype=torch.bool, device=device)
-        mask = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
-        mask._attn_ext_bidirectional = True
-        return mask
     if full is None or (attention_mask is not None and attention_mask.dim() != 2):
+        return full
+    if getattr(kwargs.get("config"), "model_type", None) in _CROPS_4D_MASK:
         return full
     if torch.compiler.is_compiling():
         return _traced_mask(full, batch_size, q_length, kv_length, q_offset, kv_offset,
@@ -351,26 +416,20 @@ def attn_ext_mask(
     band = k_pos <= q_pos
     if local_size is not None:
         band = band & (q_pos - k_pos < local_size)
-    for pattern in (band, torch.ones_like(band)):  # causal (with window), bidirectional
-        if torch.equal(full[..., :n], pattern[None, None] & pad[:, None, None, :]):
-            if pattern is not band and not torch.equal(band, pattern) and kv_offset == 0:
-                # bidirectional where causal would differ: the padding mask (all True without
-                # padding), marked, so that the attention function does not take the module's
-                # missing is_causal for True (AlignText, Splinter, CLAP's text model)
-                mask = pad.clone()
-                mask._attn_ext_bidirectional = True
-                return mask
-            if kv_offset > 0:
-                # The cache holds positions kv_offset.. only (a sliding window's static layer
-                # once full): return the caller's mask over absolute positions [0, kv_offset +
-                # n), not its slice. generate() feeds a precomputed mask back into this builder
-                # as a 2-D padding mask, which is then read at absolute positions again (the
-                # slice would be read as positions 0..n-1: a wrong mask, and wrong tokens);
-                # the attention function takes its last kv_len columns.
-                if attention_mask is None:  # no padding: every absolute position is real
-                    return torch.ones(batch_size, kv_offset + n, dtype=torch.bool, device=full.device)
-                return attention_mask[:, : kv_offset + n].to(torch.bool)
-            return _padding_or_none(attention_mask, pad, q_length)
+    if torch.equal(full[..., :n], band[None, None] & pad[:, None, None, :]):  # causal (+ window)
+        if kv_offset > 0:
+            # The cache holds positions kv_offset.. only (a sliding window's static layer
+            # once full): return the caller's mask over absolute positions [0, kv_offset +
+            # n), not its slice. generate() feeds a precomputed mask back into this builder
+            # as a 2-D padding mask, which is then read at absolute positions again (the
+            # slice would be read as positions 0..n-1: a wrong mask, and wrong tokens);
+            # the attention function takes its last kv_len columns.
+            if attention_mask is None:  # no padding: every absolute position is real
+                return torch.ones(batch_size, kv_offset + n, dtype=torch.bool, device=full.device)
+            return attention_mask[:, : kv_offset + n].to(torch.bool)
+        return pad
+    if q_length > 1 and torch.equal(full, full[:, :, :1].expand_as(full)):
+        return full[:, :, :1]  # every query sees the same keys (a composed bidirectional mask)
     return full
 
 
@@ -380,16 +439,13 @@ def _traced_mask(full, batch_size, q_length, kv_length, q_offset, kv_offset, mas
     same answer as in eager, decided from what is known while tracing (the mask function
     itself, the sizes and offsets), never from the mask's values.
 
-    Only transformers' plain causal and bidirectional mask functions, with no window and
-    offsets that are Python ints aligning the queries bottom-right on the keys (no cache,
-    or a cache without a tensor offset), give the 2-D padding mask or None; anything else
-    keeps transformers' 4-D mask, which the attention function runs on the kernel for one
-    query row (decoding) and otherwise hands to SDPA."""
+    (transformers' plain bidirectional mask function never gets here: attn_ext_mask answers
+    it from the function alone.) Only its plain causal mask function (or the bidirectional
+    one for one query row), with no window and offsets that are Python ints aligning the
+    queries bottom-right on the keys (no cache, or a cache without a tensor offset), gives the
+    2-D padding mask; anything else keeps transformers' 4-D mask, which the attention
+    function runs on the kernel for one query row (decoding) and otherwise hands to SDPA."""
     if mask_function is not causal_mask_function and mask_function is not bidirectional_mask_function:
-        return full
-    if mask_function is bidirectional_mask_function and q_length > 1:
-        # (eager marks its bidirectional answer for the attention function; a traced tensor
-        # carries no such mark, so the 4-D mask goes on: SDPA with transformers' own mask)
         return full
     if local_size is not None or not isinstance(q_offset, int) or not isinstance(kv_offset, int):
         return full
@@ -402,20 +458,20 @@ def _traced_mask(full, batch_size, q_length, kv_length, q_offset, kv_offset, mas
         pad = torch.ones(batch_size, n, dtype=torch.bool, device=full.device)
     else:
         pad = attention_mask[:, :n].to(torch.bool)
-    return _padding_or_none(attention_mask, pad, q_length)
-
-
-def _padding_or_none(attention_mask, pad, q_length):
-    """The builder's answer once the mask is the kernel's pattern over ``pad (B, n)``.
-
-    No mask only where no past keys precede several queries: the attention function reads a
-    missing mask with more keys than queries (q_len > 1) as an empty static cache's prefill
-    (transformers' own convention) and drops the keys past q_len; a chunk after cached keys
-    keeps them through the all-True padding mask. (One decoding query sees every key either
-    way.)"""
-    if attention_mask is None and (pad.shape[1] == q_length or q_length == 1):
-        return None
     return pad
+
+
+def _key_row_mask(batch_size, kv_length, kv_offset, attention_mask, device):
+    """transformers' bidirectional mask as one row per sequence, ``(B, 1, 1, kv_length)``
+    boolean: key ``j`` (absolute position ``kv_offset + j``) is seen where the 2-D padding
+    mask says so, and not past its end (unfilled cache slots), as sdpa_mask pads it."""
+    if attention_mask is None:
+        return torch.ones(batch_size, 1, 1, kv_length, dtype=torch.bool, device=device)
+    pad = attention_mask.to(torch.bool)
+    short = kv_offset + kv_length - pad.shape[1]
+    if short > 0:
+        pad = torch.nn.functional.pad(pad, (0, short))
+    return pad[:, None, None, kv_offset: kv_offset + kv_length]
 
 
 def register(name: str = NAME) -> None:

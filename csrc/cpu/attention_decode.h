@@ -71,19 +71,18 @@ constexpr int64_t kDecodeKeysInPlace = 128;
 // Keys per chunk at least (a chunk's fixed costs: q packing, merge).
 constexpr int64_t kDecodeMinChunk = 256;
 
-// ATTN_EXT_CPU_DECODE=0 turns the decode kernel off (read once; for benchmarks that compare
-// it with the tiled kernel on the same shapes).
-inline bool decode_enabled() {
-  static const bool on = !cpu::env_is("ATTN_EXT_CPU_DECODE", "0");
-  return on;
-}
+// ATTN_EXT_CPU_DECODE=0 turns the decode kernel off (for benchmarks that compare it with the
+// tiled kernel on the same shapes). Read per call, as attn_ext.explain() reads it: a process
+// that changed it after its first call still ran the decode kernel while explain named the
+// tiled one.
+inline bool decode_enabled() { return !cpu::env_is("ATTN_EXT_CPU_DECODE", "0"); }
 
 inline int64_t decode_threads() { return num_threads(); }
 
-// ATTN_EXT_CPU_DECODE_IN_PLACE=0: always pack fp32 K/V blocks (for benchmarks comparing both).
+// ATTN_EXT_CPU_DECODE_IN_PLACE=0: always pack fp32 K/V blocks (for benchmarks comparing both;
+// the same bits). Read per call.
 inline bool decode_in_place_enabled() {
-  static const bool on = !cpu::env_is("ATTN_EXT_CPU_DECODE_IN_PLACE", "0");
-  return on;
+  return !cpu::env_is("ATTN_EXT_CPU_DECODE_IN_PLACE", "0");
 }
 
 inline bool decode_supported(const AttentionParams& p, bool is_double) {
