@@ -91,13 +91,15 @@ def sinusoidal_table(
     """The ``(seq_len, dim)`` sinusoidal encoding matrix (for inspection and plots),
     produced by the same kernel as :func:`sinusoidal_pe` applied to zeros."""
     for name, n in (("seq_len", seq_len), ("dim", dim)):
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        if not _is_int(n):
             raise ArgumentTypeError(f"{name} must be an int, got {type(n).__name__}")
         if n < 0:
             raise ValueError(f"{name} must be >= 0, got {n}")
     dtype = dtype or torch.get_default_dtype()
     _check_table_dtype(dtype)
-    zeros = torch.zeros(int(seq_len), int(dim), dtype=dtype, device=device)
+    # (int() of a symbolic size would specialise it under torch.export)
+    zeros = torch.zeros(*(n if isinstance(n, torch.SymInt) else int(n) for n in (seq_len, dim)),
+                        dtype=dtype, device=device)
     return sinusoidal_pe_(zeros, None, 0, base)
 
 
@@ -465,7 +467,7 @@ def rope_cache(
       ``w_i < L0/high`` unchanged, ``w_i > L0/low`` divided by ``f``, in between
       ``(1 - t) * inv_freq_i / f + t * inv_freq_i`` with ``t = (L0/w_i - low)/(high - low)``.
     """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral):
+    if not _is_int(seq_len):
         raise ArgumentTypeError(f"seq_len must be an int, got {type(seq_len).__name__}")
     if seq_len < 0:
         raise ValueError(f"seq_len must be >= 0, got {seq_len}")
@@ -474,8 +476,8 @@ def rope_cache(
     inv_freq, attn = rope_inv_freq(rotary_dim, base, scaling, seq_len)
     # (on the CPU, as rope_inv_freq's constants, whatever the default device; then moved to
     # `device`, by default the default device, as a factory function's result)
-    if device is None:
-        device = torch.get_default_device()
+    if device is None:  # (torch.get_default_device() cannot be traced by torch.compile)
+        device = torch.empty(0).device
     angle = torch.arange(seq_len, dtype=torch.float64, device="cpu")[:, None] * inv_freq[None, :]
     cos = (torch.cos(angle) * attn).to(dtype=dtype, device=device)
     sin = (torch.sin(angle) * attn).to(dtype=dtype, device=device)
@@ -710,8 +712,8 @@ def _number_repr(x) -> str:
 
 
 def _is_int(x) -> bool:
-    """An int (numpy's too), not a bool."""
-    return not isinstance(x, bool) and isinstance(x, numbers.Integral)
+    """An int (numpy's too, and a symbolic one: a size under torch.export), not a bool."""
+    return not isinstance(x, bool) and isinstance(x, (numbers.Integral, torch.SymInt))
 
 
 def _host_number(x):
@@ -726,8 +728,9 @@ def _host_number(x):
 
 def _checked_softcap(softcap) -> Optional[float]:
     """softcap: None or a number with 0 < softcap < inf, as a float (the ops' and the layers'
-    check). Not math.isfinite, and float() to format it: under torch.compile a softcap that
-    changes between calls becomes a symbolic float."""
+    check). Comparisons, not math.isfinite, and float() to format it, so that a symbolic
+    float would trace (torch.compile specialises float arguments by default: each new softcap
+    compiles anew, as the op's float schema asks)."""
     if softcap is None:
         return None
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
@@ -741,8 +744,8 @@ def _checked_softcap(softcap) -> Optional[float]:
 
 def _check_scale(scale) -> None:
     """scale: None or a finite number. A bool is refused (the op's float parser would take it
-    as 0 / 1), and so is a string or a tensor, by name. No math.isfinite: under
-    torch.compile a scale that changes between calls is a symbolic float."""
+    as 0 / 1), and so is a string or a tensor, by name. Comparisons, not math.isfinite, as
+    for softcap (_checked_softcap)."""
     if scale is None:
         return
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -790,10 +793,16 @@ def _dropout_seed_offset(device: torch.device) -> Tuple[int, int]:
     r = torch.randint(0, 4611686018427387904, (2,), dtype=torch.int64, device=device)  # 2**62
     if torch.jit.is_scripting():
         return int(r[0].item()), int(r[1].item())
-    # eager / torch.compile / torch.export: no int(), which would guard on a data-dependent
-    # value under tracing (the ops' dropout_seed / dropout_offset are SymInt)
-    seed, offset = r.tolist()
-    return seed, offset
+    else:
+        if not torch.compiler.is_compiling() and (
+                r.device.type == "meta" or isinstance(r, torch._subclasses.FakeTensor)):
+            # meta tensors or an eager FakeTensorMode: shapes only, no values to draw (the
+            # call's output is as empty of values); .tolist() raised there
+            return 0, 0
+        # eager / torch.compile / torch.export: no int(), which would guard on a
+        # data-dependent value under tracing (the ops' dropout_seed / dropout_offset are SymInt)
+        seed, offset = r.tolist()
+        return seed, offset
 
 
 def _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
@@ -992,9 +1001,12 @@ def attention_varlen(
     _check_tensor(cu_seqlens_q, "cu_seqlens_q", "int32 (N + 1,)")
     _check_tensor(cu_seqlens_k, "cu_seqlens_k", "int32 (N + 1,)")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(m, bool) or not isinstance(m, numbers.Integral):
+        if not _is_int(m):
             raise ArgumentTypeError(f"{name} must be an int, got {type(m).__name__}")
-        if not -2**63 <= m < 2**63:  # (torch's parser: "expected int, found int")
+        # (torch's parser: "expected int, found int"; a symbolic int, e.g. from .item() under
+        # torch.compile, is left to the op: comparing it would guard on its value)
+        if (not torch.compiler.is_compiling() and not isinstance(m, torch.SymInt)
+                and not -2**63 <= m < 2**63):
             raise ArgumentValueError(f"{name} must fit in int64, got {_number_repr(m)}")
     _check_causal(causal)
     _check_scale(scale)

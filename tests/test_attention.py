@@ -11,7 +11,7 @@ import torch
 import attn_ext
 from attn_ext import reference
 from tests.profiling import cpu_split_kv_ran, kernel_names, ran
-from tests.utils import FLOOR, assert_close_rule, max_err, max_finite_abs, randn
+from tests.utils import FLOOR, assert_close_rule, assert_lse_fp32, max_err, max_finite_abs, randn
 
 LOW = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -82,13 +82,7 @@ def check(q, k, v, causal, grads=True, scale=None):
             assert err <= 1e-9, f"{names[i]}: max error {err:.3e} vs float64 reference"
         else:
             assert_close_low(a, r, ref_low[i], name=names[i])
-    if dtype in (torch.float16, torch.bfloat16):
-        # lse is fp32 from fp32 sums: at fp32 rounding of the exact lse of these inputs, not
-        # merely within 2x of the low-precision reference's (which rounds lse to the dtype)
-        lse64 = ref64[1]
-        magnitude = max(1.0, max_finite_abs(lse64, default=1.0))
-        err = max_err(ours[1], lse64)
-        assert err <= 1e-5 * magnitude, f"lse: max error {err:.3e} against float64 (fp32 rounding)"
+    assert_lse_fp32(ours[1], ref64[1], dtype)
 
 
 def assert_close_low(ours, ref64, ref_low, name):

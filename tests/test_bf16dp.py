@@ -11,7 +11,7 @@ import torch
 import attn_ext
 from attn_ext import reference
 from attn_ext._explain import cpu_avx512bf16_enabled
-from tests.utils import assert_close_rule
+from tests.utils import assert_close_rule, assert_lse_fp32
 
 HAVE_DP = cpu_avx512bf16_enabled()
 
@@ -46,6 +46,7 @@ def _check(q, k, v, kw, bad_keys=None):
         if bad_keys is not None and name == "dk":
             a, r, lo = (t.masked_fill(bad_keys[..., None, None], 0) for t in (a, r, lo))
         assert_close_rule(a.double(), r, lo.double(), name)
+    assert_lse_fp32(ours[1], ref64[1], q.dtype)
     return ours
 
 

@@ -55,3 +55,34 @@ def test_cpu_simd_switch_governs_attention(tmp_path):
     assert not all(torch.equal(a, b) for a, b in zip(results["auto"], results["0"]))
     for a, b in zip(results["auto"], results["0"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+_PORTABLE_CHECK = r"""
+import torch
+import attn_ext
+from attn_ext import _explain
+from tests.test_attention import check
+assert not _explain.cpu_simd_enabled()
+torch.manual_seed(0)
+n = 0
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for B, Sq, Sk, H, Hkv, D, Dv in ((2, 17, 17, 4, 4, 64, 64), (1, 1, 97, 4, 2, 64, 64),
+                                      (1, 33, 70, 4, 2, 40, 24), (1, 130, 250, 2, 1, 64, 48)):
+        for causal in (False, True):
+            q = torch.randn(B, Sq, H, D).to(dtype)
+            k, v = torch.randn(B, Sk, Hkv, D).to(dtype), torch.randn(B, Sk, Hkv, Dv).to(dtype)
+            check(q, k, v, causal)
+            n += 1
+print("ok", n)
+"""
+
+
+def test_portable_path_against_the_reference(tmp_path):
+    """The portable kernels (ATTN_EXT_CPU_SIMD=0: every CPU without AVX2) against
+    reference.py by tests/test_attention.check, as the SIMD paths are: out, lse and every
+    gradient, fp32 / bf16 / fp16, decode, GQA, Dv != D and multi-tile shapes (the switch test
+    above compares only fp32 out with the reference)."""
+    env = dict(os.environ, ATTN_EXT_CPU_SIMD="0")
+    proc = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok 24"), proc.stderr[-3000:]

@@ -202,3 +202,47 @@ def test_rope_tables_grown_inside_a_compiled_call(fullgraph):
         got = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)(x)[0]
     assert model.rotary.cos.size(0) >= 12
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_varlen_max_seqlen_from_item_and_rope_cache_compile():
+    """attention_varlen with max_seqlen read by .item() (the FlashAttention idiom) compiles
+    with fullgraph=True (its int64 range check guarded on the unbacked value), and so does
+    rope_cache without a device (torch.get_default_device() cannot be traced)."""
+    cq = torch.tensor([0, 2, 5], dtype=torch.int32)
+    q, k, v = torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+
+    def f(q, k, v, cq):
+        m = (cq[1:] - cq[:-1]).max().item()
+        return attn_ext.attention_varlen(q, k, v, cq, cq, m, m, causal=True)
+
+    prev = torch._dynamo.config.capture_scalar_outputs
+    torch._dynamo.config.capture_scalar_outputs = True
+    try:
+        torch._dynamo.reset()
+        got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, cq)
+    finally:
+        torch._dynamo.config.capture_scalar_outputs = prev
+    torch.testing.assert_close(got, f(q, k, v, cq))
+    x = torch.randn(2, 5, 3, 8)
+
+    def g(x):
+        return attn_ext.rope(x, *attn_ext.rope_cache(16, 8))
+
+    torch.testing.assert_close(torch.compile(g, fullgraph=True, backend="aot_eager")(x), g(x))
+
+
+def test_dropout_on_meta_and_fake_tensors_gives_shapes():
+    """dropout_p > 0 on meta tensors, or under an eager FakeTensorMode, raised (the seed draw
+    read values: 'Cannot copy out of meta tensor'); it now gives the output's shape, as
+    dropout_p = 0 does."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.device("meta"):
+        mha = attn_ext.MultiHeadAttention(16, 2, dropout=0.1, causal=True)
+        x = torch.randn(1, 4, 16)
+    out = mha.train()(x)
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.device.type == "meta" and out.shape == (1, 4, 16)
+    with FakeTensorMode():
+        q = torch.randn(1, 4, 2, 8)
+        assert attn_ext.attention(q, q, q, dropout_p=0.1).shape == (1, 4, 2, 8)

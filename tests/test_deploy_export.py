@@ -140,3 +140,31 @@ def test_aoti_package_runs_in_a_fresh_process(exported, tmp_path):
         for p in inputs:
             torch.testing.assert_close(torch.load(p + ".out"), model(torch.load(p)),
                                        rtol=1e-4, atol=1e-5)
+
+
+def test_wrappers_take_symbolic_sizes_under_export():
+    """Non-strict export (torch 2.13's default) hands the wrappers sizes as SymInts: their type
+    checks refused them ('max_seqlen_q must be an int, got SymInt'; the same for rope_cache's
+    and sinusoidal_table's seq_len), and sinusoidal_table's int() specialised the size. The
+    exported programs now keep the dimension dynamic and give eager's results at other sizes."""
+    import attn_ext
+
+    class Varlen(torch.nn.Module):
+        def forward(self, q, k, v, cu):
+            return attn_ext.attention_varlen(q, k, v, cu, cu, q.shape[0], k.shape[0], causal=True)
+
+    class Tables(torch.nn.Module):
+        def forward(self, x):
+            cos, sin = attn_ext.rope_cache(x.shape[1], 8)
+            return attn_ext.rope(x, cos, sin) + attn_ext.sinusoidal_table(x.shape[1], 8)[None, :, None]
+
+    T, S = Dim("T", min=2, max=64), Dim("S", min=2, max=64)
+    q, k, v = torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    ep = torch.export.export(Varlen(), (q, k, v, cu), dynamic_shapes=({0: T}, {0: T}, {0: T}, None))
+    q, k, v = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    torch.testing.assert_close(ep.module()(q, k, v, cu), Varlen()(q, k, v, cu))
+    ep = torch.export.export(Tables(), (torch.randn(2, 5, 3, 8),), dynamic_shapes=({1: S},))
+    x = torch.randn(2, 11, 3, 8)
+    torch.testing.assert_close(ep.module()(x), Tables()(x))

@@ -165,18 +165,25 @@ def _check_f64(name, ours, ref):
     assert err <= 1e-9 * max(1.0, mag), f"{name}: max error {err:.3e} (magnitude {mag:.3e})"
 
 
-def _close_rule_small(ours, ref64, ref_low, name, factor=2.0, extra=0.0):
-    """The tolerance rule, with the low-precision reference's error taken as at least 4 ulps
-    of the largest reference value: on tiny random shapes (2 keys, 2 queries) the reference
-    can land within an ulp by luck, and 2x that lucky error is not a fair bound for a
-    different (equally valid) summation order. ``extra``: a documented absolute allowance
-    added to the bound (the FlashAttention row term's rounding, see test_fuzz_attention)."""
+def _close_rule_small(ours, ref64, ref_low, name, factor=2.0, extra=0.0, tiny=False):
+    """The tolerance rule, with the low-precision reference's error taken as at least one ulp
+    of the largest reference value, four on ``tiny`` shapes (at most 3 keys or 2 queries):
+    there the reference can land within an ulp by luck, and 2x that lucky error is not a fair
+    bound for a different (equally valid) summation order. (Four ulps everywhere let bf16
+    results 4 % off pass: 2 x 4 x 2^-8 of the largest value.) ``extra``: a documented absolute
+    allowance added to the bound (the FlashAttention row term's rounding, see
+    test_fuzz_attention)."""
     finite = ref64[torch.isfinite(ref64)]
     mag = float(finite.abs().max()) if finite.numel() else 0.0
-    ref_err = max(max_err(ref_low, ref64), 4 * torch.finfo(ours.dtype).eps * mag)
+    ulps = 4 if tiny else 1
+    ref_err = max(max_err(ref_low, ref64), ulps * torch.finfo(ours.dtype).eps * mag)
     err = max_err(ours, ref64)
     assert not torch.isnan(ours).any() or torch.isnan(ref64).any(), f"{name}: NaN in result"
-    bound = factor * ref_err + extra + FLOOR[ours.dtype]
+    # float32: the suite's floor relative to the magnitude (test_attention.assert_close_low,
+    # explained there): 2.35x the fp32 textbook's error at a 5.8e-6 error, scale 1.9
+    floor = (2 * FLOOR[torch.float32] * max(1.0, mag) if ours.dtype == torch.float32
+             else FLOOR[ours.dtype])
+    bound = factor * ref_err + extra + floor
     assert err <= bound, (f"{name}: max error {err:.3e} > {factor} * ref error {ref_err:.3e} "
                           f"+ {extra:.3e} + floor")
 
@@ -243,7 +250,7 @@ def test_fuzz_attention(case, device):
         # of 1903 such draws, ratios up to 1e7); the row term cannot be the textbook's: out
         # and lse may be those of a longer sequence (ring attention).
         extra = row_term if (c["dtype"] == torch.float32 and name in ("dq", "dk")) else 0.0
-        _close_rule_small(a, r64, rlow, name, extra=extra)
+        _close_rule_small(a, r64, rlow, name, extra=extra, tiny=c["Sk"] <= 3 or c["Sq"] <= 2)
     # causal_attention / attention are the same numbers as attention_forward's out.
     if c["causal"]:
         same = attn_ext.causal_attention(q, k, v, scale=c["scale"])
@@ -486,6 +493,15 @@ def _mask_ref(q, k, v, c, kpm, cu_q, cu_k, dtype, dout):
     return [out.detach(), lse.detach()] + [t.grad for t in ts]
 
 
+def _tiny_rows(c, kpm) -> bool:
+    """Whether some row of a masks case may see 3 keys or fewer (the rule's 4-ulp floor):
+    few keys or queries, packed sequences or key padding (their rows' lengths are random), or
+    a window with a side of 2 or less."""
+    w = c["window"] if c["window"] is not None else (-1, -1)
+    return (c["Sk"] <= 3 or c["Sq"] <= 2 or c["varlen"] or kpm is not None
+            or any(0 <= side <= 2 for side in w))
+
+
 @fuzz_settings("masks")
 @given(case=mask_cases())
 def test_fuzz_masks(case):
@@ -537,4 +553,4 @@ def test_fuzz_masks(case):
             continue
         # fp32 dq / dk: plus the row term's rounding, as in test_fuzz_attention (the note there)
         extra = row_term if (c["dtype"] == torch.float32 and name in ("dq", "dk")) else 0.0
-        _close_rule_small(a, r64, rlow, name, extra=extra)
+        _close_rule_small(a, r64, rlow, name, extra=extra, tiny=_tiny_rows(c, kpm))

@@ -1,6 +1,8 @@
 """No CPU kernel reads or writes outside its tensors: every input is placed so that its last
 byte is the last byte before an inaccessible page (PROT_NONE), or its first byte the first
-after one, and every op runs forward and backward on such inputs: the tiled kernel (fp32 /
+after one, and every op runs forward and backward on such inputs (the in-place RoPE and
+sinusoidal ops write into such tensors; outputs that torch allocates are not guarded: writes
+past them are `make asan`'s to find): the tiled kernel (fp32 /
 bf16 / fp16, odd and aligned head dims, GQA, causal / window / key padding, score terms), the
 split-KV path, the decode kernel (every PV product: fp32 / fp16, bf16 widened and by vdpbf16ps
 pairs, in-place, packed and band-edge blocks), varlen, RoPE and the sinusoidal encoding. A read
@@ -122,6 +124,14 @@ for before in (False, True):
         for interleaved in (False, True):
             attn_ext.rope(x, cos, sin, interleaved=interleaved)
         attn_ext.sinusoidal_pe(guarded(torch.randn(2, 33, 38).to(dt), before))
+        # the in-place ops write into guarded memory; rope's backward reads a guarded dout
+        for interleaved in (False, True):
+            attn_ext.rope_(guarded(x[:, :30].clone(), before), cos, sin, None, 3, interleaved)
+            q2, k2 = guarded(x.clone(), before), guarded(x[:, :, :1].clone(), before)
+            attn_ext.rope_qk(q2, k2, cos, sin, None, inplace=True, interleaved=interleaved)
+        xg = guarded(x.clone(), before).requires_grad_()
+        attn_ext.rope(xg, cos, sin).backward(guarded(torch.randn(x.shape).to(dt), before))
+        attn_ext.sinusoidal_pe_(guarded(torch.randn(2, 33, 38).to(dt), before), None, 123_456, 500.0)
         n += 1
 print("ok", n)
 '''

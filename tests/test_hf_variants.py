@@ -15,10 +15,16 @@ transformers = pytest.importorskip("transformers")
 import attn_ext.integrations.hf as attn_ext_hf  # noqa: E402  (registers "attn_ext")
 
 
-def _no_fallback(monkeypatch):
+def _no_fallback(monkeypatch, eager_too=False):
+    """Refuse transformers' SDPA; with eager_too also the hook's own textbook fallback (where a
+    layer with softcap or sinks goes: only then is "on the kernel" checked)."""
     def refuse(*args, **kwargs):
         raise AssertionError("attn_ext fell back to transformers' SDPA")
     monkeypatch.setattr(attn_ext_hf, "sdpa_attention_forward", refuse)
+    if eager_too:
+        def refuse_eager(*args, **kwargs):
+            raise AssertionError("attn_ext fell back to the eager formula")
+        monkeypatch.setattr(attn_ext_hf, "_eager", refuse_eager)
 
 
 def _build(cfg, impl, seed=0):
@@ -63,7 +69,7 @@ def test_logits_match_eager_on_the_kernel(make_cfg, monkeypatch):
             for layer_o, layer_r in zip(ours.model.layers, ref.model.layers):
                 layer_r.self_attn.sinks.copy_(layer_o.self_attn.sinks)
     idx = torch.randint(0, 100, (2, 13))
-    _no_fallback(monkeypatch)
+    _no_fallback(monkeypatch, eager_too=True)
     with torch.no_grad():
         got = ours(idx).logits
         want = ref(idx).logits
@@ -221,7 +227,7 @@ def test_bidirectional_encoder_without_is_causal(cls_name, cfg_name, extra, monk
     never reads it): the hook took such a module for causal, so every position but the last
     attended to fewer keys than eager (up to 0.02 apart); the mask builder's bidirectional
     answer now tells the attention function. With and without a padding mask, on the kernel."""
-    _no_fallback(monkeypatch)
+    _no_fallback(monkeypatch, eager_too=True)
     ours = _encoder(cls_name, cfg_name, "attn_ext", **extra)
     ref = _encoder(cls_name, cfg_name, "eager", **extra)
     ours.load_state_dict(ref.state_dict())
@@ -252,7 +258,7 @@ def test_a_causal_mask_decides_over_is_causal_false(monkeypatch):
     lets the mask decide. The hook took the flag, so padded batches attended to later tokens
     (1.82 and 0.76 from eager at real tokens). Now the builder's (B, n) causal answer decides,
     on the kernel."""
-    _no_fallback(monkeypatch)
+    _no_fallback(monkeypatch, eager_too=True)
     moon = transformers.MoonshineConfig(
         vocab_size=100, hidden_size=64, intermediate_size=128, encoder_num_hidden_layers=1,
         decoder_num_hidden_layers=1, encoder_num_attention_heads=4, decoder_num_attention_heads=4,
@@ -396,7 +402,7 @@ def test_compiled_and_exported_bidirectional_encoder_run_on_the_kernel(monkeypat
     """A compiled or exported encoder (BERT, with padding) took SDPA: the bidirectional answer
     was an attribute a traced tensor cannot carry. The (B, 1, 1, n) answer is decided from the
     mask function alone, so tracing gets it too: on the kernel, eager's outputs."""
-    _no_fallback(monkeypatch)
+    _no_fallback(monkeypatch, eager_too=True)
     cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
                                   num_attention_heads=4, intermediate_size=32,
                                   max_position_embeddings=64)

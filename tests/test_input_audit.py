@@ -476,3 +476,21 @@ def test_rope_backward_of_empty_input(shape):
     A.rope(x, cos, sin).sum().backward()
     assert x.grad.shape == x.shape
     torch.library.opcheck(torch.ops.attn_ext.rope.default, (torch.randn(*shape, requires_grad=True), cos, sin))
+
+
+def test_backward_names_an_argument_on_another_device():
+    """The backward's device checks (dout, out, lse; varlen's cu_seqlens) run on CPU CI with a
+    meta tensor among CPU ones (the CUDA device-mix tests skip without a GPU)."""
+    q, k, v = _qkv()
+    out, lse = torch.ops.attn_ext.attention_forward(q, k, v, True)
+    for name, args in (("dout", (out.to("meta"), q, k, v, out, lse)),
+                       ("out", (out, q, k, v, out.to("meta"), lse)),
+                       ("lse", (out, q, k, v, out, lse.to("meta")))):
+        with pytest.raises(RuntimeError, match=f"{name} must be on the same device as q"):
+            torch.ops.attn_ext.attention_backward(*args, True)
+    qp, kp = q[0], k[0]
+    cu = torch.tensor([0, qp.shape[0]], dtype=torch.int32)
+    ck = torch.tensor([0, kp.shape[0]], dtype=torch.int32)
+    for name, cq_, ck_ in (("cu_seqlens_q", cu.to("meta"), ck), ("cu_seqlens_k", cu, ck.to("meta"))):
+        with pytest.raises(RuntimeError, match=name):
+            A.attention_varlen(qp, kp, kp, cq_, ck_, qp.shape[0], kp.shape[0])

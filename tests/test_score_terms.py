@@ -176,6 +176,34 @@ def test_gradcheck():
     assert torch.autograd.gradcheck(g, (qv, kv, rel, sinks))
 
 
+def test_gradcheck_with_dropout():
+    """Dropout's backward by gradcheck: the op with a fixed seed and offset is a fixed
+    function of its inputs (the same keep bits on every call), so finite differences apply;
+    the loss also reaches lse (of the undropped scores)."""
+    B, Sq, Sk, H, Hkv, D = 1, 6, 9, 2, 1, 4
+    q = randn(B, Sq, H, D, dtype=torch.float64).requires_grad_()
+    k = randn(B, Sk, Hkv, D, dtype=torch.float64).requires_grad_()
+    v = randn(B, Sk, Hkv, D, dtype=torch.float64).requires_grad_()
+    rel = randn(H, 2 * 3 + 1, dtype=torch.float64).requires_grad_()
+
+    def f(q, k, v, rel):
+        return torch.ops.attn_ext.attention_forward(q, k, v, True, None, -1, -1, None, None, rel,
+                                                    None, None, 0.3, 1234, 5)
+
+    out = f(q, k, v, rel)[0]
+    assert not torch.equal(out, torch.ops.attn_ext.attention_forward(
+        q, k, v, True, None, -1, -1, None, None, rel, None, None, 0.0, 1234, 5)[0])  # drops some
+    assert torch.autograd.gradcheck(f, (q, k, v, rel))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    qv, kv, vv = (randn(9, n, D, dtype=torch.float64).requires_grad_() for n in (H, Hkv, Hkv))
+
+    def g(q, k, v):
+        return torch.ops.attn_ext.attention_varlen_forward(q, k, v, cu, cu, 5, 5, True, None, -1,
+                                                           -1, None, None, None, None, 0.3, 99, 3)
+
+    assert torch.autograd.gradcheck(g, (qv, kv, vv))
+
+
 def test_opcheck():
     B, Sq, Sk, H, Hkv, D = 2, 7, 11, 2, 1, 8
     q, k, v = randn(B, Sq, H, D), randn(B, Sk, Hkv, D), randn(B, Sk, Hkv, D)
@@ -462,7 +490,13 @@ def test_multihead_attention_terms(kind):
     ref_out, ref_lse = reference.attention_with_lse(q, k, v, True, **terms)
     want = layer.out_proj(ref_out.reshape(B, S, E))
     assert max_err(out, want) < 1e-10
-    assert max_err(w.sum(-1), torch.ones(B, H, S)) < 1e-5
+    # the probabilities with the terms: softmax of reference.add_score_terms' scores
+    qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+    scores = reference.add_score_terms((qt @ kt.transpose(-1, -2)) * (E // H) ** -0.5,
+                                       reference.score_distance(S, S), **terms)
+    scores = scores.masked_fill(~reference.visibility_mask(S, S, causal=True), float("-inf"))
+    assert w.shape == (B, H, S, S)
+    assert max_err(w, torch.softmax(scores, dim=-1)) < 1e-10
     scripted = torch.jit.script(layer)
     assert max_err(scripted(x)[0], out) < 1e-12
     if kind == "rel_bias":
@@ -480,6 +514,11 @@ def test_multihead_attention_dropout_in_kernel():
     torch.manual_seed(5)
     b = layer(x)[0]
     assert torch.equal(a, b)
+    # the same bits as attn_ext.attention(dropout_p=0.2) on the layer's q, k, v, seeded alike
+    q, k, v = (t.reshape(2, 40, 4, 8) for t in layer.qkv(x).split([32, 32, 32], dim=-1))
+    torch.manual_seed(5)
+    want = layer.out_proj(attn_ext.attention(q, k, v, causal=True, dropout_p=0.2).reshape(2, 40, 32))
+    assert torch.equal(a, want)
     layer.eval()
     assert not torch.equal(a, layer(x)[0])
 

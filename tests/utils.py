@@ -48,6 +48,19 @@ def assert_close_rule(ours: torch.Tensor, ref64: torch.Tensor, ref_low: torch.Te
     assert err <= bound, f"{name}: max error {err:.3e} > {factor} * ref error {ref_err:.3e} + floor ({bound:.3e})"
 
 
+def assert_lse_fp32(lse: torch.Tensor, lse64: torch.Tensor, dtype: torch.dtype) -> None:
+    """For bf16 / fp16 inputs: lse is fp32 from fp32 sums (DESIGN), so it must sit at fp32
+    rounding of the exact lse of these inputs, 1e-5 * max(1, max|lse|), not merely within 2x
+    of the low-precision reference's (which rounds lse to the dtype, ~1e-2 for bf16: ring
+    attention merges partial results through lse). No-op for other dtypes."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return
+    assert lse.dtype == torch.float32, f"lse dtype {lse.dtype} for {dtype} inputs"
+    magnitude = max(1.0, max_finite_abs(lse64, default=1.0))
+    err = max_err(lse, lse64)
+    assert err <= 1e-5 * magnitude, f"lse: max error {err:.3e} against float64 (fp32 rounding)"
+
+
 def randn(*shape, dtype=torch.float32, device="cpu", scale=1.0):
     """Random normal input, never zeros (fresh per call)."""
     return (torch.randn(*shape, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
