@@ -29,6 +29,22 @@ def causal_mask(sq: int, sk: int, device=None) -> torch.Tensor:
     return j <= i + (sk - sq)
 
 
+def band_mask(d: torch.Tensor, causal: bool = False,
+              window: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """True where the distance ``d = i + (sk - sq) - j`` is seen: causal keeps ``d >= 0``;
+    ``window = (left, right)`` keeps ``-right <= d <= left`` (a side of -1 is unbounded)."""
+    keep = torch.ones_like(d, dtype=torch.bool)
+    if causal:
+        keep = keep & (d >= 0)
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            keep = keep & (d <= left)
+        if right >= 0:
+            keep = keep & (d >= -right)
+    return keep
+
+
 def visibility_mask(
     sq: int,
     sk: int,
@@ -46,16 +62,7 @@ def visibility_mask(
     """
     i = torch.arange(sq, device=device)[:, None]
     j = torch.arange(sk, device=device)[None, :]
-    d = i + (sk - sq) - j
-    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
-    if causal:
-        keep = keep & (d >= 0)
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            keep = keep & (d <= left)
-        if right >= 0:
-            keep = keep & (d >= -right)
+    keep = band_mask(i + (sk - sq) - j, causal, window)
     if key_padding_mask is not None:
         keep = keep[None, None] & key_padding_mask[:, None, None, :].to(device)
     return keep

@@ -19,19 +19,26 @@ declare -a SUMMARY
 note() { SUMMARY+=("$1"); echo "### $1"; }
 left() { echo $(( BUDGET - SECONDS )); }
 
+# the toolkit: $CUDA_HOME, else /usr/local/cuda, else the one nvcc on PATH belongs to
+CUDA_ROOT=${CUDA_HOME:-/usr/local/cuda}
+if [ ! -x "$CUDA_ROOT/bin/nvcc" ] && command -v nvcc > /dev/null; then
+  CUDA_ROOT=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+fi
+
 # ---- 0. machine --------------------------------------------------------------------------
 {
   nvidia-smi -L
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
   $PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-  /usr/local/cuda/bin/nvcc --version | tail -2
-  command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null
+  echo "CUDA toolkit: $CUDA_ROOT"; "$CUDA_ROOT/bin/nvcc" --version | tail -2
+  command -v compute-sanitizer || ls "$CUDA_ROOT/bin/compute-sanitizer" 2>/dev/null
 } 2>&1 | tee "$OUT/info.log"
 
 # ---- 1. build ------------------------------------------------------------------------------
 t0=$SECONDS
-CUDA_HOME=/usr/local/cuda TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 ATTN_EXT_CUDA=1 \
-  $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1
+# (bounded: a build that hangs or crawls must leave the budget's last minute for the summary)
+CUDA_HOME=$CUDA_ROOT TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 ATTN_EXT_CUDA=1 \
+  timeout $(( $(left) > 120 ? $(left) - 60 : 60 )) $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1
 rc=$?
 note "build rc=$rc in $(( SECONDS - t0 )) s (log build.log)"
 if [ $rc -ne 0 ]; then
@@ -101,7 +108,7 @@ else
 fi
 
 # ---- 4. compute-sanitizer ------------------------------------------------------------------
-SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+SAN=$(command -v compute-sanitizer || echo "$CUDA_ROOT/bin/compute-sanitizer")
 if [ -x "$SAN" ]; then
   if [ "$(left)" -gt 70 ]; then
     t0=$SECONDS

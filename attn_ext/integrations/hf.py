@@ -67,7 +67,7 @@ from typing import Optional, Tuple
 import torch
 
 import attn_ext  # noqa: F401  (registers torch.ops.attn_ext.*)
-from attn_ext.reference import add_score_terms, softmax_with_sinks, visibility_mask
+from attn_ext.reference import add_score_terms, band_mask, softmax_with_sinks, visibility_mask
 
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -262,16 +262,7 @@ def _packed_keep(cu_q, cu_k, q_len, kv_len, causal, window, device):
     i, j = tq - cu_q[sq], tk - cu_k[sk]
     len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
     d = i[:, None] + (len_k - len_q)[sq][:, None] - j[None, :]
-    keep = sq[:, None] == sk[None, :]
-    if causal:
-        keep = keep & (d >= 0)
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            keep = keep & (d <= left)
-        if right >= 0:
-            keep = keep & (d >= -right)
-    return keep
+    return (sq[:, None] == sk[None, :]) & band_mask(d, causal, window)
 
 
 def _read_as_padding(mask, batch, q_len, kv_len, causal, sliding):
