@@ -756,6 +756,12 @@ def _check_scale(scale) -> None:
             f"scale must be finite (a number or None), got {_number_repr(scale)}")
 
 
+def _check_return_lse(return_lse) -> None:
+    """return_lse must be a bool ("no" or a tensor used to count as True / fail in bool())."""
+    if not isinstance(return_lse, bool):
+        raise ArgumentTypeError(f"return_lse must be a bool, got {return_lse!r}")
+
+
 def _check_causal(causal) -> None:
     """causal must be a bool (None or a string used to pass the op's parser as False / fail
     inside it without naming the argument)."""
@@ -945,6 +951,7 @@ def attention(
     _check_qkv(q, k, v, "(B, Sq, H, D) or (B, Sq, D)", "(B, Sk, Hkv, D)", "(B, Sk, Hkv, Dv)")
     q, k, v, squeeze = _heads_4d(q, k, v)
     _check_causal(causal)
+    _check_return_lse(return_lse)
     _check_scale(scale)
     left, right = _window_args(window)
     terms = _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
@@ -1009,6 +1016,7 @@ def attention_varlen(
                 and not -2**63 <= m < 2**63):
             raise ArgumentValueError(f"{name} must fit in int64, got {_number_repr(m)}")
     _check_causal(causal)
+    _check_return_lse(return_lse)
     _check_scale(scale)
     left, right = _window_args(window)
     terms = _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)

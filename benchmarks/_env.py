@@ -176,7 +176,8 @@ def describe(device: str = "cpu") -> List[Tuple[str, str]]:
         # the commit the loaded build was made from (setup.py records it): a build older than
         # the checkout measures other code than the commit line says
         built = attn_ext.build_info().get("commit") or "unknown (no commit recorded)"
-        rows.append(("built from", built if built.split("+")[0] == git_commit().split("+")[0].split()[0]
+        same = built.split("+")[0] == git_commit().split("+")[0].split()[0]
+        rows.append(("built from", built if same
                      else f"{built} (NOT the checkout's commit: rebuild to measure it)"))
     except Exception as e:  # noqa: BLE001 (the benchmark will fail on its own; say why here)
         rows.append(("attn_ext", f"not importable: {e}"))

@@ -545,3 +545,17 @@ def test_numpy_scalars_for_scale_softcap_window_and_max_seqlen():
     for name, args in (("max_seqlen_q", (2**63, 5)), ("max_seqlen_k", (5, -2**63 - 1))):
         with pytest.raises(ArgumentValueError, match=f"{name} must fit in int64"):
             attn_ext.attention_varlen(qv, qv, qv, cu, cu, *args)
+
+
+def test_return_lse_must_be_a_bool():
+    """return_lse="no" counted as True (the output became a tuple); a non-bool is refused by
+    name, in attention and attention_varlen."""
+    import attn_ext
+    from attn_ext.ops import ArgumentTypeError
+
+    q = torch.randn(1, 3, 2, 8)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    with pytest.raises(ArgumentTypeError, match="return_lse must be a bool"):
+        attn_ext.attention(q, q, q, return_lse="no")
+    with pytest.raises(ArgumentTypeError, match="return_lse must be a bool"):
+        attn_ext.attention_varlen(q[0], q[0], q[0], cu, cu, 3, 3, return_lse=1)

@@ -171,7 +171,8 @@ def attention_forward(
     if attention_mask is not None and attention_mask.dim() != 2:
         # A 4-D mask: transformers' own (a static cache's unfilled slots; a pattern the mask
         # builder could not check under torch.compile / torch.export) or a custom one.
-        read = _read_as_padding(attention_mask, query.shape[0], q_len, kv_len, causal_default, sliding)
+        read = _read_as_padding(attention_mask, query.shape[0], q_len, kv_len, causal_default,
+                                sliding)
         if read is None:
             return _fallback(module, query, key, value, attention_mask, dropout, scaling,
                              is_causal, kwargs, terms, position_bias), None
@@ -340,7 +341,8 @@ def _eager(module, query, key, value, attention_mask, dropout, scaling, position
         else:
             scores = scores + attention_mask
     # (float32 at least, as eager; float64 stays float64)
-    probs, _ = softmax_with_sinks(scores.to(torch.promote_types(scores.dtype, torch.float32)), sinks)
+    work = torch.promote_types(scores.dtype, torch.float32)
+    probs, _ = softmax_with_sinks(scores.to(work), sinks)
     probs = torch.nn.functional.dropout(probs.to(query.dtype), dropout, training=module.training)
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
