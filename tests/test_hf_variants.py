@@ -423,3 +423,31 @@ def test_compiled_and_exported_bidirectional_encoder_run_on_the_kernel(monkeypat
     assert (got - want)[am.bool()].abs().max() < 1e-5
     assert (exported - want)[am.bool()].abs().max() < 1e-5
     assert any("attn_ext" in str(n.target) for n in ep.graph.nodes)
+
+
+def test_gemma4_shared_kv_layers_get_4d_masks(monkeypatch):
+    """Gemma 4 with KV sharing slices the masks it is handed as 4-D (mask[:, :, rows, :]): the
+    builder's 2-D answer raised IndexError with any attention_mask (so every generate()), and,
+    for a moment in this session, without one too. Its masks are transformers' 4-D ones now:
+    eager's logits without a mask and with left padding, on the kernel."""
+    cfg = transformers.Gemma4TextConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=8,
+        max_position_embeddings=64, sliding_window=4, vocab_size_per_layer_input=100,
+        hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    models = []
+    for impl in ("attn_ext", "eager"):
+        torch.manual_seed(0)
+        models.append(transformers.Gemma4ForCausalLM._from_config(
+            cfg, attn_implementation=impl).eval())
+    ours, ref = models
+    _no_fallback(monkeypatch, eager_too=True)
+    idx = torch.randint(3, 100, (2, 9))
+    am = torch.ones(2, 9, dtype=torch.long)
+    am[1, :3] = 0
+    with torch.no_grad():
+        for kw in ({}, {"attention_mask": am}):
+            got, want = ours(idx, **kw).logits, ref(idx, **kw).logits
+            keep = am.bool() if kw else torch.ones_like(am, dtype=torch.bool)
+            assert (got - want)[keep].abs().max() < 1e-4, kw

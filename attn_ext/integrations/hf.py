@@ -347,10 +347,13 @@ def _eager(module, query, key, value, attention_mask, dropout, scaling, position
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
-# Models that index the mask they are handed as a 4-D tensor (mask[:, :, :, :k]) before the
-# attention function sees it: the 2-D padding answer made them fail (IndexError), so they get
-# transformers' own 4-D mask, which the attention function reads back as padding in eager.
-_CROPS_4D_MASK = frozenset({"doge", "pix2struct_text_model"})
+# Models that index or concatenate the masks they are handed as 4-D tensors before the
+# attention function sees them (Doge and Pix2Struct crop mask[:, :, :, :k], Gemma 4's shared
+# KV layers slice mask[:, :, rows, :], T5Gemma 2's decoder concatenates its self- and
+# cross-attention masks): the 2-D / (B, 1, 1, n) answers made them fail, so they get
+# transformers' own 4-D masks, which the attention function reads back as padding in eager.
+_NEEDS_4D_MASK = frozenset({"doge", "pix2struct_text_model", "gemma4_text", "gemma4_unified_text",
+                            "t5gemma2_decoder"})
 
 
 def attn_ext_mask(
@@ -368,7 +371,8 @@ def attn_ext_mask(
     """transformers mask builder for ``"attn_ext"``. Its answers, which the attention function
     reads by their shape:
 
-    - None when no mask is needed (transformers' own ``sdpa_mask`` gives None);
+    - None when no mask is needed (transformers' own ``sdpa_mask`` gives None, or the causal
+      pattern without padding that the attention function applies by itself);
     - transformers' bidirectional pattern (``bidirectional_mask_function``, no window, several
       queries): the ``(B, 1, 1, kv_length)`` boolean key padding mask, the same keys for
       every query (an SDPA-style 4-D mask, so models that slice or add to it still work);
@@ -376,6 +380,10 @@ def attn_ext_mask(
       applies (bottom-right aligned) on top of key padding: the 2-D ``(B, n)`` padding mask;
     - otherwise transformers' full 4-D SDPA mask (-> the attention function reads it as
       padding where it can, else falls back to SDPA)."""
+    if getattr(kwargs.get("config"), "model_type", None) in _NEEDS_4D_MASK:
+        return sdpa_mask(
+            batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+            local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
     if (mask_function is bidirectional_mask_function and q_length > 1 and local_size is None
             and isinstance(kv_offset, int)
             and (attention_mask is None or attention_mask.dim() == 2)):
@@ -387,8 +395,6 @@ def attn_ext_mask(
         local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs,
     )
     if full is None or (attention_mask is not None and attention_mask.dim() != 2):
-        return full
-    if getattr(kwargs.get("config"), "model_type", None) in _CROPS_4D_MASK:
         return full
     if torch.compiler.is_compiling():
         return _traced_mask(full, batch_size, q_length, kv_length, q_offset, kv_offset,
@@ -420,7 +426,7 @@ def attn_ext_mask(
             if attention_mask is None:  # no padding: every absolute position is real
                 return torch.ones(batch_size, kv_offset + n, dtype=torch.bool, device=full.device)
             return attention_mask[:, : kv_offset + n].to(torch.bool)
-        return pad
+        return _padding_or_none(attention_mask, pad, q_length)
     if q_length > 1 and torch.equal(full, full[:, :, :1].expand_as(full)):
         return full[:, :, :1]  # every query sees the same keys (a composed bidirectional mask)
     return full
@@ -451,6 +457,20 @@ def _traced_mask(full, batch_size, q_length, kv_length, q_offset, kv_offset, mas
         pad = torch.ones(batch_size, n, dtype=torch.bool, device=full.device)
     else:
         pad = attention_mask[:, :n].to(torch.bool)
+    return _padding_or_none(attention_mask, pad, q_length)
+
+
+def _padding_or_none(attention_mask, pad, q_length):
+    """The builder's answer once the mask is the kernel's causal pattern over ``pad (B, n)``.
+
+    No mask where there is no padding and no past keys precede several queries (or one query,
+    which sees every key): the attention function then applies the layer's causal pattern and
+    window itself, as before any mask existed (models that slice a non-None mask as 4-D, such
+    as Gemma 4's shared KV layers, keep working); a missing mask with more keys than queries
+    (q_len > 1) would be read as an empty static cache's prefill, so a chunk after cached keys
+    keeps them through the all-True padding mask."""
+    if attention_mask is None and (pad.shape[1] == q_length or q_length == 1):
+        return None
     return pad
 
 
