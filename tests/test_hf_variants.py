@@ -351,12 +351,7 @@ def test_t5_compiled_decoder_stays_causal():
     earlier positions' logits."""
     cfg = _t5_cfg()
     cfg.num_layers = cfg.num_decoder_layers = 1
-    models = []
-    for impl in ("attn_ext", "eager"):
-        torch.manual_seed(0)
-        models.append(transformers.T5ForConditionalGeneration._from_config(
-            cfg, attn_implementation=impl).eval())
-    ours, ref = models
+    ours, ref = _models("T5ForConditionalGeneration", cfg, dtype=torch.float32)
     x, y = torch.randint(0, 100, (2, 9)), torch.randint(0, 100, (2, 6))
 
     def f(model, x, y):
@@ -436,12 +431,7 @@ def test_gemma4_shared_kv_layers_get_4d_masks(monkeypatch):
         max_position_embeddings=64, sliding_window=4, vocab_size_per_layer_input=100,
         hidden_size_per_layer_input=8, num_kv_shared_layers=2,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
-    models = []
-    for impl in ("attn_ext", "eager"):
-        torch.manual_seed(0)
-        models.append(transformers.Gemma4ForCausalLM._from_config(
-            cfg, attn_implementation=impl).eval())
-    ours, ref = models
+    ours, ref = _models("Gemma4ForCausalLM", cfg, dtype=torch.float32)
     _no_fallback(monkeypatch, eager_too=True)
     idx = torch.randint(3, 100, (2, 9))
     am = torch.ones(2, 9, dtype=torch.long)

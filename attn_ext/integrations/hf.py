@@ -150,7 +150,7 @@ def attention_forward(
         causal_default = False
         attention_mask = attention_mask[:, 0, 0].expand(query.shape[0], kv_len)
     sliding = kwargs.get("sliding_window")
-    window = (int(sliding) - 1, 0) if sliding is not None and causal_default else None
+    window = _causal_window(sliding, causal_default)
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if position_bias is not None and cu_q is not None and cu_k is not None:
@@ -244,6 +244,12 @@ def _on_kernel(query, key, value, key_padding_mask, causal_default, scaling, win
     return out, weights.to(query.dtype)
 
 
+def _causal_window(sliding, causal):
+    """The kernel's window for transformers' ``sliding_window = W`` (Mistral-style: W - 1 keys
+    back and the query itself), None where there is none or the pattern is not causal."""
+    return (int(sliding) - 1, 0) if sliding is not None and causal else None
+
+
 def _is_key_row_mask(mask, batch, kv_len) -> bool:
     """A boolean ``(B or 1, 1, 1, kv_len)`` mask: every query sees the same keys (what
     attn_ext_mask returns for transformers' bidirectional pattern)."""
@@ -296,7 +302,7 @@ def _read_as_padding(mask, batch, q_len, kv_len, causal, sliding):
     n = int(cols[-1]) + 1
     pad = mask[..., :n].any(dim=1)  # (B, n)
     for c in (causal, not causal):
-        window = (int(sliding) - 1, 0) if sliding is not None and c else None
+        window = _causal_window(sliding, c)
         if torch.equal(visibility_mask(q_len, n, c, window, pad, mask.device)[:, 0], mask[..., :n]):
             return pad, c, window
     return None
