@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import (_attention_probs, _checked_softcap, _dropout_seed_offset, _is_int, _window_args,
-                  rope_inv_freq)
+from .ops import (_attention_probs, _check_flag, _checked_softcap, _dropout_seed_offset, _is_int,
+                  _window_args, rope_inv_freq)
 from .position_bias import RelativePositionBias, alibi_slopes
 
 __all__ = [
@@ -196,6 +196,7 @@ class RotaryEmbedding(_DerivedBuffers):
         max_seq_len: int = 2048,
     ):
         super().__init__()
+        _check_flag(interleaved, "interleaved")
         inv_freq, attn_factor = rope_inv_freq(rotary_dim, base, scaling, max_seq_len)
         kind = None if scaling is None else scaling.get("type", scaling.get("rope_type"))
         if kind in ("ntk", "dynamic") and torch.equal(inv_freq, rope_inv_freq(rotary_dim, base)[0]):

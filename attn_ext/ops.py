@@ -63,6 +63,8 @@ def sinusoidal_pe(
     (the gradient passes through unchanged).
     """
     _check_tensor(x, "x", "(B, S, D) or (S, D)")
+    _check_offset(offset)
+    _check_base(base)
     return _lib.sinusoidal_pe(x, positions, offset, base)
 
 
@@ -77,6 +79,8 @@ def sinusoidal_pe_(
     ``x``'s last dim must be contiguous. Not differentiable (use the out-of-place op in
     training; a tensor that requires grad is refused)."""
     _check_tensor(x, "x", "(B, S, D) or (S, D)")
+    _check_offset(offset)
+    _check_base(base)
     _lib.sinusoidal_pe_(x, positions, offset, base)
     return x
 
@@ -217,6 +221,32 @@ def _check_tables_no_grad(cos: torch.Tensor, sin: torch.Tensor) -> None:
         )
 
 
+def _check_rope_args(x, name: str, cos, sin, offset, interleaved) -> None:
+    """The rope wrappers' arguments, by the name the caller used (rope_qk rotates q and k
+    through rope(), whose op would call both "x"): x a (B, S, H, D) or (B, S, D) floating
+    tensor with a contiguous last dim, at least rotary_dim = 2 * cos.size(-1) wide; cos / sin
+    tensors; offset an int; interleaved a bool. The op checks the rest (and these again)."""
+    _check_tensor(x, name, "(B, S, H, D) or (B, S, D)")
+    _check_tensor(cos, "cos", "(S_max, rotary_dim/2)")
+    _check_tensor(sin, "sin", "(S_max, rotary_dim/2)")
+    _check_offset(offset)
+    _check_flag(interleaved, "interleaved")
+    # (ArgumentValueError: the RuntimeError the op raised for these, and a ValueError)
+    if x.dim() not in (3, 4):
+        raise ArgumentValueError(f"{name} must have 4 dims (B, S, H, D) or 3 dims (B, S, D), got "
+                                 f"shape {list(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ArgumentValueError(
+            f"{name} must be float32, float64, float16 or bfloat16, got {x.dtype}")
+    if x.size(-1) > 1 and x.stride(-1) != 1:
+        raise ArgumentValueError(f"{name} must have a contiguous last dim (stride 1), got "
+                                 f"strides {list(x.stride())}")
+    if cos.dim() == 2 and 2 * cos.size(-1) > x.size(-1):
+        raise ArgumentValueError(
+            f"rotary_dim = 2 * cos.size(-1) = {2 * cos.size(-1)} must be <= the head dim "
+            f"D = {name}.size(-1) = {x.size(-1)}")
+
+
 def _rope_4d(x: torch.Tensor) -> torch.Tensor:
     # 3-D (B, S, D) is the single-head form: a free (B, S, 1, D) view.
     return x.unsqueeze(2) if x.dim() == 3 else x
@@ -249,9 +279,7 @@ def rope(
 
     Differentiable in ``x`` (the backward is the inverse rotation); not in cos/sin.
     """
-    _check_tensor(x, "x", "(B, S, H, D) or (B, S, D)")
-    _check_tensor(cos, "cos", "(S_max, rotary_dim/2)")
-    _check_tensor(sin, "sin", "(S_max, rotary_dim/2)")
+    _check_rope_args(x, "x", cos, sin, offset, interleaved)
     _check_tables_no_grad(cos, sin)
     out = _lib.rope(_rope_4d(x), cos, sin, positions, offset, interleaved)
     return out.squeeze(2) if x.dim() == 3 else out
@@ -268,9 +296,7 @@ def rope_(
     """In-place :func:`rope`: rotates ``x`` where it lies (channels past ``rotary_dim`` and
     the rest of a packed buffer are untouched) and returns ``x``. Not differentiable (a
     tensor that requires grad is refused: use :func:`rope` in training)."""
-    _check_tensor(x, "x", "(B, S, H, D) or (B, S, D)")
-    _check_tensor(cos, "cos", "(S_max, rotary_dim/2)")
-    _check_tensor(sin, "sin", "(S_max, rotary_dim/2)")
+    _check_rope_args(x, "x", cos, sin, offset, interleaved)
     _lib.rope_(_rope_4d(x), cos, sin, positions, offset, interleaved)
     return x
 
@@ -291,14 +317,21 @@ def rope_qk(
     returns ``(q, k)`` themselves (not differentiable: tensors that require grad are
     refused); otherwise returns two new tensors (differentiable in q, k).
     """
-    _check_tensor(q, "q", "(B, S, H, D) or (B, S, D)")
-    _check_tensor(k, "k", "(B, S, Hkv, D) or (B, S, D)")
-    if k.shape[:2] != q.shape[:2]:  # one rule for both paths (the in-place op checks it too)
+    _check_flag(inplace, "inplace")
+    _check_rope_args(q, "q", cos, sin, offset, interleaved)
+    _check_rope_args(k, "k", cos, sin, offset, interleaved)
+    # one rule for both paths (the in-place op checks these too)
+    if k.shape[:2] != q.shape[:2]:
         raise ValueError(f"k must have B = {q.size(0)} and S = {q.size(1)} (the first two dims "
                          f"of q), got shape {list(k.shape)}")
+    if k.dtype != q.dtype:
+        raise ArgumentValueError(f"k must have q's dtype ({q.dtype}), got {k.dtype}")
+    if k.device != q.device:
+        raise ArgumentValueError(f"k must be on q's device ({q.device}), got {k.device}")
+    if cos.dtype not in (torch.float32, q.dtype):  # (rope() would name x)
+        raise ArgumentValueError(
+            f"cos/sin must be float32 or q's dtype ({q.dtype}), got {cos.dtype}")
     if inplace:
-        _check_tensor(cos, "cos", "(S_max, rotary_dim/2)")
-        _check_tensor(sin, "sin", "(S_max, rotary_dim/2)")
         _lib.rope_qk_(_rope_4d(q), _rope_4d(k), cos, sin, positions, offset, interleaved)
         return q, k
     return (
@@ -762,11 +795,34 @@ def _check_return_lse(return_lse) -> None:
         raise ArgumentTypeError(f"return_lse must be a bool, got {return_lse!r}")
 
 
+def _check_flag(value, name: str) -> None:
+    """A bool argument of an op (causal, interleaved, inplace): a bool, or an int 0 / 1. None or
+    a string used to pass the op's parser as False (an in-place rotation for inplace="no"), and
+    2 as True."""
+    if not isinstance(value, bool) and not (isinstance(value, int) and value in (0, 1)):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
 def _check_causal(causal) -> None:
-    """causal must be a bool (None or a string used to pass the op's parser as False / fail
-    inside it without naming the argument)."""
-    if not isinstance(causal, bool) and not (isinstance(causal, int) and causal in (0, 1)):
-        raise ValueError(f"causal must be a bool, got {causal!r}")
+    _check_flag(causal, "causal")
+
+
+def _check_offset(offset) -> None:
+    """offset (rope, sinusoidal_pe): an int (numpy's, symbolic, or a 0-dim integer tensor); a
+    bool used to pass as 0 / 1 and None as 0."""
+    if _is_int(offset):
+        return
+    if (isinstance(offset, torch.Tensor) and offset.dim() == 0 and offset.dtype != torch.bool
+            and not offset.is_floating_point() and not offset.is_complex()):
+        return
+    raise ArgumentTypeError(f"offset must be an int, got {offset!r}")
+
+
+def _check_base(base) -> None:
+    """base (sinusoidal_pe): a number (the op checks that it is positive and finite); a bool
+    used to pass as 1.0."""
+    if isinstance(base, bool) or not isinstance(base, (numbers.Real, torch.SymFloat, torch.SymInt)):
+        raise ArgumentTypeError(f"base must be a positive finite number, got {base!r}")
 
 
 def _check_key_padding_mask(key_padding_mask, B: int, Sk: int, device=None) -> None:
@@ -832,6 +888,12 @@ def _refuse_alibi_grad(alibi_slopes, in_autograd_setup: bool = False) -> None:
                          "alibi_slopes.detach(), or use rel_bias for a learnable position bias")
 
 
+# The largest softcap below float64: half of float32's maximum, so that softcap and softcap *
+# log2 e (the CUDA kernels' base-2 units) stay finite in float32 (an inf cap made every output
+# NaN: inf * tanh(s / inf)).
+_MAX_FLOAT_SOFTCAP = float(torch.finfo(torch.float32).max) / 2
+
+
 def _checked_score_terms(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
     """The Python side of the score-term checks (types, softcap, dropout_p, ALiBi without
     gradient): ``(alibi_slopes, rel_bias, softcap, sinks, dropout_p)`` with the tables in the
@@ -853,6 +915,11 @@ def _checked_score_terms(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
     rel_bias = table(rel_bias, "rel_bias", "(H, 2M + 1)")
     sinks = table(sinks, "sinks", "(H,)")
     softcap = _checked_softcap(softcap)
+    if softcap is not None and q.dtype != torch.float64 and softcap > _MAX_FLOAT_SOFTCAP:
+        # (csrc/common/score_checks.h's rule, here too for attention_weights' float32 math)
+        raise ArgumentValueError(
+            f"softcap must be at most {_MAX_FLOAT_SOFTCAP:g} for {q.dtype} inputs (the kernels "
+            f"cap float32 scores), got {softcap!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not (
         0.0 <= dropout_p <= _MAX_DROPOUT_P
     ):
@@ -922,7 +989,8 @@ def attention(
     floating dtype (they are used in float32, float64 for float64 inputs):
 
         softcap: ``s = softcap * tanh(s / softcap)`` on the scaled score, before the biases
-            and the mask (Gemma 2). Must be > 0.
+            and the mask (Gemma 2). Must be > 0 and finite; below float64 at most half of
+            float32's maximum (1.7e38; the kernels cap float32 scores).
         alibi_slopes: ``(H,)`` or ``(B, H)``: ``s -= slope[b, h] * |d|`` (ALiBi, Press et al.;
             :func:`attn_ext.alibi_slopes`). No gradient (slopes that require grad are refused).
             The lse is exact (not shifted).

@@ -134,6 +134,86 @@ def test_causal_and_softcap_arguments_are_checked():
         MultiHeadAttention(16, 2.0)
 
 
+def test_positional_encoding_flags_and_numbers_are_checked():
+    """rope / rope_ / rope_qk / sinusoidal_pe(_) take their flags and numbers by type: the op's
+    parser took None or a string as False and 2 as True, a bool offset as 0 / 1 and a bool
+    base as 1.0, and rope_qk(..., inplace="no") rotated q and k in place."""
+    x = randn(2, 5, 4, 8, dtype=f64)
+    cos, sin = attn_ext.rope_cache(10, 8, dtype=f64)
+    q, k = x.clone(), x.clone()
+    with pytest.raises(ValueError, match="inplace must be a bool"):
+        attn_ext.rope_qk(q, k, cos, sin, inplace="no")
+    assert torch.equal(q, x) and torch.equal(k, x)  # nothing rotated
+    for fn in (lambda **kw: attn_ext.rope(x, cos, sin, **kw),
+               lambda **kw: attn_ext.rope_(x.clone(), cos, sin, **kw),
+               lambda **kw: attn_ext.rope_qk(x, x, cos, sin, **kw),
+               lambda **kw: attn_ext.rope_qk(x.clone(), x.clone(), cos, sin, inplace=True, **kw)):
+        for bad in (None, "yes", 2):
+            with pytest.raises(ValueError, match="interleaved must be a bool"):
+                fn(interleaved=bad)
+        for bad in (True, None, 1.0, torch.tensor(1.0)):
+            with pytest.raises(TypeError, match="offset must be an int"):
+                fn(offset=bad)
+    with pytest.raises(ValueError, match="interleaved must be a bool"):
+        RotaryEmbedding(8, interleaved="no")
+    want = attn_ext.rope(x, cos, sin, offset=2, interleaved=True)
+    for offset in (2, torch.tensor(2)):  # an int, or a 0-dim integer tensor
+        for flag in (True, 1):
+            torch.testing.assert_close(attn_ext.rope(x, cos, sin, offset=offset, interleaved=flag),
+                                       want, rtol=0, atol=0)
+    y = x[:, :, 0]
+    for fn in (attn_ext.sinusoidal_pe, lambda t, **kw: attn_ext.sinusoidal_pe_(t.clone(), **kw)):
+        with pytest.raises(TypeError, match="base must be a positive finite number"):
+            fn(y, base=True)
+        with pytest.raises(TypeError, match="offset must be an int"):
+            fn(y, offset=False)
+        torch.testing.assert_close(fn(y, base=100, offset=3), attn_ext.sinusoidal_pe(y, None, 3, 100.0),
+                                   rtol=0, atol=0)
+
+
+def test_softcap_past_float32_range_is_refused_below_float64():
+    """A finite softcap past float32's range (half of it: the CUDA kernels cap in base-2 units)
+    became inf in the float32 kernels, and inf * tanh(s / inf) made every output NaN. Below
+    float64 it is refused by name (the op, attention_weights and the layers); float64 takes
+    it, and the result is the float64 reference's."""
+    q = randn(1, 4, 2, 8, dtype=f64)
+    big = 1e39
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        x = q.to(dt)
+        for call in (lambda: attn_ext.attention(x, x, x, softcap=big),
+                     lambda: torch.ops.attn_ext.attention_forward(x, x, x, False, None, softcap=big),
+                     lambda: attn_ext.attention_weights(x, x, softcap=big),
+                     lambda: MultiHeadAttention(16, 2, softcap=big).to(dt)(x.reshape(1, 4, 16))):
+            with pytest.raises(RuntimeError, match="softcap must be at most 1.70141e\\+38 for"):
+                call()
+        ok = attn_ext.attention(x, x, x, softcap=1.7e38)  # within the bound: no cap in effect
+        assert not ok.isnan().any()
+        torch.testing.assert_close(ok, attn_ext.attention(x, x, x))
+    got = attn_ext.attention(q, q, q, softcap=big)
+    torch.testing.assert_close(got, R.attention(q, q, q, softcap=big), rtol=1e-12, atol=1e-12)
+
+
+def test_rope_qk_errors_name_q_and_k():
+    """rope_qk out of place runs rope() on q and on k, whose op calls its input x: the wrapper
+    checks both by their names first, and holds both paths to one rule (k in q's dtype)."""
+    x = randn(2, 5, 4, 8)
+    cos, sin = attn_ext.rope_cache(10, 8)
+    for inplace in (False, True):
+        call = lambda a, b, c=cos: attn_ext.rope_qk(a.clone(), b.clone(), c, c, inplace=inplace)
+        with pytest.raises(ValueError, match=r"^k must be float32, float64, float16 or bfloat16"):
+            call(x, x.int())
+        with pytest.raises(ValueError, match=r"^k must have a contiguous last dim"):
+            attn_ext.rope_qk(x.clone(), x.clone().transpose(2, 3), cos, sin, inplace=inplace)
+        with pytest.raises(ValueError, match=r"head dim D = k\.size\(-1\) = 2"):
+            call(x, x[..., :2])
+        with pytest.raises(ValueError, match=r"^q must have 4 dims \(B, S, H, D\) or 3 dims \(B, S, D\), got shape \[4, 8\]"):
+            call(x[0, 0], x)
+        with pytest.raises(ValueError, match=r"^k must have q's dtype"):
+            call(x, x.double())
+        with pytest.raises(ValueError, match=r"^cos/sin must be float32 or q's dtype"):
+            call(x.bfloat16(), x.bfloat16(), cos.double())
+
+
 def test_cached_cross_attention_computes_memory_once():
     """Decoding step by step with a cross-attention cache gives the uncached result at every
     step; the memory is projected once and the cache does not grow."""

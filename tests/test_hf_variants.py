@@ -209,6 +209,38 @@ def test_output_attentions_match_eager(make_cfg, monkeypatch):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+def _gpt2_cfg():
+    return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100,
+                                   n_positions=32)
+
+
+@pytest.mark.parametrize("make_cfg, how", [(_gpt2_cfg, "keyword"), (_llama_cfg, "config")],
+                         ids=["gpt2_keyword", "llama_config"])
+def test_output_attentions_reach_the_collector(make_cfg, how, monkeypatch):
+    """Attention probabilities wherever transformers collects them, not only where the
+    keyword reaches the attention function: GPT-2 pops output_attentions before its layers,
+    and config.output_attentions = True is never a keyword. Eager fills the slot in both
+    cases; the hook returned None there (no attentions at all)."""
+    cfg = make_cfg()
+    if how == "config":
+        cfg.output_attentions = True
+    ours, ref = _build(cfg, "attn_ext"), _build(cfg, "eager")
+    idx = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :2] = 0  # left padding
+    kw = {"output_attentions": True} if how == "keyword" else {}
+    _no_fallback(monkeypatch)
+    with torch.no_grad():
+        want = ref(idx, attention_mask=mask, **kw).attentions
+        got = ours(idx, attention_mask=mask, **kw).attentions
+        assert ours(idx, attention_mask=mask, output_attentions=False).attentions is None
+    assert len(want) == len(got) == 2
+    for g, w in zip(got, want):
+        g, w = g.clone(), w.clone()
+        g[0, :, :2], w[0, :, :2] = 0, 0  # row 0's padded query rows
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
 def _encoder(cls_name, cfg_name, impl, **extra):
     cfg = getattr(transformers, cfg_name)(vocab_size=100, hidden_size=32, num_hidden_layers=1,
                                           num_attention_heads=4, intermediate_size=32,

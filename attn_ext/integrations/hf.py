@@ -52,7 +52,9 @@ What runs on attn_ext's kernel and what does not:
   T5's bucket embedding), checks that the dense tensor is exactly that table expanded (a
   function of i - j alone), and otherwise falls back to the eager formula. The dense
   tensor itself is T5's own (transformers builds it before the hook is called).
-- ``output_attentions=True`` returns the attention probabilities (``"sdpa"`` returns none):
+- ``output_attentions=True`` (the keyword or ``config.output_attentions``: wherever
+  transformers' output collector records attentions, :func:`_weights_wanted`) returns the
+  attention probabilities (``"sdpa"`` returns none):
   :func:`attn_ext.attention_weights` forms them from q, k and the forward's lse, so that
   call costs the full ``(B, H, Sq, Sk)`` matrix; the output still comes from the kernel.
   Under attention dropout they are the probabilities before dropout. Packed batches
@@ -74,6 +76,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import (
     AttentionMaskInterface, bidirectional_mask_function, causal_mask_function, sdpa_mask,
 )
+try:  # transformers' output collector (capture_outputs), where this version has one
+    from transformers.utils.output_capturing import _active_collector as _ACTIVE_COLLECTOR
+except ImportError:  # pragma: no cover
+    _ACTIVE_COLLECTOR = None
 
 __all__ = ["NAME", "attention_forward", "attn_ext_mask", "register"]
 
@@ -207,9 +213,29 @@ def attention_forward(
             return _fallback(module, query, key, value, keep, dropout, scaling,
                              is_causal, kwargs, terms, position_bias), None
         terms["rel_bias"] = table
-    weights_len = kv_len if kwargs.get("output_attentions", False) else None
+    weights_len = kv_len if _weights_wanted(kwargs) else None
     return _on_kernel(query, key, value, key_padding_mask, causal_default, scaling, window,
                       terms, plain, weights_len)
+
+
+def _weights_wanted(kwargs) -> bool:
+    """Whether the caller collects this layer's attention probabilities: the
+    ``output_attentions`` keyword, or transformers' output collector (``capture_outputs``)
+    recording some ``*attentions`` key. The collector records the attention module's second
+    output whatever reached the attention function: GPT-2 pops the keyword before its layers,
+    and ``config.output_attentions = True`` never becomes one (eager fills that slot either
+    way; the hook used to return None there)."""
+    if kwargs.get("output_attentions", False):
+        return True
+    if _ACTIVE_COLLECTOR is None:
+        return False
+    if torch.compiler.is_compiling():
+        # (a ContextVar's get() does not trace; under compile capture_outputs sets the
+        # wrapper's plain global instead)
+        collected = _ACTIVE_COLLECTOR.global_var if _ACTIVE_COLLECTOR.compiling else None
+    else:
+        collected = _ACTIVE_COLLECTOR.get()
+    return collected is not None and any(key.endswith("attentions") for key in collected)
 
 
 def _on_kernel(query, key, value, key_padding_mask, causal_default, scaling, window, terms, plain,

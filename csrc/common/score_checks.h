@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cmath>
+#include <limits>
 #include <optional>
 
 #include "common/attention_checks.h"
@@ -81,6 +82,13 @@ inline void fill_score_terms(AttentionParams& p, const ScoreArgs& a, const Tenso
   if (a.softcap.has_value()) {
     STD_TORCH_CHECK(std::isfinite(*a.softcap) && *a.softcap > 0.0,
                 "softcap must be a finite number > 0 (or None), got ", *a.softcap);
+    // Below float64 the kernels cap float32 scores, the CUDA ones in base-2 units (softcap *
+    // log2 e): a softcap past float's range there was inf, and inf * tanh(s / inf) NaN in every
+    // output. Half of float's maximum keeps both finite.
+    const double max_cap = static_cast<double>(std::numeric_limits<float>::max()) / 2;
+    STD_TORCH_CHECK(q.scalar_type() == dtype::kDouble || *a.softcap <= max_cap,
+                "softcap must be at most ", max_cap, " for ", q.scalar_type(),
+                " inputs (the kernels cap float32 scores), got ", *a.softcap);
     t.softcap = *a.softcap;
   }
   if (a.alibi_slopes.has_value()) {
