@@ -344,6 +344,10 @@ def main(argv=None) -> dict:
     steps = args.steps if args.steps is not None else (8 if quick else 400)
     if steps < 1:
         ap.error(f"--steps must be >= 1, got {steps}")
+    try:  # a device this torch cannot use: a usage error, not a traceback from the first tensor
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        ap.error(f"--device {device} is not usable here: {e}")
     t_start = time.time()
     print(f"attn_ext {attn_ext.__version__} | torch {torch.__version__} | device {device} | "
           f"{torch.get_num_threads()} threads | {steps} steps per model")

@@ -24,6 +24,19 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+def checkout_first(root: str = ROOT) -> None:
+    """Put this checkout first on sys.path where its attn_ext is built (attn_ext/_C*.so next to
+    the sources: an editable or in-place build), so that a benchmark measures the code it sits
+    beside. An unbuilt checkout stays off the path, and the installed attn_ext (`pip install .`
+    builds elsewhere) is imported: the unbuilt sources used to shadow it (ImportError: cannot
+    import name '_C'). Call it before `import attn_ext`."""
+    lib = os.path.join(root, "attn_ext")
+    built = os.path.isdir(lib) and any(
+        name.startswith("_C") and name.endswith((".so", ".pyd")) for name in os.listdir(lib))
+    if built and root not in sys.path:
+        sys.path.insert(0, root)
+
+
 # glibc malloc knobs that change whether large blocks are mapped fresh per allocation
 GLIBC_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "MALLOC_TOP_PAD_")
 PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")

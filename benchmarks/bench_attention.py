@@ -48,10 +48,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+from _env import checkout_first  # noqa: E402
+
+checkout_first()
 import attn_ext  # noqa: E402
 from attn_ext import reference  # noqa: E402
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
 from _env import interleaved_medians as _env_interleaved  # noqa: E402
 from _env import print_env_header  # noqa: E402
 

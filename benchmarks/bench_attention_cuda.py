@@ -36,9 +36,10 @@ import sys
 import torch
 
 # run from a source checkout (gpu_check.sh builds in place, nothing is installed)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
-from _env import print_env_header  # noqa: E402
+from _env import checkout_first, print_env_header  # noqa: E402
+
+checkout_first()
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -31,11 +31,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import attn_ext  # noqa: E402,F401
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
-from _env import interleaved_medians, print_env_header  # noqa: E402
+from _env import checkout_first, interleaved_medians, print_env_header  # noqa: E402
+
+checkout_first()
+import attn_ext  # noqa: E402,F401
 
 DECODE = [  # (B, Sk, H, Hkv, D, dtype)
     (1, 512, 32, 8, 128, torch.float32),
@@ -163,7 +163,9 @@ def part_train(args):
 
 _MEM_CHILD = """
 import sys, torch
-sys.path.insert(0, sys.argv[2])
+sys.path.insert(0, sys.argv[2])  # benchmarks/
+from _env import checkout_first
+checkout_first()
 import attn_ext
 def status_kib(field):
     with open("/proc/self/status") as f:
@@ -192,7 +194,7 @@ def part_memory(args):
     print("| threads | peak extra MiB (VmHWM growth of the call) | minus the gradients |")
     print("|---|---|---|")
     for n in (1, 2):
-        out = subprocess.run([sys.executable, "-c", _MEM_CHILD, str(n), ROOT,
+        out = subprocess.run([sys.executable, "-c", _MEM_CHILD, str(n), os.path.dirname(os.path.abspath(__file__)),
                               ",".join(map(str, (B, S, H, D)))],
                              capture_output=True, text=True, check=True).stdout
         mib = float(out.strip().splitlines()[-1])

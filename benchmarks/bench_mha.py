@@ -26,11 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+from _env import checkout_first  # noqa: E402
+
+checkout_first()
 import attn_ext  # noqa: E402
 from attn_ext import reference as ref  # noqa: E402
 from attn_ext.modules import MultiHeadAttention  # noqa: E402
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
 from _env import print_env_header, round_orders  # noqa: E402
 
 

@@ -37,13 +37,12 @@ REUSE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": s
 
 import torch  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+from _env import checkout_first  # noqa: E402
 
+checkout_first()
 import attn_ext  # noqa: E402
 from attn_ext import reference as R  # noqa: E402
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
 from _env import print_env_header  # noqa: E402
 
 
@@ -139,10 +138,14 @@ def rope_case(shape, dtype, interleaved, device, rounds, timer, compile_ref):
     k = torch.randn(shape, device=device).to(dtype)
     cos, sin = attn_ext.rope_cache(S, D, device=device)  # fp32 tables, the friendly default
     # validate on a slice (the reference in float64 on the full tensor costs GBs)
-    qs = q[:1, : min(S, 256)]
-    validate(attn_ext.rope(qs, cos, sin, interleaved=interleaved),
-             R.rope(qs.double(), cos.double(), sin.double(), interleaved=interleaved),
-             R.rope(qs, cos, sin, interleaved=interleaved), "rope")
+    qs, ks = q[:1, : min(S, 256)], k[:1, : min(S, 256)]
+    for ours_q, ours_k, what in (
+            (*attn_ext.rope_qk(qs, ks, cos, sin, interleaved=interleaved), "rope_qk"),
+            (*attn_ext.rope_qk(qs.clone(), ks.clone(), cos, sin, interleaved=interleaved,
+                               inplace=True), "rope_qk(inplace=True)")):
+        for ours, x in ((ours_q, qs), (ours_k, ks)):
+            validate(ours, R.rope(x.double(), cos.double(), sin.double(), interleaved=interleaved),
+                     R.rope(x, cos, sin, interleaved=interleaved), what)
     qb, kb = torch.empty_like(q), torch.empty_like(k)
     variants = [
         ("ours in place", lambda: attn_ext.rope_qk(q, k, cos, sin, interleaved=interleaved, inplace=True)),
@@ -166,7 +169,9 @@ def rope_case(shape, dtype, interleaved, device, rounds, timer, compile_ref):
 def sinusoidal_case(shape, dtype, device, rounds, timer, compile_ref):
     x = torch.randn(shape, device=device).to(dtype)
     xs = x[:1, :256]
-    validate(attn_ext.sinusoidal_pe(xs), R.sinusoidal_pe(xs.double()), R.sinusoidal_pe(xs), "sinusoidal_pe")
+    for ours, what in ((attn_ext.sinusoidal_pe(xs), "sinusoidal_pe"),
+                       (attn_ext.sinusoidal_pe_(xs.clone()), "sinusoidal_pe_")):
+        validate(ours, R.sinusoidal_pe(xs.double()), R.sinusoidal_pe(xs), what)
     xb = torch.empty_like(x)
     variants = [
         ("ours in place", lambda: attn_ext.sinusoidal_pe_(x)),
@@ -194,6 +199,8 @@ def main():
     ap.add_argument("--reuse", action="store_true",
                     help="re-exec with glibc told to keep and reuse freed memory")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
 
     if args.reuse and allocator_mode().startswith("glibc default"):
         env = dict(os.environ, **REUSE_ENV)

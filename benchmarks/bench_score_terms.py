@@ -36,8 +36,10 @@ import torch
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
+sys.path.insert(0, HERE)  # benchmarks/ (for _env)
+from _env import checkout_first  # noqa: E402
+
+checkout_first()
 import attn_ext  # noqa: E402
 from attn_ext import reference  # noqa: E402
 from _env import print_env_header  # noqa: E402

@@ -64,11 +64,12 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+from _env import checkout_first  # noqa: E402
+
+checkout_first()
 import attn_ext  # noqa: E402,F401
 from attn_ext import ops  # noqa: E402
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _env import print_env_header  # noqa: E402
 
 SHAPES = [(1, 8, 4096, 128), (1, 16, 2048, 64)]  # (B, H, S, D)

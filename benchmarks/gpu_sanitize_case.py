@@ -12,7 +12,10 @@ import sys
 import torch
 
 # run from a source checkout (gpu_check.sh builds in place, nothing is installed)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+from _env import checkout_first  # noqa: E402
+
+checkout_first()
 import attn_ext  # noqa: E402,F401
 
 fast_only = "--fast-only" in sys.argv

@@ -15,10 +15,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+from _env import checkout_first  # noqa: E402
+
+checkout_first()
 import attn_ext  # noqa: E402,F401
 from attn_ext.modules import MultiHeadAttention  # noqa: E402
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
 from _env import print_env_header  # noqa: E402
 
 
@@ -51,6 +53,16 @@ def main():
         qc, kc, vc = (t.contiguous() for t in (qt, kt, vt))
         o2 = out.reshape(B, S, d)
         wq = m.qkv.weight[:d]
+        # validated before timing: our attention on the strided views against SDPA, and the
+        # layer against its projections around SDPA
+        want = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True).transpose(1, 2)
+        err = (out - want).abs().max().item()
+        layer = m(x)
+        layer = layer[0] if isinstance(layer, tuple) else layer
+        err_layer = (layer - m.out_proj(want.reshape(B, S, d))).abs().max().item()
+        if not (err < 1e-4 and err_layer < 1e-4):
+            sys.exit(f"validation failed: attention {err:.2e}, layer {err_layer:.2e} (vs SDPA)")
+        print(f"# validated: attention vs SDPA max |diff| {err:.1e}, layer {err_layer:.1e}")
         pieces = {
             "layer": lambda: m(x),
             "fused qkv linear": lambda: m.qkv(x),

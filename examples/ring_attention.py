@@ -4,6 +4,8 @@ Run on CPU with 2 processes (gloo over localhost):
 
     torchrun --nproc-per-node 2 examples/ring_attention.py
 
+with attn_ext installed (``pip install .`` or ``pip install -e .``: the script imports the
+installed package, not the sources beside it, which a plain install leaves unbuilt)
 (any number of processes works; ``--backend nccl`` with one GPU per process uses the same
 code but is untested). Every rank builds the same full batch from the same seed, keeps its
 shard of the sequence, and
@@ -20,15 +22,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # uninstalled checkout
-import attn_ext  # noqa: E402
-from attn_ext import distributed as cp  # noqa: E402
+import attn_ext
+from attn_ext import distributed as cp
 
 
 def log(*args):

@@ -46,6 +46,18 @@ def test_bench_attention_device_cuda_is_the_gpu_matrix(tmp_path):
         assert "Traceback" not in res.stderr
 
 
+def test_bench_pos_enc_device_cuda_without_a_gpu(tmp_path):
+    """bench_pos_enc.py --device cuda without a GPU: a usage error, no traceback (it failed in
+    its first torch.randint)."""
+    if torch.cuda.is_available():
+        pytest.skip("has a CUDA device")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_pos_enc.py"),
+                          "--device", "cuda", "--quick"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "no CUDA device" in res.stderr, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+
+
 # ---- every benchmark says what it measured ----------------------------------------------------
 
 import ast  # noqa: E402

@@ -44,3 +44,15 @@ def test_console_script_exits_zero(monkeypatch):
         import sys
         sys.exit(getattr(module, target.group(2))(["--quick"]))
     assert e.value.code in (0, None) and calls == [["--quick"]]
+
+
+def test_unusable_device_is_a_usage_error(capsys):
+    """--device cuda on a machine without one (or any device this torch cannot use) is a usage
+    error naming the option, not a traceback from the first tensor."""
+    import torch
+
+    bad = ["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "nonesuch"]
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--quick", *bad])
+    assert e.value.code == 2
+    assert f"--device {bad[1]} is not usable here" in capsys.readouterr().err

@@ -76,3 +76,18 @@ def test_plain_pip_install_in_a_fresh_venv(tmp_path):
     assert "all ops ok" in out
     assert os.path.join(str(tmp_path / "venv"), "lib") in out  # the installed copy ran
     assert '"with_cuda": false' in out and '"cuda_loaded": false' in out
+
+    # the clone's scripts run on the installed package: the documented torchrun example and a
+    # benchmark (they used to put the clone's unbuilt sources first on sys.path: ImportError,
+    # "cannot import name '_C'")
+    venv_lib = os.path.join(str(tmp_path / "venv"), "lib")
+    proc, _ = run([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   os.path.join("examples", "ring_attention.py"), "--steps", "1"], cwd=src, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "step 0: context-parallel loss" in out, out[-3000:]
+    proc, _ = run([py, os.path.join("benchmarks", "bench_cpu_limits.py"), "--quick", "--parts",
+                   "decode"], cwd=src, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert f"# attn_ext: {venv_lib}" in out, out[:3000]

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -119,13 +120,23 @@ static void run_case(const char* name, int64_t Hkv, int64_t C, int64_t NK, int64
 }
 
 int main() {
-  std::printf("# commit: %s\n# compiler: %s\n# threads: 1 (this program)\n", ATTN_EXT_GIT_COMMIT,
+  std::printf("# commit: %s\n# torch: %s (its headers and libc10 only)\n# compiler: %s\n"
+              "# threads: 1 (this program)\n", ATTN_EXT_GIT_COMMIT, ATTN_EXT_TORCH_VERSION,
               __VERSION__);
+  // the buffers are allocated once, before any timing (no allocation is timed)
+  const char* knobs[] = {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX"};
+  std::printf("# allocator: glibc malloc (");
+  for (int i = 0; i < 3; ++i) {
+    const char* v = std::getenv(knobs[i]);
+    std::printf("%s%s=%s", i ? ", " : "", knobs[i], v ? v : "unset");
+  }
+  std::printf("; buffers allocated once, before timing)\n");
   __builtin_cpu_init();
+  // (__builtin_cpu_supports returns a feature's bit, not 1)
   std::printf("# cpu flags: avx2 %d fma %d avx512f %d avx512bw %d avx512bf16 %d\n",
-              __builtin_cpu_supports("avx2"), __builtin_cpu_supports("fma"),
-              __builtin_cpu_supports("avx512f"), __builtin_cpu_supports("avx512bw"),
-              __builtin_cpu_supports("avx512bf16"));
+              !!__builtin_cpu_supports("avx2"), !!__builtin_cpu_supports("fma"),
+              !!__builtin_cpu_supports("avx512f"), !!__builtin_cpu_supports("avx512bw"),
+              !!__builtin_cpu_supports("avx512bf16"));
   std::printf("# attn_ext: simd %d, avx512 (decode PV) %d, avx512bf16 (bf16 decode scores) %d\n",
               attn_ext::cpu::simd_enabled(), attn_ext::cpu::avx512_enabled(),
               attn_ext::cpu::avx512bf16_enabled());
