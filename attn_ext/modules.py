@@ -197,6 +197,7 @@ class RotaryEmbedding(_DerivedBuffers):
     ):
         super().__init__()
         _check_flag(interleaved, "interleaved")
+        interleaved = bool(interleaved)
         inv_freq, attn_factor = rope_inv_freq(rotary_dim, base, scaling, max_seq_len)
         kind = None if scaling is None else scaling.get("type", scaling.get("rope_type"))
         if kind in ("ntk", "dynamic") and torch.equal(inv_freq, rope_inv_freq(rotary_dim, base)[0]):
@@ -379,9 +380,11 @@ class MultiHeadAttention(_DerivedBuffers):
         # flags and sizes by type (a string such as cross_attention="no" used to be truthy)
         for name, flag in (("causal", causal), ("cross_attention", cross_attention),
                            ("alibi", alibi), ("bias", bias)):
-            if flag is not None and not isinstance(flag, bool) and not (
-                    isinstance(flag, int) and flag in (0, 1)):
-                raise ValueError(f"{name} must be a bool, got {flag!r}")
+            if flag is not None:
+                _check_flag(flag, name)
+        # (Python bools from here on: TorchScript types the attributes)
+        causal = None if causal is None else bool(causal)
+        cross_attention, alibi, bias = bool(cross_attention), bool(alibi), bool(bias)
         for name, size in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
                            ("d_model", d_model), ("qk_dim", qk_dim), ("v_dim", v_dim),
                            ("kv_dim", kv_dim)):

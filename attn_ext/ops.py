@@ -790,17 +790,26 @@ def _check_scale(scale) -> None:
 
 
 def _check_return_lse(return_lse) -> None:
-    """return_lse must be a bool ("no" or a tensor used to count as True / fail in bool())."""
-    if not isinstance(return_lse, bool):
+    """return_lse must be a bool, Python's or numpy's ("no" or a tensor used to count as True /
+    fail in bool())."""
+    if not isinstance(return_lse, bool) and not _is_numpy_bool(return_lse):
         raise ArgumentTypeError(f"return_lse must be a bool, got {return_lse!r}")
 
 
+def _is_numpy_bool(value) -> bool:
+    """numpy's bool (np.True_), which the ops' parser takes as a bool."""
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")
+
+
 def _check_flag(value, name: str) -> None:
-    """A bool argument of an op (causal, interleaved, inplace): a bool, or an int 0 / 1. None or
-    a string used to pass the op's parser as False (an in-place rotation for inplace="no"), and
-    2 as True."""
-    if not isinstance(value, bool) and not (isinstance(value, int) and value in (0, 1)):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
+    """A bool argument of an op (causal, interleaved, inplace): a bool (Python's or numpy's), or
+    an int 0 / 1. None or a string used to pass the op's parser as False (an in-place rotation
+    for inplace="no"), and 2 as True."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return
+    if _is_numpy_bool(value):
+        return
+    raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
 def _check_causal(causal) -> None:

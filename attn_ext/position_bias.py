@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .ops import _is_int
+from .ops import _check_flag, _is_int
 
 
 def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32,
@@ -108,9 +108,7 @@ class RelativePositionBias(nn.Module):
                         ("num_buckets", num_buckets)):
             if v is not None and not _is_int(v):
                 raise ValueError(f"{name} must be an int, got {v!r}")
-        if not isinstance(bidirectional, bool) and not (isinstance(bidirectional, int)
-                                                        and bidirectional in (0, 1)):
-            raise ValueError(f"bidirectional must be a bool, got {bidirectional!r}")
+        _check_flag(bidirectional, "bidirectional")
         bidirectional = bool(bidirectional)
         num_heads, max_distance = int(num_heads), int(max_distance)
         num_buckets = None if num_buckets is None else int(num_buckets)

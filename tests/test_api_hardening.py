@@ -193,6 +193,31 @@ def test_softcap_past_float32_range_is_refused_below_float64():
     torch.testing.assert_close(got, R.attention(q, q, q, softcap=big), rtol=1e-12, atol=1e-12)
 
 
+def test_numpy_bools_are_bools():
+    """numpy's bools (np.True_, e.g. from a config array) are taken wherever a flag is: the ops'
+    parser takes them, and the flag checks of this session's first version refused them for
+    interleaved (which the op took) as the older ones did for causal."""
+    np = pytest.importorskip("numpy")
+    x = randn(1, 5, 2, 8, dtype=f64)
+    cos, sin = attn_ext.rope_cache(6, 8, dtype=f64)
+    yes, no = np.bool_(True), np.bool_(False)
+    same = lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0)  # noqa: E731
+    same(attn_ext.rope(x, cos, sin, interleaved=yes), attn_ext.rope(x, cos, sin, interleaved=True))
+    q, k = x.clone(), x.clone()
+    attn_ext.rope_qk(q, k, cos, sin, inplace=yes)  # in place: returns the rotated inputs
+    same(q, attn_ext.rope(x, cos, sin))
+    for flag, py in ((yes, True), (no, False)):
+        same(attn_ext.attention(x, x, x, causal=flag), attn_ext.attention(x, x, x, causal=py))
+        same(attn_ext.attention_weights(x, x, causal=flag), attn_ext.attention_weights(x, x, causal=py))
+    out, lse = attn_ext.attention(x, x, x, return_lse=yes)
+    assert lse.shape == (1, 2, 5)
+    layer = MultiHeadAttention(16, 2, causal=yes, alibi=no)
+    assert layer.causal is True
+    torch.jit.script(layer)  # the attributes are Python bools
+    assert RotaryEmbedding(8, interleaved=yes).interleaved is True
+    assert attn_ext.RelativePositionBias(2, 8, bidirectional=yes).bidirectional is True
+
+
 def test_rope_qk_errors_name_q_and_k():
     """rope_qk out of place runs rope() on q and on k, whose op calls its input x: the wrapper
     checks both by their names first, and holds both paths to one rule (k in q's dtype)."""
