@@ -7,6 +7,7 @@ Schemas live in ``csrc/ops.cpp``; semantics in ``shared/DESIGN.md``.
 from __future__ import annotations
 
 import contextlib
+import decimal
 import math
 import numbers
 import sys
@@ -20,9 +21,10 @@ from .reference import add_score_terms, score_distance, visibility_mask
 _lib = torch.ops.attn_ext
 
 
-class ArgumentTypeError(TypeError, ValueError):
+class ArgumentTypeError(TypeError, ValueError, RuntimeError):
     """An argument of the wrong Python type (None or a list where a tensor belongs, a string
-    where a number belongs): both a TypeError and a ValueError, so either ``except`` catches it."""
+    where a number belongs): a TypeError, a ValueError and the RuntimeError the ops' parser
+    raises for such an argument, so any of those ``except`` clauses catches it."""
 
 
 class ArgumentValueError(ValueError, RuntimeError):
@@ -222,10 +224,13 @@ def _check_tables_no_grad(cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 
 def _check_rope_args(x, name: str, cos, sin, offset, interleaved) -> None:
-    """The rope wrappers' arguments, by the name the caller used (rope_qk rotates q and k
-    through rope(), whose op would call both "x"): x a (B, S, H, D) or (B, S, D) floating
-    tensor with a contiguous last dim, at least rotary_dim = 2 * cos.size(-1) wide; cos / sin
-    tensors; offset an int; interleaved a bool. The op checks the rest (and these again)."""
+    """The rope wrappers' arguments, by the name the caller used (rope_qk rotates q and k by
+    the op of rope(), which calls both "x"): x a (B, S, H, D) or (B, S, D) floating tensor with
+    a contiguous last dim, at least rotary_dim = 2 * cos.size(-1) wide; cos / sin tensors;
+    offset an int; interleaved a bool. The op checks the rest (and these again). The checks
+    on sizes run on concrete sizes only, never while compiling: a comparison of symbolic ones
+    adds a guard (torch.export with a dynamic head dim refused "D >= 8"); the op checks them
+    at run time."""
     _check_tensor(x, name, "(B, S, H, D) or (B, S, D)")
     _check_tensor(cos, "cos", "(S_max, rotary_dim/2)")
     _check_tensor(sin, "sin", "(S_max, rotary_dim/2)")
@@ -238,13 +243,23 @@ def _check_rope_args(x, name: str, cos, sin, offset, interleaved) -> None:
     if x.dtype not in _FLOAT_DTYPES:
         raise ArgumentValueError(
             f"{name} must be float32, float64, float16 or bfloat16, got {x.dtype}")
-    if x.size(-1) > 1 and x.stride(-1) != 1:
+    if torch.compiler.is_compiling():  # (dynamo takes a symbolic size for an int)
+        return
+    D, stride = x.size(-1), x.stride(-1)
+    if isinstance(D, int) and isinstance(stride, int) and D > 1 and stride != 1:
         raise ArgumentValueError(f"{name} must have a contiguous last dim (stride 1), got "
                                  f"strides {list(x.stride())}")
-    if cos.dim() == 2 and 2 * cos.size(-1) > x.size(-1):
+    half = cos.size(-1) if cos.dim() == 2 else None
+    if isinstance(D, int) and isinstance(half, int) and 2 * half > D:
         raise ArgumentValueError(
-            f"rotary_dim = 2 * cos.size(-1) = {2 * cos.size(-1)} must be <= the head dim "
-            f"D = {name}.size(-1) = {x.size(-1)}")
+            f"rotary_dim = 2 * cos.size(-1) = {2 * half} must be <= the head dim "
+            f"D = {name}.size(-1) = {D}")
+
+
+def _rope_checked(x, cos, sin, positions, offset, interleaved) -> torch.Tensor:
+    """rope() after its checks: the op on the 4-D form, 3-D input back to 3-D."""
+    out = _lib.rope(_rope_4d(x), cos, sin, positions, offset, interleaved)
+    return out.squeeze(2) if x.dim() == 3 else out
 
 
 def _rope_4d(x: torch.Tensor) -> torch.Tensor:
@@ -281,8 +296,7 @@ def rope(
     """
     _check_rope_args(x, "x", cos, sin, offset, interleaved)
     _check_tables_no_grad(cos, sin)
-    out = _lib.rope(_rope_4d(x), cos, sin, positions, offset, interleaved)
-    return out.squeeze(2) if x.dim() == 3 else out
+    return _rope_checked(x, cos, sin, positions, offset, interleaved)
 
 
 def rope_(
@@ -334,9 +348,10 @@ def rope_qk(
     if inplace:
         _lib.rope_qk_(_rope_4d(q), _rope_4d(k), cos, sin, positions, offset, interleaved)
         return q, k
+    _check_tables_no_grad(cos, sin)
     return (
-        rope(q, cos, sin, positions, offset, interleaved),
-        rope(k, cos, sin, positions, offset, interleaved),
+        _rope_checked(q, cos, sin, positions, offset, interleaved),
+        _rope_checked(k, cos, sin, positions, offset, interleaved),
     )
 
 
@@ -802,35 +817,48 @@ def _is_numpy_bool(value) -> bool:
 
 
 def _check_flag(value, name: str) -> None:
-    """A bool argument of an op (causal, interleaved, inplace): a bool (Python's or numpy's), or
-    an int 0 / 1. None or a string used to pass the op's parser as False (an in-place rotation
-    for inplace="no"), and 2 as True."""
-    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+    """A bool argument of an op (causal, interleaved, inplace): a bool (Python's or numpy's), an
+    int 0 / 1 (numpy's too), a symbolic bool (torch.export: ``x.size(1) > 1``) or a 0-dim bool
+    tensor (what such a comparison gives under torch.jit.trace). None or a string used to pass
+    the op's parser as False (an in-place rotation for inplace="no"), and 2 as True.
+    (ArgumentValueError: the ValueError of the layers' checks and the RuntimeError the op's
+    parser raised.)"""
+    if isinstance(value, (bool, torch.SymBool)) or _is_numpy_bool(value):
         return
-    if _is_numpy_bool(value):
+    if isinstance(value, numbers.Integral) and value in (0, 1):
         return
-    raise ValueError(f"{name} must be a bool, got {value!r}")
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.bool:
+        return
+    raise ArgumentValueError(f"{name} must be a bool, got {value!r}")
 
 
 def _check_causal(causal) -> None:
     _check_flag(causal, "causal")
 
 
+def _one_number_tensor(t, integral: bool) -> bool:
+    """A one-element tensor the ops' parser takes as a number: integer-typed for an int
+    (integral), any real type for a float; never bool or complex."""
+    if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype == torch.bool or t.is_complex():
+        return False
+    return not (integral and t.is_floating_point())
+
+
 def _check_offset(offset) -> None:
-    """offset (rope, sinusoidal_pe): an int (numpy's, symbolic, or a 0-dim integer tensor); a
-    bool used to pass as 0 / 1 and None as 0."""
-    if _is_int(offset):
-        return
-    if (isinstance(offset, torch.Tensor) and offset.dim() == 0 and offset.dtype != torch.bool
-            and not offset.is_floating_point() and not offset.is_complex()):
+    """offset (rope, sinusoidal_pe): an int (numpy's, symbolic, or a one-element integer
+    tensor); a bool used to pass as 0 / 1 and None as 0."""
+    if _is_int(offset) or _one_number_tensor(offset, integral=True):
         return
     raise ArgumentTypeError(f"offset must be an int, got {offset!r}")
 
 
 def _check_base(base) -> None:
-    """base (sinusoidal_pe): a number (the op checks that it is positive and finite); a bool
-    used to pass as 1.0."""
-    if isinstance(base, bool) or not isinstance(base, (numbers.Real, torch.SymFloat, torch.SymInt)):
+    """base (sinusoidal_pe): a real number (numpy's, Decimal, symbolic, or a one-element
+    tensor; the op checks that it is positive and finite); a bool used to pass as 1.0."""
+    if isinstance(base, (torch.SymFloat, torch.SymInt)) or _one_number_tensor(base, integral=False):
+        return
+    real = isinstance(base, numbers.Real) or isinstance(base, decimal.Decimal)
+    if isinstance(base, bool) or not real:
         raise ArgumentTypeError(f"base must be a positive finite number, got {base!r}")
 
 

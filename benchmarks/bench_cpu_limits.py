@@ -163,7 +163,7 @@ def part_train(args):
 
 _MEM_CHILD = """
 import sys, torch
-sys.path.insert(0, sys.argv[2])  # benchmarks/
+sys.path[0] = sys.argv[2]  # benchmarks/, for python -c's "" (the cwd: an unbuilt checkout's root)
 from _env import checkout_first
 checkout_first()
 import attn_ext

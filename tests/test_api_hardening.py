@@ -218,6 +218,43 @@ def test_numpy_bools_are_bools():
     assert attn_ext.RelativePositionBias(2, 8, bidirectional=yes).bidirectional is True
 
 
+def test_positional_encoding_checks_keep_what_the_ops_took():
+    """The wrappers' type checks take what the ops' parser took: numpy ints as flags, one-element
+    integer tensors as offsets, tensors and Decimals as bases, a symbolic or traced comparison as
+    interleaved; their errors stay RuntimeErrors (the parser's) as well; and the size checks add
+    no guard under torch.export (a dynamic head dim failed with "D >= 8")."""
+    import decimal
+
+    np = pytest.importorskip("numpy")
+    x = randn(2, 5, 3, 16)
+    cos, sin = attn_ext.rope_cache(16, 8)
+    same = lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0)  # noqa: E731
+    same(attn_ext.rope(x, cos, sin, interleaved=np.int64(1)), attn_ext.rope(x, cos, sin, interleaved=True))
+    same(attn_ext.rope(x, cos, sin, offset=torch.tensor([2])), attn_ext.rope(x, cos, sin, offset=2))
+    y = x[:, :, 0]
+    want = attn_ext.sinusoidal_pe(y, base=100.0)
+    same(attn_ext.sinusoidal_pe(y, base=torch.tensor(100.0)), want)
+    same(attn_ext.sinusoidal_pe(y, base=decimal.Decimal("100")), want)
+    for bad in ({"interleaved": "no"}, {"offset": 1.0}, {"offset": torch.tensor(True)}):
+        with pytest.raises(RuntimeError, match="must be"):
+            attn_ext.rope(x, cos, sin, **bad)
+    with pytest.raises(RuntimeError, match="base must be"):
+        attn_ext.sinusoidal_pe(y, base=1j)
+
+    class M(torch.nn.Module):
+        def forward(self, x, cos, sin):
+            return attn_ext.rope(x, cos, sin, interleaved=x.size(1) > 1)
+
+    want = attn_ext.rope(x, cos, sin, interleaved=True)
+    dims = ({1: torch.export.Dim("S"), 3: torch.export.Dim("D")}, None, None)
+    for strict in (True, False):
+        ep = torch.export.export(M(), (x, cos, sin), dynamic_shapes=dims, strict=strict)
+        same(ep.module()(x, cos, sin), want)
+        x2 = randn(2, 3, 3, 12)  # another S and D
+        same(ep.module()(x2, cos, sin), attn_ext.rope(x2, cos, sin, interleaved=True))
+    same(torch.jit.trace(M(), (x, cos, sin))(x, cos, sin), want)  # interleaved: tensor(True)
+
+
 def test_rope_qk_errors_name_q_and_k():
     """rope_qk out of place runs rope() on q and on k, whose op calls its input x: the wrapper
     checks both by their names first, and holds both paths to one rule (k in q's dtype)."""

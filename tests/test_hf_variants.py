@@ -241,6 +241,38 @@ def test_output_attentions_reach_the_collector(make_cfg, how, monkeypatch):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("make_cfg, how", [(_gpt2_cfg, "keyword"), (_llama_cfg, "config")],
+                         ids=["gpt2_keyword", "llama_config"])
+def test_collected_attentions_under_gradient_checkpointing(make_cfg, how):
+    """Where only transformers' collector asks for the probabilities, a checkpointed layer's
+    recomputation (in the backward, after the collector is reset) must save what the forward
+    saved: the first version of the collector path made the backward fail ("a different number
+    of tensors was saved"). Dropout on: the gradients equal the un-checkpointed run's, so the
+    weights' extra pass draws no random numbers."""
+    cfg = make_cfg()
+    for name in ("attn_pdrop", "attention_dropout"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, 0.3)
+    if how == "config":
+        cfg.output_attentions = True
+    kw = {"output_attentions": True} if how == "keyword" else {}
+    idx = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(4))
+    base = _build(cfg, "attn_ext").train()
+    grads, losses = [], []
+    for checkpointed in (False, True):
+        model = copy.deepcopy(base)
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        torch.manual_seed(5)
+        out = model(idx, labels=idx, **kw)
+        out.loss.backward()
+        assert len(out.attentions) == 2 and all(a is not None for a in out.attentions)
+        losses.append(out.loss.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
 def _encoder(cls_name, cfg_name, impl, **extra):
     cfg = getattr(transformers, cfg_name)(vocab_size=100, hidden_size=32, num_hidden_layers=1,
                                           num_attention_heads=4, intermediate_size=32,

@@ -52,9 +52,10 @@ What runs on attn_ext's kernel and what does not:
   T5's bucket embedding), checks that the dense tensor is exactly that table expanded (a
   function of i - j alone), and otherwise falls back to the eager formula. The dense
   tensor itself is T5's own (transformers builds it before the hook is called).
-- ``output_attentions=True`` (the keyword or ``config.output_attentions``: wherever
-  transformers' output collector records attentions, :func:`_weights_wanted`) returns the
-  attention probabilities (``"sdpa"`` returns none):
+- ``output_attentions=True`` (the keyword, or ``config.output_attentions``: wherever
+  transformers' output collector records attentions, :func:`_collector_wants_attentions`)
+  returns the attention probabilities (``"sdpa"`` returns none; where only the collector asks
+  and autograd is on, detached ones, from a second pass):
   :func:`attn_ext.attention_weights` forms them from q, k and the forward's lse, so that
   call costs the full ``(B, H, Sq, Sk)`` matrix; the output still comes from the kernel.
   Under attention dropout they are the probabilities before dropout. Packed batches
@@ -213,20 +214,33 @@ def attention_forward(
             return _fallback(module, query, key, value, keep, dropout, scaling,
                              is_causal, kwargs, terms, position_bias), None
         terms["rel_bias"] = table
-    weights_len = kv_len if _weights_wanted(kwargs) else None
-    return _on_kernel(query, key, value, key_padding_mask, causal_default, scaling, window,
-                      terms, plain, weights_len)
+    keyword = bool(kwargs.get("output_attentions", False))
+    collect = not keyword and _collector_wants_attentions()
+    if not collect or not torch.is_grad_enabled():
+        return _on_kernel(query, key, value, key_padding_mask, causal_default, scaling, window,
+                          terms, plain, kv_len if keyword or collect else None)
+    # Only transformers' collector asks (GPT-2 pops the keyword; config.output_attentions is
+    # never one), with autograd on: under gradient checkpointing the recomputation runs after
+    # the collector is reset, so the output must come as without weights (the same saved
+    # tensors: otherwise "a different number of tensors was saved" in the backward), and the
+    # weights (detached) from a second, gradient-free pass, its lse without dropout (no random
+    # numbers that the recomputation would not draw).
+    out, _ = _on_kernel(query, key, value, key_padding_mask, causal_default, scaling, window,
+                        terms, plain)
+    with torch.no_grad():
+        _, weights = _on_kernel(query.detach(), key.detach(), value.detach(), key_padding_mask,
+                                causal_default, scaling, window,
+                                {n: t for n, t in terms.items() if n != "dropout_p"}, plain,
+                                kv_len)
+    return out, weights
 
 
-def _weights_wanted(kwargs) -> bool:
-    """Whether the caller collects this layer's attention probabilities: the
-    ``output_attentions`` keyword, or transformers' output collector (``capture_outputs``)
-    recording some ``*attentions`` key. The collector records the attention module's second
-    output whatever reached the attention function: GPT-2 pops the keyword before its layers,
-    and ``config.output_attentions = True`` never becomes one (eager fills that slot either
-    way; the hook used to return None there)."""
-    if kwargs.get("output_attentions", False):
-        return True
+def _collector_wants_attentions() -> bool:
+    """Whether transformers' output collector (``capture_outputs``) records some
+    ``*attentions`` key: it takes the attention module's second output whatever reached the
+    attention function, so GPT-2 (which pops ``output_attentions`` before its layers) and
+    ``config.output_attentions = True`` (never a keyword) want probabilities there too (eager
+    fills that slot either way; the hook used to return None)."""
     if _ACTIVE_COLLECTOR is None:
         return False
     if torch.compiler.is_compiling():
