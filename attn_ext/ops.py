@@ -857,8 +857,7 @@ def _check_base(base) -> None:
     tensor; the op checks that it is positive and finite); a bool used to pass as 1.0."""
     if isinstance(base, (torch.SymFloat, torch.SymInt)) or _one_number_tensor(base, integral=False):
         return
-    real = isinstance(base, numbers.Real) or isinstance(base, decimal.Decimal)
-    if isinstance(base, bool) or not real:
+    if isinstance(base, bool) or not isinstance(base, (numbers.Real, decimal.Decimal)):
         raise ArgumentTypeError(f"base must be a positive finite number, got {base!r}")
 
 
