@@ -68,6 +68,11 @@ def visibility_mask(
     return keep
 
 
+def default_scale(D: int) -> float:
+    """The textbook's 1 / sqrt(D); 1 for D = 0 (no score to scale), as the kernels take it."""
+    return 1.0 / math.sqrt(D) if D > 0 else 1.0
+
+
 def attention_with_lse(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -97,9 +102,9 @@ def attention_with_lse(
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     if scale is None:
-        scale = 1.0 / math.sqrt(D)
+        scale = default_scale(D)
     # GQA / MQA: query head h reads kv head h // (H // Hkv).
-    group = H // Hkv
+    group = H // Hkv if Hkv > 0 else 1  # (no heads: nothing to repeat)
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     # (B, H, S, D) for batched matrix products.
@@ -168,8 +173,8 @@ def attention_probs(q, k, causal: bool = False, scale: Optional[float] = None) -
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    k = k.repeat_interleave(H // Hkv, dim=2)
+        scale = default_scale(D)
+    k = k.repeat_interleave(H // Hkv if Hkv > 0 else 1, dim=2)
     scores = (q.transpose(1, 2) @ k.transpose(1, 2).transpose(-2, -1)) * scale
     if causal:
         scores = scores.masked_fill(~causal_mask(Sq, Sk, q.device), float("-inf"))

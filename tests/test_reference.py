@@ -184,3 +184,20 @@ def test_rope_partial_passes_channels_through_and_positions_forms_agree():
     pos = torch.arange(4, 9)
     assert torch.allclose(ref.rope(x, cos, sin, positions=pos), y)
     assert torch.allclose(ref.rope(x, cos, sin, positions=pos.expand(2, 5)), y)
+
+
+def test_reference_takes_the_empty_sizes_the_kernels_take():
+    """D = 0 with the default scale (1 / sqrt(0): the kernels take 1) and H = Hkv = 0 raised
+    ZeroDivisionError in the reference, so a comparison with it could not be written there."""
+    import attn_ext
+
+    f64 = torch.float64
+    q, v = torch.randn(2, 3, 2, 0, dtype=f64), torch.randn(2, 3, 2, 4, dtype=f64)
+    for causal in (False, True):
+        out, lse = attn_ext.attention(q, q, v, causal=causal, return_lse=True)
+        want, want_lse = ref.attention_with_lse(q, q, v, causal=causal)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(lse, want_lse)
+    assert ref.attention_probs(q, q).shape == (2, 2, 3, 3)
+    e = torch.randn(2, 3, 0, 8, dtype=f64)
+    assert ref.attention(e, e, e).shape == attn_ext.attention(e, e, e).shape == (2, 3, 0, 8)
