@@ -228,9 +228,8 @@ def _check_rope_args(x, name: str, cos, sin, offset, interleaved) -> None:
     the op of rope(), which calls both "x"): x a (B, S, H, D) or (B, S, D) floating tensor with
     a contiguous last dim, at least rotary_dim = 2 * cos.size(-1) wide; cos / sin tensors;
     offset an int; interleaved a bool. The op checks the rest (and these again). The checks
-    on sizes run on concrete sizes only, never while compiling: a comparison of symbolic ones
-    adds a guard (torch.export with a dynamic head dim refused "D >= 8"); the op checks them
-    at run time."""
+    on sizes do not run while compiling: a comparison of symbolic sizes adds a guard
+    (torch.export with a dynamic head dim refused "D >= 8"); the op checks them at run time."""
     _check_tensor(x, name, "(B, S, H, D) or (B, S, D)")
     _check_tensor(cos, "cos", "(S_max, rotary_dim/2)")
     _check_tensor(sin, "sin", "(S_max, rotary_dim/2)")
@@ -243,17 +242,13 @@ def _check_rope_args(x, name: str, cos, sin, offset, interleaved) -> None:
     if x.dtype not in _FLOAT_DTYPES:
         raise ArgumentValueError(
             f"{name} must be float32, float64, float16 or bfloat16, got {x.dtype}")
-    if torch.compiler.is_compiling():  # (dynamo takes a symbolic size for an int)
+    if torch.compiler.is_compiling():  # (sizes may be symbolic: no guards from these)
         return
-    D, stride = x.size(-1), x.stride(-1)
-    if isinstance(D, int) and isinstance(stride, int) and D > 1 and stride != 1:
-        raise ArgumentValueError(f"{name} must have a contiguous last dim (stride 1), got "
-                                 f"strides {list(x.stride())}")
-    half = cos.size(-1) if cos.dim() == 2 else None
-    if isinstance(D, int) and isinstance(half, int) and 2 * half > D:
+    _check_last_dim_contiguous(x, name)
+    if cos.dim() == 2 and 2 * cos.size(-1) > x.size(-1):
         raise ArgumentValueError(
-            f"rotary_dim = 2 * cos.size(-1) = {2 * half} must be <= the head dim "
-            f"D = {name}.size(-1) = {D}")
+            f"rotary_dim = 2 * cos.size(-1) = {2 * cos.size(-1)} must be <= the head dim "
+            f"D = {name}.size(-1) = {x.size(-1)}")
 
 
 def _rope_checked(x, cos, sin, positions, offset, interleaved) -> torch.Tensor:
@@ -1417,9 +1412,9 @@ def _check_qk_inputs(q: torch.Tensor, k: torch.Tensor, scale: Optional[float]) -
 def _check_last_dim_contiguous(t: torch.Tensor, name: str, who: str = "") -> None:
     """The layout rule of DESIGN.md (csrc/common/checks.h check_last_dim_contiguous), in
     Python for the entry points that refuse input before any kernel runs."""
-    if t.size(-1) > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{who}{name} must have a contiguous last dim (stride 1), "
-                         f"got strides {list(t.stride())}")
+    if t.size(-1) > 1 and t.stride(-1) != 1:  # (the RuntimeError the ops raise, a ValueError)
+        raise ArgumentValueError(f"{who}{name} must have a contiguous last dim (stride 1), "
+                                 f"got strides {list(t.stride())}")
 
 
 def _check_term_shapes(q, alibi_slopes, rel_bias, who: str = "", sinks=None) -> None:

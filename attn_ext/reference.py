@@ -73,6 +73,11 @@ def default_scale(D: int) -> float:
     return 1.0 / math.sqrt(D) if D > 0 else 1.0
 
 
+def kv_group(H: int, Hkv: int) -> int:
+    """GQA / MQA: query head h reads kv head h // kv_group(H, Hkv) (1 with no heads at all)."""
+    return H // Hkv if Hkv > 0 else 1
+
+
 def attention_with_lse(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -103,8 +108,7 @@ def attention_with_lse(
     Sk, Hkv = k.shape[1], k.shape[2]
     if scale is None:
         scale = default_scale(D)
-    # GQA / MQA: query head h reads kv head h // (H // Hkv).
-    group = H // Hkv if Hkv > 0 else 1  # (no heads: nothing to repeat)
+    group = kv_group(H, Hkv)  # query head h reads kv head h // group
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     # (B, H, S, D) for batched matrix products.
@@ -174,7 +178,7 @@ def attention_probs(q, k, causal: bool = False, scale: Optional[float] = None) -
     Sk, Hkv = k.shape[1], k.shape[2]
     if scale is None:
         scale = default_scale(D)
-    k = k.repeat_interleave(H // Hkv if Hkv > 0 else 1, dim=2)
+    k = k.repeat_interleave(kv_group(H, Hkv), dim=2)
     scores = (q.transpose(1, 2) @ k.transpose(1, 2).transpose(-2, -1)) * scale
     if causal:
         scores = scores.masked_fill(~causal_mask(Sq, Sk, q.device), float("-inf"))
