@@ -45,6 +45,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -111,6 +112,24 @@ constexpr bool kDecodePairs = std::is_same_v<T, c10::BFloat16>;
 inline int64_t decode_pos(bool pairs, int64_t d, int64_t n) {
   if (!pairs || d >= n / 16 * 16) return d;
   return (d & ~int64_t(15)) + ((d & 1) << 3) + ((d & 15) >> 1);
+}
+
+// dst[d] = src[decode_pos(d)] for d < n: a decode-order row of n elements (an output
+// accumulator) back in natural order. bf16's whole 16-element chunks interleave their two
+// halves (positions [0, 8) hold the even elements, [8, 16) the odd ones).
+template <typename T>
+ATTN_EXT_AVX2 inline void from_decode_order(const float* src, int64_t n, float* dst) {
+  int64_t d = 0;
+  if constexpr (kDecodePairs<T>) {
+    for (; d + 16 <= n; d += 16) {
+      const __m256 even = _mm256_loadu_ps(src + d), odd = _mm256_loadu_ps(src + d + 8);
+      const __m256 lo = _mm256_unpacklo_ps(even, odd);  // e0 o0 e1 o1 | e4 o4 e5 o5
+      const __m256 hi = _mm256_unpackhi_ps(even, odd);  // e2 o2 e3 o3 | e6 o6 e7 o7
+      _mm256_storeu_ps(dst + d, _mm256_permute2f128_ps(lo, hi, 0x20));
+      _mm256_storeu_ps(dst + d + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    }
+  }
+  for (; d < n; ++d) dst[d] = src[decode_pos(kDecodePairs<T>, d, n)];
 }
 
 // A natural-order fp32 row of n elements (round_up(n, 8) with its zero tail) in the decode
@@ -1196,9 +1215,11 @@ void attention_decode_kernel(const AttentionParams& p) {
   n_chunks = std::min(n_chunks, std::max<int64_t>(1, max_keys / kDecodeMinChunk));
   // partial state of (b, chunk, hkv): o (C, Dvp), m (C), l (C)
   const int64_t per_part = C * (Dvp + 2);
-  std::vector<float> parts(static_cast<size_t>(p.B * n_chunks * Hkv * per_part));
+  // (not zero-filled: every task initialises its own parts first, and the fill would cost a
+  // pass over them per call)
+  const std::unique_ptr<float[]> parts(new float[static_cast<size_t>(p.B * n_chunks * Hkv * per_part)]);
   auto part_of = [&](int64_t b, int64_t chunk, int64_t hkv) {
-    return parts.data() + ((b * n_chunks + chunk) * Hkv + hkv) * per_part;
+    return parts.get() + ((b * n_chunks + chunk) * Hkv + hkv) * per_part;
   };
 
   const auto* q = static_cast<const scalar_t*>(p.q);
@@ -1457,7 +1478,7 @@ void attention_decode_kernel(const AttentionParams& p) {
   parallel_tasks(p.B * Hkv, [] { return 0; }, [&](int64_t bh, int&) {
     const int64_t b = bh / Hkv, hkv = bh % Hkv;
     const SeqInfo sq = vis.seq(b);
-    std::vector<float> acc(static_cast<size_t>(Dvp));
+    std::vector<float> acc(static_cast<size_t>(Dvp)), row(static_cast<size_t>(Dvp));
     for (int64_t c = 0; c < C; ++c) {
       const int64_t hh = c / p.Sq, ii = c % p.Sq;
       if (ii >= sq.Sq) continue;
@@ -1495,8 +1516,8 @@ void attention_decode_kernel(const AttentionParams& p) {
             h, static_cast<double>(mx) * kLog2e, static_cast<double>(l), seen, &lse_c));
       }
       scalar_t* orow = out + b * p.out_batch_stride + (sq.q0 + ii) * p.out_row_stride + h * p.out_head_stride;
-      for (int64_t d = 0; d < p.Dv; ++d)  // acc in decode order
-        orow[d] = static_cast<scalar_t>(acc[decode_pos(kDecodePairs<scalar_t>, d, p.Dv)] * inv);
+      from_decode_order<scalar_t>(acc.data(), p.Dv, row.data());
+      store_row(row.data(), inv, p.Dv, orow);  // (static_cast<scalar_t>(row[d] * inv), vectorised)
       lse[b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + ii] = static_cast<float>(lse_c);
     }
   });
