@@ -132,8 +132,24 @@ def attention_with_lse(
             raise ValueError("dropout_p > 0 needs dropout_mask (B, H, Sq, Sk), True = kept "
                              "(dropout_keep_mask gives the kernels' mask)")
         probs = probs * dropout_mask.to(probs.device) / (1.0 - dropout_p)
-    out = probs @ vh  # (B, H, Sq, Dv)
+    out = probs @ vh if keep is None else _product_over_seen_keys(probs, vh, keep)
     return out.transpose(1, 2), lse
+
+
+def _product_over_seen_keys(probs: torch.Tensor, vh: torch.Tensor, keep: torch.Tensor):
+    """``probs @ vh`` (``(B, H, Sq, Sk) @ (B, H, Sk, Dv)``) where a key a row cannot see
+    (``keep`` False) adds nothing to it, not even ``0 * inf = NaN`` from a non-finite v
+    (DESIGN.md, "Errors"): the product runs on v's finite values, and each key holding a
+    non-finite value adds ``p * v`` of those values to the rows that see it."""
+    finite = torch.isfinite(vh)
+    out = probs @ torch.where(finite, vh, 0.0)
+    keys = (~finite).any(dim=-1).any(dim=0).any(dim=0).nonzero().flatten()  # key indices
+    if keys.numel() > 0:
+        rest = torch.where(finite, 0.0, vh)[:, :, keys, :]  # (B, H, n, Dv): the non-finite values
+        term = probs[..., keys, None] * rest[:, :, None]     # (B, H, Sq, n, Dv)
+        seen = keep[..., keys]                               # (Sq, n) or (B, 1, Sq, n)
+        out = out + torch.where(seen[..., None], term, 0.0).sum(dim=-2)
+    return out
 
 
 def attention(q, k, v, causal: bool = False, scale: Optional[float] = None, window=None,

@@ -78,6 +78,46 @@ def test_a_nan_row_reaches_no_gradient_of_a_key_it_cannot_see():
     assert torch.equal(k.grad[0, 4], torch.zeros_like(k.grad[0, 4]))
 
 
+def test_a_non_finite_v_at_a_key_a_row_cannot_see_leaves_that_row_alone():
+    """DESIGN.md ("Errors"): a key a row cannot see never affects that row. The probability
+    there is exactly 0, but 0 * inf = NaN in probs @ v: an inf / NaN in the v of a hidden key
+    (a future token under causal, padding, outside a window) made every row NaN."""
+    import attn_ext
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = [torch.randn(2, 5, 2, 4, generator=g, dtype=f64) for _ in range(3)]
+    clean = ref.attention(q, k, v, causal=True)
+    vn = v.clone()
+    vn[0, 4, 1, 2] = float("inf")  # key 4: seen by row 4 only (causal)
+    vn[1, 3, 0, 0] = float("nan")  # key 3: seen by rows 3 and 4
+    vn[1, 3, 0, 1] = -float("inf")
+    out = ref.attention(q, k, vn, causal=True)
+    # only the (row, head, channel) that see a non-finite value change
+    changed = torch.zeros_like(out, dtype=torch.bool)
+    changed[0, 4, 1, 2] = True  # (head 1 of batch 0 reads kv head 1 of batch 0)
+    changed[1, 3:, 0, :2] = True
+    torch.testing.assert_close(out[~changed], clean[~changed], rtol=1e-12, atol=1e-12)
+    assert out[0, 4, 1, 2] == float("inf")
+    assert torch.isnan(out[1, 3:, 0, 0]).all() and (out[1, 3:, 0, 1] == -float("inf")).all()
+    # padding and windows alike; and the kernels agree (NaN / inf in the same places)
+    kpm = torch.ones(2, 5, dtype=torch.bool)
+    kpm[1, 3] = False
+    for kw in ({"key_padding_mask": kpm}, {"window": (1, 0)}, {"causal": True, "window": (0, 0)}):
+        out, lse = ref.attention_with_lse(q, k, vn, kw.get("causal", False), None,
+                                          kw.get("window"), kw.get("key_padding_mask"))
+        vis = ref.visibility_mask(5, 5, kw.get("causal", False), kw.get("window"),
+                                  kw.get("key_padding_mask"))
+        vis = vis.expand(2, 1, 5, 5)  # (Sq, Sk) or (B, 1, Sq, Sk)
+        sees_bad = vis[0, 0, :, 4]  # rows of batch 0 that see key 4
+        assert torch.isfinite(out[0][~sees_bad]).all()
+        assert torch.isfinite(out[1][~vis[1, 0, :, 3]]).all()
+        ours = attn_ext.attention(q, k, vn, **kw)  # the kernels: the same rule
+        assert torch.equal(torch.isnan(ours), torch.isnan(out))
+        assert torch.equal(torch.isinf(ours), torch.isinf(out))
+        fin = torch.isfinite(out)
+        torch.testing.assert_close(ours[fin], out[fin], rtol=1e-9, atol=1e-9)
+
+
 def test_causal_mask_matches_textbook_triu_and_aligns_bottom_right():
     s = 5
     textbook = ~torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
