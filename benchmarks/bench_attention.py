@@ -49,13 +49,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
-from _env import checkout_first  # noqa: E402
+from _env import (  # noqa: E402
+    checkout_first, interleaved_medians as _env_interleaved, print_env_header)
 
 checkout_first()
 import attn_ext  # noqa: E402
 from attn_ext import reference  # noqa: E402
-from _env import interleaved_medians as _env_interleaved  # noqa: E402
-from _env import print_env_header  # noqa: E402
 
 SHAPES = [(1, 8, 512, 64), (1, 8, 1024, 64), (1, 16, 2048, 64), (1, 8, 4096, 128), (4, 12, 1024, 64)]
 QUICK_SHAPES = [(1, 4, 256, 64)]

@@ -31,7 +31,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/ (for _env)
+sys.path.insert(0, HERE)
 from _env import checkout_first, interleaved_medians, print_env_header  # noqa: E402
 
 checkout_first()
@@ -194,7 +195,7 @@ def part_memory(args):
     print("| threads | peak extra MiB (VmHWM growth of the call) | minus the gradients |")
     print("|---|---|---|")
     for n in (1, 2):
-        out = subprocess.run([sys.executable, "-c", _MEM_CHILD, str(n), os.path.dirname(os.path.abspath(__file__)),
+        out = subprocess.run([sys.executable, "-c", _MEM_CHILD, str(n), HERE,
                               ",".join(map(str, (B, S, H, D)))],
                              capture_output=True, text=True, check=True).stdout
         mib = float(out.strip().splitlines()[-1])

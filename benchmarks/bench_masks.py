@@ -27,11 +27,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
-from _env import checkout_first  # noqa: E402
+from _env import checkout_first, interleaved_medians, print_env_header  # noqa: E402
 
 checkout_first()
 import attn_ext  # noqa: E402
-from _env import interleaved_medians, print_env_header  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -27,13 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
-from _env import checkout_first  # noqa: E402
+from _env import checkout_first, print_env_header, round_orders  # noqa: E402
 
 checkout_first()
 import attn_ext  # noqa: E402
 from attn_ext import reference as ref  # noqa: E402
 from attn_ext.modules import MultiHeadAttention  # noqa: E402
-from _env import print_env_header, round_orders  # noqa: E402
 
 
 class TextbookSDPA(ref.MultiHeadAttentionRef):

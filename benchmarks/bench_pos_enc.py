@@ -38,12 +38,11 @@ REUSE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": s
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
-from _env import checkout_first  # noqa: E402
+from _env import checkout_first, print_env_header  # noqa: E402
 
 checkout_first()
 import attn_ext  # noqa: E402
 from attn_ext import reference as R  # noqa: E402
-from _env import print_env_header  # noqa: E402
 
 
 def allocator_mode() -> str:

@@ -32,12 +32,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
-from _env import checkout_first  # noqa: E402
+from _env import checkout_first, print_env_header  # noqa: E402
 
 checkout_first()
 import attn_ext  # noqa: E402
 from attn_ext import distributed as cp  # noqa: E402
-from _env import print_env_header  # noqa: E402
 
 MODES = [(causal, bwd) for causal in (True, False) for bwd in (False, True)]
 

@@ -37,12 +37,11 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # benchmarks/ (for _env)
-from _env import checkout_first  # noqa: E402
+from _env import checkout_first, print_env_header  # noqa: E402
 
 checkout_first()
 import attn_ext  # noqa: E402
 from attn_ext import reference  # noqa: E402
-from _env import print_env_header  # noqa: E402
 from bench_masks import check, fwd_bwd, timed  # noqa: E402
 
 

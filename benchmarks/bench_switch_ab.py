@@ -65,12 +65,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
-from _env import checkout_first  # noqa: E402
+from _env import checkout_first, print_env_header  # noqa: E402
 
 checkout_first()
 import attn_ext  # noqa: E402,F401
 from attn_ext import ops  # noqa: E402
-from _env import print_env_header  # noqa: E402
 
 SHAPES = [(1, 8, 4096, 128), (1, 16, 2048, 64)]  # (B, H, S, D)
 DECODE_SHAPES = [(1, 4096, 32, 8), (4, 2048, 32, 8), (16, 2048, 32, 8), (1, 32768, 32, 8)]

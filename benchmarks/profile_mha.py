@@ -16,12 +16,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (for _env)
-from _env import checkout_first  # noqa: E402
+from _env import checkout_first, print_env_header  # noqa: E402
 
 checkout_first()
 import attn_ext  # noqa: E402,F401
 from attn_ext.modules import MultiHeadAttention  # noqa: E402
-from _env import print_env_header  # noqa: E402
 
 
 def med(fn, n=7):
