@@ -25,6 +25,7 @@ ATTN_KERNELS = (
     "simple_bwd_dkdv_kernel",
     "simple_bwd_drel_diag_kernel",
     "simple_bwd_drel_reduce_kernel",
+    "settle_lse_kernel",  # after every forward (common/row_lse.h)
 )
 
 _PATTERNS = {k: re.compile(r"(?<![A-Za-z0-9_])" + k + r"(?![A-Za-z0-9_])") for k in ATTN_KERNELS}

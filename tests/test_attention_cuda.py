@@ -444,6 +444,40 @@ def test_split_kv_nan_propagates(dtype, cuda):
     assert torch.equal(out[0, 0, :2], clean[0, 0, :2]) and torch.equal(out[1], clean[1])
 
 
+@pytest.mark.parametrize("path", ["fast", "simple", "split_kv", "varlen"])
+def test_inf_score_rows_settle_to_the_cpu_lse(path, cuda, simple_kernels):
+    """A +inf score (no NaN) gives the row lse +inf, as torch.logsumexp and the CPU do, not
+    the NaN of the online softmax's exp(inf - inf) (common/row_lse.h, settle_lse_kernel); a
+    NaN score keeps NaN; rows that see neither keep their bits."""
+    Sq, Sk, dtype = (1, 4096, torch.float32) if path == "split_kv" else (80, 80, torch.bfloat16)
+    q, k, v = [randn(2, S, h, 64, dtype=dtype, device=cuda) for S, h in ((Sq, 4), (Sk, 2), (Sk, 2))]
+    q[..., 3] = q[..., 3].abs()
+    kb = k.clone()
+    kb[0, Sk // 2, 0, 3] = float("inf")  # kv head 0 of batch 0: query heads 0, 1 see +inf
+    kb[1, Sk // 2, 1, 3] = float("nan")  # kv head 1 of batch 1: query heads 2, 3 NaN
+    if path == "simple":
+        simple_kernels()
+    for causal in (False, True):
+        if path == "varlen":
+            cu = torch.tensor([0, Sq, 2 * Sq], dtype=torch.int32, device=cuda)
+            cuk = torch.tensor([0, Sk, 2 * Sk], dtype=torch.int32, device=cuda)
+            got = attn_ext.attention_varlen(q.flatten(0, 1), kb.flatten(0, 1), v.flatten(0, 1), cu, cuk,
+                                            Sq, Sk, causal=causal, return_lse=True)
+            want = attn_ext.attention_varlen(*(t.flatten(0, 1).cpu() for t in (q, kb, v)), cu.cpu(),
+                                             cuk.cpu(), Sq, Sk, causal=causal, return_lse=True)
+        else:
+            got = attn_ext.attention(q, kb, v, causal=causal, return_lse=True)
+            want = attn_ext.attention(q.cpu(), kb.cpu(), v.cpu(), causal=causal, return_lse=True)
+        for a, b in zip(got, want):
+            a = a.cpu()
+            for f in (torch.isnan, torch.isposinf, torch.isneginf):
+                assert torch.equal(f(a), f(b)), (path, causal, f)
+        lse = got[1].cpu() if path != "varlen" else got[1].cpu().unflatten(1, (2, Sq)).transpose(0, 1)
+        seen = slice(max(0, Sk // 2 - (Sk - Sq)), None) if causal else slice(None)
+        assert torch.isposinf(lse[0, :2, seen]).all() and torch.isnan(lse[1, 2:, seen]).all()
+        assert torch.isfinite(lse[0, 2:]).all() and torch.isfinite(lse[1, :2]).all()
+
+
 def op_fwd_bwd(dev, q, k, v, dout, **kw):
     """attention_forward then attention_backward on device dev with the same keyword arguments
     (ones both ops take); returns [out, lse, dq, dk, dv] on the CPU."""

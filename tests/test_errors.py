@@ -384,8 +384,9 @@ def test_empty_rope_and_sinusoidal_edge_cases():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_nan_inf_propagate_attention(dtype):
-    """NaN/inf in one query row reaches exactly that row's output and lse (NaN), every other
-    row stays finite and equal to the clean run; NaN in a key reaches the rows that see it."""
+    """NaN/inf in one query row reaches exactly that row's output (NaN) and lse (the
+    reference's torch.logsumexp: NaN for NaN, +inf where a score is +inf), every other row
+    stays finite and equal to the clean run; NaN in a key reaches the rows that see it."""
     q, k, v = _qkv(dtype, Sq=12, Sk=12)
     # Keys 0 and 1 of kv head 1 (read by query head 3) have opposite signs in channel 2, so
     # an inf in q[..., 3, 2] makes scores of both signs (+inf and -inf), whatever the seed.
@@ -395,9 +396,13 @@ def test_nan_inf_propagate_attention(dtype):
         qb = q.clone()
         qb[1, 5, 3, 2] = bad
         out, lse = attn_ext.attention(qb, k, v, causal=True, return_lse=True)
-        # inf * k gives +-inf scores of both signs -> inf - inf = NaN in the softmax.
+        # inf * k gives +-inf scores of both signs -> inf - inf = NaN in the softmax, while
+        # the log-sum-exp of a row holding +inf is +inf.
         assert torch.isnan(out[1, 5, 3]).all(), bad
-        assert torch.isnan(lse[1, 3, 5]), bad
+        if bad != bad:
+            assert torch.isnan(lse[1, 3, 5]), bad
+        else:
+            assert lse[1, 3, 5] == float("inf"), bad
         mask = torch.ones_like(out, dtype=torch.bool)
         mask[1, 5, 3] = False
         assert torch.equal(out[mask], clean[mask]), bad

@@ -43,6 +43,7 @@
 
 #include "common/attention_checks.h"
 #include "common/attention_mask_checks.h"
+#include "common/row_lse.h"
 #include "common/score_checks.h"
 #include "cpu/attention_common.h"
 #include "cpu/attention_decode.h"
@@ -716,8 +717,74 @@ void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, in
   }
 }
 
+// The rows every kernel below left with lse NaN get common/row_lse.h's answer (+inf where
+// a score is +inf and none is NaN). Nothing but a scan of lse unless such a row exists; then
+// the dot products are formed only where the query row or the key row holds an inf / NaN (a
+// flag per (key row, kv head), from one pass over K), so even a call where every row meets
+// an inf costs about one extra pass over q and K.
+template <typename scalar_t>
+void settle_nan_lse(const AttentionParams& p) {
+  using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+  const Visibility vis = p.visibility();
+  auto* lse = static_cast<acc_t*>(p.lse);
+  auto lse_at = [&](const SeqInfo& s, int64_t b, int64_t h, int64_t i) -> acc_t& {
+    return lse[b * p.lse_batch_stride + h * p.lse_head_stride + s.q0 + i];
+  };
+  bool any = false;
+  for (int64_t b = 0; b < p.B && !any; ++b) {
+    const SeqInfo s = vis.seq(b);
+    for (int64_t h = 0; h < p.H && !any; ++h)
+      for (int64_t i = 0; i < s.Sq; ++i) any |= std::isnan(lse_at(s, b, h, i));
+  }
+  if (!any) return;
+  auto finite = [](const scalar_t* x, int64_t n) {
+    bool ok = true;
+    for (int64_t d = 0; d < n; ++d) ok &= std::isfinite(static_cast<acc_t>(x[d]));
+    return ok;
+  };
+  // k_ok[(key row) * Hkv + hk]: key rows numbered b * Sk + j (packed: the packed row k0 + j)
+  const bool packed = vis.packed();
+  const int64_t key_rows = packed ? p.mask.total_k : p.B * p.Sk;
+  std::vector<uint8_t> k_ok(static_cast<size_t>(key_rows * p.Hkv));
+  constexpr int64_t kRowsPerTask = 256;
+  const int64_t per_b = packed ? key_rows : p.Sk;
+  const int64_t chunks = ceil_div(per_b, kRowsPerTask);
+  parallel_tasks((packed ? 1 : p.B) * chunks, [] { return 0; }, [&](int64_t t, int&) {
+    const int64_t b = t / chunks, r0 = (t % chunks) * kRowsPerTask;
+    const auto* k = static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride;
+    for (int64_t r = r0; r < std::min(per_b, r0 + kRowsPerTask); ++r)
+      for (int64_t hk = 0; hk < p.Hkv; ++hk)
+        k_ok[static_cast<size_t>((b * per_b + r) * p.Hkv + hk)] =
+            finite(k + r * p.k_row_stride + hk * p.k_head_stride, p.D);
+  });
+  parallel_tasks(p.B * p.H, [] { return 0; }, [&](int64_t t, int&) {
+    const int64_t b = t / p.H, h = t % p.H, hk = h / (p.H / p.Hkv);
+    const SeqInfo s = vis.seq(b);
+    const int64_t row0 = packed ? s.k0 : b * p.Sk;
+    for (int64_t i = 0; i < s.Sq; ++i) {
+      acc_t& l = lse_at(s, b, h, i);
+      if (!std::isnan(l)) continue;
+      const bool q_ok = finite(static_cast<const scalar_t*>(p.q) + b * p.q_batch_stride +
+                                   (s.q0 + i) * p.q_row_stride + h * p.q_head_stride,
+                               p.D);
+      l = nan_row_lse<acc_t, scalar_t>(
+          p, s, b, h, i, [](scalar_t x) { return static_cast<acc_t>(x); },
+          [&](int64_t j) { return q_ok && k_ok[static_cast<size_t>((row0 + j) * p.Hkv + hk)] != 0; });
+    }
+  });
+}
+
+template <typename scalar_t>
+void attention_fwd_rows(const AttentionParams& p);
+
 template <typename scalar_t>
 void attention_fwd_kernel(const AttentionParams& p) {
+  attention_fwd_rows<scalar_t>(p);
+  settle_nan_lse<scalar_t>(p);
+}
+
+template <typename scalar_t>
+void attention_fwd_rows(const AttentionParams& p) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   // Few query columns per kv head (decoding): the memory-bound kernel that reads K/V once.
   if constexpr (!std::is_same_v<scalar_t, double>) {

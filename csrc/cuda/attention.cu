@@ -252,6 +252,14 @@ void launch_backward(const AttentionBwdParams& bp, ScalarType dtype, bool fast,
   if (fast) torch::stable::copy_(dq, dq_accum);
 }
 
+// After every forward launch: the rows left with lse NaN settled (simple::launch_settle_lse).
+void settle_lse(const AttentionParams& p, ScalarType dtype, cudaStream_t stream) {
+  dispatch_cuda_type(dtype, "attention_forward", [&](auto tag) {
+    using T = decltype(tag);
+    ATTN_EXT_CUDA_CHECK(cuda::simple::launch_settle_lse<T>(p, stream));
+  });
+}
+
 std::tuple<Tensor, Tensor> attention_forward_cuda(
     const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
     int64_t window_left, int64_t window_right, const OptTensor& key_padding_mask,
@@ -287,9 +295,10 @@ std::tuple<Tensor, Tensor> attention_forward_cuda(
       ATTN_EXT_CUDA_CHECK(cuda::simple::launch_simple_fwd_split<T>(
           p, split.chunk, split.n_split, part_o.data_ptr(), part_ml.data_ptr(), stream));
     });
-    return {out, lse};
+  } else {
+    launch_forward(p, q.scalar_type(), use_fast_forward(q, k, v, p), stream, "attention_forward");
   }
-  launch_forward(p, q.scalar_type(), use_fast_forward(q, k, v, p), stream, "attention_forward");
+  settle_lse(p, q.scalar_type(), stream);
   return {out, lse};
 }
 
@@ -386,6 +395,7 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_cuda(
   // p.Sq / p.Sk are the longest sequence's: the fast kernel's conditions on them hold for all
   launch_forward(p, q.scalar_type(), use_fast_forward(q, k, v, p), stream,
                  "attention_varlen_forward");
+  settle_lse(p, q.scalar_type(), stream);
   return {out, lse};
 }
 

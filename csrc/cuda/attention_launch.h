@@ -1,6 +1,6 @@
 // Host-side entry points of the CUDA attention kernels, shared by the stable-ABI adapter
 // (attention.cu) and the translation units that instantiate them:
-//   attention_simple.cu        simple::launch_simple_fwd / launch_simple_bwd, every dtype
+//   attention_simple.cu        simple::launch_simple_fwd / launch_simple_bwd / launch_settle_lse, every dtype
 //   attention_fa2_hdim{32,64,96,128,256}.cu   fa2::launch_fa2_fwd_impl<T, D, mask mode>, T = __half, bf16
 //   attention_fa2_bwd_hdim64.cu / attention_fa2_bwd_hdim128.cu   fa2::launch_fa2_bwd_impl
 // Each returns the launch's error code; the caller checks it. No ATen types.
@@ -24,6 +24,10 @@ constexpr int kWarps = 4;         // rows (warps) per block: grid.x = ceil(rows 
 // T = float, double, __half, __nv_bfloat16.
 template <typename T>
 cudaError_t launch_simple_fwd(const AttentionParams& p, cudaStream_t stream);
+// After every forward: the rows left with lse NaN get common/row_lse.h's answer (+inf where
+// a score is +inf and none is NaN).
+template <typename T>
+cudaError_t launch_settle_lse(const AttentionParams& p, cudaStream_t stream);
 // Split-KV forward for few query rows and many keys: each (row, chunk of `chunk` keys) is
 // one warp; part_o (B*H*Sq, n_split, Dv) and part_ml (B*H*Sq, n_split, 2) are acc_t
 // workspaces; a second kernel merges the partials into out and lse.

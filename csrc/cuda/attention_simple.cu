@@ -8,6 +8,7 @@ namespace simple {
 
 #define ATTN_EXT_SIMPLE_INSTANTIATE(T)                                                       \
   template cudaError_t launch_simple_fwd<T>(const AttentionParams&, cudaStream_t);          \
+  template cudaError_t launch_settle_lse<T>(const AttentionParams&, cudaStream_t);          \
   template cudaError_t launch_simple_bwd<T>(const AttentionBwdParams&, void*, void*,          \
                                             cudaStream_t);                                  \
   template cudaError_t launch_simple_fwd_split<T>(const AttentionParams&, int64_t, int, void*,  \

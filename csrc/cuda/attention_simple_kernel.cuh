@@ -38,6 +38,7 @@
 
 #include "common/attention_params.h"
 #include "common/dropout_rng.h"
+#include "common/row_lse.h"
 #include "cuda/elem.cuh"  // AccOf, to_acc, from_acc
 #include "cuda/attention_launch.h"  // kMaxHeadDim, kWarps and the launcher declarations
 
@@ -668,6 +669,35 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
 
 inline unsigned blocks_for(int64_t rows) {
   return static_cast<unsigned>((rows + kWarps - 1) / kWarps);
+}
+
+// common/row_lse.h on every row the forward left with lse NaN: one thread per row (b, h, i),
+// rows ordered as simple_fwd_kernel's. A row whose lse is not NaN returns at once, so a call
+// without non-finite input costs this launch and one read of lse; a NaN row forms its scores
+// one by one (every dot product: no per-key finiteness flags here).
+template <typename T>
+__global__ void settle_lse_kernel(AttentionParams p) {
+  using acc_t = typename AccOf<T>::type;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= p.B * p.H * p.Sq) return;
+  const int64_t i = row % p.Sq;
+  const int64_t bh = row / p.Sq;
+  const int64_t h = bh % p.H, b = bh / p.H;
+  const SeqInfo sq = p.visibility().seq(b);
+  if (i >= sq.Sq) return;
+  acc_t* lse = static_cast<acc_t*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + i;
+  if (!isnan(*lse)) return;
+  *lse = nan_row_lse<acc_t, T>(
+      p, sq, b, h, i, [](T x) { return to_acc(x); }, [](int64_t) { return false; });
+}
+
+template <typename T>
+cudaError_t launch_settle_lse(const AttentionParams& p, cudaStream_t stream) {
+  const int64_t rows = p.B * p.H * p.Sq;
+  if (rows == 0) return cudaSuccess;
+  constexpr int kThreads = 256;
+  settle_lse_kernel<T><<<static_cast<unsigned>((rows + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 template <typename T>
