@@ -21,14 +21,15 @@
 namespace attn_ext {
 
 // Row i of sequence s (batch / sequence b), query head h. to_acc(x): one scalar_t of q / k to
-// acc_t. key_finite(j): true only when k's row j (of this kv head) and the query row hold no
-// inf / NaN, so the dot product is finite and need not be formed (a finite product can still
-// overflow to +-inf; such a row is left NaN, as the float64 reference would not overflow).
-// A score is then finite, and only the terms can make it non-finite: they are applied to 0
-// in its place.
-template <typename acc_t, typename scalar_t, typename ToAcc, typename KeyFinite>
+// acc_t. only: nullptr (every visible key's score is formed), or the sorted keys (n_only of
+// them) whose scores may be non-finite, the caller having checked that every other visible
+// key gives a finite score (q's row, the other k rows and the tables hold no inf / NaN; a
+// finite product could still overflow to +-inf, and such a row is left NaN, as the float64
+// reference would not overflow).
+template <typename acc_t, typename scalar_t, typename ToAcc>
 ATTN_MASK_FN acc_t nan_row_lse(const AttentionParams& p, const SeqInfo& s, int64_t b, int64_t h,
-                               int64_t i, ToAcc to_acc, KeyFinite key_finite) {
+                               int64_t i, ToAcc to_acc, const int64_t* only = nullptr,
+                               int64_t n_only = 0) {
   const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
   const acc_t inf = std::numeric_limits<acc_t>::infinity();
   const Visibility vis = p.visibility();
@@ -45,20 +46,31 @@ ATTN_MASK_FN acc_t nan_row_lse(const AttentionParams& p, const SeqInfo& s, int64
   const auto* k0 = static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride + s.k0 * p.k_row_stride +
                    hk * p.k_head_stride;
   const Range keys = vis.band_keys(s, i);
-  for (int64_t j = keys.lo; j < keys.hi; ++j) {
-    if (!vis.key_valid(b, j)) continue;
-    acc_t x = acc_t(0);
-    if (!key_finite(j)) {
-      const scalar_t* k = k0 + j * p.k_row_stride;
-      // (eight partial sums: no order matters for what is decided here, and they vectorise)
-      acc_t part[8] = {};
-      int64_t d = 0;
-      for (; d + 8 <= p.D; d += 8)
-        for (int u = 0; u < 8; ++u) part[u] += to_acc(q[d + u]) * to_acc(k[d + u]);
-      for (; d < p.D; ++d) part[0] += to_acc(q[d]) * to_acc(k[d]);
-      for (int u = 0; u < 8; ++u) x += part[u];
-      x *= static_cast<acc_t>(p.scale);
+  // (the listed keys: from the first one >= keys.lo)
+  int64_t t = 0;
+  if (only != nullptr) {
+    int64_t hi = n_only;
+    while (t < hi) {
+      const int64_t mid = t + (hi - t) / 2;
+      if (only[mid] < keys.lo) t = mid + 1; else hi = mid;
     }
+  }
+  for (int64_t j = keys.lo; j < keys.hi; ++j) {
+    if (only != nullptr) {
+      if (t >= n_only || only[t] >= keys.hi) break;
+      j = only[t++];
+    }
+    if (!vis.key_valid(b, j)) continue;
+    const scalar_t* k = k0 + j * p.k_row_stride;
+    // (eight partial sums: no order matters for what is decided here, and they vectorise)
+    acc_t part[8] = {};
+    int64_t d = 0;
+    for (; d + 8 <= p.D; d += 8)
+      for (int u = 0; u < 8; ++u) part[u] += to_acc(q[d + u]) * to_acc(k[d + u]);
+    for (; d < p.D; ++d) part[0] += to_acc(q[d]) * to_acc(k[d]);
+    acc_t x = acc_t(0);
+    for (int u = 0; u < 8; ++u) x += part[u];
+    x *= static_cast<acc_t>(p.scale);
     if (terms.active()) x = terms.add<acc_t>(x, b, h, i + s.off - j);
     if (x != x) return nan;
     if (x == inf) pos_inf = true;

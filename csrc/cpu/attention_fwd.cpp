@@ -718,10 +718,11 @@ void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, in
 }
 
 // The rows every kernel below left with lse NaN get common/row_lse.h's answer (+inf where
-// a score is +inf and none is NaN). Nothing but a scan of lse unless such a row exists; then
-// the dot products are formed only where the query row or the key row holds an inf / NaN (a
-// flag per (key row, kv head), from one pass over K), so even a call where every row meets
-// an inf costs about one extra pass over q and K.
+// a score is +inf and none is NaN). Nothing but a scan of lse unless such a row exists. Then
+// one pass over K lists, per (sequence, kv head), the keys whose row holds an inf / NaN; a
+// query row with finite values (and finite score tables) forms only those keys' scores, any
+// other row all of its own. So a call where every row meets one +inf key costs about one
+// extra pass over q and K, not a second attention.
 template <typename scalar_t>
 void settle_nan_lse(const AttentionParams& p) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -737,39 +738,54 @@ void settle_nan_lse(const AttentionParams& p) {
       for (int64_t i = 0; i < s.Sq; ++i) any |= std::isnan(lse_at(s, b, h, i));
   }
   if (!any) return;
-  auto finite = [](const scalar_t* x, int64_t n) {
-    bool ok = true;
-    for (int64_t d = 0; d < n; ++d) ok &= std::isfinite(static_cast<acc_t>(x[d]));
-    return ok;
+  // (by the exponent bits, all ones for inf / NaN: integer operations that vectorise)
+  auto finite = [](const auto* x, int64_t n) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(x)>>;
+    using U = std::conditional_t<sizeof(T) == 8, uint64_t, std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>>;
+    constexpr U kExp = sizeof(T) == 8 ? U(0x7FF0000000000000ull)
+                       : sizeof(T) == 4 ? U(0x7F800000u)
+                       : std::is_same_v<T, c10::Half> ? U(0x7C00u) : U(0x7F80u);
+    uint32_t bad = 0;
+    for (int64_t d = 0; d < n; ++d) {
+      U u;
+      std::memcpy(&u, x + d, sizeof(U));
+      bad |= (u & kExp) == kExp;
+    }
+    return bad == 0;
   };
-  // k_ok[(key row) * Hkv + hk]: key rows numbered b * Sk + j (packed: the packed row k0 + j)
-  const bool packed = vis.packed();
-  const int64_t key_rows = packed ? p.mask.total_k : p.B * p.Sk;
-  std::vector<uint8_t> k_ok(static_cast<size_t>(key_rows * p.Hkv));
-  constexpr int64_t kRowsPerTask = 256;
-  const int64_t per_b = packed ? key_rows : p.Sk;
-  const int64_t chunks = ceil_div(per_b, kRowsPerTask);
-  parallel_tasks((packed ? 1 : p.B) * chunks, [] { return 0; }, [&](int64_t t, int&) {
-    const int64_t b = t / chunks, r0 = (t % chunks) * kRowsPerTask;
-    const auto* k = static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride;
-    for (int64_t r = r0; r < std::min(per_b, r0 + kRowsPerTask); ++r)
-      for (int64_t hk = 0; hk < p.Hkv; ++hk)
-        k_ok[static_cast<size_t>((b * per_b + r) * p.Hkv + hk)] =
-            finite(k + r * p.k_row_stride + hk * p.k_head_stride, p.D);
+  // Tables of the terms: finite ones turn a finite score into a finite one.
+  const ScoreTerms terms = p.score_terms();
+  const bool tables_ok =
+      (terms.alibi == nullptr ||
+       finite(static_cast<const acc_t*>(terms.alibi),
+              terms.alibi_batch_stride == 0 ? p.H : p.B * terms.alibi_batch_stride)) &&
+      (terms.rel_bias == nullptr ||
+       finite(static_cast<const acc_t*>(terms.rel_bias), p.H * (2 * terms.rel_max + 1)));
+  // bad[b * Hkv + hk]: the sorted keys of sequence b whose row of kv head hk is not finite
+  std::vector<std::vector<int64_t>> bad(static_cast<size_t>(p.B * p.Hkv));
+  parallel_tasks(p.B * p.Hkv, [] { return 0; }, [&](int64_t t, int&) {
+    const int64_t b = t / p.Hkv, hk = t % p.Hkv;
+    const SeqInfo s = vis.seq(b);
+    const auto* k = static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride +
+                    s.k0 * p.k_row_stride + hk * p.k_head_stride;
+    for (int64_t j = 0; j < s.Sk; ++j)
+      if (!finite(k + j * p.k_row_stride, p.D)) bad[static_cast<size_t>(t)].push_back(j);
   });
   parallel_tasks(p.B * p.H, [] { return 0; }, [&](int64_t t, int&) {
-    const int64_t b = t / p.H, h = t % p.H, hk = h / (p.H / p.Hkv);
+    const int64_t b = t / p.H, h = t % p.H;
+    const std::vector<int64_t>& keys = bad[static_cast<size_t>(b * p.Hkv + h / (p.H / p.Hkv))];
     const SeqInfo s = vis.seq(b);
-    const int64_t row0 = packed ? s.k0 : b * p.Sk;
     for (int64_t i = 0; i < s.Sq; ++i) {
       acc_t& l = lse_at(s, b, h, i);
       if (!std::isnan(l)) continue;
       const bool q_ok = finite(static_cast<const scalar_t*>(p.q) + b * p.q_batch_stride +
                                    (s.q0 + i) * p.q_row_stride + h * p.q_head_stride,
                                p.D);
-      l = nan_row_lse<acc_t, scalar_t>(
-          p, s, b, h, i, [](scalar_t x) { return static_cast<acc_t>(x); },
-          [&](int64_t j) { return q_ok && k_ok[static_cast<size_t>((row0 + j) * p.Hkv + hk)] != 0; });
+      auto to_acc = [](scalar_t x) { return static_cast<acc_t>(x); };
+      l = q_ok && tables_ok
+              ? nan_row_lse<acc_t, scalar_t>(p, s, b, h, i, to_acc, keys.data(),
+                                             static_cast<int64_t>(keys.size()))
+              : nan_row_lse<acc_t, scalar_t>(p, s, b, h, i, to_acc);
     }
   });
 }

@@ -674,7 +674,7 @@ inline unsigned blocks_for(int64_t rows) {
 // common/row_lse.h on every row the forward left with lse NaN: one thread per row (b, h, i),
 // rows ordered as simple_fwd_kernel's. A row whose lse is not NaN returns at once, so a call
 // without non-finite input costs this launch and one read of lse; a NaN row forms its scores
-// one by one (every dot product: no per-key finiteness flags here).
+// one by one (every dot product: no list of the non-finite keys here).
 template <typename T>
 __global__ void settle_lse_kernel(AttentionParams p) {
   using acc_t = typename AccOf<T>::type;
@@ -687,8 +687,7 @@ __global__ void settle_lse_kernel(AttentionParams p) {
   if (i >= sq.Sq) return;
   acc_t* lse = static_cast<acc_t*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + i;
   if (!isnan(*lse)) return;
-  *lse = nan_row_lse<acc_t, T>(
-      p, sq, b, h, i, [](T x) { return to_acc(x); }, [](int64_t) { return false; });
+  *lse = nan_row_lse<acc_t, T>(p, sq, b, h, i, [](T x) { return to_acc(x); });
 }
 
 template <typename T>
