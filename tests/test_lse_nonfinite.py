@@ -122,3 +122,19 @@ def test_a_settled_row_backpropagates_like_the_reference():
     for name, a, b in zip("qkv", got, want):
         _same_non_finite(a, b, "d" + name)
     assert torch.isnan(got[2][0, 2]).all() and torch.isfinite(got[2][0, [0, 1, 3, 4, 5]]).all()
+
+
+@pytest.mark.parametrize("Sk", [3, 700])
+def test_a_plus_inf_sink_meets_nan_and_inf_scores_as_logsumexp_does(Sk):
+    # a +inf sink took all the weight (out 0, lse +inf) even where a NaN score met it;
+    # torch.logsumexp over the scores and the sink gives NaN there, and +inf beside a +inf score
+    # (whose row's out is NaN, as the reference's probability at that key)
+    q, k, v = _inputs(torch.float64, 1, 3, Sk, 2, 1, 8, seed=13)
+    q[0, :, :, 0] = q[0, :, :, 0].abs()
+    k[0, 1, 0, 0] = NAN if Sk == 3 else INF
+    k[0, Sk - 1, 0, 1] = INF if Sk == 3 else NAN
+    sinks = torch.tensor([INF, 0.5], dtype=torch.float64)
+    for causal in (False, True):
+        ours = A.attention(q, k, v, causal=causal, sinks=sinks, return_lse=True)
+        ref = R.attention_with_lse(q, k, v, causal=causal, sinks=sinks)
+        _check(ours, ref, torch.float64, f"sink +inf causal={causal}")

@@ -374,10 +374,14 @@ struct ScoreTerms {
     constexpr double kLog2e_ = 1.4426950408889634074, kLn2_ = 0.69314718055994530942;
     const double sink2 = static_cast<double>(sink<T>(h)) * kLog2e_;
     // A sink of -inf is no sink (a row with no key keeps lse = -inf); +inf takes all the
-    // weight (out 0, lse +inf). Without these two cases inf - inf below would give NaN.
+    // weight (out 0, lse +inf), unless a NaN (or +inf) score met it: then NaN, as
+    // torch.logsumexp over the scores and the sink (the adapters' row_lse.h settles a +inf
+    // score's row to lse +inf; its out stays NaN, as the reference's). Without these two
+    // cases inf - inf below would give NaN.
     if (sink2 == INFINITY) {
-      *lse = INFINITY;
-      return 0.0;
+      const bool nan = seen && (l != l || m2 != m2);
+      *lse = nan ? NAN : INFINITY;
+      return nan ? NAN : 0.0;
     }
     if (sink2 == -INFINITY && !seen) {
       *lse = -INFINITY;

@@ -719,10 +719,12 @@ void write_tile(const AttentionParams& p, const QueryTile& t, const acc_t* o, in
 
 // The rows every kernel below left with lse NaN get common/row_lse.h's answer (+inf where
 // a score is +inf and none is NaN). Nothing but a scan of lse unless such a row exists. Then
-// one pass over K lists, per (sequence, kv head), the keys whose row holds an inf / NaN; a
-// query row with finite values (and finite score tables) forms only those keys' scores, any
-// other row all of its own. So a call where every row meets one +inf key costs about one
-// extra pass over q and K, not a second attention.
+// one pass over K lists, per (sequence, kv head), the keys whose row holds an inf / NaN, and
+// a row's scores are classified without forming most products: a key with a finite K row
+// scores finite against a finite q row (0 stands in) and +-inf / NaN against a q row with
+// inf channels (their products alone decide); only the listed keys need the whole dot. A
+// finite q row with finite score tables visits the listed keys alone. So even a call where
+// every row meets an inf costs about one extra pass over q and K, not a second attention.
 template <typename scalar_t>
 void settle_nan_lse(const AttentionParams& p) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -761,31 +763,53 @@ void settle_nan_lse(const AttentionParams& p) {
               terms.alibi_batch_stride == 0 ? p.H : p.B * terms.alibi_batch_stride)) &&
       (terms.rel_bias == nullptr ||
        finite(static_cast<const acc_t*>(terms.rel_bias), p.H * (2 * terms.rel_max + 1)));
-  // bad[b * Hkv + hk]: the sorted keys of sequence b whose row of kv head hk is not finite
+  // per (sequence b, kv head hk), task b * Hkv + hk: k_ok[j] (its K row j is finite) and
+  // bad, the sorted keys whose row is not
+  std::vector<std::vector<uint8_t>> k_ok(static_cast<size_t>(p.B * p.Hkv));
   std::vector<std::vector<int64_t>> bad(static_cast<size_t>(p.B * p.Hkv));
   parallel_tasks(p.B * p.Hkv, [] { return 0; }, [&](int64_t t, int&) {
     const int64_t b = t / p.Hkv, hk = t % p.Hkv;
     const SeqInfo s = vis.seq(b);
     const auto* k = static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride +
                     s.k0 * p.k_row_stride + hk * p.k_head_stride;
-    for (int64_t j = 0; j < s.Sk; ++j)
-      if (!finite(k + j * p.k_row_stride, p.D)) bad[static_cast<size_t>(t)].push_back(j);
+    auto& ok = k_ok[static_cast<size_t>(t)];
+    ok.resize(static_cast<size_t>(s.Sk));
+    for (int64_t j = 0; j < s.Sk; ++j) {
+      ok[static_cast<size_t>(j)] = finite(k + j * p.k_row_stride, p.D);
+      if (!ok[static_cast<size_t>(j)]) bad[static_cast<size_t>(t)].push_back(j);
+    }
   });
-  parallel_tasks(p.B * p.H, [] { return 0; }, [&](int64_t t, int&) {
-    const int64_t b = t / p.H, h = t % p.H;
-    const std::vector<int64_t>& keys = bad[static_cast<size_t>(b * p.Hkv + h / (p.H / p.Hkv))];
+  parallel_tasks(p.B * p.H, [] { return std::vector<int64_t>(); }, [&](int64_t t, std::vector<int64_t>& inf_d) {
+    const int64_t b = t / p.H, h = t % p.H, g = b * p.Hkv + h / (p.H / p.Hkv);
+    const std::vector<int64_t>& keys = bad[static_cast<size_t>(g)];
+    const std::vector<uint8_t>& ok = k_ok[static_cast<size_t>(g)];
     const SeqInfo s = vis.seq(b);
+    const auto* k = static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride +
+                    s.k0 * p.k_row_stride + (h / (p.H / p.Hkv)) * p.k_head_stride;
+    auto to_acc = [](scalar_t x) { return static_cast<acc_t>(x); };
     for (int64_t i = 0; i < s.Sq; ++i) {
       acc_t& l = lse_at(s, b, h, i);
       if (!std::isnan(l)) continue;
-      const bool q_ok = finite(static_cast<const scalar_t*>(p.q) + b * p.q_batch_stride +
-                                   (s.q0 + i) * p.q_row_stride + h * p.q_head_stride,
-                               p.D);
-      auto to_acc = [](scalar_t x) { return static_cast<acc_t>(x); };
-      l = q_ok && tables_ok
-              ? nan_row_lse<acc_t, scalar_t>(p, s, b, h, i, to_acc, keys.data(),
-                                             static_cast<int64_t>(keys.size()))
-              : nan_row_lse<acc_t, scalar_t>(p, s, b, h, i, to_acc);
+      const scalar_t* q = static_cast<const scalar_t*>(p.q) + b * p.q_batch_stride +
+                          (s.q0 + i) * p.q_row_stride + h * p.q_head_stride;
+      // q's infinite channels; a NaN one makes every score NaN: the row stays NaN
+      inf_d.clear();
+      bool q_nan = false;
+      for (int64_t d = 0; d < p.D; ++d) {
+        const acc_t x = to_acc(q[d]);
+        q_nan |= x != x;
+        if (std::isinf(x)) inf_d.push_back(d);
+      }
+      if (q_nan) continue;
+      auto dot = [&](int64_t j) -> acc_t {
+        if (!ok[static_cast<size_t>(j)]) return row_key_dot<acc_t, scalar_t>(p, s, b, h, i, j, to_acc);
+        acc_t x = acc_t(0);
+        for (const int64_t d : inf_d) x += to_acc(q[d]) * to_acc(k[j * p.k_row_stride + d]);
+        return x;
+      };
+      l = inf_d.empty() && tables_ok
+              ? nan_row_lse<acc_t>(p, s, b, h, i, dot, keys.data(), static_cast<int64_t>(keys.size()))
+              : nan_row_lse<acc_t>(p, s, b, h, i, dot);
     }
   });
 }

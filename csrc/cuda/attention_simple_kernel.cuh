@@ -687,7 +687,9 @@ __global__ void settle_lse_kernel(AttentionParams p) {
   if (i >= sq.Sq) return;
   acc_t* lse = static_cast<acc_t*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + i;
   if (!isnan(*lse)) return;
-  *lse = nan_row_lse<acc_t, T>(p, sq, b, h, i, [](T x) { return to_acc(x); });
+  *lse = nan_row_lse<acc_t>(p, sq, b, h, i, [&](int64_t j) {
+    return row_key_dot<acc_t, T>(p, sq, b, h, i, j, [](T x) { return to_acc(x); });
+  });
 }
 
 template <typename T>
