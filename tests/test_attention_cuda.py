@@ -478,6 +478,26 @@ def test_inf_score_rows_settle_to_the_cpu_lse(path, cuda, simple_kernels):
         assert torch.isfinite(lse[0, 2:]).all() and torch.isfinite(lse[1, :2]).all()
 
 
+@pytest.mark.parametrize("Sq,Sk", [(1, 4096), (80, 80)], ids=["split_kv", "one_pass"])
+def test_all_minus_inf_rows_with_a_nan_v_match_the_cpu(Sq, Sk, cuda):
+    """Every visible score -inf and a NaN / inf in v: lse -inf and out NaN where v is (0 * v at
+    a visible key, as the reference and the CPU at any thread count); the split-KV combine
+    weighs such chunks by exp2(-inf - 0) = 0 (common/attention_mask.h merged_offset)."""
+    q = torch.ones(1, Sq, 2, 64, device=cuda)
+    q[..., 0] = -1
+    k = randn(1, Sk, 1, 64, device=cuda)
+    k[..., 0] = float("inf")
+    v = torch.zeros(1, Sk, 1, 64, device=cuda)
+    v[0, Sk // 2, 0, 1] = float("nan")
+    v[0, Sk - 1, 0, 2] = float("inf")
+    got = attn_ext.attention(q, k, v, return_lse=True)
+    want = attn_ext.attention(q.cpu(), k.cpu(), v.cpu(), return_lse=True)
+    for a, b in zip(got, want):
+        a = a.cpu()
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert torch.isneginf(got[1]).all() and torch.isnan(got[0][..., 1:3]).all()
+
+
 def op_fwd_bwd(dev, q, k, v, dout, **kw):
     """attention_forward then attention_backward on device dev with the same keyword arguments
     (ones both ops take); returns [out, lse, dq, dk, dv] on the CPU."""

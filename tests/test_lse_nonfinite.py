@@ -138,3 +138,29 @@ def test_a_plus_inf_sink_meets_nan_and_inf_scores_as_logsumexp_does(Sk):
         ours = A.attention(q, k, v, causal=causal, sinks=sinks, return_lse=True)
         ref = R.attention_with_lse(q, k, v, causal=causal, sinks=sinks)
         _check(ours, ref, torch.float64, f"sink +inf causal={causal}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Sq,Sk", [(1, 3), (1, 700), (1, 4096), (40, 700), (130, 130)])
+def test_rows_whose_scores_are_all_minus_inf_meet_a_nan_v_at_any_thread_count(dtype, Sq, Sk):
+    # every visible score -inf (k's channel 0 is +inf, q's -1): probability 0 everywhere, lse
+    # -inf, and 0 * v at a visible key, NaN where v is (the reference's; the tiled kernel's).
+    # The decode kernel and split-KV merges skipped such chunks (out 0), so the answer changed
+    # with the thread count.
+    q = torch.ones(1, Sq, 2, 8, dtype=dtype)
+    q[..., 0] = -1
+    k = torch.randn(1, Sk, 1, 8).to(dtype)
+    k[..., 0] = INF
+    v = torch.zeros(1, Sk, 1, 3, dtype=dtype)
+    v[0, Sk // 2, 0, 1] = NAN
+    v[0, Sk - 1, 0, 2] = INF
+    ref = R.attention_with_lse(q.double(), k.double(), v.double())
+    results = []
+    for threads in (1, 3):
+        ours = with_threads(threads, lambda: A.attention(q, k, v, return_lse=True))
+        _check(ours, ref, dtype, f"threads={threads}")
+        results.append(ours)
+    assert torch.isnan(results[0][0][..., 1:]).all() and torch.isneginf(results[0][1]).all()
+    assert torch.equal(results[0][0][..., 0], torch.zeros_like(results[0][0][..., 0]))
+    for a, b in zip(*results):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())

@@ -538,15 +538,23 @@ ATTN_MASK_FN T lse_log2(T lse) {
 
 // Whether one key chunk's partial state of a row (max ms, sum ls; o_finite: its unnormalised
 // output holds no inf / NaN) adds nothing when a row's chunks are merged (split-KV on CPU and
-// CUDA, the CPU decode's chunks; mx: the largest chunk max): max -inf with sum exactly 0 and a
-// finite output (the chunk saw no key, or only -inf scores), or no chunk of the row has a
-// finite max (mx -inf: the row saw nothing, out 0). Otherwise it takes part, as one pass over
-// the keys would: a chunk whose only scores are NaN can keep its max -inf with a NaN sum, and
-// one whose scores are all -inf can hold 0 * inf = NaN from a non-finite v.
+// CUDA, the CPU decode's chunks): max -inf with sum exactly 0 and a finite output (the chunk
+// saw no key, or only -inf scores against finite v). Otherwise it takes part, as one pass
+// over the keys would: a chunk whose only scores are NaN can keep its max -inf with a NaN
+// sum, and one whose scores are all -inf can hold 0 * inf = NaN from a non-finite v (the
+// reference's 0 * v at a visible key: NaN in that row's out even where every score is -inf,
+// lse -inf). The merge weighs chunk s by exp(ms - mu), mu = merged_offset(the largest chunk
+// max), so such a chunk's weight is 0, never exp(-inf - -inf) = NaN.
 template <typename acc_t>
-ATTN_MASK_FN bool chunk_adds_nothing(acc_t ms, acc_t ls, bool o_finite, acc_t mx) {
+ATTN_MASK_FN bool chunk_adds_nothing(acc_t ms, acc_t ls, bool o_finite) {
   const acc_t neg_inf = -static_cast<acc_t>(INFINITY);
-  return ms == neg_inf && ls == acc_t(0) && (mx == neg_inf || o_finite);
+  return ms == neg_inf && ls == acc_t(0) && o_finite;
+}
+// The offset a merge subtracts from the chunks' maxima: the largest (mx), or 0 when it is -inf
+// (no chunk saw a finite score), as a one-pass kernel's running max.
+template <typename acc_t>
+ATTN_MASK_FN acc_t merged_offset(acc_t mx) {
+  return mx == -static_cast<acc_t>(INFINITY) ? acc_t(0) : mx;
 }
 
 }  // namespace attn_ext

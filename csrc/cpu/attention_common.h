@@ -396,10 +396,10 @@ void parallel_tasks(int64_t n, MakeScratch&& make_scratch, Task&& task) {
 // common/attention_mask.h's chunk_adds_nothing for a chunk whose unnormalised output is o (n
 // values). (The finiteness scan runs only for a chunk with max -inf and sum 0.)
 template <typename acc_t>
-inline bool chunk_adds_nothing(acc_t ms, acc_t ls, const acc_t* o, int64_t n, acc_t mx) {
+inline bool chunk_adds_nothing(acc_t ms, acc_t ls, const acc_t* o, int64_t n) {
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   if (!(ms == neg_inf && ls == acc_t(0))) return false;
-  return attn_ext::chunk_adds_nothing(ms, ls, mx != neg_inf ? all_finite(o, 1, n, n) : true, mx);
+  return attn_ext::chunk_adds_nothing(ms, ls, all_finite(o, 1, n, n));
 }
 
 // Whether no fp16 value of q and k that takes part in the call is +-inf (bits: exponent all

@@ -1487,24 +1487,19 @@ void attention_decode_kernel(const AttentionParams& p) {
       for (int64_t ch = 0; ch < n_chunks; ++ch) mx = std::max(mx, part_of(b, ch, hkv)[C * Dvp + c]);
       std::fill(acc.begin(), acc.end(), 0.f);
       float l = 0.f;
-      if (mx != neg_inf) {
-        for (int64_t ch = 0; ch < n_chunks; ++ch) {
-          const float* part = part_of(b, ch, hkv);
-          const float pmc = part[C * Dvp + c];
-          if (chunk_adds_nothing(pmc, part[C * Dvp + C + c], part + c * Dvp, Dvp, mx)) continue;
-          const float a = std::exp(pmc - mx);
-          l += a * part[C * Dvp + C + c];
-          const float* oc = part + c * Dvp;
-          for (int64_t d = 0; d < p.Dv; ++d) acc[d] += a * oc[d];
-        }
-      } else {
-        // nothing seen, or a NaN max: NaN (from a NaN input) must stay NaN
-        for (int64_t ch = 0; ch < n_chunks; ++ch) {
-          const float* part = part_of(b, ch, hkv);
-          const float pmc = part[C * Dvp + c];
-          if (std::isnan(pmc)) mx = pmc;
-          if (std::isnan(part[C * Dvp + C + c])) l = part[C * Dvp + C + c];  // (max still -inf)
-        }
+      // (std::max drops a NaN chunk max: its weight exp(NaN - mu) is NaN below, and so is l;
+      // mx -inf: no chunk saw a finite score, and a chunk that still takes part, NaN sums or
+      // 0 * inf in its output, weighs exp(-inf - 0) = 0)
+      const float mu = merged_offset(mx);
+      for (int64_t ch = 0; ch < n_chunks; ++ch) {
+        const float* part = part_of(b, ch, hkv);
+        const float pmc = part[C * Dvp + c];
+        if (std::isnan(pmc)) mx = pmc;
+        if (chunk_adds_nothing(pmc, part[C * Dvp + C + c], part + c * Dvp, Dvp)) continue;
+        const float a = std::exp(pmc - mu);
+        l += a * part[C * Dvp + C + c];
+        const float* oc = part + c * Dvp;
+        for (int64_t d = 0; d < p.Dv; ++d) acc[d] += a * oc[d];
       }
       // l == 0: the row sees no key (out 0, lse -inf); NaN stays NaN.
       const bool seen = l != 0.f || std::isnan(mx);

@@ -937,12 +937,12 @@ void attention_fwd_rows(const AttentionParams& p) {
       m[c] = mx;
       l[c] = 0;
       std::fill(o + c * Dvp, o + (c + 1) * Dvp, acc_t(0));
+      const acc_t mu = merged_offset(mx);
       for (int64_t sp = 0; sp < n_split; ++sp) {
         const acc_t* part = parts.data() + (idx * n_split + sp) * per_part;
         const acc_t ms = part[kBlockQ * Dvp + c];
-        if (chunk_adds_nothing(ms, part[kBlockQ * Dvp + kBlockQ + c], part + c * Dvp, Dvp, mx))
-          continue;
-        const acc_t w = std::exp(ms - mx);
+        if (chunk_adds_nothing(ms, part[kBlockQ * Dvp + kBlockQ + c], part + c * Dvp, Dvp)) continue;
+        const acc_t w = std::exp(ms - mu);
         l[c] += w * part[kBlockQ * Dvp + kBlockQ + c];
         for (int64_t d = 0; d < Dvp; ++d) o[c * Dvp + d] += w * part[c * Dvp + d];
       }

@@ -359,6 +359,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   const acc_t* po = static_cast<const acc_t*>(part_o_ptr) + row * n_split * p.Dv;
   acc_t mx = neg_inf<acc_t>();
   for (int sp = 0; sp < n_split; ++sp) mx = fmax(mx, pml[2 * sp]);
+  const acc_t mu = merged_offset(mx);
   acc_t l = 0, o[kCols];
 #pragma unroll
   for (int c = 0; c < kCols; ++c) o[c] = 0;
@@ -367,7 +368,8 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
     // the CPU's rule (common/attention_mask.h chunk_adds_nothing): a chunk that saw no key of
     // the row adds nothing; one whose visible scores were all NaN (max -inf: fmax drops NaN;
     // NaN sum), or all -inf with 0 * inf = NaN in its output, reaches the row as in one pass
-    // (its weight exp2(ms - mx) is 0 or NaN, and 0 * NaN is NaN either way)
+    // (its weight exp2(ms - mu) is 0 or NaN, and 0 * NaN is NaN either way; mu =
+    // merged_offset(mx), so a row whose chunks all have max -inf keeps l 0 and lse -inf)
     // (the output's finiteness, a warp vote, only for a chunk it can decide: max -inf and sum
     // 0, the same for every lane)
     if (ms == neg_inf<acc_t>() && ls == acc_t(0)) {
@@ -377,9 +379,9 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
         const int64_t d = lane + 32 * c;
         if (d < p.Dv) o_finite = o_finite && isfinite(po[sp * p.Dv + d]);
       }
-      if (chunk_adds_nothing(ms, ls, __all_sync(0xffffffffu, o_finite), mx)) continue;
+      if (chunk_adds_nothing(ms, ls, __all_sync(0xffffffffu, o_finite))) continue;
     }
-    const acc_t w = exp2_acc(ms - mx);
+    const acc_t w = exp2_acc(ms - mu);
     l += w * ls;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
