@@ -45,6 +45,25 @@ struct AttentionParams {
   }
 };
 
+// Query row `row` (< B * H * Sq) in the (b, h, i) order of the kernels that take one row each
+// (the CUDA simple kernels, settle_lse_kernel, the fast backward's delta): its indices and its
+// sequence; ok is false past the end of its packed sequence.
+struct QueryRow {
+  int64_t b, h, i;
+  SeqInfo sq;
+  bool ok;
+};
+ATTN_MASK_FN QueryRow query_row(const AttentionParams& p, int64_t row) {
+  QueryRow r;
+  r.i = row % p.Sq;
+  const int64_t bh = row / p.Sq;
+  r.h = bh % p.H;
+  r.b = bh / p.H;
+  r.sq = p.visibility().seq(r.b);
+  r.ok = r.i < r.sq.Sq;
+  return r;
+}
+
 // Backward: dq (B, Sq, H, D), dk (B, Sk, Hkv, D), dv (B, Sk, Hkv, Dv) from dout and out
 // (B, Sq, H, Dv) and the forward's lse (B, H, Sq), plus the forward's inputs. The gradients'
 // last dims are contiguous; their rows and heads are at the strides below (BSHD contiguous, or

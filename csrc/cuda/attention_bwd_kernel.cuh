@@ -94,9 +94,10 @@ __global__ void __launch_bounds__(256) fa2_bwd_delta_kernel(AttentionBwdParams b
   const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (row >= p.B * p.H * p.Sq) return;
-  const int64_t i = row % p.Sq, bh = row / p.Sq, h = bh % p.H, b = bh / p.H;
-  const SeqInfo sq = p.visibility().seq(b);
-  if (i >= sq.Sq) return;
+  const QueryRow qr = query_row(p, row);
+  if (!qr.ok) return;
+  const int64_t b = qr.b, h = qr.h, i = qr.i;
+  const SeqInfo& sq = qr.sq;
   const int64_t gi = sq.q0 + i;  // the row in the (packed) tensors
   const T* o = static_cast<const T*>(bp.out) + b * bp.o_batch_stride + gi * bp.o_row_stride +
                h * bp.o_head_stride;

@@ -282,12 +282,11 @@ __global__ void __launch_bounds__(kWarps * 32, 4) simple_fwd_kernel(AttentionPar
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   if (row >= p.B * p.H * p.Sq) return;  // uniform per warp; only __syncwarp below
-  const int64_t i = row % p.Sq;
-  const int64_t bh = row / p.Sq;
-  const int64_t h = bh % p.H, b = bh / p.H;
+  const QueryRow qr = query_row(p, row);
+  if (!qr.ok) return;  // past the end of its packed sequence
+  const int64_t b = qr.b, h = qr.h, i = qr.i;
+  const SeqInfo& sq = qr.sq;
   const Visibility vis = p.visibility();
-  const SeqInfo sq = vis.seq(b);
-  if (i >= sq.Sq) return;  // past the end of its packed sequence
   const T *k, *v;
   stage_query<T, acc_t>(p, sq, b, h, i, lane, q_s[warp], k, v);
   const Range keys = vis.band_keys(sq, i);
@@ -314,12 +313,11 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   if (item >= p.B * p.H * p.Sq * n_split) return;
   const int64_t row = item / n_split;
   const int64_t sp = item - row * n_split;
-  const int64_t i = row % p.Sq;
-  const int64_t bh = row / p.Sq;
-  const int64_t h = bh % p.H, b = bh / p.H;
+  const QueryRow qr = query_row(p, row);
+  if (!qr.ok) return;
+  const int64_t b = qr.b, h = qr.h, i = qr.i;
+  const SeqInfo& sq = qr.sq;
   const Visibility vis = p.visibility();
-  const SeqInfo sq = vis.seq(b);
-  if (i >= sq.Sq) return;
   const T *k, *v;
   stage_query<T, acc_t>(p, sq, b, h, i, lane, q_s[warp], k, v);
   const Range keys = vis.band_keys(sq, i);
@@ -350,11 +348,10 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   if (row >= p.B * p.H * p.Sq) return;
-  const int64_t i = row % p.Sq;
-  const int64_t bh = row / p.Sq;
-  const int64_t h = bh % p.H, b = bh / p.H;
-  const SeqInfo sq = p.visibility().seq(b);
-  if (i >= sq.Sq) return;
+  const QueryRow qr = query_row(p, row);
+  if (!qr.ok) return;
+  const int64_t b = qr.b, h = qr.h, i = qr.i;
+  const SeqInfo& sq = qr.sq;
   const acc_t* pml = static_cast<const acc_t*>(part_ml_ptr) + row * n_split * 2;
   const acc_t* po = static_cast<const acc_t*>(part_o_ptr) + row * n_split * p.Dv;
   acc_t mx = neg_inf<acc_t>();
@@ -421,13 +418,12 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   if (row >= p.B * p.H * p.Sq) return;
-  const int64_t i = row % p.Sq;
-  const int64_t bh = row / p.Sq;
-  const int64_t h = bh % p.H, b = bh / p.H;
+  const QueryRow qr = query_row(p, row);
+  if (!qr.ok) return;  // past the end of its packed sequence
+  const int64_t b = qr.b, h = qr.h, i = qr.i;
+  const SeqInfo& sq = qr.sq;
   const int64_t hkv = h / (p.H / p.Hkv);
   const Visibility vis = p.visibility();
-  const SeqInfo sq = vis.seq(b);
-  if (i >= sq.Sq) return;  // past the end of its packed sequence
   const int64_t gi = sq.q0 + i;  // the row in the (packed) tensors
 
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + gi * p.q_row_stride +
@@ -682,15 +678,12 @@ __global__ void settle_lse_kernel(AttentionParams p) {
   using acc_t = typename AccOf<T>::type;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= p.B * p.H * p.Sq) return;
-  const int64_t i = row % p.Sq;
-  const int64_t bh = row / p.Sq;
-  const int64_t h = bh % p.H, b = bh / p.H;
-  const SeqInfo sq = p.visibility().seq(b);
-  if (i >= sq.Sq) return;
-  acc_t* lse = static_cast<acc_t*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + i;
+  const QueryRow r = query_row(p, row);
+  if (!r.ok) return;
+  acc_t* lse = static_cast<acc_t*>(p.lse) + r.b * p.lse_batch_stride + r.h * p.lse_head_stride + r.sq.q0 + r.i;
   if (!isnan(*lse)) return;
-  *lse = nan_row_lse<acc_t>(p, sq, b, h, i, [&](int64_t j) {
-    return row_key_dot<acc_t, T>(p, sq, b, h, i, j, [](T x) { return to_acc(x); });
+  *lse = nan_row_lse<acc_t>(p, r.sq, r.b, r.h, r.i, [&](int64_t j) {
+    return row_key_dot<acc_t, T>(p, r.sq, r.b, r.h, r.i, j, [](T x) { return to_acc(x); });
   });
 }
 
