@@ -135,16 +135,21 @@ inline void load_rows(const scalar_t* src, int64_t row_stride, int64_t rows, int
 // is all ones, and then (bits & exponent mask) + (the exponent's lowest bit) carries into the
 // sign bit. (It was a floating-point sum of x * 0, NaN iff some x is not finite: one add
 // after the other, ~4 cycles a value, which made the check of a backward query block's q and
-// dout 5 % of a D = 128 backward: RESULTS.md, twenty-fifth session.)
-template <typename acc_t>
-bool all_finite(const acc_t* x, int64_t rows, int64_t cols, int64_t ld) {
-  static_assert(sizeof(acc_t) == 4 || sizeof(acc_t) == 8, "fp32 or fp64");
-  using bits_t = std::conditional_t<sizeof(acc_t) == 4, uint32_t, uint64_t>;
+// dout 5 % of a D = 128 backward: RESULTS.md, twenty-fifth session.) fp32, fp64, and the
+// inputs' fp16 / bf16 (whose exponent fields also end at the sign bit).
+template <typename T>
+bool all_finite(const T* x, int64_t rows, int64_t cols, int64_t ld) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8, "fp16 / bf16, fp32 or fp64");
+  using bits_t = std::conditional_t<sizeof(T) == 2, uint16_t,
+                                    std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>>;
   constexpr int kTop = 8 * sizeof(bits_t) - 1;
-  constexpr bits_t kExp = sizeof(acc_t) == 4 ? bits_t(0xff) << 23 : bits_t(0x7ff) << 52;
+  constexpr bits_t kExp = sizeof(T) == 8                      ? bits_t(0x7ff) << 52
+                          : sizeof(T) == 4                    ? bits_t(0xff) << 23
+                          : std::is_same_v<T, c10::Half>      ? bits_t(0x1f << 10)
+                                                              : bits_t(0xff << 7);
   constexpr bits_t kLow = kExp & (~kExp + 1);  // the exponent field's lowest bit
   for (int64_t r = 0; r < rows; ++r) {
-    const acc_t* row = x + r * ld;
+    const T* row = x + r * ld;
     bits_t bad = 0;
     for (int64_t c = 0; c < cols; ++c) {
       bits_t u;
@@ -400,6 +405,38 @@ inline bool chunk_adds_nothing(acc_t ms, acc_t ls, const acc_t* o, int64_t n) {
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   if (!(ms == neg_inf && ls == acc_t(0))) return false;
   return attn_ext::chunk_adds_nothing(ms, ls, all_finite(o, 1, n, n));
+}
+
+// One key chunk's partial state of a row (merge_chunks): max, sum, unnormalised output
+template <typename acc_t>
+struct ChunkState {
+  acc_t m, l;
+  const acc_t* o;
+};
+
+// One row's merge of n key chunks' partial states (split-KV, the decode kernel): chunk(c)
+// returns its max, its sum and its unnormalised output (n_o values, the first n_acc of them
+// merged into o). Writes o[0, n_acc) and *l (the merged sum) and returns the row's max: NaN
+// when a chunk's is (std::max would drop it), else the largest. Each chunk that takes part
+// (chunk_adds_nothing) weighs exp(ms - merged_offset(max)), in chunk order.
+template <typename acc_t, typename Chunk>
+acc_t merge_chunks(int64_t n, Chunk&& chunk, int64_t n_o, int64_t n_acc, acc_t* o, acc_t* l) {
+  acc_t mx = -std::numeric_limits<acc_t>::infinity();
+  for (int64_t c = 0; c < n; ++c) {
+    const acc_t ms = chunk(c).m;
+    mx = std::isnan(ms) || std::isnan(mx) ? std::numeric_limits<acc_t>::quiet_NaN() : std::max(mx, ms);
+  }
+  const acc_t mu = merged_offset(mx);
+  *l = 0;
+  std::fill(o, o + n_acc, acc_t(0));
+  for (int64_t c = 0; c < n; ++c) {
+    const auto s = chunk(c);
+    if (chunk_adds_nothing(s.m, s.l, s.o, n_o)) continue;
+    const acc_t w = std::exp(s.m - mu);
+    *l += w * s.l;
+    for (int64_t d = 0; d < n_acc; ++d) o[d] += w * s.o[d];
+  }
+  return mx;
 }
 
 // Whether no fp16 value of q and k that takes part in the call is +-inf (bits: exponent all

@@ -1483,24 +1483,11 @@ void attention_decode_kernel(const AttentionParams& p) {
       const int64_t hh = c / p.Sq, ii = c % p.Sq;
       if (ii >= sq.Sq) continue;
       const int64_t h = hkv * group + hh;
-      float mx = neg_inf;
-      for (int64_t ch = 0; ch < n_chunks; ++ch) mx = std::max(mx, part_of(b, ch, hkv)[C * Dvp + c]);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      float l = 0.f;
-      // (std::max drops a NaN chunk max: its weight exp(NaN - mu) is NaN below, and so is l;
-      // mx -inf: no chunk saw a finite score, and a chunk that still takes part, NaN sums or
-      // 0 * inf in its output, weighs exp(-inf - 0) = 0)
-      const float mu = merged_offset(mx);
-      for (int64_t ch = 0; ch < n_chunks; ++ch) {
+      float l;
+      const float mx = merge_chunks<float>(n_chunks, [&](int64_t ch) {
         const float* part = part_of(b, ch, hkv);
-        const float pmc = part[C * Dvp + c];
-        if (std::isnan(pmc)) mx = pmc;
-        if (chunk_adds_nothing(pmc, part[C * Dvp + C + c], part + c * Dvp, Dvp)) continue;
-        const float a = std::exp(pmc - mu);
-        l += a * part[C * Dvp + C + c];
-        const float* oc = part + c * Dvp;
-        for (int64_t d = 0; d < p.Dv; ++d) acc[d] += a * oc[d];
-      }
+        return ChunkState<float>{part[C * Dvp + c], part[C * Dvp + C + c], part + c * Dvp};
+      }, Dvp, p.Dv, acc.data(), &l);
       // l == 0: the row sees no key (out 0, lse -inf); NaN stays NaN.
       const bool seen = l != 0.f || std::isnan(mx);
       float inv = seen ? 1.f / l : 0.f;

@@ -740,21 +740,7 @@ void settle_nan_lse(const AttentionParams& p) {
       for (int64_t i = 0; i < s.Sq; ++i) any |= std::isnan(lse_at(s, b, h, i));
   }
   if (!any) return;
-  // (by the exponent bits, all ones for inf / NaN: integer operations that vectorise)
-  auto finite = [](const auto* x, int64_t n) {
-    using T = std::remove_cv_t<std::remove_pointer_t<decltype(x)>>;
-    using U = std::conditional_t<sizeof(T) == 8, uint64_t, std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>>;
-    constexpr U kExp = sizeof(T) == 8 ? U(0x7FF0000000000000ull)
-                       : sizeof(T) == 4 ? U(0x7F800000u)
-                       : std::is_same_v<T, c10::Half> ? U(0x7C00u) : U(0x7F80u);
-    uint32_t bad = 0;
-    for (int64_t d = 0; d < n; ++d) {
-      U u;
-      std::memcpy(&u, x + d, sizeof(U));
-      bad |= (u & kExp) == kExp;
-    }
-    return bad == 0;
-  };
+  auto finite = [](const auto* x, int64_t n) { return all_finite(x, 1, n, n); };
   // Tables of the terms: finite ones turn a finite score into a finite one.
   const ScoreTerms terms = p.score_terms();
   const bool tables_ok =
@@ -925,27 +911,11 @@ void attention_fwd_rows(const AttentionParams& p) {
     acc_t* o = merged.data();
     acc_t* m = o + kBlockQ * Dvp;
     acc_t* l = m + kBlockQ;
-    const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
     for (int64_t c = 0; c < cols; ++c) {
-      // (a NaN chunk maximum makes the row's NaN: std::max would drop it)
-      acc_t mx = neg_inf;
-      for (int64_t sp = 0; sp < n_split; ++sp) {
-        const acc_t ms = parts[(idx * n_split + sp) * per_part + kBlockQ * Dvp + c];
-        mx = std::isnan(ms) || std::isnan(mx) ? std::numeric_limits<acc_t>::quiet_NaN()
-                                              : std::max(mx, ms);
-      }
-      m[c] = mx;
-      l[c] = 0;
-      std::fill(o + c * Dvp, o + (c + 1) * Dvp, acc_t(0));
-      const acc_t mu = merged_offset(mx);
-      for (int64_t sp = 0; sp < n_split; ++sp) {
+      m[c] = merge_chunks<acc_t>(n_split, [&](int64_t sp) {
         const acc_t* part = parts.data() + (idx * n_split + sp) * per_part;
-        const acc_t ms = part[kBlockQ * Dvp + c];
-        if (chunk_adds_nothing(ms, part[kBlockQ * Dvp + kBlockQ + c], part + c * Dvp, Dvp)) continue;
-        const acc_t w = std::exp(ms - mu);
-        l[c] += w * part[kBlockQ * Dvp + kBlockQ + c];
-        for (int64_t d = 0; d < Dvp; ++d) o[c * Dvp + d] += w * part[c * Dvp + d];
-      }
+        return ChunkState<acc_t>{part[kBlockQ * Dvp + c], part[kBlockQ * Dvp + kBlockQ + c], part + c * Dvp};
+      }, Dvp, Dvp, o + c * Dvp, l + c);
     }
     write_tile<scalar_t, acc_t>(p, t, o, Dvp, m, l);
   });
