@@ -3,6 +3,7 @@ BSHD layout vs BHSD views, forward+backward vs SDPA, and the backward's peak ext
 1 and 2 threads.
 
     python benchmarks/bench_cpu_limits.py [--quick] [--repeats N] [--parts decode,layout,train,memory]
+    python benchmarks/bench_cpu_limits.py --parts nonfinite   (not among the default parts)
                                           [--decode-caches cold|interleaved]
 
 Every row is validated first (ours vs SDPA on the same inputs), then the methods are timed
@@ -19,6 +20,10 @@ Layout: causal prefill forward on BSHD-contiguous q/k/v (a Linear's output viewe
 (B, S, H, D)) and on BHSD-contiguous tensors passed as transpose(1, 2) views; SDPA on its
 native BHSD. Memory: peak RSS growth (VmHWM, reset through /proc/self/clear_refs) of one
 attention_backward call in a fresh process; the returned gradients count.
+Nonfinite: what settling the lse of rows that meet an inf costs (attention_fwd.cpp,
+settle_nan_lse): the same forward on clean inputs, with one K row of +inf channel 0 (every
+row after it sees a +inf score), and with an inf in every q row, interleaved; each checked
+first for lse +inf where the reference's torch.logsumexp gives it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from _env import checkout_first, interleaved_medians, print_env_header  # noqa: 
 
 checkout_first()
 import attn_ext  # noqa: E402,F401
+from attn_ext import reference  # noqa: E402
 
 DECODE = [  # (B, Sk, H, Hkv, D, dtype)
     (1, 512, 32, 8, 128, torch.float32),
@@ -202,6 +208,38 @@ def part_memory(args):
         print(f"| {n} | {mib:.1f} | {mib - grads:.1f} |")
 
 
+def part_nonfinite(args):
+    print("\n## forward cost of rows that meet an inf (lse settled to +inf), fp32\n")
+    print("| case | clean ms | one +inf K row ms | ratio | inf in every q row ms | ratio |")
+    print("|---|---|---|---|---|---|")
+    cases = [("causal prefill", 1, 2048, 2048, 16, 16, 64, True),
+             ("decode", 1, 1, 4096, 32, 8, 128, False)]
+    for kind, B, Sq, Sk, H, Hkv, D, causal in cases:
+        if args.quick:
+            Sq, Sk = min(Sq, 128), min(Sk, 256)
+        name = f"{kind} B {B}, Sq {Sq}, Sk {Sk}, H/Hkv {H}/{Hkv}, D {D}"
+        q = torch.randn(B, Sq, H, D)
+        q[..., 0] = q[..., 0].abs()
+        k, v = torch.randn(B, Sk, Hkv, D), torch.randn(B, Sk, Hkv, D)
+        k_inf = k.clone()
+        k_inf[:, 3, :, 0] = float("inf")  # a +inf score for every row that sees key 3
+        q_inf = q.clone()
+        q_inf[..., 1] = float("inf")      # an inf channel in every q row
+        calls = {"clean": (q, k), "k_inf": (q, k_inf), "q_inf": (q_inf, k)}
+        fns = {n: (lambda qq=qq, kk=kk: torch.ops.attn_ext.attention_forward(qq, kk, v, causal, None))
+               for n, (qq, kk) in calls.items()}
+        for n, (qq, kk) in calls.items():
+            lse = fns[n]()[1]
+            # (query head 0 against its kv head 0)
+            want = reference.attention_with_lse(qq[:, :, :1].double(), kk[:, :, :1].double(),
+                                                v[:, :, :1].double(), causal=causal)[1]
+            assert torch.equal(torch.isposinf(lse[:, :1]), torch.isposinf(want)), n
+            assert torch.equal(torch.isnan(lse[:, :1]), torch.isnan(want)), n
+        t = interleaved_medians(fns, args.repeats)
+        print(f"| {name} | {t['clean'] * 1e3:.2f} | {t['k_inf'] * 1e3:.2f} | "
+              f"{t['k_inf'] / t['clean']:.2f} | {t['q_inf'] * 1e3:.2f} | {t['q_inf'] / t['clean']:.2f} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
@@ -215,7 +253,8 @@ def main():
     if args.quick:
         args.repeats = 2
     print_env_header("cpu")
-    parts = {"decode": part_decode, "layout": part_layout, "train": part_train, "memory": part_memory}
+    parts = {"decode": part_decode, "layout": part_layout, "train": part_train, "memory": part_memory,
+             "nonfinite": part_nonfinite}
     for name in args.parts.split(","):
         parts[name](args)
 

@@ -418,3 +418,19 @@ def test_amx_probe_builds_and_measures(tmp_path):
     # probabilities within 2 ulp of 2^x in double at the kernel's fp32 argument x
     worst = float(re.search(r"p against 2\^x in double: ([0-9.]+) ulp", res.stdout).group(1))
     assert worst < 2.0, res.stdout
+
+
+def test_bench_cpu_limits_nonfinite_smoke(tmp_path):
+    """bench_cpu_limits.py --parts nonfinite (the settle cost RESULTS.md quotes) runs, checks
+    each case's lse against the reference first, and prints one row per case after the header."""
+    script = os.path.join(ROOT, "benchmarks", "bench_cpu_limits.py")
+    res = subprocess.run([sys.executable, script, "--quick", "--parts", "nonfinite"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("# commit: "), res.stdout[:300]
+    rows = [line for line in res.stdout.splitlines() if line.startswith(("| causal prefill", "| decode"))]
+    assert len(rows) == 2, res.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert all(float(c) > 0 for c in cells[1:]), row
+
