@@ -749,22 +749,32 @@ void settle_nan_lse(const AttentionParams& p) {
               terms.alibi_batch_stride == 0 ? p.H : p.B * terms.alibi_batch_stride)) &&
       (terms.rel_bias == nullptr ||
        finite(static_cast<const acc_t*>(terms.rel_bias), p.H * (2 * terms.rel_max + 1)));
-  // per (sequence b, kv head hk), task b * Hkv + hk: k_ok[j] (its K row j is finite) and
-  // bad, the sorted keys whose row is not
+  // per (sequence b, kv head hk), at b * Hkv + hk: k_ok[j] (its K row j is finite) and bad,
+  // the sorted keys whose row is not
   std::vector<std::vector<uint8_t>> k_ok(static_cast<size_t>(p.B * p.Hkv));
   std::vector<std::vector<int64_t>> bad(static_cast<size_t>(p.B * p.Hkv));
-  parallel_tasks(p.B * p.Hkv, [] { return 0; }, [&](int64_t t, int&) {
-    const int64_t b = t / p.Hkv, hk = t % p.Hkv;
+  int64_t max_k = 0;
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t sk = vis.seq(b).Sk;
+    max_k = std::max(max_k, sk);
+    for (int64_t hk = 0; hk < p.Hkv; ++hk) k_ok[static_cast<size_t>(b * p.Hkv + hk)].resize(static_cast<size_t>(sk));
+  }
+  // (in memory order: tasks of kRows key rows of a sequence, every kv head of a row in turn;
+  // one kv head's rows alone sit a whole row stride apart, 4 KiB and more)
+  constexpr int64_t kRows = 256;
+  const int64_t chunks = ceil_div(max_k, kRows);
+  parallel_tasks(p.B * chunks, [] { return 0; }, [&](int64_t t, int&) {
+    const int64_t b = t / chunks;
     const SeqInfo s = vis.seq(b);
-    const auto* k = static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride +
-                    s.k0 * p.k_row_stride + hk * p.k_head_stride;
-    auto& ok = k_ok[static_cast<size_t>(t)];
-    ok.resize(static_cast<size_t>(s.Sk));
-    for (int64_t j = 0; j < s.Sk; ++j) {
-      ok[static_cast<size_t>(j)] = finite(k + j * p.k_row_stride, p.D);
-      if (!ok[static_cast<size_t>(j)]) bad[static_cast<size_t>(t)].push_back(j);
-    }
+    const auto* k = static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride + s.k0 * p.k_row_stride;
+    for (int64_t j = (t % chunks) * kRows; j < std::min(s.Sk, (t % chunks + 1) * kRows); ++j)
+      for (int64_t hk = 0; hk < p.Hkv; ++hk)
+        k_ok[static_cast<size_t>(b * p.Hkv + hk)][static_cast<size_t>(j)] =
+            finite(k + j * p.k_row_stride + hk * p.k_head_stride, p.D);
   });
+  for (size_t g = 0; g < bad.size(); ++g)
+    for (size_t j = 0; j < k_ok[g].size(); ++j)
+      if (!k_ok[g][j]) bad[g].push_back(static_cast<int64_t>(j));
   parallel_tasks(p.B * p.H, [] { return std::vector<int64_t>(); }, [&](int64_t t, std::vector<int64_t>& inf_d) {
     const int64_t b = t / p.H, h = t % p.H, g = b * p.Hkv + h / (p.H / p.Hkv);
     const std::vector<int64_t>& keys = bad[static_cast<size_t>(g)];
