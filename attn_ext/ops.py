@@ -174,6 +174,11 @@ def _register_autograd(name, backward, setup_context):
     except (ImportError, AttributeError, TypeError):
         torch.library.register_autograd(f"attn_ext::{name}", backward, setup_context=setup_context)
         return
+    try:
+        transforms_active = torch._C._are_functorch_transforms_active
+        func_impl = _functorch_autograd_impl(op, backward, setup_context)
+    except (ImportError, AttributeError):  # a torch without these: torch's refusal, as before
+        transforms_active, func_impl = (lambda: False), None
 
     def kernel(keyset, *args, **kwargs):
         # No gradient to record and no dual level open: what impl does then (its
@@ -183,9 +188,66 @@ def _register_autograd(name, backward, setup_context):
             with below_autograd():
                 return op.redispatch(keyset & after_autograd, *args, **kwargs)
         _refuse_forward_ad(name, args, kwargs)
+        if transforms_active():
+            return func_impl(keyset, *args, **kwargs)
         return impl(keyset, *args, **kwargs)
 
     _impl_lib.impl(name, kernel, "Autograd", with_keyset=True)
+
+
+def _functorch_autograd_impl(op, backward, setup_context):
+    """The Autograd kernel's body under torch.func's grad / vjp / jacrev / vmap(grad(...)).
+
+    register_autograd's generated autograd.Function (make_autograd_impl) records the op with
+    ``forward(ctx, ...)`` and no ``setup_context`` staticmethod, which Function.apply refuses
+    while a functorch transform is active ("must override the setup_context staticmethod").
+    That refusal is about the transform's front door; this kernel already runs at the grad
+    transform's own level, on its wrapped tensors, where one plain single-level Function is
+    what functorch itself records for an autograd.Function (torch._functorch.autograd_function,
+    generate_single_level_function). So: the same forward, setup_context and backward as
+    register_autograd's, on a _SingleLevelFunction. Used only while a transform is active;
+    eager autograd, torch.compile and torch.export keep torch's own path."""
+    from torch._functorch.autograd_function import enable_single_level_autograd_function
+
+    schema = op._schema
+    after_autograd = torch._C._after_autograd_keyset
+    below_autograd = torch._C._AutoDispatchBelowAutograd
+    grad_enabled = torch._C.is_grad_enabled
+
+    class _Recorded(torch.autograd.function._SingleLevelFunction):
+        @staticmethod
+        def forward(ctx, keyset, grad_mode, *args):
+            # Function.apply runs forward with grad mode off. Below autograd, the op reaches
+            # the next transform level out (grad of grad: the outer torch.func.grad), whose
+            # own Autograd kernel must see the caller's grad mode to record the op there;
+            # with grad off it would record nothing, and the outer gradient through this op
+            # would be a silent zero instead of the double-backward refusal.
+            with torch.set_grad_enabled(grad_mode), below_autograd():
+                result = op.redispatch(keyset & after_autograd, *args)
+            setup_context(ctx=ctx, inputs=args, output=result)
+            return result
+
+        @staticmethod
+        def backward(ctx, *grads):
+            needs = ctx.needs_input_grad
+            ctx.needs_input_grad = needs[2:]  # without the keyset's and grad mode's slots
+            try:
+                result = backward(ctx, *grads)
+            finally:
+                ctx.needs_input_grad = needs
+            return (None, None, *result) if isinstance(result, tuple) else (None, None, result)
+
+    _Recorded.__name__ = f"attn_ext_{op._opname}_{op._overloadname}"
+
+    def func_impl(keyset, *args, **kwargs):
+        # Every argument positional, defaults filled (what setup_context reads by index; the
+        # schemas have no keyword-only arguments).
+        args = (*args, *(kwargs.get(a.name, a.default_value)
+                         for a in schema.arguments[len(args):]))
+        with enable_single_level_autograd_function():
+            return _Recorded.apply(keyset, grad_enabled(), *args)
+
+    return func_impl
 
 
 @torch.library.register_fake("attn_ext::sinusoidal_pe")

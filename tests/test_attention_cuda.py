@@ -903,6 +903,27 @@ def test_lse_gradient_on_cuda(cuda):
         assert max_err(a.cpu(), b) < 1e-4
 
 
+def test_func_grad_on_cuda_matches_eager(cuda):
+    """torch.func.grad / vmap(grad) through the CUDA kernels (the transform path of the ops'
+    autograd kernel, tests/test_func_transforms.py on CPU): the same gradients as backward()."""
+    q, k, v = [randn(3, 37, 2, 64, dtype=torch.float32, device="cuda") for _ in range(3)]
+
+    def loss(q, k, v):
+        return attn_ext.attention(q, k, v, causal=True).square().sum()
+
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    ts = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(loss(*ts), ts)
+    for a, b in zip(got, want):
+        assert max_err(a, b) <= 1e-5
+    per_sample = torch.func.vmap(torch.func.grad(
+        lambda q, k, v: loss(q[None], k[None], v[None])))(q, k, v)
+    for b in range(3):
+        x = q[b:b + 1].clone().requires_grad_()
+        (g,) = torch.autograd.grad(loss(x, k[b:b + 1], v[b:b + 1]), x)
+        assert max_err(per_sample[b], g[0]) <= 1e-5
+
+
 # ---- the fast kernels with masks (issue 14 item 8, issue 18 item 4) ----------------------------
 # Window, key padding and packed sequences on fa2_fwd_kernel / fa2_bwd_kernel (the profiler
 # must show that they ran: an empty profile fails), against the float64 reference: values, lse
