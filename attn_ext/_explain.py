@@ -24,9 +24,9 @@ The rules below restate the kernels' dispatch in Python, so they can be read wit
   (``use_fast_backward``: ``fa2::bwd_fast_terms_ok`` / ``bwd_fast_dropout_head_dim``; its
   shared memory grows by d rel_bias's (2M + 1) floats and dropout's 1 KiB of row keys,
   ``bwd_terms_smem_bytes``; sinks reach the backward only through lse and do not change its
-  choice). The CPU decode kernel takes sinks only
-  (``decode_supported``: not ``active()`` nor ``has_dropout()``; the CPU backward, not told
-  the sinks, asks the same to recompute the decode kernel's scores).
+  choice). The CPU decode kernel takes every term but dropout (``decode_supported``: not
+  ``has_dropout()``; softcap, ALiBi and rel_bias by ``apply_score_terms`` on each block; the
+  CPU backward, not told the sinks, asks the same to recompute the decode kernel's scores).
 
 The constants are copies of the kernels' (the headers are not installed with the package);
 tests/test_explain.py reads them from csrc/ and fails when the two disagree.
@@ -327,10 +327,10 @@ def band_keys(sq: int, sk: int, causal: bool = False, window=(-1, -1)) -> int:
 def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
                     causal: bool = False, window=(-1, -1)) -> Optional[dict]:
     """csrc/cpu/attention_decode.h decode_supported and its split-K chunk count, or None when
-    the tiled kernel runs. ``terms``: the names of the score terms of the call (any but sinks:
+    the tiled kernel runs. ``terms``: the names of the score terms of the call (dropout_p:
     the tiled kernel). The chunks split the keys some row sees by the band (causal, window;
     key padding does not narrow it), as the kernel's max_keys."""
-    if dtype == torch.float64 or not cpu_simd_enabled() or any(t != "sinks" for t in terms):
+    if dtype == torch.float64 or not cpu_simd_enabled() or "dropout_p" in terms:
         return None
     if os.environ.get("ATTN_EXT_CPU_DECODE") == "0":
         return None

@@ -3,7 +3,7 @@ BSHD layout vs BHSD views, forward+backward vs SDPA, and the backward's peak ext
 1 and 2 threads.
 
     python benchmarks/bench_cpu_limits.py [--quick] [--repeats N] [--parts decode,layout,train,memory]
-    python benchmarks/bench_cpu_limits.py --parts nonfinite   (not among the default parts)
+    python benchmarks/bench_cpu_limits.py --parts nonfinite,terms   (not among the default parts)
                                           [--decode-caches cold|interleaved]
 
 Every row is validated first (ours vs SDPA on the same inputs), then the methods are timed
@@ -24,6 +24,10 @@ Nonfinite: what settling the lse of rows that meet an inf costs (attention_fwd.c
 settle_nan_lse): the same forward on clean inputs, with one K row of +inf channel 0 (every
 row after it sees a +inf score), and with an inf in every q row, interleaved; each checked
 first for lse +inf where the reference's torch.logsumexp gives it.
+Terms: decode (Sq = 1, causal) with softcap, ALiBi, rel_bias and all of them with sinks, in
+the decode kernel (explain must say cpu.decode) against the same call on the tiled kernel
+(ATTN_EXT_CPU_DECODE=0, read per call), the plain call and the read roof, interleaved; each
+checked against the float64 reference first.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from _env import checkout_first, interleaved_medians, print_env_header  # noqa: 
 checkout_first()
 import attn_ext  # noqa: E402,F401
 from attn_ext import reference  # noqa: E402
+from attn_ext.position_bias import alibi_slopes  # noqa: E402
 
 DECODE = [  # (B, Sk, H, Hkv, D, dtype)
     (1, 512, 32, 8, 128, torch.float32),
@@ -240,6 +245,65 @@ def part_nonfinite(args):
               f"{t['k_inf'] / t['clean']:.2f} | {t['q_inf'] * 1e3:.2f} | {t['q_inf'] / t['clean']:.2f} |")
 
 
+def _tiled(fn):
+    """fn with the decode kernel switched off (ATTN_EXT_CPU_DECODE=0, read per call): the tiled
+    kernel on the same shape, what a decode call with score terms ran before they moved into the
+    decode kernel."""
+    def call():
+        os.environ["ATTN_EXT_CPU_DECODE"] = "0"
+        try:
+            return fn()
+        finally:
+            del os.environ["ATTN_EXT_CPU_DECODE"]
+    return call
+
+
+def part_terms(args):
+    print("\n## decode (Sq = 1) with score terms: the decode kernel vs the tiled kernel, "
+          "interleaved calls\n")
+    print("| B | Sk | H/Hkv | D | dtype | terms | read roof GB/s | ours ms | ours GB/s | % roof | "
+          "ours / plain | tiled ms | tiled / ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for B, Sk, H, Hkv, D, dt in [(1, 4096, 32, 8, 128, torch.float32),
+                                 (1, 4096, 32, 8, 128, torch.bfloat16)]:
+        if args.quick:
+            Sk = min(Sk, 1024)
+        q = torch.randn(B, 1, H, D, dtype=dt)
+        k = torch.randn(B, Sk, Hkv, D, dtype=dt)
+        v = torch.randn(B, Sk, Hkv, D, dtype=dt)
+        slopes = alibi_slopes(H)
+        rb = torch.randn(H, 2 * 128 + 1)
+        sinks = torch.randn(H)
+        cases = {"plain": {}, "softcap 50": {"softcap": 50.0}, "ALiBi": {"alibi_slopes": slopes},
+                 "rel_bias M 128": {"rel_bias": rb},
+                 "all + sinks": {"softcap": 50.0, "alibi_slopes": slopes, "rel_bias": rb,
+                                 "sinks": sinks}}
+        byts = 2 * k.numel() * k.element_size()
+        roof_x = torch.randn(byts // 4)
+        fns = {"roof": lambda: roof_x.sum()}
+        for name, kw in cases.items():
+            f = (lambda kw=kw: attn_ext.attention(q, k, v, causal=True, **kw))
+            choice = attn_ext.explain(q, k, v, causal=True, **kw).forward
+            assert choice == "cpu.decode", (name, choice)
+            want = reference.attention(q.double(), k.double(), v.double(), causal=True,
+                                       **{n: t.double() if torch.is_tensor(t) else t
+                                          for n, t in kw.items()})
+            tol = 1e-4 if dt == torch.float32 else 3e-2
+            for fn in (f, _tiled(f)):
+                err = (fn().double() - want).abs().max().item()
+                assert err < tol, f"validation failed: {name} {err}"
+            fns[name], fns[name + " tiled"] = f, _tiled(f)
+        t = interleaved_medians(fns, args.repeats)
+        roof = byts / t["roof"] / 1e9
+        dname = "fp32" if dt == torch.float32 else "bf16"
+        for name in cases:
+            bw = byts / t[name] / 1e9
+            print(f"| {B} | {Sk} | {H}/{Hkv} | {D} | {dname} | {name} | {roof:.1f} | "
+                  f"{t[name] * 1e3:.2f} | {bw:.1f} | {100 * bw / roof:.0f} % | "
+                  f"{t[name] / t['plain']:.2f} | {t[name + ' tiled'] * 1e3:.2f} | "
+                  f"{t[name + ' tiled'] / t[name]:.2f} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
@@ -254,7 +318,7 @@ def main():
         args.repeats = 2
     print_env_header("cpu")
     parts = {"decode": part_decode, "layout": part_layout, "train": part_train, "memory": part_memory,
-             "nonfinite": part_nonfinite}
+             "nonfinite": part_nonfinite, "terms": part_terms}
     for name in args.parts.split(","):
         parts[name](args)
 

@@ -434,3 +434,19 @@ def test_bench_cpu_limits_nonfinite_smoke(tmp_path):
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(float(c) > 0 for c in cells[1:]), row
 
+
+
+def test_bench_cpu_limits_terms_smoke(tmp_path):
+    """bench_cpu_limits.py --parts terms (the decode-with-score-terms rows RESULTS.md quotes)
+    runs, validates the decode and the tiled kernel against the reference first, and prints
+    five cases per dtype with positive times."""
+    script = os.path.join(ROOT, "benchmarks", "bench_cpu_limits.py")
+    res = subprocess.run([sys.executable, script, "--quick", "--parts", "terms"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("# commit: "), res.stdout[:300]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| 1 | 1024 |")]
+    assert len(rows) == 10, res.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[7]) > 0 and float(cells[11]) > 0, row

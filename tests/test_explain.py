@@ -111,9 +111,12 @@ def test_cuda_constants_match_the_headers():
     # fast backward off: the adapter passes no_sinks to the terms it fills
     bwd_fn = kc.block(cu, r"attention_backward_cuda\s*\(")
     assert "{tab.alibi_slopes, tab.rel_bias, softcap, no_sinks, dropout_p" in bwd_fn
-    # the CPU decode kernel takes sinks (not a condition: its backward is not told them)
-    assert "if (terms.active() || terms.has_dropout()) return false;" in kc.block(
-        kc.source("csrc/cpu/attention_decode.h"), r"bool\s+decode_supported\s*\([^)]*\)\s*\{")
+    # the CPU decode kernel takes every term but dropout (sinks are not a condition: its
+    # backward is not told them); explain's cpu_decode_plan mirrors that
+    decode_fn = kc.block(kc.source("csrc/cpu/attention_decode.h"),
+                         r"bool\s+decode_supported\s*\([^)]*\)\s*\{")
+    assert "if (p.score_terms().has_dropout()) return false;" in decode_fn
+    assert "active()" not in decode_fn
     assert "bool force_simple() { return g_kernel_mode.load(std::memory_order_relaxed) == 1; }" in cu
     assert f'm.impl("{X.FORCE_SIMPLE_OP}"' in cu
 
@@ -298,13 +301,13 @@ def test_score_terms_rules():
     assert path == "cuda.simple" and f"with d rel_bias's {2 * big + 1} entries" in why, why
     assert bwd(shape(D=128), torch.bfloat16, True, H200["smem_optin"], False, dout_aligned=True,
                terms=())[0] == "cuda.fa2"
-    # CPU: the decode kernel takes sinks, no other term
+    # CPU: the decode kernel takes every term but dropout
     s = shape(B=1, Sq=1, Sk=1500, H=8, Hkv=2)
-    assert X.cpu_decode_plan(s, torch.float32, 4, ("rel_bias",)) is None
+    for terms in (("sinks",), ("rel_bias",), ("alibi_slopes", "softcap", "sinks")):
+        assert (X.cpu_decode_plan(s, torch.float32, 4, terms) is not None) == X.cpu_simd_enabled()
     assert X.cpu_decode_plan(s, torch.float32, 4, ("sinks", "dropout_p")) is None
-    assert (X.cpu_decode_plan(s, torch.float32, 4, ("sinks",)) is not None) == X.cpu_simd_enabled()
-    with_terms = X._explain_cpu(s, torch.float32, 4, ("rel_bias",))
-    assert with_terms.forward == "cpu.split_kv", str(with_terms)
+    with_dropout = X._explain_cpu(s, torch.float32, 4, ("rel_bias", "dropout_p"))
+    assert with_dropout.forward == "cpu.split_kv", str(with_dropout)
     q, k, v = randn(1, 1, 8, 32), randn(1, 1500, 2, 32), randn(1, 1500, 2, 32)
     prev = torch.get_num_threads()
     torch.set_num_threads(2)

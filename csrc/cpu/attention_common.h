@@ -346,6 +346,35 @@ void apply_score_terms(const ScoreTerms& t, acc_t* st, int64_t nk, int64_t C, in
   }
 }
 
+// apply_score_terms on scores kept the other way round: column c = hh * nq + ii (head
+// h0 + hh, row i0 + ii) holds its nk keys j0 .. j0 + nk - 1 contiguously at s + c * ld (the
+// decode kernel's blocks; d00 = i0 + off - j0 as there). The same pieces on the same values:
+// mk::softcap_rows_avx2 (one function of each element) and mk::bias_keys (bias_rows along
+// keys), so each score rounds as apply_score_terms rounds it (the backward applies that one to
+// the same scores). fp32 with AVX2 only (the decode kernel's condition); else apply_row per
+// element, as apply_score_terms without AVX2.
+inline void apply_score_terms_keys(const ScoreTerms& t, float* s, int64_t ld, int64_t nk,
+                                   int64_t nq, int64_t nh, int64_t b, int64_t h0, int64_t d00) {
+  const int64_t M = t.rel_max;
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const int64_t h = h0 + hh;
+    for (int64_t ii = 0; ii < nq; ++ii) {
+      float* x = s + (hh * nq + ii) * ld;
+      const int64_t d0 = d00 + ii;  // key r at d = d0 - r
+      if (!mk::cpu_has_avx2_fma()) {
+        for (int64_t r = 0; r < nk; ++r) t.apply_row<float>(x + r, 1, b, h, d0 - r, 1.f, nullptr);
+        continue;
+      }
+      if (t.softcap > 0.0) mk::softcap_rows_avx2(x, 1, nk, ld, static_cast<float>(t.softcap), nullptr);
+      if (t.alibi == nullptr && t.rel_bias == nullptr) continue;
+      const float slope = t.alibi != nullptr ? t.slope<float>(b, h) : 0.f;
+      const float* tab =
+          t.rel_bias != nullptr ? static_cast<const float*>(t.rel_bias) + h * (2 * M + 1) : nullptr;
+      mk::bias_keys<float>(x, nk, d0, slope, tab, M);
+    }
+  }
+}
+
 // Attention dropout on a transposed tile st (rows: keys j0 .. j0 + nk - 1, cols: queries;
 // leading dimension C): dst[r][c] = src[r][c] * inv_keep where key j0 + r of column c's row
 // survives (common/dropout_rng.h; rk[c] is that row's key), else 0; columns [cols, C) get 0.

@@ -21,13 +21,16 @@
 //               8 keys x 1 column for a last odd column), bf16 / fp16 widened in registers,
 //               bf16 16 elements at a time in the decode order (decode_pos); the backward
 //               takes its scores from the same function)
+//       terms   softcap, ALiBi, rel_bias on each kv head's block of scores
+//               (apply_score_terms_keys: the one rule, in this layout; not with dropout,
+//               which only the tiled kernel takes)
 //       softmax online per (kv head, column): m, l, o rescale
 //       PV      o += p vb, 8 keys at a time across all kv heads (V in memory order); bf16
 //               where its scores are vdpbf16ps pairs: two keys per vdpbf16ps, p rounded to
 //               bf16 (pv_pairs, decode_pv_by_pairs)
 //     otherwise: pack kb (Hkv, nb, Dp), vb (Hkv, nb, Dvp) fp32 in the decode order, row by
 //     row in memory order (K not where its scores read it in place: bf16 pairs or tiles; V as
-//     bf16 rows, vh, where pv_pairs takes the product), then per kv head scores, mask (hidden
+//     bf16 rows, vh, where pv_pairs takes the product), then per kv head scores, terms, mask (hidden
 //     (c, j) -> -inf, visibility layer, decided once per block), softmax, PV (d-chunk outer,
 //     columns in registers; keys hidden from some columns take a path that skips hidden
 //     pairs)
@@ -88,10 +91,10 @@ inline bool decode_in_place_enabled() {
 
 inline bool decode_supported(const AttentionParams& p, bool is_double) {
   if (is_double || !cpu::use_avx2() || !decode_enabled()) return false;
-  // score terms and dropout (issue 15) are in the tiled kernel only; sinks are not a
+  // dropout (issue 15) is in the tiled kernel only; softcap, ALiBi and rel_bias go through
+  // apply_score_terms on each block (as the tiled kernels and the backward); sinks are not a
   // condition (the backward, which is not told the sinks, asks this too: attention_bwd.cpp)
-  const ScoreTerms terms = p.score_terms();
-  if (terms.active() || terms.has_dropout()) return false;
+  if (p.score_terms().has_dropout()) return false;
   if (p.Hkv <= 0 || p.D <= 0 || p.D > 512 || p.Dv > 512) return false;
   return p.Sq <= kDecodeCols / std::max<int64_t>(1, p.H / p.Hkv);  // Sq * group <= kDecodeCols
 }
@@ -1225,7 +1228,8 @@ void attention_decode_kernel(const AttentionParams& p) {
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
-  const float qscale = static_cast<float>(p.score_terms().scale);
+  const ScoreTerms terms = p.score_terms();
+  const float qscale = static_cast<float>(terms.scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // Blocks of up to kDecodeKeysInPlace keys for the units whose blocks can all be read in
@@ -1420,6 +1424,13 @@ void attention_decode_kernel(const AttentionParams& p) {
           }
           scores(w.qs.data() + hkv * C * Dp, C, Dp, static_cast<const float*>(kbh), nk8, sh,
                  ks, -1, false, wide_scores);
+        }
+        if (terms.active()) {
+          // softcap, ALiBi, rel_bias by the one rule, in this layout (apply_score_terms_keys:
+          // the bits of apply_score_terms, which the backward applies to the same scores):
+          // column hh * Sq + ii = head hkv * group + hh, row ii of the sequence, key j0 + r at
+          // d = ii + off - (j0 + r)
+          apply_score_terms_keys(terms, sh, ks, nk, p.Sq, group, b, hkv * group, sq.off - j0);
         }
         if (masked) {
           for (int64_t c = 0; c < C; ++c)

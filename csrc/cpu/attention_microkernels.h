@@ -223,6 +223,9 @@ void exp_sub_avx2(float* st, int64_t rows, int64_t cols, const float* sub);
 void ds_avx2(const float* p, float* ds, int64_t rows, int64_t cols, const float* d);
 void bias_rows_avx2(float* st, int64_t rows, int64_t n, int64_t ld, int64_t d0, float slope,
                     const float* tab, int64_t M);
+// bias_rows on one query column whose keys are contiguous (x[r], r < n, at d = d0 - r: the
+// decode kernel's blocks): bias_rows(x, n, 1, 1, d0, ...) 8 keys at a time, the same bits.
+void bias_keys_avx2(float* x, int64_t n, int64_t d0, float slope, const float* tab, int64_t M);
 // Softcap on rows [0, rows) x [0, n) of st (leading dimension ld): t = tanh(x / cap) (cpu::tanh_ps),
 // x = cap * t, and t to th (same layout) when th is not null: ScoreTerms::apply_row's softcap step
 // (common/attention_mask.h), 8 columns at a time.
@@ -264,6 +267,14 @@ inline void bias_rows(T* st, int64_t rows, int64_t n, int64_t ld, int64_t d0, T 
     if (cpu_has_avx2_fma()) return bias_rows_avx2(st, rows, n, ld, d0, slope, tab, M);
   }
   bias_rows_generic<T>(st, rows, n, ld, d0, slope, tab, M);
+}
+
+template <typename T>
+inline void bias_keys(T* x, int64_t n, int64_t d0, T slope, const T* tab, int64_t M) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (cpu_has_avx2_fma()) return bias_keys_avx2(x, n, d0, slope, tab, M);
+  }
+  bias_rows_generic<T>(x, n, 1, 1, d0, slope, tab, M);
 }
 
 template <typename T>

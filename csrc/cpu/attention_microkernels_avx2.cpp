@@ -361,6 +361,46 @@ ATTN_AVX2 void bias_rows_avx2(float* st, int64_t rows, int64_t n, int64_t ld, in
   }
 }
 
+ATTN_AVX2 void bias_keys_avx2(float* x, int64_t n, int64_t d0, float slope, const float* tab,
+                              int64_t M) {
+  // key r at d = d0 - r: bias_rows' terms, vectors of 8 keys (d descending in the lanes)
+  const int64_t dmax = std::max<int64_t>(std::abs(d0) + n, 0);
+  const __m256i down = _mm256_setr_epi32(0, -1, -2, -3, -4, -5, -6, -7);
+  if (slope != 0.f) {
+    const __m256 vs = _mm256_set1_ps(slope);
+    int64_t r = 0;
+    if (dmax < (int64_t(1) << 30)) {
+      for (; r + 8 <= n; r += 8) {
+        const __m256i d = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(d0 - r)), down);
+        const __m256 ad = _mm256_cvtepi32_ps(_mm256_abs_epi32(d));
+        _mm256_storeu_ps(x + r, _mm256_fnmadd_ps(vs, ad, _mm256_loadu_ps(x + r)));
+      }
+    }
+    for (; r < n; ++r) {
+      const int64_t d = d0 - r;
+      x[r] = std::fma(-slope, static_cast<float>(d < 0 ? -d : d), x[r]);
+    }
+  }
+  if (tab != nullptr) {
+    // keys [0, ra): d > M; [ra, rb): tab[M + d0 - r]; [rb, n): d < -M
+    const int64_t ra = std::clamp<int64_t>(d0 - M, 0, n);
+    const int64_t rb = std::clamp<int64_t>(d0 + M + 1, ra, n);
+    const float lo = tab[0], hi = tab[2 * M];
+    int64_t r = 0;
+    for (; r + 8 <= ra; r += 8) _mm256_storeu_ps(x + r, _mm256_add_ps(_mm256_loadu_ps(x + r), _mm256_set1_ps(hi)));
+    for (; r < ra; ++r) x[r] += hi;
+    const float* t = tab + M + d0;  // key r reads t[-r]
+    const __m256i reverse = _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    for (; r + 8 <= rb; r += 8) {
+      const __m256 tv = _mm256_permutevar8x32_ps(_mm256_loadu_ps(t - r - 7), reverse);
+      _mm256_storeu_ps(x + r, _mm256_add_ps(_mm256_loadu_ps(x + r), tv));
+    }
+    for (; r < rb; ++r) x[r] += t[-r];
+    for (; r + 8 <= n; r += 8) _mm256_storeu_ps(x + r, _mm256_add_ps(_mm256_loadu_ps(x + r), _mm256_set1_ps(lo)));
+    for (; r < n; ++r) x[r] += lo;
+  }
+}
+
 ATTN_AVX2 void softcap_rows_avx2(float* st, int64_t rows, int64_t n, int64_t ld, float cap,
                                  float* th) {
   const float inv = 1.0f / cap;
@@ -531,6 +571,7 @@ void ds_avx2(const float*, float*, int64_t, int64_t, const float*) {}
 void bias_rows_avx2(float*, int64_t, int64_t, int64_t, int64_t, float, const float*, int64_t) {}
 void dropout_row_avx2(const float*, float*, int64_t, const uint64_t*, int, uint32_t, float) {}
 void softcap_rows_avx2(float*, int64_t, int64_t, int64_t, float, float*) {}
+void bias_keys_avx2(float*, int64_t, int64_t, float, const float*, int64_t) {}
 void bf16_to_float_avx2(const uint16_t*, int64_t, float*) {}
 void half_to_float_avx2(const uint16_t*, int64_t, float*) {}
 void float_to_half_avx2(const float*, float, int64_t, uint16_t*) {}
