@@ -4,7 +4,7 @@ The rules below restate the kernels' dispatch in Python, so they can be read wit
 
 - CPU forward (csrc/cpu/attention_fwd.cpp ``attention_fwd_kernel``): the decode kernel
   (csrc/cpu/attention_decode.h, ``"cpu.decode"``) when ``Sq * H / Hkv`` fits its columns and
-  the call has no score term but sinks (not float64, SIMD on, ``ATTN_EXT_CPU_DECODE`` not 0);
+  the call has no dropout (not float64, SIMD on, ``ATTN_EXT_CPU_DECODE`` not 0);
   else query tiles of up to ``kBlockQ`` (head, row) columns; split-KV (the keys of each tile cut into chunks run in
   parallel and merged) when there are fewer tiles than threads and ``Sk >= 4 * kBlockK``,
   else the plain tiled kernel. CPU backward (attention_bwd.cpp): fused per (batch, kv head)
@@ -641,7 +641,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     The score terms (``alibi_slopes``, ``rel_bias``, ``softcap``, ``sinks``, ``dropout_p``)
     count only by being given (and rel_bias by its size, on CUDA): on CUDA any term rules
     out the fast forward at D = 256 and dropout the fast backward at D = 128 (sinks reach the
-    backward through lse); any term but sinks rules out the CPU decode kernel.
+    backward through lse); dropout rules out the CPU decode kernel.
 
     Runs no kernel and reads no tensor values: only shapes, dtypes, strides, data pointers,
     the thread count (CPU), the device's properties and torch's deterministic flag (CUDA).

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import attn_ext
+from attn_ext import ops
 from attn_ext import reference as R
 from tests.utils import max_err, randn
 
@@ -239,3 +240,26 @@ def test_eager_autograd_keeps_torchs_register_autograd_path():
             stack.extend(n for n, _ in node.next_functions)
     assert any(n.startswith("GeneratedBackwardFor_attn_ext_attention_forward") for n in names), names
     assert not any(n.startswith("attn_ext_") for n in names), names
+
+
+def test_dropout_under_vmap():
+    """vmap's randomness modes with dropout: 'error' is torch's refusal, 'same' gives every
+    sample the mask of one call, 'different' (one seed per sample, which the op cannot take)
+    is refused by name instead of torch's "Cannot access data pointer"."""
+    q, k, v = (randn(3, 1, 5, 2, 8, dtype=F64) for _ in range(3))
+
+    def f(q, k, v):
+        return attn_ext.attention(q, k, v, dropout_p=0.3)
+
+    with pytest.raises(RuntimeError, match="randomness"):
+        torch.func.vmap(f)(q, k, v)
+    torch.manual_seed(3)
+    same = torch.func.vmap(f, randomness="same")(q, k, v)
+    torch.manual_seed(3)
+    seed, offset = ops._dropout_seed_offset(q.device)
+    for b in range(3):
+        want = torch.ops.attn_ext.attention_forward(q[b], k[b], v[b], False, None, -1, -1, None,
+                                                    None, None, None, None, 0.3, seed, offset)[0]
+        assert max_err(same[b], want) == 0.0
+    with pytest.raises(RuntimeError, match="randomness='different'.* not supported"):
+        torch.func.vmap(f, randomness="different")(q, k, v)
