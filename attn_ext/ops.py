@@ -966,20 +966,25 @@ def _dropout_seed_offset(device: torch.device) -> Tuple[int, int]:
             return 0, 0
         # eager / torch.compile / torch.export: no int(), which would guard on a
         # data-dependent value under tracing (the ops' dropout_seed / dropout_offset are SymInt)
-        try:
-            seed, offset = r.tolist()
-        except RuntimeError as e:
-            # torch.func.vmap(randomness="different") draws one seed per sample, as a batched
-            # tensor without values to read here
-            if torch._C._are_functorch_transforms_active():
-                raise RuntimeError(
-                    "attn_ext: attention dropout under torch.func.vmap(randomness='different') "
-                    "is not supported: a call takes one dropout seed (vmap runs the op once per "
-                    "sample with it), so the samples cannot get different masks. Use "
-                    "randomness='same' (one mask for every sample), or put the vmapped "
-                    "dimension into the batch dimension B (each (b, h) gets its own mask)") from e
-            raise
-        return seed, offset
+        return _drawn_seed_offset(r)
+
+
+def _drawn_seed_offset(r: torch.Tensor) -> Tuple[int, int]:
+    """_dropout_seed_offset's two values, outside TorchScript (which cannot parse the try)."""
+    try:
+        seed, offset = r.tolist()
+    except RuntimeError as e:
+        # torch.func.vmap(randomness="different") draws one seed per sample, as a batched
+        # tensor without values to read here
+        if torch._C._are_functorch_transforms_active():
+            raise RuntimeError(
+                "attn_ext: attention dropout under torch.func.vmap(randomness='different') "
+                "is not supported: a call takes one dropout seed (vmap runs the op once per "
+                "sample with it), so the samples cannot get different masks. Use "
+                "randomness='same' (one mask for every sample), or put the vmapped "
+                "dimension into the batch dimension B (each (b, h) gets its own mask)") from e
+        raise
+    return seed, offset
 
 
 def _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):

@@ -1294,9 +1294,17 @@ void attention_decode_kernel(const AttentionParams& p) {
       band_full = band_full && ck[c].lo <= kbeg && ck[c].hi >= kend;
     }
 
-    // every block of the unit can be read in place: blocks of up to w.ks keys, else w.nb
+    // every column sees every key of [a, e) by the band
+    auto band_covers = [&](int64_t a, int64_t e) {
+      if (band_full) return true;
+      for (int64_t c = 0; c < C; ++c)
+        if (ck[c].lo > a || ck[c].hi < e) return false;
+      return true;
+    };
+    // blocks of up to w.ks keys (whole 8-key groups) wherever every column sees the whole block
+    // (all of the unit but the band's edges: with Sq > 1 the last keys of a causal sequence,
+    // with a window its two ends), else blocks of w.nb
     const int64_t nb = w.nb, pc = w.pack_cap;
-    const int64_t step = big_blocks && band_full ? w.ks : nb;
     const int64_t ks = w.ks;  // row stride of the scores in w.s
     const scalar_t* kseq = k + b * p.k_batch_stride + sq.k0 * p.k_row_stride;
     const scalar_t* vseq = v + b * p.v_batch_stride + sq.k0 * p.v_row_stride;
@@ -1330,18 +1338,21 @@ void attention_decode_kernel(const AttentionParams& p) {
       return false;
     };
     for (int64_t j0 = kbeg, nk = 0; j0 < kend; j0 += nk) {
-      // a block longer than nb is one of whole 8-key groups (read in place unless
-      // ATTN_EXT_CPU_DECODE_IN_PLACE=0): the last few keys of the unit come as a block of
-      // their own
-      nk = std::min(step, kend - j0);
-      if (nk > nb) nk = nk / 8 * 8;
+      // a block longer than nb is one of whole 8-key groups every column sees (read in
+      // place unless ATTN_EXT_CPU_DECODE_IN_PLACE=0): the last few keys of the unit, and the
+      // keys near the band's edges, come in blocks of nb
+      nk = std::min(nb, kend - j0);
+      if (big_blocks) {
+        const int64_t big = std::min(ks, kend - j0) / 8 * 8;
+        if (big > nb && band_covers(j0, j0 + big)) nk = big;
+      }
       const int64_t nk8 = round_up(nk, 8);
       // which keys take part (padding) and which column sees which key: the same for every
       // kv head, decided once per block
       int64_t n_use = 0;
       for (int64_t r = 0; r < nk; ++r) n_use += (w.use[r] = vis.key_valid(b, j0 + r) ? 1 : 0);
       if (n_use == 0) continue;
-      const bool masked = n_use < nk || !band_full;
+      const bool masked = n_use < nk || !band_covers(j0, j0 + nk);
       bool edge = false;  // a key seen by some columns and hidden from others
       if (masked) {
         for (int64_t r = 0; r < nk; ++r) {
