@@ -25,7 +25,7 @@ The rules below restate the kernels' dispatch in Python, so they can be read wit
   shared memory grows by d rel_bias's (2M + 1) floats and dropout's 1 KiB of row keys,
   ``bwd_terms_smem_bytes``; sinks reach the backward only through lse and do not change its
   choice). The CPU decode kernel takes every term but dropout (``decode_supported``: not
-  ``has_dropout()``; softcap, ALiBi and rel_bias by ``apply_score_terms`` on each block; the
+  ``has_dropout()``; softcap, ALiBi and rel_bias by ``apply_score_terms_keys`` on each block; the
   CPU backward, not told the sinks, asks the same to recompute the decode kernel's scores).
 
 The constants are copies of the kernels' (the headers are not installed with the package);

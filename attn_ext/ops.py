@@ -162,7 +162,8 @@ def _register_autograd(name, backward, setup_context):
     """torch.library.register_autograd for attn_ext::name, plus the forward-mode refusal in
     the same (Python) Autograd kernel. That kernel is built with torch._library's
     make_autograd_impl, what register_autograd itself registers; a torch without it gets the
-    plain public registration (no refusal)."""
+    plain public registration (no refusal). While a torch.func transform is active the same
+    formulas are recorded through _functorch_autograd_impl instead (torch.func.grad / vjp)."""
     try:
         from torch._library.autograd import Info, make_autograd_impl
         op = getattr(_lib, name).default

@@ -68,8 +68,8 @@ def test_grad_matches_eager_and_reference(name):
 
 
 def test_grad_of_the_score_tables_and_lse():
-    """Gradients reach rel_bias, sinks and alibi-free tables through torch.func as through
-    backward(); the lse output is differentiable under the transform too."""
+    """Gradients reach the rel_bias and sinks tables through torch.func as through backward();
+    the lse output is differentiable under the transform too."""
     q, k, v = _qkv()
     rb, sinks = randn(4, 7, dtype=F64), torch.randn(4, dtype=F64)
 

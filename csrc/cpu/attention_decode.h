@@ -92,8 +92,9 @@ inline bool decode_in_place_enabled() {
 inline bool decode_supported(const AttentionParams& p, bool is_double) {
   if (is_double || !cpu::use_avx2() || !decode_enabled()) return false;
   // dropout (issue 15) is in the tiled kernel only; softcap, ALiBi and rel_bias go through
-  // apply_score_terms on each block (as the tiled kernels and the backward); sinks are not a
-  // condition (the backward, which is not told the sinks, asks this too: attention_bwd.cpp)
+  // apply_score_terms_keys on each block (the bits of the tiled kernels' and the backward's
+  // apply_score_terms); sinks are not a condition (the backward, which is not told the sinks,
+  // asks this too: attention_bwd.cpp)
   if (p.score_terms().has_dropout()) return false;
   if (p.Hkv <= 0 || p.D <= 0 || p.D > 512 || p.Dv > 512) return false;
   return p.Sq <= kDecodeCols / std::max<int64_t>(1, p.H / p.Hkv);  // Sq * group <= kDecodeCols
