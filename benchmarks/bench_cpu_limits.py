@@ -282,17 +282,17 @@ def part_terms(args):
         roof_x = torch.randn(byts // 4)
         fns = {"roof": lambda: roof_x.sum()}
         for name, kw in cases.items():
-            f = (lambda kw=kw: attn_ext.attention(q, k, v, causal=True, **kw))
+            fns[name] = lambda kw=kw: attn_ext.attention(q, k, v, causal=True, **kw)
+            fns[name + " tiled"] = _tiled(fns[name])
             choice = attn_ext.explain(q, k, v, causal=True, **kw).forward
             assert choice == "cpu.decode", (name, choice)
             want = reference.attention(q.double(), k.double(), v.double(), causal=True,
                                        **{n: t.double() if torch.is_tensor(t) else t
                                           for n, t in kw.items()})
             tol = 1e-4 if dt == torch.float32 else 3e-2
-            for fn in (f, _tiled(f)):
+            for fn in (fns[name], fns[name + " tiled"]):
                 err = (fn().double() - want).abs().max().item()
                 assert err < tol, f"validation failed: {name} {err}"
-            fns[name], fns[name + " tiled"] = f, _tiled(f)
         t = interleaved_medians(fns, args.repeats)
         roof = byts / t["roof"] / 1e9
         dname = "fp32" if dt == torch.float32 else "bf16"

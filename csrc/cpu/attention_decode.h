@@ -1286,22 +1286,18 @@ void attention_decode_kernel(const AttentionParams& p) {
         for (int64_t d = 0; d < p.D; ++d) dst[d] *= qscale;
       }
     }
-    // per column: the band's key range (the same for every kv head)
+    // per column: the band's key range (the same for every kv head); all: the keys every
+    // column sees (the ranges' intersection)
     Range ck[kDecodeCols];
-    bool band_full = true;  // every column sees all of [kbeg, kend) by the band
+    Range all{std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()};
     for (int64_t c = 0; c < C; ++c) {
       const int64_t ii = c % p.Sq;
       ck[c] = ii < nq ? vis.band_keys(sq, ii) : Range{0, 0};
-      band_full = band_full && ck[c].lo <= kbeg && ck[c].hi >= kend;
+      all.lo = std::max(all.lo, ck[c].lo);
+      all.hi = std::min(all.hi, ck[c].hi);
     }
-
     // every column sees every key of [a, e) by the band
-    auto band_covers = [&](int64_t a, int64_t e) {
-      if (band_full) return true;
-      for (int64_t c = 0; c < C; ++c)
-        if (ck[c].lo > a || ck[c].hi < e) return false;
-      return true;
-    };
+    auto band_covers = [&](int64_t a, int64_t e) { return all.lo <= a && e <= all.hi; };
     // blocks of up to w.ks keys (whole 8-key groups) wherever every column sees the whole block
     // (all of the unit but the band's edges: with Sq > 1 the last keys of a causal sequence,
     // with a window its two ends), else blocks of w.nb
