@@ -3,7 +3,7 @@ BSHD layout vs BHSD views, forward+backward vs SDPA, and the backward's peak ext
 1 and 2 threads.
 
     python benchmarks/bench_cpu_limits.py [--quick] [--repeats N] [--parts decode,layout,train,memory]
-    python benchmarks/bench_cpu_limits.py --parts nonfinite,terms   (not among the default parts)
+    python benchmarks/bench_cpu_limits.py --parts nonfinite,terms,decode-rows   (not among the defaults)
                                           [--decode-caches cold|interleaved]
 
 Every row is validated first (ours vs SDPA on the same inputs), then the methods are timed
@@ -28,6 +28,9 @@ Terms: decode (Sq = 1, causal) with softcap, ALiBi, rel_bias and all of them wit
 the decode kernel (explain must say cpu.decode) against the same call on the tiled kernel
 (ATTN_EXT_CPU_DECODE=0, read per call), the plain call and the read roof, interleaved; each
 checked against the float64 reference first.
+Decode-rows: decode with Sq = 2 and 4 query rows (causal; one row with a window), ours (the
+decode kernel, which explain must name) against SDPA given the bottom-right band as an
+explicit mask, with the read roof, interleaved.
 """
 
 from __future__ import annotations
@@ -304,6 +307,40 @@ def part_terms(args):
                   f"{t[name + ' tiled'] / t[name]:.2f} |")
 
 
+def part_decode_rows(args):
+    print("\n## decode with a few query rows (Sq = 2, 4: speculative decoding, short chunks), "
+          "causal, interleaved calls\n")
+    print("| B | Sq | Sk | H/Hkv | D | dtype | window | read roof GB/s | ours ms | ours GB/s | "
+          "% roof | SDPA ms | ours/SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for dt in (torch.float32, torch.bfloat16):
+        for Sq, window in ((2, None), (4, None), (2, (2047, 0))):
+            B, Sk, H, Hkv, D = 1, 1024 if args.quick else 4096, 32, 8, 128
+            q = torch.randn(B, Sq, H, D, dtype=dt)
+            k = torch.randn(B, Sk, Hkv, D, dtype=dt)
+            v = torch.randn(B, Sk, Hkv, D, dtype=dt)
+            # SDPA's is_causal aligns top-left: the bottom-right band as an explicit mask
+            d = (torch.arange(Sq)[:, None] + (Sk - Sq)) - torch.arange(Sk)[None, :]
+            seen = (d >= 0) if window is None else ((d >= 0) & (d <= window[0]))
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            ours = lambda: attn_ext.attention(q, k, v, causal=True, window=window)
+            sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=seen, enable_gqa=True)
+            assert attn_ext.explain(q, k, v, causal=True, window=window).forward == "cpu.decode"
+            err = (ours().float() - sdpa().transpose(1, 2).float()).abs().max().item()
+            assert err < (1e-4 if dt == torch.float32 else 2e-2), f"validation failed: {err}"
+            byts = 2 * k.numel() * k.element_size()
+            roof_x = torch.randn(byts // 4)
+            t = interleaved_medians({"ours": ours, "sdpa": sdpa, "roof": lambda: roof_x.sum()},
+                                    args.repeats)
+            roof = byts / t["roof"] / 1e9
+            bw = byts / t["ours"] / 1e9
+            dname = "fp32" if dt == torch.float32 else "bf16"
+            wname = "-" if window is None else f"({window[0]}, {window[1]})"
+            print(f"| {B} | {Sq} | {Sk} | {H}/{Hkv} | {D} | {dname} | {wname} | {roof:.1f} | "
+                  f"{t['ours'] * 1e3:.2f} | {bw:.1f} | {100 * bw / roof:.0f} % | "
+                  f"{t['sdpa'] * 1e3:.2f} | {t['sdpa'] / t['ours']:.2f} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
@@ -318,7 +355,7 @@ def main():
         args.repeats = 2
     print_env_header("cpu")
     parts = {"decode": part_decode, "layout": part_layout, "train": part_train, "memory": part_memory,
-             "nonfinite": part_nonfinite, "terms": part_terms}
+             "nonfinite": part_nonfinite, "terms": part_terms, "decode-rows": part_decode_rows}
     for name in args.parts.split(","):
         parts[name](args)
 

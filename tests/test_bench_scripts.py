@@ -450,3 +450,19 @@ def test_bench_cpu_limits_terms_smoke(tmp_path):
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[7]) > 0 and float(cells[11]) > 0, row
+
+
+def test_bench_cpu_limits_decode_rows_smoke(tmp_path):
+    """bench_cpu_limits.py --parts decode-rows (the Sq = 2 / 4 decode rows RESULTS.md quotes)
+    runs, validates ours against SDPA with the bottom-right mask first, and prints six rows
+    with positive times."""
+    script = os.path.join(ROOT, "benchmarks", "bench_cpu_limits.py")
+    res = subprocess.run([sys.executable, script, "--quick", "--parts", "decode-rows"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("# commit: "), res.stdout[:300]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| 1 | ")]
+    assert len(rows) == 6, res.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[8]) > 0 and float(cells[11]) > 0 and float(cells[12]) > 0, row
