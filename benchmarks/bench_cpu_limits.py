@@ -30,7 +30,7 @@ the decode kernel (explain must say cpu.decode) against the same call on the til
 checked against the float64 reference first.
 Decode-rows: decode with Sq = 2 and 4 query rows (causal; one row with a window), ours (the
 decode kernel, which explain must name) against SDPA given the bottom-right band as an
-explicit mask, with the read roof, interleaved.
+explicit mask, with the read roof over the bytes of the keys the band reaches, interleaved.
 """
 
 from __future__ import annotations
@@ -328,7 +328,8 @@ def part_decode_rows(args):
             assert attn_ext.explain(q, k, v, causal=True, window=window).forward == "cpu.decode"
             err = (ours().float() - sdpa().transpose(1, 2).float()).abs().max().item()
             assert err < (1e-4 if dt == torch.float32 else 2e-2), f"validation failed: {err}"
-            byts = 2 * k.numel() * k.element_size()
+            # the bytes of the keys some row sees (a window reads only its band)
+            byts = 2 * B * int(seen.any(0).sum()) * Hkv * D * k.element_size()
             roof_x = torch.randn(byts // 4)
             t = interleaved_medians({"ours": ours, "sdpa": sdpa, "roof": lambda: roof_x.sum()},
                                     args.repeats)
