@@ -4,6 +4,7 @@ attn_implementation="attn_ext" give the logits of transformers' "eager" attentio
 kernel (no SDPA fallback). Tiny random models, no downloads."""
 
 import copy
+import importlib
 import os
 
 import pytest
@@ -505,3 +506,59 @@ def test_gemma4_shared_kv_layers_get_4d_masks(monkeypatch):
             got, want = ours(idx, **kw).logits, ref(idx, **kw).logits
             keep = am.bool() if kw else torch.ones_like(am, dtype=torch.bool)
             assert (got - want)[keep].abs().max() < 1e-4, kw
+
+
+# Models whose modeling code computes attention itself (not through transformers'
+# AttentionInterface) but builds its masks through AttentionMaskInterface: transformers accepts
+# attn_implementation="attn_ext" for them, attn_ext's attention never runs, and before the
+# refusal their own eager code added attn_ext_mask's answers (None for plain causal, a boolean
+# padding mask) to its scores: Bloom / XGLM non-causal logits, RoFormer / MegatronBERT wrong
+# logits with padding, or a shape error.
+_OWN_ATTENTION = [
+    ("bloom", "BloomForCausalLM", "BloomConfig",
+     dict(vocab_size=97, hidden_size=64, n_layer=2, n_head=4)),
+    ("xglm", "XGLMForCausalLM", "XGLMConfig",
+     dict(vocab_size=97, d_model=64, num_layers=2, attention_heads=4, ffn_dim=96)),
+    ("roformer", "RoFormerModel", "RoFormerConfig",
+     dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+          intermediate_size=96, embedding_size=64)),
+    ("megatron-bert", "MegatronBertModel", "MegatronBertConfig",
+     dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+          intermediate_size=96)),
+]
+
+
+@pytest.mark.parametrize("model_type,cls_name,cfg_name,kw", _OWN_ATTENTION,
+                         ids=[m[0] for m in _OWN_ATTENTION])
+@pytest.mark.parametrize("padded", [False, True], ids=["no_padding", "padding"])
+def test_a_model_that_computes_attention_itself_is_refused(model_type, cls_name, cfg_name, kw,
+                                                           padded):
+    cls = getattr(transformers, cls_name)
+    cfg = getattr(transformers, cfg_name)(**kw)
+    torch.manual_seed(0)
+    model = cls._from_config(copy.deepcopy(cfg), attn_implementation="attn_ext").eval()
+    ids = torch.randint(3, 97, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"'{model_type}' models compute "
+                                        r"attention in their own code.*AttentionInterface.*eager"):
+        model(ids, attention_mask=mask if padded else None)
+    # the same model in eager runs (the refusal is about attn_ext, not the model)
+    eager = cls._from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    with torch.no_grad():
+        eager(ids, attention_mask=mask if padded else None)
+
+
+def test_the_refusal_rule_reads_the_config_package(monkeypatch):
+    """_check_routes_attention: a config from outside transformers.models (remote code) and a
+    package whose modeling module dispatches through the interface pass; a package whose loaded
+    modeling modules use neither name raises."""
+    class RemoteConfig:
+        model_type = "remote"
+    RemoteConfig.__module__ = "transformers_modules.someone.configuration_remote"
+    attn_ext_hf._check_routes_attention(RemoteConfig())
+    attn_ext_hf._check_routes_attention(transformers.LlamaConfig())
+    importlib.import_module("transformers.models.bloom.modeling_bloom")  # (the package's module loaded)
+    monkeypatch.setattr(attn_ext_hf, "_routes_attention", {})
+    with pytest.raises(ValueError, match="'bloom' models compute attention in their own code"):
+        attn_ext_hf._check_routes_attention(transformers.BloomConfig())

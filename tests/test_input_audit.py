@@ -394,6 +394,32 @@ def test_rope_cache_dynamic_takes_hugging_faces_parameters():
         A.rope_cache(128, 16, scaling={"type": "dynamic", "factor": 2.0})
 
 
+def test_rope_dynamic_prefers_max_position_embeddings_as_hugging_face_does():
+    """transformers' dynamic NTK takes L0 from config.max_position_embeddings alone, also when
+    its rope_parameters carry an original_max_position_embeddings: a dict with both keys gives
+    the tables of max_position_embeddings (attn_ext and the reference; HF's own where
+    transformers is installed)."""
+    both = {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 4096,
+            "original_max_position_embeddings": 1024}
+    only = {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 4096}
+    for L in (3000, 5000):
+        inv, _ = A.rope_inv_freq(64, 10000.0, both, L)
+        assert torch.equal(inv, A.rope_inv_freq(64, 10000.0, only, L)[0])
+        ref, _ = R.rope_scaled_inv_freq(64, 10000.0, both, L)
+        torch.testing.assert_close(inv, torch.tensor(ref, dtype=torch.float64), rtol=1e-12, atol=0)
+    try:
+        from transformers import LlamaConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    except ImportError:
+        return
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096,
+                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0,
+                                       "original_max_position_embeddings": 1024})
+    hf, _ = ROPE_INIT_FUNCTIONS["dynamic"](cfg, "cpu", seq_len=5000)
+    ours, _ = A.rope_inv_freq(64, 10000.0, both, 5000)
+    torch.testing.assert_close(ours, hf.double(), rtol=1e-6, atol=0)
+
+
 def test_reference_dropout_needs_its_mask():
     q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="dropout_mask"):

@@ -60,10 +60,16 @@ What runs on attn_ext's kernel and what does not:
   call costs the full ``(B, H, Sq, Sk)`` matrix; the output still comes from the kernel.
   Under attention dropout they are the probabilities before dropout. Packed batches
   (``cu_seq_lens_*``) and the fallbacks return no weights.
+- Models whose modeling code computes attention itself instead of calling transformers'
+  ``AttentionInterface`` (Bloom, XGLM, RoFormer, MegatronBERT, ... in transformers 5.x):
+  transformers accepts the name for them, but attn_ext's attention would never run, and
+  their own code would read attn_ext's masks as additive float masks. Their first forward
+  raises a ValueError that says so (load them with ``"eager"`` or ``"sdpa"``).
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Optional, Tuple
 
@@ -402,6 +408,53 @@ _NEEDS_4D_MASK = frozenset({"doge", "pix2struct_text_model", "gemma4_text", "gem
                             "t5gemma2_decoder"})
 
 
+# Names through which a transformers modeling module dispatches its attention to the
+# implementation the config names (AttentionInterface); a module with neither computes
+# attention in its own code.
+_INTERFACE_NAMES = ("ALL_ATTENTION_FUNCTIONS", "AttentionInterface")
+_routes_attention = {}  # config class -> True, or None (cannot tell): _check_routes_attention
+
+
+def _check_routes_attention(config) -> None:
+    """Refuse a transformers model whose attention does not go through ``AttentionInterface``.
+
+    transformers accepts ``attn_implementation="attn_ext"`` for every model, but a model whose
+    modeling code computes attention itself (Bloom, XGLM, RoFormer, MegatronBERT, ... in
+    transformers 5.x) never calls :func:`attention_forward`; it still builds its masks through
+    ``AttentionMaskInterface``, i.e. with :func:`attn_ext_mask`, and its own eager code would
+    add the answers (None for the plain causal pattern, a boolean padding mask) to its scores
+    as an additive float mask: silently non-causal or wrong logits. The model's package comes
+    from its config class (``transformers.models.<name>.configuration_<name>``); when none of
+    that package's loaded modeling modules dispatches through the interface, this raises.
+    Configs from elsewhere (remote code), and packages with no modeling module loaded, pass:
+    there is nothing to tell from."""
+    if config is None:
+        return
+    cls = type(config)
+    if cls in _routes_attention:
+        return
+    parts = cls.__module__.split(".")
+    if len(parts) < 4 or parts[:2] != ["transformers", "models"]:
+        _routes_attention[cls] = None
+        return
+    prefix = ".".join(parts[:3]) + ".modeling_"
+    modules = [m for name, m in list(sys.modules.items())
+               if name.startswith(prefix) and m is not None]
+    if not modules:
+        return
+    if any(hasattr(m, n) for m in modules for n in _INTERFACE_NAMES):
+        _routes_attention[cls] = True
+        return
+    kind = getattr(config, "model_type", parts[2])
+    raise ValueError(
+        f"attn_implementation={getattr(config, '_attn_implementation', NAME)!r}: {kind!r} models "
+        f"compute attention in their own code, not through transformers' AttentionInterface "
+        f"({', '.join(sorted(m.__name__ for m in modules))} uses neither "
+        f"{' nor '.join(_INTERFACE_NAMES)}), so attn_ext's attention would never run and the "
+        f"model would read attn_ext's masks as its own (wrong logits). Load it with "
+        f"attn_implementation='eager' (or 'sdpa' where the model supports it).")
+
+
 def attn_ext_mask(
     batch_size: int,
     q_length: int,
@@ -425,7 +478,12 @@ def attn_ext_mask(
     - a causal pattern with the sliding window ``local_size`` that the attention function
       applies (bottom-right aligned) on top of key padding: the 2-D ``(B, n)`` padding mask;
     - otherwise transformers' full 4-D SDPA mask (-> the attention function reads it as
-      padding where it can, else falls back to SDPA)."""
+      padding where it can, else falls back to SDPA).
+
+    A model whose attention does not go through transformers' ``AttentionInterface`` (so
+    that its own code would read these answers) is refused (:func:`_check_routes_attention`)."""
+    if not torch.compiler.is_compiling():  # (decided in eager, before any trace)
+        _check_routes_attention(kwargs.get("config"))
     if getattr(kwargs.get("config"), "model_type", None) in _NEEDS_4D_MASK:
         return sdpa_mask(
             batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
