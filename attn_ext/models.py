@@ -7,6 +7,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor, nn
 
+from .ops import _is_int
 from .position_bias import RelativePositionBias
 from .modules import (
     KVCache,
@@ -82,6 +83,11 @@ class TinyGPT(nn.Module):
         super().__init__()
         if pos not in POSITIONAL:
             raise ValueError(f"pos must be one of {POSITIONAL}, got {pos!r}")
+        for name, size in (("vocab_size", vocab_size), ("d_model", d_model),
+                           ("num_heads", num_heads), ("num_layers", num_layers),
+                           ("max_len", max_len)):
+            if not _is_int(size) or size <= 0:
+                raise ValueError(f"{name} must be a positive int, got {size!r}")
         if d_model % num_heads:  # (the rotary tables would be built for a truncated head dim)
             raise ValueError(f"d_model must be divisible by num_heads, got d_model={d_model}, "
                              f"num_heads={num_heads}")

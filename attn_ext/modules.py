@@ -397,8 +397,11 @@ class MultiHeadAttention(_DerivedBuffers):
         if causal is None:
             causal = not cross_attention
         self.window_left, self.window_right = _window_args(window)
+        for name, size in (("num_heads", num_heads), ("d_model", d_model)):
+            if size <= 0:
+                raise ValueError(f"{name} must be a positive int, got {size!r}")
         hkv = num_kv_heads if num_kv_heads is not None else num_heads
-        if num_heads <= 0 or hkv <= 0 or num_heads % hkv:
+        if hkv <= 0 or num_heads % hkv:
             raise ValueError(f"num_kv_heads must divide num_heads, got num_heads={num_heads}, num_kv_heads={hkv}")
         if qk_dim is None and d_model % num_heads:
             raise ValueError(f"d_model must be divisible by num_heads (or give qk_dim), got "
@@ -909,7 +912,9 @@ class TransformerBlock(nn.Module):
         window: Optional[Tuple[int, int]] = None,
     ):
         super().__init__()
-        d_ff = d_ff or 4 * d_model
+        if d_ff is not None and (not _is_int(d_ff) or d_ff <= 0):
+            raise ValueError(f"d_ff must be a positive int (or None: 4 * d_model), got {d_ff!r}")
+        d_ff = d_ff if d_ff is not None else 4 * d_model
         self.norm_first = norm_first
         self.attn = MultiHeadAttention(d_model, num_heads, num_kv_heads, causal=causal, bias=bias,
                                        dropout=dropout, rotary=rotary, window=window,

@@ -74,9 +74,12 @@ def t5_bucket(distance: Tensor, bidirectional: bool, num_buckets: int, max_dista
         n = n.clamp(min=0)
     max_exact = num_buckets // 2
     is_small = n < max_exact
-    # log-spaced for max_exact <= n < max_distance (n is at least 1 where it is used)
+    # log-spaced for max_exact <= n < max_distance (n is at least 1 where it is used), in
+    # float32 as T5 (mesh-tf) and Hugging Face compute it: where the log formula is a whole
+    # number, float64 can land just below it and truncate one bucket lower than the
+    # checkpoints were trained with (e.g. num_buckets 18, max_distance 128, d = -8)
     large = max_exact + (
-        torch.log(n.clamp(min=1).double() / max_exact)
+        torch.log(n.clamp(min=1).float() / max_exact)
         / math.log(max_distance / max_exact)
         * (num_buckets - max_exact)
     ).long()

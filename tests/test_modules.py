@@ -264,6 +264,18 @@ def test_rope_tables_grow_for_a_left_padded_cache():
     (lambda: SinusoidalPositionalEncoding(16)(torch.randn(2, 5, 8)), "d_model"),
     (lambda: attn_ext.alibi_slopes(2.5), "num_heads"),
     (lambda: TinyGPT(40, d_model=32, num_heads=4, max_len=8).generate(torch.zeros(2, 0, dtype=torch.long), 3), "prompt"),
+    # sizes <= 0 (TinyGPT's num_heads = 0 was a ZeroDivisionError; MultiHeadAttention's d_model
+    # <= 0 blamed qk_dim; TransformerBlock's d_ff = 0 became 4 * d_model silently)
+    (lambda: TinyGPT(10, d_model=32, num_heads=0), "num_heads must be a positive int, got 0"),
+    (lambda: TinyGPT(10, d_model=32, num_heads=4, num_layers=0), "num_layers must be a positive int"),
+    (lambda: TinyGPT(0, d_model=32, num_heads=4), "vocab_size must be a positive int"),
+    (lambda: TinyGPT(10, d_model=32, num_heads=4, max_len=-1), "max_len must be a positive int"),
+    (lambda: MultiHeadAttention(-8, 4), "d_model must be a positive int, got -8"),
+    (lambda: MultiHeadAttention(0, 4, qk_dim=8), "d_model must be a positive int, got 0"),
+    (lambda: MultiHeadAttention(32, 0), "num_heads must be a positive int, got 0"),
+    (lambda: MultiHeadAttention(32, 4, 0), "num_kv_heads must divide num_heads"),
+    (lambda: TransformerBlock(32, 4, d_ff=0), "d_ff must be a positive int"),
+    (lambda: TransformerBlock(32, 4, d_ff=-1), "d_ff must be a positive int"),
 ])
 def test_module_errors_name_the_argument(call, match):
     with pytest.raises(ValueError, match=match):

@@ -55,6 +55,41 @@ def test_t5_bucket_matches_transformers():
         assert torch.equal(t5_bucket(-rel, bidirectional, 32, 128), hf)
 
 
+# (bidirectional, num_buckets, max_distance, d, bucket) where T5's log formula is a whole
+# number: e.g. bidirectional, 18 buckets -> 9 per half, 4 exact, d = -8 (a key after the query):
+# 4 + log(8 / 4) / log(128 / 4) * (9 - 4) = 4 + (1 / 5) * 5 = 5 exactly, + 9 for the second
+# half = 14. In float64 the product lands just below 1 and truncated to 13 (HF T5 and mesh-tf
+# compute in float32 and give 14).
+_WHOLE_LOG_BUCKETS = [(True, 18, 128, -8, 14), (True, 38, 16, 12, 14),
+                      (False, 36, 32, 24, 27), (False, 54, 64, 36, 36)]
+
+
+@pytest.mark.parametrize("bidirectional,num_buckets,max_distance,d,bucket", _WHOLE_LOG_BUCKETS)
+def test_t5_bucket_where_the_log_formula_is_a_whole_number(bidirectional, num_buckets,
+                                                           max_distance, d, bucket):
+    assert t5_bucket(torch.tensor([d]), bidirectional, num_buckets, max_distance).item() == bucket
+    # the module's table reads that bucket at column max_distance + d
+    m = RelativePositionBias(1, max_distance, bidirectional=bidirectional, num_buckets=num_buckets)
+    assert m.index[max_distance + d].item() == bucket
+
+
+def test_t5_bucket_matches_transformers_on_other_configs():
+    """Every (num_buckets, max_distance) from 4 to 64 buckets, distances +-400: the buckets of
+    Hugging Face's T5 (float32 arithmetic, as the checkpoints were trained)."""
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    rel = torch.arange(-400, 401)
+    for bidirectional in (False, True):
+        for num_buckets in range(4, 65, 2):
+            for max_distance in (9, 16, 17, 32, 50, 64, 100, 128, 256, 1000):
+                if max_distance <= (num_buckets // 2 if bidirectional else num_buckets) // 2:
+                    continue
+                hf = t5.T5Attention._relative_position_bucket(
+                    rel, bidirectional=bidirectional, num_buckets=num_buckets,
+                    max_distance=max_distance)
+                got = t5_bucket(-rel, bidirectional, num_buckets, max_distance)
+                assert torch.equal(got, hf), (bidirectional, num_buckets, max_distance)
+
+
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_per_distance_table_and_gradient(bidirectional):
     torch.manual_seed(0)
