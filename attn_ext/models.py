@@ -88,6 +88,10 @@ class TinyGPT(nn.Module):
                            ("max_len", max_len)):
             if not _is_int(size) or size <= 0:
                 raise ValueError(f"{name} must be a positive int, got {size!r}")
+        if rel_max_distance is not None and (not _is_int(rel_max_distance) or rel_max_distance <= 0):
+            # (0 used to mean max_len silently)
+            raise ValueError(f"rel_max_distance must be a positive int (or None: max_len), got "
+                             f"{rel_max_distance!r}")
         if d_model % num_heads:  # (the rotary tables would be built for a truncated head dim)
             raise ValueError(f"d_model must be divisible by num_heads, got d_model={d_model}, "
                              f"num_heads={num_heads}")

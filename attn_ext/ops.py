@@ -479,9 +479,11 @@ def rope_inv_freq(
     def orig(default=None):
         # HF's dynamic NTK reads L0 from the config's max_position_embeddings only (an
         # original_max_position_embeddings in its rope_parameters is ignored there): either
-        # key is taken, and where a dict carries both, max_position_embeddings, as HF does
+        # key is taken, and where a "dynamic" dict carries both, max_position_embeddings, as
+        # HF does ("ntk", attn_ext's own name, keeps original_max_position_embeddings first)
         key = "original_max_position_embeddings"
-        if kind in ("ntk", "dynamic") and "max_position_embeddings" in scaling:
+        mpe = scaling.get("max_position_embeddings") is not None
+        if mpe and (kind == "dynamic" or (kind == "ntk" and scaling.get(key) is None)):
             key = "max_position_embeddings"
         v = scaling.get(key, default)
         if v is None:
@@ -568,8 +570,8 @@ def rope_cache(
     - ``{"type": "linear", "factor": f}``: position interpolation, ``inv_freq_i / f``
       (same as positions ``p / f``).
     - ``{"type": "ntk" | "dynamic", "factor": f, "original_max_position_embeddings": L0}``
-      (or ``"max_position_embeddings": L0``, where Hugging Face's config keeps it; it wins
-      where both are given, as in transformers):
+      (or ``"max_position_embeddings": L0``, where Hugging Face's config keeps it; for
+      ``"dynamic"`` it wins where both are given, as in transformers):
       *dynamic* NTK (HF ``"dynamic"``): ``base' = base * (f*L/L0 - (f-1))^(d/(d-2))`` with
       ``L = max(seq_len, L0)`` and ``d = rotary_dim``, so tables up to ``L0`` are unscaled.
       (The fixed NTK-aware variant ``base * f^(d/(d-2))`` is not this one.)

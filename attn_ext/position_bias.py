@@ -62,6 +62,10 @@ def t5_bucket(distance: Tensor, bidirectional: bool, num_buckets: int, max_dista
     after it. Within a half, the first ``num_buckets / 2`` distances have a bucket each and
     the rest are spaced logarithmically up to ``max_distance``; farther distances share the
     last bucket. Unidirectional: keys after the query share distance 0's bucket.
+
+    The log-spaced buckets are computed in float32 as T5 and Hugging Face compute them, so on
+    the CPU they are HF's bit for bit (on another device its float32 rounding decides;
+    :class:`RelativePositionBias` builds its index on the CPU for every device).
     """
     _check_t5_buckets(bidirectional, num_buckets, max_distance)
     n = distance
@@ -137,11 +141,17 @@ class RelativePositionBias(nn.Module):
         self.register_buffer("index", self._index(None), persistent=False)
 
     def _index(self, device: Optional[torch.device]) -> Tensor:
-        """The table entry of each distance -M..M."""
-        d = torch.arange(-self.max_distance, self.max_distance + 1, device=device)
+        """The table entry of each distance -M..M, on ``device`` (None: the default device).
+        Computed on the CPU and moved: T5's buckets are float32 arithmetic, which another
+        device may round otherwise (CUDA divides by a reciprocal), so one rule on every device."""
+        if device is None:  # (torch.get_default_device() cannot be traced by torch.compile)
+            device = torch.empty(0).device
+        d = torch.arange(-self.max_distance, self.max_distance + 1, device="cpu")
         if self.num_buckets is not None:
-            return t5_bucket(d, self.bidirectional, self.num_buckets, self.max_distance)
-        return d + self.max_distance if self.bidirectional else d.clamp(min=0)
+            idx = t5_bucket(d, self.bidirectional, self.num_buckets, self.max_distance)
+        else:
+            idx = d + self.max_distance if self.bidirectional else d.clamp(min=0)
+        return idx.to(device)
 
     def reset_buffers(self) -> None:
         """Recompute the distance -> entry index (a non-persistent buffer) on the weight's

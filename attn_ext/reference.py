@@ -274,8 +274,11 @@ def rope_scaled_inv_freq(rotary_dim: int, base: float, scaling: dict, seq_len: i
     theta = [base ** (-(2 * i) / d) for i in range(d // 2)]
     if kind == "linear":
         return [t / factor for t in theta], 1.0
-    if kind in ("ntk", "dynamic"):  # (L0: HF's config.max_position_embeddings where given)
-        L0 = scaling.get("max_position_embeddings", scaling.get("original_max_position_embeddings"))
+    if kind in ("ntk", "dynamic"):
+        # L0: for "dynamic", HF's config.max_position_embeddings where given
+        L0, mpe = scaling.get("original_max_position_embeddings"), scaling.get("max_position_embeddings")
+        if mpe is not None and (kind == "dynamic" or L0 is None):
+            L0 = mpe
         L = max(seq_len, L0)
         b = base * (factor * L / L0 - (factor - 1)) ** (d / (d - 2))
         return [b ** (-(2 * i) / d) for i in range(d // 2)], 1.0

@@ -549,16 +549,60 @@ def test_a_model_that_computes_attention_itself_is_refused(model_type, cls_name,
         eager(ids, attention_mask=mask if padded else None)
 
 
-def test_the_refusal_rule_reads_the_config_package(monkeypatch):
+def test_the_refusal_rule_reads_the_config_package():
     """_check_routes_attention: a config from outside transformers.models (remote code) and a
-    package whose modeling module dispatches through the interface pass; a package whose loaded
-    modeling modules use neither name raises."""
+    package that dispatches through the interface pass; a user's subclass of a refused model's
+    config is refused as its base; the rule needs no file or sys.modules access per call (the
+    refused packages are read from transformers' sources once, at import)."""
     class RemoteConfig:
         model_type = "remote"
     RemoteConfig.__module__ = "transformers_modules.someone.configuration_remote"
     attn_ext_hf._check_routes_attention(RemoteConfig())
     attn_ext_hf._check_routes_attention(transformers.LlamaConfig())
-    importlib.import_module("transformers.models.bloom.modeling_bloom")  # (the package's module loaded)
-    monkeypatch.setattr(attn_ext_hf, "_routes_attention", {})
+    attn_ext_hf._check_routes_attention(None)
+
+    class MyBloomConfig(transformers.BloomConfig):
+        pass
     with pytest.raises(ValueError, match="'bloom' models compute attention in their own code"):
-        attn_ext_hf._check_routes_attention(transformers.BloomConfig())
+        attn_ext_hf._check_routes_attention(MyBloomConfig())
+    own = attn_ext_hf._OWN_ATTENTION
+    assert {"bloom", "xglm", "roformer", "megatron_bert"} <= own
+    assert not own & {"llama", "mistral", "gemma2", "gpt2", "bert", "t5", "bart", "gpt_oss"}
+
+
+def test_bigbird_pegasus_is_refused_also_when_its_config_says_block_sparse():
+    """BigBirdPegasus's decoder routes through the interface, its encoder does not: with
+    attention_type="block_sparse" and a short input the encoder switches itself to its own
+    "original_full" attention (the config still says block_sparse) and reads the mask."""
+    cfg = transformers.BigBirdPegasusConfig(
+        vocab_size=99, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=64, attention_type="block_sparse")
+    model = transformers.BigBirdPegasusForConditionalGeneration._from_config(
+        cfg, attn_implementation="attn_ext").eval()
+    ids = torch.randint(3, 97, (2, 12))
+    with torch.no_grad(), pytest.raises(ValueError, match="'bigbird_pegasus' models compute"):
+        model(ids, decoder_input_ids=ids[:, :5])
+
+
+def test_a_compiled_first_forward_is_refused_too():
+    """The refusal does not depend on an eager forward first: it is decided from the config's
+    class, which torch.compile traces (fullgraph too)."""
+    cfg = transformers.BloomConfig(vocab_size=97, hidden_size=64, n_layer=2, n_head=4)
+    model = transformers.BloomForCausalLM._from_config(cfg, attn_implementation="attn_ext").eval()
+    ids = torch.randint(3, 97, (2, 12))
+    with torch.no_grad(), pytest.raises(Exception, match="'bloom' models compute attention"):
+        torch.compile(model, fullgraph=True, backend="eager")(ids)
+
+
+def test_sparse_attention_indices_are_refused():
+    """DeepSeek sparse attention layers hand a non-eager implementation their indexer's top-k
+    keys (indices=) and mask nothing themselves: the dense kernel would ignore them."""
+    q = torch.randn(1, 4, 6, 16)
+    k = v = torch.randn(1, 2, 6, 16)
+    layer = torch.nn.Module()
+    with pytest.raises(ValueError, match="indices="):
+        attn_ext_hf.attention_forward(layer, q, k, v, None,
+                                      indices=torch.zeros(1, 6, 2, dtype=torch.int32))
+    out, _ = attn_ext_hf.attention_forward(layer, q, k, v, None, indices=None)
+    assert out.shape == (1, 6, 4, 16)

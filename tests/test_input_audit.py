@@ -407,6 +407,16 @@ def test_rope_dynamic_prefers_max_position_embeddings_as_hugging_face_does():
         assert torch.equal(inv, A.rope_inv_freq(64, 10000.0, only, L)[0])
         ref, _ = R.rope_scaled_inv_freq(64, 10000.0, both, L)
         torch.testing.assert_close(inv, torch.tensor(ref, dtype=torch.float64), rtol=1e-12, atol=0)
+    # a None entry counts as absent; attn_ext's own "ntk" keeps original_max_position_embeddings
+    none = dict(both, max_position_embeddings=None)
+    assert torch.equal(A.rope_inv_freq(64, 10000.0, none, 5000)[0],
+                       A.rope_inv_freq(64, 10000.0, dict(none, max_position_embeddings=1024), 5000)[0])
+    ntk = dict(both, rope_type="ntk")
+    assert torch.equal(A.rope_inv_freq(64, 10000.0, ntk, 5000)[0],
+                       A.rope_inv_freq(64, 10000.0, dict(only, rope_type="ntk",
+                                                         max_position_embeddings=1024), 5000)[0])
+    assert R.rope_scaled_inv_freq(64, 10000.0, none, 5000) == R.rope_scaled_inv_freq(
+        64, 10000.0, dict(none, max_position_embeddings=1024), 5000)
     try:
         from transformers import LlamaConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

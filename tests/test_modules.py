@@ -275,6 +275,8 @@ def test_rope_tables_grow_for_a_left_padded_cache():
     (lambda: MultiHeadAttention(32, 0), "num_heads must be a positive int, got 0"),
     (lambda: MultiHeadAttention(32, 4, 0), "num_kv_heads must divide num_heads"),
     (lambda: TransformerBlock(32, 4, d_ff=0), "d_ff must be a positive int"),
+    (lambda: TinyGPT(10, d_model=32, num_heads=4, pos="relative", rel_max_distance=0),
+     "rel_max_distance must be a positive int"),
     (lambda: TransformerBlock(32, 4, d_ff=-1), "d_ff must be a positive int"),
 ])
 def test_module_errors_name_the_argument(call, match):

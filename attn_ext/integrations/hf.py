@@ -64,12 +64,13 @@ What runs on attn_ext's kernel and what does not:
   ``AttentionInterface`` (Bloom, XGLM, RoFormer, MegatronBERT, ... in transformers 5.x):
   transformers accepts the name for them, but attn_ext's attention would never run, and
   their own code would read attn_ext's masks as additive float masks. Their first forward
-  raises a ValueError that says so (load them with ``"eager"`` or ``"sdpa"``).
+  raises a ValueError that says so (load them with ``"eager"`` or ``"sdpa"``). So does a layer
+  that hands the attention function sparse top-k ``indices`` (DeepSeek sparse attention),
+  which the dense kernel would ignore.
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Optional, Tuple
 
@@ -139,6 +140,15 @@ def attention_forward(
     ``(out (B, Sq, H, Dv), None)``, or ``(out, weights (B, H, Sq, Sk))`` with
     ``output_attentions=True``. See the module docstring for what falls back.
     """
+    if kwargs.get("indices") is not None:
+        # DeepSeek sparse attention (DeepSeek-V3.2, GLM-MoE-DSA, Mistral Large 4, ...): the
+        # layer hands the implementation its indexer's top-k keys per query and masks them
+        # itself only for "eager" / "sdpa"; the kernel's dense attention would ignore them
+        raise ValueError(
+            f"attn_implementation={NAME!r}: this layer ({type(module).__name__}) passes "
+            f"indices= (its sparse attention's top-k keys per query), which attn_ext's dense "
+            f"attention does not take; load the model with attn_implementation='eager' or "
+            f"'sdpa', which apply them as a mask")
     # score terms: Gemma 2's softcap, GPT-OSS's sinks (s_aux, (H,)), attention dropout
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")
@@ -408,51 +418,81 @@ _NEEDS_4D_MASK = frozenset({"doge", "pix2struct_text_model", "gemma4_text", "gem
                             "t5gemma2_decoder"})
 
 
-# Names through which a transformers modeling module dispatches its attention to the
-# implementation the config names (AttentionInterface); a module with neither computes
-# attention in its own code.
+# Names through which a transformers modeling file dispatches attention to the implementation
+# the config names (AttentionInterface); a package none of whose modeling files has either
+# computes attention in its own code.
 _INTERFACE_NAMES = ("ALL_ATTENTION_FUNCTIONS", "AttentionInterface")
-_routes_attention = {}  # config class -> True, or None (cannot tell): _check_routes_attention
+
+
+def _own_attention_packages() -> frozenset:
+    """The packages of ``transformers.models`` with modeling files, none of which dispatches
+    through AttentionInterface (Bloom, XGLM, RoFormer, MegatronBERT, ... in transformers 5.x).
+    Read from the sources once, at import (~40 ms), so that the check is a set lookup, the same
+    in eager and while torch.compile / torch.export trace (no file or sys.modules access)."""
+    import glob
+    import os
+
+    import transformers
+    root = os.path.join(os.path.dirname(transformers.__file__), "models")
+    own = set()
+    for entry in os.scandir(root):
+        files = glob.glob(os.path.join(entry.path, "modeling_*.py")) if entry.is_dir() else []
+        texts = []
+        for name in files:
+            try:
+                with open(name, encoding="utf-8") as f:
+                    texts.append(f.read())
+            except OSError:  # (unreadable: nothing to tell from)
+                texts.append(_INTERFACE_NAMES[0])
+        if texts and not any(n in t for t in texts for n in _INTERFACE_NAMES):
+            own.add(entry.name)
+    return frozenset(own)
+
+
+_OWN_ATTENTION = _own_attention_packages()
+
+
+# Packages whose files route some attention through the interface, but whose layers that
+# read create_*_mask's answer compute attention themselves: GIT's text decoder (only its vision
+# tower routes), BigBirdPegasus's encoder (its "original_full" attention, which it also switches
+# to by itself for short inputs while the config still says "block_sparse").
+_OWN_MASKED_ATTENTION = frozenset({"git", "bigbird_pegasus"})
+
+
+def _config_package(config) -> Optional[str]:
+    """``<name>`` of the first class in the config's MRO defined in
+    ``transformers.models.<name>`` (a user's subclass of a transformers config counts as its
+    base's model); None for configs from elsewhere (remote code)."""
+    for cls in type(config).__mro__:
+        parts = cls.__module__.split(".")
+        if len(parts) >= 4 and parts[0] == "transformers" and parts[1] == "models":
+            return parts[2]
+    return None
 
 
 def _check_routes_attention(config) -> None:
     """Refuse a transformers model whose attention does not go through ``AttentionInterface``.
 
     transformers accepts ``attn_implementation="attn_ext"`` for every model, but a model whose
-    modeling code computes attention itself (Bloom, XGLM, RoFormer, MegatronBERT, ... in
-    transformers 5.x) never calls :func:`attention_forward`; it still builds its masks through
-    ``AttentionMaskInterface``, i.e. with :func:`attn_ext_mask`, and its own eager code would
-    add the answers (None for the plain causal pattern, a boolean padding mask) to its scores
-    as an additive float mask: silently non-causal or wrong logits. The model's package comes
-    from its config class (``transformers.models.<name>.configuration_<name>``); when none of
-    that package's loaded modeling modules dispatches through the interface, this raises.
-    Configs from elsewhere (remote code), and packages with no modeling module loaded, pass:
-    there is nothing to tell from."""
+    modeling code computes attention itself never calls :func:`attention_forward`; it still
+    builds its masks through ``AttentionMaskInterface``, i.e. with :func:`attn_ext_mask`, and
+    its own eager code would add the answers (None for the plain causal pattern, a boolean
+    padding mask) to its scores as an additive float mask: silently non-causal or wrong
+    logits. The model comes from its config's class (``transformers.models.<name>``); configs
+    from elsewhere (remote code) pass: there is nothing to tell from."""
     if config is None:
         return
-    cls = type(config)
-    if cls in _routes_attention:
+    package = _config_package(config)
+    if package is None:
         return
-    parts = cls.__module__.split(".")
-    if len(parts) < 4 or parts[:2] != ["transformers", "models"]:
-        _routes_attention[cls] = None
-        return
-    prefix = ".".join(parts[:3]) + ".modeling_"
-    modules = [m for name, m in list(sys.modules.items())
-               if name.startswith(prefix) and m is not None]
-    if not modules:
-        return
-    if any(hasattr(m, n) for m in modules for n in _INTERFACE_NAMES):
-        _routes_attention[cls] = True
-        return
-    kind = getattr(config, "model_type", parts[2])
-    raise ValueError(
-        f"attn_implementation={getattr(config, '_attn_implementation', NAME)!r}: {kind!r} models "
-        f"compute attention in their own code, not through transformers' AttentionInterface "
-        f"({', '.join(sorted(m.__name__ for m in modules))} uses neither "
-        f"{' nor '.join(_INTERFACE_NAMES)}), so attn_ext's attention would never run and the "
-        f"model would read attn_ext's masks as its own (wrong logits). Load it with "
-        f"attn_implementation='eager' (or 'sdpa' where the model supports it).")
+    if package in _OWN_ATTENTION or package in _OWN_MASKED_ATTENTION:
+        kind = getattr(config, "model_type", package)
+        raise ValueError(
+            f"attn_implementation={getattr(config, '_attn_implementation', NAME)!r}: {kind!r} "
+            f"models compute attention in their own code, not through transformers' "
+            f"AttentionInterface (transformers.models.{package}), so attn_ext's attention would "
+            f"never run and the model would read attn_ext's masks as its own (wrong logits). "
+            f"Load it with attn_implementation='eager' (or 'sdpa' where the model supports it).")
 
 
 def attn_ext_mask(
@@ -482,8 +522,7 @@ def attn_ext_mask(
 
     A model whose attention does not go through transformers' ``AttentionInterface`` (so
     that its own code would read these answers) is refused (:func:`_check_routes_attention`)."""
-    if not torch.compiler.is_compiling():  # (decided in eager, before any trace)
-        _check_routes_attention(kwargs.get("config"))
+    _check_routes_attention(kwargs.get("config"))
     if getattr(kwargs.get("config"), "model_type", None) in _NEEDS_4D_MASK:
         return sdpa_mask(
             batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
