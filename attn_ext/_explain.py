@@ -42,7 +42,8 @@ from typing import Optional
 import torch
 
 from .ops import (_FLOAT_DTYPES, _check_causal, _check_key_padding_mask,
-                  _check_last_dim_contiguous, _check_qkv, _check_scale, _check_term_shapes,
+                  _check_last_dim_contiguous, _check_qkv, _check_return_lse, _check_scale,
+                  _check_term_shapes,
                   _checked_score_terms, _heads_4d, _window_args)
 
 # csrc/cpu/attention_common.h
@@ -113,7 +114,7 @@ class KernelChoice:
 
     ``"cpu.decode"`` (few query rows: csrc/cpu/attention_decode.h), ``"cpu.tiled"``,
     ``"cpu.split_kv"``, ``"cpu.key_tiles"`` (the CPU backward),
-    ``"cuda.split_kv"``, ``"cuda.fa2"``, ``"cuda.simple"``, or ``"none"`` (empty input: no
+    ``"cuda.split_kv"``, ``"cuda.fa2"``, ``"cuda.simple"``, or ``"none"`` (empty or meta input: no
     kernel runs). ``details`` holds the numbers the choice was made from (tiles, threads,
     n_split, shared memory, ...). ``str()`` gives a readable summary."""
 
@@ -664,6 +665,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
         raise TypeError(f"dout must be a torch.Tensor or None, got {type(dout).__name__}")
     s = _check(q, k, v)
     _check_causal(causal)
+    _check_return_lse(return_lse)
     _check_scale(scale)
     left, right = _window_args(window)
     _check_key_padding_mask(key_padding_mask, s.B, s.Sk, q.device)
@@ -691,4 +693,7 @@ def _explain(s: Shape, q, k, v, dout, alibi_slopes, rel_bias, softcap, sinks, dr
         return _explain_cuda(s, q, k, v, dout, terms, rel_max)
     if q.device.type == "cpu":
         return _explain_cpu(s, q.dtype, torch.get_num_threads(), terms, causal, window)
+    if q.device.type == "meta":  # (attention takes meta tensors: its fake kernels give shapes)
+        return KernelChoice("meta", "none", "meta tensors: the ops' fake kernels give the output "
+                            "shapes, no kernel runs", "none", "meta tensors: no kernel runs", {})
     raise ValueError(f"attn_ext has kernels for cpu and cuda, got q on {q.device}")

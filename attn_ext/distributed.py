@@ -93,6 +93,12 @@ def _rank_world(group) -> Tuple[int, int]:
             "attn_ext.distributed needs an initialised default process group "
             "(torch.distributed.init_process_group, e.g. under torchrun)"
         )
+    non_member = (isinstance(group, int) and not isinstance(group, bool)
+                  and group == dist.GroupMember.NON_GROUP_MEMBER)  # (new_group's answer off it)
+    if group is not None and not non_member and not isinstance(group, dist.ProcessGroup):
+        # (torch's own message for a name or a number does not say which argument)
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None (the default "
+                        f"group), got {type(group).__name__} {group!r}")
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of the group")
@@ -774,7 +780,8 @@ def ring_attention(
     Returns ``out (B, S_local, H, Dv)`` contiguous, q's dtype (and ``lse``). Differentiable in
     q, k, v (and rel_bias): the backward passes k/v round the ring again and sends dk/dv back.
     """
-    from attn_ext.ops import _check_causal, _check_term_shapes, _score_term_args, _window_args
+    from attn_ext.ops import (_check_causal, _check_return_lse, _check_term_shapes,
+                              _score_term_args, _window_args)
 
     squeeze = isinstance(q, torch.Tensor) and q.dim() == 3  # (B, S_local, D): one head
     # Every check runs before the first collective, on every rank alike: a rank failing alone
@@ -789,6 +796,7 @@ def ring_attention(
         _check_layout(layout)
         _check_inputs(q, k, v, chunks_per_rank(layout), layout, scale)
         _check_causal(causal)
+        _check_return_lse(return_lse)
         left, right = _window_args(window)
         alibi_t, rel_t, softcap, sinks_t, dropout_p, seed, offset = _score_term_args(
             q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)

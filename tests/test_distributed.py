@@ -851,5 +851,18 @@ def test_world_size_one_in_process(monkeypatch):
         for a, b in ((qs, qf), (ks, kf), (vs, vf)):
             assert _maxdiff(a.grad, b.grad) < 1e-13
         assert torch.equal(cp.unshard_sequence(cp.shard_sequence(q, 1), 1), q)
+        # arguments attention refuses, and a group that is not a ProcessGroup, are refused
+        # naming themselves (return_lse="yes" returned (out, lse); group="world" gave torch's
+        # "Group world is not registered")
+        with pytest.raises(TypeError, match="return_lse must be a bool"):
+            cp.ring_attention(q, k, v, return_lse="yes")
+        for fn in (lambda g: cp.ring_attention(q, k, v, group=g),
+                   lambda g: cp.shard_sequence(q, 1, group=g),
+                   lambda g: cp.unshard_sequence(q, 1, group=g)):
+            for bad in ("world", 3):
+                with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
+                    fn(bad)
+        # (a ProcessGroup is taken, as None is)
+        assert torch.equal(cp.shard_sequence(q, 1, group=dist.group.WORLD), cp.shard_sequence(q, 1))
     finally:
         dist.destroy_process_group()

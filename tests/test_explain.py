@@ -361,6 +361,7 @@ _BAD_CALLS = {
     "scale_bool": dict(scale=True),
     "scale_str": dict(scale="a"),
     "causal": dict(causal=None),
+    "return_lse": dict(return_lse="yes"),  # (explain took any value)
     # (explain checked the mask's dtype and shape, not its device)
     "key_padding_mask": dict(key_padding_mask=torch.ones(2, 6, dtype=torch.bool, device="meta")),
 }
@@ -407,6 +408,18 @@ def test_cpu_explain_decode_chunks_follow_the_window(window):
     want = {None: (8, 4), (100, 0): (1, 1), (1200, 0): (4, 4)}[window]
     assert (got[2][0], got[1][0]) == want
     assert torch.equal(got[2][1], got[1][1]) == (want[0] == want[1])
+
+
+def test_explain_on_meta_tensors_names_no_kernel():
+    """attention takes meta tensors (its fake kernels give the shapes); explain said "attn_ext
+    has kernels for cpu and cuda" and refused them. Bad meta arguments are still refused."""
+    q = torch.empty(2, 6, 4, 16, device="meta")
+    k = torch.empty(2, 6, 2, 16, device="meta")
+    assert attn_ext.attention(q, k, k, causal=True).shape == (2, 6, 4, 16)
+    choice = attn_ext.explain(q, k, k, causal=True)
+    assert (choice.device, choice.forward, choice.backward) == ("meta", "none", "none")
+    with pytest.raises(ValueError, match="softcap"):
+        attn_ext.explain(q, k, k, softcap=-1.0)
 
 
 def test_explain_refuses_non_tensors_like_attention():
