@@ -93,6 +93,17 @@ def gemm_method():
     return lambda: a @ b
 
 
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def read_roof_method(nbytes):
+    """The read roof of a decode row: one read pass (x.sum()) over nbytes, as many bytes as the
+    K / V the row reads. On fp32 data whatever the row's dtype: an fp32 sum over bf16 is not a
+    read pass at bf16 speed."""
+    x = torch.randn(nbytes // 4)
+    return lambda: x.sum()
+
+
 def part_decode(args):
     how = ("caches evicted before every timed call (--decode-caches cold)"
            if args.decode_caches == "cold" else "interleaved calls, caches not evicted")
@@ -114,15 +125,12 @@ def part_decode(args):
         err = (got - want).abs().max().item()
         assert err < (1e-4 if dt == torch.float32 else 2e-2), f"validation failed: {err}"
         byts = 2 * k.numel() * k.element_size()
-        # the roof: one read pass over as many bytes as K + V (fp32 sum over bf16 is not a
-        # read pass at bf16 speed, so the roof is measured on fp32 data of the same bytes)
-        roof_x = torch.randn(byts // 4)
-        t = interleaved_medians({"ours": ours, "sdpa": sdpa, "roof": lambda: roof_x.sum()},
+        t = interleaved_medians({"ours": ours, "sdpa": sdpa, "roof": read_roof_method(byts)},
                                 args.repeats,
                                 before=evict_caches if args.decode_caches == "cold" else None)
         roof = byts / t["roof"] / 1e9
         bw = byts / t["ours"] / 1e9
-        dname = "fp32" if dt == torch.float32 else "bf16"
+        dname = DTYPE_NAMES[dt]
         print(f"| {B} | {Sk} | {H}/{Hkv} | {D} | {dname} | {byts / 2**20:.0f} | {roof:.1f} | "
               f"{t['ours'] * 1e3:.2f} | {bw:.1f} | {100 * bw / roof:.0f} % | {t['sdpa'] * 1e3:.2f} | "
               f"{t['sdpa'] / t['ours']:.2f} |")
@@ -282,8 +290,7 @@ def part_terms(args):
                  "all + sinks": {"softcap": 50.0, "alibi_slopes": slopes, "rel_bias": rb,
                                  "sinks": sinks}}
         byts = 2 * k.numel() * k.element_size()
-        roof_x = torch.randn(byts // 4)
-        fns = {"roof": lambda: roof_x.sum()}
+        fns = {"roof": read_roof_method(byts)}
         for name, kw in cases.items():
             fns[name] = lambda kw=kw: attn_ext.attention(q, k, v, causal=True, **kw)
             fns[name + " tiled"] = _tiled(fns[name])
@@ -298,7 +305,7 @@ def part_terms(args):
                 assert err < tol, f"validation failed: {name} {err}"
         t = interleaved_medians(fns, args.repeats)
         roof = byts / t["roof"] / 1e9
-        dname = "fp32" if dt == torch.float32 else "bf16"
+        dname = DTYPE_NAMES[dt]
         for name in cases:
             bw = byts / t[name] / 1e9
             print(f"| {B} | {Sk} | {H}/{Hkv} | {D} | {dname} | {name} | {roof:.1f} | "
@@ -330,12 +337,11 @@ def part_decode_rows(args):
             assert err < (1e-4 if dt == torch.float32 else 2e-2), f"validation failed: {err}"
             # the bytes of the keys some row sees (a window reads only its band)
             byts = 2 * B * int(seen.any(0).sum()) * Hkv * D * k.element_size()
-            roof_x = torch.randn(byts // 4)
-            t = interleaved_medians({"ours": ours, "sdpa": sdpa, "roof": lambda: roof_x.sum()},
+            t = interleaved_medians({"ours": ours, "sdpa": sdpa, "roof": read_roof_method(byts)},
                                     args.repeats)
             roof = byts / t["roof"] / 1e9
             bw = byts / t["ours"] / 1e9
-            dname = "fp32" if dt == torch.float32 else "bf16"
+            dname = DTYPE_NAMES[dt]
             wname = "-" if window is None else f"({window[0]}, {window[1]})"
             print(f"| {B} | {Sq} | {Sk} | {H}/{Hkv} | {D} | {dname} | {wname} | {roof:.1f} | "
                   f"{t['ours'] * 1e3:.2f} | {bw:.1f} | {100 * bw / roof:.0f} % | "

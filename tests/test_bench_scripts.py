@@ -420,49 +420,42 @@ def test_amx_probe_builds_and_measures(tmp_path):
     assert worst < 2.0, res.stdout
 
 
-def test_bench_cpu_limits_nonfinite_smoke(tmp_path):
-    """bench_cpu_limits.py --parts nonfinite (the settle cost RESULTS.md quotes) runs, checks
-    each case's lse against the reference first, and prints one row per case after the header."""
+def _cpu_limits_rows(tmp_path, part, prefix):
+    """Run ``bench_cpu_limits.py --quick --parts <part>`` (it must succeed and print the
+    environment header first) and return the cells of its table rows starting with prefix."""
     script = os.path.join(ROOT, "benchmarks", "bench_cpu_limits.py")
-    res = subprocess.run([sys.executable, script, "--quick", "--parts", "nonfinite"], cwd=tmp_path,
+    res = subprocess.run([sys.executable, script, "--quick", "--parts", part], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.startswith("# commit: "), res.stdout[:300]
-    rows = [line for line in res.stdout.splitlines() if line.startswith(("| causal prefill", "| decode"))]
-    assert len(rows) == 2, res.stdout
-    for row in rows:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        assert all(float(c) > 0 for c in cells[1:]), row
+    return [[c.strip() for c in line.strip("|").split("|")]
+            for line in res.stdout.splitlines() if line.startswith(prefix)]
 
+
+def test_bench_cpu_limits_nonfinite_smoke(tmp_path):
+    """bench_cpu_limits.py --parts nonfinite (the settle cost RESULTS.md quotes) runs, checks
+    each case's lse against the reference first, and prints one row per case after the header."""
+    rows = _cpu_limits_rows(tmp_path, "nonfinite", ("| causal prefill", "| decode"))
+    assert len(rows) == 2, rows
+    for cells in rows:
+        assert all(float(c) > 0 for c in cells[1:]), cells
 
 
 def test_bench_cpu_limits_terms_smoke(tmp_path):
     """bench_cpu_limits.py --parts terms (the decode-with-score-terms rows RESULTS.md quotes)
     runs, validates the decode and the tiled kernel against the reference first, and prints
     five cases per dtype with positive times."""
-    script = os.path.join(ROOT, "benchmarks", "bench_cpu_limits.py")
-    res = subprocess.run([sys.executable, script, "--quick", "--parts", "terms"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.startswith("# commit: "), res.stdout[:300]
-    rows = [line for line in res.stdout.splitlines() if line.startswith("| 1 | 1024 |")]
-    assert len(rows) == 10, res.stdout
-    for row in rows:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        assert float(cells[7]) > 0 and float(cells[11]) > 0, row
+    rows = _cpu_limits_rows(tmp_path, "terms", "| 1 | 1024 |")
+    assert len(rows) == 10, rows
+    for cells in rows:
+        assert float(cells[7]) > 0 and float(cells[11]) > 0, cells
 
 
 def test_bench_cpu_limits_decode_rows_smoke(tmp_path):
     """bench_cpu_limits.py --parts decode-rows (the Sq = 2 / 4 decode rows RESULTS.md quotes)
     runs, validates ours against SDPA with the bottom-right mask first, and prints six rows
     with positive times."""
-    script = os.path.join(ROOT, "benchmarks", "bench_cpu_limits.py")
-    res = subprocess.run([sys.executable, script, "--quick", "--parts", "decode-rows"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.startswith("# commit: "), res.stdout[:300]
-    rows = [line for line in res.stdout.splitlines() if line.startswith("| 1 | ")]
-    assert len(rows) == 6, res.stdout
-    for row in rows:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        assert float(cells[8]) > 0 and float(cells[11]) > 0 and float(cells[12]) > 0, row
+    rows = _cpu_limits_rows(tmp_path, "decode-rows", "| 1 | ")
+    assert len(rows) == 6, rows
+    for cells in rows:
+        assert float(cells[8]) > 0 and float(cells[11]) > 0 and float(cells[12]) > 0, cells
