@@ -83,6 +83,9 @@ from .modules import (
 )
 from . import models, reference
 from . import distributed  # noqa: F401  (context parallelism: attn_ext.distributed.ring_attention)
+from ._env import check_switches as _check_switches
+
+_check_switches()  # a misspelled switch or a value the kernels do not read: a warning, not silence
 
 __all__ = [
     "attention",

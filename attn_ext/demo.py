@@ -438,7 +438,7 @@ def main(argv=None) -> dict:
     # --- summary ---------------------------------------------------------------------------
     print("\n================ summary ================")
     print("reversal (bidirectional), token accuracy: " +
-          ", ".join(f"{v} {rev_acc[v] * 100:.0f}%" for v in VARIANTS))
+          ", ".join(f"{v} {rev_acc[v] * 100:.1f}%" for v in VARIANTS))  # (.0f showed 99.6 as 100)
     print(f"{K}-back (causal) at lengths {eval_lens}: " + "; ".join(
         f"{v} " + "/".join(kback_acc[(v, L)].strip() for L in eval_lens) for v in VARIANTS))
     print(f"train step: attn_ext {sp['attn_ext'] * 1e3:.1f} ms, SDPA {sp['sdpa'] * 1e3:.1f} ms, "

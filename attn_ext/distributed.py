@@ -640,8 +640,12 @@ class _NoDoubleBackward(torch.autograd.Function):
     passes through, and a backward through it (a gradient of the gradients) is refused."""
 
     @staticmethod
-    def forward(ctx, g, anchor):  # anchor: a tensor the gradient depends on (requires grad)
+    def forward(g, anchor):  # anchor: a tensor the gradient depends on (requires grad)
         return g.view_as(g)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # (nothing to save; the form torch.func accepts)
+        pass
 
     @staticmethod
     def backward(ctx, gg):
@@ -652,17 +656,36 @@ class _NoDoubleBackward(torch.autograd.Function):
 
 
 class _RingAttention(torch.autograd.Function):
+    # forward + setup_context (not forward(ctx, ...)): the form torch.func's grad / vjp accept
     @staticmethod
-    def forward(ctx, q, k, v, rel_bias, sinks, kpm, group, causal, scale, layout, window, terms):
+    def forward(q, k, v, rel_bias, sinks, kpm, group, causal, scale, layout, window, terms):
         terms = terms._replace(rel_bias=rel_bias)
         out, lse = _ring_forward(q, k, v, group, causal, scale, layout, window, terms, kpm)
         if sinks is not None:
             _add_sinks(out, lse, sinks)
-        out = out.to(q.dtype)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, rel_bias, sinks, kpm, group, causal, scale, layout, window, terms = inputs
+        out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, sinks, kpm)
-        ctx.cfg = (group, causal, scale, layout, window, terms)
+        ctx.cfg = (group, causal, scale, layout, window, terms._replace(rel_bias=rel_bias))
         ctx.set_materialize_grads(False)  # dout / dlse are None when unused
-        return out, lse
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(
+            "attn_ext: ring_attention does not support forward-mode AD (torch.func.jvp, "
+            "torch.autograd.forward_ad): it has no forward derivative. Use reverse mode "
+            "(backward, torch.autograd.grad, torch.func.grad / vjp)")
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise RuntimeError(
+            "attn_ext: ring_attention does not support torch.func.vmap (every vmapped sample "
+            "would need its own ring of collectives); put the samples in the batch dimension B, "
+            "or call it in a loop")
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -778,7 +801,10 @@ def ring_attention(
             term, as in the single-process ops).
 
     Returns ``out (B, S_local, H, Dv)`` contiguous, q's dtype (and ``lse``). Differentiable in
-    q, k, v (and rel_bias): the backward passes k/v round the ring again and sends dk/dv back.
+    q, k, v (and rel_bias): the backward passes k/v round the ring again and sends dk/dv back;
+    torch.func.grad / vjp work too (vmap and forward-mode AD are refused). Under torch.compile
+    the call breaks the graph (its agreement between ranks reads values on the host), so
+    ``fullgraph=True`` cannot hold for a model that calls it; the rest of the model compiles.
     """
     from attn_ext.ops import (_check_causal, _check_return_lse, _check_term_shapes,
                               _score_term_args, _window_args)
@@ -805,7 +831,8 @@ def ring_attention(
         records_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, rel_t, sinks_t))
         keywords = _keyword_signature(bool(causal), scale, layout, left, right, alibi_t, rel_t,
-                                      softcap, dropout_p, key_padding_mask, sinks_t, records_grad)
+                                      softcap, dropout_p, key_padding_mask, sinks_t, records_grad,
+                                      tables=_rank_world(group)[1] > 1)  # (one rank: no copies)
         error = None
     except Exception as e:  # (any: raised on this rank after the agreement, none left waiting)
         error, keywords = e, None
@@ -843,12 +870,22 @@ def _check_ring_mask_sinks(q, key_padding_mask, sinks) -> None:
                              f"{list(sinks.shape)}")
 
 
-# the keywords every rank of a ring must pass alike (values of alibi_slopes / rel_bias / sinks
-# are not compared, only their shapes: reading them would cost a host copy of each)
+# the keywords every rank of a ring must pass alike. The tables (alibi_slopes, rel_bias, sinks)
+# are compared by shape and by a crc32 of their bytes (a host copy of each, small tables: a
+# rank whose table differs, e.g. one initialised without a shared seed, would otherwise give
+# silently wrong dk / dv on every rank)
 _KEYWORD_FIELDS = ("causal", "scale", "layout", "window left", "window right", "alibi_slopes shape",
                    "alibi_slopes shape", "rel_bias shape", "rel_bias shape", "softcap", "dropout_p",
                    "key_padding_mask", "sinks shape", "sinks shape",
-                   "whether a gradient is recorded (grad mode and requires_grad)")
+                   "whether a gradient is recorded (grad mode and requires_grad)",
+                   "alibi_slopes values", "rel_bias values", "sinks values")
+
+
+def _table_crc(t) -> int:
+    """crc32 of a table's bytes (-1 for an absent one): equal tables, equal numbers."""
+    if t is None:
+        return -1
+    return zlib.crc32(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
 
 
 def _float_bits(x: Optional[float]) -> int:
@@ -860,10 +897,11 @@ def _float_bits(x: Optional[float]) -> int:
 
 def _keyword_signature(causal: bool, scale, layout: str, left: int, right: int, alibi_t, rel_t,
                        softcap, dropout_p, key_padding_mask=None, sinks_t=None,
-                       records_grad: bool = False) -> List[int]:
+                       records_grad: bool = False, tables: bool = True) -> List[int]:
     """The ring's keywords as ints, one per _KEYWORD_FIELDS entry (shapes: two dims each,
     -1 for an absent term). ``records_grad``: whether this call's backward will pass blocks
-    round the ring (a rank without a graph would never join it, and the others would wait)."""
+    round the ring (a rank without a graph would never join it, and the others would wait).
+    ``tables``: whether to add the tables' crc32 (-1 each otherwise)."""
     def dims2(t) -> List[int]:
         if t is None:
             return [-1, -1]
@@ -871,7 +909,8 @@ def _keyword_signature(causal: bool, scale, layout: str, left: int, right: int, 
         return [shape[0], shape[1] if len(shape) > 1 else -2]
     return ([int(causal), _float_bits(scale), LAYOUTS.index(layout), left, right]
             + dims2(alibi_t) + dims2(rel_t) + [_float_bits(softcap), _float_bits(dropout_p)]
-            + [int(key_padding_mask is not None)] + dims2(sinks_t) + [int(records_grad)])
+            + [int(key_padding_mask is not None)] + dims2(sinks_t) + [int(records_grad)]
+            + [_table_crc(t) if tables else -1 for t in (alibi_t, rel_t, sinks_t)])
 
 
 def _agree_on_inputs(q, k, v, group, error, keywords: Optional[List[int]] = None) -> None:

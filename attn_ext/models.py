@@ -118,6 +118,10 @@ class TinyGPT(nn.Module):
         )
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
+        from .distributed import LAYOUTS
+        if context_parallel_layout not in LAYOUTS:  # with or without a group
+            raise ValueError(f"context_parallel_layout must be one of {LAYOUTS}, got "
+                             f"{context_parallel_layout!r}")
         self.context_parallel_group = context_parallel_group
         self.context_parallel_layout = context_parallel_layout
         if context_parallel_group is not None:

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import (_attention_probs, _check_flag, _checked_softcap, _dropout_seed_offset, _is_int,
-                  _window_args, rope_inv_freq)
+from .ops import (_MAX_DROPOUT_P, _attention_probs, _check_flag, _checked_softcap,
+                  _dropout_seed_offset, _is_int, _window_args, rope_inv_freq)
 from .position_bias import RelativePositionBias, alibi_slopes
 
 __all__ = [
@@ -64,6 +64,17 @@ class KVCache:
     """
 
     def __init__(self, k: Tensor, v: Tensor):
+        # (update() checks the new tokens against k / v: a mismatch here used to surface there,
+        # blaming v_new)
+        if k.dim() != 4 or v.dim() != 4:
+            raise ValueError(f"k and v must have 4 dims (B, max_len, Hkv, D) / (B, max_len, Hkv, Dv), "
+                             f"got k {list(k.shape)}, v {list(v.shape)}")
+        if v.size(0) != k.size(0) or v.size(1) != k.size(1) or v.size(2) != k.size(2):
+            raise ValueError(f"v must have k's B, max_len and Hkv ({k.size(0)}, {k.size(1)}, "
+                             f"{k.size(2)}), got k {list(k.shape)}, v {list(v.shape)}")
+        if not k.is_floating_point() or v.dtype != k.dtype or v.device != k.device:
+            raise ValueError(f"k and v must be floating-point tensors of one dtype and device, got "
+                             f"k {k.dtype} on {k.device}, v {v.dtype} on {v.device}")
         self.k = k
         self.v = v
         self.length = 0
@@ -415,8 +426,11 @@ class MultiHeadAttention(_DerivedBuffers):
         self.head_dim = d
         self.v_dim = dv
         self.causal = causal
-        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
+        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not (
+                0.0 <= dropout <= _MAX_DROPOUT_P):
+            raise ValueError("dropout must be a probability in [0, 1) (at most 1 - 2^-16, the "
+                             "kernels' dropout_p: the keep bits are drawn at 16-bit resolution), "
+                             f"got {dropout!r}")
         self.dropout = float(dropout)
         self.scale = 1.0 / math.sqrt(d)
         self.cross_attention = cross_attention

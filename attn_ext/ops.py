@@ -11,6 +11,7 @@ import decimal
 import math
 import numbers
 import sys
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -424,6 +425,17 @@ def rope_qk(
 
 
 _SCALING_TYPES = ("default", "linear", "ntk", "dynamic", "yarn", "llama3")
+# the keys each scaling type reads (rope_inv_freq; "partial_rotary_factor" is transformers'
+# way to say rotary_dim, which is an argument here)
+_SCALING_KEYS = {"default": {"type", "rope_type", "rope_theta"}}
+_SCALING_KEYS["linear"] = _SCALING_KEYS["default"] | {"factor"}
+_SCALING_KEYS["ntk"] = _SCALING_KEYS["dynamic"] = _SCALING_KEYS["linear"] | {
+    "original_max_position_embeddings", "max_position_embeddings"}
+_SCALING_KEYS["yarn"] = _SCALING_KEYS["linear"] | {
+    "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
+    "mscale_all_dim", "truncate"}
+_SCALING_KEYS["llama3"] = _SCALING_KEYS["linear"] | {
+    "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}
 
 
 def rope_inv_freq(
@@ -472,9 +484,18 @@ def rope_inv_freq(
     if theta is not None and theta != float(base):
         raise ValueError(f"scaling['rope_theta'] = {theta!r} differs from base = {base!r}; pass "
                          f"base={theta!r} (the base is not read from the dict)")
+    if kind != "default" and scaling.get("factor") is None:  # (it used to mean 1: unscaled)
+        raise ValueError(f"scaling type {kind!r} needs 'factor' (transformers requires it too), "
+                         f"got keys {sorted(str(k) for k in scaling)}")
+    # keys this type does not read: a warning, as transformers gives (a misspelled optional
+    # key would otherwise be dropped without a word)
+    unread = sorted(str(k) for k in set(scaling) - _SCALING_KEYS[kind])
+    if unread:
+        warnings.warn(f"scaling type {kind!r} does not read the key(s) {unread} (it reads "
+                      f"{sorted(_SCALING_KEYS[kind])})", stacklevel=3)
     if kind == "default":  # transformers' name for no scaling
         return inv(base), 1.0
-    factor = number("factor", 1.0)
+    factor = number("factor", None)
 
     def orig(default=None):
         # HF's dynamic NTK reads L0 from the config's max_position_embeddings only (an
@@ -564,7 +585,8 @@ def rope_cache(
     x dtype). Unscaled: ``inv_freq_i = base^(-2i/rotary_dim)``, ``a = 1``. ``scaling`` follows
     Hugging Face transformers' ``modeling_rope_utils`` rope-init functions
     (key ``"type"`` or ``"rope_type"``; a ``"rope_theta"`` entry, as in transformers'
-    ``rope_parameters``, must equal ``base``):
+    ``rope_parameters``, must equal ``base``; every type but ``"default"`` needs ``"factor"``,
+    and a key the type does not read gives a warning naming it):
 
     - ``{"type": "default"}``: no scaling (transformers' name for it).
     - ``{"type": "linear", "factor": f}``: position interpolation, ``inv_freq_i / f``
@@ -1130,7 +1152,9 @@ def attention(
             whenever ``dropout_p > 0`` (pass 0 in eval). The keep bit of ``(b, h, i, j)`` is a
             pure function of a seed/offset drawn from torch's generator of q's device and the
             position: the backward sees the same mask, for any tiling and thread count, and
-            ``torch.manual_seed`` reproduces it.
+            ``torch.manual_seed`` reproduces it. The keep bits are drawn at 16-bit resolution:
+            a probability is dropped with ``round(p * 2^16) / 2^16`` (at most ``1 - 2^-16``;
+            a ``p`` below ``2^-17`` drops nothing), within ``2^-17`` of ``p``.
         return_lse: also return the log-sum-exp of each score row.
 
     A key a row cannot see never affects that row (an inf/NaN in a masked key's k or v

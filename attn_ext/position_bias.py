@@ -30,6 +30,8 @@ def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32,
     the next power's sequence (the paper's recipe). Returns ``(num_heads,)``."""
     if not _is_int(num_heads) or num_heads <= 0:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype, got {dtype!r}")
     num_heads = int(num_heads)
 
     def geometric(n: int):
@@ -67,8 +69,20 @@ def t5_bucket(distance: Tensor, bidirectional: bool, num_buckets: int, max_dista
     the CPU they are HF's bit for bit (on another device its float32 rounding decides;
     :class:`RelativePositionBias` builds its index on the CPU for every device).
     """
-    _check_t5_buckets(bidirectional, num_buckets, max_distance)
-    n = distance
+    if not isinstance(distance, Tensor) or distance.dtype.is_floating_point or distance.is_complex() \
+            or distance.dtype == torch.bool:
+        raise ValueError("distance must be an integer tensor of query-minus-key distances, got "
+                         + (f"dtype {distance.dtype}" if isinstance(distance, Tensor)
+                            else type(distance).__name__))
+    _check_flag(bidirectional, "bidirectional")
+    for name, v in (("num_buckets", num_buckets), ("max_distance", max_distance)):
+        if not _is_int(v):
+            raise ValueError(f"{name} must be an int, got {v!r}")
+    if num_buckets < 2 or (bidirectional and num_buckets < 4):
+        raise ValueError(f"num_buckets must be >= 2 (>= 4 bidirectional), got {num_buckets}")
+    num_buckets, max_distance = int(num_buckets), int(max_distance)
+    _check_t5_buckets(bool(bidirectional), num_buckets, max_distance)
+    n = distance.long()
     ret = torch.zeros_like(n)
     if bidirectional:
         num_buckets //= 2

@@ -265,18 +265,21 @@ def test_causal_attention_matches_attention(device):
 
 
 def test_threads_agree(device):
-    """One thread and all threads give the same values (up to rounding)."""
+    """One thread and 2 / 3 threads give the same values (up to rounding). The counts are set
+    explicitly: with "all threads" a 1-core runner (or OMP_NUM_THREADS=1) compared 1 with 1."""
     q, k, v = make_qkv(1, 200, 200, 4, 2, 64, 64, torch.float32, device)
     dout = randn(1, 200, 4, 64, device=device)
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = run_ours(q, k, v, True, dout)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            many = run_ours(q, k, v, True, dout)
+            for a, b in zip(one, many):
+                assert max_err(a, b) <= 1e-5
     finally:
         torch.set_num_threads(n)
-    many = run_ours(q, k, v, True, dout)
-    for a, b in zip(one, many):
-        assert max_err(a, b) <= 1e-5
 
 
 def test_deterministic(device):

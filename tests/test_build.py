@@ -202,3 +202,33 @@ def test_forced_cuda_build_with_a_cpu_torch_links_only_libraries_it_has(tmp_path
     for lib in cuda_libs:
         assert lib == "cudart" or os.path.exists(os.path.join(torch_lib, f"lib{lib}.so")), cuda_libs
     assert "cudart" in cuda_libs and "torch_cuda" not in cuda_libs and "c10_cuda" not in cuda_libs
+
+
+def test_sdist_carries_every_source_file(tmp_path):
+    """The source distribution holds every tracked file under csrc/ (headers and CUDA files
+    included: without MANIFEST.in it had only setup.py's .cpp sources, and a wheel built from
+    it failed on the first #include), the CMake build and its example."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    files = tracked.stdout.split()
+    work = tmp_path / "src"
+    for f in files:  # a copy of the tracked tree (sdist writes its egg-info next to setup.py)
+        dst = work / f
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.isfile(os.path.join(ROOT, f)):
+            dst.write_bytes(open(os.path.join(ROOT, f), "rb").read())
+    env = dict(os.environ, ATTN_EXT_CUDA="0")
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import tarfile
+    (sdist,) = (tmp_path / "dist").iterdir()
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    want = [f for f in files if f.startswith("csrc/")]
+    want += ["CMakeLists.txt", "examples/cpp/CMakeLists.txt", "examples/cpp/run_model.cpp",
+             "pyproject.toml", "setup.py", "README.md"]
+    missing = [f for f in want if f not in names]
+    assert not missing, missing
+    assert any(f.endswith(".h") for f in want) and any(f.endswith(".cu") for f in want)

@@ -4,6 +4,7 @@ switch off the attention forward and backward take the portable micro-kernels, w
 differs from the AVX2 ones (another exp2), and both agree with the float64 reference."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -86,3 +87,31 @@ def test_portable_path_against_the_reference(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.startswith("ok 24"), proc.stderr[-3000:]
+
+
+def test_switch_names_and_values_the_kernels_do_not_read_warn():
+    """A CPU switch the kernels do not know, or a value they do not read, warns at import
+    (ATTN_EXT_CPU_DECODE=off used to leave the decode kernel on without a word); the values
+    they read do not."""
+    from attn_ext import _env
+
+    msgs = _env.check_switches({"ATTN_EXT_CPU_DECODE": "0", "ATTN_EXT_CPU_BF16DP": "1",
+                                "ATTN_EXT_CPU_BWD_JOBS": "3", "ATTN_EXT_CUDA": "0", "PATH": "x"})
+    assert msgs == []
+    with pytest.warns(UserWarning) as rec:
+        msgs = _env.check_switches({"ATTN_EXT_CPU_DECODE": "off", "ATTN_EXT_CPU_DECOD": "0",
+                                    "ATTN_EXT_CPU_BWD_JOBS": "abc", "ATTN_EXT_CPU_SIMD": " 0"})
+    assert len(msgs) == 4 and [str(w.message) for w in rec] == msgs
+    assert "ATTN_EXT_CPU_BWD_JOBS='abc' is not a value" in msgs[0]
+    assert "ATTN_EXT_CPU_DECOD is not a switch" in msgs[1]
+    assert "ATTN_EXT_CPU_DECODE='off' is not a value attn_ext reads (it reads '0' or '1')" in msgs[2]
+    assert "ATTN_EXT_CPU_SIMD=' 0'" in msgs[3]
+    # every switch the C++ code reads is in the list (and nothing else)
+    src = ""
+    for d, _, files in os.walk(os.path.join(ROOT, "csrc")):
+        src += "".join(open(os.path.join(d, f)).read() for f in files if f.endswith((".h", ".cpp")))
+    assert set(re.findall(r'"(ATTN_EXT_CPU_[A-Z0-9_]+)"', src)) == set(_env.SWITCHES)
+    env = dict(os.environ, ATTN_EXT_CPU_DECODE="off")
+    r = subprocess.run([sys.executable, "-c", "import attn_ext"], env=env, capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and "ATTN_EXT_CPU_DECODE='off' is not a value" in r.stderr, r.stderr

@@ -178,3 +178,36 @@ def test_traced_cross_attention_with_rope_at_other_lengths():
         for sq, sk in ((4, 6), (6, 4), (3, 9), (9, 3), (5, 5)):
             x, m = torch.randn(2, sq, 32), torch.randn(2, sk, 32)
             torch.testing.assert_close(traced(x, m), mod(x, m), rtol=1e-5, atol=1e-6, msg=(sq, sk))
+
+
+_CACHES = r"""
+import sys, warnings
+warnings.filterwarnings("ignore", message="`torch.jit", category=DeprecationWarning)  # see deploy_utils
+import torch
+import attn_ext
+folder = sys.argv[1]
+model = torch.jit.load(f"{folder}/gpt_script.pt")
+torch.jit.script(attn_ext.KVCache)  # README: before the first new_caches of a fresh process
+idx = torch.load(f"{folder}/gpt_script.in")
+caches = model.new_caches(idx.size(0), idx.size(1))
+with torch.inference_mode():
+    first = model(idx[:, :8], caches)
+    for c in caches:  # (README: the scripted call does not advance a Python cache's length)
+        c.length += 8
+    out = torch.cat([first, model(idx[:, 8:], caches)], dim=1)
+assert type(caches[0]).__name__ == "KVCache"
+torch.save(out, f"{folder}/gpt_script.caches.out")
+print("ok")
+"""
+
+
+def test_loaded_model_makes_its_caches_in_a_fresh_process(saved):
+    """new_caches on a model reloaded in a fresh process (torch.jit.load) once KVCache is
+    scripted there (without it torch raises "KVCache is not found"): a chunked prefill through
+    the caches (their lengths advanced in Python, as README says) gives the whole-sequence
+    logits."""
+    folder, expected = saved
+    out = run_python(_CACHES, str(folder), with_package=True)
+    assert out.strip() == "ok"
+    got = torch.load(folder / "gpt_script.caches.out")
+    torch.testing.assert_close(got, expected["gpt_script"], rtol=1e-5, atol=1e-5)

@@ -276,6 +276,14 @@ def _case_input_agreement(rank, world):
         name = next(iter(kw))
         _expect(ValueError, f"differ in {name}", cp.ring_attention, q, q, q, **kw)
     good()
+    # tables of the same shape whose values differ between ranks (e.g. initialised without a
+    # shared seed): refused on all of them (they gave silently wrong dk / dv on every rank)
+    for kw in ({"alibi_slopes": torch.full((2,), 0.5 + rank)},
+               {"rel_bias": torch.zeros(2, 7, dtype=torch.float64).index_fill_(1, torch.tensor([rank]), 1.0)},
+               {"sinks": torch.full((2,), float(rank), dtype=torch.float64)}):
+        name = next(iter(kw))
+        _expect(ValueError, f"differ in {name} values", cp.ring_attention, q, q, q, **kw)
+    good()
     # a gradient recorded on rank 0 only: its backward would wait for a ring that the other
     # ranks never join (it used to time out in gloo); refused on every rank before the ring
     qg = q.clone().requires_grad_(rank == 0)
@@ -357,6 +365,33 @@ def _case_create_graph(rank, world):
     ref = torch.autograd.grad(attn_ext.attention(q, k, v, causal=True), (q,),
                               torch.randn(q.shape, dtype=q.dtype), create_graph=True)[0]
     _expect(RuntimeError, "double backward", lambda: ref.sum().backward())
+    cp.ring_attention(ql.detach(), kl.detach(), vl.detach(), causal=True)  # the group still works
+
+
+def _case_func_transforms(rank, world):
+    """torch.func.grad / vjp through the ring equal autograd's gradients (the Function records
+    through setup_context, what functorch accepts); vmap and jvp are refused naming
+    ring_attention (they raised torch's "must override the setup_context staticmethod")."""
+    q, k, v = _make_qkv(1, 8, 2, 1, 8, 8, torch.float64)
+    ql, kl, vl = (cp.shard_sequence(t, 1, None, "zigzag") for t in (q, k, v))
+    g = torch.randn(1, 8 // world, 2, 8, dtype=torch.float64)
+    loss = lambda a, b, c: (cp.ring_attention(a, b, c, causal=True) * g).sum()
+    want = torch.autograd.grad(loss(*(t.requires_grad_() for t in (ql, kl, vl))), (ql, kl, vl))
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(*(t.detach() for t in (ql, kl, vl)))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    out, pull = torch.func.vjp(lambda a: cp.ring_attention(a, kl.detach(), vl.detach(), causal=True),
+                               ql.detach())
+    assert torch.equal(pull(g)[0], want[0])
+    inner = lambda a: torch.func.grad(loss)(a, kl.detach(), vl.detach())
+    _expect(RuntimeError, "double backward through ring_attention",
+            lambda: torch.func.grad(lambda a: inner(a).sum())(ql.detach()))
+    assert torch.equal(out, cp.ring_attention(ql.detach(), kl.detach(), vl.detach(), causal=True))
+    _expect(RuntimeError, "ring_attention does not support torch.func.vmap",
+            lambda: torch.func.vmap(lambda a: cp.ring_attention(a, a, a))(ql.detach()[None]))
+    _expect(RuntimeError, "ring_attention does not support forward-mode AD",
+            lambda: torch.func.jvp(lambda a: cp.ring_attention(a, kl.detach(), vl.detach()),
+                                   (ql.detach(),), (torch.ones_like(ql),)))
     cp.ring_attention(ql.detach(), kl.detach(), vl.detach(), causal=True)  # the group still works
 
 
@@ -564,6 +599,7 @@ CASES = {
     "errors": _case_errors,
     "input_agreement": _case_input_agreement,
     "create_graph": _case_create_graph,
+    "func_transforms": _case_func_transforms,
     "tinygpt_cp_rope_zigzag": _case_tinygpt_cp,
     "tinygpt_cp_rope_past_max_len": lambda r, w: _case_tinygpt_cp(r, w, layout="contiguous", steps=1, max_len=3),
     "tinygpt_cp_learned_past_max_len": _case_tinygpt_cp_learned_past_max_len,

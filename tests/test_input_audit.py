@@ -4,6 +4,8 @@ hung, returned garbage or a wrong gradient, or leaked an unclear Python error.""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -216,11 +218,39 @@ def test_varlen_wrong_python_types():
     ({"type": "yarn", "factor": 2, "original_max_position_embeddings": 4, "beta_fast": 0}, "beta_fast"),
     ({"type": "yarn", "factor": 2, "original_max_position_embeddings": -4}, "original_max"),
     ({"type": "linear", "factor": float("nan")}, "factor"),
+    # a scaled type without its factor used to mean factor 1: unscaled tables, no error
+    ({"type": "linear"}, "needs 'factor'"),
+    ({"type": "linear", "factr": 4.0}, "needs 'factor'"),
+    ({"rope_type": "dynamic", "original_max_position_embeddings": 8}, "needs 'factor'"),
+    ({"type": "yarn", "original_max_position_embeddings": 8}, "needs 'factor'"),
+    ({"type": "llama3", "factor": None}, "needs 'factor'"),
 ])
 def test_rope_scaling_parameters_are_checked(scaling, match):
     rotary = 2 if "rotary_dim" in match else 8
     with pytest.raises(ValueError, match=match):
         A.rope_cache(16, rotary, scaling=scaling)
+    if "needs 'factor'" in match:
+        with pytest.raises(ValueError, match=match):
+            A.RotaryEmbedding(rotary, scaling=scaling)
+
+
+def test_rope_scaling_keys_the_type_does_not_read_warn():
+    """A key the scaling type does not read (a misspelled optional one, or another type's)
+    warns, naming it, as transformers does; the tables are those without it."""
+    want = A.rope_cache(16, 8, scaling={"type": "linear", "factor": 2.0})
+    with pytest.warns(UserWarning, match=r"does not read the key\(s\) \['beta_fast'\]"):
+        got = A.rope_cache(16, 8, scaling={"type": "linear", "factor": 2.0, "beta_fast": 3})
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.warns(UserWarning, match="low_freq_factr"):
+        A.rope_cache(16, 8, scaling={"type": "llama3", "factor": 2.0, "low_freq_factr": 2.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every key a type reads: no warning
+        A.rope_cache(16, 8, 500000.0, scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8, "rope_theta": 500000.0})
+        A.rope_cache(16, 8, scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                     "mscale_all_dim": 1.0, "truncate": False})
 
 
 def test_numpy_scalars_are_numbers_and_modules_check_their_arguments():

@@ -278,6 +278,25 @@ def test_rope_tables_grow_for_a_left_padded_cache():
     (lambda: TinyGPT(10, d_model=32, num_heads=4, pos="relative", rel_max_distance=0),
      "rel_max_distance must be a positive int"),
     (lambda: TransformerBlock(32, 4, d_ff=-1), "d_ff must be a positive int"),
+    # a dropout the kernels refuse (past 1 - 2^-16) was accepted, then every training forward
+    # failed blaming dropout_p; a bad context_parallel_layout passed without a group
+    (lambda: MultiHeadAttention(32, 4, dropout=0.99999), "dropout must be a probability"),
+    (lambda: TransformerBlock(32, 4, dropout=1 - 2**-17), "dropout must be a probability"),
+    (lambda: TinyGPT(10, d_model=32, num_heads=4, context_parallel_layout="bogus"),
+     "context_parallel_layout must be one of"),
+    # the public T5 bucket function checked nothing (ZeroDivisionError for num_buckets 0 / 1,
+    # float buckets for float distances); alibi_slopes gave integer zeros for an int dtype
+    (lambda: attn_ext.t5_bucket(torch.arange(-5, 5), True, 0, 128), "num_buckets must be >= 2"),
+    (lambda: attn_ext.t5_bucket(torch.arange(-5, 5), True, 2, 128), "num_buckets must be >= 2"),
+    (lambda: attn_ext.t5_bucket(torch.arange(-5.0, 5), True, 32, 128), "distance must be an integer tensor"),
+    (lambda: attn_ext.t5_bucket(torch.arange(-5, 5), True, 32, 128.0), "max_distance must be an int"),
+    (lambda: attn_ext.alibi_slopes(4, dtype=torch.int32), "dtype must be a floating-point dtype"),
+    # KVCache(k, v) took mismatched tensors; the first update then blamed v_new
+    (lambda: attn_ext.KVCache(torch.zeros(2, 4, 2, 8), torch.zeros(3, 4, 2, 8)), "v must have k's B"),
+    (lambda: attn_ext.KVCache(torch.zeros(2, 4, 2, 8), torch.zeros(2, 5, 2, 8)), "v must have k's B"),
+    (lambda: attn_ext.KVCache(torch.zeros(4, 2, 8), torch.zeros(4, 2, 8)), "k and v must have 4 dims"),
+    (lambda: attn_ext.KVCache(torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8, dtype=torch.float64)),
+     "one dtype and device"),
 ])
 def test_module_errors_name_the_argument(call, match):
     with pytest.raises(ValueError, match=match):

@@ -31,12 +31,15 @@ namespace {
 // those of one block at a time (visit; d rel_bias through each block's own row).
 constexpr int kBwdJobs = 4;
 
-// ATTN_EXT_CPU_BWD_JOBS=n (1..kBwdJobs; default kBwdJobs): query blocks per visit, read on each
-// call (tests/test_backward_partition.py checks that the grouping leaves the bits alone).
+// ATTN_EXT_CPU_BWD_JOBS=n (1..kBwdJobs; default kBwdJobs, also for any other value, which
+// attn_ext/_env.py warns about at import): query blocks per visit, read on each call
+// (tests/test_backward_partition.py checks that the grouping leaves the bits alone).
 inline int bwd_jobs() {
   const char* env = std::getenv("ATTN_EXT_CPU_BWD_JOBS");
   if (env == nullptr) return kBwdJobs;
-  return std::clamp(std::atoi(env), 1, kBwdJobs);
+  static_assert(kBwdJobs <= 9, "one digit");
+  if (env[0] < '1' || env[0] > '0' + kBwdJobs || env[1] != '\0') return kBwdJobs;
+  return env[0] - '0';
 }
 
 template <typename acc_t>
