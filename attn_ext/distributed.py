@@ -689,6 +689,16 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        # A batched backward (torch.func.jacrev / hessian, autograd.grad(is_grads_batched=True))
+        # is refused before the ring: its blocks would fail mid-ring and leave transfers
+        # pending (the group then hung). Every rank gets the same kind of gradient.
+        functorch = torch._C._functorch
+        if any(g is not None and (functorch.is_batchedtensor(g) or functorch.is_legacy_batchedtensor(g))
+               for g in (dout, dlse)):
+            raise RuntimeError(
+                "attn_ext: ring_attention does not support a batched backward (torch.func.jacrev, "
+                "autograd.grad(is_grads_batched=True)): every vmapped cotangent would need its own "
+                "ring; take the rows of the Jacobian in a loop of backward calls")
         # First-order only, as the single-process ops: under create_graph=True the ring's
         # backward runs without building a graph (its in-place accumulators would fail mid-ring
         # and leave the group unusable), and its gradients refuse a second backward.
@@ -882,10 +892,19 @@ _KEYWORD_FIELDS = ("causal", "scale", "layout", "window left", "window right", "
 
 
 def _table_crc(t) -> int:
-    """crc32 of a table's bytes (-1 for an absent one): equal tables, equal numbers."""
+    """crc32 of a table's bytes (-1 for an absent one): equal tables, equal numbers. Read from
+    a fresh CPU copy: numpy() marks the storage it reads non-resizable, which FSDP2 (freeing
+    an unsharded parameter passed as the table) cannot take; under torch.func the transform's
+    wrappers are taken off first (numpy() refuses them)."""
     if t is None:
         return -1
-    return zlib.crc32(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    t = t.detach()
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    with torch._C._DisableFuncTorch():
+        data = t.to("cpu", copy=True).contiguous()
+        return zlib.crc32(data.view(torch.uint8).numpy().tobytes())
 
 
 def _float_bits(x: Optional[float]) -> int:

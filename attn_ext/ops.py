@@ -425,9 +425,9 @@ def rope_qk(
 
 
 _SCALING_TYPES = ("default", "linear", "ntk", "dynamic", "yarn", "llama3")
-# the keys each scaling type reads (rope_inv_freq; "partial_rotary_factor" is transformers'
-# way to say rotary_dim, which is an argument here)
-_SCALING_KEYS = {"default": {"type", "rope_type", "rope_theta"}}
+# the keys each scaling type reads (rope_inv_freq), and "partial_rotary_factor", transformers'
+# way to say rotary_dim (an argument here), which its rope_parameters carry for every type
+_SCALING_KEYS = {"default": {"type", "rope_type", "rope_theta", "partial_rotary_factor"}}
 _SCALING_KEYS["linear"] = _SCALING_KEYS["default"] | {"factor"}
 _SCALING_KEYS["ntk"] = _SCALING_KEYS["dynamic"] = _SCALING_KEYS["linear"] | {
     "original_max_position_embeddings", "max_position_embeddings"}
@@ -490,7 +490,7 @@ def rope_inv_freq(
     # keys this type does not read: a warning, as transformers gives (a misspelled optional
     # key would otherwise be dropped without a word)
     unread = sorted(str(k) for k in set(scaling) - _SCALING_KEYS[kind])
-    if unread:
+    if unread and not torch.compiler.is_compiling():  # (fullgraph cannot trace a warning)
         warnings.warn(f"scaling type {kind!r} does not read the key(s) {unread} (it reads "
                       f"{sorted(_SCALING_KEYS[kind])})", stacklevel=3)
     if kind == "default":  # transformers' name for no scaling

@@ -392,7 +392,33 @@ def _case_func_transforms(rank, world):
     _expect(RuntimeError, "ring_attention does not support forward-mode AD",
             lambda: torch.func.jvp(lambda a: cp.ring_attention(a, kl.detach(), vl.detach()),
                                    (ql.detach(),), (torch.ones_like(ql),)))
+    # a batched backward (jacrev, is_grads_batched) is refused before the ring: it failed
+    # mid-ring and left the group hung
+    _expect(RuntimeError, "does not support a batched backward",
+            lambda: torch.func.jacrev(lambda a: cp.ring_attention(a, kl.detach(), vl.detach()))(ql.detach()))
+    qg = ql.detach().requires_grad_()
+    out = cp.ring_attention(qg, kl.detach(), vl.detach(), causal=True)
+    _expect(RuntimeError, "does not support a batched backward",
+            lambda: torch.autograd.grad(out, qg, torch.ones(2, *out.shape, dtype=out.dtype),
+                                        is_grads_batched=True))
     cp.ring_attention(ql.detach(), kl.detach(), vl.detach(), causal=True)  # the group still works
+    # with tables (their values compared between the ranks: under torch.func too, where the
+    # comparison read the transform's wrappers and failed), gradients of q and of the tables
+    rel = torch.randn(2, 9, dtype=torch.float64)
+    sinks = torch.randn(2, dtype=torch.float64)
+    alibi = torch.rand(2)
+    tl = lambda a, r, s_: (cp.ring_attention(a, kl.detach(), vl.detach(), causal=True, rel_bias=r,
+                                             sinks=s_, alibi_slopes=alibi) * g).sum()
+    leaves = [t.clone().requires_grad_() for t in (ql.detach(), rel, sinks)]
+    want = torch.autograd.grad(tl(*leaves), leaves)
+    got = torch.func.grad(tl, argnums=(0, 1, 2))(ql.detach(), rel, sinks)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    # the comparison leaves the tables' storage alone (numpy() on a table made it
+    # non-resizable, and FSDP2, freeing an unsharded parameter passed as sinks, failed)
+    cp.ring_attention(ql.detach(), kl.detach(), vl.detach(), causal=True, sinks=sinks, rel_bias=rel)
+    for t in (sinks, rel):
+        t.untyped_storage().resize_(t.untyped_storage().nbytes())
 
 
 def _case_subgroups(rank, world):

@@ -251,6 +251,15 @@ def test_rope_scaling_keys_the_type_does_not_read_warn():
         A.rope_cache(16, 8, scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
                                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                                      "mscale_all_dim": 1.0, "truncate": False})
+        # transformers' rope_parameters carry partial_rotary_factor for every type (rotary_dim
+        # says it here): no warning
+        A.RotaryEmbedding(8, scaling={"rope_type": "default", "rope_theta": 10000.0,
+                                      "partial_rotary_factor": 0.5})
+        A.rope_cache(16, 8, scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5})
+    # under torch.compile(fullgraph=True) the warning is left out (dynamo cannot trace it)
+    f = lambda x: x * A.rope_cache(16, 8, scaling={"type": "linear", "factor": 2.0, "beta_fast": 3})[0].sum()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2)),
+                               torch.ones(2) * want[0].sum())
 
 
 def test_numpy_scalars_are_numbers_and_modules_check_their_arguments():
