@@ -17,7 +17,6 @@ The hot path of :class:`MultiHeadAttention` makes no copy of q, k, v or the outp
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from typing import List, Optional, Tuple
 
@@ -25,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import (_MAX_DROPOUT_P, _attention_probs, _check_flag, _checked_softcap,
+from .ops import (_attention_probs, _check_flag, _checked_dropout, _checked_softcap,
                   _dropout_seed_offset, _is_int, _window_args, rope_inv_freq)
 from .position_bias import RelativePositionBias, alibi_slopes
 
@@ -426,12 +425,7 @@ class MultiHeadAttention(_DerivedBuffers):
         self.head_dim = d
         self.v_dim = dv
         self.causal = causal
-        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not (
-                0.0 <= dropout <= _MAX_DROPOUT_P):
-            raise ValueError("dropout must be a probability in [0, 1) (at most 1 - 2^-16, the "
-                             "kernels' dropout_p: the keep bits are drawn at 16-bit resolution), "
-                             f"got {dropout!r}")
-        self.dropout = float(dropout)
+        self.dropout = _checked_dropout(dropout, "dropout")
         self.scale = 1.0 / math.sqrt(d)
         self.cross_attention = cross_attention
         self.q_size = num_heads * d

@@ -1067,13 +1067,17 @@ def _checked_score_terms(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p):
         raise ArgumentValueError(
             f"softcap must be at most {_MAX_FLOAT_SOFTCAP:g} for {q.dtype} inputs (the kernels "
             f"cap float32 scores), got {softcap!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not (
-        0.0 <= dropout_p <= _MAX_DROPOUT_P
-    ):
-        raise ValueError("dropout_p must be in [0, 1) (at most 1 - 2^-16: the keep bits are "
-                         f"drawn at 16-bit resolution), got {dropout_p!r}")
-    dropout_p = float(dropout_p)
+    dropout_p = _checked_dropout(dropout_p, "dropout_p")
     return alibi_slopes, rel_bias, softcap, sinks, dropout_p
+
+
+def _checked_dropout(p, name: str) -> float:
+    """A dropout probability the kernels take (the ops' dropout_p, the layers' dropout), as a
+    float; a ValueError naming ``name`` otherwise."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p <= _MAX_DROPOUT_P:
+        raise ValueError(f"{name} must be in [0, 1) (at most 1 - 2^-16: the keep bits are drawn "
+                         f"at 16-bit resolution), got {p!r}")
+    return float(p)
 
 
 def attention(

@@ -46,9 +46,12 @@ def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32,
 
 
 def _check_t5_buckets(bidirectional: bool, num_buckets: int, max_distance: int) -> None:
-    """T5's log spacing runs from max_exact (num_buckets / 2 of a half's buckets) to
-    max_distance: max_distance <= max_exact would divide by log(max_distance / max_exact) <= 0
-    (inf / NaN bucket indices)."""
+    """T5's bucket arguments (t5_bucket's and RelativePositionBias's one rule): at least one
+    exact and one log-spaced bucket per half, and the log spacing runs from max_exact
+    (num_buckets / 2 of a half's buckets) to max_distance: max_distance <= max_exact would
+    divide by log(max_distance / max_exact) <= 0 (inf / NaN bucket indices)."""
+    if num_buckets < 2 or (bidirectional and num_buckets < 4):
+        raise ValueError(f"num_buckets must be >= 2 (>= 4 bidirectional), got {num_buckets}")
     max_exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
     if max_distance <= max_exact:
         raise ValueError(
@@ -78,8 +81,6 @@ def t5_bucket(distance: Tensor, bidirectional: bool, num_buckets: int, max_dista
     for name, v in (("num_buckets", num_buckets), ("max_distance", max_distance)):
         if not _is_int(v):
             raise ValueError(f"{name} must be an int, got {v!r}")
-    if num_buckets < 2 or (bidirectional and num_buckets < 4):
-        raise ValueError(f"num_buckets must be >= 2 (>= 4 bidirectional), got {num_buckets}")
     num_buckets, max_distance = int(num_buckets), int(max_distance)
     _check_t5_buckets(bool(bidirectional), num_buckets, max_distance)
     n = distance.long()
@@ -137,8 +138,6 @@ class RelativePositionBias(nn.Module):
             raise ValueError(f"num_heads must be positive, got {num_heads}")
         if max_distance <= 0:
             raise ValueError(f"max_distance must be positive, got {max_distance}")
-        if num_buckets is not None and (num_buckets < 2 or (bidirectional and num_buckets < 4)):
-            raise ValueError(f"num_buckets must be >= 2 (>= 4 bidirectional), got {num_buckets}")
         if num_buckets is not None:
             _check_t5_buckets(bidirectional, num_buckets, max_distance)
         self.num_heads = num_heads

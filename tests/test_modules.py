@@ -280,8 +280,8 @@ def test_rope_tables_grow_for_a_left_padded_cache():
     (lambda: TransformerBlock(32, 4, d_ff=-1), "d_ff must be a positive int"),
     # a dropout the kernels refuse (past 1 - 2^-16) was accepted, then every training forward
     # failed blaming dropout_p; a bad context_parallel_layout passed without a group
-    (lambda: MultiHeadAttention(32, 4, dropout=0.99999), "dropout must be a probability"),
-    (lambda: TransformerBlock(32, 4, dropout=1 - 2**-17), "dropout must be a probability"),
+    (lambda: MultiHeadAttention(32, 4, dropout=0.99999), "dropout must be in \\[0, 1\\)"),
+    (lambda: TransformerBlock(32, 4, dropout=1 - 2**-17), "dropout must be in \\[0, 1\\)"),
     (lambda: TinyGPT(10, d_model=32, num_heads=4, context_parallel_layout="bogus"),
      "context_parallel_layout must be one of"),
     # the public T5 bucket function checked nothing (ZeroDivisionError for num_buckets 0 / 1,
