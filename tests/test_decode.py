@@ -8,6 +8,7 @@ import torch
 
 import attn_ext
 from attn_ext import reference
+from utils import assert_close_rule, assert_lse_fp32, randn
 
 
 
@@ -124,6 +125,40 @@ def test_decode_thread_count_independent():
         torch.set_num_threads(2)
         again = attn_ext.attention(q, k, v, return_lse=True)
         assert torch.equal(again[0], results[1][0]) and torch.equal(again[1], results[1][1])
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_low_precision_thread_counts(dtype):
+    """bf16 / fp16 decode (GQA, one and two query rows) at 1, 2, 16 and 64 threads: every count
+    within DESIGN.md's rule against the float64 reference, forward, lse and gradients. (The
+    keys are split into more chunks at more threads, and the bf16 product rounds p against each
+    chunk's max (pv_pairs), so bf16 results differ by an ulp or two between counts, far inside
+    the rule; fp16 and a fixed count are bitwise stable.)"""
+    torch.manual_seed(0)
+    q, k, v = (randn(2, sq, h, 128, dtype=dtype) for sq, h in ((2, 8), (2048, 2), (2048, 2)))
+    dout = randn(2, 2, 8, 128, dtype=dtype)
+    want = reference.attention_with_lse(*(t.double() for t in (q, k, v)), causal=True)
+    low = reference.attention_with_lse(q, k, v, causal=True)
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    g64 = torch.autograd.grad(reference.attention(*leaves64, causal=True), leaves64, dout.double())
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    glow = torch.autograd.grad(reference.attention(*leaves, causal=True), leaves, dout)
+    old = torch.get_num_threads()
+    try:
+        for n in (1, 2, 16, 64):
+            torch.set_num_threads(n)
+            assert attn_ext.explain(q, k, v, causal=True).forward == "cpu.decode"
+            ins = [t.clone().requires_grad_() for t in (q, k, v)]
+            out, lse = attn_ext.attention(*ins, causal=True, return_lse=True)
+            assert_close_rule(out.detach(), want[0], low[0], f"out at {n} threads")
+            assert_lse_fp32(lse.detach(), want[1], dtype)
+            grads = torch.autograd.grad(out, ins, dout)
+            for name, g, a, b in zip("qkv", grads, g64, glow):
+                assert_close_rule(g, a, b, f"d{name} at {n} threads")
+            again = attn_ext.attention(q, k, v, causal=True)
+            assert torch.equal(again, out.detach())  # a fixed count: the same bits
     finally:
         torch.set_num_threads(old)
 
