@@ -243,8 +243,9 @@ def cpu_bf16_pv(dtype: torch.dtype, Dv: int) -> Optional[str]:
 def cpu_fp16_tiles(dtype: torch.dtype, D: int, Dv: int) -> Optional[str]:
     """The tiled forward's products for fp16 (mk::fp16_on_tiles): "amx split" where both can run
     on AMX tiles (cpu_bf16_amx(D) and Dv a positive multiple of 16): every fp16 value is split
-    exactly into bf16 hi + lo, and each product takes hi hi + hi lo + lo hi in one tile chain
-    (csrc/cpu/attention_amx.cpp split_fp16); else "widened" (fp32). None for other dtypes. The
+    exactly into bf16 hi + lo, and each product takes its hi / lo terms in one tile chain: all
+    four for the scores (exact, as widened), hi hi + hi lo + lo hi for o += p v (p split to 16
+    bits) (csrc/cpu/attention_amx.cpp split_fp16); else "widened" (fp32). None for other dtypes. The
     backward follows the same rule (its recomputed scores are the forward's split products;
     dv, dk and dq split on the tiles too), except dP and its row term Di, which also need Dv a
     multiple of 32 (cpu_fp16_dp)."""
@@ -408,7 +409,8 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
         plan["fp16_products"] = cpu_fp16_tiles(dtype, s.D, s.Dv)
         if plan["fp16_products"] == "amx split":
             why += ("; fp16 scores and o += p v on AMX tiles, each value split exactly into bf16 "
-                    "hi + lo (hi hi + hi lo + lo hi per product; ATTN_EXT_CPU_AMX=0: widened); "
+                    "hi + lo (the scores exact from all four hi / lo terms, o += p v from three; "
+                    "ATTN_EXT_CPU_AMX=0: widened); "
                     "its backward on the tiles too (dP and Di where Dv % 32 == 0)")
         # fp16's backward on the tiles where its forward is (QueryPackLayout split)
         plan["fp16_backward"] = plan["fp16_products"]

@@ -11,8 +11,10 @@
 //     flash kernel on CPU and FlashAttention on GPU do before that product.
 //   - fp16 (scores_amx_split, pv_amx_split, and in the backward scores_amx_diag_split and
 //     rows_times_pairs_amx_split): each fp16 value is split exactly into bf16 hi + lo
-//     (split_fp16), and each product takes hi hi + hi lo + lo hi as three stretches of one chain
-//     (Seg); fp32 factors (the probabilities, dS) are split the same way to 16 significant bits.
+//     (split_fp16). A product of two fp16 values (the scores q k, and the backward's dP = dout v
+//     and its row term Di) takes all four terms, hi hi + hi lo + lo hi + lo lo, as four stretches
+//     of one chain (Seg), so it is exact; a product with an fp32 factor (the probabilities, dS:
+//     split the same way, to 16 significant bits) takes the first three.
 //
 // One tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 fp32 sums (8192
 // multiply-adds); the fp32 zmm FMA does 16. Every output element is the chain of tdpbf16ps over
@@ -252,8 +254,11 @@ int panel_tiles(int64_t i0, int64_t n, TileFn tile, const char** src, int64_t* s
 }  // namespace
 
 namespace {
-// scores_amx / scores_amx_split: C = scale * (A B [+ A B_lo + A_lo B]), the split terms where
-// A_lo (and B_lo) are given.
+// scores_amx / scores_amx_split: C = scale * (A B [+ A B_lo + A_lo B + A_lo B_lo]), the split
+// terms where A_lo (and B_lo) are given: with all four, each product of two fp16 values (hi + lo
+// exactly) is exact, as on the widened path, so the scores (and lse, dP, Di) keep fp32's
+// accuracy whatever the size of the products (lo lo alone dropped was 2^-18 of each product: lse
+// missed fp32 rounding at scale 1 with a softcap; thirty-ninth session).
 ATTN_EXT_AMX void scores_tiles(int64_t M, int64_t N, int64_t D, const uint16_t* A,
                                const uint16_t* A_lo, int64_t lda, const uint32_t* B,
                                const uint32_t* B_lo, int64_t ldb, float scale, float* C,
@@ -270,21 +275,25 @@ ATTN_EXT_AMX void scores_tiles(int64_t M, int64_t N, int64_t D, const uint16_t* 
   auto b2_of = [&](int64_t n, int64_t* st) {
     return b_tile(B_lo, ldb, N, n, pairs, t_stage.b2, st);
   };
-  Seg seg[3];
+  Seg seg[4];
   for (Seg& g : seg) g.steps = steps;
   for (int64_t n0 = 0; n0 < N; n0 += 32) {
     const int nt = panel_tiles(n0, N, b_of, seg[0].b, seg[0].sb);
     if (split) panel_tiles(n0, N, b2_of, seg[1].b, seg[1].sb);
     for (int64_t m0 = 0; m0 < M; m0 += 32) {
       const int mt = panel_tiles(m0, M, a_of, seg[0].a, seg[0].sa);
-      if (split) {  // hi hi, hi lo, lo hi
+      if (split) {  // hi hi, hi lo, lo hi, lo lo
         std::copy(seg[0].a, seg[0].a + 2, seg[1].a);
         std::copy(seg[0].sa, seg[0].sa + 2, seg[1].sa);
         panel_tiles(m0, M, a2_of, seg[2].a, seg[2].sa);
         std::copy(seg[0].b, seg[0].b + 2, seg[2].b);
         std::copy(seg[0].sb, seg[0].sb + 2, seg[2].sb);
+        std::copy(seg[2].a, seg[2].a + 2, seg[3].a);
+        std::copy(seg[2].sa, seg[2].sa + 2, seg[3].sa);
+        std::copy(seg[1].b, seg[1].b + 2, seg[3].b);
+        std::copy(seg[1].sb, seg[1].sb + 2, seg[3].sb);
       }
-      run_segs(mt, nt, split ? 3 : 1, seg, reinterpret_cast<char*>(sums), 32 * 4, false);
+      run_segs(mt, nt, split ? 4 : 1, seg, reinterpret_cast<char*>(sums), 32 * 4, false);
       const int64_t rows = std::min<int64_t>(32, M - m0);
       const int64_t cols = std::min<int64_t>(32, N - n0);
       for (int64_t r = 0; r < rows; ++r) {

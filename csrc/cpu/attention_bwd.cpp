@@ -166,7 +166,7 @@ struct QueryPackLayout {
   bool amx_dp = false;  // pass 4 and Di on AMX tiles (mk::amx_for(Dv))
   bool amx_dk = false;  // pass 6 (dk += dS^T q) on AMX tiles (mk::amx_pv_for(D)): qn
   bool amx_dv = false;  // pass 3 (dv += P^T dout) on AMX tiles (mk::amx_pv_for(Dv)): dn
-  bool split = false;   // fp16 on the tiles: every product takes hi hi + hi lo + lo hi
+  bool split = false;   // fp16 on the tiles: every product split into bf16 hi / lo terms
   QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp, int64_t ldq_, int64_t ldo_,
                   bool pairs, bool dout_pairs, bool q_rows_pairs = false,
                   bool dout_rows_pairs = false, bool split_ = false)
@@ -994,7 +994,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       decode_order && decode_detail::kDecodePairs<scalar_t> && !decode_dp && !decode_tiles;
   constexpr bool is_bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   // fp16 where its tiled forward ran on the tiles (mk::fp16_on_tiles): every product split
-  // (bf16 hi + lo, hi hi + hi lo + lo hi), pass 1 in the forward's own chains; dP and Di on the
+  // (bf16 hi + lo; mk::scores_amx_split, pv_amx_split), pass 1 in the forward's own chains; dP and Di on the
   // tiles where Dv is a multiple of 32 (else widened, in the fp32 gemm's chains)
   const bool fp16_split = std::is_same_v<scalar_t, c10::Half> && !decode_order &&
                      rule.fp16_on_tiles(p.D, p.Dv) && half_qk_no_inf(p, vis);

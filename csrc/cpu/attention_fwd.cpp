@@ -25,7 +25,8 @@
 //
 // bf16 on AMX tiles (attention_amx.cpp) reads k's rows in place and packs v^T as bf16 key pairs
 // per head (HeadPairs); fp16 there splits k's rows (HeadSplit), v^T's pairs and q's into bf16
-// hi / lo parts and runs each product as hi hi + hi lo + lo hi in one chain (s.split).
+// hi / lo parts and runs each product as the hi / lo terms in one chain (s.split): all four for
+// the scores (exact products), hi hi + hi lo + lo hi for o += p v (p split to 16 bits).
 //
 // Scores, m and lse are in natural-log units (exp(x) = exp2(x * log2 e) after the difference
 // x = s - m, which is exact near the maximum): the backward recomputes P = exp(s - lse) from
@@ -256,8 +257,8 @@ struct FwdScratch {
   std::vector<uint32_t> vclean;  // a key tile's v^T pairs with inf / NaN as 0 (pass3_amx)
   AlignedVec<uint32_t> qp;  // (D / 2, kBlockQ): the tile's q as bf16 pairs (bf16dp; sized on
                             // first use); split: (D, kBlockQ), the hi pairs then the lo pairs
-  // fp16 on the bf16 tiles (mk::split_fp16; sized with the scratch): both products take three
-  // of the four hi / lo terms in one chain
+  // fp16 on the bf16 tiles (mk::split_fp16; sized with the scratch): the scores take the four
+  // hi / lo terms in one chain, o += p v three of them
   bool split = false;
   HeadSplit ksplit;                     // k's rows split
   HeadRows16 k16;                       // k's bf16 rows D apart (bf16dp where they alias)

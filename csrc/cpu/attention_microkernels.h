@@ -407,8 +407,11 @@ void zero_nonfinite_pairs(const uint32_t* src, int64_t rows, int64_t cols, int64
 // An fp16 value x is exactly hi + lo with hi = bf16(x) (round to nearest even) and lo =
 // bf16(x - hi): fp16 keeps 11 significant bits, hi 8, and the rest x - hi fits lo's 8. So a
 // product x y of two fp16 values is hi_x hi_y + hi_x lo_y + lo_x hi_y + lo_x lo_y, each term
-// exact in fp32; the tiles take the first three in one chain (the last is below 2^-16 of the
-// product, under the fp32 sums' own rounding over a row of D). Non-finite x: hi = x, lo = 0.
+// exact in fp32; scores_amx_split takes all four in one chain (so the product is exact; with
+// lo lo dropped, up to 2^-18 of each product, lse missed fp32 rounding where the products are
+// large and lse small: scale 1 with a softcap; thirty-ninth session), pv_amx_split, whose
+// second factor is an fp32 value split to 16 bits anyway, the first three. Non-finite x: hi =
+// x, lo = 0.
 // split_fp16: hi[i], lo[i] for i < n (AVX-512F; where amx_for).
 void split_fp16(const uint16_t* x, int64_t n, uint16_t* hi, uint16_t* lo);
 // split_fp16 of n rows of `cols` values (at `stride` elements) into hi / lo rows ld apart.
@@ -420,8 +423,9 @@ inline void split_fp16_rows(const uint16_t* x, int64_t stride, int64_t n, int64_
 // amx_pv_for(Dv)); else it widens to fp32 as before. Its backward follows (attention_bwd.cpp,
 // QueryPackLayout::split; dP and Di also need amx_for(Dv)).
 inline bool fp16_on_tiles(int64_t D, int64_t Dv) { return tile_rule().fp16_on_tiles(D, Dv); }
-// scores_amx with the split terms: C = scale * (A B + A B_lo + A_lo B), one chain per element
-// (the three stretches in that order), A / A_lo rows at the same lda, B / B_lo at the same ldb.
+// scores_amx with the split terms: C = scale * (A B + A B_lo + A_lo B + A_lo B_lo), one chain
+// per element (the four stretches in that order), A / A_lo rows at the same lda, B / B_lo at the
+// same ldb.
 void scores_amx_split(int64_t M, int64_t N, int64_t D, const uint16_t* A, const uint16_t* A_lo,
                       int64_t lda, const uint32_t* B, const uint32_t* B_lo, int64_t ldb,
                       float scale, float* C, int64_t ldc);
