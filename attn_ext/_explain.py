@@ -245,8 +245,8 @@ def cpu_fp16_tiles(dtype: torch.dtype, D: int, Dv: int) -> Optional[str]:
     on AMX tiles (cpu_bf16_amx(D) and Dv a positive multiple of 16): every fp16 value is split
     exactly into bf16 hi + lo, and each product takes its hi / lo terms in one tile chain: all
     four for the scores (exact, as widened), hi hi + hi lo + lo hi for o += p v (p split to 16
-    bits) (csrc/cpu/attention_amx.cpp split_fp16); else "widened" (fp32). None for other dtypes. The
-    backward follows the same rule (its recomputed scores are the forward's split products;
+    bits; csrc/cpu/attention_amx.cpp split_fp16); else "widened" (fp32). None for other dtypes.
+    The backward follows the same rule (its recomputed scores are the forward's split products;
     dv, dk and dq split on the tiles too), except dP and its row term Di, which also need Dv a
     multiple of 32 (cpu_fp16_dp)."""
     if dtype != torch.float16:

@@ -994,8 +994,9 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       decode_order && decode_detail::kDecodePairs<scalar_t> && !decode_dp && !decode_tiles;
   constexpr bool is_bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   // fp16 where its tiled forward ran on the tiles (mk::fp16_on_tiles): every product split
-  // (bf16 hi + lo; mk::scores_amx_split, pv_amx_split), pass 1 in the forward's own chains; dP and Di on the
-  // tiles where Dv is a multiple of 32 (else widened, in the fp32 gemm's chains)
+  // (bf16 hi + lo; mk::scores_amx_split, pv_amx_split), pass 1 in the forward's own chains;
+  // dP and Di on the tiles where Dv is a multiple of 32 (else widened, in the fp32 gemm's
+  // chains)
   const bool fp16_split = std::is_same_v<scalar_t, c10::Half> && !decode_order &&
                      rule.fp16_on_tiles(p.D, p.Dv) && half_qk_no_inf(p, vis);
   const bool split_dp = fp16_split && rule.amx_for(p.Dv);
