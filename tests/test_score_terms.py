@@ -337,6 +337,33 @@ def test_dropout_vs_reference(dtype, causal, window, terms):
                             ["dq", "dk", "dv"] + (["drel_bias"] if terms else []))
 
 
+@pytest.mark.parametrize("dtype", ALL)
+@pytest.mark.parametrize("Sq,Sk,causal", [(1, 1, False), (6, 6, True)])
+def test_dropout_rows_that_see_one_key(dtype, Sq, Sk, causal):
+    """A row whose probability is 1 at one key (it sees only that key: every row at Sk = 1, the
+    first row of a causal call) has dS = dlse at that key. With dropout the row term Di reads
+    the rounded out = v / (1 - p), which left out's rounding in dS, and dq / dk of bf16 / fp16
+    exceeded 2x the low-precision textbook's error (which cancels exactly there; a review
+    helper, thirty-ninth session: attention_bwd.cpp ds_dropout)."""
+    B, H, D, p = 3, 2, 32, 0.3
+    for seed in range(16):
+        torch.manual_seed(1000 + seed)
+        q, k, v = (randn(B, Sq, H, D, dtype=dtype), randn(B, Sk, H, D, dtype=dtype),
+                   randn(B, Sk, H, D, dtype=dtype))
+        torch.manual_seed(seed)
+        sd, off = ops._dropout_seed_offset("cpu")
+        mask = reference.dropout_keep_mask(sd, off, B, H, range(Sq), range(Sk), p)
+
+        def ours(q, k, v):
+            torch.manual_seed(seed)  # the wrapper draws the same seed / offset
+            return attn_ext.attention(q, k, v, causal=causal, dropout_p=p, return_lse=True)
+
+        def ref(q, k, v):
+            return reference.attention_with_lse(q, k, v, causal, dropout_p=p, dropout_mask=mask)
+
+        check_against_reference(ours, ref, [q, k, v], ["dq", "dk", "dv"])
+
+
 def test_dropout_varlen_bits():
     """Packed sequences: sequence b's bits are those of batch index b at its local rows."""
     p, seed, offset = 0.4, 99, 3

@@ -146,6 +146,7 @@ struct BwdScratch {
 //   lse  (kBlockQ)       lse; +inf for padding rows and rows that see no key (P = 0)
 //   di   (kBlockQ)       rowsum(dout * out) - dlse
 //   fin  (1)             1 when the block's q and dout are all finite
+//   dl   (kBlockQ)       dlse (0 without it; ds_dropout's rows whose probability is 1)
 //   qp   (D / 2, kBlockQ) q's bf16 pairs, unscaled (mk::pack_bf16_pairs: pass 1 by
 //                        mk::scores_bf16dp, as the forward's; only where pairs, else empty)
 //   dp   (Dv / 2, kBlockQ) dout's bf16 pairs (pass 4 by mk::scores_bf16dp, and Di in its
@@ -161,7 +162,7 @@ struct BwdScratch {
 // lse == s there and P = 1 as in the forward (issue 18 item 8).
 struct QueryPackLayout {
   int64_t ldq, ldo;  // qr's and dor's leading dimensions
-  int64_t qt, qr, qs, dot, dor, lse, di, fin, qp, dp, qn, dn, size;
+  int64_t qt, qr, qs, dot, dor, lse, di, fin, dl, qp, dp, qn, dn, size;
   bool amx = false;     // the pairs' products (pass 1) on AMX tiles (mk::amx_for(D)), as the forward's
   bool amx_dp = false;  // pass 4 and Di on AMX tiles (mk::amx_for(Dv))
   bool amx_dk = false;  // pass 6 (dk += dS^T q) on AMX tiles (mk::amx_pv_for(D)): qn
@@ -180,7 +181,8 @@ struct QueryPackLayout {
         lse(dor + kBlockQ * ldo),
         di(lse + kBlockQ),
         fin(di + kBlockQ),
-        qp(fin + 8),
+        dl(fin + 8),
+        qp(dl + kBlockQ),
         dp(qp + (pairs ? D / 2 * kBlockQ : 0) * (split_ ? 2 : 1)),
         qn(dp + (dout_pairs ? Dv / 2 * kBlockQ : 0) * (split_ ? 2 : 1)),
         dn(qn + (q_rows_pairs ? kBlockQ / 2 * D : 0) * (split_ ? 2 : 1)),
@@ -314,7 +316,11 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     }
   }
   // lse's gradient folds into the row term: dS = P * (dP - (Di - dlse_i))
-  for (int64_t ii = 0; dlse != nullptr && ii < nq; ++ii) blk[L.di + ii] -= dlse[stat + ii];
+  for (int64_t ii = 0; ii < nq; ++ii) {
+    const acc_t dl = dlse != nullptr ? dlse[stat + ii] : acc_t(0);
+    blk[L.di + ii] -= dl;
+    blk[L.dl + ii] = dl;
+  }
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
     if (L.has_q_pairs()) pack_pairs(qh, p.q_row_stride, D, L.qp);
     if (L.amx_dk) {
@@ -338,6 +344,7 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + ii] = 0;
     for (int64_t d = 0; d < Dv; ++d) dot[d * kBlockQ + ii] = 0;
     blk[L.di + ii] = 0;
+    blk[L.dl + ii] = 0;
     blk[L.lse + ii] = pos_inf;
   }
   // Whether the block's q and dout rows are all finite (then a hidden pair's 0 times them is
@@ -409,15 +416,23 @@ struct KeyAcc {
 };
 
 // dS^T = Pz^T * dP^T - P^T * Di with dropout (Pz = P * Z / (1 - p); dv used Pz, and
-// dL/dP = dP * Z / (1 - p), while rowsum(dO * O) = Di stays the row term).
+// dL/dP = dP * Z / (1 - p), while rowsum(dO * O) = Di stays the row term; d = Di - dlse).
+// Where P is 1 (the row's probability sits on this key: the others sum below fp32's rounding),
+// Di equals dL/dP in exact arithmetic and dS is P * dlse = dl, but the rounded out that Di reads
+// (out = v / (1 - p) in bf16 / fp16) leaves their difference at out's rounding, which reached
+// dq and dk (a row that sees one key: the first of a causal call; thirty-ninth session). So
+// there dS = dl, unless the product is not finite (a NaN / inf dout or v stays in dS).
 template <typename acc_t>
 void ds_dropout(const acc_t* p, const acc_t* pz, acc_t* ds, int64_t rows, int64_t cols,
-                const acc_t* d) {
+                const acc_t* d, const acc_t* dl) {
   for (int64_t r = 0; r < rows; ++r) {
     const acc_t* pr = p + r * cols;
     const acc_t* zr = pz + r * cols;
     acc_t* dr = ds + r * cols;
-    for (int64_t c = 0; c < cols; ++c) dr[c] = zr[c] * dr[c] - pr[c] * d[c];
+    for (int64_t c = 0; c < cols; ++c) {
+      const acc_t x = zr[c] * dr[c] - pr[c] * d[c];
+      dr[c] = pr[c] == acc_t(1) && std::isfinite(x) ? dl[c] : x;
+    }
   }
 }
 
@@ -596,7 +611,7 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     // ones), and then only rowsum(dout * out) is the row term.
     const acc_t* di = blk + L.di;
     if (dropout) {
-      ds_dropout(s.st.data(), s.pz.data(), s.dpt.data(), nk, C, di);
+      ds_dropout(s.st.data(), s.pz.data(), s.dpt.data(), nk, C, di, blk + L.dl);
     } else {
       K.ds(s.st.data(), s.dpt.data(), nk, C, di);
     }
