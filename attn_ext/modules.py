@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import (_attention_probs, _check_flag, _checked_dropout, _checked_softcap,
-                  _dropout_seed_offset, _is_int, _window_args, rope_inv_freq)
+from .ops import (_attention_probs, _call_inplace_op, _call_op, _check_flag, _checked_dropout,
+                  _checked_softcap, _dropout_seed_offset, _is_int, _window_args, rope_inv_freq)
 from .position_bias import RelativePositionBias, alibi_slopes
 
 __all__ = [
@@ -288,6 +288,10 @@ class RotaryEmbedding(_DerivedBuffers):
         off = _op_offset(offset, positions)
         if _rope_out_of_place(x.requires_grad):
             return torch.ops.attn_ext.rope(x, cos, sin, positions, off, self.interleaved)
+        if not torch.jit.is_scripting():  # (below the ops' Python Autograd kernels: _call_op)
+            _call_inplace_op("rope_", torch.ops.attn_ext.rope_, ((x, "x"),), x, cos, sin,
+                             positions, off, self.interleaved)
+            return x
         torch.ops.attn_ext.rope_(x, cos, sin, positions, off, self.interleaved)
         return x
 
@@ -300,6 +304,10 @@ class RotaryEmbedding(_DerivedBuffers):
         if _rope_out_of_place(q.requires_grad or k.requires_grad):
             q = torch.ops.attn_ext.rope(q, cos, sin, positions, off, self.interleaved)
             k = torch.ops.attn_ext.rope(k, cos, sin, positions, off, self.interleaved)
+            return q, k
+        if not torch.jit.is_scripting():
+            _call_inplace_op("rope_qk_", torch.ops.attn_ext.rope_qk_, ((q, "q"), (k, "k")), q, k,
+                             cos, sin, positions, off, self.interleaved)
             return q, k
         torch.ops.attn_ext.rope_qk_(q, k, cos, sin, positions, off, self.interleaved)
         return q, k
@@ -599,6 +607,8 @@ class MultiHeadAttention(_DerivedBuffers):
         the demo swap it per instance to time the same model on other attention code.)"""
         if self.context_parallel_group is not None:
             return self._ring_attend(q, k, v)
+        if not torch.jit.is_scripting():  # (below the op's Python Autograd kernel: _call_op)
+            return _call_op(torch.ops.attn_ext.attention, q, k, v, self.causal, self.scale)
         return torch.ops.attn_ext.attention(q, k, v, self.causal, self.scale)
 
     def has_score_terms(self) -> bool:
@@ -622,10 +632,14 @@ class MultiHeadAttention(_DerivedBuffers):
         slopes = self.alibi_slopes
         if slopes is not None:
             slopes = slopes.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        rel = self._rel_table(q.dtype)
+        if not torch.jit.is_scripting():  # (below the op's Python Autograd kernel: _call_op)
+            return _call_op(torch.ops.attn_ext.attention_forward, q, k, v, causal, self.scale,
+                            self.window_left, self.window_right, key_padding_mask, slopes, rel,
+                            self.softcap, None, dropout_p, seed, offset)
         return torch.ops.attn_ext.attention_forward(
             q, k, v, causal, self.scale, self.window_left, self.window_right,
-            key_padding_mask, slopes, self._rel_table(q.dtype),
-            self.softcap, None, dropout_p, seed, offset)
+            key_padding_mask, slopes, rel, self.softcap, None, dropout_p, seed, offset)
 
     def reset_buffers(self) -> None:
         """Recompute the ALiBi slopes (a non-persistent buffer) on the weights' device, in
@@ -839,8 +853,11 @@ class SinusoidalPositionalEncoding(nn.Module):
         if x.size(-1) != self.d_model:
             raise ValueError(f"x must have d_model = {self.d_model} features in its last dim, got "
                              f"shape {list(x.shape)}")
-        return self.dropout(torch.ops.attn_ext.sinusoidal_pe(x, positions, _op_offset(offset, positions),
-                                                             self.base))
+        off = _op_offset(offset, positions)
+        if not torch.jit.is_scripting():  # (below the op's Python Autograd kernel: _call_op)
+            return self.dropout(_call_op(torch.ops.attn_ext.sinusoidal_pe, x, positions, off,
+                                         self.base))
+        return self.dropout(torch.ops.attn_ext.sinusoidal_pe(x, positions, off, self.base))
 
 
 class LearnedPositionalEmbedding(nn.Module):

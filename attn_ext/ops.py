@@ -68,7 +68,7 @@ def sinusoidal_pe(
     _check_tensor(x, "x", "(B, S, D) or (S, D)")
     _check_offset(offset)
     _check_base(base)
-    return _lib.sinusoidal_pe(x, positions, offset, base)
+    return _call_op(_lib.sinusoidal_pe, x, positions, offset, base)
 
 
 def sinusoidal_pe_(
@@ -84,7 +84,7 @@ def sinusoidal_pe_(
     _check_tensor(x, "x", "(B, S, D) or (S, D)")
     _check_offset(offset)
     _check_base(base)
-    _lib.sinusoidal_pe_(x, positions, offset, base)
+    _call_inplace_op("sinusoidal_pe_", _lib.sinusoidal_pe_, ((x, "x"),), x, positions, offset, base)
     return x
 
 
@@ -159,6 +159,75 @@ def _refuse_forward_ad(name, args, kwargs):
 _impl_lib = torch.library.Library("attn_ext", "IMPL")
 
 
+# ---------------------------------------------------------------------------------------
+# calls that record no gradient
+# ---------------------------------------------------------------------------------------
+#
+# Every op has a Python Autograd kernel (_register_autograd, _inplace_kernels): each call made
+# outside torch.inference_mode() crosses from the dispatcher into Python and back, ~7 us of a
+# ~40 us decode step (RESULTS.md, fortieth session). When that kernel would only redispatch
+# (_records_no_gradient), the wrappers and the modules call the op below it themselves
+# (_call_op, _call_inplace_op), provided nothing else stands between the caller and the
+# dispatcher that the Python kernel's presence matters to: no torch.compile / torch.export /
+# jit tracing, no torch.func transform, no torch_function or torch_dispatch mode, and plain
+# tensors (a subclass such as FakeTensor goes the usual way). The result is the same tensors
+# the usual path gives.
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
+def _records_no_gradient(args) -> bool:
+    """The ops' Autograd kernels' rule: no dual level is open (forward AD) and no gradient is
+    recorded (grad mode off, or no tensor argument requires grad). Then the kernel only
+    redispatches below autograd."""
+    if _forward_ad._current_level >= 0:
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    return not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def _plain_eager_call(args) -> bool:
+    """Whether a wrapper may call the op below autograd itself (see above): eager, no
+    transform, mode or tracer active, every tensor argument a plain tensor, and
+    _records_no_gradient. (torch.compiler.is_compiling first: under dynamo it is a constant
+    True, so nothing after it is traced.)"""
+    if torch.compiler.is_compiling() or _is_exporting():
+        return False
+    if (torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._get_tracing_state() is not None):
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN_TENSOR_TYPES:
+            return False
+    return _records_no_gradient(args)
+
+
+def _call_op(op, *args):
+    """op(*args) for an out-of-place op: below its Autograd kernel when _plain_eager_call."""
+    if _plain_eager_call(args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+    return op(*args)
+
+
+def _call_inplace_op(name, op, written, *args):
+    """op(*args) for an in-place op whose written tensors are ``written`` ((tensor, argument
+    name) pairs): below its Autograd and ADInplaceOrView kernels when _plain_eager_call, doing
+    what the ADInplaceOrView kernel does (_inplace_kernels: the inference-tensor refusal, the
+    version bump). A written tensor that requires grad under grad mode is not a plain call: the
+    Autograd kernel refuses it."""
+    if not _plain_eager_call(args):
+        return op(*args)
+    _refuse_inference_writes(name, written)
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        out = op(*args)
+    _bump_versions(written)
+    return out
+
+
 def _register_autograd(name, backward, setup_context):
     """torch.library.register_autograd for attn_ext::name, plus the forward-mode refusal in
     the same (Python) Autograd kernel. That kernel is built with torch._library's
@@ -186,6 +255,7 @@ def _register_autograd(name, backward, setup_context):
         # No gradient to record and no dual level open: what impl does then (its
         # forward_no_grad), without its calls and Metadata object. Every call of the op passes
         # here, decode steps included (RESULTS.md, thirty-fourth session: ~1-2 us of ~20).
+        # (_records_no_gradient's rule, inlined: this runs on every call)
         if _forward_ad._current_level < 0 and not (grad_enabled() and any_requires_grad(*args)):
             with below_autograd():
                 return op.redispatch(keyset & after_autograd, *args, **kwargs)
@@ -327,7 +397,7 @@ def _check_rope_args(x, name: str, cos, sin, offset, interleaved) -> None:
 
 def _rope_checked(x, cos, sin, positions, offset, interleaved) -> torch.Tensor:
     """rope() after its checks: the op on the 4-D form, 3-D input back to 3-D."""
-    out = _lib.rope(_rope_4d(x), cos, sin, positions, offset, interleaved)
+    out = _call_op(_lib.rope, _rope_4d(x), cos, sin, positions, offset, interleaved)
     return out.squeeze(2) if x.dim() == 3 else out
 
 
@@ -380,7 +450,9 @@ def rope_(
     the rest of a packed buffer are untouched) and returns ``x``. Not differentiable (a
     tensor that requires grad is refused: use :func:`rope` in training)."""
     _check_rope_args(x, "x", cos, sin, offset, interleaved)
-    _lib.rope_(_rope_4d(x), cos, sin, positions, offset, interleaved)
+    x4 = _rope_4d(x)
+    _call_inplace_op("rope_", _lib.rope_, ((x4, "x"),), x4, cos, sin, positions, offset,
+                     interleaved)
     return x
 
 
@@ -415,7 +487,9 @@ def rope_qk(
         raise ArgumentValueError(
             f"cos/sin must be float32 or q's dtype ({q.dtype}), got {cos.dtype}")
     if inplace:
-        _lib.rope_qk_(_rope_4d(q), _rope_4d(k), cos, sin, positions, offset, interleaved)
+        q4, k4 = _rope_4d(q), _rope_4d(k)
+        _call_inplace_op("rope_qk_", _lib.rope_qk_, ((q4, "q"), (k4, "k")), q4, k4, cos, sin,
+                         positions, offset, interleaved)
         return q, k
     _check_tables_no_grad(cos, sin)
     return (
@@ -714,6 +788,26 @@ _register_autograd("_rope_backward", _rope_inverse_backward, setup_context=_rope
 _INPLACE_WRITES = {"rope_": ("x",), "rope_qk_": ("q", "k"), "sinusoidal_pe_": ("x",)}
 
 
+def _refuse_inference_writes(name, written) -> None:
+    """Outside torch.inference_mode(), writing an inference tensor is refused, as aten's
+    in-place ops refuse it. ``written``: (tensor, argument name) pairs."""
+    inference_mode = torch.is_inference_mode_enabled()
+    for t, arg_name in written:
+        if t.is_inference() and not inference_mode:
+            raise RuntimeError(
+                f"attn_ext::{name}: {arg_name} is an inference tensor (made under "
+                f"torch.inference_mode()); an in-place update to it outside InferenceMode "
+                f"is not allowed. Clone it, or call this inside torch.inference_mode()")
+
+
+def _bump_versions(written) -> None:
+    """The written tensors' version counters, as torch's in-place ops bump them (inference
+    tensors keep none)."""
+    for t, _ in written:
+        if not t.is_inference():
+            torch.autograd.graph.increment_version(t)
+
+
 def _inplace_kernels(name, written):
     op = getattr(_lib, name).default
     positions = [i for i, a in enumerate(op._schema.arguments) if a.name in written]
@@ -735,20 +829,12 @@ def _inplace_kernels(name, written):
 
     def inplace_or_view_kernel(keyset, *args, **kwargs):
         # Runs for every call outside torch.inference_mode() (the key is in the default TLS
-        # set), and inside it when another argument is a normal tensor. Outside it, writing
-        # an inference tensor is refused, as aten's in-place ops refuse it.
-        inference_mode = torch.is_inference_mode_enabled()
-        for t, arg_name in targets(args, kwargs):
-            if t.is_inference() and not inference_mode:
-                raise RuntimeError(
-                    f"attn_ext::{name}: {arg_name} is an inference tensor (made under "
-                    f"torch.inference_mode()); an in-place update to it outside InferenceMode "
-                    f"is not allowed. Clone it, or call this inside torch.inference_mode()")
+        # set), and inside it when another argument is a normal tensor.
+        written_now = targets(args, kwargs)
+        _refuse_inference_writes(name, written_now)
         with torch._C._AutoDispatchBelowADInplaceOrView():
             out = op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
-        for t, _ in targets(args, kwargs):
-            if not t.is_inference():  # inference tensors keep no version counter
-                torch.autograd.graph.increment_version(t)
+        _bump_versions(written_now)
         return out
 
     def math_bit_kernel(keyset, *args, **kwargs):
@@ -1178,12 +1264,12 @@ def attention(
     terms = _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
     plain = all(t is None for t in terms[:4]) and terms[4] == 0.0
     if return_lse or key_padding_mask is not None or (left, right) != (-1, -1) or not plain:
-        out, lse = _lib.attention_forward(q, k, v, causal, scale, left, right, key_padding_mask,
-                                          *terms)
+        out, lse = _call_op(_lib.attention_forward, q, k, v, causal, scale, left, right,
+                            key_padding_mask, *terms)
         if not return_lse:
             return out.squeeze(2) if squeeze else out
         return (out.squeeze(2), lse.squeeze(1)) if squeeze else (out, lse)
-    out = _lib.attention(q, k, v, causal, scale)
+    out = _call_op(_lib.attention, q, k, v, causal, scale)
     return out.squeeze(2) if squeeze else out
 
 
@@ -1241,9 +1327,9 @@ def attention_varlen(
     _check_scale(scale)
     left, right = _window_args(window)
     terms = _score_term_args(q, alibi_slopes, rel_bias, softcap, sinks, dropout_p)
-    out, lse = _lib.attention_varlen_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, left, right,
-        *terms
+    out, lse = _call_op(
+        _lib.attention_varlen_forward, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, causal, scale, left, right, *terms
     )
     return (out, lse) if return_lse else out
 
@@ -1256,7 +1342,7 @@ def causal_attention(
     _check_qkv(q, k, v, "(B, Sq, H, D) or (B, Sq, D)", "(B, Sk, Hkv, D)", "(B, Sk, Hkv, Dv)")
     q, k, v, squeeze = _heads_4d(q, k, v)
     _check_scale(scale)
-    out = _lib.causal_attention(q, k, v, scale)
+    out = _call_op(_lib.causal_attention, q, k, v, scale)
     return out.squeeze(2) if squeeze else out
 
 

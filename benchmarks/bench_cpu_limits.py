@@ -3,7 +3,8 @@ BSHD layout vs BHSD views, forward+backward vs SDPA, and the backward's peak ext
 1 and 2 threads.
 
     python benchmarks/bench_cpu_limits.py [--quick] [--repeats N] [--parts decode,layout,train,memory]
-    python benchmarks/bench_cpu_limits.py --parts nonfinite,terms,decode-rows   (not among the defaults)
+    python benchmarks/bench_cpu_limits.py --parts nonfinite,terms,decode-rows,overhead
+                                          (not among the defaults)
                                           [--decode-caches cold|interleaved]
 
 Every row is validated first (ours vs SDPA on the same inputs), then the methods are timed
@@ -31,6 +32,10 @@ checked against the float64 reference first.
 Decode-rows: decode with Sq = 2 and 4 query rows (causal; one row with a window), ours (the
 decode kernel, which explain must name) against SDPA given the bottom-right band as an
 explicit mask, with the read roof over the bytes of the keys the band reaches, interleaved.
+Overhead: the per-call cost of small decode steps (Sk = 16 and 512), where the call path
+dominates: the wrapper with and without its call below the op's Python Autograd kernel
+(attn_ext/ops.py, _call_op), the op through that kernel, the op under inference mode, SDPA, and
+the in-place rope_qk of one step, interleaved.
 """
 
 from __future__ import annotations
@@ -348,6 +353,66 @@ def part_decode_rows(args):
                   f"{t['sdpa'] * 1e3:.2f} | {t['sdpa'] / t['ours']:.2f} |")
 
 
+def part_overhead(args):
+    """Per-call cost of small decode steps, where the call path, not K / V, dominates."""
+    from attn_ext import ops as _ops
+
+    calls = 20 if args.quick else 200  # calls per timed sample (one sample: median per call)
+    print("\n## per-call cost of small decode steps (Sq = 1, causal), microseconds per call, "
+          f"medians of samples of {calls} back-to-back calls, interleaved\n")
+    print("wrapper: attn_ext.attention (below the op's Python Autograd kernel when it records "
+          "nothing); wrapper, usual path: the same with that fast path off; op: "
+          "torch.ops.attn_ext.attention (through the Python Autograd kernel); op, inference "
+          "mode: no Python kernel at all (the floor); rope_qk in place: attn_ext.rope_qk(..., "
+          "inplace=True) on the step's q and k, fast path on / off\n")
+    print("| B | Sk | H/Hkv | D | dtype | wrapper | wrapper, usual path | op | op, inference mode "
+          "| SDPA | SDPA / wrapper | SDPA / wrapper, usual path | rope_qk in place | rope_qk, "
+          "usual path |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    real = _ops._plain_eager_call
+
+    def repeat(fn, usual=False):
+        def run():
+            if usual:
+                _ops._plain_eager_call = lambda a: False
+            try:
+                for _ in range(calls):
+                    fn()
+            finally:
+                _ops._plain_eager_call = real
+        return run
+
+    for Sk, dt in ((16, torch.bfloat16), (16, torch.float32), (512, torch.bfloat16)):
+        B, H, Hkv, D = 1, 32, 8, 128
+        q = torch.randn(B, 1, H, D, dtype=dt)
+        k = torch.randn(B, Sk, Hkv, D, dtype=dt)
+        v = torch.randn(B, Sk, Hkv, D, dtype=dt)
+        kn = torch.randn(B, 1, Hkv, D, dtype=dt)
+        cos, sin = attn_ext.rope_cache(Sk + 1, D, dtype=torch.float32)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        wrapper = lambda: attn_ext.attention(q, k, v, causal=True)
+        op = lambda: torch.ops.attn_ext.attention(q, k, v, True)
+
+        def op_inference():
+            with torch.inference_mode():
+                op()
+
+        sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        rope = lambda: attn_ext.rope_qk(q, kn, cos, sin, offset=Sk, inplace=True)
+        # (Sq = 1: SDPA's top-left is_causal and ours agree; no mask is needed)
+        err = (wrapper().float() - sdpa().transpose(1, 2).float()).abs().max().item()
+        assert err < (1e-4 if dt == torch.float32 else 2e-2), f"validation failed: {err}"
+        t = interleaved_medians({"wrapper": repeat(wrapper), "usual": repeat(wrapper, True),
+                                 "op": repeat(op), "inference": repeat(op_inference),
+                                 "sdpa": repeat(sdpa), "rope": repeat(rope),
+                                 "rope_usual": repeat(rope, True)}, args.repeats)
+        us = {n: v / calls * 1e6 for n, v in t.items()}
+        print(f"| {B} | {Sk} | {H}/{Hkv} | {D} | {DTYPE_NAMES[dt]} | {us['wrapper']:.1f} | "
+              f"{us['usual']:.1f} | {us['op']:.1f} | {us['inference']:.1f} | {us['sdpa']:.1f} | "
+              f"{us['sdpa'] / us['wrapper']:.2f} | {us['sdpa'] / us['usual']:.2f} | "
+              f"{us['rope']:.1f} | {us['rope_usual']:.1f} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
@@ -362,7 +427,8 @@ def main():
         args.repeats = 2
     print_env_header("cpu")
     parts = {"decode": part_decode, "layout": part_layout, "train": part_train, "memory": part_memory,
-             "nonfinite": part_nonfinite, "terms": part_terms, "decode-rows": part_decode_rows}
+             "nonfinite": part_nonfinite, "terms": part_terms, "decode-rows": part_decode_rows,
+             "overhead": part_overhead}
     for name in args.parts.split(","):
         parts[name](args)
 
