@@ -7,7 +7,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor, nn
 
-from .ops import _is_int
+from .ops import ArgumentTypeError, _is_int
 from .position_bias import RelativePositionBias
 from .modules import (
     KVCache,
@@ -33,6 +33,18 @@ def left_padding(attention_mask: Tensor) -> Tensor:
     if not torch.compiler.is_compiling() and not torch.equal(m, slots[None, :] >= start[:, None]):
         raise ValueError("attention_mask must be left-padded: each row 0...0 1...1")
     return start
+
+
+def _check_caches(caches) -> None:
+    """TinyGPT.forward's caches: None or one KVCache per layer (a tuple of (k, v) pairs, or of
+    None, failed on .length, naming neither). Eager only (TorchScript checks the types)."""
+    if caches is None:
+        return
+    if not isinstance(caches, (list, tuple)) or not all(isinstance(c, KVCache) for c in caches):
+        got = (type(caches).__name__ if not isinstance(caches, (list, tuple)) else
+               f"{type(caches).__name__} of {sorted({type(c).__name__ for c in caches})}")
+        raise ArgumentTypeError(f"caches must be a list of attn_ext.KVCache, one per layer "
+                                f"(model.new_caches(batch, max_len)), or None, got {got}")
 
 
 class TinyGPT(nn.Module):
@@ -171,6 +183,8 @@ class TinyGPT(nn.Module):
             # tokens, no error)
             raise ValueError(f"attention_mask must have idx's shape (B, S) = {list(idx.shape)}, "
                              f"got {list(attention_mask.shape)}")
+        if not torch.jit.is_scripting():
+            _check_caches(caches)
         if caches is not None and len(caches) != len(self.blocks):  # (an IndexError before)
             raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}), got "
                              f"{len(caches)}")
@@ -214,6 +228,12 @@ class TinyGPT(nn.Module):
         continues as it would alone. Under ``torch.autocast`` the caches take the autocast
         dtype (the keys and values the layers compute there), except for a float64 model,
         which autocast leaves in float64."""
+        if not isinstance(idx, Tensor) or idx.dim() != 2:
+            got = f"shape {list(idx.shape)}" if isinstance(idx, Tensor) else type(idx).__name__
+            raise ValueError(f"generate: idx must be a (B, S) tensor of token ids, got {got}")
+        if isinstance(max_new_tokens, bool) or not _is_int(max_new_tokens):
+            raise ArgumentTypeError(f"generate: max_new_tokens must be an int, got "
+                                    f"{type(max_new_tokens).__name__} {max_new_tokens!r}")
         B, S = idx.shape
         if S == 0:
             raise ValueError("generate: idx must hold a prompt of at least one token per row, got "

@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import (_attention_probs, _call_inplace_op, _call_op, _check_flag, _checked_dropout,
-                  _checked_softcap, _dropout_seed_offset, _is_int, _window_args, rope_inv_freq)
+from .ops import (ArgumentTypeError, _attention_probs, _call_inplace_op, _call_op, _check_flag,
+                  _checked_dropout, _checked_softcap, _dropout_seed_offset, _is_int, _window_args,
+                  rope_inv_freq)
 from .position_bias import RelativePositionBias, alibi_slopes
 
 __all__ = [
@@ -365,8 +366,9 @@ class MultiHeadAttention(_DerivedBuffers):
     With a ``kv_cache``, self-attention appends each step's keys/values to it. Cross-attention
     fills the cache with the memory's keys/values once, on the first call (which must pass
     ``memory``); later steps pass ``memory=None`` and read them back without projecting the
-    memory again (``kv_cache.reset()`` for a new memory). Cross-attention with both a
-    ``kv_cache`` and ``rotary`` is refused (the cache cannot tell the queries' positions).
+    memory again (``kv_cache.reset()`` for a new memory). Cross-attention with a ``kv_cache``
+    refuses every term that reads the queries' positions (``rotary``, ``alibi``, ``rel_bias``,
+    ``window``, ``causal``): the cache cannot tell them, and each step's Sq would move them.
 
     ``forward(x, memory=None, kv_cache=None, need_weights=False, key_padding_mask=None)``
     (``key_padding_mask (B, Sk)`` bool, True = the key takes part; with a left-padded
@@ -672,6 +674,11 @@ class MultiHeadAttention(_DerivedBuffers):
                 memory, kv_cache = None, memory
             elif isinstance(kv_cache, bool):
                 kv_cache, need_weights = None, need_weights or kv_cache
+            if kv_cache is not None and not isinstance(kv_cache, KVCache):
+                # (a Hugging Face-style (k, v) tuple failed on .length, naming neither)
+                raise ArgumentTypeError(
+                    f"kv_cache must be an attn_ext.KVCache (layer.new_kv_cache(batch, max_len)) "
+                    f"or None, got {type(kv_cache).__name__}")
         if x.dim() != 3:
             raise ValueError(f"x must have 3 dims (B, S, d_model), got shape {list(x.shape)}")
         if self.qkv is not None:
@@ -722,10 +729,30 @@ class MultiHeadAttention(_DerivedBuffers):
         else:
             assert self.q_proj is not None and self.kv_proj is not None
             q = self.q_proj(x).view(B, Sq, H, D)
-            if kv_cache is not None and self.rotary is not None:
-                raise ValueError(
-                    "cross-attention with both rotary and kv_cache is not supported: the cache "
-                    "holds the memory, so it cannot tell the decoder position of the queries")
+            if kv_cache is not None:
+                # Every term that reads the distance d = i + (Sk - Sq) - j: with the memory in
+                # the cache, each call's Sq (the step's rows) would move the queries' positions,
+                # so a cached decode would differ from the whole sequence's call (and from
+                # another chunking of the same steps).
+                by_position: List[str] = []
+                if self.rotary is not None:
+                    by_position.append("rotary")
+                if self.alibi_slopes is not None:
+                    by_position.append("alibi")
+                if self.rel_bias is not None:
+                    by_position.append("rel_bias")
+                if self.window_left != -1 or self.window_right != -1:
+                    by_position.append("window")
+                if self.causal:
+                    by_position.append("causal")
+                if len(by_position) > 0:
+                    raise ValueError(
+                        f"cross-attention with both {' and '.join(by_position)} and kv_cache is "
+                        f"not supported: the cache holds the memory, so it cannot tell the "
+                        f"decoder position of the queries, which {' and '.join(by_position)} "
+                        f"depend{'s' if len(by_position) == 1 else ''} on (the distance i + "
+                        f"(Sk - Sq) - j would change with each call's Sq); call the layer "
+                        f"without a cache")
             if kv_cache is not None and kv_cache.length > 0:
                 # Later decoding steps: the memory's keys/values were computed on the first
                 # call and live in the cache; nothing is projected or appended again.

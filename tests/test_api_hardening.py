@@ -321,6 +321,58 @@ def test_cached_cross_attention_misuse_is_refused():
         rot(x, mem, rot.new_kv_cache(B, Sm))
 
 
+@pytest.mark.parametrize("term", ["alibi", "window", "rel_bias", "causal", "rotary"])
+def test_cached_cross_attention_refuses_every_position_term(term):
+    """Cross-attention keeps the memory in the cache and cannot tell the queries' positions, so
+    every term that reads the distance i + (Sk - Sq) - j is refused with a cache: a cached decode
+    used to depend on each step's Sq (one row at a time and two at a time differed, and both
+    differed from the uncached call: 0.03-0.57 in float64, a review helper)."""
+    kw = {"alibi": dict(alibi=True), "window": dict(window=(1, 1)), "causal": dict(causal=True),
+          "rel_bias": dict(rel_bias=attn_ext.RelativePositionBias(2, 8, bidirectional=True)),
+          "rotary": dict(rotary=4)}[term]
+    layer = MultiHeadAttention(16, 2, cross_attention=True, **kw).double().eval()
+    x, mem = torch.randn(1, 4, 16, dtype=f64), torch.randn(1, 6, 16, dtype=f64)
+    with torch.no_grad():
+        layer(x, mem)  # without a cache: the whole decoder sequence at once
+        with pytest.raises(ValueError, match=f"cross-attention with both {term} and kv_cache is "
+                                             f"not supported.*decoder position of the queries"):
+            layer(x[:, :1], mem, layer.new_kv_cache(1, 6))
+
+
+@pytest.mark.parametrize("kw", [{}, dict(softcap=3.0)], ids=["plain", "softcap"])
+def test_cached_cross_attention_without_position_terms_matches_any_chunking(kw):
+    layer = MultiHeadAttention(16, 2, cross_attention=True, **kw).double().eval()
+    x, mem = torch.randn(2, 5, 16, dtype=f64), torch.randn(2, 6, 16, dtype=f64)
+    with torch.no_grad():
+        full = layer(x, mem)[0]
+        for chunks in ((1, 1, 1, 1, 1), (2, 3), (5,)):
+            cache, outs, i = layer.new_kv_cache(2, 6), [], 0
+            for n in chunks:
+                outs.append(layer(x[:, i:i + n], mem if i == 0 else None, cache)[0])
+                i += n
+            torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-12, atol=1e-12)
+
+
+def test_generate_and_caches_name_bad_arguments():
+    from attn_ext.models import TinyGPT
+
+    m = TinyGPT(40, d_model=32, num_heads=4, num_layers=2, max_len=16).eval()
+    idx = torch.randint(0, 40, (2, 5))
+    for bad in (2.0, None, "3", True):
+        with pytest.raises(TypeError, match="generate: max_new_tokens must be an int"):
+            m.generate(idx, bad)
+    for bad_idx in (idx[0], idx[None], idx.tolist()):
+        with pytest.raises(ValueError, match=r"generate: idx must be a \(B, S\) tensor"):
+            m.generate(bad_idx, 2)
+    with pytest.raises(TypeError, match="caches must be a list of attn_ext.KVCache"):
+        m(idx, (None, None))
+    with pytest.raises(TypeError, match="kv_cache must be an attn_ext.KVCache"):
+        MultiHeadAttention(32, 4)(torch.randn(2, 3, 32), kv_cache=(torch.zeros(2, 8, 4, 8),) * 2)
+    assert m.generate(idx, 2).shape == (2, 7)  # (an int still works, numpy's too)
+    import numpy as np
+    assert m.generate(idx, np.int64(1)).shape == (2, 6)
+
+
 # ---- item 5: keyword-only arguments -------------------------------------------------------
 
 
