@@ -205,6 +205,13 @@ def _plain_eager_call(args) -> bool:
     return _records_no_gradient(args)
 
 
+def _below_inplace_or_view() -> bool:
+    """Whether the thread already runs below ADInplaceOrView (inside a __torch_dispatch__
+    handler of a call that came through it, or under an explicit guard): the usual path then
+    skips the ADInplaceOrView kernel's refusal and version bump, so _call_inplace_op must too."""
+    return torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.ADInplaceOrView)
+
+
 def _call_op(op, *args):
     """op(*args) for an out-of-place op: below its Autograd kernel when _plain_eager_call."""
     if _plain_eager_call(args):
@@ -219,7 +226,7 @@ def _call_inplace_op(name, op, written, *args):
     what the ADInplaceOrView kernel does (_inplace_kernels: the inference-tensor refusal, the
     version bump). A written tensor that requires grad under grad mode is not a plain call: the
     Autograd kernel refuses it."""
-    if not _plain_eager_call(args):
+    if not _plain_eager_call(args) or _below_inplace_or_view():
         return op(*args)
     _refuse_inference_writes(name, written)
     with torch._C._AutoDispatchBelowADInplaceOrView():

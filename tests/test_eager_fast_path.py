@@ -276,3 +276,19 @@ def test_scripted_layer_calls_the_op_directly():
     x = torch.randn(2, 6, 32)
     with torch.no_grad():
         torch.testing.assert_close(scripted(x), layer(x), rtol=0, atol=0)
+
+
+def test_inplace_call_already_below_inplace_or_view_takes_the_usual_path(monkeypatch):
+    """Inside a __torch_dispatch__ handler (or under the guard) ADInplaceOrView is already
+    excluded: the usual path neither refuses an inference tensor nor bumps the version there,
+    and neither may the fast path (a review helper: it refused and bumped)."""
+    cos, sin = attn_ext.rope_cache(16, 16)
+    with torch.inference_mode():
+        inf = torch.randn(2, 5, 4, 16)
+    for force in (None, False):
+        seen = _spy(monkeypatch, force)
+        x = torch.randn(2, 5, 4, 16)
+        with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+            attn_ext.rope_(x, cos, sin)
+            attn_ext.rope_(inf, cos, sin)  # accepted: the refusal is the skipped kernel's
+        assert x._version == 0, force
