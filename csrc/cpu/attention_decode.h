@@ -1238,9 +1238,8 @@ void attention_decode_kernel(const AttentionParams& p) {
   // structure depends on that only, not on ATTN_EXT_CPU_DECODE_IN_PLACE, so reading in place
   // and packing give the same bits.
   const bool big_blocks = p.D == Dp && p.Dv == Dvp && !vis.has_padding();
-  parallel_tasks(p.B * n_chunks,
-                 [&] { return DecodeScratch(Hkv, C, p.D, p.Dv, big_blocks, big_blocks && !kInPlace); },
-                 [&](int64_t task, DecodeScratch& w) {
+  // one unit: the partial state of every kv head of sequence b over key chunk `chunk`
+  auto unit = [&](int64_t task, DecodeScratch& w) {
     const int64_t chunk = task % n_chunks, b = task / n_chunks;
     const SeqInfo sq = vis.seq(b);
     for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
@@ -1489,15 +1488,14 @@ void attention_decode_kernel(const AttentionParams& p) {
         }
       }
     }
-  });
+  };
 
-  // merge the chunks of each (b, kv head) column, in chunk order (deterministic)
+  // merge the chunks of each (b, kv head) column, in chunk order (deterministic); acc, row:
+  // Dvp floats of scratch
   auto* out = static_cast<scalar_t*>(p.out);
   auto* lse = static_cast<float*>(p.lse);
-  parallel_tasks(p.B * Hkv, [] { return 0; }, [&](int64_t bh, int&) {
-    const int64_t b = bh / Hkv, hkv = bh % Hkv;
+  auto merge_head = [&](int64_t b, int64_t hkv, std::vector<float>& acc, std::vector<float>& row) {
     const SeqInfo sq = vis.seq(b);
-    std::vector<float> acc(static_cast<size_t>(Dvp)), row(static_cast<size_t>(Dvp));
     for (int64_t c = 0; c < C; ++c) {
       const int64_t hh = c / p.Sq, ii = c % p.Sq;
       if (ii >= sq.Sq) continue;
@@ -1521,6 +1519,25 @@ void attention_decode_kernel(const AttentionParams& p) {
       store_row(row.data(), inv, p.Dv, orow);  // (static_cast<scalar_t>(row[d] * inv), vectorised)
       lse[b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + ii] = static_cast<float>(lse_c);
     }
+  };
+
+  // One chunk per sequence (short keys: fewer than 2 * kDecodeMinChunk, or B >= 4 x the
+  // threads): a unit merges its own heads (the same merge_chunks call, so the same bits), and
+  // the call runs one parallel region instead of two (a small decode step's fork and join:
+  // RESULTS.md, fortieth session). Else the merge waits for every chunk.
+  parallel_tasks(p.B * n_chunks,
+                 [&] { return DecodeScratch(Hkv, C, p.D, p.Dv, big_blocks, big_blocks && !kInPlace); },
+                 [&](int64_t task, DecodeScratch& w) {
+    unit(task, w);
+    if (n_chunks == 1) {
+      std::vector<float> acc(static_cast<size_t>(Dvp)), row(static_cast<size_t>(Dvp));
+      for (int64_t hkv = 0; hkv < Hkv; ++hkv) merge_head(task, hkv, acc, row);
+    }
+  });
+  if (n_chunks == 1) return;
+  parallel_tasks(p.B * Hkv, [] { return 0; }, [&](int64_t bh, int&) {
+    std::vector<float> acc(static_cast<size_t>(Dvp)), row(static_cast<size_t>(Dvp));
+    merge_head(bh / Hkv, bh % Hkv, acc, row);
   });
 }
 
