@@ -164,8 +164,9 @@ _impl_lib = torch.library.Library("attn_ext", "IMPL")
 # ---------------------------------------------------------------------------------------
 #
 # Every op has a Python Autograd kernel (_register_autograd, _inplace_kernels): each call made
-# outside torch.inference_mode() crosses from the dispatcher into Python and back, ~7 us of a
-# ~40 us decode step (RESULTS.md, fortieth session). When that kernel would only redispatch
+# outside torch.inference_mode() crosses from the dispatcher into Python and back: 4.5 of the
+# smallest call's 11.6 us, ~3 of a 16-key decode step's ~21, ~5 of an in-place rope_qk's ~18
+# (RESULTS.md, fortieth session). When that kernel would only redispatch
 # (_records_no_gradient), the wrappers and the modules call the op below it themselves
 # (_call_op, _call_inplace_op), provided nothing else stands between the caller and the
 # dispatcher that the Python kernel's presence matters to: no torch.compile / torch.export /
