@@ -178,15 +178,19 @@ _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
+def _any_requires_grad_py(*args) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+_any_requires_grad = getattr(torch._C, "_any_requires_grad", _any_requires_grad_py)
+
+
 def _records_no_gradient(args) -> bool:
-    """The ops' Autograd kernels' rule: no dual level is open (forward AD) and no gradient is
-    recorded (grad mode off, or no tensor argument requires grad). Then the kernel only
-    redispatches below autograd."""
-    if _forward_ad._current_level >= 0:
-        return False
-    if not torch.is_grad_enabled():
-        return True
-    return not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    """The ops' Autograd kernels' rule (theirs and the wrappers' fast path's): no dual level is
+    open (forward AD) and no gradient is recorded (grad mode off, or no tensor argument
+    requires grad). Then the kernel only redispatches below autograd."""
+    return _forward_ad._current_level < 0 and not (torch._C.is_grad_enabled()
+                                                   and _any_requires_grad(*args))
 
 
 def _plain_eager_call(args) -> bool:
@@ -248,8 +252,6 @@ def _register_autograd(name, backward, setup_context):
         impl = make_autograd_impl(op, Info(backward, setup_context))
         after_autograd = torch._C._after_autograd_keyset
         below_autograd = torch._C._AutoDispatchBelowAutograd
-        any_requires_grad = torch._C._any_requires_grad
-        grad_enabled = torch._C.is_grad_enabled
     except (ImportError, AttributeError, TypeError):
         torch.library.register_autograd(f"attn_ext::{name}", backward, setup_context=setup_context)
         return
@@ -263,8 +265,7 @@ def _register_autograd(name, backward, setup_context):
         # No gradient to record and no dual level open: what impl does then (its
         # forward_no_grad), without its calls and Metadata object. Every call of the op passes
         # here, decode steps included (RESULTS.md, thirty-fourth session: ~1-2 us of ~20).
-        # (_records_no_gradient's rule, inlined: this runs on every call)
-        if _forward_ad._current_level < 0 and not (grad_enabled() and any_requires_grad(*args)):
+        if _records_no_gradient(args):
             with below_autograd():
                 return op.redispatch(keyset & after_autograd, *args, **kwargs)
         _refuse_forward_ad(name, args, kwargs)

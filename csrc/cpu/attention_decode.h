@@ -1094,6 +1094,7 @@ struct DecodeScratch {
   AlignedVec<float> s;    // (Hkv, C, ks): scores, then probabilities
   std::vector<uint8_t> use;  // (ks): key seen by some column
   std::vector<uint8_t> seen; // (C, ks): column c sees key r (band and padding)
+  std::vector<float> merge;  // (2, Dvp): a column's merged o and its row in natural order
   DecodeScratch(int64_t Hkv, int64_t C, int64_t D, int64_t Dv, bool big_blocks, bool pack_big)
       : Dp(round_up(D, 8)), Dvp(round_up(Dv, 8)),
         qs(static_cast<size_t>(Hkv * C * Dp)),
@@ -1101,7 +1102,8 @@ struct DecodeScratch {
         ks(big_blocks ? std::max(nb, kDecodeKeysInPlace) : nb),
         pack_cap(pack_big ? ks : nb),
         s(static_cast<size_t>(Hkv * C * ks)),
-        use(static_cast<size_t>(ks)), seen(static_cast<size_t>(C * ks)), Hkv_(Hkv) {}
+        use(static_cast<size_t>(ks)), seen(static_cast<size_t>(C * ks)),
+        merge(static_cast<size_t>(2 * Dvp)), Hkv_(Hkv) {}
   // with_k: K is packed too (not where dp_scores reads it in place); v_pairs: V as bf16 rows
   // (pv_pairs), else fp32 ones
   void pack_blocks(bool with_k, bool v_pairs) {
@@ -1490,12 +1492,14 @@ void attention_decode_kernel(const AttentionParams& p) {
     }
   };
 
-  // merge the chunks of each (b, kv head) column, in chunk order (deterministic); acc, row:
-  // Dvp floats of scratch
+  // merge the chunks of each (b, kv head) column, in chunk order (deterministic); scratch:
+  // 2 * Dvp floats (the merged o, then its row in natural order)
   auto* out = static_cast<scalar_t*>(p.out);
   auto* lse = static_cast<float*>(p.lse);
-  auto merge_head = [&](int64_t b, int64_t hkv, std::vector<float>& acc, std::vector<float>& row) {
+  auto merge_head = [&](int64_t b, int64_t hkv, float* scratch) {
     const SeqInfo sq = vis.seq(b);
+    float* acc = scratch;
+    float* row = scratch + Dvp;
     for (int64_t c = 0; c < C; ++c) {
       const int64_t hh = c / p.Sq, ii = c % p.Sq;
       if (ii >= sq.Sq) continue;
@@ -1504,7 +1508,7 @@ void attention_decode_kernel(const AttentionParams& p) {
       const float mx = merge_chunks<float>(n_chunks, [&](int64_t ch) {
         const float* part = part_of(b, ch, hkv);
         return ChunkState<float>{part[C * Dvp + c], part[C * Dvp + C + c], part + c * Dvp};
-      }, Dvp, p.Dv, acc.data(), &l);
+      }, Dvp, p.Dv, acc, &l);
       // l == 0: the row sees no key (out 0, lse -inf); NaN stays NaN.
       const bool seen = l != 0.f || std::isnan(mx);
       float inv = seen ? 1.f / l : 0.f;
@@ -1515,8 +1519,8 @@ void attention_decode_kernel(const AttentionParams& p) {
             h, static_cast<double>(mx) * kLog2e, static_cast<double>(l), seen, &lse_c));
       }
       scalar_t* orow = out + b * p.out_batch_stride + (sq.q0 + ii) * p.out_row_stride + h * p.out_head_stride;
-      from_decode_order<scalar_t>(acc.data(), p.Dv, row.data());
-      store_row(row.data(), inv, p.Dv, orow);  // (static_cast<scalar_t>(row[d] * inv), vectorised)
+      from_decode_order<scalar_t>(acc, p.Dv, row);
+      store_row(row, inv, p.Dv, orow);  // (static_cast<scalar_t>(row[d] * inv), vectorised)
       lse[b * p.lse_batch_stride + h * p.lse_head_stride + sq.q0 + ii] = static_cast<float>(lse_c);
     }
   };
@@ -1530,14 +1534,13 @@ void attention_decode_kernel(const AttentionParams& p) {
                  [&](int64_t task, DecodeScratch& w) {
     unit(task, w);
     if (n_chunks == 1) {
-      std::vector<float> acc(static_cast<size_t>(Dvp)), row(static_cast<size_t>(Dvp));
-      for (int64_t hkv = 0; hkv < Hkv; ++hkv) merge_head(task, hkv, acc, row);
+      for (int64_t hkv = 0; hkv < Hkv; ++hkv) merge_head(task, hkv, w.merge.data());
     }
   });
   if (n_chunks == 1) return;
-  parallel_tasks(p.B * Hkv, [] { return 0; }, [&](int64_t bh, int&) {
-    std::vector<float> acc(static_cast<size_t>(Dvp)), row(static_cast<size_t>(Dvp));
-    merge_head(bh / Hkv, bh % Hkv, acc, row);
+  parallel_tasks(p.B * Hkv, [&] { return std::vector<float>(static_cast<size_t>(2 * Dvp)); },
+                 [&](int64_t bh, std::vector<float>& scratch) {
+    merge_head(bh / Hkv, bh % Hkv, scratch.data());
   });
 }
 
