@@ -878,7 +878,9 @@ def test_example_runs_under_torchrun(tmp_path):
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "examples", "ring_attention.py"), "--steps", "2"]
-    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    # torchrun keeps its logs in a fresh directory under TMPDIR: the test's own, removed with it
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "ring_attention (zigzag" in res.stdout and "step 1: context-parallel loss" in res.stdout
 

@@ -146,19 +146,28 @@ def mma(d, a, b0, b1):
 INVISIBLE, PARTIAL, FULL = 0, 1, 2  # TileKind
 
 
+_MASK_PROBE = {}
+
+
 def mask_probe():
-    """Path of tools/mask_probe (built from csrc/common/attention_mask.h with g++ on demand)."""
+    """Path of tools/mask_probe (built from csrc/common/attention_mask.h with g++ on demand, once
+    per process and tree, in a temporary directory removed when the process exits)."""
+    import atexit
+    import shutil
     import subprocess
     import tempfile
 
     # the headers of kc.ROOT (the tree whose kernels are emulated), this tool's probe source
     root = kc.ROOT
-    exe = os.path.join(tempfile.gettempdir(),
-                       f"attn_ext_mask_probe_{os.getuid()}_{os.getpid()}_{abs(hash(root))}")
-    if not os.path.exists(exe):
+    exe = _MASK_PROBE.get(root)
+    if exe is None:
+        tmp = tempfile.mkdtemp(prefix="attn_ext_mask_probe_")
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+        exe = os.path.join(tmp, "mask_probe")
         src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mask_probe.cpp")
         subprocess.run(["g++", "-std=c++17", "-O1", "-I", os.path.join(root, "csrc"), src,
                         "-o", exe], check=True)
+        _MASK_PROBE[root] = exe
     return exe
 
 
