@@ -58,7 +58,7 @@ asan: deps
 
 demo: install
 	@$(PYTHON) -c "import tqdm, matplotlib" 2>/dev/null || $(PIP) install -q tqdm matplotlib
-	$(PYTHON) -m attn_ext.demo
+	$(PYTHON) -m attn_ext.demo $(DEMO_ARGS)
 
 bench: install
 	$(PYTHON) benchmarks/bench_pos_enc.py

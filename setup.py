@@ -114,7 +114,7 @@ def _cuda_plan():
                      f"{torch_cuda} of torch {torch.__version__}")
         return True, f"ATTN_EXT_CUDA=1 (nvcc {found})", root, found
     if torch_cuda is None:
-        return False, f"torch {torch.__version__} (build env) is a CPU build", None, None
+        return False, f"torch {torch.__version__} (the torch built against) is a CPU build", None, None
     if root is None:
         return False, f"torch {torch.__version__} is a CUDA {torch_cuda} build but {found}", None, None
     if _major(found) != _major(torch_cuda):

@@ -14,7 +14,16 @@ import os as _os
 
 import torch  # noqa: F401  (loads libtorch, whose stable C shims _C calls)
 
-from . import _C  # noqa: F401  (loads the library: registers torch.ops.attn_ext.*)
+try:
+    from . import _C  # noqa: F401  (loads the library: registers torch.ops.attn_ext.*)
+except ImportError as _e:
+    if _glob.glob(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "_C*.so")):
+        raise  # the library is there but does not load: torch's own message says why
+    raise ImportError(
+        f"attn_ext's compiled library (attn_ext/_C*.so) is not in {_os.path.dirname(__file__)}: "
+        "this is an unbuilt source tree. Install the package (`pip install .`, or `pip install "
+        "--no-build-isolation -e .` for a development build), and import it from outside the "
+        "source tree if it was installed non-editable") from _e
 
 
 def _load_cuda_kernels(BUILD=None):

@@ -356,7 +356,8 @@ class MultiHeadAttention(_DerivedBuffers):
         alibi: add ALiBi's ``-slope_h * |i - j|`` (slopes of Press et al. for H heads).
         softcap: cap the scores at ``softcap * tanh(s / softcap)`` (Gemma 2), or None.
         rotary: None, a rotary dim (int), or a :class:`RotaryEmbedding`.
-        qk_dim, v_dim: per-head dims D and Dv (default ``d_model // num_heads``).
+        qk_dim, v_dim: per-head dims D and Dv (``qk_dim`` defaults to ``d_model // num_heads``,
+            ``v_dim`` to ``qk_dim``).
         cross_attention: queries from ``x``, keys/values from ``memory`` (separate q and kv
             projections instead of one fused QKV projection).
         kv_dim: width of ``memory`` for cross-attention (default ``d_model``).

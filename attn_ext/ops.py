@@ -1253,7 +1253,8 @@ def attention(
             position: the backward sees the same mask, for any tiling and thread count, and
             ``torch.manual_seed`` reproduces it. The keep bits are drawn at 16-bit resolution:
             a probability is dropped with ``round(p * 2^16) / 2^16`` (at most ``1 - 2^-16``;
-            a ``p`` below ``2^-17`` drops nothing), within ``2^-17`` of ``p``.
+            a ``p`` below ``2^-17`` drops nothing, though the output is still scaled by
+            ``1 / (1 - p)``), within ``2^-17`` of ``p``.
         return_lse: also return the log-sum-exp of each score row.
 
     A key a row cannot see never affects that row (an inf/NaN in a masked key's k or v

@@ -1,8 +1,8 @@
 """`pip install .` as a new user runs it (issue 13): a fresh venv with the local torch wheel,
 a clean copy of the checkout (the files git knows, nothing built), plain `pip install .` with
 pip's default build isolation, then every op called from another directory
-(tests/install_smoke.py). PIP_CONSTRAINT pins the isolated build env's torch to the venv's
-version, so nothing big is downloaded (without the pin pip picks the newest torch it can find
+(tests/install_smoke.py). PIP_CONSTRAINT (PIP_BUILD_CONSTRAINT on pip >= 26.2) pins the
+isolated build env's torch to the venv's version, so nothing big is downloaded (without the pin pip picks the newest torch it can find
 for the build env; the libraries would still load in the venv's torch, see
 benchmarks/RESULTS.md).
 
@@ -57,7 +57,9 @@ def test_plain_pip_install_in_a_fresh_venv(tmp_path):
     py = make_venv(str(tmp_path / "venv"), TORCH_PIN, "ninja")
     constraints = tmp_path / "constraints.txt"
     constraints.write_text(TORCH_PIN + "\n")
-    env = dict(os.environ, PIP_CONSTRAINT=str(constraints), MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+    # (pip >= 26.2 reads only PIP_BUILD_CONSTRAINT for the build env, older pips only PIP_CONSTRAINT)
+    env = dict(os.environ, PIP_CONSTRAINT=str(constraints), PIP_BUILD_CONSTRAINT=str(constraints),
+               MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
     env.pop("PYTHONPATH", None)
     proc, secs = run([py, "-m", "pip", "install", "-v", "."], cwd=src, env=env)
     log = proc.stdout + proc.stderr

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """One build, two torches (issue 13): builds attn_ext's wheel once against torch BUILD (plain
-`pip wheel .` with build isolation, the build env's torch pinned by PIP_CONSTRAINT), installs
+`pip wheel .` with build isolation, the build env's torch pinned by PIP_CONSTRAINT /
+PIP_BUILD_CONSTRAINT), installs
 that same wheel into a venv with torch BUILD and one with torch OTHER, runs
 tests/install_smoke.py in each (every op checked against the float64 reference, from outside
 the checkout) and compares the ops' outputs exactly.
@@ -60,7 +61,8 @@ def main():
         shutil.rmtree(dist, ignore_errors=True)
         with open(os.path.join(args.work, "constraints.txt"), "w") as f:
             f.write(f"torch=={args.build}\n")
-        benv = dict(env, PIP_CONSTRAINT=os.path.join(args.work, "constraints.txt"))
+        pin = os.path.join(args.work, "constraints.txt")  # (PIP_BUILD_CONSTRAINT: pip >= 26.2)
+        benv = dict(env, PIP_CONSTRAINT=pin, PIP_BUILD_CONSTRAINT=pin)
         secs = sh([py_a, "-m", "pip", "wheel", "--no-deps", "-w", dist, "."], cwd=src, env=benv)
         print(f"built the wheel against torch {args.build} in {secs:.0f} s")
     wheel = [os.path.join(dist, n) for n in os.listdir(dist) if n.endswith(".whl")][0]
