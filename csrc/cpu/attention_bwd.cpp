@@ -60,7 +60,8 @@ struct BwdScratch {
     AlignedVec<acc_t> dqt;          // (kBlockQ, ldq): its dq accumulator (unscaled)
     std::vector<uint64_t> rk;       // (kBlockQ): dropout row keys of its rows
     int64_t h = 0, i0 = 0, nq = 0;  // query head and rows [i0, i0 + nq)
-    double* db = nullptr;           // its head's d rel_bias row in the work unit (or nullptr)
+    double* db = nullptr;           // its head's d rel_bias row in the work unit (or nullptr):
+    int64_t db_lo = 0, db_n = 0;    // buckets [db_lo, db_lo + db_n) of the (2M + 1), db_n apart
     std::vector<double> dbj;        // (2M + 1): the block's own d rel_bias sums, added to db
                                     // after its visit (so the row's sum does not depend on
                                     // which blocks visit together)
@@ -964,8 +965,15 @@ void write_dkv(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64
 //     1, 2, 4, 5, 7, the probabilities recomputed). More arithmetic, but work for every thread.
 //
 // Extra memory: dk / dv accumulate in the outputs when those are the accumulation type with
-// D, Dv multiples of 8; otherwise in the fused partition's per-unit buffers below where they
-// fit, else in one fp32 (B, Hkv, Sk, Dp + Dvp) buffer. Beyond that,
+// D, Dv multiples of 8; otherwise (bf16 / fp16, D % 8 != 0) in fp32 per-unit buffers, one per
+// worker: a fused unit's (Sk, Dp + Dvp), a split unit's key chunk. In the fused partition that
+// is min(threads, B * Hkv) units' rows, at most one fp32 copy of dk / dv (the fp32 gradients
+// the dtype needs), reached only where every (batch, kv head) has its own worker. (Key-chunk
+// buffers at every thread count would bound it by the tile, but the split partition
+// recomputes P and dP for dq: 1.5-1.7x the backward's time at 2 threads, bf16 and fp32,
+// (1, 8, 4096 / 8192, 128) and (1, 16, 2048, 64); RESULTS.md, forty-first session.) d
+// rel_bias: per work unit and query head, the buckets of the unit's pairs, in doubles
+// (DbSpan). Beyond that,
 // kBwdJobs query blocks with their dq tiles and one key tile per worker (about 1.2 MiB at
 // D = 128; fp16 on the tiles about 1.8 MiB, the pairs of hi and lo parts): independent of the
 // thread count. In the fused partition, gradients whose rows lie
@@ -1060,25 +1068,23 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     return s;
   };
 
-  // Rows from j0 of the dk / dv accumulators of one (b, hkv) in a buffer laid out as (Sk, Dp)
-  // then (Sk, Dvp) (kv_buf's part of the pair, or a work unit's unit_kv).
+  // Rows from j0 of the dk / dv accumulators in a buffer laid out as (n, Dp) then (n, Dvp) (a
+  // work unit's unit_kv).
   auto buffer_acc = [&](acc_t* base, int64_t n, int64_t j0) -> KeyAcc<acc_t> {
     return {base + j0 * Dp, Dp, base + n * Dp + j0 * Dvp, Dvp, nullptr};
   };
-  // dk / dv accumulators of (b, hkv): rows j at kacc(b, hkv) + j * ld.
+  // dk / dv accumulated in the outputs themselves (the accumulation type, D and Dv multiples
+  // of 8), else in the units' buffers (unit_rows / chunk_rows below): rows j0 .. of (b, hkv)
+  // in the outputs.
   const bool in_place = std::is_same_v<scalar_t, acc_t> && p.D == Dp && p.Dv == Dvp;
-  AlignedVec<acc_t> kv_buf;  // (allocated below, where no unit buffer takes its place)
   auto key_acc = [&](int64_t b, int64_t hkv, const SeqInfo& sq, int64_t j0) -> KeyAcc<acc_t> {
-    if (in_place) {
-      auto* dk = reinterpret_cast<acc_t*>(bp.dk);
-      auto* dv = reinterpret_cast<acc_t*>(bp.dv);
-      const int64_t j = sq.k0 + j0;
-      return {dk + b * bp.dk_batch_stride + j * bp.dk_row_stride + hkv * bp.dk_head_stride,
-              bp.dk_row_stride,
-              dv + b * bp.dv_batch_stride + j * bp.dv_row_stride + hkv * bp.dv_head_stride,
-              bp.dv_row_stride, nullptr};
-    }
-    return buffer_acc(kv_buf.data() + (b * p.Hkv + hkv) * p.Sk * (Dp + Dvp), p.Sk, j0);
+    auto* dk = reinterpret_cast<acc_t*>(bp.dk);
+    auto* dv = reinterpret_cast<acc_t*>(bp.dv);
+    const int64_t j = sq.k0 + j0;
+    return {dk + b * bp.dk_batch_stride + j * bp.dk_row_stride + hkv * bp.dk_head_stride,
+            bp.dk_row_stride,
+            dv + b * bp.dv_batch_stride + j * bp.dv_row_stride + hkv * bp.dv_head_stride,
+            bp.dv_row_stride, nullptr};
   };
 
   // d rel_bias: each query block visit sums its pairs' dS into its own (2M + 1) row (in key
@@ -1094,22 +1100,21 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   // contiguous and are fetched again from L3 when a page apart (a D = 64 BSHD backward took
   // 1.07x the time of the same call on BHSD views; RESULTS.md, twentieth session). The same
   // additions in the same order: the same bits.
-  // Where dk / dv are not the accumulation type (bf16, fp16), the fused units accumulate in
-  // such a buffer too when it fits, instead of in one fp32 buffer for every (batch, kv head)
-  // (whose fresh pages cost 2-3 % of a bf16 backward at (1, 8, 4096, 128), and whose size grew
-  // with K and V): the same additions in the same order, the same bits.
-  const bool unit_rows = !split &&
-                         (!in_place || bp.dk_row_stride != p.D || bp.dv_row_stride != p.Dv) &&
-                         p.Sk * (Dp + Dvp) * static_cast<int64_t>(sizeof(acc_t)) <= rows_budget;
+  // Where dk / dv are not the accumulation type with D, Dv multiples of 8 (bf16, fp16; fp32
+  // at D % 8 != 0), the fused units always accumulate in such a buffer (fp32, as they must),
+  // one per worker: at most min(threads, B * Hkv) units' rows, never more than one fp32 buffer
+  // for every (batch, kv head), which they used to take where the share below was exceeded
+  // (its fresh pages cost 2-3 % of a bf16 backward at (1, 8, 4096, 128)). Gradients of the
+  // accumulation type whose rows lie apart take the buffer where it fits the head-rows share,
+  // else accumulate in place. The same additions in the same order, the same bits.
+  const bool unit_rows =
+      !split && (!in_place || ((bp.dk_row_stride != p.D || bp.dv_row_stride != p.Dv) &&
+                               p.Sk * (Dp + Dvp) * static_cast<int64_t>(sizeof(acc_t)) <= rows_budget));
   const int64_t n_chunks = split ? std::min(n_kb, ceil_div(2 * workers, p.B * p.Hkv)) : 1;
   const int64_t per_chunk = ceil_div(n_kb, n_chunks);
   // ... and so do the split partition's phase-1 units (one kv head's chunk of keys, written by
-  // that unit alone) where a chunk's rows fit
-  const bool chunk_rows = split && !in_place &&
-                          per_chunk * kBlockK * (Dp + Dvp) * static_cast<int64_t>(sizeof(acc_t)) <=
-                              rows_budget;
-  if (!in_place && !unit_rows && !chunk_rows)
-    kv_buf.assign(static_cast<size_t>(p.B * p.Hkv * p.Sk * (Dp + Dvp)), acc_t(0));
+  // that unit alone)
+  const bool chunk_rows = split && !in_place;
   // The unit buffer (unit_rows / chunk_rows) of a unit owning keys [j0, j1): n rows per part
   // ((n, Dp) then (n, Dvp)), the unit's rows zeroed; written to dk / dv at the unit's end (dk
   // scaled, both converted).
@@ -1126,25 +1131,66 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, buffer_acc(s.unit_kv.data(), s.unit_n, 0), true,
                                j0, j1);
   };
-  std::vector<double> db_parts(static_cast<size_t>(p.B * p.Hkv * n_chunks * group * nbias), 0.0);
-  // partial row of query head h in the unit (b, hkv, chunk c)
+  // The units' partial tables hold only the buckets their pairs reach (DbSpan): unit (b, hkv,
+  // chunk c) pairs the rows of the query blocks that visit the chunk with the chunk's keys, so
+  // bucket M + clamp(i + off - j, -M, M) lies between those of the extreme pairs. A chunk of
+  // 96-key tiles and a few hundred rows reaches a few hundred of the 2M + 1 buckets: the tables
+  // no longer take (2M + 1) doubles per head for each of the ~2 x threads chunks of the split
+  // partition (90 MiB at 64 threads for M = 4095, 32 heads of one kv head). The same sums in
+  // the same order (the buckets left out held +0, which added nothing).
+  struct DbSpan {
+    int64_t lo = 0, n = 0;  // buckets [lo, lo + n), per query head n apart
+    size_t at = 0;          // the first head's row in db_parts
+  };
+  std::vector<DbSpan> db_span(static_cast<size_t>(nbias > 0 ? p.B * n_chunks : 0));
+  size_t db_total = 0;
+  for (int64_t b = 0; b < p.B && nbias > 0; ++b) {
+    const SeqInfo sq = vis.seq(b);
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      DbSpan& sp = db_span[static_cast<size_t>(b * n_chunks + c)];
+      sp.at = db_total;
+      // the chunk's keys [j0, j1) (phase 1's) and the rows [i_lo, i_hi) of the query blocks
+      // that visit it (phase 1: from the block holding the band's first row to the one holding
+      // its last; fused units: every block, every key)
+      const int64_t kt0 = c * per_chunk, kt1 = std::min(n_kb, kt0 + per_chunk);
+      const int64_t j0 = kt0 * kBlockK, j1 = std::min(sq.Sk, kt1 * kBlockK);
+      const Range rows = split ? vis.band_rows_of_keys(sq, j0, j1) : Range{0, sq.Sq};
+      if (j0 >= j1 || rows.lo >= rows.hi) continue;
+      const int64_t i_lo = rows.lo / kBlockQ * kBlockQ;
+      const int64_t i_hi = std::min(sq.Sq, ceil_div(rows.hi, kBlockQ) * kBlockQ);
+      const int64_t M = terms.rel_max;
+      auto bucket = [&](int64_t d) { return M + std::clamp<int64_t>(d, -M, M); };
+      sp.lo = bucket(i_lo + sq.off - (j1 - 1));
+      sp.n = bucket(i_hi - 1 + sq.off - j0) - sp.lo + 1;
+      db_total += static_cast<size_t>(p.H * sp.n);
+    }
+  }
+  std::vector<double> db_parts(db_total, 0.0);
+  // partial row of query head h in the unit (b, hkv, chunk c), and its span
   auto db_row = [&](int64_t b, int64_t h, int64_t c) -> double* {
     if (nbias == 0) return nullptr;
-    const int64_t hkv = h / group;
-    return db_parts.data() + (((b * p.Hkv + hkv) * n_chunks + c) * group + h % group) * nbias;
+    const DbSpan& sp = db_span[static_cast<size_t>(b * n_chunks + c)];
+    return db_parts.data() + sp.at + h * sp.n;
   };
 
   // Packs query block (h, i0) into job j of the scratch (its dq tile zeroed, its dropout row
   // keys set).
   using Job = typename BwdScratch<acc_t>::Job;
+  // (db_chunk: the unit's chunk for d rel_bias (0 in fused units), or -1 for none)
   auto start_job = [&](BwdScratch<acc_t>& s, int j, const SeqInfo& sq, int64_t b, int64_t h,
-                       int64_t i0, double* db) -> Job& {
+                       int64_t i0, int64_t db_chunk) -> Job& {
+    double* db = db_chunk >= 0 ? db_row(b, h, db_chunk) : nullptr;
     Job& job = s.job(j);
     job.h = h;
     job.i0 = i0;
     job.nq = std::min(kBlockQ, sq.Sq - i0);
     job.db = db;
-    if (db != nullptr) job.dbj.assign(static_cast<size_t>(nbias), 0.0);
+    if (db != nullptr) {
+      job.dbj.assign(static_cast<size_t>(nbias), 0.0);
+      const DbSpan& sp = db_span[static_cast<size_t>(b * n_chunks + db_chunk)];
+      job.db_lo = sp.lo;
+      job.db_n = sp.n;
+    }
     pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, job.nq, job.blk.data(), s.tmp.data(),
                                       fused_dp, decode_order, s.rhi.data(), s.rlo.data());
     std::fill(job.dqt.begin(), job.dqt.begin() + (L.amx_dq() ? p.D * kBlockQ : job.nq * s.ldq), acc_t(0));
@@ -1235,7 +1281,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     for (int j = 0; j < n_jobs; ++j) {  // the blocks' d rel_bias sums, in block order
       const Job& job = s.jobs[j];
       if (job.db == nullptr) continue;
-      for (int64_t x = 0; x < nbias; ++x) job.db[x] += job.dbj[static_cast<size_t>(x)];
+      for (int64_t x = 0; x < job.db_n; ++x) job.db[x] += job.dbj[static_cast<size_t>(job.db_lo + x)];
     }
   };
 
@@ -1252,7 +1298,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
         const int n_jobs = static_cast<int>(std::min<int64_t>(jobs, n_blocks - x0));
         for (int j = 0; j < n_jobs; ++j) {
           const int64_t h = hkv * group + (x0 + j) / per_head;
-          start_job(s, j, sq, b, h, ((x0 + j) % per_head) * kBlockQ, db_row(b, h, 0));
+          start_job(s, j, sq, b, h, ((x0 + j) % per_head) * kBlockQ, 0);
         }
         visit(s, n_jobs, sq, b, hkv, 0, n_kb, true, true);
         for (int j = 0; j < n_jobs; ++j) {
@@ -1276,7 +1322,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       const Range rows = vis.band_rows_of_keys(sq, j0, j1);  // rows that see some key of it
       for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
         for (int64_t i0 = rows.lo / kBlockQ * kBlockQ; i0 < rows.hi; i0 += kBlockQ) {
-          start_job(s, 0, sq, b, h, i0, db_row(b, h, c));
+          start_job(s, 0, sq, b, h, i0, c);
           visit(s, 1, sq, b, hkv, kt0, kt1, true, false);
         }
       }
@@ -1289,7 +1335,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       const SeqInfo sq = vis.seq(b);
       const int64_t i0 = qb * kBlockQ;
       if (i0 >= sq.Sq) return;
-      const Job& job = start_job(s, 0, sq, b, h, i0, nullptr);
+      const Job& job = start_job(s, 0, sq, b, h, i0, -1);
       visit(s, 1, sq, b, h / group, 0, n_kb, false, true);
       write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, job.nq, job.dqt.data(), s.ldq, L.amx_dq());
     });
@@ -1302,20 +1348,23 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
       for (int64_t x = 0; x < nbias; ++x) {
         double sum = 0;
         for (int64_t b = 0; b < p.B; ++b) {
-          for (int64_t c = 0; c < n_chunks; ++c) sum += db_row(b, h, c)[x];
+          for (int64_t c = 0; c < n_chunks; ++c) {
+            const DbSpan& sp = db_span[static_cast<size_t>(b * n_chunks + c)];
+            if (x >= sp.lo && x < sp.lo + sp.n) sum += db_row(b, h, c)[x - sp.lo];
+          }
         }
         drb[h * nbias + x] = static_cast<acc_t>(sum);
       }
     }
   }
 
-  // dk = scale * dk accumulator, dv = dv accumulator (the units did it with unit_rows /
-  // chunk_rows).
+  // dk = scale * dk accumulated in place (the units wrote their buffers' rows out themselves,
+  // unit_rows / chunk_rows)
   if (unit_rows || chunk_rows) return;
   parallel_tasks(p.B * p.Hkv, [] { return 0; }, [&](int64_t t, int&) {
     const int64_t b = t / p.Hkv, hkv = t % p.Hkv;
     const SeqInfo sq = vis.seq(b);
-    write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, key_acc(b, hkv, sq, 0), !in_place);
+    write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, key_acc(b, hkv, sq, 0), false);
   });
 }
 
