@@ -965,10 +965,12 @@ void write_dkv(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64
 //     1, 2, 4, 5, 7, the probabilities recomputed). More arithmetic, but work for every thread.
 //
 // Extra memory: dk / dv accumulate in the outputs when those are the accumulation type with
-// D, Dv multiples of 8; otherwise (bf16 / fp16, D % 8 != 0) in fp32 per-unit buffers, one per
-// worker: a fused unit's (Sk, Dp + Dvp), a split unit's key chunk. In the fused partition that
-// is min(threads, B * Hkv) units' rows, at most one fp32 copy of dk / dv (the fp32 gradients
-// the dtype needs), reached only where every (batch, kv head) has its own worker. (Key-chunk
+// D, Dv multiples of 8; otherwise (bf16 / fp16, D % 8 != 0) in per-unit buffers of the
+// accumulation type (fp32; fp64 for fp64), one per worker: a fused unit's (Sk, Dp + Dvp), a
+// split unit's key chunk. In the fused partition that is min(threads, B * Hkv) units' rows,
+// at most one padded copy of dk / dv in the accumulation type (the fp32 gradients a 16-bit
+// dtype needs), reached only where every (batch, kv head) has its own worker. (Packed
+// sequences size the rows by the max_seqlen_k given; only a sequence's own rows are touched.) (Key-chunk
 // buffers at every thread count would bound it by the tile, but the split partition
 // recomputes P and dP for dq: 1.5-1.7x the backward's time at 2 threads, bf16 and fp32,
 // (1, 8, 4096 / 8192, 128) and (1, 16, 2048, 64); RESULTS.md, forty-first session.) d
@@ -1088,9 +1090,9 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   };
 
   // d rel_bias: each query block visit sums its pairs' dS into its own (2M + 1) row (in key
-  // tile order), which is added to its work unit's (group, 2M + 1) partial table after the
-  // visit, in block order (fused units: (b, hkv); split phase 1: (b, hkv, chunk)); the tables
-  // are reduced in unit order at the end. Deterministic for a given thread count, and the same
+  // tile order), which is added to its work unit's partial row of its head (the unit's span of
+  // buckets, DbSpan below) after the visit, in block order (fused units: (b, hkv); split phase
+  // 1: (b, hkv, chunk)); the rows are reduced in unit order at the end. Deterministic for a given thread count, and the same
   // whichever blocks visit the key tiles together.
   const int64_t nbias = terms.rel_bias != nullptr ? 2 * terms.rel_max + 1 : 0;
   const int64_t workers = std::max<int64_t>(1, num_threads());
@@ -1101,7 +1103,7 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   // 1.07x the time of the same call on BHSD views; RESULTS.md, twentieth session). The same
   // additions in the same order: the same bits.
   // Where dk / dv are not the accumulation type with D, Dv multiples of 8 (bf16, fp16; fp32
-  // at D % 8 != 0), the fused units always accumulate in such a buffer (fp32, as they must),
+  // at D % 8 != 0), the fused units always accumulate in such a buffer (the accumulation type),
   // one per worker: at most min(threads, B * Hkv) units' rows, never more than one fp32 buffer
   // for every (batch, kv head), which they used to take where the share below was exceeded
   // (its fresh pages cost 2-3 % of a bf16 backward at (1, 8, 4096, 128)). Gradients of the
@@ -1136,7 +1138,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   // bucket M + clamp(i + off - j, -M, M) lies between those of the extreme pairs. A chunk of
   // 96-key tiles and a few hundred rows reaches a few hundred of the 2M + 1 buckets: the tables
   // no longer take (2M + 1) doubles per head for each of the ~2 x threads chunks of the split
-  // partition (90 MiB at 64 threads for M = 4095, 32 heads of one kv head). The same sums in
+  // partition (86 MiB at 64 threads for M = 4095, 32 heads of one kv head, Sk = 4096: 43
+  // chunks of one key tile). The same sums in
   // the same order (the buckets left out held +0, which added nothing).
   struct DbSpan {
     int64_t lo = 0, n = 0;  // buckets [lo, lo + n), per query head n apart

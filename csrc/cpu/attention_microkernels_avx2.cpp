@@ -352,9 +352,10 @@ ATTN_AVX2 void bias_rows_avx2(float* st, int64_t rows, int64_t n, int64_t ld, in
       int64_t c = 0;
       for (; c + 8 <= ca; c += 8) _mm256_storeu_ps(x + c, _mm256_add_ps(_mm256_loadu_ps(x + c), _mm256_set1_ps(lo)));
       for (; c < ca; ++c) x[c] += lo;
-      const float* t = tab + M + dr;  // column c reads t[c]
-      for (; c + 8 <= cb; c += 8) _mm256_storeu_ps(x + c, _mm256_add_ps(_mm256_loadu_ps(x + c), _mm256_loadu_ps(t + c)));
-      for (; c < cb; ++c) x[c] += t[c];
+      // column c reads tab[M + dr + c] (an index into the table for c in [ca, cb): no pointer
+      // is formed outside it, dr being up to 2^60 for a block far from the keys)
+      for (; c + 8 <= cb; c += 8) _mm256_storeu_ps(x + c, _mm256_add_ps(_mm256_loadu_ps(x + c), _mm256_loadu_ps(tab + (M + dr + c))));
+      for (; c < cb; ++c) x[c] += tab[M + dr + c];
       for (; c + 8 <= n; c += 8) _mm256_storeu_ps(x + c, _mm256_add_ps(_mm256_loadu_ps(x + c), _mm256_set1_ps(hi)));
       for (; c < n; ++c) x[c] += hi;
     }
@@ -389,13 +390,13 @@ ATTN_AVX2 void bias_keys_avx2(float* x, int64_t n, int64_t d0, float slope, cons
     int64_t r = 0;
     for (; r + 8 <= ra; r += 8) _mm256_storeu_ps(x + r, _mm256_add_ps(_mm256_loadu_ps(x + r), _mm256_set1_ps(hi)));
     for (; r < ra; ++r) x[r] += hi;
-    const float* t = tab + M + d0;  // key r reads t[-r]
+    // key r reads tab[M + d0 - r] (an index into the table for r in [ra, rb), as bias_rows)
     const __m256i reverse = _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0);
     for (; r + 8 <= rb; r += 8) {
-      const __m256 tv = _mm256_permutevar8x32_ps(_mm256_loadu_ps(t - r - 7), reverse);
+      const __m256 tv = _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab + (M + d0 - r - 7)), reverse);
       _mm256_storeu_ps(x + r, _mm256_add_ps(_mm256_loadu_ps(x + r), tv));
     }
-    for (; r < rb; ++r) x[r] += t[-r];
+    for (; r < rb; ++r) x[r] += tab[M + d0 - r];
     for (; r + 8 <= n; r += 8) _mm256_storeu_ps(x + r, _mm256_add_ps(_mm256_loadu_ps(x + r), _mm256_set1_ps(lo)));
     for (; r < n; ++r) x[r] += lo;
   }
