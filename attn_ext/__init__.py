@@ -14,8 +14,40 @@ import os as _os
 
 import torch  # noqa: F401  (loads libtorch, whose stable C shims _C calls)
 
+
+
+def _registered_by_another_library():
+    """The library (a path, or a description) that registered the attn_ext operators in this
+    process before this package's _C did, or None. Two libraries registering the one namespace
+    (this package's _C and CMakeLists.txt's libattn_ext_ops.so, or two copies of _C) crash the
+    process inside torch (a stable-ABI library's second registration is not refused cleanly), so
+    the import refuses first. The same file loaded by torch.ops.load_library is the same library."""
+    try:  # (~0.3 ms when absent, the usual case; listing every op name took ~3 ms)
+        torch._C._dispatch_find_schema_or_throw("attn_ext::rope", "")
+    except (RuntimeError, AttributeError):
+        return None
+    ours = {_os.path.realpath(p) for p in
+            _glob.glob(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "_C*.so"))}
+    seen = getattr(torch, "_attn_ext_library", None)  # set below by this package's _C import
+    if seen is not None:
+        return None if _os.path.realpath(seen) in ours else seen
+    loaded = {_os.path.realpath(p) for p in getattr(torch.ops, "loaded_libraries", ())}
+    if loaded & ours:
+        return None
+    others = sorted(loaded - ours)
+    return ", ".join(others) if others else "another library (not through torch.ops.load_library)"
+
+
+_other = _registered_by_another_library()
+if _other is not None:
+    raise ImportError(
+        f"the attn_ext operators are already registered in this process by {_other}: load either "
+        "the op library (torch.ops.load_library) or import attn_ext, not both (importing attn_ext "
+        "alone registers every op and its autograd)")
+
 try:
     from . import _C  # noqa: F401  (loads the library: registers torch.ops.attn_ext.*)
+    torch._attn_ext_library = _C.__file__  # (read by _registered_by_another_library)
 except ImportError as _e:
     if _glob.glob(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "_C*.so")):
         raise  # the library is there but does not load: torch's own message says why

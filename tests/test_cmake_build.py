@@ -30,6 +30,30 @@ def test_cmake_builds_pure_cpp_op_library(tmp_path):
                          cwd=str(tmp_path), check=True).stdout
     assert abs(float(out) - torch.sin(torch.tensor(2.0)).item()) < 1e-6
 
+    # the same operators with kernels for the same dispatch keys as the package's _C (a source
+    # file left out of CMakeLists.txt, as attention_composite.cpp once was, shows here)
+    import attn_ext
+
+    def registrations(path):
+        code = ("import torch, sys; torch.ops.load_library(sys.argv[1]); "
+                "names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith('attn_ext::')); "
+                "print([(n, [k for k in ('CPU', 'Meta', 'CompositeImplicitAutograd', 'CompositeExplicitAutograd') "
+                "if torch._C._dispatch_has_kernel_for_dispatch_key(n, k)]) for n in names])")
+        return subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                              cwd=str(tmp_path), check=True).stdout.strip()
+
+    ours, cmake = registrations(attn_ext.library_path()), registrations(lib)
+    assert "attn_ext::causal_attention" in ours
+    assert cmake == ours
+
+    # both in one process: `import attn_ext` refuses (torch would crash registering the
+    # namespace a second time)
+    code = "import torch, sys; torch.ops.load_library(sys.argv[1]); import attn_ext"
+    proc = subprocess.run([sys.executable, "-c", code, lib], capture_output=True, text=True,
+                          cwd=str(tmp_path))
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "ImportError" in proc.stderr and "libattn_ext_ops.so" in proc.stderr, proc.stderr[-2000:]
+
 
 NVCC = "/usr/local/cuda/bin/nvcc" if os.path.isfile("/usr/local/cuda/bin/nvcc") else shutil.which("nvcc")
 
