@@ -75,6 +75,10 @@ class KVCache:
         if not k.is_floating_point() or v.dtype != k.dtype or v.device != k.device:
             raise ValueError(f"k and v must be floating-point tensors of one dtype and device, got "
                              f"k {k.dtype} on {k.device}, v {v.dtype} on {v.device}")
+        if not torch.jit.is_scripting():  # (TorchScript has no data_ptr)
+            if k.numel() > 0 and v.numel() > 0 and k.data_ptr() == v.data_ptr():
+                # (KVCache(buf, buf): update() wrote the values over the keys)
+                raise ValueError("k and v must be separate buffers (they start at the same memory)")
         self.k = k
         self.v = v
         self.length = 0
@@ -675,6 +679,7 @@ class MultiHeadAttention(_DerivedBuffers):
                 memory, kv_cache = None, memory
             elif isinstance(kv_cache, bool):
                 kv_cache, need_weights = None, need_weights or kv_cache
+            _check_flag(need_weights, "need_weights")  # ("yes" / "no" both returned weights)
             if kv_cache is not None and not isinstance(kv_cache, KVCache):
                 # (a Hugging Face-style (k, v) tuple failed on .length, naming neither)
                 raise ArgumentTypeError(
@@ -968,7 +973,8 @@ class TransformerBlock(nn.Module):
         if d_ff is not None and (not _is_int(d_ff) or d_ff <= 0):
             raise ValueError(f"d_ff must be a positive int (or None: 4 * d_model), got {d_ff!r}")
         d_ff = d_ff if d_ff is not None else 4 * d_model
-        self.norm_first = norm_first
+        _check_flag(norm_first, "norm_first")  # ("no" used to build a pre-LN block)
+        self.norm_first = bool(norm_first)
         self.attn = MultiHeadAttention(d_model, num_heads, num_kv_heads, causal=causal, bias=bias,
                                        dropout=dropout, rotary=rotary, window=window,
                                        rel_bias=rel_bias, alibi=alibi, softcap=softcap)

@@ -627,7 +627,9 @@ def rope_inv_freq(
             return dim * math.log(L0 / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
         low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-        if scaling.get("truncate", True):
+        truncate = scaling.get("truncate", True)
+        _check_flag(truncate, "scaling['truncate']")  # ("no" used to truncate)
+        if truncate:
             low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, dim - 1)
         if low == high:
@@ -822,7 +824,12 @@ def _inplace_kernels(name, written):
     positions = [i for i, a in enumerate(op._schema.arguments) if a.name in written]
 
     def targets(args, kwargs):  # the written tensors, passed by position or by name
-        return [(args[i] if i < len(args) else kwargs[nm], nm) for i, nm in zip(positions, written)]
+        out = [(args[i] if i < len(args) else kwargs[nm], nm) for i, nm in zip(positions, written)]
+        for t, arg_name in out:  # (None reached these kernels before the op's own checks)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"attn_ext::{name}: {arg_name} must be a tensor, got "
+                                f"{type(t).__name__}")
+        return out
 
     def autograd_kernel(keyset, *args, **kwargs):
         _refuse_forward_ad(name, args, kwargs)
@@ -1739,7 +1746,7 @@ def _attention_probs(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: Opti
     (positional arguments, no checks): the modules call it on their own q and k."""
     H, D = q.size(2), q.size(3)
     Sq, Sk, Hkv = q.size(1), k.size(1), k.size(2)
-    s = scale if scale is not None else 1.0 / math.sqrt(D)
+    s = scale if scale is not None else (1.0 / math.sqrt(D) if D > 0 else 1.0)  # (as the kernels)
     if Hkv != H and Hkv > 0:
         k = k.repeat_interleave(H // Hkv, dim=2)
     qf = q.transpose(1, 2).to(torch.float32 if q.dtype != torch.float64 else q.dtype)

@@ -89,6 +89,7 @@ def t5_bucket(distance: Tensor, bidirectional: bool, num_buckets: int, max_dista
         num_buckets //= 2
         ret = ret + (n < 0).long() * num_buckets
         n = n.abs()
+        n = n.masked_fill(n < 0, 9223372036854775807)  # (|-2^63| wraps to -2^63: the farthest)
     else:
         n = n.clamp(min=0)
     max_exact = num_buckets // 2

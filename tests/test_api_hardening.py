@@ -569,3 +569,75 @@ def test_cross_attention_layer_without_memory_is_refused():
         layer = MultiHeadAttention(32, 4, cross_attention=True, kv_dim=kv_dim)
         with pytest.raises(ValueError, match="cross_attention=True layer needs memory"):
             layer(torch.randn(2, 5, 32))
+
+
+# ---- a review's bad-input matrix (forty-first session) ----------------------------------------
+
+def test_raw_ops_name_a_tensor_argument_given_none():
+    """A required tensor given as None reached the kernels undefined: "Not yet supported
+    ScalarType 46" for cu_seqlens, "x must have 4 dims, got shape [0]" for q, AttributeError
+    in the in-place ops' kernels."""
+    ops = torch.ops.attn_ext
+    q, k, v = randn(6, 2, 8), randn(7, 2, 8), randn(7, 2, 8)
+    cq, ck = torch.tensor([0, 6], dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must be a tensor, got None"):
+        ops.attention_varlen_forward(q, k, v, None, ck, 6, 7)
+    with pytest.raises(RuntimeError, match="cu_seqlens_k must be a tensor, got None"):
+        ops.attention_varlen_forward(q, k, v, cq, None, 6, 7)
+    x4 = randn(1, 2, 2, 8)
+    with pytest.raises(RuntimeError, match="q must be a tensor, got None"):
+        ops.attention_forward(None, x4, x4, False)
+    with pytest.raises(RuntimeError, match="v must be a tensor, got None"):
+        ops.attention_forward(x4, x4, None, False)
+    with pytest.raises(TypeError, match="x must be a tensor, got NoneType"):
+        ops.rope_(None, randn(4, 4), randn(4, 4))
+    with pytest.raises(TypeError, match="x must be a tensor"):
+        ops.sinusoidal_pe_(None)
+
+
+def test_scale_past_float_range_refused_below_float64():
+    """scale = 1e39 with float32 inputs became inf in the kernels' float32 q: every output NaN
+    (the float64 reference and our float64 path give finite values)."""
+    q, k, v = (randn(1, 3, 2, 8) for _ in range(3))
+    for bad in (1e39, -1e39):
+        with pytest.raises(RuntimeError, match="scale must be at most"):
+            attn_ext.attention(q, k, v, scale=bad)
+    out = attn_ext.attention(q.double(), k.double(), v.double(), scale=1e39)
+    assert torch.isfinite(out).all()
+    assert torch.isfinite(attn_ext.attention(q, k, v, scale=1e30)).all()
+
+
+def test_attention_weights_head_dim_zero_default_scale():
+    w = attn_ext.attention_weights(randn(1, 3, 2, 0), randn(1, 4, 2, 0))
+    assert w.shape == (1, 2, 3, 4) and torch.isfinite(w).all()
+    torch.testing.assert_close(w, torch.full_like(w, 0.25))
+
+
+def test_kv_cache_refuses_one_buffer_for_keys_and_values():
+    buf = torch.zeros(2, 4, 1, 8)
+    with pytest.raises(ValueError, match="k and v must be separate buffers"):
+        attn_ext.KVCache(buf, buf)
+    fused = torch.zeros(2, 4, 1, 2, 8)  # k and v side by side in one allocation: fine
+    cache = attn_ext.KVCache(fused[:, :, :, 0], fused[:, :, :, 1])
+    a, b = cache.update(torch.ones(2, 1, 1, 8), 2 * torch.ones(2, 1, 1, 8))
+    assert a[0, 0, 0, 0] == 1 and b[0, 0, 0, 0] == 2
+
+
+def test_string_flags_refused():
+    with pytest.raises(ValueError, match="norm_first must be a bool"):
+        attn_ext.TransformerBlock(16, 2, norm_first="no")
+    with pytest.raises(ValueError, match="need_weights must be a bool"):
+        MultiHeadAttention(16, 2)(randn(1, 3, 16), need_weights="yes")
+    scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+               "truncate": "no"}
+    with pytest.raises(ValueError, match=r"scaling\['truncate'\] must be a bool"):
+        attn_ext.rope_cache(64, 8, scaling=scaling)
+    scaling["truncate"] = False
+    attn_ext.rope_cache(64, 8, scaling=scaling)
+
+
+def test_t5_bucket_of_the_most_negative_distance():
+    """|-2^63| wraps to -2^63: the bucket was -9223372036854775792."""
+    d = torch.tensor([-2**63, -2**63 + 1, -200, 2**63 - 1])
+    b = attn_ext.t5_bucket(d, True, 32, 128)
+    assert b.tolist() == [31, 31, 31, 15]

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -54,6 +55,13 @@ inline AttentionShape check_attention_inputs(const Tensor& q, const Tensor& k,
   check_row_contiguous(v, "v");
   if (scale.has_value()) {
     STD_TORCH_CHECK(std::isfinite(*scale), "scale must be finite, got ", *scale);
+    // Below float64 the kernels fold the scale into float32 q (the CUDA ones in base-2 units,
+    // scale * log2 e): past float's range it was inf there, and every output NaN. Half of
+    // float's maximum keeps both finite (as softcap's bound, score_checks.h).
+    const double max_scale = static_cast<double>(std::numeric_limits<float>::max()) / 2;
+    STD_TORCH_CHECK(q.scalar_type() == dtype::kDouble || std::abs(*scale) <= max_scale,
+                    "scale must be at most ", max_scale, " in magnitude for ", q.scalar_type(),
+                    " inputs (the kernels scale float32 q), got ", *scale);
   }
   return s;
 }

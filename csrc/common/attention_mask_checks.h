@@ -109,6 +109,7 @@ inline void check_dlse(const Tensor& dlse, const Tensor& lse) {
 
 inline void check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q,
                              int64_t total, int64_t max_seqlen, const char* max_name) {
+  check_defined(cu, name);
   STD_TORCH_CHECK(cu.scalar_type() == ScalarType::Int, name, " must be int32 (N + 1,), got dtype ",
               cu.scalar_type());
   STD_TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, name,

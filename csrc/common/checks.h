@@ -20,7 +20,13 @@ inline void check_floating(const Tensor& t, const char* name) {
                   name, " must be float32, float64, float16 or bfloat16, got ", s);
 }
 
+// A tensor argument given as None (a direct torch.ops call) arrives undefined.
+inline void check_defined(const Tensor& t, const char* name) {
+  STD_TORCH_CHECK(t.defined(), name, " must be a tensor, got None");
+}
+
 inline void check_dim(const Tensor& t, const char* name, int64_t ndim, const char* layout) {
+  check_defined(t, name);
   STD_TORCH_CHECK(t.dim() == ndim, name, " must have ", ndim, " dims ", layout, ", got shape ",
                   shape_of(t));
 }
