@@ -15,7 +15,6 @@ import os as _os
 import torch  # noqa: F401  (loads libtorch, whose stable C shims _C calls)
 
 
-
 def _registered_by_another_library():
     """The library (a path, or a description) that registered the attn_ext operators in this
     process before this package's _C did, or None. Two libraries registering the one namespace

@@ -39,6 +39,16 @@ __all__ = [
 ]
 
 
+def _real_same_start(k: Tensor, v: Tensor) -> bool:
+    """Whether k and v are real tensors with storage (not meta / fake, not traced by torch.compile
+    or export, which have no data pointers) that start at the same memory."""
+    if torch.compiler.is_compiling() or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return False
+    if k.device.type == "meta" or k.numel() == 0 or v.numel() == 0:
+        return False
+    return k.data_ptr() == v.data_ptr()
+
+
 class KVCache:
     """Preallocated keys and values of one attention layer for incremental decoding.
 
@@ -76,7 +86,7 @@ class KVCache:
             raise ValueError(f"k and v must be floating-point tensors of one dtype and device, got "
                              f"k {k.dtype} on {k.device}, v {v.dtype} on {v.device}")
         if not torch.jit.is_scripting():  # (TorchScript has no data_ptr)
-            if k.numel() > 0 and v.numel() > 0 and k.data_ptr() == v.data_ptr():
+            if _real_same_start(k, v):
                 # (KVCache(buf, buf): update() wrote the values over the keys)
                 raise ValueError("k and v must be separate buffers (they start at the same memory)")
         self.k = k

@@ -628,7 +628,8 @@ def rope_inv_freq(
 
         low, high = correction_dim(beta_fast), correction_dim(beta_slow)
         truncate = scaling.get("truncate", True)
-        _check_flag(truncate, "scaling['truncate']")  # ("no" used to truncate)
+        if truncate is not None:  # (None: no truncation, as transformers reads it)
+            _check_flag(truncate, "scaling['truncate']")  # ("no" used to truncate)
         if truncate:
             low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, dim - 1)
@@ -827,8 +828,8 @@ def _inplace_kernels(name, written):
         out = [(args[i] if i < len(args) else kwargs[nm], nm) for i, nm in zip(positions, written)]
         for t, arg_name in out:  # (None reached these kernels before the op's own checks)
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"attn_ext::{name}: {arg_name} must be a tensor, got "
-                                f"{type(t).__name__}")
+                raise ArgumentTypeError(f"attn_ext::{name}: {arg_name} must be a tensor, got "
+                                        f"{'None' if t is None else type(t).__name__}")
         return out
 
     def autograd_kernel(keyset, *args, **kwargs):

@@ -589,7 +589,7 @@ def test_raw_ops_name_a_tensor_argument_given_none():
         ops.attention_forward(None, x4, x4, False)
     with pytest.raises(RuntimeError, match="v must be a tensor, got None"):
         ops.attention_forward(x4, x4, None, False)
-    with pytest.raises(TypeError, match="x must be a tensor, got NoneType"):
+    with pytest.raises(TypeError, match="x must be a tensor, got None"):
         ops.rope_(None, randn(4, 4), randn(4, 4))
     with pytest.raises(TypeError, match="x must be a tensor"):
         ops.sinusoidal_pe_(None)
@@ -621,6 +621,40 @@ def test_kv_cache_refuses_one_buffer_for_keys_and_values():
     cache = attn_ext.KVCache(fused[:, :, :, 0], fused[:, :, :, 1])
     a, b = cache.update(torch.ones(2, 1, 1, 8), 2 * torch.ones(2, 1, 1, 8))
     assert a[0, 0, 0, 0] == 1 and b[0, 0, 0, 0] == 2
+
+
+def test_kv_cache_same_buffer_check_skips_meta_fake_and_traced_tensors():
+    """The same-buffer check reads data pointers, which meta / fake tensors (0 for both) and
+    torch.compile / export do not have: a meta model's cache, a cache built under
+    FakeTensorMode, and one built inside a fullgraph-compiled forward are fine."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = MultiHeadAttention(16, 2)
+    layer.new_kv_cache(1, 4, device="meta")
+    with FakeTensorMode():
+        attn_ext.KVCache(torch.empty(1, 4, 2, 8), torch.empty(1, 4, 2, 8))
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = layer
+
+        def forward(self, x):
+            cache = self.m.new_kv_cache(x.size(0), 8)
+            return self.m(x, None, cache)[0]
+
+    x = randn(1, 3, 16)
+    want = Step()(x)
+    torch.testing.assert_close(torch.compile(Step(), fullgraph=True, backend="eager")(x), want)
+
+
+def test_yarn_truncate_none_means_no_truncation():
+    base = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    none = attn_ext.rope_inv_freq(16, 1e4, dict(base, truncate=None), 256)
+    false = attn_ext.rope_inv_freq(16, 1e4, dict(base, truncate=False), 256)
+    true = attn_ext.rope_inv_freq(16, 1e4, dict(base, truncate=True), 256)
+    torch.testing.assert_close(none, false, rtol=0, atol=0)
+    assert not torch.equal(none[0], true[0])
 
 
 def test_string_flags_refused():

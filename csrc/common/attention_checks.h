@@ -60,7 +60,8 @@ inline AttentionShape check_attention_inputs(const Tensor& q, const Tensor& k,
     // float's maximum keeps both finite (as softcap's bound, score_checks.h).
     const double max_scale = static_cast<double>(std::numeric_limits<float>::max()) / 2;
     STD_TORCH_CHECK(q.scalar_type() == dtype::kDouble || std::abs(*scale) <= max_scale,
-                    "scale must be at most ", max_scale, " in magnitude for ", q.scalar_type(),
+                    "scale must be at most half of float32's largest value (", max_scale,
+                    ") in magnitude for ", q.scalar_type(),
                     " inputs (the kernels scale float32 q), got ", *scale);
   }
   return s;

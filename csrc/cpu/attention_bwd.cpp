@@ -970,11 +970,11 @@ void write_dkv(const AttentionBwdParams& bp, const SeqInfo& sq, int64_t b, int64
 // split unit's key chunk. In the fused partition that is min(threads, B * Hkv) units' rows,
 // at most one padded copy of dk / dv in the accumulation type (the fp32 gradients a 16-bit
 // dtype needs), reached only where every (batch, kv head) has its own worker. (Packed
-// sequences size the rows by the max_seqlen_k given; only a sequence's own rows are touched.) (Key-chunk
-// buffers at every thread count would bound it by the tile, but the split partition
-// recomputes P and dP for dq: 1.5-1.7x the backward's time at 2 threads, bf16 and fp32,
-// (1, 8, 4096 / 8192, 128) and (1, 16, 2048, 64); RESULTS.md, forty-first session.) d
-// rel_bias: per work unit and query head, the buckets of the unit's pairs, in doubles
+// sequences size the rows by the max_seqlen_k given; only a sequence's own rows are
+// touched.) Key-chunk buffers at every thread count would bound it by the tile, but the split
+// partition recomputes P and dP for dq: 1.5-1.7x the backward's time at 2 threads, bf16 and
+// fp32, (1, 8, 4096 / 8192, 128) and (1, 16, 2048, 64) (RESULTS.md, forty-first session).
+// d rel_bias: per work unit and query head, the buckets of the unit's pairs, in doubles
 // (DbSpan). Beyond that,
 // kBwdJobs query blocks with their dq tiles and one key tile per worker (about 1.2 MiB at
 // D = 128; fp16 on the tiles about 1.8 MiB, the pairs of hi and lo parts): independent of the
@@ -1092,8 +1092,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   // d rel_bias: each query block visit sums its pairs' dS into its own (2M + 1) row (in key
   // tile order), which is added to its work unit's partial row of its head (the unit's span of
   // buckets, DbSpan below) after the visit, in block order (fused units: (b, hkv); split phase
-  // 1: (b, hkv, chunk)); the rows are reduced in unit order at the end. Deterministic for a given thread count, and the same
-  // whichever blocks visit the key tiles together.
+  // 1: (b, hkv, chunk)); the rows are reduced in unit order at the end. Deterministic for a
+  // given thread count, and the same whichever blocks visit the key tiles together.
   const int64_t nbias = terms.rel_bias != nullptr ? 2 * terms.rel_max + 1 : 0;
   const int64_t workers = std::max<int64_t>(1, num_threads());
   const bool split = p.B * p.Hkv < workers && n_kb > 1;
@@ -1109,9 +1109,9 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   // (its fresh pages cost 2-3 % of a bf16 backward at (1, 8, 4096, 128)). Gradients of the
   // accumulation type whose rows lie apart take the buffer where it fits the head-rows share,
   // else accumulate in place. The same additions in the same order, the same bits.
-  const bool unit_rows =
-      !split && (!in_place || ((bp.dk_row_stride != p.D || bp.dv_row_stride != p.Dv) &&
-                               p.Sk * (Dp + Dvp) * static_cast<int64_t>(sizeof(acc_t)) <= rows_budget));
+  const bool strided_fits = (bp.dk_row_stride != p.D || bp.dv_row_stride != p.Dv) &&
+                            p.Sk * (Dp + Dvp) * static_cast<int64_t>(sizeof(acc_t)) <= rows_budget;
+  const bool unit_rows = !split && (!in_place || strided_fits);
   const int64_t n_chunks = split ? std::min(n_kb, ceil_div(2 * workers, p.B * p.Hkv)) : 1;
   const int64_t per_chunk = ceil_div(n_kb, n_chunks);
   // ... and so do the split partition's phase-1 units (one kv head's chunk of keys, written by
@@ -1139,8 +1139,8 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   // 96-key tiles and a few hundred rows reaches a few hundred of the 2M + 1 buckets: the tables
   // no longer take (2M + 1) doubles per head for each of the ~2 x threads chunks of the split
   // partition (86 MiB at 64 threads for M = 4095, 32 heads of one kv head, Sk = 4096: 43
-  // chunks of one key tile). The same sums in
-  // the same order (the buckets left out held +0, which added nothing).
+  // chunks of one key tile). The same sums in the same order (the buckets left out held +0,
+  // which added nothing).
   struct DbSpan {
     int64_t lo = 0, n = 0;  // buckets [lo, lo + n), per query head n apart
     size_t at = 0;          // the first head's row in db_parts

@@ -354,7 +354,10 @@ ATTN_AVX2 void bias_rows_avx2(float* st, int64_t rows, int64_t n, int64_t ld, in
       for (; c < ca; ++c) x[c] += lo;
       // column c reads tab[M + dr + c] (an index into the table for c in [ca, cb): no pointer
       // is formed outside it, dr being up to 2^60 for a block far from the keys)
-      for (; c + 8 <= cb; c += 8) _mm256_storeu_ps(x + c, _mm256_add_ps(_mm256_loadu_ps(x + c), _mm256_loadu_ps(tab + (M + dr + c))));
+      for (; c + 8 <= cb; c += 8) {
+        const __m256 tv = _mm256_loadu_ps(tab + (M + dr + c));
+        _mm256_storeu_ps(x + c, _mm256_add_ps(_mm256_loadu_ps(x + c), tv));
+      }
       for (; c < cb; ++c) x[c] += tab[M + dr + c];
       for (; c + 8 <= n; c += 8) _mm256_storeu_ps(x + c, _mm256_add_ps(_mm256_loadu_ps(x + c), _mm256_set1_ps(hi)));
       for (; c < n; ++c) x[c] += hi;
