@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import (ArgumentTypeError, _attention_probs, _call_inplace_op, _call_op, _check_flag,
+from .ops import (ArgumentTypeError, ArgumentValueError, _attention_probs, _call_inplace_op, _call_op, _check_flag,
                   _checked_dropout, _checked_softcap, _dropout_seed_offset, _is_int, _window_args,
                   rope_inv_freq)
 from .position_bias import RelativePositionBias, alibi_slopes
@@ -223,6 +223,10 @@ class RotaryEmbedding(_DerivedBuffers):
         super().__init__()
         _check_flag(interleaved, "interleaved")
         interleaved = bool(interleaved)
+        if not _is_int(max_seq_len) or max_seq_len < 0:  # ("x" failed on a comparison, 2.5 and
+            # -5 were taken)
+            raise ArgumentValueError(f"max_seq_len must be an int >= 0, got {max_seq_len!r}")
+        max_seq_len = int(max_seq_len)
         inv_freq, attn_factor = rope_inv_freq(rotary_dim, base, scaling, max_seq_len)
         kind = None if scaling is None else scaling.get("type", scaling.get("rope_type"))
         if kind in ("ntk", "dynamic") and torch.equal(inv_freq, rope_inv_freq(rotary_dim, base)[0]):
@@ -288,6 +292,7 @@ class RotaryEmbedding(_DerivedBuffers):
         # raises on CPU and device-asserts on CUDA (the op's range check), and
         # tables(n) grows them ahead of time.
         if not torch.jit.is_scripting():
+            _check_rotary_offset(offset)
             if positions is None and torch.compiler.is_exporting():
                 # torch.export: the rows [0, offset + S) built in the graph (the same float64
                 # ops as _build, so the same bits as the cache's rows); growing the cache on
@@ -326,6 +331,13 @@ class RotaryEmbedding(_DerivedBuffers):
             return q, k
         torch.ops.attn_ext.rope_qk_(q, k, cos, sin, positions, off, self.interleaved)
         return q, k
+
+
+def _check_rotary_offset(offset) -> None:
+    """RotaryEmbedding's offset: an int (None failed on ``offset + S``, naming nothing). Eager
+    only (a function, so that TorchScript's frontend does not parse its f-string)."""
+    if not _is_int(offset):
+        raise ArgumentTypeError(f"offset must be an int, got {offset!r}")
 
 
 def _outside_inference_mode(*ts: Tensor) -> Tuple[Tensor, ...]:

@@ -675,3 +675,19 @@ def test_t5_bucket_of_the_most_negative_distance():
     d = torch.tensor([-2**63, -2**63 + 1, -200, 2**63 - 1])
     b = attn_ext.t5_bucket(d, True, 32, 128)
     assert b.tolist() == [31, 31, 31, 15]
+
+
+def test_rotary_embedding_sizes_and_offset_by_type():
+    for bad in ("x", 2.5, -5, True):
+        with pytest.raises(ValueError, match="max_seq_len must be an int >= 0"):
+            RotaryEmbedding(8, max_seq_len=bad)
+    rot = RotaryEmbedding(8, max_seq_len=0)
+    q, k = randn(1, 3, 2, 8), randn(1, 3, 2, 8)
+    with pytest.raises(TypeError, match="offset must be an int, got None"):
+        rot(q, k, offset=None)
+    with pytest.raises(TypeError, match="offset must be an int"):
+        rot.rotate(q, offset=1.0)
+    import numpy as np
+    a = rot(q.clone(), k.clone(), offset=np.int64(2))
+    b = rot(q.clone(), k.clone(), offset=2)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
