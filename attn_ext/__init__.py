@@ -15,6 +15,10 @@ import os as _os
 import torch  # noqa: F401  (loads libtorch, whose stable C shims _C calls)
 
 
+# this package's compiled op library (one file once built; none in an unbuilt source tree)
+_C_FILES = _glob.glob(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "_C*.so"))
+
+
 def _registered_by_another_library():
     """The library (a path, or a description) that registered the attn_ext operators in this
     process before this package's _C did, or None. Two libraries registering the one namespace
@@ -25,8 +29,7 @@ def _registered_by_another_library():
         torch._C._dispatch_find_schema_or_throw("attn_ext::rope", "")
     except (RuntimeError, AttributeError):
         return None
-    ours = {_os.path.realpath(p) for p in
-            _glob.glob(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "_C*.so"))}
+    ours = {_os.path.realpath(p) for p in _C_FILES}
     seen = getattr(torch, "_attn_ext_library", None)  # set below by this package's _C import
     if seen is not None:
         return None if _os.path.realpath(seen) in ours else seen
@@ -48,7 +51,7 @@ try:
     from . import _C  # noqa: F401  (loads the library: registers torch.ops.attn_ext.*)
     torch._attn_ext_library = _C.__file__  # (read by _registered_by_another_library)
 except ImportError as _e:
-    if _glob.glob(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "_C*.so")):
+    if _C_FILES:
         raise  # the library is there but does not load: torch's own message says why
     raise ImportError(
         f"attn_ext's compiled library (attn_ext/_C*.so) is not in {_os.path.dirname(__file__)}: "

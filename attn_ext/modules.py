@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .ops import (ArgumentTypeError, ArgumentValueError, _attention_probs, _call_inplace_op, _call_op, _check_flag,
+                  _check_offset,
                   _checked_dropout, _checked_softcap, _dropout_seed_offset, _is_int, _window_args,
                   rope_inv_freq)
 from .position_bias import RelativePositionBias, alibi_slopes
@@ -292,7 +293,7 @@ class RotaryEmbedding(_DerivedBuffers):
         # raises on CPU and device-asserts on CUDA (the op's range check), and
         # tables(n) grows them ahead of time.
         if not torch.jit.is_scripting():
-            _check_rotary_offset(offset)
+            _check_offset(offset)  # (None failed on `offset + S`, naming nothing)
             if positions is None and torch.compiler.is_exporting():
                 # torch.export: the rows [0, offset + S) built in the graph (the same float64
                 # ops as _build, so the same bits as the cache's rows); growing the cache on
@@ -309,7 +310,7 @@ class RotaryEmbedding(_DerivedBuffers):
         if _rope_out_of_place(x.requires_grad):
             return torch.ops.attn_ext.rope(x, cos, sin, positions, off, self.interleaved)
         if not torch.jit.is_scripting():  # (below the ops' Python Autograd kernels: _call_op)
-            _call_inplace_op("rope_", torch.ops.attn_ext.rope_, ((x, "x"),), x, cos, sin,
+            _call_inplace_op("rope_", x, cos, sin,
                              positions, off, self.interleaved)
             return x
         torch.ops.attn_ext.rope_(x, cos, sin, positions, off, self.interleaved)
@@ -326,18 +327,11 @@ class RotaryEmbedding(_DerivedBuffers):
             k = torch.ops.attn_ext.rope(k, cos, sin, positions, off, self.interleaved)
             return q, k
         if not torch.jit.is_scripting():
-            _call_inplace_op("rope_qk_", torch.ops.attn_ext.rope_qk_, ((q, "q"), (k, "k")), q, k,
+            _call_inplace_op("rope_qk_", q, k,
                              cos, sin, positions, off, self.interleaved)
             return q, k
         torch.ops.attn_ext.rope_qk_(q, k, cos, sin, positions, off, self.interleaved)
         return q, k
-
-
-def _check_rotary_offset(offset) -> None:
-    """RotaryEmbedding's offset: an int (None failed on ``offset + S``, naming nothing). Eager
-    only (a function, so that TorchScript's frontend does not parse its f-string)."""
-    if not _is_int(offset):
-        raise ArgumentTypeError(f"offset must be an int, got {offset!r}")
 
 
 def _outside_inference_mode(*ts: Tensor) -> Tuple[Tensor, ...]:

@@ -84,7 +84,7 @@ def sinusoidal_pe_(
     _check_tensor(x, "x", "(B, S, D) or (S, D)")
     _check_offset(offset)
     _check_base(base)
-    _call_inplace_op("sinusoidal_pe_", _lib.sinusoidal_pe_, ((x, "x"),), x, positions, offset, base)
+    _call_inplace_op("sinusoidal_pe_", x, positions, offset, base)
     return x
 
 
@@ -225,14 +225,16 @@ def _call_op(op, *args):
     return op(*args)
 
 
-def _call_inplace_op(name, op, written, *args):
-    """op(*args) for an in-place op whose written tensors are ``written`` ((tensor, argument
-    name) pairs): below its Autograd and ADInplaceOrView kernels when _plain_eager_call, doing
-    what the ADInplaceOrView kernel does (_inplace_kernels: the inference-tensor refusal, the
-    version bump). A written tensor that requires grad under grad mode is not a plain call: the
-    Autograd kernel refuses it."""
+def _call_inplace_op(name, *args):
+    """attn_ext::name(*args) for an in-place op (its written tensors, _INPLACE_WRITES[name], are
+    its first arguments): below its Autograd and ADInplaceOrView kernels when _plain_eager_call,
+    doing what the ADInplaceOrView kernel does (_inplace_kernels: the inference-tensor refusal,
+    the version bump). A written tensor that requires grad under grad mode is not a plain call:
+    the Autograd kernel refuses it."""
+    op = getattr(_lib, name)
     if not _plain_eager_call(args) or _below_inplace_or_view():
         return op(*args)
+    written = tuple(zip(args, _INPLACE_WRITES[name]))
     _refuse_inference_writes(name, written)
     with torch._C._AutoDispatchBelowADInplaceOrView():
         out = op(*args)
@@ -460,8 +462,7 @@ def rope_(
     tensor that requires grad is refused: use :func:`rope` in training)."""
     _check_rope_args(x, "x", cos, sin, offset, interleaved)
     x4 = _rope_4d(x)
-    _call_inplace_op("rope_", _lib.rope_, ((x4, "x"),), x4, cos, sin, positions, offset,
-                     interleaved)
+    _call_inplace_op("rope_", x4, cos, sin, positions, offset, interleaved)
     return x
 
 
@@ -497,8 +498,7 @@ def rope_qk(
             f"cos/sin must be float32 or q's dtype ({q.dtype}), got {cos.dtype}")
     if inplace:
         q4, k4 = _rope_4d(q), _rope_4d(k)
-        _call_inplace_op("rope_qk_", _lib.rope_qk_, ((q4, "q"), (k4, "k")), q4, k4, cos, sin,
-                         positions, offset, interleaved)
+        _call_inplace_op("rope_qk_", q4, k4, cos, sin, positions, offset, interleaved)
         return q, k
     _check_tables_no_grad(cos, sin)
     return (
@@ -823,6 +823,7 @@ def _bump_versions(written) -> None:
 def _inplace_kernels(name, written):
     op = getattr(_lib, name).default
     positions = [i for i, a in enumerate(op._schema.arguments) if a.name in written]
+    assert positions == list(range(len(written))), name  # (_call_inplace_op reads them so)
 
     def targets(args, kwargs):  # the written tensors, passed by position or by name
         out = [(args[i] if i < len(args) else kwargs[nm], nm) for i, nm in zip(positions, written)]

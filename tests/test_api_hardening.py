@@ -690,4 +690,6 @@ def test_rotary_embedding_sizes_and_offset_by_type():
     import numpy as np
     a = rot(q.clone(), k.clone(), offset=np.int64(2))
     b = rot(q.clone(), k.clone(), offset=2)
+    c = rot(q.clone(), k.clone(), offset=torch.tensor(2))  # (a one-element tensor, as the ops)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(c[0], b[0]) and torch.equal(c[1], b[1])
