@@ -666,6 +666,14 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     if dout is not None and not isinstance(dout, torch.Tensor):
         raise TypeError(f"dout must be a torch.Tensor or None, got {type(dout).__name__}")
     s = _check(q, k, v)
+    if dout is not None:  # (attention's backward refuses any other dout)
+        want = [s.B, s.Sq, s.H, s.Dv]
+        if list(dout.shape) != want:
+            raise ValueError(f"dout must have the output's shape {want} (B, Sq, H, Dv), got "
+                             f"{list(dout.shape)}")
+        if dout.dtype != q.dtype or dout.device != q.device:
+            raise ValueError(f"dout must have q's dtype and device ({q.dtype}, {q.device}), got "
+                             f"{dout.dtype}, {dout.device}")
     _check_causal(causal)
     _check_return_lse(return_lse)
     _check_scale(scale)

@@ -356,6 +356,18 @@ def _rope_out_of_place(requires_grad: bool) -> bool:
     return False
 
 
+
+def _check_cache_sizes(batch, max_len) -> None:
+    """new_kv_cache's sizes: ints >= 0 (2.5 failed inside torch.empty naming nothing, True
+    passed as 1, -1 as a "negative dimension")."""
+    for name, n in (("batch", batch), ("max_len", max_len)):
+        if isinstance(n, bool) or not _is_int(n):
+            raise ArgumentTypeError(f"new_kv_cache: {name} must be an int, got "
+                                    f"{type(n).__name__} {n!r}")
+        if n < 0:
+            raise ArgumentValueError(f"new_kv_cache: {name} must be >= 0, got {n}")
+
+
 class MultiHeadAttention(_DerivedBuffers):
     """Multi-head (and grouped-query) attention that never copies q, k, v or the output.
 
@@ -618,6 +630,8 @@ class MultiHeadAttention(_DerivedBuffers):
 
         (Exported to TorchScript, so a scripted decoding loop can make its caches. A cache
         crosses the Python / TorchScript boundary by copy: see :class:`KVCache`.)"""
+        if not torch.jit.is_scripting():
+            _check_cache_sizes(batch, max_len)
         w = self.out_proj.weight
         dt = w.dtype if dtype is None else dtype
         dev = w.device if device is None else device

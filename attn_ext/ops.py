@@ -334,15 +334,25 @@ def _functorch_autograd_impl(op, backward, setup_context):
 
 
 @torch.library.register_fake("attn_ext::sinusoidal_pe")
-def _sinusoidal_pe_fake(x, positions=None, offset=0, base=10000.0):
+def _sinusoidal_fake_checks(x, positions, base):
+    """make_sinusoidal_params' rules (sinusoidal_adapter.h) in the fake kernels, which are all
+    that runs on meta tensors."""
     torch._check(x.dim() in (2, 3), lambda: f"x must have 3 dims (B, S, D) or 2 dims (S, D), got shape {list(x.shape)}")
+    if isinstance(base, (int, float)):  # (a symbolic base is left to the kernel)
+        torch._check(math.isfinite(base) and base > 0.0,
+                     lambda: f"base must be a positive finite number, got {base}")
     _fake_same_device(x, "x", positions=positions)
+
+
+@torch.library.register_fake("attn_ext::sinusoidal_pe")
+def _sinusoidal_pe_fake(x, positions=None, offset=0, base=10000.0):
+    _sinusoidal_fake_checks(x, positions, base)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("attn_ext::sinusoidal_pe_")
 def _sinusoidal_pe_inplace_fake(x, positions=None, offset=0, base=10000.0):
-    _fake_same_device(x, "x", positions=positions)
+    _sinusoidal_fake_checks(x, positions, base)
     return None
 
 
@@ -712,10 +722,29 @@ def rope_cache(
     return cos, sin
 
 
-def _rope_fake_out(x, cos, sin, name="x", positions=None):
+def _rope_fake_checks(x, cos, sin, name="x", positions=None):
+    """The kernels' shape and dtype rules (make_rope_params / add_rope_tensor, rope_args.h) in
+    the fake kernels, which are all that runs on meta tensors. (The offset's range against
+    cos's rows is left to the kernel: under torch.compile it would guard on the values.)"""
     torch._check(x.dim() == 4, lambda: f"{name} must have 4 dims (B, S, H, D), got shape {list(x.shape)}")
-    torch._check(cos.dim() == 2, lambda: f"cos must have 2 dims (S_max, rotary_dim/2), got shape {list(cos.shape)}")
+    for t_name, t in (("cos", cos), ("sin", sin)):
+        torch._check(t.dim() == 2, lambda: f"{t_name} must have 2 dims (S_max, rotary_dim/2), got "
+                                           f"shape {list(t.shape)}")
+    _fake_check(lambda: list(cos.shape) == list(sin.shape), (*cos.shape, *sin.shape),
+                lambda: f"cos and sin must have the same shape, got cos {list(cos.shape)} and "
+                        f"sin {list(sin.shape)}")
+    torch._check(cos.dtype == sin.dtype, lambda: f"cos and sin must have the same dtype, got cos "
+                                                 f"{cos.dtype} and sin {sin.dtype}")
+    torch._check(cos.dtype in (torch.float32, x.dtype),
+                 lambda: f"cos/sin must be float32 or x's dtype ({x.dtype}), got {cos.dtype}")
+    _fake_check(lambda: 2 * cos.shape[1] <= x.shape[3], (cos.shape[1], x.shape[3]),
+                lambda: f"rotary_dim = 2 * cos.size(-1) = {2 * cos.shape[1]} must be <= the head "
+                        f"dim D = {name}.size(-1) = {x.shape[3]}")
     _fake_same_device(x, name, cos=cos, sin=sin, positions=positions)
+
+
+def _rope_fake_out(x, cos, sin, name="x", positions=None):
+    _rope_fake_checks(x, cos, sin, name, positions)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -731,13 +760,20 @@ def _rope_backward_fake(grad, cos, sin, positions=None, offset=0, interleaved=Fa
 
 @torch.library.register_fake("attn_ext::rope_")
 def _rope_inplace_fake(x, cos, sin, positions=None, offset=0, interleaved=False):
-    _fake_same_device(x, "x", cos=cos, sin=sin, positions=positions)
+    _rope_fake_checks(x, cos, sin, "x", positions)
     return None
 
 
 @torch.library.register_fake("attn_ext::rope_qk_")
 def _rope_qk_inplace_fake(q, k, cos, sin, positions=None, offset=0, interleaved=False):
-    _fake_same_device(q, "q", k=k, cos=cos, sin=sin, positions=positions)
+    _rope_fake_checks(q, cos, sin, "q", positions)
+    _rope_fake_checks(k, cos, sin, "k", positions)
+    torch._check(k.dtype == q.dtype, lambda: f"k must have q's dtype ({q.dtype}), got {k.dtype}")
+    _fake_check(lambda: k.shape[0] == q.shape[0] and k.shape[1] == q.shape[1],
+                (*q.shape[:2], *k.shape[:2]),
+                lambda: f"k must have B = {q.shape[0]} and S = {q.shape[1]} (the first two dims "
+                        f"of q), got shape {list(k.shape)}")
+    _fake_same_device(q, "q", k=k)
     return None
 
 
@@ -1045,9 +1081,12 @@ def _one_number_tensor(t, integral: bool) -> bool:
 def _check_offset(offset) -> None:
     """offset (rope, sinusoidal_pe): an int (numpy's, symbolic, or a one-element integer
     tensor); a bool used to pass as 0 / 1 and None as 0."""
-    if _is_int(offset) or _one_number_tensor(offset, integral=True):
+    if _one_number_tensor(offset, integral=True) or isinstance(offset, torch.SymInt):
         return
-    raise ArgumentTypeError(f"offset must be an int, got {offset!r}")
+    if not _is_int(offset):
+        raise ArgumentTypeError(f"offset must be an int, got {offset!r}")
+    if not -2**63 <= offset < 2**63:  # (torch's parser: "expected int, found int")
+        raise ArgumentValueError(f"offset must fit in int64, got {_number_repr(offset)}")
 
 
 def _check_base(base) -> None:
@@ -1372,19 +1411,142 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _fake_check(cond, sizes, msg) -> None:
+    """torch._check(cond(), msg) when every one of ``sizes`` is a plain int (meta tensors, static
+    shapes). Symbolic sizes (torch.compile's dynamic shapes, torch.export's Dims) are left to the
+    kernel: a check there would guard on, or constrain, the user's dynamic dimensions."""
+    if all(isinstance(n, int) for n in sizes):
+        torch._check(cond(), msg)
+
+
+def _fake_check_qkv(q, k, v):
+    """The kernels' shape and dtype rules for q, k, v (check_attention_inputs, attention_checks.h;
+    check_varlen_inputs, attention_mask_checks.h), in the fake kernels too: on meta tensors the
+    fake kernel is the only one that runs, and unchecked it returned an output for shapes the
+    kernels refuse. Batched (B, S, H, D) or packed (T, H, D) by q's rank."""
+    packed = q.dim() == 3
+    n = 3 if packed else 4
+    qs, ks, vs = (("(Tq, H, D)", "(Tk, Hkv, D)", "(Tk, Hkv, Dv)") if packed else
+                  ("(B, Sq, H, D)", "(B, Sk, Hkv, D)", "(B, Sk, Hkv, Dv)"))
+    torch._check(q.dim() == n, lambda: f"q must have {n} dims {qs}, got shape {list(q.shape)}")
+    torch._check(k.dim() == n, lambda: f"k must have {n} dims {ks}, got shape {list(k.shape)}")
+    torch._check(v.dim() == n, lambda: f"v must have {n} dims {vs}, got shape {list(v.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        torch._check(t.dtype == q.dtype,
+                     lambda: f"{name} must have the same dtype as q ({q.dtype}), got {t.dtype}")
+    if not packed:
+        B = q.shape[0]
+        _fake_check(lambda: k.shape[0] == B, (B, k.shape[0]),
+                    lambda: f"k must have batch size B = {B} (from q), got shape {list(k.shape)}")
+        _fake_check(lambda: v.shape[0] == B, (B, v.shape[0]),
+                    lambda: f"v must have batch size B = {B} (from q), got shape {list(v.shape)}")
+    H, D = q.shape[-2], q.shape[-1]
+    Sk, Hkv = k.shape[-3], k.shape[-2]
+    _fake_check(lambda: k.shape[-1] == D, (D, k.shape[-1]),
+                lambda: f"k must have head dim D = {D} (from q), got shape {list(k.shape)}")
+    _fake_check(lambda: v.shape[-3] == Sk, (Sk, v.shape[-3]),
+                lambda: f"v must have {'Tk' if packed else 'Sk'} = {Sk} (from k), got shape "
+                        f"{list(v.shape)}")
+    _fake_check(lambda: v.shape[-2] == Hkv, (Hkv, v.shape[-2]),
+                lambda: f"v must have Hkv = {Hkv} heads (from k), got shape {list(v.shape)}")
+    _fake_check(lambda: (Hkv > 0 and H % Hkv == 0) or (Hkv == 0 and H == 0), (H, Hkv),
+                lambda: f"k's number of heads Hkv = {Hkv} must divide q's number of heads H = {H}")
+
+
+def _fake_check_terms(q, B, alibi_slopes, rel_bias, sinks, softcap, dropout_p) -> None:
+    """fill_score_terms' rules (score_checks.h) in the fake kernels: the tables' shapes, a
+    float dtype, softcap and dropout_p's ranges (B: the batch size, or the number of packed
+    sequences)."""
+    H = q.shape[-2]
+    float_dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    for name, t in (("alibi_slopes", alibi_slopes), ("rel_bias", rel_bias), ("sinks", sinks)):
+        if t is not None:
+            torch._check(t.dtype in float_dtypes,
+                         lambda: f"{name} must be a floating-point table, got dtype {t.dtype}")
+    if alibi_slopes is not None:
+        a = alibi_slopes
+        _fake_check(lambda: (a.dim() == 1 and a.shape[0] == H)
+                    or (a.dim() == 2 and a.shape[0] == B and a.shape[1] == H),
+                    (H, B, *a.shape),
+                    lambda: f"alibi_slopes must have shape (H,) = ({H},) or (B, H) = ({B}, {H}), "
+                            f"got shape {list(a.shape)}")
+    if rel_bias is not None:
+        r = rel_bias
+        _fake_check(lambda: r.dim() == 2 and r.shape[0] == H and r.shape[1] % 2 == 1,
+                    (H, *r.shape),
+                    lambda: f"rel_bias must have shape (H, 2M + 1) with H = {H} and an odd number "
+                            f"of distances, got shape {list(r.shape)}")
+    if sinks is not None:
+        _fake_check(lambda: sinks.dim() == 1 and sinks.shape[0] == H, (H, *sinks.shape),
+                    lambda: f"sinks must have shape (H,) = ({H},), got shape {list(sinks.shape)}")
+    if isinstance(softcap, (int, float)):
+        torch._check(math.isfinite(softcap) and softcap > 0.0,
+                     lambda: f"softcap must be a finite number > 0 (or None), got {softcap}")
+    if isinstance(dropout_p, (int, float)):
+        torch._check(math.isfinite(dropout_p) and 0.0 <= dropout_p <= 1.0 - 2.0**-16,
+                     lambda: f"dropout_p must be in [0, 1) (at most 1 - 2^-16: the keep bits are "
+                             f"drawn at 16-bit resolution), got {dropout_p}")
+
+
+def _fake_check_cu_seqlens(cu_seqlens_q, cu_seqlens_k):
+    """check_cu_seqlens' dtype and shape rules (attention_mask_checks.h) in the varlen fake
+    kernels (the values are the kernel's to check). Returns N, the number of sequences."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        torch._check(cu.dtype == torch.int32,
+                     lambda: f"{name} must be int32 (N + 1,), got dtype {cu.dtype}")
+        torch._check(cu.dim() == 1, lambda: f"{name} must have shape (N + 1,) with N >= 0 "
+                                            f"sequences, got shape {list(cu.shape)}")
+        _fake_check(lambda: cu.shape[0] >= 1, (cu.shape[0],),
+                    lambda: f"{name} must have shape (N + 1,) with N >= 0 sequences, got shape "
+                            f"{list(cu.shape)}")
+    nq, nk = cu_seqlens_q.shape[0], cu_seqlens_k.shape[0]
+    _fake_check(lambda: nk == nq, (nq, nk),
+                lambda: f"cu_seqlens_k must have as many sequences as cu_seqlens_q ({nq} "
+                        f"entries), got {nk}")
+    return nq - 1
+
+
+def _fake_check_grad_inputs(q, v, dout, out, lse, dlse=None):
+    """check_attention_bwd_inputs (attention_checks.h) / check_varlen_bwd_inputs in the
+    backward's fake kernels: dout and out have the forward's output shape and q's dtype, lse
+    its (B, H, Sq) / (H, Tq) shape."""
+    if q.dim() == 3:
+        o_shape, l_shape, o_dims, l_dims = ([q.shape[0], q.shape[1], v.shape[-1]],
+                                            [q.shape[1], q.shape[0]], "(Tq, H, Dv)", "(H, Tq)")
+    else:
+        B, Sq, H, _ = q.shape
+        o_shape, l_shape, o_dims, l_dims = [B, Sq, H, v.shape[-1]], [B, H, Sq], \
+            "(B, Sq, H, Dv)", "(B, H, Sq)"
+    for name, t in (("dout", dout), ("out", out)):
+        _fake_check(lambda: list(t.shape) == o_shape, (*o_shape, *t.shape),
+                    lambda: f"{name} must have shape {o_shape} {o_dims}, got {list(t.shape)}")
+        torch._check(t.dtype == q.dtype,
+                     lambda: f"{name} must have the same dtype as q ({q.dtype}), got {t.dtype}")
+    _fake_check(lambda: list(lse.shape) == l_shape, (*l_shape, *lse.shape),
+                lambda: f"lse must have shape {l_shape} {l_dims}, got {list(lse.shape)}")
+    torch._check(lse.dtype == _lse_dtype(q.dtype),
+                 lambda: f"lse must be {_lse_dtype(q.dtype)} for {q.dtype} inputs, got {lse.dtype}")
+    if dlse is not None:  # (check_dlse, attention_mask_checks.h)
+        _fake_check(lambda: list(dlse.shape) == list(lse.shape), (*lse.shape, *dlse.shape),
+                    lambda: f"dlse must have lse's shape {list(lse.shape)}, got {list(dlse.shape)}")
+        torch._check(dlse.dtype == lse.dtype,
+                     lambda: f"dlse must have lse's dtype {lse.dtype}, got {dlse.dtype}")
+
+
 @torch.library.register_fake("attn_ext::attention_forward")
 def _attention_forward_fake(q, k, v, causal, scale=None, window_left=-1, window_right=-1,
                             key_padding_mask=None, alibi_slopes=None, rel_bias=None,
                             softcap=None, sinks=None, dropout_p=0.0, dropout_seed=0,
                             dropout_offset=0, q_start=None, k_start=None):
     torch._check(q.dim() == 4, lambda: f"q must have 4 dims (B, Sq, H, D), got shape {list(q.shape)}")
-    torch._check(k.dim() == 4, lambda: f"k must have 4 dims (B, Sk, Hkv, D), got shape {list(k.shape)}")
-    torch._check(v.dim() == 4, lambda: f"v must have 4 dims (B, Sk, Hkv, Dv), got shape {list(v.shape)}")
+    _fake_check_qkv(q, k, v)
     if key_padding_mask is not None:
-        torch._check(
-            key_padding_mask.dim() == 2,
-            lambda: f"key_padding_mask must have shape (B, Sk), got shape {list(key_padding_mask.shape)}",
-        )
+        want = [q.shape[0], k.shape[1]]
+        _fake_check(lambda: list(key_padding_mask.shape) == want,
+                    (*want, *key_padding_mask.shape),
+                    lambda: f"key_padding_mask must have shape (B, Sk) = {want}, got shape "
+                            f"{list(key_padding_mask.shape)}")
+    _fake_check_terms(q, q.shape[0], alibi_slopes, rel_bias, sinks, softcap, dropout_p)
     _fake_same_device(q, "q", k=k, v=v, key_padding_mask=key_padding_mask,
                       alibi_slopes=alibi_slopes, rel_bias=rel_bias, sinks=sinks)
     B, Sq, H, _ = q.shape
@@ -1425,6 +1587,10 @@ def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale=None, window
                              alibi_slopes=None, rel_bias=None, softcap=None, dropout_p=0.0,
                              dropout_seed=0, dropout_offset=0, deterministic=False,
                              q_start=None, k_start=None):
+    torch._check(q.dim() == 4, lambda: f"q must have 4 dims (B, Sq, H, D), got shape {list(q.shape)}")
+    _fake_check_qkv(q, k, v)
+    _fake_check_grad_inputs(q, v, dout, out, lse, dlse)
+    _fake_check_terms(q, q.shape[0], alibi_slopes, rel_bias, None, softcap, dropout_p)
     _fake_same_device(q, "q", dout=dout, k=k, v=v, out=out, lse=lse, dlse=dlse,
                       key_padding_mask=key_padding_mask, alibi_slopes=alibi_slopes,
                       rel_bias=rel_bias)
@@ -1443,8 +1609,9 @@ def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
                                    softcap=None, sinks=None, dropout_p=0.0, dropout_seed=0,
                                    dropout_offset=0):
     torch._check(q.dim() == 3, lambda: f"q must have 3 dims (Tq, H, D), got shape {list(q.shape)}")
-    torch._check(k.dim() == 3, lambda: f"k must have 3 dims (Tk, Hkv, D), got shape {list(k.shape)}")
-    torch._check(v.dim() == 3, lambda: f"v must have 3 dims (Tk, Hkv, Dv), got shape {list(v.shape)}")
+    _fake_check_qkv(q, k, v)
+    N = _fake_check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
+    _fake_check_terms(q, N, alibi_slopes, rel_bias, sinks, softcap, dropout_p)
     _fake_same_device(q, "q", k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       alibi_slopes=alibi_slopes, rel_bias=rel_bias, sinks=sinks)
     Tq, H, _ = q.shape
@@ -1460,6 +1627,11 @@ def _attention_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
                                     alibi_slopes=None, rel_bias=None, softcap=None,
                                     dropout_p=0.0, dropout_seed=0, dropout_offset=0,
                                     deterministic=False):
+    torch._check(q.dim() == 3, lambda: f"q must have 3 dims (Tq, H, D), got shape {list(q.shape)}")
+    _fake_check_qkv(q, k, v)
+    _fake_check_grad_inputs(q, v, dout, out, lse, dlse)
+    N = _fake_check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
+    _fake_check_terms(q, N, alibi_slopes, rel_bias, None, softcap, dropout_p)
     _fake_same_device(q, "q", dout=dout, k=k, v=v, out=out, lse=lse, dlse=dlse,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       alibi_slopes=alibi_slopes, rel_bias=rel_bias)

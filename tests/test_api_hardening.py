@@ -5,6 +5,7 @@ checks (item 6)."""
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -693,3 +694,145 @@ def test_rotary_embedding_sizes_and_offset_by_type():
     c = rot(q.clone(), k.clone(), offset=torch.tensor(2))  # (a one-element tensor, as the ops)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert torch.equal(c[0], b[0]) and torch.equal(c[1], b[1])
+
+
+def _meta_cases():
+    """(name, call(device) -> result): inputs the kernels refuse, each a shape or dtype rule
+    that only the C++ checked before (the fake kernels run alone on meta tensors)."""
+    L = torch.ops.attn_ext
+
+    def qkv(dev, qs=(2, 5, 4, 8), ks=(2, 7, 2, 8), vs=(2, 7, 2, 6), kdt=torch.float32):
+        return (torch.randn(qs, device=dev), torch.randn(ks, device=dev, dtype=kdt),
+                torch.randn(vs, device=dev))
+
+    def fwd(dev, **kw):
+        q, k, v = qkv(dev, **kw)
+        return L.attention_forward(q, k, v, False)
+
+    def bwd(dev, cut_dout=False, lse_dt=torch.float32):
+        q, k, v = qkv(dev)
+        out = torch.randn(2, 5, 4, 6, device=dev)
+        dout = out[:, :4] if cut_dout else out
+        lse = torch.randn(2, 4, 5, device=dev, dtype=lse_dt)
+        return L.attention_backward(dout, q, k, v, out, lse, False)
+
+    def varlen(dev):
+        q, k, v = (torch.randn(5, 4, 8, device=dev), torch.randn(7, 2, 8, device=dev),
+                   torch.randn(6, 2, 6, device=dev))
+        cq = torch.tensor([0, 5], dtype=torch.int32, device=dev)
+        ck = torch.tensor([0, 7], dtype=torch.int32, device=dev)
+        return L.attention_varlen_forward(q, k, v, cq, ck, 5, 7)
+
+    def kpm(dev):
+        q, k, v = qkv(dev)
+        return L.attention_forward(q, k, v, False,
+                                   key_padding_mask=torch.ones(2, 6, dtype=torch.bool, device=dev))
+
+    def rope(dev, cs=(16, 4), ss=(16, 4), sdt=torch.float32):
+        x = torch.randn(2, 5, 4, 8, device=dev)
+        return L.rope(x, torch.randn(cs, device=dev), torch.randn(ss, device=dev, dtype=sdt))
+
+    def rope_qk(dev):
+        q, k = torch.randn(2, 5, 4, 8, device=dev), torch.randn(2, 4, 4, 8, device=dev)
+        return L.rope_qk_(q, k, torch.randn(16, 4, device=dev), torch.randn(16, 4, device=dev))
+
+    def sinus(dev):
+        return L.sinusoidal_pe_(torch.randn(2, 3, 4, 8, device=dev))
+
+    def term(dev, **kw):
+        q, k, v = qkv(dev)
+        kw = {n: t.to(dev) if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+        return L.attention_forward(q, k, v, False, **kw)
+
+    def cu(dev, cq=(0, 5), ck=(0, 7), dt=torch.int32):
+        q, k, v = (torch.randn(5, 4, 8, device=dev), torch.randn(7, 2, 8, device=dev),
+                   torch.randn(7, 2, 6, device=dev))
+        return L.attention_varlen_forward(q, k, v, torch.tensor(cq, dtype=dt, device=dev),
+                                          torch.tensor(ck, dtype=torch.int32, device=dev), 5, 7)
+
+    def dlse(dev):
+        q, k, v = qkv(dev)
+        out, lse = torch.randn(2, 5, 4, 6, device=dev), torch.randn(2, 4, 5, device=dev)
+        return L.attention_backward(out, q, k, v, out, lse, False, dlse=lse[:, :, :4])
+
+    return [
+        ("k batch", lambda d: fwd(d, ks=(3, 7, 2, 8)), "k must have batch size B = 2"),
+        ("k head dim", lambda d: fwd(d, ks=(2, 7, 2, 9)), "k must have head dim D = 8"),
+        ("v keys", lambda d: fwd(d, vs=(2, 6, 2, 6)), "v must have Sk = 7"),
+        ("v heads", lambda d: fwd(d, vs=(2, 7, 1, 6)), "v must have Hkv = 2"),
+        ("heads divide", lambda d: fwd(d, ks=(2, 7, 3, 8), vs=(2, 7, 3, 6)),
+         "must divide q's number of heads H = 4"),
+        ("k dtype", lambda d: fwd(d, kdt=torch.float64), "k must have the same dtype as q"),
+        ("key_padding_mask", kpm, "key_padding_mask must have shape"),
+        ("dout shape", lambda d: bwd(d, cut_dout=True), "dout must have shape"),
+        ("lse dtype", lambda d: bwd(d, lse_dt=torch.float64), "lse must be"),
+        ("varlen v rows", varlen, "v must have Tk = 7"),
+        ("rope sin shape", lambda d: rope(d, ss=(16, 3)), "cos and sin must have the same shape"),
+        ("rope rotary dim", lambda d: rope(d, cs=(16, 5), ss=(16, 5)), "rotary_dim = 2 * cos.size(-1)"),
+        ("rope sin dtype", lambda d: rope(d, sdt=torch.float16), "cos and sin must have the same dtype"),
+        ("rope_qk_ k rows", rope_qk, "k must have B = 2 and S = 5"),
+        ("sinusoidal rank", sinus, "x must have 3 dims (B, S, D) or 2 dims (S, D)"),
+        ("alibi shape", lambda d: term(d, alibi_slopes=torch.randn(3)),
+         "alibi_slopes must have shape (H,) = (4,)"),
+        ("rel_bias shape", lambda d: term(d, rel_bias=torch.randn(4, 4)),
+         "rel_bias must have shape (H, 2M + 1)"),
+        ("sinks shape", lambda d: term(d, sinks=torch.randn(4, 1)), "sinks must have shape (H,)"),
+        ("sinks dtype", lambda d: term(d, sinks=torch.ones(4, dtype=torch.int64)),
+         "sinks must be a floating-point table"),
+        ("softcap", lambda d: term(d, softcap=-1.0), "softcap must be a finite number > 0"),
+        ("dropout_p", lambda d: term(d, dropout_p=1.0), "dropout_p must be in [0, 1)"),
+        ("cu_seqlens dtype", lambda d: cu(d, dt=torch.int64), "cu_seqlens_q must be int32"),
+        ("cu_seqlens count", lambda d: cu(d, ck=(0, 3, 7)),
+         "cu_seqlens_k must have as many sequences as cu_seqlens_q"),
+        ("cu_seqlens rank", lambda d: cu(d, cq=5), "cu_seqlens_q must have shape (N + 1,)"),
+        ("dlse shape", dlse, "dlse must have lse's shape"),
+    ]
+
+
+@pytest.mark.parametrize("case", _meta_cases(), ids=lambda c: c[0])
+def test_fake_kernels_refuse_what_the_kernels_refuse(case):
+    """On meta tensors only the fake kernel runs: it refuses what the CPU kernel refuses, with
+    the same words (it used to check ranks and devices only and return outputs for the rest)."""
+    _, call, words = case
+    with pytest.raises(RuntimeError, match=re.escape(words)):
+        call("cpu")
+    with pytest.raises(RuntimeError, match=re.escape(words)):
+        call("meta")
+
+
+def test_new_kv_cache_sizes_are_checked():
+    layer = attn_ext.MultiHeadAttention(32, 4)
+    for bad, err, words in ((2.5, TypeError, "batch must be an int"),
+                            (True, TypeError, "batch must be an int"),
+                            (-1, ValueError, "batch must be >= 0")):
+        with pytest.raises(err, match=words):
+            layer.new_kv_cache(bad, 4)
+    with pytest.raises(TypeError, match="max_len must be an int"):
+        layer.new_kv_cache(1, 8.5)
+    with pytest.raises(ValueError, match="max_len must be >= 0"):
+        layer.new_kv_cache(1, -1)
+    cache = layer.new_kv_cache(2, 0)  # (empty sizes are fine)
+    assert cache.k.shape == (2, 0, 4, 8)
+
+
+def test_explain_checks_dout_like_the_backward():
+    q = torch.randn(1, 4, 2, 8)
+    v = torch.randn(1, 4, 2, 6)
+    attn_ext.explain(q, q, v, dout=torch.randn(1, 4, 2, 6))  # the output's shape: fine
+    with pytest.raises(ValueError, match=r"dout must have the output's shape \[1, 4, 2, 6\]"):
+        attn_ext.explain(q, q, v, dout=torch.randn(1, 4, 2, 8))
+    with pytest.raises(ValueError, match="dout must have q's dtype"):
+        attn_ext.explain(q, q, v, dout=torch.randn(1, 4, 2, 6, dtype=torch.float64))
+
+
+def test_offset_out_of_int64_is_named():
+    """A Python int past int64 failed in torch's argument parser ("expected int, found int")."""
+    x = torch.randn(1, 4, 2, 8)
+    cos, sin = attn_ext.rope_cache(16, 8)
+    for big in (2**63, -2**63 - 1):
+        with pytest.raises(ValueError, match="offset must fit in int64"):
+            attn_ext.rope(x, cos, sin, offset=big)
+        with pytest.raises(ValueError, match="offset must fit in int64"):
+            attn_ext.sinusoidal_pe(x[:, :, 0], offset=big)
+    with pytest.raises(RuntimeError, match="offset must be >= 0"):  # (in range: the op's check)
+        attn_ext.rope(x, cos, sin, offset=-2**63)
