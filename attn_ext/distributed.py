@@ -281,7 +281,8 @@ def shard_positions(
     rank, world = _rank_world(group)
     n = chunks_per_rank(layout)
     if local_len % n:
-        raise ValueError(f"a zigzag shard has two equal chunks, so local_len must be even, got {local_len}")
+        raise ValueError(f"shard_positions: a zigzag shard has two equal chunks, so local_len must "
+                         f"be even, got {local_len}")
     c = local_len // n
     return torch.cat(
         [torch.arange(g * c, (g + 1) * c, dtype=torch.int64, device=device) for g in chunk_ids(rank, world, layout)]
@@ -962,6 +963,16 @@ def _agree_on_inputs(q, k, v, group, error, keywords: Optional[List[int]] = None
     if differ:
         raise ValueError("ring_attention: every rank of the group must pass the same keywords; "
                          f"the ranks differ in {', '.join(differ)}")
+
+
+def _fail_together(error: BaseException, x: torch.Tensor, group) -> None:
+    """Raise ``error``, the failed checks of a context-parallel layer or model on this rank,
+    after telling the other ranks: this rank joins, as a failed rank, the agreement of the ring
+    they are about to start (their next collective), so they raise there at once ("the inputs
+    of rank(s) [r] ... failed their checks") instead of waiting for it until the collective
+    timeout. Only for a failure before this rank's ring agreement: no other collective may come
+    in between. ``x`` gives the device of the exchange (nccl: the inputs' device)."""
+    _agree_on_inputs(x, x, x, group, error)
 
 
 _DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}

@@ -143,6 +143,21 @@ class TinyGPT(nn.Module):
     @torch.jit.unused
     def _context_parallel_positions(self, idx: Tensor, has_caches: bool,
                                     has_attention_mask: bool = False) -> Tensor:
+        """The global positions of this rank's tokens, after the checks of a context-parallel
+        call; when they fail on this rank, the error is raised on every rank of the group (this
+        one joins the first layer's ring agreement as failed, which the others are about to
+        enter: they would otherwise wait in it until the collective timeout)."""
+        from .distributed import _fail_together
+
+        try:
+            return self._context_parallel_checked(idx, has_caches, has_attention_mask)
+        except Exception as e:  # noqa: BLE001  (whatever failed here, the other ranks raise too)
+            _fail_together(e, idx, self.context_parallel_group)
+            raise  # (_fail_together raises e)
+
+    @torch.jit.unused
+    def _context_parallel_checked(self, idx: Tensor, has_caches: bool,
+                                  has_attention_mask: bool) -> Tensor:
         from .distributed import _rank_world, shard_positions
 
         if has_caches:
@@ -176,6 +191,11 @@ class TinyGPT(nn.Module):
 
     def forward(self, idx: Tensor, caches: Optional[List[KVCache]] = None,
                 attention_mask: Optional[Tensor] = None) -> Tensor:
+        positions: Optional[Tensor] = None
+        if self.context_parallel_group is not None:
+            # first: a context-parallel call's checks fail on every rank together
+            positions = self._context_parallel_positions(idx, caches is not None,
+                                                         attention_mask is not None)
         if attention_mask is not None and (attention_mask.dim() != 2
                                            or attention_mask.size(0) != idx.size(0)
                                            or attention_mask.size(1) != idx.size(1)):
@@ -189,12 +209,8 @@ class TinyGPT(nn.Module):
             raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}), got "
                              f"{len(caches)}")
         offset = 0 if caches is None else caches[0].length
-        positions: Optional[Tensor] = None
         key_padding_mask: Optional[Tensor] = None
-        if self.context_parallel_group is not None:
-            positions = self._context_parallel_positions(idx, caches is not None,
-                                                         attention_mask is not None)
-        elif caches is not None:
+        if caches is not None:  # (None with context parallelism: refused above)
             if attention_mask is not None:
                 if offset != 0:
                     raise ValueError("attention_mask is only for the first (prefill) call with caches")

@@ -517,9 +517,47 @@ class MultiHeadAttention(_DerivedBuffers):
         self.context_parallel_layout = layout
         return self
 
+    def _check_forward_inputs(self, x: Tensor, memory: Optional[Tensor]) -> int:
+        """forward's checks of x and memory; returns d_model (x's width)."""
+        if x.dim() != 3:
+            raise ValueError(f"x must have 3 dims (B, S, d_model), got shape {list(x.shape)}")
+        if self.qkv is not None:
+            d_in = self.qkv.weight.size(1)
+        else:
+            assert self.q_proj is not None
+            d_in = self.q_proj.weight.size(1)
+        if x.size(2) != d_in:
+            raise ValueError(f"x must have d_model = {d_in} features, got shape {list(x.shape)}")
+        if memory is not None:
+            kv_in = self.kv_proj.weight.size(1) if self.kv_proj is not None else d_in
+            if memory.dim() != 3 or memory.size(0) != x.size(0) or memory.size(2) != kv_in:
+                raise ValueError(
+                    f"memory must have shape (B, Sk, kv_dim) = ({x.size(0)}, Sk, {kv_in}) "
+                    f"(B from x), got {list(memory.shape)}")
+        return d_in
+
+    @torch.jit.unused
+    def _context_parallel_call(self, x, memory, kv_cache, need_weights):
+        """A context-parallel forward's checks: (memory, kv_cache, need_weights, positions),
+        or, when they fail on this rank, the error raised on every rank of the group (this one
+        joins the ring's agreement as failed: the others, about to start the ring, would
+        otherwise wait in it until the collective timeout)."""
+        from .distributed import _fail_together
+
+        try:
+            memory, kv_cache, need_weights = _forward_args(memory, kv_cache, need_weights)
+            if not isinstance(x, torch.Tensor):
+                raise ArgumentTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+            self._check_forward_inputs(x, memory)
+            positions = self._context_parallel_positions(x, kv_cache, need_weights, memory)
+        except Exception as e:  # noqa: BLE001  (whatever failed here, the other ranks raise too)
+            ref = x if isinstance(x, torch.Tensor) else self.out_proj.weight
+            _fail_together(e, ref, self.context_parallel_group)
+            raise  # (_fail_together raises e; this line is for readers and linters)
+        return memory, kv_cache, need_weights, positions
+
     @torch.jit.unused
     def _context_parallel_positions(self, x: Tensor, kv_cache: Optional[KVCache], need_weights: bool,
-                                    key_padding_mask: Optional[Tensor] = None,
                                     memory: Optional[Tensor] = None) -> Tensor:
         from .distributed import _rank_world, shard_positions
 
@@ -696,49 +734,22 @@ class MultiHeadAttention(_DerivedBuffers):
         need_weights: bool = False,
         key_padding_mask: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
+        cp_positions: Optional[Tensor] = None
         if not torch.jit.is_scripting():
-            # issue 6 also spells forward(x, kv_cache=None, need_weights=False): a KVCache in
-            # memory's place, or a bool in kv_cache's, is read in that order (eager only;
-            # TorchScript checks the types)
-            if isinstance(memory, KVCache):
-                if isinstance(kv_cache, bool):
-                    need_weights = need_weights or kv_cache
-                elif kv_cache is not None:
-                    raise ValueError("kv_cache given twice (positionally in memory's place and "
-                                     "by keyword)")
-                memory, kv_cache = None, memory
-            elif isinstance(kv_cache, bool):
-                kv_cache, need_weights = None, need_weights or kv_cache
-            _check_flag(need_weights, "need_weights")  # ("yes" / "no" both returned weights)
-            if kv_cache is not None and not isinstance(kv_cache, KVCache):
-                # (a Hugging Face-style (k, v) tuple failed on .length, naming neither)
-                raise ArgumentTypeError(
-                    f"kv_cache must be an attn_ext.KVCache (layer.new_kv_cache(batch, max_len)) "
-                    f"or None, got {type(kv_cache).__name__}")
-        if x.dim() != 3:
-            raise ValueError(f"x must have 3 dims (B, S, d_model), got shape {list(x.shape)}")
-        if self.qkv is not None:
-            d_in = self.qkv.weight.size(1)
-        else:
-            assert self.q_proj is not None
-            d_in = self.q_proj.weight.size(1)
-        if x.size(2) != d_in:
-            raise ValueError(f"x must have d_model = {d_in} features, got shape {list(x.shape)}")
-        if memory is not None:
-            kv_in = self.kv_proj.weight.size(1) if self.kv_proj is not None else d_in
-            if memory.dim() != 3 or memory.size(0) != x.size(0) or memory.size(2) != kv_in:
-                raise ValueError(
-                    f"memory must have shape (B, Sk, kv_dim) = ({x.size(0)}, Sk, {kv_in}) "
-                    f"(B from x), got {list(memory.shape)}")
+            if self.context_parallel_group is not None:
+                # a context-parallel layer: its checks and the global positions of this rank's
+                # rows, before anything is projected; a rank whose checks fail tells the others
+                # (cross-attention, kv_cache and need_weights are refused whichever branch
+                # below the layer would take)
+                memory, kv_cache, need_weights, cp_positions = self._context_parallel_call(
+                    x, memory, kv_cache, need_weights)
+            else:
+                memory, kv_cache, need_weights = _forward_args(memory, kv_cache, need_weights)
+        d_in = self._check_forward_inputs(x, memory)
         B, Sq = x.size(0), x.size(1)
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_dim
-        # a context-parallel layer: the global positions of this rank's rows, checked before
-        # anything is projected (cross-attention, kv_cache, need_weights and key_padding_mask
-        # are refused here, whichever branch below the layer would take)
-        cp_positions: Optional[Tensor] = None
-        if self.context_parallel_group is not None:
-            cp_positions = self._context_parallel_positions(x, kv_cache, need_weights,
-                                                            key_padding_mask, memory)
+        if self.context_parallel_group is not None and cp_positions is None:
+            cp_positions = self._context_parallel_positions(x, kv_cache, need_weights, memory)
         fused_cross = self.qkv is not None and memory is not None
         if fused_cross:
             # a fused layer attending to memory (issue 6's forward(x, memory)): q from x and
@@ -881,6 +892,29 @@ class MultiHeadAttention(_DerivedBuffers):
             out = out.to(out_dtype)
         # out: (B, Sq, H, Dv) contiguous -> (B, Sq, H * Dv) for free
         return self.out_proj(out.view(B, Sq, H * Dv)), weights
+
+
+def _forward_args(memory, kv_cache, need_weights):
+    """MultiHeadAttention.forward's eager reading of its arguments: issue 6 also spells
+    forward(x, kv_cache=None, need_weights=False), so a KVCache in memory's place, or a bool in
+    kv_cache's, is read in that order (TorchScript checks the types). Returns (memory,
+    kv_cache, need_weights)."""
+    if isinstance(memory, KVCache):
+        if isinstance(kv_cache, bool):
+            need_weights = need_weights or kv_cache
+        elif kv_cache is not None:
+            raise ValueError("kv_cache given twice (positionally in memory's place and by "
+                             "keyword)")
+        memory, kv_cache = None, memory
+    elif isinstance(kv_cache, bool):
+        kv_cache, need_weights = None, need_weights or kv_cache
+    _check_flag(need_weights, "need_weights")  # ("yes" / "no" both returned weights)
+    if kv_cache is not None and not isinstance(kv_cache, KVCache):
+        # (a Hugging Face-style (k, v) tuple failed on .length, naming neither)
+        raise ArgumentTypeError(
+            f"kv_cache must be an attn_ext.KVCache (layer.new_kv_cache(batch, max_len)) or "
+            f"None, got {type(kv_cache).__name__}")
+    return memory, kv_cache, need_weights
 
 
 def _check_step_mask(key_padding_mask: Optional[Tensor], B: int, Sk: int) -> None:

@@ -237,6 +237,39 @@ def _case_errors(rank, world):
     _expect(ValueError, "layout must be one of", cp.shard_sequence, torch.randn(2, 8), 1, None, "x")
 
 
+def _case_layer_checks_fail_together(rank, world):
+    """A context-parallel layer or model whose own checks fail on rank 0 alone (an odd zigzag
+    shard, need_weights, a kv_cache, the wrong width, a learned-position length only rank 0
+    exceeds): rank 0 raises its error and every other rank raises at once in its ring agreement
+    ("failed their checks"), instead of waiting there until the collective timeout; then the
+    group still works."""
+    E = 16
+    mha = attn_ext.MultiHeadAttention(E, 2, rotary=8).double().set_context_parallel(dist.group.WORLD)
+    x = torch.randn(1, 4, E, dtype=torch.float64)
+    others = "failed their checks"
+    bad_calls = [
+        (ValueError, "local_len must be even", lambda: mha(x[:, :3])),
+        (NotImplementedError, "need_weights", lambda: mha(x, need_weights=True)),
+        (NotImplementedError, "kv_cache", lambda: mha(x, kv_cache=mha.new_kv_cache(1, 8))),
+        (ValueError, "d_model = 16", lambda: mha(torch.randn(1, 4, E + 1, dtype=torch.float64))),
+    ]
+    for exc, words, call in bad_calls:
+        t0 = time.perf_counter()
+        _expect(exc if rank == 0 else ValueError, words if rank == 0 else others,
+                call if rank == 0 else (lambda: mha(x)))
+        assert time.perf_counter() - t0 < 20, words  # (not the 60 s collective timeout)
+    mha(x)  # the group still works
+    gpt = attn_ext.models.TinyGPT(29, d_model=16, num_heads=2, num_layers=1, max_len=4 * world + 2,
+                                  pos="learned", context_parallel_group=dist.group.WORLD).double()
+    idx = torch.randint(0, 29, (1, 4))
+    _expect(ValueError, "local_len must be even" if rank == 0 else others,
+            gpt, idx[:, :3] if rank == 0 else idx)
+    # rank 0's 6 tokens x world pass max_len; the other ranks' 4 do not
+    _expect(ValueError, "at most max_len" if rank == 0 else others,
+            gpt, torch.randint(0, 29, (1, 6)) if rank == 0 else idx)
+    gpt(idx)
+
+
 def _case_input_agreement(rank, world):
     """Bad q / k / v are refused on every rank before the ring starts, so the group stays
     usable; shards whose shapes differ between ranks are refused on all of them (they used to
@@ -578,6 +611,7 @@ def _case_data_parallel(rank, world, wrap, dtype, steps=5):
 
 
 CASES = {
+    "layer_checks_fail_together": _case_layer_checks_fail_together,
     # ring attention, float64 against single-process attn_ext.attention and the textbook
     "causal_zigzag_gqa": lambda r, w: _ring_vs_single(r, w, layout="zigzag", causal=True),
     "full_zigzag": lambda r, w: _ring_vs_single(r, w, layout="zigzag", causal=False, H=2, Hkv=2, S_local=6),
