@@ -109,6 +109,7 @@ def build_info() -> dict:
 
 
 from . import ops as _ops  # noqa: F401,E402  (fake kernels + autograd)
+from . import _vmap  # noqa: F401,E402  (torch.func.vmap batching rules)
 from .ops import sinusoidal_pe, sinusoidal_pe_, sinusoidal_table
 from .ops import rope, rope_, rope_qk, rope_cache, rope_inv_freq
 from .ops import attention, attention_varlen, causal_attention

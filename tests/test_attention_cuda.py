@@ -1777,3 +1777,23 @@ class TestScoreTermsCuda:
         for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "drel_bias"], run(cuda), run("cpu")):
             assert a.shape == b.shape, name
             assert max_err(a, b) < 1e-10, f"{name}: {max_err(a, b):.3e}"
+
+
+def test_vmap_folds_on_cuda(cuda):
+    """The batching rules (attn_ext/_vmap.py) on CUDA tensors: vmap of attention and of its
+    per-sample gradients equals the per-sample calls (float64, the simple kernels)."""
+    V, B, S, H, Hkv, D = 3, 2, 9, 4, 2, 16
+    q = randn(V, B, S, H, D, dtype=torch.float64).to(cuda)
+    k, v = (randn(V, B, S, Hkv, D, dtype=torch.float64).to(cuda) for _ in range(2))
+    rel = randn(H, 9, dtype=torch.float64).to(cuda)
+
+    def loss(q, k, v):
+        return attn_ext.attention(q, k, v, causal=True, rel_bias=rel).square().sum()
+
+    out = torch.func.vmap(lambda q, k, v: attn_ext.attention(q, k, v, causal=True, rel_bias=rel))(q, k, v)
+    grads = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    for i in range(V):
+        ref = attn_ext.attention(q[i], k[i], v[i], causal=True, rel_bias=rel)
+        assert max_err(out[i], ref) < 1e-12
+        for g, w in zip(grads, torch.func.grad(loss, argnums=(0, 1, 2))(q[i], k[i], v[i])):
+            assert max_err(g[i], w) < 1e-10

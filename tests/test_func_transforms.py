@@ -17,7 +17,7 @@ from attn_ext import ops
 from attn_ext import reference as R
 from tests.utils import max_err, randn
 
-# vmap has no batching rule for the custom ops: torch's per-call performance warning
+# (the in-place ops under vmap keep torch's loop and its performance warning)
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 
 F64 = torch.float64

@@ -1,0 +1,172 @@
+"""torch.func.vmap over the ops: the batching rules of attn_ext/_vmap.py.
+
+The mapped dimension folds into the batch (one kernel call for every sample), except where that
+would change an answer (dropout's bits, tables mapped per sample, d rel_bias per sample, packed
+sequences), where the rule loops over the samples as torch's fallback did. Each case is checked
+against the op called sample by sample (float64), and a dispatch mode below vmap counts the
+kernel calls and their batch sizes, so a case that silently fell back to the loop fails.
+"""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attn_ext
+
+F64 = torch.float64
+V, B, S, H, HKV, D, DV = 3, 2, 5, 4, 2, 8, 6
+TOL = 1e-12
+
+
+class _Calls(TorchDispatchMode):
+    """The attn_ext kernel calls below vmap: (op name, size of the first argument's dim 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name.startswith("attn_ext::"):
+            self.calls.append((name.split("::")[1], args[0].shape[0]))
+        return func(*args, **(kwargs or {}))
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, dtype=F64, generator=g)
+
+    q, k, v = r(V, B, S, H, D), r(V, B, S, HKV, D), r(V, B, S, HKV, DV)
+    kpm = torch.rand(V, B, S, generator=g) > 0.3
+    kpm[..., 0] = True
+    pos = torch.randint(0, 16, (V, B, S), generator=g)
+    tables = {"alibi": torch.rand(V, H, dtype=F64, generator=g),
+              "alibi_b": torch.rand(V, B, H, dtype=F64, generator=g),
+              "rel": r(V, H, 7), "sinks": r(V, H)}
+    return q, k, v, kpm, pos, tables
+
+
+def _cases():
+    """(id, fn, args, in_dims, expected kernel calls (name, dim-0 size))."""
+    q, k, v, kpm, pos, t = _inputs()
+    cos, sin = attn_ext.rope_cache(16, D, dtype=F64)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    A = attn_ext.attention
+    fold = [("attention_forward", V * B)]
+    loop = [("attention_forward", B)] * V
+    return [
+        ("plain", lambda q, k, v: A(q, k, v), (q, k, v), (0, 0, 0), fold),
+        ("causal, k not mapped", lambda q, k, v: A(q, k, v, causal=True), (q, k[0], v),
+         (0, None, 0), fold),
+        ("mapped at dim 2", lambda q, k, v: attn_ext.causal_attention(q, k, v),
+         (q.movedim(0, 2), k, v), (2, 0, 0), fold),
+        ("op attention", lambda q, k, v: torch.ops.attn_ext.attention(q, k, v, True, None),
+         (q, k, v), (0, 0, 0), fold),
+        ("key_padding_mask", lambda q, k, v, m: A(q, k, v, key_padding_mask=m), (q, k, v, kpm),
+         (0, 0, 0, 0), fold),
+        ("key_padding_mask not mapped", lambda q, k, v, m: A(q, k, v, key_padding_mask=m),
+         (q, k, v, kpm[0]), (0, 0, 0, None), fold),
+        ("alibi (H,) mapped", lambda q, k, v, a: A(q, k, v, alibi_slopes=a, causal=True),
+         (q, k, v, t["alibi"]), (0, 0, 0, 0), fold),
+        ("alibi (H,)", lambda q, k, v, a: A(q, k, v, alibi_slopes=a), (q, k, v, t["alibi"][0]),
+         (0, 0, 0, None), fold),
+        ("alibi (B, H) mapped", lambda q, k, v, a: A(q, k, v, alibi_slopes=a),
+         (q, k, v, t["alibi_b"]), (0, 0, 0, 0), fold),
+        ("alibi (B, H)", lambda q, k, v, a: A(q, k, v, alibi_slopes=a),
+         (q, k, v, t["alibi_b"][0]), (0, 0, 0, None), fold),
+        ("rel_bias", lambda q, k, v, r: A(q, k, v, rel_bias=r, return_lse=True),
+         (q, k, v, t["rel"][0]), (0, 0, 0, None), fold),
+        ("rel_bias mapped: loop", lambda q, k, v, r: A(q, k, v, rel_bias=r), (q, k, v, t["rel"]),
+         (0, 0, 0, 0), loop),
+        ("sinks mapped: loop", lambda q, k, v, s: A(q, k, v, sinks=s), (q, k, v, t["sinks"]),
+         (0, 0, 0, 0), loop),
+        ("sinks, softcap, window", lambda q, k, v, s: A(q, k, v, sinks=s, softcap=5.0, window=(2, 1)),
+         (q, k, v, t["sinks"][0]), (0, 0, 0, None), fold),
+        ("dropout: loop", lambda q, k, v: torch.ops.attn_ext.attention_forward(
+            q, k, v, False, dropout_p=0.3, dropout_seed=7), (q, k, v), (0, 0, 0), loop),
+        ("varlen: loop", lambda q, k, v: attn_ext.attention_varlen(q, k, v, cu, cu, 3, 3, causal=True),
+         (q[:, 0], k[:, 0], v[:, 0]), (0, 0, 0), [("attention_varlen_forward", S)] * V),
+        ("rope", lambda x: attn_ext.rope(x, cos, sin, offset=3), (q,), (0,), [("rope", V * B)]),
+        ("rope positions (B, S) mapped", lambda x, p: attn_ext.rope(x, cos, sin, positions=p),
+         (q, pos), (0, 0), [("rope", V * B)]),
+        ("rope positions (B, S)", lambda x, p: attn_ext.rope(x, cos, sin, positions=p),
+         (q, pos[0]), (0, None), [("rope", V * B)]),
+        ("rope positions (S,) mapped: loop", lambda x, p: attn_ext.rope(x, cos, sin, positions=p),
+         (q, pos[:, 0]), (0, 0), [("rope", B)] * V),
+        ("rope cos mapped: loop", lambda x, c: attn_ext.rope(x, c, c),
+         (q, cos.expand(V, *cos.shape)), (0, 0), [("rope", B)] * V),
+        ("sinusoidal (B, S, D)", lambda x: attn_ext.sinusoidal_pe(x, offset=2), (q[..., 0],),
+         (0,), [("sinusoidal_pe", V * B)]),
+        ("sinusoidal (S, D)", lambda x: attn_ext.sinusoidal_pe(x), (q[:, 0, :, 0],), (0,),
+         [("sinusoidal_pe", V)]),
+        ("sinusoidal positions", lambda x, p: attn_ext.sinusoidal_pe(x, positions=p),
+         (q[..., 0], pos[0]), (0, None), [("sinusoidal_pe", V * B)]),
+    ]
+
+
+def _per_sample(fn, args, in_dims):
+    n = next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
+    outs = [fn(*(a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)))
+            for i in range(n)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.stack(o) for o in zip(*outs))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: c[0])
+def test_vmap_equals_the_per_sample_calls(case):
+    _, fn, args, in_dims, calls = case
+    with _Calls() as seen:
+        out = torch.func.vmap(fn, in_dims=in_dims)(*args)
+    assert seen.calls == calls  # folded into one call, or looped where folding would differ
+    ref = _per_sample(fn, args, in_dims)
+    for o, r in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
+        assert o.shape == r.shape
+        assert (o - r).abs().max().item() <= TOL
+
+
+def _loss(q, k, v, r, m):
+    return attn_ext.attention(q, k, v, causal=True, rel_bias=r, key_padding_mask=m).square().sum()
+
+
+@pytest.mark.parametrize("with_rel", [False, True])
+def test_per_sample_gradients_fold_the_backward(with_rel):
+    """vmap(grad): the backward folds too, unless d rel_bias is asked for (one per sample:
+    a folded call would sum it over the samples)."""
+    q, k, v, kpm, _, t = _inputs()
+    rel = t["rel"][0] if with_rel else None
+    argnums = (0, 1, 2, 3) if with_rel else (0, 1, 2)
+    with _Calls() as seen:
+        grads = torch.func.vmap(torch.func.grad(_loss, argnums=argnums),
+                                in_dims=(0, 0, 0, None, 0))(q, k, v, rel, kpm)
+    bwd = [c for c in seen.calls if c[0].startswith("attention_backward")]
+    assert bwd == ([("attention_backward_rel_bias", B)] * V if with_rel
+                   else [("attention_backward_rel_bias", V * B)])
+    for i in range(V):
+        want = torch.func.grad(_loss, argnums=argnums)(q[i], k[i], v[i], rel, kpm[i])
+        for g, w in zip(grads, want):
+            assert (g[i] - w).abs().max().item() <= 1e-10
+
+
+def test_backward_through_a_vmapped_call_and_nested_vmap():
+    q, k, v, *_ = _inputs()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.func.vmap(lambda q, k, v: attn_ext.attention(q, k, v, causal=True))(*leaves).sum().backward()
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.stack([attn_ext.attention(a, b, c, causal=True) for a, b, c in zip(*ref)]).sum().backward()
+    for a, b in zip(leaves, ref):
+        assert (a.grad - b.grad).abs().max().item() <= 1e-10
+    q2 = torch.stack([q, q.flip(0)])  # (2, V, B, S, H, D)
+    with _Calls() as seen:
+        out = torch.func.vmap(torch.func.vmap(lambda q: attn_ext.causal_attention(q, q, q)))(q2)
+    assert seen.calls == [("attention_forward", 2 * V * B)]
+    ref = torch.stack([torch.stack([attn_ext.causal_attention(x, x, x) for x in y]) for y in q2])
+    assert (out - ref).abs().max().item() <= TOL
+
+
+def test_vmap_keeps_the_ops_errors():
+    """A folded call refuses what the kernel refuses, naming the argument."""
+    q, k, v, *_ = _inputs()
+    with pytest.raises(RuntimeError, match="k must have head dim D"):
+        torch.func.vmap(attn_ext.causal_attention)(q, k[..., :4], v)
