@@ -11,7 +11,8 @@ instead, one sample at a time as torch's fallback did, where folding would chang
 - d rel_bias of a backward (a folded call sums it over every sample; vmap wants one per sample);
 - the packed-sequence (varlen) ops and any call whose batched inputs have no batch dimension
   to fold into.
-The in-place ops (``rope_``, ``rope_qk_``, ``sinusoidal_pe_``) keep torch's fallback.
+The in-place ops (``rope_``, ``rope_qk_``, ``sinusoidal_pe_``) run sample by sample on views of
+the mapped tensors (torch's fallback refuses in-place ops).
 """
 
 from typing import Optional, Sequence
@@ -41,6 +42,11 @@ def _unfold(x: torch.Tensor, V: int, B: int) -> torch.Tensor:
 
 def _loop(op, V: int, in_dims: Sequence[Optional[int]], args: tuple):
     """torch's fallback without its warning: one call per sample, the outputs stacked first."""
+    if V == 0:  # (no sample to call the op on, so no output shape: torch's fallback refuses too)
+        raise ValueError(
+            f"vmap over a dimension of size 0 is not supported for {op._qualified_op_name} with "
+            "these arguments (they are mapped one sample at a time: dropout, a table mapped per "
+            "sample, packed sequences)")
     outs = []
     for i in range(V):
         outs.append(op(*(a.select(d, i) if d is not None else a for a, d in zip(args, in_dims))))
@@ -69,7 +75,9 @@ def _alibi_folded(alibi: Optional[torch.Tensor], d: Optional[int], V: int, B: in
     a = _front(alibi, d, V)  # (V, H) or (V, B, H)
     if a.dim() == 2:
         a = a.unsqueeze(1).expand(V, B, a.shape[-1])
-    return a.reshape(V * B, a.shape[-1])
+    # (contiguous: with V or B = 1 the reshape is a view with a stride of 0, which the kernels'
+    # table check refuses)
+    return a.reshape(V * B, a.shape[-1]).contiguous()
 
 
 def _seqs(x: torch.Tensor, d: Optional[int]) -> int:
@@ -195,3 +203,32 @@ def _sinusoidal_pe_vmap(info, in_dims, *args):
     B = xs.shape[1]
     pos = positions if positions is None or positions.dim() == 1 else _fold(positions, None, V)
     return _unfold(_lib.sinusoidal_pe(_fold(x, dims[0], V), pos, offset, base), V, B), 0
+
+
+def _inplace_loop(op, V: int, dims: Sequence[Optional[int]], args: list, written: Sequence[int]):
+    """An in-place op over mapped tensors: one call per sample on views of them (a folded copy
+    would be written instead of the tensors). A written tensor that is not mapped while another
+    argument is would take every sample's result in turn: refused."""
+    for i in written:
+        if dims[i] is None:
+            raise ValueError(
+                f"vmap: {op._qualified_op_name} writes its argument {i} in place, which is not "
+                "mapped while other arguments are (each sample would overwrite it)")
+    if V == 0:
+        return None, None
+    for s in range(V):
+        op(*(a.select(d, s) if d is not None else a for a, d in zip(args, dims)))
+    return None, None
+
+
+def _inplace_rule(op, written: Sequence[int]):
+    def rule(info, in_dims, *args):
+        args, dims = _full(op, args, in_dims)
+        return _inplace_loop(op, info.batch_size, dims, args, written)
+    return rule
+
+
+# rope_ (x), rope_qk_ (q, k), sinusoidal_pe_ (x): written in place, sample by sample
+register_vmap("attn_ext::rope_", _inplace_rule(_lib.rope_, (0,)))
+register_vmap("attn_ext::rope_qk_", _inplace_rule(_lib.rope_qk_, (0, 1)))
+register_vmap("attn_ext::sinusoidal_pe_", _inplace_rule(_lib.sinusoidal_pe_, (0,)))

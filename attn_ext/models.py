@@ -141,23 +141,21 @@ class TinyGPT(nn.Module):
                 blk.attn.set_context_parallel(context_parallel_group, context_parallel_layout)
 
     @torch.jit.unused
-    def _context_parallel_positions(self, idx: Tensor, has_caches: bool,
-                                    has_attention_mask: bool = False) -> Tensor:
-        """The global positions of this rank's tokens, after the checks of a context-parallel
-        call; when they fail on this rank, the error is raised on every rank of the group (this
-        one joins the first layer's ring agreement as failed, which the others are about to
-        enter: they would otherwise wait in it until the collective timeout)."""
-        from .distributed import _fail_together
+    def _context_parallel_forward(self, idx, caches, attention_mask) -> Optional[Tensor]:
+        """A context-parallel forward, where an error raised on this rank before the first
+        layer's ring (its checks, an embedding of an out-of-range token) is raised on every rank
+        of the group (distributed._call_sharing_errors); None when this is that call."""
+        from .distributed import _call_sharing_errors, _inside_sharing_call
 
-        try:
-            return self._context_parallel_checked(idx, has_caches, has_attention_mask)
-        except Exception as e:  # noqa: BLE001  (whatever failed here, the other ranks raise too)
-            _fail_together(e, idx, self.context_parallel_group)
-            raise  # (_fail_together raises e)
+        if _inside_sharing_call(self):
+            return None
+        ref = idx if isinstance(idx, torch.Tensor) else self.head.weight
+        return _call_sharing_errors(self, self.context_parallel_group, ref,
+                                    lambda: self.forward(idx, caches, attention_mask))
 
     @torch.jit.unused
-    def _context_parallel_checked(self, idx: Tensor, has_caches: bool,
-                                  has_attention_mask: bool) -> Tensor:
+    def _context_parallel_positions(self, idx: Tensor, has_caches: bool,
+                                    has_attention_mask: bool = False) -> Tensor:
         from .distributed import _rank_world, shard_positions
 
         if has_caches:
@@ -191,9 +189,13 @@ class TinyGPT(nn.Module):
 
     def forward(self, idx: Tensor, caches: Optional[List[KVCache]] = None,
                 attention_mask: Optional[Tensor] = None) -> Tensor:
+        if not torch.jit.is_scripting():
+            if self.context_parallel_group is not None:
+                shared = self._context_parallel_forward(idx, caches, attention_mask)
+                if shared is not None:
+                    return shared
         positions: Optional[Tensor] = None
         if self.context_parallel_group is not None:
-            # first: a context-parallel call's checks fail on every rank together
             positions = self._context_parallel_positions(idx, caches is not None,
                                                          attention_mask is not None)
         if attention_mask is not None and (attention_mask.dim() != 2

@@ -348,11 +348,13 @@ def _rope_out_of_place(requires_grad: bool) -> bool:
     record the same graph); and under torch.export, whose program keeps the branch taken while
     exporting (often under no_grad) and must also run where a gradient is recorded (the
     in-place op refuses inputs that require grad). torch.compile guards on grad mode, so it
-    keeps the in-place op where it is safe."""
+    keeps the in-place op where it is safe. Under a torch.func transform too (vmap, grad):
+    a mapped tensor says requires_grad=False while the tensors it wraps record a gradient."""
     if (torch.is_grad_enabled() and requires_grad) or torch.jit.is_tracing():
         return True
     if not torch.jit.is_scripting():
-        return torch.compiler.is_exporting()
+        return (torch.compiler.is_exporting()
+                or torch._C._functorch.peek_interpreter_stack() is not None)
     return False
 
 
@@ -537,24 +539,20 @@ class MultiHeadAttention(_DerivedBuffers):
         return d_in
 
     @torch.jit.unused
-    def _context_parallel_call(self, x, memory, kv_cache, need_weights):
-        """A context-parallel forward's checks: (memory, kv_cache, need_weights, positions),
-        or, when they fail on this rank, the error raised on every rank of the group (this one
-        joins the ring's agreement as failed: the others, about to start the ring, would
-        otherwise wait in it until the collective timeout)."""
-        from .distributed import _fail_together
+    def _context_parallel_forward(self, x, memory, kv_cache, need_weights,
+                                  key_padding_mask) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+        """A context-parallel call of forward, where an error raised on this rank before the
+        ring is raised on every rank of the group (distributed._call_sharing_errors: the others
+        would wait in the ring's agreement until the collective timeout); None when this is
+        that call (forward goes on)."""
+        from .distributed import _call_sharing_errors, _inside_sharing_call
 
-        try:
-            memory, kv_cache, need_weights = _forward_args(memory, kv_cache, need_weights)
-            if not isinstance(x, torch.Tensor):
-                raise ArgumentTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-            self._check_forward_inputs(x, memory)
-            positions = self._context_parallel_positions(x, kv_cache, need_weights, memory)
-        except Exception as e:  # noqa: BLE001  (whatever failed here, the other ranks raise too)
-            ref = x if isinstance(x, torch.Tensor) else self.out_proj.weight
-            _fail_together(e, ref, self.context_parallel_group)
-            raise  # (_fail_together raises e; this line is for readers and linters)
-        return memory, kv_cache, need_weights, positions
+        if _inside_sharing_call(self):
+            return None
+        ref = x if isinstance(x, torch.Tensor) else self.out_proj.weight
+        return _call_sharing_errors(
+            self, self.context_parallel_group, ref,
+            lambda: self.forward(x, memory, kv_cache, need_weights, key_padding_mask))
 
     @torch.jit.unused
     def _context_parallel_positions(self, x: Tensor, kv_cache: Optional[KVCache], need_weights: bool,
@@ -734,21 +732,21 @@ class MultiHeadAttention(_DerivedBuffers):
         need_weights: bool = False,
         key_padding_mask: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
-        cp_positions: Optional[Tensor] = None
         if not torch.jit.is_scripting():
             if self.context_parallel_group is not None:
-                # a context-parallel layer: its checks and the global positions of this rank's
-                # rows, before anything is projected; a rank whose checks fail tells the others
-                # (cross-attention, kv_cache and need_weights are refused whichever branch
-                # below the layer would take)
-                memory, kv_cache, need_weights, cp_positions = self._context_parallel_call(
-                    x, memory, kv_cache, need_weights)
-            else:
-                memory, kv_cache, need_weights = _forward_args(memory, kv_cache, need_weights)
+                shared = self._context_parallel_forward(x, memory, kv_cache, need_weights,
+                                                        key_padding_mask)
+                if shared is not None:
+                    return shared
+            memory, kv_cache, need_weights = _forward_args(memory, kv_cache, need_weights)
         d_in = self._check_forward_inputs(x, memory)
         B, Sq = x.size(0), x.size(1)
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_dim
-        if self.context_parallel_group is not None and cp_positions is None:
+        # a context-parallel layer: the global positions of this rank's rows, checked before
+        # anything is projected (cross-attention, kv_cache and need_weights are refused here,
+        # whichever branch below the layer would take)
+        cp_positions: Optional[Tensor] = None
+        if self.context_parallel_group is not None:
             cp_positions = self._context_parallel_positions(x, kv_cache, need_weights, memory)
         fused_cross = self.qkv is not None and memory is not None
         if fused_cross:
@@ -1048,8 +1046,26 @@ class TransformerBlock(nn.Module):
                                 nn.Linear(d_ff, d_model, bias=bias))
         self.drop = nn.Dropout(dropout)
 
+    @torch.jit.unused
+    def _context_parallel_forward(self, x, kv_cache, key_padding_mask) -> Optional[Tensor]:
+        """forward of a block whose attention is context-parallel, with an error raised before
+        its ring (in ln1, say) raised on every rank (see MultiHeadAttention's); None when this
+        is that call."""
+        from .distributed import _call_sharing_errors, _inside_sharing_call
+
+        if _inside_sharing_call(self):
+            return None
+        ref = x if isinstance(x, torch.Tensor) else self.ln1.weight
+        return _call_sharing_errors(self, self.attn.context_parallel_group, ref,
+                                    lambda: self.forward(x, kv_cache, key_padding_mask))
+
     def forward(self, x: Tensor, kv_cache: Optional[KVCache] = None,
                 key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        if not torch.jit.is_scripting():
+            if self.attn.context_parallel_group is not None:
+                shared = self._context_parallel_forward(x, kv_cache, key_padding_mask)
+                if shared is not None:
+                    return shared
         if self.norm_first:
             x = x + self.drop(self.attn(self.ln1(x), None, kv_cache, False, key_padding_mask)[0])
             x = x + self.drop(self.ff(self.ln2(x)))

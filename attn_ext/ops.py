@@ -333,7 +333,6 @@ def _functorch_autograd_impl(op, backward, setup_context):
     return func_impl
 
 
-@torch.library.register_fake("attn_ext::sinusoidal_pe")
 def _sinusoidal_fake_checks(x, positions, base):
     """make_sinusoidal_params' rules (sinusoidal_adapter.h) in the fake kernels, which are all
     that runs on meta tensors."""

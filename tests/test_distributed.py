@@ -259,7 +259,20 @@ def _case_layer_checks_fail_together(rank, world):
                 call if rank == 0 else (lambda: mha(x)))
         assert time.perf_counter() - t0 < 20, words  # (not the 60 s collective timeout)
     mha(x)  # the group still works
-    gpt = attn_ext.models.TinyGPT(29, d_model=16, num_heads=2, num_layers=1, max_len=4 * world + 2,
+    # failures that are not checks: a float32 x into the float64 layer fails in its projection
+    _expect(RuntimeError if rank == 0 else ValueError, "dtype" if rank == 0 else others,
+            mha, x.float() if rank == 0 else x)
+    # ranks failing at different points each raise their own error
+    _expect(RuntimeError if rank == 0 else NotImplementedError,
+            "dtype" if rank == 0 else "need_weights",
+            (lambda: mha(x.float())) if rank == 0 else (lambda: mha(x, need_weights=True)))
+    # a block whose LayerNorm fails on rank 0 (the wrong width) before its attention's ring
+    blk = attn_ext.TransformerBlock(E, 2, rotary=8).double()
+    blk.attn.set_context_parallel(dist.group.WORLD)
+    _expect(RuntimeError if rank == 0 else ValueError, "normalized_shape" if rank == 0 else others,
+            blk, torch.randn(1, 4, E + 2, dtype=torch.float64) if rank == 0 else x)
+    blk(x)
+    gpt = attn_ext.models.TinyGPT(29, d_model=16, num_heads=2, num_layers=2, max_len=4 * world + 2,
                                   pos="learned", context_parallel_group=dist.group.WORLD).double()
     idx = torch.randint(0, 29, (1, 4))
     _expect(ValueError, "local_len must be even" if rank == 0 else others,
@@ -267,6 +280,9 @@ def _case_layer_checks_fail_together(rank, world):
     # rank 0's 6 tokens x world pass max_len; the other ranks' 4 do not
     _expect(ValueError, "at most max_len" if rank == 0 else others,
             gpt, torch.randint(0, 29, (1, 6)) if rank == 0 else idx)
+    # a token past the vocabulary fails in rank 0's embedding
+    _expect(IndexError if rank == 0 else ValueError, "index out of range" if rank == 0 else others,
+            gpt, idx + 100 if rank == 0 else idx)
     gpt(idx)
 
 

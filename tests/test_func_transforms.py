@@ -17,7 +17,7 @@ from attn_ext import ops
 from attn_ext import reference as R
 from tests.utils import max_err, randn
 
-# (the in-place ops under vmap keep torch's loop and its performance warning)
+# (torch's performance warning, should an op call fall back to its loop under vmap)
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 
 F64 = torch.float64

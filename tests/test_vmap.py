@@ -170,3 +170,79 @@ def test_vmap_keeps_the_ops_errors():
     q, k, v, *_ = _inputs()
     with pytest.raises(RuntimeError, match="k must have head dim D"):
         torch.func.vmap(attn_ext.causal_attention)(q, k[..., :4], v)
+
+
+def test_alibi_folds_with_one_sample_or_one_sequence():
+    """V = 1 or B = 1: the folded slopes were a stride-0 view, which the kernel's table check
+    refused (torch's fallback had taken them)."""
+    g = torch.Generator().manual_seed(1)
+    for V_, B_ in ((1, 2), (3, 1), (1, 1)):
+        q = torch.randn(V_, B_, S, H, D, dtype=F64, generator=g)
+        for slopes, dims in ((torch.rand(B_, H, dtype=F64, generator=g), (0, None)),
+                             (torch.rand(V_, H, dtype=F64, generator=g), (0, 0))):
+            fn = lambda q, a: attn_ext.attention(q, q, q, causal=True, alibi_slopes=a)
+            out = torch.func.vmap(fn, in_dims=dims)(q, slopes)
+            assert (out - _per_sample(fn, (q, slopes), dims)).abs().max().item() <= TOL
+            loss = lambda q, a: fn(q, a).square().sum()
+            gq = torch.func.vmap(torch.func.grad(loss), in_dims=dims)(q, slopes)
+            want = _per_sample(torch.func.grad(loss), (q, slopes), dims)
+            assert (gq - want).abs().max().item() <= 1e-10
+
+
+def test_size_zero_mapped_dimension():
+    q, k, v, _, _, t = _inputs()
+    out = torch.func.vmap(attn_ext.causal_attention)(q[:0], k[:0], v[:0])  # folded: empty
+    assert out.shape == (0, B, S, H, DV)
+    with pytest.raises(ValueError, match="vmap over a dimension of size 0"):  # looped: refused
+        torch.func.vmap(lambda q, k, v, r: attn_ext.attention(q, k, v, rel_bias=r))(
+            q[:0], k[:0], v[:0], t["rel"][:0])
+
+
+def test_inplace_ops_under_vmap():
+    """rope_, rope_qk_ and sinusoidal_pe_ write each sample's rows in place (torch's fallback
+    refused in-place ops); an unmapped written tensor beside mapped arguments is refused."""
+    q, k, *_ = _inputs()
+    cos, sin = attn_ext.rope_cache(16, D, dtype=F64)
+
+    def rope_qk_inplace(q, k):
+        attn_ext.rope_qk(q, k, cos, sin, offset=2, inplace=True)
+        return q, k
+
+    qq, kk = q.clone(), k.clone()
+    out_q, out_k = torch.func.vmap(rope_qk_inplace)(qq, kk)
+    def each(fn, t):  # fn on every sample of t
+        return torch.stack([fn(s) for s in t])
+
+    assert (qq - each(lambda s: attn_ext.rope(s, cos, sin, offset=2), q)).abs().max().item() == 0
+    assert (kk - each(lambda s: attn_ext.rope(s, cos, sin, offset=2), k)).abs().max().item() == 0
+    assert (out_q - qq).abs().max().item() == 0
+    x = q[..., 0].clone()
+    torch.func.vmap(lambda x: attn_ext.sinusoidal_pe_(x, offset=1))(x)
+    assert (x - each(lambda s: attn_ext.sinusoidal_pe(s, offset=1), q[..., 0])).abs().max().item() == 0
+    xq = q.clone()
+    torch.func.vmap(lambda x, c: attn_ext.rope_(x, c, c), in_dims=(0, 0))(xq, cos.expand(V, *cos.shape))
+    assert (xq - each(lambda s: attn_ext.rope(s, cos, cos), q)).abs().max().item() == 0
+    with pytest.raises(ValueError, match="writes its argument 0 in place, which is not mapped"):
+        torch.func.vmap(lambda c: attn_ext.rope_(q[0].clone(), c, c))(cos.expand(V, *cos.shape))
+
+
+def test_ensemble_of_blocks_with_rotary():
+    """Model ensembling (torch.func.stack_module_state + functional_call under vmap) over
+    TransformerBlocks with RoPE, in training (out-of-place RoPE) and in inference (in place)."""
+    g = torch.Generator().manual_seed(2)
+    blocks = []
+    for _ in range(V):
+        torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
+        blocks.append(attn_ext.TransformerBlock(32, 4, rotary=8).double())
+    params, buffers = torch.func.stack_module_state(blocks)
+    base = attn_ext.TransformerBlock(32, 4, rotary=8).double().to("meta")
+    x = torch.randn(B, S, 32, dtype=F64, generator=g)
+    for mode in ("train", "eval"):
+        for b in blocks:
+            getattr(b, mode)()
+        getattr(base, mode)()
+        run = lambda p, bf: torch.func.functional_call(base, (p, bf), (x,))
+        with torch.no_grad() if mode == "eval" else torch.enable_grad():
+            out = torch.func.vmap(run)(params, buffers)
+            want = torch.stack([b(x) for b in blocks])
+        assert (out - want).abs().max().item() <= 1e-12, mode
