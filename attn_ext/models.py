@@ -258,6 +258,13 @@ class TinyGPT(nn.Module):
                              f"shape {list(idx.shape)}")
         if max_new_tokens < 0:  # (it used to fail as "KVCache is full")
             raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+        if self.learned is not None and S + max_new_tokens - 1 > self.max_len:
+            # (the last new token is not fed back; the step past max_len used to fail in the
+            # position embedding after the steps before it had run)
+            raise ValueError(
+                f"generate: learned positions reach max_len = {self.max_len}: a prompt of {S} "
+                f"tokens takes at most {self.max_len - S + 1} new tokens, got max_new_tokens = "
+                f"{max_new_tokens}")
         dev = self.head.weight.device.type
         # (autocast leaves float64 layers in float64, and so the caches)
         autocast = torch.is_autocast_enabled(dev) and self.head.weight.dtype != torch.float64

@@ -565,5 +565,9 @@ def test_tinygpt_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -2"):
         m.generate(idx, -2)
     assert torch.equal(m.generate(idx, 0), idx)
+    learned = TinyGPT(50, d_model=32, num_heads=4, num_layers=1, max_len=8, pos="learned").eval()
+    assert learned.generate(idx, 5).shape == (1, 9)  # (positions 0..7: the last token not fed)
+    with pytest.raises(ValueError, match="takes at most 5 new tokens, got max_new_tokens = 6"):
+        learned.generate(idx, 6)
     with pytest.raises(ValueError, match=r"caches must hold one KVCache per layer \(2\), got 1"):
         m(idx, m.new_caches(1, 16)[:1])
