@@ -205,15 +205,45 @@ def _sinusoidal_pe_vmap(info, in_dims, *args):
     return _unfold(_lib.sinusoidal_pe(_fold(x, dims[0], V), pos, offset, base), V, B), 0
 
 
+def _element_offsets(t: torch.Tensor) -> torch.Tensor:
+    """The storage offset of every element of t (int64, t's shape)."""
+    off = torch.tensor(t.storage_offset(), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        off = off.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return off
+
+
+def _check_written(op, args: list, written: Sequence[int]) -> None:
+    """The kernels' overlap checks on the whole mapped tensors: a call per sample checks one
+    sample's views, not memory that two samples share (an expanded x, or q and k views that
+    meet across samples), which would be rotated twice."""
+    name = op._qualified_op_name
+    for i in written:
+        status = torch._debug_has_internal_overlap(args[i])  # 0 no, 1 yes, 2 too hard
+        if status == 1 or (status == 2 and args[i].numel() > 0
+                           and _element_offsets(args[i]).unique().numel() < args[i].numel()):
+            raise ValueError(f"vmap: {name} writes argument {i} in place, whose samples share "
+                             "memory (an expanded tensor?): each sample would write it again")
+    if len(written) == 2:
+        a, b = (args[i] for i in written)
+        if (a.numel() > 0 and b.numel() > 0
+                and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                and torch.isin(_element_offsets(a), _element_offsets(b)).any()):
+            raise ValueError(f"vmap: {name} writes arguments {written[0]} and {written[1]} in "
+                             "place, and they share memory")
+
+
 def _inplace_loop(op, V: int, dims: Sequence[Optional[int]], args: list, written: Sequence[int]):
     """An in-place op over mapped tensors: one call per sample on views of them (a folded copy
     would be written instead of the tensors). A written tensor that is not mapped while another
-    argument is would take every sample's result in turn: refused."""
+    argument is would take every sample's result in turn: refused, as written tensors whose
+    samples share memory."""
     for i in written:
         if dims[i] is None:
             raise ValueError(
                 f"vmap: {op._qualified_op_name} writes its argument {i} in place, which is not "
                 "mapped while other arguments are (each sample would overwrite it)")
+    _check_written(op, args, written)
     if V == 0:
         return None, None
     for s in range(V):

@@ -941,7 +941,6 @@ def _agree_on_inputs(q, k, v, group, error, keywords: Optional[List[int]] = None
     alone would leave its neighbours waiting on transfers that never come; shards of different
     lengths would fail inside the transport; ranks with different keywords would compute
     different attentions, or hang where only some of them broadcast a dropout seed.)"""
-    _THREAD.agreements = getattr(_THREAD, "agreements", 0) + 1  # (_call_sharing_errors)
     _, world = _rank_world(group)
     if world == 1:
         if error is not None:
@@ -967,42 +966,32 @@ def _agree_on_inputs(q, k, v, group, error, keywords: Optional[List[int]] = None
                          f"the ranks differ in {', '.join(differ)}")
 
 
-# per thread: how many ring agreements it entered (_agree_on_inputs), and the modules whose
-# context-parallel call it is inside (_call_sharing_errors)
+# per thread: an error deferred to the next context-parallel layer's checks (_defer_error)
 _THREAD = threading.local()
 
 
 def _fail_together(error: BaseException, x: torch.Tensor, group) -> None:
-    """Raise ``error`` after telling the other ranks: this rank joins, as a failed rank, the
-    agreement of the ring they are about to start (their next collective), so they raise there
-    at once ("the inputs of rank(s) [r] ... failed their checks") instead of waiting in it until
-    the collective timeout. ``x`` gives the device of the exchange (nccl: the inputs' device)."""
+    """Raise ``error``, the failed checks of a context-parallel layer on this rank, after
+    telling the other ranks: this rank joins, as a failed rank, the agreement of the ring they
+    are about to start (their next collective: the checks run before the layer calls any
+    submodule), so they raise there at once ("the inputs of rank(s) [r] ... failed their
+    checks") instead of waiting in it until the collective timeout. ``x`` gives the device of
+    the exchange (nccl: the inputs' device)."""
     _agree_on_inputs(x, x, x, group, error)
 
 
-def _inside_sharing_call(module) -> bool:
-    return id(module) in getattr(_THREAD, "inside", ())
+def _defer_error(error: Optional[BaseException]) -> None:
+    """Hand ``error`` (or None: clear it) to the next context-parallel layer's checks on this
+    thread, which raise it on every rank (TinyGPT's own checks: the model carries on to its
+    first layer as the other ranks do, so that every collective on the way (FSDP's parameter
+    gathers, say) still pairs up)."""
+    _THREAD.deferred = error
 
 
-def _call_sharing_errors(module, group, ref: torch.Tensor, call):
-    """``call()``, a context-parallel module's forward (MultiHeadAttention, TransformerBlock,
-    TinyGPT), where an error this rank raises before it entered any ring agreement during the
-    call is shared (_fail_together): the other ranks, which passed that point, are on their way
-    to the call's first ring agreement (a projection, an embedding and a LayerNorm do not
-    communicate). An error after the call entered a ring (inside its transfers, or past its
-    last layer) is raised as it is: the others are not at an agreement then. Nested modules
-    share each error once (the innermost one joins the agreement, which counts)."""
-    inside = _THREAD.__dict__.setdefault("inside", set())
-    inside.add(id(module))
-    before = getattr(_THREAD, "agreements", 0)
-    try:
-        return call()
-    except Exception as e:  # noqa: BLE001  (whatever failed on this rank, the others raise too)
-        if getattr(_THREAD, "agreements", 0) == before:
-            _fail_together(e, ref, group)
-        raise
-    finally:
-        inside.discard(id(module))
+def _take_deferred_error() -> Optional[BaseException]:
+    error = getattr(_THREAD, "deferred", None)
+    _THREAD.deferred = None
+    return error
 
 
 _DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}

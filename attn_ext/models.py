@@ -141,17 +141,36 @@ class TinyGPT(nn.Module):
                 blk.attn.set_context_parallel(context_parallel_group, context_parallel_layout)
 
     @torch.jit.unused
-    def _context_parallel_forward(self, idx, caches, attention_mask) -> Optional[Tensor]:
-        """A context-parallel forward, where an error raised on this rank before the first
-        layer's ring (its checks, an embedding of an out-of-range token) is raised on every rank
-        of the group (distributed._call_sharing_errors); None when this is that call."""
-        from .distributed import _call_sharing_errors, _inside_sharing_call
+    def _context_parallel_checked(self, idx: Tensor, has_caches: bool,
+                                  has_attention_mask: bool) -> Tensor:
+        """The global positions of this rank's tokens after the context-parallel checks; a
+        failed check goes to _context_parallel_deferred."""
+        try:
+            return self._context_parallel_positions(idx, has_caches, has_attention_mask)
+        except Exception as e:  # noqa: BLE001  (raised by the first layer on every rank)
+            self._context_parallel_deferred(idx, e)
+            raise
 
-        if _inside_sharing_call(self):
-            return None
-        ref = idx if isinstance(idx, torch.Tensor) else self.head.weight
-        return _call_sharing_errors(self, self.context_parallel_group, ref,
-                                    lambda: self.forward(idx, caches, attention_mask))
+    @torch.jit.unused
+    def _context_parallel_deferred(self, idx, error: BaseException) -> None:
+        """This rank's context-parallel checks failed: hand the error to the first layer's
+        checks, which raise it on every rank, and go there as the other ranks do (the token
+        embedding and the first block, whose hooks may gather parameters: FSDP), on stand-in
+        tokens. (Raising here at once would leave the other ranks waiting in the first ring,
+        and joining its agreement here could meet their FSDP gathers instead.)"""
+        from .distributed import _defer_error
+
+        if len(self.blocks) == 0:
+            raise error
+        dev = idx.device if isinstance(idx, torch.Tensor) else self.head.weight.device
+        x = self.tok(torch.zeros(1, 2, dtype=torch.long, device=dev))
+        _defer_error(error)
+        try:
+            for blk in self.blocks:
+                x = blk(x)
+        finally:
+            _defer_error(None)  # (taken by the first layer, or dropped with another error)
+        raise error  # (not reached: the first layer raises it)
 
     @torch.jit.unused
     def _context_parallel_positions(self, idx: Tensor, has_caches: bool,
@@ -164,6 +183,13 @@ class TinyGPT(nn.Module):
             raise NotImplementedError("context-parallel TinyGPT does not take an attention_mask "
                                       "(its left-padded per-row positions are not sharded; pass key_padding_mask shards "
                                       "to MultiHeadAttention.set_context_parallel layers instead)")
+        if idx.device.type == "cpu" and idx.numel() > 0 and not torch.is_floating_point(idx):
+            # (on CPU, where reading the values costs no device sync: a token past the
+            # vocabulary would fail in this rank's embedding alone)
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= self.tok.num_embeddings:
+                raise ValueError(f"idx holds token ids in [{lo}, {hi}], outside the vocabulary "
+                                 f"[0, {self.tok.num_embeddings})")
         if self.learned is not None:
             # checked here, alike on every rank (the same S_local everywhere): the embedding of a
             # rank whose global positions pass max_len would raise alone and leave the other
@@ -189,15 +215,11 @@ class TinyGPT(nn.Module):
 
     def forward(self, idx: Tensor, caches: Optional[List[KVCache]] = None,
                 attention_mask: Optional[Tensor] = None) -> Tensor:
-        if not torch.jit.is_scripting():
-            if self.context_parallel_group is not None:
-                shared = self._context_parallel_forward(idx, caches, attention_mask)
-                if shared is not None:
-                    return shared
         positions: Optional[Tensor] = None
         if self.context_parallel_group is not None:
-            positions = self._context_parallel_positions(idx, caches is not None,
-                                                         attention_mask is not None)
+            # first: a failed check is raised by the first layer, on every rank together
+            positions = self._context_parallel_checked(idx, caches is not None,
+                                                       attention_mask is not None)
         if attention_mask is not None and (attention_mask.dim() != 2
                                            or attention_mask.size(0) != idx.size(0)
                                            or attention_mask.size(1) != idx.size(1)):

@@ -354,7 +354,7 @@ def _rope_out_of_place(requires_grad: bool) -> bool:
         return True
     if not torch.jit.is_scripting():
         return (torch.compiler.is_exporting()
-                or torch._C._functorch.peek_interpreter_stack() is not None)
+                or torch._C._are_functorch_transforms_active())  # (dynamo reads this one)
     return False
 
 
@@ -539,20 +539,36 @@ class MultiHeadAttention(_DerivedBuffers):
         return d_in
 
     @torch.jit.unused
-    def _context_parallel_forward(self, x, memory, kv_cache, need_weights,
-                                  key_padding_mask) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
-        """A context-parallel call of forward, where an error raised on this rank before the
-        ring is raised on every rank of the group (distributed._call_sharing_errors: the others
-        would wait in the ring's agreement until the collective timeout); None when this is
-        that call (forward goes on)."""
-        from .distributed import _call_sharing_errors, _inside_sharing_call
+    def _context_parallel_call(self, x, memory, kv_cache, need_weights):
+        """A context-parallel forward's checks: (memory, kv_cache, need_weights, positions),
+        or, when they fail on this rank (or a model deferred its own failed checks to this
+        layer), the error raised on every rank of the group. They run before the layer calls
+        any submodule, so the other ranks' next collective is the ring's agreement, which this
+        rank joins as failed (they would otherwise wait in it until the collective timeout).
+        Beyond the argument checks, x's dtype and device must be the weights' (outside
+        autocast): a projection that fails on one rank alone would leave the others waiting."""
+        from .distributed import _fail_together, _take_deferred_error
 
-        if _inside_sharing_call(self):
-            return None
-        ref = x if isinstance(x, torch.Tensor) else self.out_proj.weight
-        return _call_sharing_errors(
-            self, self.context_parallel_group, ref,
-            lambda: self.forward(x, memory, kv_cache, need_weights, key_padding_mask))
+        try:
+            deferred = _take_deferred_error()
+            if deferred is not None:
+                raise deferred
+            memory, kv_cache, need_weights = _forward_args(memory, kv_cache, need_weights)
+            if not isinstance(x, torch.Tensor):
+                raise ArgumentTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+            self._check_forward_inputs(x, memory)
+            w = self.out_proj.weight
+            if x.device != w.device:
+                raise ValueError(f"x must be on the layer's device {w.device}, got {x.device}")
+            if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+                raise ValueError(f"x must have the layer's dtype {w.dtype} (outside autocast), "
+                                 f"got {x.dtype}")
+            positions = self._context_parallel_positions(x, kv_cache, need_weights, memory)
+        except Exception as e:  # noqa: BLE001  (whatever failed here, the other ranks raise too)
+            ref = x if isinstance(x, torch.Tensor) else self.out_proj.weight
+            _fail_together(e, ref, self.context_parallel_group)
+            raise  # (_fail_together raises e; this line is for readers and linters)
+        return memory, kv_cache, need_weights, positions
 
     @torch.jit.unused
     def _context_parallel_positions(self, x: Tensor, kv_cache: Optional[KVCache], need_weights: bool,
@@ -732,21 +748,21 @@ class MultiHeadAttention(_DerivedBuffers):
         need_weights: bool = False,
         key_padding_mask: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
+        cp_positions: Optional[Tensor] = None
         if not torch.jit.is_scripting():
             if self.context_parallel_group is not None:
-                shared = self._context_parallel_forward(x, memory, kv_cache, need_weights,
-                                                        key_padding_mask)
-                if shared is not None:
-                    return shared
-            memory, kv_cache, need_weights = _forward_args(memory, kv_cache, need_weights)
+                # a context-parallel layer: its checks and the global positions of this rank's
+                # rows, before any submodule runs; a rank whose checks fail tells the others
+                # (cross-attention, kv_cache and need_weights are refused whichever branch
+                # below the layer would take)
+                memory, kv_cache, need_weights, cp_positions = self._context_parallel_call(
+                    x, memory, kv_cache, need_weights)
+            else:
+                memory, kv_cache, need_weights = _forward_args(memory, kv_cache, need_weights)
         d_in = self._check_forward_inputs(x, memory)
         B, Sq = x.size(0), x.size(1)
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_dim
-        # a context-parallel layer: the global positions of this rank's rows, checked before
-        # anything is projected (cross-attention, kv_cache and need_weights are refused here,
-        # whichever branch below the layer would take)
-        cp_positions: Optional[Tensor] = None
-        if self.context_parallel_group is not None:
+        if self.context_parallel_group is not None and cp_positions is None:
             cp_positions = self._context_parallel_positions(x, kv_cache, need_weights, memory)
         fused_cross = self.qkv is not None and memory is not None
         if fused_cross:
@@ -1047,25 +1063,44 @@ class TransformerBlock(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     @torch.jit.unused
-    def _context_parallel_forward(self, x, kv_cache, key_padding_mask) -> Optional[Tensor]:
-        """forward of a block whose attention is context-parallel, with an error raised before
-        its ring (in ln1, say) raised on every rank (see MultiHeadAttention's); None when this
-        is that call."""
-        from .distributed import _call_sharing_errors, _inside_sharing_call
+    def _context_parallel_input_error(self, x) -> Optional[Exception]:
+        """The error this rank's x would raise in the block before its attention's ring (in
+        ln1: the wrong width; in the projection: another dtype or device), or None."""
+        w = self.ln1.weight
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.size(-1) != w.size(0):
+            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            return ValueError(f"x must have shape (B, S, d_model = {w.size(0)}), got {got}")
+        if x.device != w.device:
+            return ValueError(f"x must be on the block's device {w.device}, got {x.device}")
+        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+            return ValueError(f"x must have the block's dtype {w.dtype} (outside autocast), got "
+                              f"{x.dtype}")
+        return None
 
-        if _inside_sharing_call(self):
-            return None
-        ref = x if isinstance(x, torch.Tensor) else self.ln1.weight
-        return _call_sharing_errors(self, self.attn.context_parallel_group, ref,
-                                    lambda: self.forward(x, kv_cache, key_padding_mask))
+    @torch.jit.unused
+    def _context_parallel_deferred(self, error: Exception, kv_cache, key_padding_mask) -> Tensor:
+        """This rank's x failed the block's checks: the block runs on a stand-in x, as the
+        other ranks run theirs (ln1 and its hooks), to its attention's checks, which raise the
+        error on every rank (distributed._defer_error)."""
+        from .distributed import _defer_error
+
+        w = self.ln1.weight
+        _defer_error(error)
+        try:
+            TransformerBlock.forward(self, torch.zeros(1, 2, w.size(0), dtype=w.dtype,
+                                                       device=w.device),
+                                     kv_cache, key_padding_mask)
+        finally:
+            _defer_error(None)  # (taken by the attention's checks, or dropped with another error)
+        raise error  # (not reached: the attention's checks raise it)
 
     def forward(self, x: Tensor, kv_cache: Optional[KVCache] = None,
                 key_padding_mask: Optional[Tensor] = None) -> Tensor:
         if not torch.jit.is_scripting():
             if self.attn.context_parallel_group is not None:
-                shared = self._context_parallel_forward(x, kv_cache, key_padding_mask)
-                if shared is not None:
-                    return shared
+                error = self._context_parallel_input_error(x)
+                if error is not None:
+                    return self._context_parallel_deferred(error, kv_cache, key_padding_mask)
         if self.norm_first:
             x = x + self.drop(self.attn(self.ln1(x), None, kv_cache, False, key_padding_mask)[0])
             x = x + self.drop(self.ff(self.ln2(x)))

@@ -238,11 +238,11 @@ def _case_errors(rank, world):
 
 
 def _case_layer_checks_fail_together(rank, world):
-    """A context-parallel layer or model whose own checks fail on rank 0 alone (an odd zigzag
-    shard, need_weights, a kv_cache, the wrong width, a learned-position length only rank 0
-    exceeds): rank 0 raises its error and every other rank raises at once in its ring agreement
-    ("failed their checks"), instead of waiting there until the collective timeout; then the
-    group still works."""
+    """A context-parallel layer, block or model whose checks fail on rank 0 alone (an odd zigzag
+    shard, need_weights, a kv_cache, the wrong width or dtype, a learned-position length only
+    rank 0 exceeds, a token past the vocabulary): rank 0 raises its error and every other rank
+    raises at once in its ring agreement ("failed their checks"), instead of waiting there until
+    the collective timeout; then the group still works."""
     E = 16
     mha = attn_ext.MultiHeadAttention(E, 2, rotary=8).double().set_context_parallel(dist.group.WORLD)
     x = torch.randn(1, 4, E, dtype=torch.float64)
@@ -259,30 +259,49 @@ def _case_layer_checks_fail_together(rank, world):
                 call if rank == 0 else (lambda: mha(x)))
         assert time.perf_counter() - t0 < 20, words  # (not the 60 s collective timeout)
     mha(x)  # the group still works
-    # failures that are not checks: a float32 x into the float64 layer fails in its projection
-    _expect(RuntimeError if rank == 0 else ValueError, "dtype" if rank == 0 else others,
+    # x of another dtype than the layer's (it failed in rank 0's projection alone)
+    _expect(ValueError, "x must have the layer's dtype" if rank == 0 else others,
             mha, x.float() if rank == 0 else x)
-    # ranks failing at different points each raise their own error
-    _expect(RuntimeError if rank == 0 else NotImplementedError,
-            "dtype" if rank == 0 else "need_weights",
+    # ranks failing at different checks each raise their own error
+    _expect(ValueError if rank == 0 else NotImplementedError,
+            "x must have the layer's dtype" if rank == 0 else "need_weights",
             (lambda: mha(x.float())) if rank == 0 else (lambda: mha(x, need_weights=True)))
-    # a block whose LayerNorm fails on rank 0 (the wrong width) before its attention's ring
+    # a block whose x fails on rank 0 before its attention (ln1: the wrong width): rank 0 runs
+    # the block on a stand-in to its attention's checks, which raise on every rank; a forward
+    # hook with a collective on ln1 (FSDP's gathers are such collectives) still pairs up
     blk = attn_ext.TransformerBlock(E, 2, rotary=8).double()
     blk.attn.set_context_parallel(dist.group.WORLD)
-    _expect(RuntimeError if rank == 0 else ValueError, "normalized_shape" if rank == 0 else others,
+    hook_calls = []
+
+    def hook(module, args, out):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        hook_calls.append(int(t))
+
+    handle = blk.ln1.register_forward_hook(hook)
+    _expect(ValueError, "d_model = 16" if rank == 0 else others,
             blk, torch.randn(1, 4, E + 2, dtype=torch.float64) if rank == 0 else x)
+    assert hook_calls == [world]
     blk(x)
+    handle.remove()
     gpt = attn_ext.models.TinyGPT(29, d_model=16, num_heads=2, num_layers=2, max_len=4 * world + 2,
                                   pos="learned", context_parallel_group=dist.group.WORLD).double()
     idx = torch.randint(0, 29, (1, 4))
+    handle = gpt.blocks[0].register_forward_pre_hook(lambda m, args: hook(m, args, None))
+    hook_calls.clear()
     _expect(ValueError, "local_len must be even" if rank == 0 else others,
             gpt, idx[:, :3] if rank == 0 else idx)
+    assert hook_calls == [world], hook_calls
+    handle.remove()
     # rank 0's 6 tokens x world pass max_len; the other ranks' 4 do not
     _expect(ValueError, "at most max_len" if rank == 0 else others,
             gpt, torch.randint(0, 29, (1, 6)) if rank == 0 else idx)
-    # a token past the vocabulary fails in rank 0's embedding
-    _expect(IndexError if rank == 0 else ValueError, "index out of range" if rank == 0 else others,
+    # a token past the vocabulary (it failed in rank 0's embedding alone)
+    _expect(ValueError, "outside the vocabulary" if rank == 0 else others,
             gpt, idx + 100 if rank == 0 else idx)
+    # two ranks failing different checks: each raises its own
+    _expect(ValueError, "outside the vocabulary" if rank == 0 else "local_len must be even",
+            gpt, idx + 100 if rank == 0 else idx[:, :3])
     gpt(idx)
 
 

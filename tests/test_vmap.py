@@ -246,3 +246,41 @@ def test_ensemble_of_blocks_with_rotary():
             out = torch.func.vmap(run)(params, buffers)
             want = torch.stack([b(x) for b in blocks])
         assert (out - want).abs().max().item() <= 1e-12, mode
+
+
+def test_inplace_vmap_refuses_shared_memory():
+    """A per-sample call checks one sample's views: memory that two samples share (an
+    expanded x, q and k views that meet across samples) is refused, as the kernels refuse it in
+    one call; q / k views of one packed buffer that do not meet are fine."""
+    cos, sin = attn_ext.rope_cache(16, D, dtype=F64)
+    x = torch.randn(B, S, H, D, dtype=F64)
+    with pytest.raises(ValueError, match="whose samples share memory"):
+        torch.func.vmap(lambda t: attn_ext.rope_(t, cos, sin))(x.expand(V, *x.shape))
+    buf = torch.randn(V + 1, B, S, H, D, dtype=F64)
+    with pytest.raises(ValueError, match="and they share memory"):
+        torch.func.vmap(lambda q, k: attn_ext.rope_qk(q, k, cos, sin, inplace=True))(buf[:-1], buf[1:])
+    packed = torch.randn(V, B, S, 3 * H * D, dtype=F64)
+    q = packed[..., : H * D].unflatten(-1, (H, D))
+    k = packed[..., H * D: 2 * H * D].unflatten(-1, (H, D))
+    q0, k0 = q.clone(), k.clone()
+    torch.func.vmap(lambda q, k: attn_ext.rope_qk(q, k, cos, sin, inplace=True))(q, k)
+    assert torch.equal(q, torch.stack([attn_ext.rope(s, cos, sin) for s in q0]))
+    assert torch.equal(k, torch.stack([attn_ext.rope(s, cos, sin) for s in k0]))
+
+
+def test_compiled_inference_rope_stays_in_place():
+    """RotaryEmbedding goes out of place under a torch.func transform only: a compiled
+    no_grad call keeps the one in-place rope_qk_ (dynamo evaluated the interpreter-stack query
+    as a transform, which doubled the compiled RoPE's time)."""
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    rot = attn_ext.RotaryEmbedding(8)
+    q, k = torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8)
+    with torch.no_grad():
+        torch.compile(lambda q, k: rot(q, k), backend=backend, fullgraph=True)(q, k)
+    assert any("rope_qk_" in t for t in targets), targets
+    assert not any(t.endswith("rope.default") for t in targets), targets
