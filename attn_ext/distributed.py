@@ -982,9 +982,10 @@ def _fail_together(error: BaseException, x: torch.Tensor, group) -> None:
 
 def _defer_error(error: Optional[BaseException]) -> None:
     """Hand ``error`` (or None: clear it) to the next context-parallel layer's checks on this
-    thread, which raise it on every rank (TinyGPT's own checks: the model carries on to its
-    first layer as the other ranks do, so that every collective on the way (FSDP's parameter
-    gathers, say) still pairs up)."""
+    thread, which raise it on every rank: a TinyGPT's or a TransformerBlock's own failed checks,
+    after which the model carries on, on a stand-in input, to its first attention as the other
+    ranks do, so that every collective on the way (FSDP's parameter gathers, a hook's) still
+    pairs up."""
     _THREAD.deferred = error
 
 
