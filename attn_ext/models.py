@@ -60,6 +60,7 @@ class TinyGPT(nn.Module):
             up to ``rel_max_distance``, default ``max_len``; farther distances share the last)
             or "alibi" (ALiBi's fixed linear penalty -slope_h * |i - j|).
         causal: False makes it a bidirectional encoder (used by the demo's reversal task).
+        dropout: the blocks' attention and residual dropout (:class:`TransformerBlock`).
         num_kv_heads: grouped-query attention.
         context_parallel_group, context_parallel_layout: run every layer's attention as
             ring attention over this process group (see :mod:`attn_ext.distributed`): ``idx``

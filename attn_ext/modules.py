@@ -304,7 +304,9 @@ class RotaryEmbedding(_DerivedBuffers):
         return self.tables(needed, x.dtype)
 
     def rotate(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
-        """Rotate one ``(B, S, H, D)`` tensor: in place when no gradient is needed."""
+        """Rotate one ``(B, S, H, D)`` tensor ``x`` at positions ``offset + s`` (or the
+        ``positions`` tensor, ``(S,)`` or ``(B, S)``, as :func:`attn_ext.rope`): in place when
+        no gradient is needed."""
         cos, sin = self._tables_for(x, offset, positions)
         off = _op_offset(offset, positions)
         if _rope_out_of_place(x.requires_grad):
@@ -678,7 +680,9 @@ class MultiHeadAttention(_DerivedBuffers):
     @torch.jit.export
     def new_kv_cache(self, batch: int, max_len: int, dtype: Optional[torch.dtype] = None,
                      device: Optional[torch.device] = None) -> KVCache:
-        """An empty preallocated :class:`KVCache` for this layer.
+        """An empty preallocated :class:`KVCache` for this layer: keys ``(batch, max_len,
+        num_kv_heads, head_dim)`` and values ``(batch, max_len, num_kv_heads, v_dim)``, in
+        ``dtype`` and on ``device`` (default: the weights').
 
         (Exported to TorchScript, so a scripted decoding loop can make its caches. A cache
         crosses the Python / TorchScript boundary by copy: see :class:`KVCache`.)"""
@@ -1029,6 +1033,14 @@ class TransformerBlock(nn.Module):
     ``norm_first=True`` is pre-LN (GPT-2 and later: ``x + attn(LN(x))``, ``x + ff(LN(x))``);
     False is the original post-LN of Vaswani et al. (``LN(x + attn(x))``, ``LN(x + ff(x))``).
     ``forward(x, kv_cache=None, key_padding_mask=None) -> (B, S, d_model)``.
+
+    Args:
+        d_model, num_heads, num_kv_heads, causal, rotary, bias, rel_bias, alibi, softcap,
+            window: the attention's (:class:`MultiHeadAttention`; ``bias`` also for the
+            feed-forward's two Linears).
+        d_ff: the feed-forward's hidden width (default ``4 * d_model``), GELU between.
+        dropout: the attention's in-kernel dropout and the residual branches' dropout.
+        norm_first: pre-LN (True) or post-LN (False), above.
     """
 
     def __init__(

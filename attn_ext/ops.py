@@ -96,7 +96,8 @@ def sinusoidal_table(
     device: Optional[torch.device] = None,
 ) -> torch.Tensor:
     """The ``(seq_len, dim)`` sinusoidal encoding matrix (for inspection and plots),
-    produced by the same kernel as :func:`sinusoidal_pe` applied to zeros."""
+    produced by the same kernel as :func:`sinusoidal_pe` applied to zeros: ``base`` as there,
+    in ``dtype`` (default: the default dtype) on ``device`` (default: the default device)."""
     for name, n in (("seq_len", seq_len), ("dim", dim)):
         if not _is_int(n):
             raise ArgumentTypeError(f"{name} must be an int, got {type(n).__name__}")

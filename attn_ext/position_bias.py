@@ -27,7 +27,8 @@ def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None) -> Tensor:
     """ALiBi's head slopes: the geometric sequence ``2^(-8/n), 2^(-16/n), ...`` for ``n`` a
     power of two; otherwise the ``2^floor(log2 H)`` sequence followed by every other slope of
-    the next power's sequence (the paper's recipe). Returns ``(num_heads,)``."""
+    the next power's sequence (the paper's recipe). Returns ``(num_heads,)`` in ``dtype`` on
+    ``device``."""
     if not _is_int(num_heads) or num_heads <= 0:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
