@@ -163,10 +163,20 @@ class TinyGPT(nn.Module):
 
         if len(self.blocks) == 0:
             raise error
-        dev = idx.device if isinstance(idx, torch.Tensor) else self.head.weight.device
-        x = self.tok(torch.zeros(1, 2, dtype=torch.long, device=dev))
+        # stand-in tokens of the caller's (B, S) where it has one (a hook's collective may
+        # depend on the shape), through every module the other ranks run before the first
+        # attention (the token and position embeddings, the first block)
+        B, S = (idx.shape[0], idx.shape[1]) if isinstance(idx, torch.Tensor) and idx.dim() == 2 \
+            else (1, 2)
+        dev = self.tok.weight.device
+        x = self.tok(torch.zeros(B, S, dtype=torch.long, device=dev))
+        zeros = torch.zeros(S, dtype=torch.long, device=dev)  # (valid for any max_len)
         _defer_error(error)
         try:
+            if self.learned is not None:
+                x = self.learned(x, 0, zeros)
+            if self.sinusoidal is not None:
+                x = self.sinusoidal(x, 0, zeros)
             for blk in self.blocks:
                 x = blk(x)
         finally:
@@ -184,9 +194,17 @@ class TinyGPT(nn.Module):
             raise NotImplementedError("context-parallel TinyGPT does not take an attention_mask "
                                       "(its left-padded per-row positions are not sharded; pass key_padding_mask shards "
                                       "to MultiHeadAttention.set_context_parallel layers instead)")
-        if idx.device.type == "cpu" and idx.numel() > 0 and not torch.is_floating_point(idx):
-            # (on CPU, where reading the values costs no device sync: a token past the
-            # vocabulary would fail in this rank's embedding alone)
+        # idx as the embedding takes it (it would fail there on this rank alone)
+        if not isinstance(idx, torch.Tensor):
+            raise TypeError(f"idx must be a (B, S) tensor of token ids, got {type(idx).__name__}")
+        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"idx must be a (B, S) int64 / int32 tensor of token ids, got "
+                             f"{idx.dtype} of shape {list(idx.shape)}")
+        if idx.device != self.tok.weight.device:
+            raise ValueError(f"idx must be on the model's device {self.tok.weight.device}, got "
+                             f"{idx.device}")
+        if idx.device.type == "cpu" and idx.numel() > 0:
+            # (on CPU, where reading the values costs no device sync)
             lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= self.tok.num_embeddings:
                 raise ValueError(f"idx holds token ids in [{lo}, {hi}], outside the vocabulary "

@@ -562,9 +562,9 @@ class MultiHeadAttention(_DerivedBuffers):
             w = self.out_proj.weight
             if x.device != w.device:
                 raise ValueError(f"x must be on the layer's device {w.device}, got {x.device}")
-            if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
-                raise ValueError(f"x must have the layer's dtype {w.dtype} (outside autocast), "
-                                 f"got {x.dtype}")
+            if x.dtype != w.dtype and not _autocast_takes(x):
+                raise ValueError(f"x must have the layer's dtype {w.dtype} (or a float type "
+                                 f"autocast casts), got {x.dtype}")
             positions = self._context_parallel_positions(x, kv_cache, need_weights, memory)
         except Exception as e:  # noqa: BLE001  (whatever failed here, the other ranks raise too)
             ref = x if isinstance(x, torch.Tensor) else self.out_proj.weight
@@ -912,6 +912,13 @@ class MultiHeadAttention(_DerivedBuffers):
         return self.out_proj(out.view(B, Sq, H * Dv)), weights
 
 
+def _autocast_takes(x: Tensor) -> bool:
+    """Whether autocast is on for x's device and casts x's dtype (float32 / float16 / bfloat16;
+    it leaves float64 and integers as they are)."""
+    return (torch.is_autocast_enabled(x.device.type)
+            and x.dtype in (torch.float32, torch.float16, torch.bfloat16))
+
+
 def _forward_args(memory, kv_cache, need_weights):
     """MultiHeadAttention.forward's eager reading of its arguments: issue 6 also spells
     forward(x, kv_cache=None, need_weights=False), so a KVCache in memory's place, or a bool in
@@ -1084,22 +1091,24 @@ class TransformerBlock(nn.Module):
             return ValueError(f"x must have shape (B, S, d_model = {w.size(0)}), got {got}")
         if x.device != w.device:
             return ValueError(f"x must be on the block's device {w.device}, got {x.device}")
-        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
-            return ValueError(f"x must have the block's dtype {w.dtype} (outside autocast), got "
-                              f"{x.dtype}")
+        if x.dtype != w.dtype and not _autocast_takes(x):
+            return ValueError(f"x must have the block's dtype {w.dtype} (or a float type "
+                              f"autocast casts), got {x.dtype}")
         return None
 
     @torch.jit.unused
-    def _context_parallel_deferred(self, error: Exception, kv_cache, key_padding_mask) -> Tensor:
+    def _context_parallel_deferred(self, x, error: Exception, kv_cache, key_padding_mask) -> Tensor:
         """This rank's x failed the block's checks: the block runs on a stand-in x, as the
         other ranks run theirs (ln1 and its hooks), to its attention's checks, which raise the
         error on every rank (distributed._defer_error)."""
         from .distributed import _defer_error
 
         w = self.ln1.weight
+        # (the caller's (B, S) where x has them: a hook's collective may depend on the shape)
+        B, S = (x.shape[0], x.shape[1]) if isinstance(x, torch.Tensor) and x.dim() == 3 else (1, 2)
         _defer_error(error)
         try:
-            TransformerBlock.forward(self, torch.zeros(1, 2, w.size(0), dtype=w.dtype,
+            TransformerBlock.forward(self, torch.zeros(B, S, w.size(0), dtype=w.dtype,
                                                        device=w.device),
                                      kv_cache, key_padding_mask)
         finally:
@@ -1112,7 +1121,7 @@ class TransformerBlock(nn.Module):
             if self.attn.context_parallel_group is not None:
                 error = self._context_parallel_input_error(x)
                 if error is not None:
-                    return self._context_parallel_deferred(error, kv_cache, key_padding_mask)
+                    return self._context_parallel_deferred(x, error, kv_cache, key_padding_mask)
         if self.norm_first:
             x = x + self.drop(self.attn(self.ln1(x), None, kv_cache, False, key_padding_mask)[0])
             x = x + self.drop(self.ff(self.ln2(x)))

@@ -302,7 +302,16 @@ def _case_layer_checks_fail_together(rank, world):
     # two ranks failing different checks: each raises its own
     _expect(ValueError, "outside the vocabulary" if rank == 0 else "local_len must be even",
             gpt, idx + 100 if rank == 0 else idx[:, :3])
+    # token ids of a float dtype (the embedding refused them on rank 0 alone)
+    _expect(ValueError, "int64 / int32 tensor of token ids" if rank == 0 else others,
+            gpt, idx.double() if rank == 0 else idx)
     gpt(idx)
+    # under autocast a float64 x is not cast (the projection failed on rank 0 alone)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mha32 = attn_ext.MultiHeadAttention(E, 2).set_context_parallel(dist.group.WORLD)
+        _expect(ValueError, "x must have the layer's dtype" if rank == 0 else others,
+                mha32, x if rank == 0 else x.float())
+        mha32(x.float())
 
 
 def _case_input_agreement(rank, world):
