@@ -559,12 +559,9 @@ class MultiHeadAttention(_DerivedBuffers):
             if not isinstance(x, torch.Tensor):
                 raise ArgumentTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
             self._check_forward_inputs(x, memory)
-            w = self.out_proj.weight
-            if x.device != w.device:
-                raise ValueError(f"x must be on the layer's device {w.device}, got {x.device}")
-            if x.dtype != w.dtype and not _autocast_takes(x):
-                raise ValueError(f"x must have the layer's dtype {w.dtype} (or a float type "
-                                 f"autocast casts), got {x.dtype}")
+            error = _dtype_device_error(x, self.out_proj.weight, "layer")
+            if error is not None:
+                raise error
             positions = self._context_parallel_positions(x, kv_cache, need_weights, memory)
         except Exception as e:  # noqa: BLE001  (whatever failed here, the other ranks raise too)
             ref = x if isinstance(x, torch.Tensor) else self.out_proj.weight
@@ -912,11 +909,19 @@ class MultiHeadAttention(_DerivedBuffers):
         return self.out_proj(out.view(B, Sq, H * Dv)), weights
 
 
-def _autocast_takes(x: Tensor) -> bool:
-    """Whether autocast is on for x's device and casts x's dtype (float32 / float16 / bfloat16;
-    it leaves float64 and integers as they are)."""
-    return (torch.is_autocast_enabled(x.device.type)
-            and x.dtype in (torch.float32, torch.float16, torch.bfloat16))
+def _dtype_device_error(x: Tensor, w: Tensor, owner: str) -> Optional[Exception]:
+    """The error a context-parallel layer's or block's x would raise in its first submodule
+    (the projection, ln1) for another device or dtype than its weight ``w``, or None. Under
+    autocast the float types it casts (float32 / float16 / bfloat16) pass; it leaves float64
+    and integers as they are."""
+    if x.device != w.device:
+        return ValueError(f"x must be on the {owner}'s device {w.device}, got {x.device}")
+    autocast_takes = (torch.is_autocast_enabled(x.device.type)
+                      and x.dtype in (torch.float32, torch.float16, torch.bfloat16))
+    if x.dtype != w.dtype and not autocast_takes:
+        return ValueError(f"x must have the {owner}'s dtype {w.dtype} (or a float type autocast "
+                          f"casts), got {x.dtype}")
+    return None
 
 
 def _forward_args(memory, kv_cache, need_weights):
@@ -1089,12 +1094,7 @@ class TransformerBlock(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.size(-1) != w.size(0):
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             return ValueError(f"x must have shape (B, S, d_model = {w.size(0)}), got {got}")
-        if x.device != w.device:
-            return ValueError(f"x must be on the block's device {w.device}, got {x.device}")
-        if x.dtype != w.dtype and not _autocast_takes(x):
-            return ValueError(f"x must have the block's dtype {w.dtype} (or a float type "
-                              f"autocast casts), got {x.dtype}")
-        return None
+        return _dtype_device_error(x, w, "block")
 
     @torch.jit.unused
     def _context_parallel_deferred(self, x, error: Exception, kv_cache, key_padding_mask) -> Tensor:

@@ -459,3 +459,11 @@ def test_bench_cpu_limits_decode_rows_smoke(tmp_path):
     assert len(rows) == 6, rows
     for cells in rows:
         assert float(cells[8]) > 0 and float(cells[11]) > 0 and float(cells[12]) > 0, cells
+
+
+def test_bench_vmap_smoke():
+    """benchmarks/bench_vmap.py (the vmap table RESULTS.md quotes) validates and runs."""
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_vmap.py"),
+                          "--quick"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "# commit:" in res.stdout and "| (4, 1, 16, 2, 16) |" in res.stdout
