@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/registration.h"
 #include "common/stable.h"
 
 namespace attn_ext {
@@ -79,7 +80,7 @@ Tensor causal_attention_composite(Tensor q, Tensor k, Tensor v, std::optional<do
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(attn_ext, CompositeImplicitAutograd, m) {
+ATTN_EXT_LIBRARY_IMPL(CompositeImplicitAutograd, m) {
   m.impl("attention", TORCH_BOX(&attention_composite));
   m.impl("causal_attention", TORCH_BOX(&causal_attention_composite));
 }

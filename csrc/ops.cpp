@@ -1,9 +1,51 @@
 // Every attn_ext schema, once. Kernels live in csrc/cpu/<op>.cpp and csrc/cuda/<op>.cu
-// (STABLE_TORCH_LIBRARY_IMPL per dispatch key); fake kernels and autograd are registered from
-// Python in attn_ext/ops.py. Semantics: ../shared/DESIGN.md. Stable ABI: common/stable.h.
+// (ATTN_EXT_LIBRARY_IMPL per dispatch key, common/registration.h); fake kernels and autograd
+// are registered from Python in attn_ext/ops.py. Semantics: ../shared/DESIGN.md. Stable ABI:
+// common/stable.h.
+#include "common/registration.h"
 #include "common/stable.h"
 
 #include <string>
+
+#if defined(ATTN_EXT_STANDALONE_LIBRARY)
+#include <dlfcn.h>
+
+#include <cstdio>
+
+namespace attn_ext {
+namespace registration {
+
+bool namespace_is_free() {
+  static const bool is_free = [] {
+    // A DEF library claims the namespace; one that fails means another library holds it
+    // (torch logs its own message, naming where). The probe is released at once, so the
+    // schema block below claims the namespace again.
+    TorchLibraryHandle probe = nullptr;
+    if (aoti_torch_library_init_def("attn_ext", __FILE__, __LINE__, &probe) ==
+            AOTI_TORCH_SUCCESS &&
+        probe != nullptr) {
+      aoti_torch_delete_library_object(probe);
+      return true;
+    }
+    Dl_info self{};
+    const char* path = dladdr(reinterpret_cast<void*>(&namespace_is_free), &self) != 0 &&
+                               self.dli_fname != nullptr
+                           ? self.dli_fname
+                           : "libattn_ext_ops";
+    std::fprintf(stderr,
+                 "attn_ext: %s registers no ops: the attn_ext operators are already registered "
+                 "in this process (by `import attn_ext`, or another copy of this library); the "
+                 "ones registered first stay in use. Load either this library or the Python "
+                 "package, not both.\n",
+                 path);
+    return false;
+  }();
+  return is_free;
+}
+
+}  // namespace registration
+}  // namespace attn_ext
+#endif
 
 namespace {
 
@@ -58,7 +100,7 @@ constexpr const char* kVarlenBackwardArgs =
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY(attn_ext, m) {
+ATTN_EXT_LIBRARY(m) {
   // name(args) -> (dq, dk, dv) and name_rel_bias(args) -> (dq, dk, dv, drel_bias)
   auto def_backward_pair = [&m](const std::string& name, const char* args) {
     m.def((name + "(" + args + ") -> (Tensor dq, Tensor dk, Tensor dv)").c_str());

@@ -54,6 +54,23 @@ def test_cmake_builds_pure_cpp_op_library(tmp_path):
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
     assert "ImportError" in proc.stderr and "libattn_ext_ops.so" in proc.stderr, proc.stderr[-2000:]
 
+    # the other order: the library loaded after `import attn_ext` registers nothing and says so
+    # (it segfaulted inside torch's registration), and the package's ops keep working
+    code = ("import torch, sys, attn_ext; "
+            "before = torch.ops.attn_ext.attention(*[torch.randn(1, 5, 2, 8) for _ in range(3)]); "
+            "torch.ops.load_library(sys.argv[1]); "
+            "q, k, v = (torch.randn(1, 5, 2, 8, dtype=torch.float64) for _ in range(3)); "
+            "out = torch.ops.attn_ext.attention(q, k, v, True); "
+            "ref = attn_ext.reference.attention(q, k, v, causal=True); "
+            "print('max_err', (out - ref).abs().max().item()); "
+            "print('op_library', attn_ext.library_path())")
+    proc = subprocess.run([sys.executable, "-c", code, lib], capture_output=True, text=True,
+                          cwd=str(tmp_path))
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert f"attn_ext: {lib} registers no ops" in proc.stderr, proc.stderr[-2000:]
+    out = dict(line.split(" ", 1) for line in proc.stdout.strip().splitlines())
+    assert float(out["max_err"]) < 1e-12 and out["op_library"] != lib
+
 
 NVCC = "/usr/local/cuda/bin/nvcc" if os.path.isfile("/usr/local/cuda/bin/nvcc") else shutil.which("nvcc")
 

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "common/registration.h"
 #include "common/attention_checks.h"
 #include "common/attention_mask_checks.h"
 #include "common/score_checks.h"
@@ -1480,7 +1481,7 @@ BwdResult attention_varlen_backward_cpu(
 }  // namespace
 }  // namespace cpu_attn
 
-STABLE_TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+ATTN_EXT_LIBRARY_IMPL(CPU, m) {
   m.impl("attention_backward_rel_bias", TORCH_BOX(&cpu_attn::attention_backward_cpu));
   m.impl("attention_backward", TORCH_BOX(without_drel<&cpu_attn::attention_backward_cpu>));
   m.impl("attention_varlen_backward_rel_bias", TORCH_BOX(&cpu_attn::attention_varlen_backward_cpu));

@@ -42,6 +42,7 @@
 
 #include <vector>
 
+#include "common/registration.h"
 #include "common/attention_checks.h"
 #include "common/attention_mask_checks.h"
 #include "common/row_lse.h"
@@ -982,7 +983,7 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_cpu(
 }  // namespace
 }  // namespace cpu_attn
 
-STABLE_TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+ATTN_EXT_LIBRARY_IMPL(CPU, m) {
   m.impl("attention_forward", TORCH_BOX(&cpu_attn::attention_forward_cpu));
   m.impl("attention_varlen_forward", TORCH_BOX(&cpu_attn::attention_varlen_forward_cpu));
 }

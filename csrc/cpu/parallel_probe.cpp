@@ -8,6 +8,7 @@
 #include <set>
 #include <thread>
 
+#include "common/registration.h"
 #include "common/stable.h"
 
 namespace attn_ext {
@@ -30,7 +31,7 @@ int64_t parallel_threads(int64_t n) {
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(attn_ext, CompositeExplicitAutograd, m) {
+ATTN_EXT_LIBRARY_IMPL(CompositeExplicitAutograd, m) {
   m.impl("_parallel_threads", TORCH_BOX(&parallel_threads));
 }
 

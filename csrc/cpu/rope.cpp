@@ -14,6 +14,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "common/registration.h"
 #include "common/rope_args.h"
 #include "cpu/simd.h"
 
@@ -185,7 +186,7 @@ void rope_qk_inplace_cpu(const Tensor& q, const Tensor& k, const Tensor& cos,
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+ATTN_EXT_LIBRARY_IMPL(CPU, m) {
   m.impl("rope", TORCH_BOX(&rope_cpu));
   m.impl("rope_", TORCH_BOX(&rope_inplace_cpu));
   m.impl("rope_qk_", TORCH_BOX(&rope_qk_inplace_cpu));

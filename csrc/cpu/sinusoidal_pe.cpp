@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/registration.h"
 #include "common/checks.h"
 #include "common/pos_enc_params.h"
 #include "common/sinusoidal_adapter.h"
@@ -333,7 +334,7 @@ void sinusoidal_pe_inplace_cpu(const Tensor& x, const OptTensor& positions,
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+ATTN_EXT_LIBRARY_IMPL(CPU, m) {
   m.impl("sinusoidal_pe", TORCH_BOX(&sinusoidal_pe_cpu));
   m.impl("sinusoidal_pe_", TORCH_BOX(&sinusoidal_pe_inplace_cpu));
 }

@@ -61,6 +61,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "common/registration.h"
 #include "common/attention_checks.h"
 #include "common/attention_mask_checks.h"
 #include "common/score_checks.h"
@@ -447,7 +448,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cuda(
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
+ATTN_EXT_LIBRARY_IMPL(CUDA, m) {
   m.impl("attention_forward", TORCH_BOX(&attention_forward_cuda));
   m.impl("attention_backward_rel_bias", TORCH_BOX(&attention_backward_cuda));
   m.impl("attention_backward", TORCH_BOX(without_drel<&attention_backward_cuda>));
@@ -460,11 +461,11 @@ STABLE_TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
 // (fast where supported), 1 = the simple kernels only (tests and benchmarks compare the
 // kernels on the same inputs). Returns the previous mode. Defined here, not in csrc/ops.cpp,
 // so that the op exists exactly when its kernel does (this library loaded).
-STABLE_TORCH_LIBRARY_FRAGMENT(attn_ext, m) {
+ATTN_EXT_LIBRARY_FRAGMENT(m) {
   m.def("_set_cuda_attention_kernels(int mode) -> int");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(attn_ext, CompositeExplicitAutograd, m) {
+ATTN_EXT_LIBRARY_IMPL(CompositeExplicitAutograd, m) {
   m.impl("_set_cuda_attention_kernels", TORCH_BOX(&set_cuda_attention_kernels));
 }
 

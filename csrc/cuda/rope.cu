@@ -4,6 +4,7 @@
 // positions are not range-checked on the host (that would need a device->host sync); the
 // kernel device-asserts and skips rows with a bad position (see rope_kernel.cuh). The offset
 // path is fully checked on the host (offset + S <= cos.size(0)).
+#include "common/registration.h"
 #include "common/rope_args.h"
 #include "common/stable_cuda.h"
 #include "cuda/rope_kernel.cuh"
@@ -52,7 +53,7 @@ void rope_qk_inplace_cuda(const Tensor& q, const Tensor& k, const Tensor& cos,
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
+ATTN_EXT_LIBRARY_IMPL(CUDA, m) {
   m.impl("rope", TORCH_BOX(&rope_cuda));
   m.impl("rope_", TORCH_BOX(&rope_inplace_cuda));
   m.impl("rope_qk_", TORCH_BOX(&rope_qk_inplace_cuda));

@@ -1,5 +1,6 @@
 // attn_ext::sinusoidal_pe(_) on CUDA: stable-ABI adapter (checks, output, dtype dispatch, stream);
 // the kernel is in sinusoidal_pe_kernel.cuh.
+#include "common/registration.h"
 #include "common/sinusoidal_adapter.h"
 #include "common/stable_cuda.h"
 #include "cuda/sinusoidal_pe_kernel.cuh"
@@ -33,7 +34,7 @@ void sinusoidal_pe_inplace_cuda(const Tensor& x, const OptTensor& positions,
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
+ATTN_EXT_LIBRARY_IMPL(CUDA, m) {
   m.impl("sinusoidal_pe", TORCH_BOX(&sinusoidal_pe_cuda));
   m.impl("sinusoidal_pe_", TORCH_BOX(&sinusoidal_pe_inplace_cuda));
 }
