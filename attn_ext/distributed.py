@@ -626,17 +626,6 @@ def _add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
     lse.copy_(lse_s)
 
 
-def _sinks_grad(dout, dlse, out, lse, sinks) -> torch.Tensor:
-    """d sinks of this rank's rows: sum over (b, i) of ``P_sink (dlse - delta)``, with ``P_sink =
-    exp(sink_h - lse)`` and ``delta = dout . out`` (the row term of the backward)."""
-    acc = lse.dtype
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # (B, H, S)
-    s = sinks.detach().to(acc).view(1, -1, 1)
-    p_sink = torch.where(torch.isneginf(lse), torch.zeros_like(lse), torch.exp(s - lse))
-    term = -delta if dlse is None else dlse.to(acc) - delta
-    return (p_sink * term).sum(dim=(0, 2)).to(sinks.dtype)
-
-
 class _NoDoubleBackward(torch.autograd.Function):
     """Marks a gradient of ring_attention's backward taken under create_graph=True: the value
     passes through, and a backward through it (a gradient of the gradients) is refused."""
@@ -726,7 +715,8 @@ class _RingAttention(torch.autograd.Function):
         dq, dk, dv, drel = _ring_backward(dout, dlse, q, k, v, out, lse, *ctx.cfg, kpm)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[4]:
-            dsinks = _sinks_grad(dout, dlse, out, lse, sinks)
+            from attn_ext.ops import _sinks_grad  # (the single-process backward's rule)
+            dsinks = _sinks_grad(sinks.detach(), lse, out, dout, dlse, (0, 2), 1)
         return dq, dk, dv, drel, dsinks, None, None, None, None, None, None, None
 
 

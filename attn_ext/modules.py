@@ -775,19 +775,27 @@ class MultiHeadAttention(_DerivedBuffers):
                     "kv_cache with memory needs a cross_attention=True layer (it keeps the "
                     "memory's keys/values once); a fused self-attention layer takes memory "
                     "without a cache")
-            w, b = self.qkv.weight, self.qkv.bias
-            bq: Optional[Tensor] = None if b is None else b[: self.q_size]
-            bkv: Optional[Tensor] = None if b is None else b[self.q_size :]
+            # (split, not slicing, here and below: the views are the same, but autograd turns
+            # each slice into a zero-filled tensor of the whole width plus an add, and a split
+            # into one cat of the parts' gradients)
+            kv_size = self.k_size + self.v_size
+            wq, wkv = self.qkv.weight.split([self.q_size, kv_size], 0)
+            bq: Optional[Tensor] = None
+            bkv: Optional[Tensor] = None
+            if self.qkv.bias is not None:
+                bq, bkv = self.qkv.bias.split([self.q_size, kv_size], 0)
             Sk = memory.size(1)
-            q = F.linear(x, w[: self.q_size], bq).view(B, Sq, H, D)
-            kv = F.linear(memory, w[self.q_size :], bkv)  # (B, Sk, Hkv * (D + Dv))
-            k = kv[:, :, : self.k_size].view(B, Sk, Hkv, D)
-            v = kv[:, :, self.k_size :].view(B, Sk, Hkv, Dv)
+            q = F.linear(x, wq, bq).view(B, Sq, H, D)
+            kv = F.linear(memory, wkv, bkv)  # (B, Sk, Hkv * (D + Dv))
+            k_flat, v_flat = kv.split([self.k_size, self.v_size], -1)
+            k = k_flat.view(B, Sk, Hkv, D)
+            v = v_flat.view(B, Sk, Hkv, Dv)
         elif self.qkv is not None:
             qkv = self.qkv(x)  # (B, Sq, (H + Hkv) * D + Hkv * Dv)
-            q = qkv[:, :, : self.q_size].view(B, Sq, H, D)
-            k = qkv[:, :, self.q_size : self.q_size + self.k_size].view(B, Sq, Hkv, D)
-            v = qkv[:, :, self.q_size + self.k_size :].view(B, Sq, Hkv, Dv)
+            q_flat, k_flat, v_flat = qkv.split([self.q_size, self.k_size, self.v_size], -1)
+            q = q_flat.view(B, Sq, H, D)
+            k = k_flat.view(B, Sq, Hkv, D)
+            v = v_flat.view(B, Sq, Hkv, Dv)
         else:
             assert self.q_proj is not None and self.kv_proj is not None
             q = self.q_proj(x).view(B, Sq, H, D)
@@ -837,8 +845,9 @@ class MultiHeadAttention(_DerivedBuffers):
                 src = memory
                 Sk = src.size(1)
                 kv = self.kv_proj(src)  # (B, Sk, Hkv * (D + Dv))
-                k = kv[:, :, : self.k_size].view(B, Sk, Hkv, D)
-                v = kv[:, :, self.k_size :].view(B, Sk, Hkv, Dv)
+                k_flat, v_flat = kv.split([self.k_size, self.v_size], -1)
+                k = k_flat.view(B, Sk, Hkv, D)
+                v = v_flat.view(B, Sk, Hkv, Dv)
                 if kv_cache is not None:
                     _check_step_mask(key_padding_mask, B, Sk)
                     k, v = kv_cache.update(k, v)  # the memory, stored once

@@ -1648,10 +1648,29 @@ def _row_contiguous(g):
     return g.contiguous() if g.stride(-1) != 1 and g.shape[-1] > 1 else g
 
 
+def _rows_dot(dout, out, dtype: torch.dtype, row_dim: int, max_elems: int = 1 << 20):
+    """rowsum(dout * out) over the last dim, in ``dtype``: (..., H) with the rows first. In
+    eager mode it runs over slices of ``row_dim`` so that no temporary holds more than
+    ``max_elems`` elements (a single expression built out-sized temporaries: the product, and for 16-bit
+    inputs both fp32 casts); each row's sum is the same either way. Compiled code keeps the
+    one expression, which inductor fuses without the temporaries (and a loop over a symbolic
+    length would specialise it)."""
+    n = out.shape[row_dim]
+    per_row = out.numel() // n if n > 0 else 1
+    step = max(1, max_elems // max(per_row, 1))
+    if torch.compiler.is_compiling() or step >= n:
+        return (dout.to(dtype) * out.to(dtype)).sum(-1)
+    return torch.cat([(dout.narrow(row_dim, i, min(step, n - i)).to(dtype) *
+                       out.narrow(row_dim, i, min(step, n - i)).to(dtype)).sum(-1)
+                      for i in range(0, n, step)], row_dim)
+
+
 def _sinks_grad(sinks, lse, out, dout, dlse, rows_dims, head_first):
     """d sinks[h] = sum over rows of exp(sinks[h] - lse) * (dlse - rowsum(dout * out)): the
-    sink's probability times the row term of the softmax backward (from lse and out alone)."""
-    di = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (..., H) rows first
+    sink's probability times the row term of the softmax backward (from lse and out alone).
+    out / dout are (B, Sq, H, Dv) with lse (B, H, Sq) (head_first 1), or (Tq, H, Dv) with lse
+    (H, Tq) (head_first 0). Also ring attention's, on its rows."""
+    di = _rows_dot(dout, out, lse.dtype, 1 - head_first)  # (..., H) rows first
     di = di.movedim(-1, head_first)  # lse's layout: (B, H, Sq) or (H, Tq)
     g = -di if dlse is None else dlse - di
     shape = [1] * lse.dim()

@@ -156,6 +156,45 @@ def test_no_copies_of_qkv_or_output_on_the_hot_path():
     assert not (names & copies), f"copies on the training forward: {names & copies}"
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_projection_backward_joins_the_parts_once(bias):
+    """The fused QKV projection's q / k / v are split views: the backward joins their gradients
+    in one cat, where slices made each part a zero-filled tensor of the whole width plus an
+    add (5 projection-sized tensors for 1). The same for the weight rows of a fused layer
+    attending to memory. The gradients are those of the same layer written with slices."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(32, 4, 2, bias=bias, causal=True).double()
+    w, b = layer.qkv.weight, layer.qkv.bias
+    x = torch.randn(2, 9, 32, dtype=f64, requires_grad=True)
+    memory = torch.randn(2, 5, 32, dtype=f64, requires_grad=True)
+    dout = torch.randn(2, 9, 32, dtype=f64)
+
+    def sliced(x, src):  # the layer's forward, written with slices
+        q = torch.nn.functional.linear(x, w[:32], None if b is None else b[:32])
+        kv = torch.nn.functional.linear(src, w[32:], None if b is None else b[32:])
+        o = attn_ext.attention(q.view(2, 9, 4, 8), kv[..., :16].view(2, -1, 2, 8),
+                               kv[..., 16:].view(2, -1, 2, 8), causal=True)
+        return layer.out_proj(o.reshape(2, 9, 32))
+
+    for args in ((x,), (x, memory)):
+        grads = []
+        for run in ("layer", "sliced"):
+            layer.zero_grad()
+            for t in args:
+                t.grad = None
+            out = layer(*args)[0] if run == "layer" else sliced(x, args[-1])
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out.backward(dout)
+            names = {e.name for e in prof.events()}
+            assert ("aten::slice_backward" in names) == (run == "sliced"), (len(args), run)
+            grads.append([p.grad.clone() for p in layer.parameters()] +
+                         [t.grad.clone() for t in args])
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_positional_modules():
     x = torch.randn(2, 6, 16, dtype=f64)
     sin = SinusoidalPositionalEncoding(16)

@@ -276,6 +276,33 @@ def test_sinks_row_without_keys():
     assert torch.equal(q.grad[1], torch.zeros_like(q.grad[1]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_sinks_gradient_row_sums_in_slices_are_the_one_expressions_bits(dtype, varlen):
+    """d sinks' rowsum(dout * out) runs over slices of rows in eager mode (no out-sized
+    temporaries); each row's sum is the one expression's, bit for bit, at every slice size,
+    and a call whose rows are sliced (> 1M elements) gives the float64 reference's d sinks."""
+    from attn_ext.ops import _rows_dot
+
+    shape = (13, 3, 40) if varlen else (2, 13, 3, 40)
+    dout, out = randn(*shape).to(dtype), randn(*shape).to(dtype)
+    whole = (dout.float() * out.float()).sum(-1)
+    for max_elems in (1, 40, 41, 130, 1000, 1 << 20):
+        got = _rows_dot(dout, out, torch.float32, 0 if varlen else 1, max_elems)
+        assert got.shape == whole.shape and torch.equal(got, whole), max_elems
+
+    B, S, H, Dv = 1, 520, 2, 1024  # 1.06M elements per tensor: two slices
+    q, k = randn(B, S, H, 16).requires_grad_(), randn(B, S, 1, 16)
+    v = randn(B, S, 1, Dv)
+    sinks = randn(H).requires_grad_()
+    dout = randn(B, S, H, Dv)
+    attn_ext.attention(q, k, v, causal=True, sinks=sinks).backward(dout)
+    sd = sinks.detach().double().requires_grad_()
+    reference.attention(q.detach().double(), k.double(), v.double(), causal=True,
+                        sinks=sd).backward(dout.double())
+    assert max_err(sinks.grad, sd.grad) < 1e-3 * sd.grad.abs().max().item()
+
+
 def test_rel_bias_module_gradient_reaches_buckets():
     """T5-bucketed RelativePositionBias: the kernel's d rel_bias flows through the gather."""
     H = 4
