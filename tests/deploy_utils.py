@@ -66,11 +66,21 @@ def run_python(code: str, *args: str, with_package: bool = False, timeout: int =
     return proc.stdout
 
 
+def parse_printed_tensor(stdout: str) -> torch.Tensor:
+    """The tensor examples/cpp/run_model and run_aoti print: "shape D0 D1 ..." then
+    "values V0 V1 ..." (row-major), as float64."""
+    lines = dict(line.split(" ", 1) for line in stdout.strip().splitlines())
+    shape = [int(d) for d in lines["shape"].split()]
+    values = torch.tensor([float(v) for v in lines["values"].split()], dtype=torch.float64)
+    return values.view(shape)
+
+
 def cmake_configure(build: str) -> None:
     """Configure CMakeLists.txt against the installed torch's libtorch into `build` (shared by
-    test_cmake_build.py and test_deploy_cpp.py). A CUDA build of torch makes its CMake config
-    look for a complete CUDA toolkit (nvrtc, cuBLAS, ...); where that is missing the tests
-    skip with the reason instead of failing (CI uses the CPU wheel, where it always runs)."""
+    test_cmake_build.py, test_deploy_cpp.py and test_deploy_aoti_cpp.py). A CUDA build of torch
+    makes its CMake config look for a complete CUDA toolkit (nvrtc, cuBLAS, ...); where that is
+    missing the tests skip with the reason instead of failing (CI uses the CPU wheel, where it
+    always runs)."""
     import shutil
     import subprocess
 

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from deploy_utils import JIT_DEPRECATION, ROOT, cmake_configure, tiny_gpt
+from deploy_utils import JIT_DEPRECATION, ROOT, cmake_configure, parse_printed_tensor, tiny_gpt
 
 pytestmark = [
     pytest.mark.filterwarnings(JIT_DEPRECATION),
@@ -32,13 +32,6 @@ def run_model():
     return exe
 
 
-def _parse(stdout: str) -> torch.Tensor:
-    lines = dict(line.split(" ", 1) for line in stdout.strip().splitlines())
-    shape = [int(d) for d in lines["shape"].split()]
-    values = torch.tensor([float(v) for v in lines["values"].split()], dtype=torch.float64)
-    return values.view(shape)
-
-
 def test_run_model_links_the_op_library(run_model):
     # Without --no-as-needed the linker drops libattn_ext_ops.so (no symbol is referenced).
     needed = subprocess.run(["readelf", "-d", run_model], capture_output=True, text=True).stdout
@@ -55,7 +48,7 @@ def test_cpp_output_equals_python(run_model, tmp_path):
     proc = subprocess.run([run_model, path, "2", "11", *map(str, idx.flatten().tolist())],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    got = _parse(proc.stdout)
+    got = parse_printed_tensor(proc.stdout)
     assert got.shape == (2, 11, 100)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
