@@ -4,8 +4,8 @@ of TinyGPT through torch::inductor::AOTIModelPackageLoader and prints the same l
 The package calls our ops through AOTInductor's proxy executor, which finds them in the
 dispatcher: without the op library the package fails to load with the op's name.
 
-Opt-in (ATTN_EXT_SLOW=1), as test_deploy_export.py's AOTInductor test: on 2 cores, compiling
-the package takes 14-25 s (a minute on a loaded machine) and building run_aoti and
+Runs by default (the one tested route to a C++ runtime besides TorchScript): on 2 cores,
+compiling the package takes 14-25 s (a minute on a loaded machine) and building run_aoti and
 run_aoti_without_ops about 16 s more (the op library is shared with test_deploy_cpp.py)."""
 
 import os
@@ -24,10 +24,6 @@ pytestmark = [
     pytest.mark.filterwarnings(JIT_DEPRECATION),
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"),
     pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed"),
-    pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("ATTN_EXT_SLOW") != "1",
-                       reason="AOTInductor compiles the model to C++ (tens of seconds); "
-                              "ATTN_EXT_SLOW=1 runs it"),
 ]
 
 # Shared with test_deploy_cpp.py and test_cmake_build.py: the op library is compiled once.
