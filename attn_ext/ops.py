@@ -1670,7 +1670,7 @@ def _sinks_grad(sinks, lse, out, dout, dlse, rows_dims, head_first):
     sink's probability times the row term of the softmax backward (from lse and out alone).
     out / dout are (B, Sq, H, Dv) with lse (B, H, Sq) (head_first 1), or (Tq, H, Dv) with lse
     (H, Tq) (head_first 0). Also ring attention's, on its rows."""
-    di = _rows_dot(dout, out, lse.dtype, 1 - head_first)  # (..., H) rows first
+    di = _rows_dot(dout, out, lse.dtype, head_first)  # (..., H) rows first: sliced over Sq / Tq
     di = di.movedim(-1, head_first)  # lse's layout: (B, H, Sq) or (H, Tq)
     g = -di if dlse is None else dlse - di
     shape = [1] * lse.dim()

@@ -18,8 +18,8 @@ namespace registration {
 bool namespace_is_free() {
   static const bool is_free = [] {
     // A DEF library claims the namespace; one that fails means another library holds it
-    // (torch logs its own message, naming where). The probe is released at once, so the
-    // schema block below claims the namespace again.
+    // (torch's error text is not shown: the shim only returns a failure code). The probe is
+    // released at once, so the schema block below claims the namespace again.
     TorchLibraryHandle probe = nullptr;
     if (aoti_torch_library_init_def("attn_ext", __FILE__, __LINE__, &probe) ==
             AOTI_TORCH_SUCCESS &&

@@ -96,7 +96,13 @@ def test_cpp_errors_exit_nonzero_with_a_message(run_aoti, package, tmp_path):
     count = subprocess.run([run_aoti, pkg, "1", "2", "3"], capture_output=True, text=True,
                            timeout=60)
     assert count.returncode == 1
-    assert "run_aoti: error: expected B*S = 2 tokens, got 1" in count.stderr
+    assert "run_aoti: error: expected B*S = 1 * 2 tokens, got 1" in count.stderr
+    # sizes past int64, or whose product is: named, no overflow
+    for b, s, what in (("99999999999999999999", "1", "B is out of the int64 range"),
+                       ("4611686018427387904", "4", "expected B*S = 4611686018427387904 * 4")):
+        big = subprocess.run([run_aoti, pkg, b, s, "3"], capture_output=True, text=True,
+                             timeout=60)
+        assert big.returncode == 1 and f"run_aoti: error: {what}" in big.stderr, big.stderr
     missing = _run(run_aoti, str(tmp_path / "missing.pt2"), torch.tensor([[1, 2]]))
     assert missing.returncode == 1 and "run_aoti: error:" in missing.stderr
     not_zip = tmp_path / "not_a_package.pt2"

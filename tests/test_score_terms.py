@@ -280,8 +280,7 @@ def test_sinks_row_without_keys():
 @pytest.mark.parametrize("varlen", [False, True])
 def test_sinks_gradient_row_sums_in_slices_are_the_one_expressions_bits(dtype, varlen):
     """d sinks' rowsum(dout * out) runs over slices of rows in eager mode (no out-sized
-    temporaries); each row's sum is the one expression's, bit for bit, at every slice size,
-    and a call whose rows are sliced (> 1M elements) gives the float64 reference's d sinks."""
+    temporaries); each row's sum is the one expression's, bit for bit, at every slice size."""
     from attn_ext.ops import _rows_dot
 
     shape = (13, 3, 40) if varlen else (2, 13, 3, 40)
@@ -291,12 +290,30 @@ def test_sinks_gradient_row_sums_in_slices_are_the_one_expressions_bits(dtype, v
         got = _rows_dot(dout, out, torch.float32, 0 if varlen else 1, max_elems)
         assert got.shape == whole.shape and torch.equal(got, whole), max_elems
 
+
+def test_sinks_gradient_slices_the_rows_and_meets_the_reference(monkeypatch):
+    """Dense and varlen backwards slice d sinks' row sums over Sq / Tq (not the batch or the
+    heads: a batch of 1 was not sliced at all), and d sinks meets the float64 reference."""
+    from attn_ext.ops import _rows_dot
+
     B, S, H, Dv = 1, 520, 2, 1024  # 1.06M elements per tensor: two slices
     q, k = randn(B, S, H, 16).requires_grad_(), randn(B, S, 1, 16)
     v = randn(B, S, 1, Dv)
     sinks = randn(H).requires_grad_()
     dout = randn(B, S, H, Dv)
+    seen = []
+
+    def spy(dout, out, dtype, row_dim, *args):  # the backward slices the rows, not the batch
+        seen.append(out.shape[row_dim])
+        return _rows_dot(dout, out, dtype, row_dim, *args)
+
+    monkeypatch.setattr(ops, "_rows_dot", spy)
     attn_ext.attention(q, k, v, causal=True, sinks=sinks).backward(dout)
+    qv = q.detach()[0].requires_grad_()
+    cu = torch.tensor([0, 200, S], dtype=torch.int32)
+    attn_ext.attention_varlen(qv, k[0], v[0], cu, cu, 320, 320, causal=True,
+                              sinks=sinks.detach().requires_grad_()).backward(dout[0])
+    assert seen == [S, S]
     sd = sinks.detach().double().requires_grad_()
     reference.attention(q.detach().double(), k.double(), v.double(), causal=True,
                         sinks=sd).backward(dout.double())

@@ -12,6 +12,7 @@
 // --no-as-needed (see CMakeLists.txt). Exit status 1 with a message on stderr on any error.
 #include <torch/script.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -22,7 +23,11 @@ namespace {
 
 int64_t parse_int(const char* text, const char* what) {
   char* end = nullptr;
+  errno = 0;
   long long v = std::strtoll(text, &end, 10);
+  if (errno == ERANGE) {
+    throw std::invalid_argument(std::string(what) + " is out of the int64 range, got '" + text + "'");
+  }
   if (end == text || *end != '\0') {
     throw std::invalid_argument(std::string(what) + " must be an integer, got '" + text + "'");
   }
@@ -49,9 +54,11 @@ int main(int argc, char** argv) {
   try {
     const int64_t B = parse_int(argv[2], "B");
     const int64_t S = parse_int(argv[3], "S");
-    if (B < 0 || S < 0 || argc - 4 != B * S) {
-      throw std::invalid_argument("expected B*S = " + std::to_string(B * S) + " tokens, got " +
-                                  std::to_string(argc - 4));
+    // (B * S compared without forming a product past int64)
+    const int64_t given = argc - 4;
+    if (B < 0 || S < 0 || (S == 0 ? given != 0 : (B > given / S || B * S != given))) {
+      throw std::invalid_argument("expected B*S = " + std::to_string(B) + " * " +
+                                  std::to_string(S) + " tokens, got " + std::to_string(given));
     }
     std::vector<int64_t> tokens;
     tokens.reserve(static_cast<size_t>(B * S));
