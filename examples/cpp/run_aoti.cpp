@@ -30,28 +30,15 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
-#include <cerrno>
 #include <cstdio>
-#include <cstdlib>
 #include <exception>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-namespace {
+#include "token_io.h"
 
-int64_t parse_int(const char* text, const char* what) {
-  char* end = nullptr;
-  errno = 0;
-  long long v = std::strtoll(text, &end, 10);
-  if (errno == ERANGE) {
-    throw std::invalid_argument(std::string(what) + " is out of the int64 range, got '" + text + "'");
-  }
-  if (end == text || *end != '\0') {
-    throw std::invalid_argument(std::string(what) + " must be an integer, got '" + text + "'");
-  }
-  return static_cast<int64_t>(v);
-}
+namespace {
 
 // An error raised inside the compiled model crosses AOTInductor's C ABI as text: the
 // original message followed by the original C++ backtrace. Keep the message.
@@ -69,18 +56,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    const int64_t B = parse_int(argv[2], "B");
-    const int64_t S = parse_int(argv[3], "S");
-    // (B * S compared without forming a product past int64)
-    const int64_t given = argc - 4;
-    if (B < 0 || S < 0 || (S == 0 ? given != 0 : (B > given / S || B * S != given))) {
-      throw std::invalid_argument("expected B*S = " + std::to_string(B) + " * " +
-                                  std::to_string(S) + " tokens, got " + std::to_string(given));
-    }
-    std::vector<int64_t> tokens;
-    tokens.reserve(static_cast<size_t>(B * S));
-    for (int i = 4; i < argc; ++i) tokens.push_back(parse_int(argv[i], "TOKEN"));
-    at::Tensor idx = at::from_blob(tokens.data(), {B, S}, at::kLong).clone();  // (B, S)
+    const at::Tensor idx = attn_ext_examples::parse_tokens(argc, argv);  // (B, S)
 
     // Unpacks the archive to a temporary directory, dlopens the compiled model and builds the
     // proxy executor for the ops it calls through the dispatcher (ours among them). Throws if
@@ -91,14 +67,7 @@ int main(int argc, char** argv) {
     // order).
     std::vector<at::Tensor> outputs = loader.run({idx});
     if (outputs.empty()) throw std::runtime_error("the package returned no outputs");
-    at::Tensor out = outputs[0].contiguous().to(at::kDouble);
-
-    std::printf("shape");
-    for (int64_t d : out.sizes()) std::printf(" %lld", static_cast<long long>(d));
-    std::printf("\nvalues");
-    const double* p = out.data_ptr<double>();
-    for (int64_t i = 0; i < out.numel(); ++i) std::printf(" %.9g", p[i]);
-    std::printf("\n");
+    attn_ext_examples::print_tensor(outputs[0]);
     return 0;
   } catch (const c10::Error& e) {  // loader and op errors: the message without the C++ backtrace
     const std::string message = without_backtrace(e.what_without_backtrace());
