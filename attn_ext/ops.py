@@ -1651,10 +1651,10 @@ def _row_contiguous(g):
 def _rows_dot(dout, out, dtype: torch.dtype, row_dim: int, max_elems: int = 1 << 20):
     """rowsum(dout * out) over the last dim, in ``dtype``: (..., H) with the rows first. In
     eager mode it runs over slices of ``row_dim`` so that no temporary holds more than
-    ``max_elems`` elements (a single expression built out-sized temporaries: the product, and for 16-bit
-    inputs both fp32 casts); each row's sum is the same either way. Compiled code keeps the
-    one expression, which inductor fuses without the temporaries (and a loop over a symbolic
-    length would specialise it)."""
+    ``max_elems`` elements (a single expression built out-sized temporaries: the product, and
+    for 16-bit inputs both fp32 casts); each row's sum is the same either way. Compiled code
+    keeps the one expression, which inductor fuses without the temporaries (and a loop over a
+    symbolic length would specialise it)."""
     n = out.shape[row_dim]
     per_row = out.numel() // n if n > 0 else 1
     step = max(1, max_elems // max(per_row, 1))
