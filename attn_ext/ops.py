@@ -1650,19 +1650,27 @@ def _row_contiguous(g):
 
 def _rows_dot(dout, out, dtype: torch.dtype, row_dim: int, max_elems: int = 1 << 20):
     """rowsum(dout * out) over the last dim, in ``dtype``: (..., H) with the rows first. In
-    eager mode it runs over slices of ``row_dim`` so that no temporary holds more than
-    ``max_elems`` elements (a single expression built out-sized temporaries: the product, and
-    for 16-bit inputs both fp32 casts); each row's sum is the same either way. Compiled code
-    keeps the one expression, which inductor fuses without the temporaries (and a loop over a
-    symbolic length would specialise it)."""
+    eager mode it runs over slices of ``row_dim`` of at most ``max_elems`` elements, through two
+    buffers of that size allocated once (a single expression built out-sized temporaries: the
+    product, and for 16-bit inputs both fp32 copies; fresh slices per step grew the heap); each
+    row's sum is the same either way. Compiled code keeps the one expression, which inductor
+    fuses without the temporaries (and a loop over a symbolic length would specialise it)."""
     n = out.shape[row_dim]
     per_row = out.numel() // n if n > 0 else 1
     step = max(1, max_elems // max(per_row, 1))
     if torch.compiler.is_compiling() or step >= n:
         return (dout.to(dtype) * out.to(dtype)).sum(-1)
-    return torch.cat([(dout.narrow(row_dim, i, min(step, n - i)).to(dtype) *
-                       out.narrow(row_dim, i, min(step, n - i)).to(dtype)).sum(-1)
-                      for i in range(0, n, step)], row_dim)
+    res = out.new_empty(out.shape[:-1], dtype=dtype)
+    shape = list(out.shape)
+    shape[row_dim] = step
+    a, b = out.new_empty(shape, dtype=dtype), out.new_empty(shape, dtype=dtype)
+    for i in range(0, n, step):
+        m = min(step, n - i)
+        ai, bi = a.narrow(row_dim, 0, m), b.narrow(row_dim, 0, m)
+        ai.copy_(dout.narrow(row_dim, i, m))
+        bi.copy_(out.narrow(row_dim, i, m))
+        torch.sum(ai.mul_(bi), -1, out=res.narrow(row_dim, i, m))
+    return res
 
 
 def _sinks_grad(sinks, lse, out, dout, dlse, rows_dims, head_first):
