@@ -1654,11 +1654,14 @@ def _rows_dot(dout, out, dtype: torch.dtype, row_dim: int, max_elems: int = 1 <<
     buffers of that size allocated once (a single expression built out-sized temporaries: the
     product, and for 16-bit inputs both fp32 copies; fresh slices per step grew the heap); each
     row's sum is the same either way. Compiled code keeps the one expression, which inductor
-    fuses without the temporaries (and a loop over a symbolic length would specialise it)."""
+    fuses without the temporaries (and a loop over a symbolic length would specialise it), and
+    so does a backward that is itself differentiated (create_graph=True, torch.func
+    transforms), which the buffers' in-place ops and out= would refuse."""
     n = out.shape[row_dim]
     per_row = out.numel() // n if n > 0 else 1
     step = max(1, max_elems // max(per_row, 1))
-    if torch.compiler.is_compiling() or step >= n:
+    if (step >= n or torch.compiler.is_compiling() or torch.is_grad_enabled()
+            or torch._C._are_functorch_transforms_active()):
         return (dout.to(dtype) * out.to(dtype)).sum(-1)
     res = out.new_empty(out.shape[:-1], dtype=dtype)
     shape = list(out.shape)

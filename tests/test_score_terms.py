@@ -319,6 +319,16 @@ def test_sinks_gradient_slices_the_rows_and_meets_the_reference(monkeypatch):
                         sinks=sd).backward(dout.double())
     assert max_err(sinks.grad, sd.grad) < 1e-3 * sd.grad.abs().max().item()
 
+    # a backward that is itself differentiated keeps the one expression (the slices' buffers
+    # take in-place ops and out=, which autograd refuses): create_graph and torch.func.grad
+    monkeypatch.undo()
+    s2 = sinks.detach().requires_grad_()
+    loss = (attn_ext.attention(q, k, v, causal=True, sinks=s2) * dout).sum()
+    (g,) = torch.autograd.grad(loss, s2, create_graph=True)
+    assert g.requires_grad and torch.equal(g.detach(), sinks.grad)
+    f = lambda s: (attn_ext.attention(q.detach(), k, v, causal=True, sinks=s) * dout).sum()  # noqa: E731
+    assert torch.equal(torch.func.grad(f)(sinks.detach()), sinks.grad)
+
 
 def test_rel_bias_module_gradient_reaches_buckets():
     """T5-bucketed RelativePositionBias: the kernel's d rel_bias flows through the gather."""
