@@ -956,7 +956,8 @@ def _agree_on_inputs(q, k, v, group, error, keywords: Optional[List[int]] = None
                          f"the ranks differ in {', '.join(differ)}")
 
 
-# per thread: an error deferred to the next context-parallel layer's checks (_defer_error)
+# per thread: an error deferred to the next context-parallel layer's checks
+# (_raise_at_first_attention)
 _THREAD = threading.local()
 
 
@@ -970,13 +971,18 @@ def _fail_together(error: BaseException, x: torch.Tensor, group) -> None:
     _agree_on_inputs(x, x, x, group, error)
 
 
-def _defer_error(error: Optional[BaseException]) -> None:
-    """Hand ``error`` (or None: clear it) to the next context-parallel layer's checks on this
-    thread, which raise it on every rank: a TinyGPT's or a TransformerBlock's own failed checks,
-    after which the model carries on, on a stand-in input, to its first attention as the other
-    ranks do, so that every collective on the way (FSDP's parameter gathers, a hook's) still
-    pairs up."""
+def _raise_at_first_attention(error: BaseException, run) -> None:
+    """Raise ``error``, a TinyGPT's or a TransformerBlock's own failed checks, on every rank:
+    ``run()`` carries the model on, on a stand-in input, to its first context-parallel
+    attention as the other ranks go there, so that every collective on the way (FSDP's
+    parameter gathers, a hook's) still pairs up; that layer's checks take the error (this
+    thread's) and raise it on every rank. Cleared however ``run`` ends."""
     _THREAD.deferred = error
+    try:
+        run()
+    finally:
+        _THREAD.deferred = None  # (taken by the layer's checks, or dropped with another error)
+    raise error  # (not reached: the first layer raises it)
 
 
 def _take_deferred_error() -> Optional[BaseException]:

@@ -159,7 +159,7 @@ class TinyGPT(nn.Module):
         embedding and the first block, whose hooks may gather parameters: FSDP), on stand-in
         tokens. (Raising here at once would leave the other ranks waiting in the first ring,
         and joining its agreement here could meet their FSDP gathers instead.)"""
-        from .distributed import _defer_error
+        from .distributed import _raise_at_first_attention
 
         if len(self.blocks) == 0:
             raise error
@@ -171,17 +171,16 @@ class TinyGPT(nn.Module):
         dev = self.tok.weight.device
         x = self.tok(torch.zeros(B, S, dtype=torch.long, device=dev))
         zeros = torch.zeros(S, dtype=torch.long, device=dev)  # (valid for any max_len)
-        _defer_error(error)
-        try:
+
+        def run(x=x):
             if self.learned is not None:
                 x = self.learned(x, 0, zeros)
             if self.sinusoidal is not None:
                 x = self.sinusoidal(x, 0, zeros)
             for blk in self.blocks:
                 x = blk(x)
-        finally:
-            _defer_error(None)  # (taken by the first layer, or dropped with another error)
-        raise error  # (not reached: the first layer raises it)
+
+        _raise_at_first_attention(error, run)
 
     @torch.jit.unused
     def _context_parallel_positions(self, idx: Tensor, has_caches: bool,

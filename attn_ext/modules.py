@@ -1109,20 +1109,16 @@ class TransformerBlock(nn.Module):
     def _context_parallel_deferred(self, x, error: Exception, kv_cache, key_padding_mask) -> Tensor:
         """This rank's x failed the block's checks: the block runs on a stand-in x, as the
         other ranks run theirs (ln1 and its hooks), to its attention's checks, which raise the
-        error on every rank (distributed._defer_error)."""
-        from .distributed import _defer_error
+        error on every rank (distributed._raise_at_first_attention)."""
+        from .distributed import _raise_at_first_attention
 
         w = self.ln1.weight
         # (the caller's (B, S) where x has them: a hook's collective may depend on the shape)
         B, S = (x.shape[0], x.shape[1]) if isinstance(x, torch.Tensor) and x.dim() == 3 else (1, 2)
-        _defer_error(error)
-        try:
-            TransformerBlock.forward(self, torch.zeros(B, S, w.size(0), dtype=w.dtype,
-                                                       device=w.device),
-                                     kv_cache, key_padding_mask)
-        finally:
-            _defer_error(None)  # (taken by the attention's checks, or dropped with another error)
-        raise error  # (not reached: the attention's checks raise it)
+        stand_in = torch.zeros(B, S, w.size(0), dtype=w.dtype, device=w.device)
+        _raise_at_first_attention(
+            error, lambda: TransformerBlock.forward(self, stand_in, kv_cache, key_padding_mask))
+        raise error  # (not reached)
 
     def forward(self, x: Tensor, kv_cache: Optional[KVCache] = None,
                 key_padding_mask: Optional[Tensor] = None) -> Tensor:
