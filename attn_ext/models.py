@@ -233,6 +233,12 @@ class TinyGPT(nn.Module):
 
     def forward(self, idx: Tensor, caches: Optional[List[KVCache]] = None,
                 attention_mask: Optional[Tensor] = None) -> Tensor:
+        return self.head(self._features(idx, caches, attention_mask))
+
+    def _features(self, idx: Tensor, caches: Optional[List[KVCache]],
+                  attention_mask: Optional[Tensor]) -> Tensor:
+        """forward's final hidden states (B, S, d_model), before the vocabulary projection
+        (generate projects only the last position's)."""
         positions: Optional[Tensor] = None
         if self.context_parallel_group is not None:
             # first: a failed check is raised by the first layer, on every rank together
@@ -275,7 +281,7 @@ class TinyGPT(nn.Module):
                 x = blk(x, None, key_padding_mask)
             else:
                 x = blk(x, caches[i])
-        return self.head(self.ln_f(x))
+        return self.ln_f(x)
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int,
@@ -310,13 +316,15 @@ class TinyGPT(nn.Module):
         autocast = torch.is_autocast_enabled(dev) and self.head.weight.dtype != torch.float64
         dtype = torch.get_autocast_dtype(dev) if autocast else None
         caches = self.new_caches(B, S + max_new_tokens, dtype)
-        logits = self(idx, caches, attention_mask)
+        # only the last position's logits are read: the prompt's other S - 1 rows skip the
+        # vocabulary projection (a (B, S, vocab) tensor for a long prompt)
+        h = self._features(idx, caches, attention_mask)
         out = [idx]
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        nxt = self.head(h[:, -1]).argmax(-1, keepdim=True)
         for _ in range(max_new_tokens):
             out.append(nxt)
             if len(out) - 1 == max_new_tokens:
                 break
-            logits = self(nxt, caches)
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            h = self._features(nxt, caches, None)
+            nxt = self.head(h[:, -1]).argmax(-1, keepdim=True)
         return torch.cat(out, dim=1)

@@ -121,6 +121,32 @@ def test_kv_cache_decoding_matches_full_recomputation(pos):
     assert torch.equal(gen, seq[:, :13])
 
 
+def test_generate_projects_only_the_last_position_to_the_vocabulary():
+    """generate reads one row of logits per step: the prompt's other positions skip the
+    vocabulary projection (it built a (B, S, vocab) tensor for the prompt). Its tokens are
+    those of the loop over model(...) with caches, left-padded prompts included."""
+    model = TinyGPT(50, d_model=32, num_heads=4, num_layers=2, max_len=64, pos="rope",
+                    num_kv_heads=2).double().eval()
+    idx = torch.randint(0, 50, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :4] = 0
+    shapes = []
+    hook = model.head.register_forward_hook(lambda m, a, o: shapes.append(tuple(a[0].shape)))
+    try:
+        with torch.no_grad():
+            gen = model.generate(idx, 5, attention_mask=mask)
+    finally:
+        hook.remove()
+    assert shapes == [(2, 32)] * 5
+    with torch.no_grad():
+        caches = model.new_caches(2, 14)
+        seq, logits = [idx], model(idx, caches, mask)
+        for _ in range(5):
+            seq.append(logits[:, -1:].argmax(-1))
+            logits = model(seq[-1], caches)
+    assert torch.equal(gen, torch.cat(seq, 1))
+
+
 def test_no_copies_of_qkv_or_output_on_the_hot_path():
     from torch.profiler import ProfilerActivity, profile
 
