@@ -45,6 +45,13 @@ def _check_caches(caches) -> None:
                f"{type(caches).__name__} of {sorted({type(c).__name__ for c in caches})}")
         raise ArgumentTypeError(f"caches must be a list of attn_ext.KVCache, one per layer "
                                 f"(model.new_caches(batch, max_len)), or None, got {got}")
+    seen = {}
+    for i, c in enumerate(caches):
+        if id(c) in seen:
+            # (one cache for two layers took both layers' keys: wrong logits, no error)
+            raise ValueError(f"caches must hold a separate KVCache per layer: caches[{seen[id(c)]}] "
+                             f"and caches[{i}] are the same object")
+        seen[id(c)] = i
 
 
 class TinyGPT(nn.Module):

@@ -50,6 +50,60 @@ def _real_same_start(k: Tensor, v: Tensor) -> bool:
     return k.data_ptr() == v.data_ptr()
 
 
+def _row_spans(t: Tensor):
+    """Byte ranges [start, start + length) that t's elements occupy: one per row of the last
+    dim where it is contiguous (else one per element); None past 2^22 rows."""
+    dims = t.dim() - 1 if t.stride(-1) == 1 else t.dim()
+    rows = 1
+    for d in range(dims):
+        rows *= t.size(d)
+    if rows > (1 << 22):
+        return None
+    item = t.element_size()
+    offsets = torch.zeros((), dtype=torch.int64)
+    for d in range(dims):
+        idx = torch.arange(t.size(d), dtype=torch.int64) * (t.stride(d) * item)
+        offsets = offsets.unsqueeze(-1) + idx
+    length = t.size(-1) * item if dims < t.dim() else item
+    return offsets.reshape(-1) + t.data_ptr(), length
+
+
+def _real_buffers_overlap(k: Tensor, v: Tensor) -> bool:
+    """Whether real tensors k and v (as _real_same_start) share a byte of memory, element by
+    element: a fused buffer's interleaved k / v halves (kv[:, :, 0], kv[:, :, 1]) do not."""
+    if torch.compiler.is_compiling() or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return False
+    if k.device.type == "meta" or k.numel() == 0 or v.numel() == 0:
+        return False
+    if any(s < 0 for s in k.stride()) or any(s < 0 for s in v.stride()):
+        return False
+
+    def extent(t: Tensor):
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (k0, k1), (v0, v1) = extent(k), extent(v)
+    if k1 <= v0 or v1 <= k0:
+        return False
+    ks, vs = _row_spans(k), _row_spans(v)
+    if ks is None or vs is None:  # (too many rows to list: the interleaved check is skipped)
+        return False
+    starts = torch.cat([ks[0], vs[0]])
+    ends = torch.cat([ks[0] + ks[1], vs[0] + vs[1]])
+    is_v = torch.cat([torch.zeros(ks[0].numel(), dtype=torch.bool),
+                      torch.ones(vs[0].numel(), dtype=torch.bool)])
+    order = torch.argsort(starts, stable=True)
+    starts, ends, is_v = starts[order], ends[order], is_v[order]
+    # a span overlaps the other buffer's iff it starts before the farthest end of that buffer's
+    # spans that start no later than it (sorted by start)
+    none = torch.full_like(ends, torch.iinfo(torch.int64).min)
+    end_k = torch.cummax(torch.where(is_v, none, ends), 0).values
+    end_v = torch.cummax(torch.where(is_v, ends, none), 0).values
+    prev_k = torch.cat([none[:1], end_k[:-1]])
+    prev_v = torch.cat([none[:1], end_v[:-1]])
+    return bool(((is_v & (starts < prev_k)) | (~is_v & (starts < prev_v))).any())
+
+
 class KVCache:
     """Preallocated keys and values of one attention layer for incremental decoding.
 
@@ -90,6 +144,12 @@ class KVCache:
             if _real_same_start(k, v):
                 # (KVCache(buf, buf): update() wrote the values over the keys)
                 raise ValueError("k and v must be separate buffers (they start at the same memory)")
+            if _real_buffers_overlap(k, v):
+                # (only an identical start was refused: update() wrote values over keys)
+                raise ValueError(f"k and v must not overlap in memory (update() would write the "
+                                 f"values over the keys), got k {list(k.shape)} at strides "
+                                 f"{list(k.stride())} and v {list(v.shape)} at strides "
+                                 f"{list(v.stride())} sharing memory")
         self.k = k
         self.v = v
         self.length = 0

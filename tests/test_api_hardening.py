@@ -624,6 +624,36 @@ def test_kv_cache_refuses_one_buffer_for_keys_and_values():
     assert a[0, 0, 0, 0] == 1 and b[0, 0, 0, 0] == 2
 
 
+def test_kv_cache_refuses_keys_and_values_that_overlap_in_memory():
+    """Only an identical start was refused: k and v overlapping further on made update() write
+    the values over the keys. Interleaved halves of one buffer share no element and pass."""
+    buf = torch.zeros(1, 8, 1, 12)
+    with pytest.raises(ValueError, match="k and v must not overlap in memory"):
+        attn_ext.KVCache(buf[..., :8], buf[..., 4:12])
+    rows = torch.zeros(1, 9, 2, 8)
+    with pytest.raises(ValueError, match="k and v must not overlap in memory"):
+        attn_ext.KVCache(rows[:, :5], rows[:, 4:])  # (slot 4 in both)
+    cache = attn_ext.KVCache(rows[:, :4], rows[:, 4:8])  # disjoint slots of one buffer
+    kv = torch.zeros(2, 6, 2, 3, 8)  # (B, L, k|v, Hkv, D): k and v rows interleaved
+    cache = attn_ext.KVCache(kv[:, :, 0], kv[:, :, 1])
+    a, b = cache.update(torch.ones(2, 2, 3, 8), torch.full((2, 2, 3, 8), 2.0))
+    assert (a == 1).all() and (b == 2).all()
+    half = torch.zeros(1, 4, 2, 16)
+    attn_ext.KVCache(half[..., :8], half[..., 8:])  # the two halves of each row
+
+
+def test_tinygpt_refuses_one_cache_for_two_layers():
+    """The same KVCache object for two layers took both layers' keys: wrong logits, no error."""
+    from attn_ext.models import TinyGPT
+
+    m = TinyGPT(50, d_model=32, num_heads=4, num_layers=2, max_len=16).eval()
+    idx = torch.randint(0, 50, (1, 6))
+    c = m.blocks[0].attn.new_kv_cache(1, 32)
+    with pytest.raises(ValueError, match=r"caches\[0\] and caches\[1\] are the same object"):
+        m(idx, [c, c])
+    assert c.length == 0
+
+
 def test_kv_cache_same_buffer_check_skips_meta_fake_and_traced_tensors():
     """The same-buffer check reads data pointers, which meta / fake tensors (0 for both) and
     torch.compile / export do not have: a meta model's cache, a cache built under
