@@ -395,12 +395,23 @@ def _kernel_forward(q, k, v, args: BlockArgs, scale, terms: _Terms = NO_TERMS, k
 def _kernel_backward(dout, q, k, v, out, lse, dlse, args: BlockArgs, scale, terms: _Terms = NO_TERMS,
                      kpm=None):
     """One block's ``attention_backward_rel_bias`` (global out and lse; dlse the gradient of the global
-    lse, or None) with :func:`block_call`'s arguments: ``(dq, dk, dv, d rel_bias)``."""
+    lse, or None) with :func:`block_call`'s arguments: ``(dq, dk, dv, d rel_bias)``.
+
+    Always with a block position: out and lse are the merged ones of every block, and a call
+    with a position takes the row term from them alone (rowsum(dout * out)); a whole call may
+    take it from its keys' probabilities instead (the CPU backward's refined_row_terms), which
+    here would drop the other blocks' share. A block without one (FULL, or the kernel's own
+    bottom-right causal mask) gets the position with the same offset: the same pairs visible,
+    and no term reads it."""
     left, right = _window_ops(args)
+    q_start, k_start = args.q_start, args.k_start
+    if q_start is None:
+        off = k.size(1) - q.size(1)
+        q_start, k_start = max(off, 0), max(-off, 0)
     return _ops.attention_backward_rel_bias(
         dout, q, k, v, out, lse, args.causal, scale, left, right, kpm, dlse, terms.alibi_slopes,
         terms.rel_bias, terms.softcap, terms.dropout_p, terms.dropout_seed, terms.dropout_offset,
-        torch.are_deterministic_algorithms_enabled(), args.q_start, args.k_start)
+        torch.are_deterministic_algorithms_enabled(), q_start, k_start)
 
 
 def _step_calls(

@@ -226,8 +226,8 @@ def test_amx_non_finite_q_row_leaves_the_keys_it_cannot_see_bitwise_alone(bad, d
     """Row 0 (causal: it sees key 0 only) with an inf / NaN in q: dk and dv of keys 1.. are
     bitwise those of a finite q there. The tiles run dv / dk with that row's operands as 0 and
     add its visible pairs on their own (before, the whole tile took the per-pair path, whose
-    rounding differs from the tiles'). (fp16 with a visible inf runs the widened path:
-    half_qk_no_inf, which changes the other rows' rounding.)"""
+    rounding differs from the tiles'). (fp16 with a visible inf runs its (sequence, kv head)
+    widened: half_qk_inf_units, which changes that unit's other rows' rounding.)"""
     torch.manual_seed(0)
     q, k, v, dout = [torch.randn(1, 97, 2, 64).to(dtype) for _ in range(4)]
 

@@ -890,6 +890,36 @@ def _global_mask(q_start, sq, k_start, sk, causal, window):
     return keep
 
 
+def test_block_backward_keeps_the_merged_row_term():
+    """A ring block's backward gets the merged out and lse of every block. The CPU backward
+    takes a whole call's row term from its keys' probabilities (sum_j P_j dP_j) where a row's
+    keys lie in one key tile and that sum agrees with rowsum(dout * out) within rounding; in a
+    block that dropped the other blocks' share of the row, up to ~1e-5 of it in peaked fp32
+    rows (a review: dq 44x the fp32 textbook's error, ring gradients up to 26x over the rule).
+    Block calls therefore always carry a position (_kernel_backward), and a call with one keeps
+    rowsum(dout * out): the blocks' dq sum to the whole call's within the rule."""
+    from tests.utils import floor, max_err
+
+    g = torch.Generator().manual_seed(0)
+    B, S, H, D = 1, 64, 1, 64
+    q, dout = (torch.randn(B, S, H, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, 2 * S, H, D, generator=g) for _ in range(2))
+    scale = 8 / D ** 0.5
+    out, lse = torch.ops.attn_ext.attention_forward(q, k, v, False, scale, -1, -1, None, None,
+                                                    None, None, None, 0.0, 0, 0, None, None)
+    dq = sum(cp._kernel_backward(dout, q, k[:, a:a + S], v[:, a:a + S], out, lse, None, cp.FULL,
+                                 scale)[0] for a in (0, S))
+
+    def textbook(dt):
+        qq = q.to(dt).requires_grad_()
+        reference.attention(qq, k.to(dt), v.to(dt), scale=scale).backward(dout.to(dt))
+        return qq.grad
+
+    r64, r32 = textbook(torch.float64), textbook(torch.float32)
+    bound = 2 * max_err(r32, r64) + floor(torch.float32, r64)
+    assert max_err(dq, r64) <= bound, (max_err(dq, r64), bound)
+
+
 def test_block_call_rule():
     F_, T_ = cp.FULL, cp.BlockArgs(True)
     assert cp.block_call(10, 5, 0, 5, causal=True) == F_  # all in the past

@@ -486,13 +486,15 @@ def test_every_schema_has_a_kernel():
     assert not missing, f"schemas without a kernel: {missing}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("masking", ["padding", "window"])
+@pytest.mark.parametrize("dtype,masking", [
+    (dt, m) for dt in (torch.float32, torch.float64, torch.bfloat16) for m in ("padding", "window")
+] + [(torch.float16, "padding")])
 def test_a_hidden_non_finite_key_leaves_visible_rows_bitwise_alone(dtype, masking):
     """DESIGN: a key a row cannot see never affects that row. With inf / NaN in a hidden key's
     k and v, every visible row's out and lse and dq are bitwise what they are with a finite
     value there (the exact masked product of the non-finite case follows the gemm's FMA chain;
-    it used to differ in the last bits)."""
+    it used to differ in the last bits). (fp16 with a key some row of the same (sequence, kv
+    head) sees, the window case, runs that unit widened: half_qk_inf_units; the next test.)"""
     torch.manual_seed(0)
     B, S, H, D = 1, 150, 2, 32
     q, k, v = (torch.randn(B, S, H, D).to(dtype) for _ in range(3))
@@ -518,6 +520,59 @@ def test_a_hidden_non_finite_key_leaves_visible_rows_bitwise_alone(dtype, maskin
     for val in (float("inf"), float("nan"), 123.0):
         for name, a, b in zip(("out", "lse", "dq"), run(val), base):
             assert torch.equal(a, b), f"{name} of visible rows changed with a hidden key of {val}"
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_fp16_visible_inf_leaves_every_other_sequence_and_kv_head_bitwise_alone(varlen):
+    """fp16 on AMX runs its products as bf16 hi + lo parts, where a visible inf would meet a 0
+    (NaN): the (sequence, kv head) units where an inf of q or k takes part run widened. That
+    choice is per unit (half_qk_inf_units): it was per call, so an inf in one sequence changed
+    the last bits of every other sequence's out, lse and gradients (a review found it). The
+    other units' out, lse, dq, dk, dv and the finite d rel_bias are bitwise those of a finite
+    value there; the unit with the inf stays accurate (float64 reference)."""
+    torch.manual_seed(0)
+    B, S, H, Hkv, D = 3, 130, 4, 2, 64
+    group = H // Hkv
+    q, k, v, dout = (torch.randn(B, S, h, D).half() for h in (H, Hkv, Hkv, H))
+    rel = torch.randn(H, 2 * 16 + 1)
+
+    def run(val):
+        k2 = k.clone()
+        k2[1, 70, 0, 5] = val  # sequence 1, kv head 0; seen by rows 70.. (causal)
+        ts = [t.clone().requires_grad_() for t in (q, k2, v)]
+        rb = rel.clone().requires_grad_()
+        if varlen:
+            cu = torch.arange(B + 1, dtype=torch.int32) * S
+            flat = [t.reshape(B * S, *t.shape[2:]) for t in ts]
+            out, lse = A.attention_varlen(*flat, cu, cu, S, S, causal=True, rel_bias=rb,
+                                          return_lse=True)
+            out = out.view(B, S, H, D)
+            lse = lse.view(H, B, S).transpose(0, 1)
+        else:
+            out, lse = A.attention(*ts, causal=True, rel_bias=rb, return_lse=True)
+        out.backward(dout)
+        return out, lse, ts[0].grad, ts[1].grad, ts[2].grad
+
+    base, dirty = run(0.25), run(float("-inf"))
+    for b in range(B):
+        for hk in range(Hkv):
+            if (b, hk) == (1, 0):
+                continue
+            hs = slice(hk * group, (hk + 1) * group)
+            for name, x, y in (("out", dirty[0][b, :, hs], base[0][b, :, hs]),
+                               ("lse", dirty[1][b, hs], base[1][b, hs]),
+                               ("dq", dirty[2][b, :, hs], base[2][b, :, hs]),
+                               ("dk", dirty[3][b, :, hk], base[3][b, :, hk]),
+                               ("dv", dirty[4][b, :, hk], base[4][b, :, hk])):
+                assert torch.equal(x, y), f"{name} of sequence {b}, kv head {hk}"
+    # the unit with the inf: -inf scores (probability 0) against the rows whose q[5] > 0
+    kd = k.double().clone()
+    kd[1, 70, 0, 5] = float("-inf")
+    want = R.attention(q.double(), kd, v.double(), causal=True, rel_bias=rel.double())
+    got = dirty[0].double()
+    ok = torch.isfinite(want)
+    assert torch.equal(ok, torch.isfinite(got))
+    assert (got[ok] - want[ok]).abs().max() < 1e-2
 
 
 def test_multihead_attention_refuses_an_indivisible_d_model():

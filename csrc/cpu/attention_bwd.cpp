@@ -2,6 +2,7 @@
 // from the saved lse; no (Sq, Sk) buffer).
 //
 //   P = exp(scale * q k^T - lse)  (masked entries 0),  Di = rowsum(dout * out)
+//   (or sum_j P_j dP_j where a row's keys lie in one key tile: refined_row_terms)
 //   dv = P^T dout,  dP = dout v^T,  dS = P * (dP - Di),  dq = scale * dS k,  dk = scale * dS^T q
 //
 // Work units own the gradients they write (no per-worker copy of any gradient): see
@@ -149,6 +150,7 @@ struct BwdScratch {
 //   di   (kBlockQ)       rowsum(dout * out) - dlse
 //   fin  (1)             1 when the block's q and dout are all finite
 //   dl   (kBlockQ)       dlse (0 without it; ds_dropout's rows whose probability is 1)
+//   da   (kBlockQ)       sum_d |dout_d out_d|: the scale of Di's rounding (refined_row_terms)
 //   qp   (D / 2, kBlockQ) q's bf16 pairs, unscaled (mk::pack_bf16_pairs: pass 1 by
 //                        mk::scores_bf16dp, as the forward's; only where pairs, else empty)
 //   dp   (Dv / 2, kBlockQ) dout's bf16 pairs (pass 4 by mk::scores_bf16dp, and Di in its
@@ -164,12 +166,13 @@ struct BwdScratch {
 // lse == s there and P = 1 as in the forward (issue 18 item 8).
 struct QueryPackLayout {
   int64_t ldq, ldo;  // qr's and dor's leading dimensions
-  int64_t qt, qr, qs, dot, dor, lse, di, fin, dl, qp, dp, qn, dn, size;
+  int64_t qt, qr, qs, dot, dor, lse, di, fin, dl, da, qp, dp, qn, dn, size;
   bool amx = false;     // the pairs' products (pass 1) on AMX tiles (mk::amx_for(D)), as the forward's
   bool amx_dp = false;  // pass 4 and Di on AMX tiles (mk::amx_for(Dv))
   bool amx_dk = false;  // pass 6 (dk += dS^T q) on AMX tiles (mk::amx_pv_for(D)): qn
   bool amx_dv = false;  // pass 3 (dv += P^T dout) on AMX tiles (mk::amx_pv_for(Dv)): dn
   bool split = false;   // fp16 on the tiles: every product split into bf16 hi / lo terms
+  double out_u = 0;     // unit roundoff of out's dtype (refined_row_terms)
   QueryPackLayout(int64_t D, int64_t Dv, int64_t Dp, int64_t Dvp, int64_t ldq_, int64_t ldo_,
                   bool pairs, bool dout_pairs, bool q_rows_pairs = false,
                   bool dout_rows_pairs = false, bool split_ = false)
@@ -184,7 +187,8 @@ struct QueryPackLayout {
         di(lse + kBlockQ),
         fin(di + kBlockQ),
         dl(fin + 8),
-        qp(dl + kBlockQ),
+        da(dl + kBlockQ),
+        qp(da + kBlockQ),
         dp(qp + (pairs ? D / 2 * kBlockQ : 0) * (split_ ? 2 : 1)),
         qn(dp + (dout_pairs ? Dv / 2 * kBlockQ : 0) * (split_ ? 2 : 1)),
         dn(qn + (q_rows_pairs ? kBlockQ / 2 * D : 0) * (split_ ? 2 : 1)),
@@ -347,7 +351,16 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     for (int64_t d = 0; d < Dv; ++d) dot[d * kBlockQ + ii] = 0;
     blk[L.di + ii] = 0;
     blk[L.dl + ii] = 0;
+    blk[L.da + ii] = 0;
     blk[L.lse + ii] = pos_inf;
+  }
+  // sum_d |dout_d out_d| per row (out's rows converted in tmp)
+  for (int64_t ii = 0; ii < nq; ++ii) {
+    convert_row(oh + ii * bp.o_row_stride, Dv, tmp);
+    const acc_t* drow = dor + ii * L.ldo;
+    acc_t a = 0;
+    for (int64_t d = 0; d < Dv; ++d) a += std::abs(drow[d] * tmp[d]);
+    blk[L.da + ii] = a;
   }
   // Whether the block's q and dout rows are all finite (then a hidden pair's 0 times them is
   // 0, and the partial tiles may use the dense products).
@@ -466,6 +479,54 @@ struct PairTerms {
     }
   }
 };
+
+// The row term of rows whose keys all lie in this key tile, as the textbook's softmax
+// backward forms it: Di = sum_j P_j dP_j over the tile (P with dropout's Z / (1 - p), as out
+// has it), from the same dP that dS = P (dP - Di) subtracts it from. rowsum(dout * out) reads
+// the stored, rounded out: where one key holds nearly all of a row's probability (a key and a
+// sink, a large scale) 1 - P is small, dP - Di cancels, and out's rounding alone set dq and dk
+// (8x the textbook's fp32 error, 25x in fp16 at Sq = Sk = 1 with sinks: a review's sweep). The
+// two are taken as the same term, and the sum used, only where they agree within out's
+// rounding and the sums' (tol), and never in a call with a block position (q_start / k_start):
+// its out and lse may be a longer sequence's, the merged ones of ring attention (which passes
+// a position to every block's backward), whose other keys can hold a share of a row's
+// probability below any such tolerance and must still count. Returns the row terms minus dlse
+// for pass 5: blk's, or `refined` (kBlockQ) where a row took the sum. NaN / inf sums keep blk's.
+template <typename acc_t>
+const acc_t* refined_row_terms(const Visibility& vis, const SeqInfo& sq, int64_t i0, int64_t nq,
+                               int64_t j0, int64_t nk, int64_t C, const acc_t* pv,
+                               const acc_t* dpt, const acc_t* blk, const QueryPackLayout& L,
+                               acc_t* refined) {
+  const acc_t* di = blk + L.di;
+  if (vis.m.block) return di;
+  // (the block first: a row's band starts and ends no earlier than the row before's, so none
+  // lies in the tile where the last row's starts before it or the first row's ends past it)
+  if (nq <= 0 || vis.band_keys(sq, i0 + nq - 1).lo < j0 || vis.band_keys(sq, i0).hi > j0 + nk)
+    return di;
+  const double u_acc = std::numeric_limits<acc_t>::epsilon() / 2;
+  bool any = false;
+  for (int64_t c = 0; c < nq; ++c) {
+    const Range band = vis.band_keys(sq, i0 + c);
+    if (band.lo >= band.hi || band.lo < j0 || band.hi > j0 + nk) continue;
+    acc_t sum = 0, mag = 0;
+    for (int64_t r = band.lo - j0; r < band.hi - j0; ++r) {
+      const acc_t x = pv[r * C + c] * dpt[r * C + c];
+      sum += x;
+      mag += std::abs(x);
+    }
+    const double a = static_cast<double>(blk[L.da + c]);
+    const double lse = std::abs(static_cast<double>(blk[L.lse + c]));
+    const double packed = static_cast<double>(di[c]) + static_cast<double>(blk[L.dl + c]);
+    const double tol =
+        L.out_u * a + (4 * std::sqrt(static_cast<double>(L.Dv_ + nk)) + 4 + 2 * lse) * u_acc *
+                          (a + static_cast<double>(mag));
+    if (!(std::abs(static_cast<double>(sum) - packed) <= tol)) continue;
+    if (!any) std::copy(di, di + C, refined);
+    any = true;
+    refined[c] = sum - blk[L.dl + c];
+  }
+  return any ? refined : di;
+}
 
 // One (query block [i0, i0 + nq) of one head, key tile [j0, j0 + nk)) pair:
 //
@@ -607,11 +668,14 @@ void bwd_pair(const AttentionParams& p, const Visibility& vis, const SeqInfo& sq
     K.gemm(nr, n, Dv, s.vbp + r0 * Dvp, Dvp, 1, dot + c0, kBlockQ, s.dpt.data() + r0 * C + c0, C,
            false);
   };
+  alignas(64) acc_t di_refined[kBlockQ];
   auto pass5 = [&] {
-    // Di = rowsum(dout * out) - dlse from the pack, never sum_j P_j dP_j over this call's
-    // keys: out and lse may be those of a longer sequence (ring attention passes the merged
-    // ones), and then only rowsum(dout * out) is the row term.
-    const acc_t* di = blk + L.di;
+    // Di = rowsum(dout * out) - dlse from the pack, not sum_j P_j dP_j over this call's keys:
+    // out and lse may be those of a longer sequence (ring attention passes the merged ones),
+    // and then only rowsum(dout * out) is the row term; except where refined_row_terms finds
+    // the two equal up to out's rounding.
+    const acc_t* di = refined_row_terms<acc_t>(vis, sq, i0, nq, j0, nk, C, pv, s.dpt.data(), blk,
+                                               L, di_refined);
     if (dropout) {
       ds_dropout(s.st.data(), s.pz.data(), s.dpt.data(), nk, C, di, blk + L.dl);
     } else {
@@ -1023,352 +1087,367 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
   // (bf16 hi + lo; mk::scores_amx_split, pv_amx_split), pass 1 in the forward's own chains;
   // dP and Di on the tiles where Dv is a multiple of 32 (else widened, in the fp32 gemm's
   // chains)
-  const bool fp16_split = std::is_same_v<scalar_t, c10::Half> && !decode_order &&
-                     rule.fp16_on_tiles(p.D, p.Dv) && half_qk_no_inf(p, vis);
-  const bool split_dp = fp16_split && rule.amx_for(p.Dv);
-  const bool rows_d = (is_bf16 || fp16_split) && rule.amx_pv_for(p.D);
-  const bool rows_dv = (is_bf16 || fp16_split) && rule.amx_pv_for(p.Dv);
-  QueryPackLayout L(p.D, p.Dv, Dp, Dvp, padded_ld(Dp, sizeof(acc_t)), padded_ld(Dvp, sizeof(acc_t)),
-                    bf16dp || fp16_split, bf16dp4 || split_dp, rows_d, rows_dv, fp16_split);
-  L.amx = (bf16dp || fp16_split) && rule.amx_for(p.D);
-  L.amx_dp = (bf16dp4 || split_dp) && rule.amx_for(p.Dv);
-  // every product reads k and v as 16-bit rows or pairs (load_key_tile's rows16): pass 1 by
-  // pairs or split, pass 4 likewise, pass 7 on the tiles, not the decode order
-  const bool rows16 = !decode_order && (bf16dp || fp16_split) && (bf16dp4 || split_dp) &&
-                      L.amx_dq();
-  const int64_t rows_budget = head_rows_budget(num_threads());
-#if ATTN_EXT_HAVE_AVX2_PATH
-  // the decode kernel's switches, read once for the call (the forward read them once too)
-  const bool decode_wide = decode_order && decode_detail::decode_scores512_enabled();
-  const bool dp_tile16 = decode_detail::dp_tile16_enabled();
-#else
-  const bool decode_wide = false, dp_tile16 = true;
-#endif
-  auto make_scratch = [&] {
-    BwdScratch<acc_t> s(p.D, p.Dv, L.size, terms, decode_order, decode_pairs, L.ldq);
-    s.head_rows_budget = rows_budget;
-    s.decode_wide = decode_wide;
-    s.decode_tiles = decode_tiles;
-    s.dp_tile16 = dp_tile16;
-    if (L.amx_dq()) {  // pass 7 on tiles: k^T's and dS^T's pairs
-      s.kpt.resize(static_cast<size_t>(p.D * BwdScratch<acc_t>::kKeyPairs));
-      s.dsp.resize(static_cast<size_t>(BwdScratch<acc_t>::kKeyPairs * kBlockQ));
+  // (per unit (b, hkv), as the forward: half_qk_inf_units; the units on the tiles first, then
+  // the widened ones, where they differ)
+  int run_index = 0;  // (the second run adds its d rel_bias to the first's)
+  run_fp16_units(p, vis, std::is_same_v<scalar_t, c10::Half> && !decode_order &&
+                             rule.fp16_on_tiles(p.D, p.Dv),
+                 [&](bool fp16_split, UnitFilter filter) {
+    const bool split_dp = fp16_split && rule.amx_for(p.Dv);
+    const bool rows_d = (is_bf16 || fp16_split) && rule.amx_pv_for(p.D);
+    const bool rows_dv = (is_bf16 || fp16_split) && rule.amx_pv_for(p.Dv);
+    QueryPackLayout L(p.D, p.Dv, Dp, Dvp, padded_ld(Dp, sizeof(acc_t)), padded_ld(Dvp, sizeof(acc_t)),
+                      bf16dp || fp16_split, bf16dp4 || split_dp, rows_d, rows_dv, fp16_split);
+    L.amx = (bf16dp || fp16_split) && rule.amx_for(p.D);
+    L.amx_dp = (bf16dp4 || split_dp) && rule.amx_for(p.Dv);
+    L.out_u = std::is_same_v<scalar_t, double>  ? 0x1p-53
+              : std::is_same_v<scalar_t, float> ? 0x1p-24
+              : std::is_same_v<scalar_t, c10::BFloat16> ? 0x1p-8
+                                                        : 0x1p-11;
+    // every product reads k and v as 16-bit rows or pairs (load_key_tile's rows16): pass 1 by
+    // pairs or split, pass 4 likewise, pass 7 on the tiles, not the decode order
+    const bool rows16 = !decode_order && (bf16dp || fp16_split) && (bf16dp4 || split_dp) &&
+                        L.amx_dq();
+    const int64_t rows_budget = head_rows_budget(num_threads());
+  #if ATTN_EXT_HAVE_AVX2_PATH
+    // the decode kernel's switches, read once for the call (the forward read them once too)
+    const bool decode_wide = decode_order && decode_detail::decode_scores512_enabled();
+    const bool dp_tile16 = decode_detail::dp_tile16_enabled();
+  #else
+    const bool decode_wide = false, dp_tile16 = true;
+  #endif
+    auto make_scratch = [&] {
+      BwdScratch<acc_t> s(p.D, p.Dv, L.size, terms, decode_order, decode_pairs, L.ldq);
+      s.head_rows_budget = rows_budget;
+      s.decode_wide = decode_wide;
+      s.decode_tiles = decode_tiles;
+      s.dp_tile16 = dp_tile16;
+      if (L.amx_dq()) {  // pass 7 on tiles: k^T's and dS^T's pairs
+        s.kpt.resize(static_cast<size_t>(p.D * BwdScratch<acc_t>::kKeyPairs));
+        s.dsp.resize(static_cast<size_t>(BwdScratch<acc_t>::kKeyPairs * kBlockQ));
+        if (fp16_split) {
+          s.kpt_lo.resize(s.kpt.size());
+          s.dsp_lo.resize(s.dsp.size());
+        }
+      }
       if (fp16_split) {
-        s.kpt_lo.resize(s.kpt.size());
-        s.dsp_lo.resize(s.dsp.size());
+        s.khi.resize(static_cast<size_t>(kBlockK * p.D));
+        s.klo.resize(s.khi.size());
+        if (L.amx_dp) {
+          s.vhi.resize(static_cast<size_t>(kBlockK * p.Dv));
+          s.vlo.resize(s.vhi.size());
+        }
+        s.rhi.resize(static_cast<size_t>(kBlockQ * std::max(p.D, p.Dv)));
+        s.rlo.resize(s.rhi.size());
+      }
+      return s;
+    };
+
+    // Rows from j0 of the dk / dv accumulators in a buffer laid out as (n, Dp) then (n, Dvp) (a
+    // work unit's unit_kv).
+    auto buffer_acc = [&](acc_t* base, int64_t n, int64_t j0) -> KeyAcc<acc_t> {
+      return {base + j0 * Dp, Dp, base + n * Dp + j0 * Dvp, Dvp, nullptr};
+    };
+    // dk / dv accumulated in the outputs themselves (the accumulation type, D and Dv multiples
+    // of 8), else in the units' buffers (unit_rows / chunk_rows below): rows j0 .. of (b, hkv)
+    // in the outputs.
+    const bool in_place = std::is_same_v<scalar_t, acc_t> && p.D == Dp && p.Dv == Dvp;
+    auto key_acc = [&](int64_t b, int64_t hkv, const SeqInfo& sq, int64_t j0) -> KeyAcc<acc_t> {
+      auto* dk = reinterpret_cast<acc_t*>(bp.dk);
+      auto* dv = reinterpret_cast<acc_t*>(bp.dv);
+      const int64_t j = sq.k0 + j0;
+      return {dk + b * bp.dk_batch_stride + j * bp.dk_row_stride + hkv * bp.dk_head_stride,
+              bp.dk_row_stride,
+              dv + b * bp.dv_batch_stride + j * bp.dv_row_stride + hkv * bp.dv_head_stride,
+              bp.dv_row_stride, nullptr};
+    };
+
+    // d rel_bias: each query block visit sums its pairs' dS into its own (2M + 1) row (in key
+    // tile order), which is added to its work unit's partial row of its head (the unit's span of
+    // buckets, DbSpan below) after the visit, in block order (fused units: (b, hkv); split phase
+    // 1: (b, hkv, chunk)); the rows are reduced in unit order at the end. Deterministic for a
+    // given thread count, and the same whichever blocks visit the key tiles together.
+    const int64_t nbias = terms.rel_bias != nullptr ? 2 * terms.rel_max + 1 : 0;
+    const int64_t workers = std::max<int64_t>(1, num_threads());
+    const bool split = p.B * p.Hkv < workers && n_kb > 1;
+    // The fused units' dk / dv in a per-unit buffer (the comment above attention_bwd_kernel):
+    // every visit of the unit reads and writes all its key tiles' rows, which stay in L2 when
+    // contiguous and are fetched again from L3 when a page apart (a D = 64 BSHD backward took
+    // 1.07x the time of the same call on BHSD views; RESULTS.md, twentieth session). The same
+    // additions in the same order: the same bits.
+    // Where dk / dv are not the accumulation type with D, Dv multiples of 8 (bf16, fp16; fp32
+    // at D % 8 != 0), the fused units always accumulate in such a buffer (the accumulation type),
+    // one per worker: at most min(threads, B * Hkv) units' rows, never more than one fp32 buffer
+    // for every (batch, kv head), which they used to take where the share below was exceeded
+    // (its fresh pages cost 2-3 % of a bf16 backward at (1, 8, 4096, 128)). Gradients of the
+    // accumulation type whose rows lie apart take the buffer where it fits the head-rows share,
+    // else accumulate in place. The same additions in the same order, the same bits.
+    const bool strided_fits = (bp.dk_row_stride != p.D || bp.dv_row_stride != p.Dv) &&
+                              p.Sk * (Dp + Dvp) * static_cast<int64_t>(sizeof(acc_t)) <= rows_budget;
+    const bool unit_rows = !split && (!in_place || strided_fits);
+    const int64_t n_chunks = split ? std::min(n_kb, ceil_div(2 * workers, p.B * p.Hkv)) : 1;
+    const int64_t per_chunk = ceil_div(n_kb, n_chunks);
+    // ... and so do the split partition's phase-1 units (one kv head's chunk of keys, written by
+    // that unit alone)
+    const bool chunk_rows = split && !in_place;
+    // The unit buffer (unit_rows / chunk_rows) of a unit owning keys [j0, j1): n rows per part
+    // ((n, Dp) then (n, Dvp)), the unit's rows zeroed; written to dk / dv at the unit's end (dk
+    // scaled, both converted).
+    auto open_unit = [&](BwdScratch<acc_t>& s, int64_t j0, int64_t j1, int64_t n) {
+      s.unit_j0 = j0;
+      s.unit_n = n;
+      if (s.unit_kv.size() < static_cast<size_t>(n * (Dp + Dvp)))
+        s.unit_kv.resize(static_cast<size_t>(n * (Dp + Dvp)));
+      std::fill(s.unit_kv.begin(), s.unit_kv.begin() + (j1 - j0) * Dp, acc_t(0));
+      std::fill(s.unit_kv.begin() + n * Dp, s.unit_kv.begin() + n * Dp + (j1 - j0) * Dvp, acc_t(0));
+    };
+    auto close_unit = [&](BwdScratch<acc_t>& s, const SeqInfo& sq, int64_t b, int64_t hkv,
+                          int64_t j0, int64_t j1) {
+      write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, buffer_acc(s.unit_kv.data(), s.unit_n, 0), true,
+                                 j0, j1);
+    };
+    // The units' partial tables hold only the buckets their pairs reach (DbSpan): unit (b, hkv,
+    // chunk c) pairs the rows of the query blocks that visit the chunk with the chunk's keys, so
+    // bucket M + clamp(i + off - j, -M, M) lies between those of the extreme pairs. A chunk of
+    // 96-key tiles and a few hundred rows reaches a few hundred of the 2M + 1 buckets: the tables
+    // no longer take (2M + 1) doubles per head for each of the ~2 x threads chunks of the split
+    // partition (86 MiB at 64 threads for M = 4095, 32 heads of one kv head, Sk = 4096: 43
+    // chunks of one key tile). The same sums in the same order (the buckets left out held +0,
+    // which added nothing).
+    struct DbSpan {
+      int64_t lo = 0, n = 0;  // buckets [lo, lo + n), per query head n apart
+      size_t at = 0;          // the first head's row in db_parts
+    };
+    std::vector<DbSpan> db_span(static_cast<size_t>(nbias > 0 ? p.B * n_chunks : 0));
+    size_t db_total = 0;
+    for (int64_t b = 0; b < p.B && nbias > 0; ++b) {
+      const SeqInfo sq = vis.seq(b);
+      for (int64_t c = 0; c < n_chunks; ++c) {
+        DbSpan& sp = db_span[static_cast<size_t>(b * n_chunks + c)];
+        sp.at = db_total;
+        // the chunk's keys [j0, j1) (phase 1's) and the rows [i_lo, i_hi) of the query blocks
+        // that visit it (phase 1: from the block holding the band's first row to the one holding
+        // its last; fused units: every block, every key)
+        const int64_t kt0 = c * per_chunk, kt1 = std::min(n_kb, kt0 + per_chunk);
+        const int64_t j0 = kt0 * kBlockK, j1 = std::min(sq.Sk, kt1 * kBlockK);
+        const Range rows = split ? vis.band_rows_of_keys(sq, j0, j1) : Range{0, sq.Sq};
+        if (j0 >= j1 || rows.lo >= rows.hi) continue;
+        const int64_t i_lo = rows.lo / kBlockQ * kBlockQ;
+        const int64_t i_hi = std::min(sq.Sq, ceil_div(rows.hi, kBlockQ) * kBlockQ);
+        const int64_t M = terms.rel_max;
+        auto bucket = [&](int64_t d) { return M + std::clamp<int64_t>(d, -M, M); };
+        sp.lo = bucket(i_lo + sq.off - (j1 - 1));
+        sp.n = bucket(i_hi - 1 + sq.off - j0) - sp.lo + 1;
+        db_total += static_cast<size_t>(p.H * sp.n);
       }
     }
-    if (fp16_split) {
-      s.khi.resize(static_cast<size_t>(kBlockK * p.D));
-      s.klo.resize(s.khi.size());
-      if (L.amx_dp) {
-        s.vhi.resize(static_cast<size_t>(kBlockK * p.Dv));
-        s.vlo.resize(s.vhi.size());
+    std::vector<double> db_parts(db_total, 0.0);
+    // partial row of query head h in the unit (b, hkv, chunk c), and its span
+    auto db_row = [&](int64_t b, int64_t h, int64_t c) -> double* {
+      if (nbias == 0) return nullptr;
+      const DbSpan& sp = db_span[static_cast<size_t>(b * n_chunks + c)];
+      return db_parts.data() + sp.at + h * sp.n;
+    };
+
+    // Packs query block (h, i0) into job j of the scratch (its dq tile zeroed, its dropout row
+    // keys set).
+    using Job = typename BwdScratch<acc_t>::Job;
+    // (db_chunk: the unit's chunk for d rel_bias (0 in fused units), or -1 for none)
+    auto start_job = [&](BwdScratch<acc_t>& s, int j, const SeqInfo& sq, int64_t b, int64_t h,
+                         int64_t i0, int64_t db_chunk) -> Job& {
+      double* db = db_chunk >= 0 ? db_row(b, h, db_chunk) : nullptr;
+      Job& job = s.job(j);
+      job.h = h;
+      job.i0 = i0;
+      job.nq = std::min(kBlockQ, sq.Sq - i0);
+      job.db = db;
+      if (db != nullptr) {
+        job.dbj.assign(static_cast<size_t>(nbias), 0.0);
+        const DbSpan& sp = db_span[static_cast<size_t>(b * n_chunks + db_chunk)];
+        job.db_lo = sp.lo;
+        job.db_n = sp.n;
       }
-      s.rhi.resize(static_cast<size_t>(kBlockQ * std::max(p.D, p.Dv)));
-      s.rlo.resize(s.rhi.size());
-    }
-    return s;
-  };
+      pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, job.nq, job.blk.data(), s.tmp.data(),
+                                        fused_dp, decode_order, s.rhi.data(), s.rlo.data());
+      std::fill(job.dqt.begin(), job.dqt.begin() + (L.amx_dq() ? p.D * kBlockQ : job.nq * s.ldq), acc_t(0));
+      if (terms.has_dropout()) {
+        for (int64_t c = 0; c < job.nq; ++c) job.rk[c] = terms.dropout_row_key(b, h, i0 + c);
+      }
+      return job;
+    };
 
-  // Rows from j0 of the dk / dv accumulators in a buffer laid out as (n, Dp) then (n, Dvp) (a
-  // work unit's unit_kv).
-  auto buffer_acc = [&](acc_t* base, int64_t n, int64_t j0) -> KeyAcc<acc_t> {
-    return {base + j0 * Dp, Dp, base + n * Dp + j0 * Dvp, Dvp, nullptr};
-  };
-  // dk / dv accumulated in the outputs themselves (the accumulation type, D and Dv multiples
-  // of 8), else in the units' buffers (unit_rows / chunk_rows below): rows j0 .. of (b, hkv)
-  // in the outputs.
-  const bool in_place = std::is_same_v<scalar_t, acc_t> && p.D == Dp && p.Dv == Dvp;
-  auto key_acc = [&](int64_t b, int64_t hkv, const SeqInfo& sq, int64_t j0) -> KeyAcc<acc_t> {
-    auto* dk = reinterpret_cast<acc_t*>(bp.dk);
-    auto* dv = reinterpret_cast<acc_t*>(bp.dv);
-    const int64_t j = sq.k0 + j0;
-    return {dk + b * bp.dk_batch_stride + j * bp.dk_row_stride + hkv * bp.dk_head_stride,
-            bp.dk_row_stride,
-            dv + b * bp.dv_batch_stride + j * bp.dv_row_stride + hkv * bp.dv_head_stride,
-            bp.dv_row_stride, nullptr};
-  };
-
-  // d rel_bias: each query block visit sums its pairs' dS into its own (2M + 1) row (in key
-  // tile order), which is added to its work unit's partial row of its head (the unit's span of
-  // buckets, DbSpan below) after the visit, in block order (fused units: (b, hkv); split phase
-  // 1: (b, hkv, chunk)); the rows are reduced in unit order at the end. Deterministic for a
-  // given thread count, and the same whichever blocks visit the key tiles together.
-  const int64_t nbias = terms.rel_bias != nullptr ? 2 * terms.rel_max + 1 : 0;
-  const int64_t workers = std::max<int64_t>(1, num_threads());
-  const bool split = p.B * p.Hkv < workers && n_kb > 1;
-  // The fused units' dk / dv in a per-unit buffer (the comment above attention_bwd_kernel):
-  // every visit of the unit reads and writes all its key tiles' rows, which stay in L2 when
-  // contiguous and are fetched again from L3 when a page apart (a D = 64 BSHD backward took
-  // 1.07x the time of the same call on BHSD views; RESULTS.md, twentieth session). The same
-  // additions in the same order: the same bits.
-  // Where dk / dv are not the accumulation type with D, Dv multiples of 8 (bf16, fp16; fp32
-  // at D % 8 != 0), the fused units always accumulate in such a buffer (the accumulation type),
-  // one per worker: at most min(threads, B * Hkv) units' rows, never more than one fp32 buffer
-  // for every (batch, kv head), which they used to take where the share below was exceeded
-  // (its fresh pages cost 2-3 % of a bf16 backward at (1, 8, 4096, 128)). Gradients of the
-  // accumulation type whose rows lie apart take the buffer where it fits the head-rows share,
-  // else accumulate in place. The same additions in the same order, the same bits.
-  const bool strided_fits = (bp.dk_row_stride != p.D || bp.dv_row_stride != p.Dv) &&
-                            p.Sk * (Dp + Dvp) * static_cast<int64_t>(sizeof(acc_t)) <= rows_budget;
-  const bool unit_rows = !split && (!in_place || strided_fits);
-  const int64_t n_chunks = split ? std::min(n_kb, ceil_div(2 * workers, p.B * p.Hkv)) : 1;
-  const int64_t per_chunk = ceil_div(n_kb, n_chunks);
-  // ... and so do the split partition's phase-1 units (one kv head's chunk of keys, written by
-  // that unit alone)
-  const bool chunk_rows = split && !in_place;
-  // The unit buffer (unit_rows / chunk_rows) of a unit owning keys [j0, j1): n rows per part
-  // ((n, Dp) then (n, Dvp)), the unit's rows zeroed; written to dk / dv at the unit's end (dk
-  // scaled, both converted).
-  auto open_unit = [&](BwdScratch<acc_t>& s, int64_t j0, int64_t j1, int64_t n) {
-    s.unit_j0 = j0;
-    s.unit_n = n;
-    if (s.unit_kv.size() < static_cast<size_t>(n * (Dp + Dvp)))
-      s.unit_kv.resize(static_cast<size_t>(n * (Dp + Dvp)));
-    std::fill(s.unit_kv.begin(), s.unit_kv.begin() + (j1 - j0) * Dp, acc_t(0));
-    std::fill(s.unit_kv.begin() + n * Dp, s.unit_kv.begin() + n * Dp + (j1 - j0) * Dvp, acc_t(0));
-  };
-  auto close_unit = [&](BwdScratch<acc_t>& s, const SeqInfo& sq, int64_t b, int64_t hkv,
-                        int64_t j0, int64_t j1) {
-    write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, buffer_acc(s.unit_kv.data(), s.unit_n, 0), true,
-                               j0, j1);
-  };
-  // The units' partial tables hold only the buckets their pairs reach (DbSpan): unit (b, hkv,
-  // chunk c) pairs the rows of the query blocks that visit the chunk with the chunk's keys, so
-  // bucket M + clamp(i + off - j, -M, M) lies between those of the extreme pairs. A chunk of
-  // 96-key tiles and a few hundred rows reaches a few hundred of the 2M + 1 buckets: the tables
-  // no longer take (2M + 1) doubles per head for each of the ~2 x threads chunks of the split
-  // partition (86 MiB at 64 threads for M = 4095, 32 heads of one kv head, Sk = 4096: 43
-  // chunks of one key tile). The same sums in the same order (the buckets left out held +0,
-  // which added nothing).
-  struct DbSpan {
-    int64_t lo = 0, n = 0;  // buckets [lo, lo + n), per query head n apart
-    size_t at = 0;          // the first head's row in db_parts
-  };
-  std::vector<DbSpan> db_span(static_cast<size_t>(nbias > 0 ? p.B * n_chunks : 0));
-  size_t db_total = 0;
-  for (int64_t b = 0; b < p.B && nbias > 0; ++b) {
-    const SeqInfo sq = vis.seq(b);
-    for (int64_t c = 0; c < n_chunks; ++c) {
-      DbSpan& sp = db_span[static_cast<size_t>(b * n_chunks + c)];
-      sp.at = db_total;
-      // the chunk's keys [j0, j1) (phase 1's) and the rows [i_lo, i_hi) of the query blocks
-      // that visit it (phase 1: from the block holding the band's first row to the one holding
-      // its last; fused units: every block, every key)
-      const int64_t kt0 = c * per_chunk, kt1 = std::min(n_kb, kt0 + per_chunk);
-      const int64_t j0 = kt0 * kBlockK, j1 = std::min(sq.Sk, kt1 * kBlockK);
-      const Range rows = split ? vis.band_rows_of_keys(sq, j0, j1) : Range{0, sq.Sq};
-      if (j0 >= j1 || rows.lo >= rows.hi) continue;
-      const int64_t i_lo = rows.lo / kBlockQ * kBlockQ;
-      const int64_t i_hi = std::min(sq.Sq, ceil_div(rows.hi, kBlockQ) * kBlockQ);
-      const int64_t M = terms.rel_max;
-      auto bucket = [&](int64_t d) { return M + std::clamp<int64_t>(d, -M, M); };
-      sp.lo = bucket(i_lo + sq.off - (j1 - 1));
-      sp.n = bucket(i_hi - 1 + sq.off - j0) - sp.lo + 1;
-      db_total += static_cast<size_t>(p.H * sp.n);
-    }
-  }
-  std::vector<double> db_parts(db_total, 0.0);
-  // partial row of query head h in the unit (b, hkv, chunk c), and its span
-  auto db_row = [&](int64_t b, int64_t h, int64_t c) -> double* {
-    if (nbias == 0) return nullptr;
-    const DbSpan& sp = db_span[static_cast<size_t>(b * n_chunks + c)];
-    return db_parts.data() + sp.at + h * sp.n;
-  };
-
-  // Packs query block (h, i0) into job j of the scratch (its dq tile zeroed, its dropout row
-  // keys set).
-  using Job = typename BwdScratch<acc_t>::Job;
-  // (db_chunk: the unit's chunk for d rel_bias (0 in fused units), or -1 for none)
-  auto start_job = [&](BwdScratch<acc_t>& s, int j, const SeqInfo& sq, int64_t b, int64_t h,
-                       int64_t i0, int64_t db_chunk) -> Job& {
-    double* db = db_chunk >= 0 ? db_row(b, h, db_chunk) : nullptr;
-    Job& job = s.job(j);
-    job.h = h;
-    job.i0 = i0;
-    job.nq = std::min(kBlockQ, sq.Sq - i0);
-    job.db = db;
-    if (db != nullptr) {
-      job.dbj.assign(static_cast<size_t>(nbias), 0.0);
-      const DbSpan& sp = db_span[static_cast<size_t>(b * n_chunks + db_chunk)];
-      job.db_lo = sp.lo;
-      job.db_n = sp.n;
-    }
-    pack_query_block<scalar_t, acc_t>(bp, L, sq, b, h, i0, job.nq, job.blk.data(), s.tmp.data(),
-                                      fused_dp, decode_order, s.rhi.data(), s.rlo.data());
-    std::fill(job.dqt.begin(), job.dqt.begin() + (L.amx_dq() ? p.D * kBlockQ : job.nq * s.ldq), acc_t(0));
-    if (terms.has_dropout()) {
-      for (int64_t c = 0; c < job.nq; ++c) job.rk[c] = terms.dropout_row_key(b, h, i0 + c);
-    }
-    return job;
-  };
-
-  // Visits key tiles [kt0, kt1) for jobs [0, n_jobs) of the scratch (packed query blocks of
-  // heads of kv head hkv): each key tile some of them see is loaded once, and the jobs that see
-  // it take it in job order, so every dk / dv element receives the blocks' terms in the order
-  // one block after another would give, and each block's dq its key tiles in order.
-  auto visit = [&](BwdScratch<acc_t>& s, int n_jobs, const SeqInfo& sq, int64_t b, int64_t hkv,
-                   int64_t kt0, int64_t kt1, bool want_kv, bool want_dq) {
-    Range tiles[kBwdJobs];
-    int64_t lo = kt1, hi = kt0;
-    for (int j = 0; j < n_jobs; ++j) {
-      const Job& job = s.jobs[j];
-      const Range keys = vis.band_keys_of_rows(sq, job.i0, job.i0 + job.nq);
-      tiles[j] = {std::max(kt0, keys.lo / kBlockK), std::min(kt1, ceil_div(keys.hi, kBlockK))};
-      lo = std::min(lo, tiles[j].lo);
-      hi = std::max(hi, tiles[j].hi);
-    }
-    for (int64_t kt = lo; kt < hi; ++kt) {
-      const int64_t j0 = kt * kBlockK;
-      const int64_t nk = std::min(kBlockK, sq.Sk - j0);
-      if (nk <= 0) break;
-      bool sees[kBwdJobs] = {};
-      bool any = false;
+    // Visits key tiles [kt0, kt1) for jobs [0, n_jobs) of the scratch (packed query blocks of
+    // heads of kv head hkv): each key tile some of them see is loaded once, and the jobs that see
+    // it take it in job order, so every dk / dv element receives the blocks' terms in the order
+    // one block after another would give, and each block's dq its key tiles in order.
+    auto visit = [&](BwdScratch<acc_t>& s, int n_jobs, const SeqInfo& sq, int64_t b, int64_t hkv,
+                     int64_t kt0, int64_t kt1, bool want_kv, bool want_dq) {
+      Range tiles[kBwdJobs];
+      int64_t lo = kt1, hi = kt0;
       for (int j = 0; j < n_jobs; ++j) {
         const Job& job = s.jobs[j];
-        sees[j] = kt >= tiles[j].lo && kt < tiles[j].hi &&
-                  vis.classify(sq, job.i0, job.i0 + job.nq, j0, j0 + nk) != TileKind::kInvisible;
-        any = any || sees[j];
+        const Range keys = vis.band_keys_of_rows(sq, job.i0, job.i0 + job.nq);
+        tiles[j] = {std::max(kt0, keys.lo / kBlockK), std::min(kt1, ceil_div(keys.hi, kBlockK))};
+        lo = std::min(lo, tiles[j].lo);
+        hi = std::max(hi, tiles[j].hi);
       }
-      if (!any) continue;
-      bool k_finite = true;
-      const int64_t n_valid =
-          load_key_tile<scalar_t, acc_t>(p, vis, sq, b, hkv, j0, nk, s, &k_finite, rows16);
-      const uint16_t* kbf = bf16dp ? reinterpret_cast<const uint16_t*>(
-                                         static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride +
-                                         hkv * p.k_head_stride + (sq.k0 + j0) * p.k_row_stride)
-                                   : nullptr;
-      const uint16_t* vbf = bf16dp4 ? reinterpret_cast<const uint16_t*>(
-                                          static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride +
-                                          hkv * p.v_head_stride + (sq.k0 + j0) * p.v_row_stride)
-                                    : nullptr;
-      if (fp16_split) {  // the key tile's k (and v) rows split (mk::split_fp16), k^T's hi / lo pairs
-        const auto* kt16 = reinterpret_cast<const uint16_t*>(
-            static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride +
-            (sq.k0 + j0) * p.k_row_stride);
-        mk::split_fp16_rows(kt16, p.k_row_stride, nk, p.D, s.khi.data(), s.klo.data(), p.D);
-        if (L.amx_dp) {
-          mk::split_fp16_rows(reinterpret_cast<const uint16_t*>(
-                                  static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride +
-                                  hkv * p.v_head_stride + (sq.k0 + j0) * p.v_row_stride),
-                              p.v_row_stride, nk, p.Dv, s.vhi.data(), s.vlo.data(), p.Dv);
-        }
-        if (want_dq && L.amx_dq()) {
-          bool fin = true;
-          mk::pack_vt_pairs(s.khi.data(), p.D, nk, p.D, s.kpt.data(), BwdScratch<acc_t>::kKeyPairs,
-                            &fin);
-          mk::pack_vt_pairs(s.klo.data(), p.D, nk, p.D, s.kpt_lo.data(),
-                            BwdScratch<acc_t>::kKeyPairs, &fin);
-        }
-      } else if (want_dq && L.amx_dq()) {  // k^T's pairs for pass 7 on tiles
-        bool fin = true;
-        mk::pack_vt_pairs(reinterpret_cast<const uint16_t*>(
-                              static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride +
-                              hkv * p.k_head_stride + (sq.k0 + j0) * p.k_row_stride),
-                          p.k_row_stride, nk, p.D, s.kpt.data(), BwdScratch<acc_t>::kKeyPairs, &fin);
-      }
-      KeyAcc<acc_t> acc{nullptr, 0, nullptr, 0, nullptr};
-      if (want_kv) {
-        acc = unit_rows || chunk_rows ? buffer_acc(s.unit_kv.data(), s.unit_n, j0 - s.unit_j0)
-                                      : key_acc(b, hkv, sq, j0);
-      }
-      for (int j = 0; j < n_jobs; ++j) {
-        if (!sees[j]) continue;
-        Job& job = s.jobs[j];
-        acc.db = job.db != nullptr ? job.dbj.data() : nullptr;
-        bwd_pair<acc_t>(p, vis, sq, b, job.h, job.i0, job.nq, j0, nk, n_valid, k_finite,
-                        decode_order, decode_dp, kbf, vbf, L, job.blk.data(), job.rk.data(), acc,
-                        want_dq ? job.dqt.data() : nullptr, kern, s);
-      }
-    }
-    for (int j = 0; j < n_jobs; ++j) {  // the blocks' d rel_bias sums, in block order
-      const Job& job = s.jobs[j];
-      if (job.db == nullptr) continue;
-      for (int64_t x = 0; x < job.db_n; ++x) job.db[x] += job.dbj[static_cast<size_t>(job.db_lo + x)];
-    }
-  };
-
-  if (!split) {
-    const int jobs = bwd_jobs();
-    parallel_tasks(p.B * p.Hkv, make_scratch, [&](int64_t t, BwdScratch<acc_t>& s) {
-      const int64_t b = t / p.Hkv, hkv = t % p.Hkv;
-      const SeqInfo sq = vis.seq(b);
-      // the unit's query blocks, head by head, kBwdJobs at a time (one visit of the key tiles)
-      const int64_t per_head = ceil_div(sq.Sq, kBlockQ);
-      const int64_t n_blocks = group * per_head;
-      if (unit_rows) open_unit(s, 0, sq.Sk, p.Sk);
-      for (int64_t x0 = 0; x0 < n_blocks; x0 += jobs) {
-        const int n_jobs = static_cast<int>(std::min<int64_t>(jobs, n_blocks - x0));
-        for (int j = 0; j < n_jobs; ++j) {
-          const int64_t h = hkv * group + (x0 + j) / per_head;
-          start_job(s, j, sq, b, h, ((x0 + j) % per_head) * kBlockQ, 0);
-        }
-        visit(s, n_jobs, sq, b, hkv, 0, n_kb, true, true);
+      for (int64_t kt = lo; kt < hi; ++kt) {
+        const int64_t j0 = kt * kBlockK;
+        const int64_t nk = std::min(kBlockK, sq.Sk - j0);
+        if (nk <= 0) break;
+        bool sees[kBwdJobs] = {};
+        bool any = false;
         for (int j = 0; j < n_jobs; ++j) {
           const Job& job = s.jobs[j];
-          write_dq<scalar_t, acc_t>(bp, sq, b, job.h, job.i0, job.nq, job.dqt.data(), s.ldq,
-                                    L.amx_dq());
+          sees[j] = kt >= tiles[j].lo && kt < tiles[j].hi &&
+                    vis.classify(sq, job.i0, job.i0 + job.nq, j0, j0 + nk) != TileKind::kInvisible;
+          any = any || sees[j];
+        }
+        if (!any) continue;
+        bool k_finite = true;
+        const int64_t n_valid =
+            load_key_tile<scalar_t, acc_t>(p, vis, sq, b, hkv, j0, nk, s, &k_finite, rows16);
+        const uint16_t* kbf = bf16dp ? reinterpret_cast<const uint16_t*>(
+                                           static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride +
+                                           hkv * p.k_head_stride + (sq.k0 + j0) * p.k_row_stride)
+                                     : nullptr;
+        const uint16_t* vbf = bf16dp4 ? reinterpret_cast<const uint16_t*>(
+                                            static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride +
+                                            hkv * p.v_head_stride + (sq.k0 + j0) * p.v_row_stride)
+                                      : nullptr;
+        if (fp16_split) {  // the key tile's k (and v) rows split (mk::split_fp16), k^T's hi / lo pairs
+          const auto* kt16 = reinterpret_cast<const uint16_t*>(
+              static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride +
+              (sq.k0 + j0) * p.k_row_stride);
+          mk::split_fp16_rows(kt16, p.k_row_stride, nk, p.D, s.khi.data(), s.klo.data(), p.D);
+          if (L.amx_dp) {
+            mk::split_fp16_rows(reinterpret_cast<const uint16_t*>(
+                                    static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride +
+                                    hkv * p.v_head_stride + (sq.k0 + j0) * p.v_row_stride),
+                                p.v_row_stride, nk, p.Dv, s.vhi.data(), s.vlo.data(), p.Dv);
+          }
+          if (want_dq && L.amx_dq()) {
+            bool fin = true;
+            mk::pack_vt_pairs(s.khi.data(), p.D, nk, p.D, s.kpt.data(), BwdScratch<acc_t>::kKeyPairs,
+                              &fin);
+            mk::pack_vt_pairs(s.klo.data(), p.D, nk, p.D, s.kpt_lo.data(),
+                              BwdScratch<acc_t>::kKeyPairs, &fin);
+          }
+        } else if (want_dq && L.amx_dq()) {  // k^T's pairs for pass 7 on tiles
+          bool fin = true;
+          mk::pack_vt_pairs(reinterpret_cast<const uint16_t*>(
+                                static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride +
+                                hkv * p.k_head_stride + (sq.k0 + j0) * p.k_row_stride),
+                            p.k_row_stride, nk, p.D, s.kpt.data(), BwdScratch<acc_t>::kKeyPairs, &fin);
+        }
+        KeyAcc<acc_t> acc{nullptr, 0, nullptr, 0, nullptr};
+        if (want_kv) {
+          acc = unit_rows || chunk_rows ? buffer_acc(s.unit_kv.data(), s.unit_n, j0 - s.unit_j0)
+                                        : key_acc(b, hkv, sq, j0);
+        }
+        for (int j = 0; j < n_jobs; ++j) {
+          if (!sees[j]) continue;
+          Job& job = s.jobs[j];
+          acc.db = job.db != nullptr ? job.dbj.data() : nullptr;
+          bwd_pair<acc_t>(p, vis, sq, b, job.h, job.i0, job.nq, j0, nk, n_valid, k_finite,
+                          decode_order, decode_dp, kbf, vbf, L, job.blk.data(), job.rk.data(), acc,
+                          want_dq ? job.dqt.data() : nullptr, kern, s);
         }
       }
-      if (unit_rows) close_unit(s, sq, b, hkv, 0, sq.Sk);
-    });
-  } else {
-    // phase 1: dk / dv (and d rel_bias) by key chunks
-    parallel_tasks(p.B * p.Hkv * n_chunks, make_scratch, [&](int64_t t, BwdScratch<acc_t>& s) {
-      const int64_t c = t % n_chunks, bh = t / n_chunks;
-      const int64_t b = bh / p.Hkv, hkv = bh % p.Hkv;
-      const SeqInfo sq = vis.seq(b);
-      const int64_t kt0 = c * per_chunk, kt1 = std::min(n_kb, kt0 + per_chunk);
-      const int64_t j0 = kt0 * kBlockK, j1 = std::min(sq.Sk, kt1 * kBlockK);
-      if (j0 >= j1) return;
-      if (chunk_rows) open_unit(s, j0, j1, per_chunk * kBlockK);
-      const Range rows = vis.band_rows_of_keys(sq, j0, j1);  // rows that see some key of it
-      for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
-        for (int64_t i0 = rows.lo / kBlockQ * kBlockQ; i0 < rows.hi; i0 += kBlockQ) {
-          start_job(s, 0, sq, b, h, i0, c);
-          visit(s, 1, sq, b, hkv, kt0, kt1, true, false);
-        }
+      for (int j = 0; j < n_jobs; ++j) {  // the blocks' d rel_bias sums, in block order
+        const Job& job = s.jobs[j];
+        if (job.db == nullptr) continue;
+        for (int64_t x = 0; x < job.db_n; ++x) job.db[x] += job.dbj[static_cast<size_t>(job.db_lo + x)];
       }
-      if (chunk_rows) close_unit(s, sq, b, hkv, j0, j1);
-    });
-    // phase 2: dq by query blocks
-    parallel_tasks(p.B * p.H * n_qb, make_scratch, [&](int64_t t, BwdScratch<acc_t>& s) {
-      const int64_t qb = t % n_qb, bh = t / n_qb;
-      const int64_t b = bh / p.H, h = bh % p.H;
-      const SeqInfo sq = vis.seq(b);
-      const int64_t i0 = qb * kBlockQ;
-      if (i0 >= sq.Sq) return;
-      const Job& job = start_job(s, 0, sq, b, h, i0, -1);
-      visit(s, 1, sq, b, h / group, 0, n_kb, false, true);
-      write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, job.nq, job.dqt.data(), s.ldq, L.amx_dq());
-    });
-  }
+    };
 
-  // d rel_bias (H, 2M + 1) = the units' partial tables summed in unit order (b, chunk).
-  if (nbias > 0 && bp.drel_bias != nullptr) {
-    auto* drb = static_cast<acc_t*>(bp.drel_bias);
-    for (int64_t h = 0; h < p.H; ++h) {
-      for (int64_t x = 0; x < nbias; ++x) {
-        double sum = 0;
-        for (int64_t b = 0; b < p.B; ++b) {
-          for (int64_t c = 0; c < n_chunks; ++c) {
-            const DbSpan& sp = db_span[static_cast<size_t>(b * n_chunks + c)];
-            if (x >= sp.lo && x < sp.lo + sp.n) sum += db_row(b, h, c)[x - sp.lo];
+    if (!split) {
+      const int jobs = bwd_jobs();
+      parallel_tasks(p.B * p.Hkv, make_scratch, [&](int64_t t, BwdScratch<acc_t>& s) {
+        const int64_t b = t / p.Hkv, hkv = t % p.Hkv;
+        if (!filter.takes(b, hkv)) return;
+        const SeqInfo sq = vis.seq(b);
+        // the unit's query blocks, head by head, kBwdJobs at a time (one visit of the key tiles)
+        const int64_t per_head = ceil_div(sq.Sq, kBlockQ);
+        const int64_t n_blocks = group * per_head;
+        if (unit_rows) open_unit(s, 0, sq.Sk, p.Sk);
+        for (int64_t x0 = 0; x0 < n_blocks; x0 += jobs) {
+          const int n_jobs = static_cast<int>(std::min<int64_t>(jobs, n_blocks - x0));
+          for (int j = 0; j < n_jobs; ++j) {
+            const int64_t h = hkv * group + (x0 + j) / per_head;
+            start_job(s, j, sq, b, h, ((x0 + j) % per_head) * kBlockQ, 0);
+          }
+          visit(s, n_jobs, sq, b, hkv, 0, n_kb, true, true);
+          for (int j = 0; j < n_jobs; ++j) {
+            const Job& job = s.jobs[j];
+            write_dq<scalar_t, acc_t>(bp, sq, b, job.h, job.i0, job.nq, job.dqt.data(), s.ldq,
+                                      L.amx_dq());
           }
         }
-        drb[h * nbias + x] = static_cast<acc_t>(sum);
+        if (unit_rows) close_unit(s, sq, b, hkv, 0, sq.Sk);
+      });
+    } else {
+      // phase 1: dk / dv (and d rel_bias) by key chunks
+      parallel_tasks(p.B * p.Hkv * n_chunks, make_scratch, [&](int64_t t, BwdScratch<acc_t>& s) {
+        const int64_t c = t % n_chunks, bh = t / n_chunks;
+        const int64_t b = bh / p.Hkv, hkv = bh % p.Hkv;
+        if (!filter.takes(b, hkv)) return;
+        const SeqInfo sq = vis.seq(b);
+        const int64_t kt0 = c * per_chunk, kt1 = std::min(n_kb, kt0 + per_chunk);
+        const int64_t j0 = kt0 * kBlockK, j1 = std::min(sq.Sk, kt1 * kBlockK);
+        if (j0 >= j1) return;
+        if (chunk_rows) open_unit(s, j0, j1, per_chunk * kBlockK);
+        const Range rows = vis.band_rows_of_keys(sq, j0, j1);  // rows that see some key of it
+        for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
+          for (int64_t i0 = rows.lo / kBlockQ * kBlockQ; i0 < rows.hi; i0 += kBlockQ) {
+            start_job(s, 0, sq, b, h, i0, c);
+            visit(s, 1, sq, b, hkv, kt0, kt1, true, false);
+          }
+        }
+        if (chunk_rows) close_unit(s, sq, b, hkv, j0, j1);
+      });
+      // phase 2: dq by query blocks
+      parallel_tasks(p.B * p.H * n_qb, make_scratch, [&](int64_t t, BwdScratch<acc_t>& s) {
+        const int64_t qb = t % n_qb, bh = t / n_qb;
+        const int64_t b = bh / p.H, h = bh % p.H;
+        if (!filter.takes(b, h / group)) return;
+        const SeqInfo sq = vis.seq(b);
+        const int64_t i0 = qb * kBlockQ;
+        if (i0 >= sq.Sq) return;
+        const Job& job = start_job(s, 0, sq, b, h, i0, -1);
+        visit(s, 1, sq, b, h / group, 0, n_kb, false, true);
+        write_dq<scalar_t, acc_t>(bp, sq, b, h, i0, job.nq, job.dqt.data(), s.ldq, L.amx_dq());
+      });
+    }
+
+    // d rel_bias (H, 2M + 1) = the units' partial tables summed in unit order (b, chunk).
+    if (nbias > 0 && bp.drel_bias != nullptr) {
+      auto* drb = static_cast<acc_t*>(bp.drel_bias);
+      for (int64_t h = 0; h < p.H; ++h) {
+        for (int64_t x = 0; x < nbias; ++x) {
+          double sum = 0;
+          for (int64_t b = 0; b < p.B; ++b) {
+            for (int64_t c = 0; c < n_chunks; ++c) {
+              const DbSpan& sp = db_span[static_cast<size_t>(b * n_chunks + c)];
+              if (x >= sp.lo && x < sp.lo + sp.n) sum += db_row(b, h, c)[x - sp.lo];
+            }
+          }
+          drb[h * nbias + x] = run_index == 0 ? static_cast<acc_t>(sum)
+                                              : drb[h * nbias + x] + static_cast<acc_t>(sum);
+        }
       }
     }
-  }
 
-  // dk = scale * dk accumulated in place (the units wrote their buffers' rows out themselves,
-  // unit_rows / chunk_rows)
-  if (unit_rows || chunk_rows) return;
-  parallel_tasks(p.B * p.Hkv, [] { return 0; }, [&](int64_t t, int&) {
-    const int64_t b = t / p.Hkv, hkv = t % p.Hkv;
-    const SeqInfo sq = vis.seq(b);
-    write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, key_acc(b, hkv, sq, 0), false);
+    ++run_index;
+    // dk = scale * dk accumulated in place (the units wrote their buffers' rows out themselves,
+    // unit_rows / chunk_rows)
+    if (unit_rows || chunk_rows) return;
+    parallel_tasks(p.B * p.Hkv, [] { return 0; }, [&](int64_t t, int&) {
+      const int64_t b = t / p.Hkv, hkv = t % p.Hkv;
+      if (!filter.takes(b, hkv)) return;
+      const SeqInfo sq = vis.seq(b);
+      write_dkv<scalar_t, acc_t>(bp, sq, b, hkv, key_acc(b, hkv, sq, 0), false);
+  });
   });
 }
 

@@ -14,6 +14,7 @@
 #include <new>
 #include <vector>
 #include <limits>
+#include <memory>
 #include <type_traits>
 
 #include "common/attention_mask.h"
@@ -468,23 +469,25 @@ acc_t merge_chunks(int64_t n, Chunk&& chunk, int64_t n_o, int64_t n_acc, acc_t* 
   return mx;
 }
 
-// Whether no fp16 value of q and k that takes part in the call is +-inf (bits: exponent all
-// ones, mantissa 0): k's rows of the keys some row sees (band and padding) and q's rows that
-// see some key by the band. fp16 runs its products on AMX tiles as bf16 hi + lo parts
-// (mk::fp16_on_tiles), where an inf factor meets the other factor's lo part: inf * 0 = NaN
-// where the product is +-inf. A score of +inf makes its row NaN either way, but one of -inf
-// (probability 0) or one a softcap makes finite (+-softcap) must not. A call where an inf takes
-// part runs the widened fp32 path instead, forward and backward alike (both ask this, so the
-// backward's scores are the forward's). A NaN gives NaN either way and keeps the tiles; a
-// hidden inf changes no path, so neither touches any other result's bits; a visible inf
-// changes the rounding of the call's other rows.
-inline bool half_qk_no_inf(const AttentionParams& p, const Visibility& vis) {
-  std::atomic<bool> finite{true};
-  auto row_ok = [](const uint16_t* row, int64_t heads, int64_t head_stride, int64_t D) {
+// The work units (sequence b, kv head hkv), at b * Hkv + hkv, where an fp16 value of q or k
+// that takes part is +-inf (bits: exponent all ones, mantissa 0): k's rows of the keys some row
+// sees (band and padding), q's rows that see some key by the band, of the unit's heads. fp16
+// runs its products on AMX tiles as bf16 hi + lo parts (mk::fp16_on_tiles), where an inf factor
+// meets the other factor's lo part: inf * 0 = NaN where the product is +-inf. A score of +inf
+// makes its row NaN either way, but one of -inf (probability 0) or one a softcap makes finite
+// (+-softcap) must not. The units where an inf takes part run the widened fp32 path instead,
+// forward and backward alike (both ask this, so the backward's scores are the forward's); the
+// others keep the tiles (UnitFilter: a call runs the two sets one after the other), so an inf
+// changes no other unit's bits. A NaN gives NaN either way and keeps the tiles; a hidden inf
+// changes no path; a visible one changes the rounding of its own unit's other rows.
+inline std::vector<uint8_t> half_qk_inf_units(const AttentionParams& p, const Visibility& vis) {
+  const int64_t units = p.B * p.Hkv, group = p.H / p.Hkv;
+  std::unique_ptr<std::atomic<uint8_t>[]> inf(new std::atomic<uint8_t>[static_cast<size_t>(units)]);
+  for (int64_t u = 0; u < units; ++u) inf[u].store(0, std::memory_order_relaxed);
+  auto has_inf = [](const uint16_t* row, int64_t D) {
     uint32_t bad = 0;
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t d = 0; d < D; ++d) bad |= (row[h * head_stride + d] & 0x7FFFu) == 0x7C00u;
-    return bad == 0;
+    for (int64_t d = 0; d < D; ++d) bad |= (row[d] & 0x7FFFu) == 0x7C00u;
+    return bad != 0;
   };
   // tasks: (sequence, q or k, a chunk of kScanRows rows), so that a long K is read by every
   // worker; per sequence the valid keys before each key (key padding: a q row takes part when
@@ -504,7 +507,6 @@ inline bool half_qk_no_inf(const AttentionParams& p, const Visibility& vis) {
   }
   const int64_t cq = ceil_div(max_q, kScanRows), ck = ceil_div(max_k, kScanRows);
   parallel_tasks(p.B * (cq + ck), [] { return 0; }, [&](int64_t t, int&) {
-    if (!finite.load(std::memory_order_relaxed)) return;
     const int64_t b = t / (cq + ck), c = t % (cq + ck);
     const SeqInfo sq = vis.seq(b);
     if (c < cq) {
@@ -515,10 +517,11 @@ inline bool half_qk_no_inf(const AttentionParams& p, const Visibility& vis) {
                               ? keys.lo < keys.hi && valid_before[static_cast<size_t>(b)][keys.hi] >
                                                          valid_before[static_cast<size_t>(b)][keys.lo]
                               : keys.lo < keys.hi;
-        if (sees && !row_ok(q + (sq.q0 + i) * p.q_row_stride, p.H, p.q_head_stride, p.D)) {
-          finite.store(false, std::memory_order_relaxed);
-          return;
-        }
+        if (!sees) continue;
+        const uint16_t* row = q + (sq.q0 + i) * p.q_row_stride;
+        for (int64_t h = 0; h < p.H; ++h)
+          if (has_inf(row + h * p.q_head_stride, p.D))
+            inf[b * p.Hkv + h / group].store(1, std::memory_order_relaxed);
       }
     } else {
       const auto* k = static_cast<const uint16_t*>(p.k) + b * p.k_batch_stride;
@@ -526,15 +529,51 @@ inline bool half_qk_no_inf(const AttentionParams& p, const Visibility& vis) {
       const int64_t j0 = std::max(keys.lo, (c - cq) * kScanRows);
       const int64_t j1 = std::min(keys.hi, (c - cq + 1) * kScanRows);
       for (int64_t j = j0; j < j1; ++j) {
-        if (vis.key_valid(b, j) &&
-            !row_ok(k + (sq.k0 + j) * p.k_row_stride, p.Hkv, p.k_head_stride, p.D)) {
-          finite.store(false, std::memory_order_relaxed);
-          return;
-        }
+        if (!vis.key_valid(b, j)) continue;
+        const uint16_t* row = k + (sq.k0 + j) * p.k_row_stride;
+        for (int64_t hk = 0; hk < p.Hkv; ++hk)
+          if (has_inf(row + hk * p.k_head_stride, p.D))
+            inf[b * p.Hkv + hk].store(1, std::memory_order_relaxed);
       }
     }
   });
-  return finite.load();
+  std::vector<uint8_t> out(static_cast<size_t>(units));
+  for (int64_t u = 0; u < units; ++u) out[static_cast<size_t>(u)] = inf[u].load();
+  return out;
+}
+
+// Which work units (b, hkv) a run of a kernel takes: all (units == nullptr), else those with
+// units[b * Hkv + hkv] == want (half_qk_inf_units: a call's fp16 units on the tiles, then the
+// widened ones).
+struct UnitFilter {
+  const uint8_t* units = nullptr;
+  uint8_t want = 0;
+  int64_t Hkv = 1;
+  bool takes(int64_t b, int64_t hkv) const {
+    return units == nullptr || units[b * Hkv + hkv] == want;
+  }
+};
+
+// The fp16 tile decision of a call (forward and backward alike): run(split, filter) once where
+// every unit agrees, else twice, the units on the tiles first. tiles_possible: the shapes and
+// switches allow the tiles (mk::fp16_on_tiles); without it a single widened run.
+template <typename Run>
+void run_fp16_units(const AttentionParams& p, const Visibility& vis, bool tiles_possible, Run&& run) {
+  if (!tiles_possible) {
+    run(false, UnitFilter{});
+    return;
+  }
+  const std::vector<uint8_t> inf = half_qk_inf_units(p, vis);
+  const bool any = std::find(inf.begin(), inf.end(), uint8_t(1)) != inf.end();
+  const bool all = std::find(inf.begin(), inf.end(), uint8_t(0)) == inf.end();
+  if (!any) {
+    run(true, UnitFilter{});
+  } else if (all) {
+    run(false, UnitFilter{});
+  } else {
+    run(true, UnitFilter{inf.data(), 0, p.Hkv});
+    run(false, UnitFilter{inf.data(), 1, p.Hkv});
+  }
 }
 
 // Tasks in groups (task = group * per_group + k), dynamically scheduled with group affinity:

@@ -840,85 +840,86 @@ void attention_fwd_rows(const AttentionParams& p) {
   // fp16 on the tiles when both products can (mk::fp16_on_tiles): pass 1 as bf16dp / amx
   // (every switch read once for the call: mk::TileRule)
   const mk::TileRule rule = mk::tile_rule();
-  // (and no inf in the q and k that take part: half_qk_no_inf)
-  const bool split = std::is_same_v<scalar_t, c10::Half> && rule.fp16_on_tiles(p.D, p.Dv) &&
-                     half_qk_no_inf(p, vis);
-  const bool bf16dp = split || rule.bf16_scores_by_pairs(is_bf16, p.D);
-  const bool amx = split || (bf16dp && rule.amx_for(p.D));
-  const bool amx_pv = split || (is_bf16 && rule.amx_pv_for(p.Dv));
-  auto make_scratch = [&] {
-    FwdScratch<acc_t> s(p.D, p.Dv);
-    s.head_rows_budget = rows_budget;
-    s.bf16dp = bf16dp;
-    s.amx = amx;
-    s.amx_pv = amx_pv;
-    s.split = split;
-    s.vp.split = split;
-    if (amx_pv) {  // pass 3 on tiles: o^T, p's pairs, one key tile's v^T pairs
-      const int64_t C16 = round_up(kBlockQ, 16);
-      s.ot.resize(static_cast<size_t>(p.Dv * C16));
-      s.pp.resize(static_cast<size_t>((split ? 2 : 1) * kAmxKeyRows / 2 * C16));
-      s.vp.tile.resize(static_cast<size_t>(p.Dv * kAmxKeyRows / 2));
-    }
-    if (split) {
-      s.vp.tile_lo.resize(static_cast<size_t>(p.Dv * kAmxKeyRows / 2));
-      s.vp.rhi.resize(static_cast<size_t>(32 * p.Dv));
-      s.vp.rlo.resize(static_cast<size_t>(32 * p.Dv));
-      s.qp.resize(static_cast<size_t>(p.D * kBlockQ));
-      s.rhi.resize(static_cast<size_t>(kBlockQ * p.D));
-      s.rlo.resize(s.rhi.size());
-    }
-    return s;
-  };
+  // (and no inf in the q and k of the unit (b, hkv) that take part: half_qk_inf_units; a call
+  // whose units differ runs the tiled ones, then the widened ones)
+  run_fp16_units(p, vis, std::is_same_v<scalar_t, c10::Half> && rule.fp16_on_tiles(p.D, p.Dv),
+                 [&](bool split, UnitFilter filter) {
+    const bool bf16dp = split || rule.bf16_scores_by_pairs(is_bf16, p.D);
+    const bool amx = split || (bf16dp && rule.amx_for(p.D));
+    const bool amx_pv = split || (is_bf16 && rule.amx_pv_for(p.Dv));
+    auto make_scratch = [&] {
+      FwdScratch<acc_t> s(p.D, p.Dv);
+      s.head_rows_budget = rows_budget;
+      s.bf16dp = bf16dp;
+      s.amx = amx;
+      s.amx_pv = amx_pv;
+      s.split = split;
+      s.vp.split = split;
+      if (amx_pv) {  // pass 3 on tiles: o^T, p's pairs, one key tile's v^T pairs
+        const int64_t C16 = round_up(kBlockQ, 16);
+        s.ot.resize(static_cast<size_t>(p.Dv * C16));
+        s.pp.resize(static_cast<size_t>((split ? 2 : 1) * kAmxKeyRows / 2 * C16));
+        s.vp.tile.resize(static_cast<size_t>(p.Dv * kAmxKeyRows / 2));
+      }
+      if (split) {
+        s.vp.tile_lo.resize(static_cast<size_t>(p.Dv * kAmxKeyRows / 2));
+        s.vp.rhi.resize(static_cast<size_t>(32 * p.Dv));
+        s.vp.rlo.resize(static_cast<size_t>(32 * p.Dv));
+        s.qp.resize(static_cast<size_t>(p.D * kBlockQ));
+        s.rhi.resize(static_cast<size_t>(kBlockQ * p.D));
+        s.rlo.resize(s.rhi.size());
+      }
+      return s;
+    };
 
-  // Split-KV when there are fewer tiles than threads and enough keys to share. With dropout
-  // the plan counts kDropoutSplitWorkers instead of the threads (bitwise the same output at
-  // any thread count).
-  const int64_t plan_workers = p.score_terms().has_dropout() ? kDropoutSplitWorkers : workers;
-  int64_t n_split = 1;
-  if (plan.n_tiles < plan_workers && p.Sk >= 4 * kBlockK) {
-    n_split = std::min(ceil_div(2 * plan_workers, plan.n_tiles), p.Sk / (2 * kBlockK));
-  }
-  if (n_split <= 1) {
-    // groups: the tiles of one (sequence, kv head) (tile_at's order), so a worker converts a
-    // head's K / V rows once (HeadRows) and the tiles with the most keys go first
-    const int64_t per_head = plan.n_row_blocks * plan.n_head_blocks;
-    parallel_groups(plan.n_tiles / per_head, per_head, make_scratch, [&](int64_t idx, FwdScratch<acc_t>& s) {
-      const QueryTile t = tile_at(p, vis, plan, idx);
-      if (t.nq <= 0) return;
+    // Split-KV when there are fewer tiles than threads and enough keys to share. With dropout
+    // the plan counts kDropoutSplitWorkers instead of the threads (bitwise the same output at
+    // any thread count).
+    const int64_t plan_workers = p.score_terms().has_dropout() ? kDropoutSplitWorkers : workers;
+    int64_t n_split = 1;
+    if (plan.n_tiles < plan_workers && p.Sk >= 4 * kBlockK) {
+      n_split = std::min(ceil_div(2 * plan_workers, plan.n_tiles), p.Sk / (2 * kBlockK));
+    }
+    if (n_split <= 1) {
+      // groups: the tiles of one (sequence, kv head) (tile_at's order), so a worker converts a
+      // head's K / V rows once (HeadRows) and the tiles with the most keys go first
+      const int64_t per_head = plan.n_row_blocks * plan.n_head_blocks;
+      parallel_groups(plan.n_tiles / per_head, per_head, make_scratch, [&](int64_t idx, FwdScratch<acc_t>& s) {
+        const QueryTile t = tile_at(p, vis, plan, idx);
+        if (t.nq <= 0 || !filter.takes(t.b, t.hkv)) return;
+        const Range keys = tile_keys(vis, t);
+        // (the group's next tile: the one this worker most likely takes next)
+        const QueryTile next = (idx + 1) % per_head != 0 ? tile_at(p, vis, plan, idx + 1) : QueryTile{};
+        run_tile<scalar_t, acc_t>(p, vis, t, keys.lo, keys.hi, kern, s, &next);
+        write_tile<scalar_t, acc_t>(p, t, s.o.data(), s.Dvp, s.m.data(), s.l.data());
+      });
+      return;
+    }
+
+    // Split-KV. pass 1: each (tile, chunk) writes its partial o, m, l;
+    // pass 2: each tile merges its chunks through their maxima.
+    const int64_t Dvp = round_up(p.Dv, 8);
+    const int64_t per_part = kBlockQ * (Dvp + 2);  // o (kBlockQ, Dvp), m, l (kBlockQ)
+    AlignedVec<acc_t> parts(static_cast<size_t>(plan.n_tiles * n_split * per_part));
+    parallel_tasks(plan.n_tiles * n_split, make_scratch, [&](int64_t idx, FwdScratch<acc_t>& s) {
+      const QueryTile t = tile_at(p, vis, plan, idx / n_split);
+      if (t.nq <= 0 || !filter.takes(t.b, t.hkv)) return;
+      const int64_t chunk = idx % n_split;
       const Range keys = tile_keys(vis, t);
-      // (the group's next tile: the one this worker most likely takes next)
-      const QueryTile next = (idx + 1) % per_head != 0 ? tile_at(p, vis, plan, idx + 1) : QueryTile{};
-      run_tile<scalar_t, acc_t>(p, vis, t, keys.lo, keys.hi, kern, s, &next);
-      write_tile<scalar_t, acc_t>(p, t, s.o.data(), s.Dvp, s.m.data(), s.l.data());
-    });
-    return;
-  }
-
-  // Split-KV. pass 1: each (tile, chunk) writes its partial o, m, l;
-  // pass 2: each tile merges its chunks through their maxima.
-  const int64_t Dvp = round_up(p.Dv, 8);
-  const int64_t per_part = kBlockQ * (Dvp + 2);  // o (kBlockQ, Dvp), m, l (kBlockQ)
-  AlignedVec<acc_t> parts(static_cast<size_t>(plan.n_tiles * n_split * per_part));
-  parallel_tasks(plan.n_tiles * n_split, make_scratch, [&](int64_t idx, FwdScratch<acc_t>& s) {
-    const QueryTile t = tile_at(p, vis, plan, idx / n_split);
-    if (t.nq <= 0) return;
-    const int64_t chunk = idx % n_split;
-    const Range keys = tile_keys(vis, t);
-    const int64_t per_chunk = round_up(ceil_div(keys.hi - keys.lo, n_split), kBlockK);
-    const int64_t kbeg = std::min(keys.hi, keys.lo + chunk * per_chunk);
-    const int64_t kstop = std::min(keys.hi, kbeg + per_chunk);
-    run_tile<scalar_t, acc_t>(p, vis, t, kbeg, kstop, kern, s);
-    acc_t* dst = parts.data() + idx * per_part;
-    const int64_t cols = t.cols();
-    std::copy(s.o.begin(), s.o.begin() + cols * Dvp, dst);
-    std::copy(s.m.begin(), s.m.begin() + cols, dst + kBlockQ * Dvp);
-    std::copy(s.l.begin(), s.l.begin() + cols, dst + kBlockQ * Dvp + kBlockQ);
+      const int64_t per_chunk = round_up(ceil_div(keys.hi - keys.lo, n_split), kBlockK);
+      const int64_t kbeg = std::min(keys.hi, keys.lo + chunk * per_chunk);
+      const int64_t kstop = std::min(keys.hi, kbeg + per_chunk);
+      run_tile<scalar_t, acc_t>(p, vis, t, kbeg, kstop, kern, s);
+      acc_t* dst = parts.data() + idx * per_part;
+      const int64_t cols = t.cols();
+      std::copy(s.o.begin(), s.o.begin() + cols * Dvp, dst);
+      std::copy(s.m.begin(), s.m.begin() + cols, dst + kBlockQ * Dvp);
+      std::copy(s.l.begin(), s.l.begin() + cols, dst + kBlockQ * Dvp + kBlockQ);
   });
   parallel_tasks(plan.n_tiles, [&] { return AlignedVec<acc_t>(static_cast<size_t>(kBlockQ * (Dvp + 2))); },
                  [&](int64_t idx, AlignedVec<acc_t>& merged) {
     const QueryTile t = tile_at(p, vis, plan, idx);
-    if (t.nq <= 0) return;
+    if (t.nq <= 0 || !filter.takes(t.b, t.hkv)) return;
     const int64_t cols = t.cols();
     acc_t* o = merged.data();
     acc_t* m = o + kBlockQ * Dvp;
@@ -930,6 +931,7 @@ void attention_fwd_rows(const AttentionParams& p) {
       }, Dvp, Dvp, o + c * Dvp, l + c);
     }
     write_tile<scalar_t, acc_t>(p, t, o, Dvp, m, l);
+  });
   });
 }
 
