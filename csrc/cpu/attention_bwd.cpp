@@ -1109,13 +1109,13 @@ void attention_bwd_kernel(const AttentionBwdParams& bp) {
     const bool rows16 = !decode_order && (bf16dp || fp16_split) && (bf16dp4 || split_dp) &&
                         L.amx_dq();
     const int64_t rows_budget = head_rows_budget(num_threads());
-  #if ATTN_EXT_HAVE_AVX2_PATH
+#if ATTN_EXT_HAVE_AVX2_PATH
     // the decode kernel's switches, read once for the call (the forward read them once too)
     const bool decode_wide = decode_order && decode_detail::decode_scores512_enabled();
     const bool dp_tile16 = decode_detail::dp_tile16_enabled();
-  #else
+#else
     const bool decode_wide = false, dp_tile16 = true;
-  #endif
+#endif
     auto make_scratch = [&] {
       BwdScratch<acc_t> s(p.D, p.Dv, L.size, terms, decode_order, decode_pairs, L.ldq);
       s.head_rows_budget = rows_budget;
