@@ -361,7 +361,25 @@ class RotaryEmbedding(_DerivedBuffers):
                 want = torch.float64 if x.dtype == torch.float64 else torch.float32
                 return self._build(offset + x.size(1), self.cos.device, want)
         needed = offset + x.size(1) if positions is None else x.size(1)
+        if not torch.jit.is_scripting():
+            if not torch.compiler.is_compiling():  # (eager: a try block)
+                return self._tables_named(needed, x.dtype, offset)
         return self.tables(needed, x.dtype)
+
+    @torch.jit.unused
+    def _tables_named(self, needed: int, dtype: torch.dtype, offset: int) -> Tuple[Tensor, Tensor]:
+        """tables(needed) in eager mode, its allocation failure named: a huge offset failed in
+        the allocator ("you tried to allocate 8000000000032 bytes"), naming neither offset nor
+        the tables."""
+        try:
+            return self.tables(needed, dtype)
+        except RuntimeError as e:
+            if needed <= self.cos.size(0) or "alloc" not in str(e).lower():
+                raise
+            raise RuntimeError(
+                f"RotaryEmbedding: positions up to offset + S = {needed} (offset = {offset}) "
+                f"need cos / sin tables of {needed} rows x {self.cos.size(1)} frequencies, which "
+                f"could not be allocated ({e})") from None
 
     def rotate(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
         """Rotate one ``(B, S, H, D)`` tensor ``x`` at positions ``offset + s`` (or the
@@ -820,6 +838,11 @@ class MultiHeadAttention(_DerivedBuffers):
                     x, memory, kv_cache, need_weights)
             else:
                 memory, kv_cache, need_weights = _forward_args(memory, kv_cache, need_weights)
+                # (the projection's own error named neither x nor the layer: "mat1 and mat2
+                # must have the same dtype")
+                error = _dtype_device_error(x, self.out_proj.weight, "layer")
+                if error is not None:
+                    raise error
         d_in = self._check_forward_inputs(x, memory)
         B, Sq = x.size(0), x.size(1)
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_dim
@@ -985,9 +1008,13 @@ def _dtype_device_error(x: Tensor, w: Tensor, owner: str) -> Optional[Exception]
     and integers as they are."""
     if x.device != w.device:
         return ValueError(f"x must be on the {owner}'s device {w.device}, got {x.device}")
-    autocast_takes = (torch.is_autocast_enabled(x.device.type)
-                      and x.dtype in (torch.float32, torch.float16, torch.bfloat16))
-    if x.dtype != w.dtype and not autocast_takes:
+    if x.dtype == w.dtype:
+        return None
+    # (the autocast query refuses device types without autocast: meta)
+    autocast_takes = (x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+                      and x.device.type in ("cpu", "cuda", "xpu", "mps", "hpu")
+                      and torch.is_autocast_enabled(x.device.type))
+    if not autocast_takes:
         return ValueError(f"x must have the {owner}'s dtype {w.dtype} (or a float type autocast "
                           f"casts), got {x.dtype}")
     return None

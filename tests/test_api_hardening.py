@@ -642,6 +642,33 @@ def test_kv_cache_refuses_keys_and_values_that_overlap_in_memory():
     attn_ext.KVCache(half[..., :8], half[..., 8:])  # the two halves of each row
 
 
+def test_multihead_attention_names_x_for_a_dtype_or_device_the_weights_do_not_have():
+    """(The projection's own error, "mat1 and mat2 must have the same dtype", named neither x
+    nor the layer.) Autocast's float types still pass."""
+    layer = MultiHeadAttention(16, 2).double()
+    with pytest.raises(ValueError, match=r"x must have the layer's dtype torch.float64 .* got "
+                                         r"torch.float32"):
+        layer(torch.randn(1, 3, 16))
+    plain = MultiHeadAttention(16, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert plain(torch.randn(1, 3, 16))[0].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="x must have the layer's dtype torch.float32"):
+        plain(torch.randn(1, 3, 16, dtype=torch.float64))
+
+
+def test_rotary_tables_too_large_for_memory_name_the_offset():
+    """(The allocator's "you tried to allocate 8000000000032 bytes" named neither offset nor
+    the tables.) The tables are left as they were."""
+    rot = RotaryEmbedding(8, max_seq_len=16)
+    x = torch.randn(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match=r"positions up to offset \+ S = 1000000000004 "
+                                           r"\(offset = 1000000000000\) need cos / sin tables"):
+        rot.rotate(x, offset=10 ** 12)
+    assert rot.cos.size(0) == 16
+    torch.testing.assert_close(rot.rotate(x.clone(), offset=3),
+                               attn_ext.rope(x, *rot.tables(16), offset=3))
+
+
 def test_tinygpt_refuses_one_cache_for_two_layers():
     """The same KVCache object for two layers took both layers' keys: wrong logits, no error."""
     from attn_ext.models import TinyGPT
