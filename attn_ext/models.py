@@ -46,12 +46,23 @@ def _check_caches(caches) -> None:
         raise ArgumentTypeError(f"caches must be a list of attn_ext.KVCache, one per layer "
                                 f"(model.new_caches(batch, max_len)), or None, got {got}")
     seen = {}
+    starts = {}
+    real = not torch.compiler.is_compiling()
     for i, c in enumerate(caches):
         if id(c) in seen:
             # (one cache for two layers took both layers' keys: wrong logits, no error)
             raise ValueError(f"caches must hold a separate KVCache per layer: caches[{seen[id(c)]}] "
                              f"and caches[{i}] are the same object")
         seen[id(c)] = i
+        for name, t in (("k", c.k), ("v", c.v)):
+            # (two caches built on the same tensors: the same wrong logits; real tensors only,
+            # as KVCache's own check)
+            if not real or type(t) is not torch.Tensor or t.device.type == "meta" or t.numel() == 0:
+                continue
+            at = starts.setdefault(t.data_ptr(), (i, name))
+            if at[0] != i:
+                raise ValueError(f"caches must hold a separate KVCache per layer: caches[{at[0]}].{at[1]} "
+                                 f"and caches[{i}].{name} start at the same memory")
 
 
 class TinyGPT(nn.Module):
@@ -239,13 +250,22 @@ class TinyGPT(nn.Module):
         return caches
 
     def forward(self, idx: Tensor, caches: Optional[List[KVCache]] = None,
-                attention_mask: Optional[Tensor] = None) -> Tensor:
-        return self.head(self._features(idx, caches, attention_mask))
+                attention_mask: Optional[Tensor] = None, logits_to_keep: int = 0) -> Tensor:
+        """Logits ``(B, S, vocab)``; with ``logits_to_keep = n > 0`` those of the last n
+        positions only, ``(B, n, vocab)`` (Hugging Face's argument: :meth:`generate` keeps 1,
+        so a long prompt's other rows skip the vocabulary projection)."""
+        if logits_to_keep < 0:
+            raise ValueError("logits_to_keep must be >= 0 (0 keeps every position), got "
+                             + str(logits_to_keep))
+        h = self._features(idx, caches, attention_mask)
+        if logits_to_keep > 0:
+            h = h[:, -logits_to_keep:]
+        return self.head(h)
 
     def _features(self, idx: Tensor, caches: Optional[List[KVCache]],
                   attention_mask: Optional[Tensor]) -> Tensor:
         """forward's final hidden states (B, S, d_model), before the vocabulary projection
-        (generate projects only the last position's)."""
+        (forward keeps the last logits_to_keep positions of them)."""
         positions: Optional[Tensor] = None
         if self.context_parallel_group is not None:
             # first: a failed check is raised by the first layer, on every rank together
@@ -324,14 +344,16 @@ class TinyGPT(nn.Module):
         dtype = torch.get_autocast_dtype(dev) if autocast else None
         caches = self.new_caches(B, S + max_new_tokens, dtype)
         # only the last position's logits are read: the prompt's other S - 1 rows skip the
-        # vocabulary projection (a (B, S, vocab) tensor for a long prompt)
-        h = self._features(idx, caches, attention_mask)
+        # vocabulary projection (a (B, S, vocab) tensor for a long prompt). Every step is a
+        # call of the model (self(...)): its hooks, FSDP's unsharding and a compiled forward
+        # take part.
+        logits = self(idx, caches, attention_mask, logits_to_keep=1)
         out = [idx]
-        nxt = self.head(h[:, -1]).argmax(-1, keepdim=True)
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(max_new_tokens):
             out.append(nxt)
             if len(out) - 1 == max_new_tokens:
                 break
-            h = self._features(nxt, caches, None)
-            nxt = self.head(h[:, -1]).argmax(-1, keepdim=True)
+            logits = self(nxt, caches, logits_to_keep=1)
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
         return torch.cat(out, dim=1)

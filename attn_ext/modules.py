@@ -51,20 +51,34 @@ def _real_same_start(k: Tensor, v: Tensor) -> bool:
 
 
 def _row_spans(t: Tensor):
-    """Byte ranges [start, start + length) that t's elements occupy: one per row of the last
-    dim where it is contiguous (else one per element); None past 2^22 rows."""
-    dims = t.dim() - 1 if t.stride(-1) == 1 else t.dim()
+    """Byte ranges [start, start + length) that t's elements occupy: dims that nest exactly
+    (stride = the next dim's size x stride) merged first, then one span per row of the last
+    dim where it is contiguous (else one per element); None past 2^24 spans."""
+    sizes: List[int] = []
+    strides: List[int] = []
+    for n, st in zip(t.shape, t.stride()):
+        if n == 1:
+            continue
+        if sizes and strides[-1] == n * st:  # (the previous dim steps over this one whole)
+            sizes[-1] *= n
+            strides[-1] = st
+        else:
+            sizes.append(n)
+            strides.append(st)
+    if not sizes:
+        sizes, strides = [1], [1]
+    contiguous = strides[-1] == 1
+    dims = len(sizes) - 1 if contiguous else len(sizes)
     rows = 1
     for d in range(dims):
-        rows *= t.size(d)
-    if rows > (1 << 22):
+        rows *= sizes[d]
+    if rows > (1 << 24):
         return None
     item = t.element_size()
     offsets = torch.zeros((), dtype=torch.int64)
     for d in range(dims):
-        idx = torch.arange(t.size(d), dtype=torch.int64) * (t.stride(d) * item)
-        offsets = offsets.unsqueeze(-1) + idx
-    length = t.size(-1) * item if dims < t.dim() else item
+        offsets = offsets.unsqueeze(-1) + torch.arange(sizes[d], dtype=torch.int64) * (strides[d] * item)
+    length = sizes[-1] * item if contiguous else item
     return offsets.reshape(-1) + t.data_ptr(), length
 
 
@@ -374,7 +388,8 @@ class RotaryEmbedding(_DerivedBuffers):
         try:
             return self.tables(needed, dtype)
         except RuntimeError as e:
-            if needed <= self.cos.size(0) or "alloc" not in str(e).lower():
+            # (torch.OutOfMemoryError and other subclasses keep their type: callers catch them)
+            if type(e) is not RuntimeError or needed <= self.cos.size(0) or "alloc" not in str(e).lower():
                 raise
             raise RuntimeError(
                 f"RotaryEmbedding: positions up to offset + S = {needed} (offset = {offset}) "
@@ -838,11 +853,6 @@ class MultiHeadAttention(_DerivedBuffers):
                     x, memory, kv_cache, need_weights)
             else:
                 memory, kv_cache, need_weights = _forward_args(memory, kv_cache, need_weights)
-                # (the projection's own error named neither x nor the layer: "mat1 and mat2
-                # must have the same dtype")
-                error = _dtype_device_error(x, self.out_proj.weight, "layer")
-                if error is not None:
-                    raise error
         d_in = self._check_forward_inputs(x, memory)
         B, Sq = x.size(0), x.size(1)
         H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_dim

@@ -122,22 +122,27 @@ def test_kv_cache_decoding_matches_full_recomputation(pos):
 
 
 def test_generate_projects_only_the_last_position_to_the_vocabulary():
-    """generate reads one row of logits per step: the prompt's other positions skip the
-    vocabulary projection (it built a (B, S, vocab) tensor for the prompt). Its tokens are
+    """generate reads one row of logits per step (forward's logits_to_keep = 1): the prompt's
+    other positions skip the vocabulary projection (it built a (B, S, vocab) tensor for the
+    prompt). Its tokens are
     those of the loop over model(...) with caches, left-padded prompts included."""
     model = TinyGPT(50, d_model=32, num_heads=4, num_layers=2, max_len=64, pos="rope",
                     num_kv_heads=2).double().eval()
     idx = torch.randint(0, 50, (2, 9))
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, :4] = 0
-    shapes = []
+    shapes, calls = [], []
     hook = model.head.register_forward_hook(lambda m, a, o: shapes.append(tuple(a[0].shape)))
+    # every step is a call of the model: its hooks (and FSDP's, a compiled forward) take part
+    # (a first version called the submodules directly and skipped them: a review)
+    outer = model.register_forward_hook(lambda m, a, o: calls.append(tuple(o.shape)))
     try:
         with torch.no_grad():
             gen = model.generate(idx, 5, attention_mask=mask)
     finally:
         hook.remove()
-    assert shapes == [(2, 32)] * 5
+        outer.remove()
+    assert shapes == [(2, 1, 32)] * 5 and calls == [(2, 1, 50)] * 5
     with torch.no_grad():
         caches = model.new_caches(2, 14)
         seq, logits = [idx], model(idx, caches, mask)
@@ -145,6 +150,11 @@ def test_generate_projects_only_the_last_position_to_the_vocabulary():
             seq.append(logits[:, -1:].argmax(-1))
             logits = model(seq[-1], caches)
     assert torch.equal(gen, torch.cat(seq, 1))
+    with torch.no_grad():
+        full = model(idx)
+        torch.testing.assert_close(model(idx, logits_to_keep=3), full[:, -3:], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="logits_to_keep must be >= 0"):
+        model(idx, logits_to_keep=-1)
 
 
 def test_no_copies_of_qkv_or_output_on_the_hot_path():
