@@ -15,6 +15,7 @@ from .modules import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
     TransformerBlock,
+    _has_real_memory,
 )
 
 POSITIONAL = ("none", "learned", "sinusoidal", "rope", "relative", "alibi")
@@ -47,7 +48,6 @@ def _check_caches(caches) -> None:
                                 f"(model.new_caches(batch, max_len)), or None, got {got}")
     seen = {}
     starts = {}
-    real = not torch.compiler.is_compiling()
     for i, c in enumerate(caches):
         if id(c) in seen:
             # (one cache for two layers took both layers' keys: wrong logits, no error)
@@ -55,9 +55,8 @@ def _check_caches(caches) -> None:
                              f"and caches[{i}] are the same object")
         seen[id(c)] = i
         for name, t in (("k", c.k), ("v", c.v)):
-            # (two caches built on the same tensors: the same wrong logits; real tensors only,
-            # as KVCache's own check)
-            if not real or type(t) is not torch.Tensor or t.device.type == "meta" or t.numel() == 0:
+            # (two caches built on the same tensors: the same wrong logits)
+            if not _has_real_memory(t):
                 continue
             at = starts.setdefault(t.data_ptr(), (i, name))
             if at[0] != i:

@@ -40,14 +40,17 @@ __all__ = [
 ]
 
 
+def _has_real_memory(t: Tensor) -> bool:
+    """Whether t is a real tensor with elements in memory: not meta / fake, not traced by
+    torch.compile or export (none has data pointers), not empty. The memory checks below (and
+    models._check_caches) read data pointers only of such tensors."""
+    return (not torch.compiler.is_compiling() and type(t) is torch.Tensor
+            and t.device.type != "meta" and t.numel() > 0)
+
+
 def _real_same_start(k: Tensor, v: Tensor) -> bool:
-    """Whether k and v are real tensors with storage (not meta / fake, not traced by torch.compile
-    or export, which have no data pointers) that start at the same memory."""
-    if torch.compiler.is_compiling() or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-        return False
-    if k.device.type == "meta" or k.numel() == 0 or v.numel() == 0:
-        return False
-    return k.data_ptr() == v.data_ptr()
+    """Whether k and v are real tensors (_has_real_memory) that start at the same memory."""
+    return _has_real_memory(k) and _has_real_memory(v) and k.data_ptr() == v.data_ptr()
 
 
 def _row_spans(t: Tensor):
@@ -83,11 +86,9 @@ def _row_spans(t: Tensor):
 
 
 def _real_buffers_overlap(k: Tensor, v: Tensor) -> bool:
-    """Whether real tensors k and v (as _real_same_start) share a byte of memory, element by
+    """Whether real tensors k and v (_has_real_memory) share a byte of memory, element by
     element: a fused buffer's interleaved k / v halves (kv[:, :, 0], kv[:, :, 1]) do not."""
-    if torch.compiler.is_compiling() or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-        return False
-    if k.device.type == "meta" or k.numel() == 0 or v.numel() == 0:
+    if not (_has_real_memory(k) and _has_real_memory(v)):
         return False
     if any(s < 0 for s in k.stride()) or any(s < 0 for s in v.stride()):
         return False

@@ -354,8 +354,12 @@ void pack_query_block(const AttentionBwdParams& bp, const QueryPackLayout& L, co
     blk[L.da + ii] = 0;
     blk[L.lse + ii] = pos_inf;
   }
-  // sum_d |dout_d out_d| per row (out's rows converted in tmp)
+  // sum_d |dout_d out_d| of the rows refined_row_terms may refine: those whose band fits one
+  // key tile (out's rows converted in tmp); the others' da is never read
+  const Visibility vis = p.visibility();
   for (int64_t ii = 0; ii < nq; ++ii) {
+    const Range band = vis.band_keys(sq, i0 + ii);
+    if (band.hi - band.lo > kBlockK) continue;
     convert_row(oh + ii * bp.o_row_stride, Dv, tmp);
     const acc_t* drow = dor + ii * L.ldo;
     acc_t a = 0;
