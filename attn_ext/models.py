@@ -38,7 +38,8 @@ def left_padding(attention_mask: Tensor) -> Tensor:
 
 def _check_caches(caches) -> None:
     """TinyGPT.forward's caches: None or one KVCache per layer (a tuple of (k, v) pairs, or of
-    None, failed on .length, naming neither). Eager only (TorchScript checks the types)."""
+    None, failed on .length, naming neither), one per layer. Eager only (TorchScript checks the
+    types; under torch.compile only the types are checked)."""
     if caches is None:
         return
     if not isinstance(caches, (list, tuple)) or not all(isinstance(c, KVCache) for c in caches):
@@ -46,6 +47,11 @@ def _check_caches(caches) -> None:
                f"{type(caches).__name__} of {sorted({type(c).__name__ for c in caches})}")
         raise ArgumentTypeError(f"caches must be a list of attn_ext.KVCache, one per layer "
                                 f"(model.new_caches(batch, max_len)), or None, got {got}")
+    if torch.compiler.is_compiling():
+        # (the identity and memory checks below: eager only. Under torch.compile, id(c) made
+        # dynamo guard on each KVCache object, so a compiled generate, which makes fresh
+        # caches per call, recompiled on every call and hit the recompile limit)
+        return
     seen = {}
     starts = {}
     for i, c in enumerate(caches):

@@ -327,7 +327,10 @@ class RotaryEmbedding(_DerivedBuffers):
         self.cos, self.sin = self._build(self.cos.size(0), self.cos.device, self.cos.dtype)
         self.built_in_float64 = self.cos.dtype == torch.float64
 
-    def _build(self, n: int, device: torch.device, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    def _build(self, n: int, device: torch.device, dtype: torch.dtype,
+               start: int = 0) -> Tuple[Tensor, Tensor]:
+        # rows [start, start + n): arange(start, start + n) holds the same float64 integers
+        # as rows start... of arange(N), so the rows are bitwise the cache's
         # torch.full per frequency, not torch.tensor(self.inv_freq, dtype=torch.float64):
         # TorchScript's torch.tensor(List[float]) rounds the values through float32 (torch
         # 2.13), which made a scripted model's tables differ from eager by 1e-4 at position
@@ -336,7 +339,8 @@ class RotaryEmbedding(_DerivedBuffers):
         if len(self.inv_freq) > 0:
             inv = torch.cat([torch.full([1], f, dtype=torch.float64, device=device)
                              for f in self.inv_freq])
-        angle = torch.arange(n, dtype=torch.float64, device=device)[:, None] * inv[None, :]
+        angle = (torch.arange(start, start + n, dtype=torch.float64, device=device)[:, None]
+                 * inv[None, :])
         cos = (torch.cos(angle) * self.attention_factor).to(dtype)
         sin = (torch.sin(angle) * self.attention_factor).to(dtype)
         return cos, sin
@@ -361,25 +365,39 @@ class RotaryEmbedding(_DerivedBuffers):
             self.built_in_float64 = want == torch.float64
         return self.cos, self.sin
 
-    def _tables_for(self, x: Tensor, offset: int, positions: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        # Sizes only: reading positions' values (positions.max().item()) would synchronise
-        # with the GPU on every call. With a positions tensor the tables cover at least
-        # max_seq_len (or what they have grown to) and the S rows of x; a position past them
-        # raises on CPU and device-asserts on CUDA (the op's range check), and
-        # tables(n) grows them ahead of time.
+    def _tables_for(self, x: Tensor, offset: int,
+                    positions: Optional[Tensor]) -> Tuple[Tensor, Tensor, int]:
+        """``(cos, sin, off)``: tables and the op's offset for rotating ``x`` at ``offset``
+        (or ``positions``).
+
+        Sizes only: reading positions' values (positions.max().item()) would synchronise
+        with the GPU on every call. With a positions tensor the tables cover at least
+        max_seq_len (or what they have grown to) and the S rows of x; a position past them
+        raises on CPU and device-asserts on CUDA (the op's range check), and
+        tables(n) grows them ahead of time."""
+        off = _op_offset(offset, positions)
         if not torch.jit.is_scripting():
             _check_offset(offset)  # (None failed on `offset + S`, naming nothing)
-            if positions is None and torch.compiler.is_exporting():
-                # torch.export: the rows [0, offset + S) built in the graph (the same float64
-                # ops as _build, so the same bits as the cache's rows); growing the cache on
-                # the host would bound the exported sequence dim by the cache's length
+            if positions is None and (
+                    torch.compiler.is_exporting()
+                    or (torch.compiler.is_compiling() and offset + x.size(1) > self.cos.size(0))):
+                # The rows [offset, offset + S) built in the graph (the same float64 ops as
+                # _build, so the same bits as the cache's rows), rotated at op offset 0:
+                # - torch.export: growing the cache on the host would bound the exported
+                #   sequence dim by the cache's length;
+                # - torch.compile, past the cache: growing it in the graph gave the buffer a
+                #   new static size, so every doubling recompiled (twice) until dynamo's
+                #   recompile limit failed the call. Within the cache compiled calls read it.
                 want = torch.float64 if x.dtype == torch.float64 else torch.float32
-                return self._build(offset + x.size(1), self.cos.device, want)
+                cos, sin = self._build(x.size(1), self.cos.device, want, offset)
+                return cos, sin, 0
         needed = offset + x.size(1) if positions is None else x.size(1)
         if not torch.jit.is_scripting():
             if not torch.compiler.is_compiling():  # (eager: a try block)
-                return self._tables_named(needed, x.dtype, offset)
-        return self.tables(needed, x.dtype)
+                cos, sin = self._tables_named(needed, x.dtype, offset)
+                return cos, sin, off
+        cos, sin = self.tables(needed, x.dtype)
+        return cos, sin, off
 
     @torch.jit.unused
     def _tables_named(self, needed: int, dtype: torch.dtype, offset: int) -> Tuple[Tensor, Tensor]:
@@ -401,8 +419,7 @@ class RotaryEmbedding(_DerivedBuffers):
         """Rotate one ``(B, S, H, D)`` tensor ``x`` at positions ``offset + s`` (or the
         ``positions`` tensor, ``(S,)`` or ``(B, S)``, as :func:`attn_ext.rope`): in place when
         no gradient is needed."""
-        cos, sin = self._tables_for(x, offset, positions)
-        off = _op_offset(offset, positions)
+        cos, sin, off = self._tables_for(x, offset, positions)
         if _rope_out_of_place(x.requires_grad):
             return torch.ops.attn_ext.rope(x, cos, sin, positions, off, self.interleaved)
         if not torch.jit.is_scripting():  # (below the ops' Python Autograd kernels: _call_op)
@@ -416,8 +433,7 @@ class RotaryEmbedding(_DerivedBuffers):
                 positions: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """Rotate ``q (B, S, H, D)`` and ``k (B, S, Hkv, D)``: in place (one call, returns the
         same tensors) when no gradient is needed, else out of place (differentiable)."""
-        cos, sin = self._tables_for(q, offset, positions)
-        off = _op_offset(offset, positions)
+        cos, sin, off = self._tables_for(q, offset, positions)
         if _rope_out_of_place(q.requires_grad or k.requires_grad):
             q = torch.ops.attn_ext.rope(q, cos, sin, positions, off, self.interleaved)
             k = torch.ops.attn_ext.rope(k, cos, sin, positions, off, self.interleaved)

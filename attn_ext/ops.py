@@ -1489,7 +1489,7 @@ def _fake_check_terms(q, B, alibi_slopes, rel_bias, sinks, softcap, dropout_p) -
 
 
 def _fake_check_cu_seqlens(cu_seqlens_q, cu_seqlens_k):
-    """check_cu_seqlens' dtype and shape rules (attention_mask_checks.h) in the varlen fake
+    """check_cu_seqlens' dtype, shape and stride rules (attention_mask_checks.h) in the varlen fake
     kernels (the values are the kernel's to check). Returns N, the number of sequences."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         torch._check(cu.dtype == torch.int32,
@@ -1499,6 +1499,10 @@ def _fake_check_cu_seqlens(cu_seqlens_q, cu_seqlens_k):
         _fake_check(lambda: cu.shape[0] >= 1, (cu.shape[0],),
                     lambda: f"{name} must have shape (N + 1,) with N >= 0 sequences, got shape "
                             f"{list(cu.shape)}")
+        # (the kernels read the offsets as one int32 array: a strided one is refused there,
+        # so here too, or a compiled / exported graph traced and then failed when it ran)
+        _fake_check(lambda: cu.shape[0] <= 1 or cu.stride(0) == 1, (cu.shape[0], cu.stride(0)),
+                    lambda: f"{name} must be contiguous, got strides {list(cu.stride())}")
     nq, nk = cu_seqlens_q.shape[0], cu_seqlens_k.shape[0]
     _fake_check(lambda: nk == nq, (nq, nk),
                 lambda: f"cu_seqlens_k must have as many sequences as cu_seqlens_q ({nq} "
@@ -1854,13 +1858,18 @@ def _check_term_shapes(q, alibi_slopes, rel_bias, who: str = "", sinks=None) -> 
     sinks tables, in Python: for the callers that must refuse them before any kernel runs
     (attention_weights and explain, which run no kernel; ring_attention, whose kernels run
     mid-ring)."""
+    # (dim / size comparisons, not tuple(t.shape) in ((H,), (B, H)): under torch.compile with
+    # dynamic shapes, dynamo evaluated the tuple test with a symbolic H as False, and the
+    # check refused the right shape)
     B, H = q.size(0), q.size(2)
-    if sinks is not None and tuple(sinks.shape) != (H,):
+    if sinks is not None and not (sinks.dim() == 1 and sinks.size(0) == H):
         raise ValueError(f"{who}sinks must have shape (H,) = ({H},), got shape {list(sinks.shape)}")
     for name, t in (("alibi_slopes", alibi_slopes), ("rel_bias", rel_bias), ("sinks", sinks)):
         if t is not None and t.device != q.device:
             raise ValueError(f"{who}{name} must be on the same device as q ({q.device}), got {t.device}")
-    if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((H,), (B, H)):
+    if alibi_slopes is not None and not (
+            (alibi_slopes.dim() == 1 and alibi_slopes.size(0) == H)
+            or (alibi_slopes.dim() == 2 and alibi_slopes.size(0) == B and alibi_slopes.size(1) == H)):
         raise ValueError(f"{who}alibi_slopes must have shape (H,) = ({H},) or (B, H) = ({B}, {H}), "
                          f"got shape {list(alibi_slopes.shape)}")
     if rel_bias is not None and (rel_bias.dim() != 2 or rel_bias.size(0) != H

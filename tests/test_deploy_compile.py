@@ -187,21 +187,84 @@ def test_left_padded_prefill_with_caches_compiles_fullgraph():
 
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_rope_tables_grown_inside_a_compiled_call(fullgraph):
-    """A compiled layer whose RoPE tables are rebuilt during the call (a sequence past
-    max_seq_len): the inference-mode guard of RotaryEmbedding.tables is not traced (dynamo
-    cannot trace torch.is_inference_mode_enabled), and the output equals eager's."""
-    from attn_ext.modules import MultiHeadAttention, RotaryEmbedding
+    """A compiled layer whose RoPE tables are rebuilt during the call (a positions tensor of
+    more rows than max_seq_len): the inference-mode guard of RotaryEmbedding.tables is not
+    traced (dynamo cannot trace torch.is_inference_mode_enabled), and the output equals
+    eager's."""
+    from attn_ext.modules import RotaryEmbedding
+
+    eager, model = RotaryEmbedding(8, max_seq_len=4), RotaryEmbedding(8, max_seq_len=4)
+    x = torch.randn(2, 12, 4, 8)  # 12 rows > max_seq_len = 4: the tables are rebuilt
+    pos = torch.arange(12)
+    with torch.no_grad():
+        want = eager.rotate(x.clone(), positions=pos)
+        got = torch.compile(lambda t: model.rotate(t, positions=pos), backend="aot_eager",
+                            fullgraph=fullgraph)(x.clone())
+    assert model.cos.size(0) >= 12
+    assert torch.equal(got, want)
+
+
+def test_rope_past_the_cache_compiles_once_and_matches_eager_bitwise():
+    """TinyGPT(pos="rope") compiled with dynamic=True, fullgraph=True, run at lengths past its
+    RoPE cache (max_len 16) up to 80x it: the rows [offset, offset + S) are built in the graph
+    (eager grows the cache; the rows are the same float64 ops), so one graph serves every
+    length past the cache. Growing the cache in the graph gave the buffer a new static size:
+    two recompiles per doubling, then dynamo's recompile limit failed the call at S = 200."""
+    import copy
 
     torch.manual_seed(0)
-    eager = MultiHeadAttention(32, 4, rotary=RotaryEmbedding(8, max_seq_len=4)).eval()
-    model = MultiHeadAttention(32, 4, rotary=RotaryEmbedding(8, max_seq_len=4)).eval()
-    model.load_state_dict(eager.state_dict())
-    x = torch.randn(1, 12, 32)  # 12 rows > max_seq_len = 4: the tables are rebuilt
+    model = TinyGPT(100, d_model=32, num_heads=4, num_layers=1, max_len=16, pos="rope").eval()
+    eager = copy.deepcopy(model)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    graphs = []
     with torch.no_grad():
-        want = eager(x)[0]
-        got = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)(x)[0]
-    assert model.rotary.cos.size(0) >= 12
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        for S in (8, 12, 20, 40, 96, 200, 700, 1300):
+            idx = torch.randint(0, 100, (1, S))
+            assert torch.equal(compiled(idx), eager(idx)), S
+            graphs.append(counter.frame_count)
+    assert model.blocks[0].attn.rotary.cos.size(0) == 16  # the compiled calls left it alone
+    assert graphs[-1] == graphs[2] <= 4, f"graphs after each length: {graphs}"
+
+
+def test_compiled_generate_does_not_recompile_per_call():
+    """generate() on a model compiled with fullgraph=True, dynamic=True makes fresh caches per
+    call: TinyGPT's per-layer cache check (one object, one memory per layer) is eager-only, or
+    dynamo guarded on each KVCache's id and recompiled on every call (fullgraph failed on the
+    fifth). Tokens equal eager's."""
+    torch.manual_seed(0)
+    model = TinyGPT(100, d_model=32, num_heads=4, num_layers=2, max_len=64, pos="rope").eval()
+    eager = TinyGPT(100, d_model=32, num_heads=4, num_layers=2, max_len=64, pos="rope").eval()
+    eager.load_state_dict(model.state_dict())
+    counter = CompileCounterWithBackend("aot_eager")
+    model.compile(backend=counter, fullgraph=True, dynamic=True)  # generate calls self(...)
+    idx = torch.randint(0, 100, (2, 5))
+    want = eager.generate(idx, 4)
+    graphs = []
+    for _ in range(6):
+        assert torch.equal(model.generate(idx, 4), want)
+        graphs.append(counter.frame_count)
+    assert graphs[0] > 0 and graphs[1:] == graphs[:1] * 5, f"graphs after each call: {graphs}"
+
+
+def test_attention_weights_with_a_static_table_compiles_with_dynamic_shapes():
+    """attention_weights(alibi_slopes=<a module buffer>) under torch.compile(dynamic=True):
+    its host-side shape check compared tuple(slopes.shape) with (H,) / (B, H) where H was
+    symbolic, which dynamo evaluated as a mismatch: the call raised its own shape error."""
+
+    class Maps(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("slopes", attn_ext.alibi_slopes(4))
+
+        def forward(self, q, k):
+            return attn_ext.attention_weights(q, k, causal=True, alibi_slopes=self.slopes)
+
+    m = Maps()
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager", dynamic=True)
+    for B, S in ((2, 5), (3, 9)):
+        q, k = torch.randn(B, S, 4, 8), torch.randn(B, S, 2, 8)
+        torch.testing.assert_close(compiled(q, k), m(q, k))
 
 
 def test_varlen_max_seqlen_from_item_and_rope_cache_compile():

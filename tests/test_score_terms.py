@@ -565,8 +565,7 @@ def test_bad_input():
         lib.attention_forward(q, q, q, False, None, -1, -1, None, None, None, 0.0)
     with pytest.raises(RuntimeError, match=r"dropout_p must be in \[0, 1\) .*got 1"):
         lib.attention_forward(q, q, q, False, None, -1, -1, None, None, None, None, None, 1.0)
-    with pytest.raises(RuntimeError, match=r"alibi_slopes must be contiguous"):
-        lib.attention_forward(q, q, q, False, None, -1, -1, None, torch.ones(2, 2)[:, 0])
+    # (strided tables are read through a contiguous copy: test_op_tables_of_any_strides)
     out, lse = lib.attention_forward(q, q, q, False, None)
     with pytest.raises(RuntimeError, match=r"dropout_p must be in \[0, 1\)"):
         lib.attention_backward(out, q, q, q, out, lse, False, None, -1, -1, None, None, None,
@@ -709,6 +708,58 @@ def test_op_tables_of_another_float_dtype(dtype, table_dtype):
     drel = lib.attention_backward_rel_bias(torch.ones_like(out), q, k, v, out, lse, True, None, -1,
                                            -1, None, None, al, rb)[3]
     assert drel.dtype == table_dtype and drel.shape == rb.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_op_tables_of_any_strides(dtype):
+    """The raw ops take strided alibi_slopes / rel_bias / sinks (a transposed table, a slice
+    with a step, an expanded one): the kernels read a contiguous copy, and the result is the
+    contiguous tables' bit for bit, forward and gradients. The CPU kernel refused them while
+    the fake kernels accepted them, so a compiled or exported graph traced and then failed
+    when it ran; opcheck runs the fake kernel beside the real one."""
+    torch.manual_seed(4)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    B, S, H, D = 2, 9, 4, 8
+    q, k, v = (torch.randn(B, S, H, D, dtype=dtype) for _ in range(3))
+    al = torch.rand(H, B, dtype=acc).t()  # (B, H), strides (1, B)
+    rb = torch.randn(9, H, dtype=dtype).t()  # (H, 9), strides (1, H)
+    sk = torch.randn(2 * H, dtype=acc)[::2]  # (H,), stride 2
+    lib = torch.ops.attn_ext
+
+    def run(al, rb, sk):
+        qq, rr, ss = (t.detach().requires_grad_() for t in (q, rb, sk))
+        out, lse = lib.attention_forward(qq, k, v, True, None, -1, -1, None, al, rr, None, ss)
+        (out.float().sum() + lse.sum()).backward()
+        return out, lse, qq.grad, rr.grad, ss.grad
+
+    got = run(al, rb, sk)
+    want = run(al.contiguous(), rb.contiguous(), sk.contiguous())
+    for name, a, b in zip(("out", "lse", "dq", "d rel_bias", "d sinks"), got, want):
+        assert torch.equal(a, b), name
+    expanded = torch.randn(1, dtype=acc).expand(H)  # stride 0
+    got = lib.attention_forward(q, k, v, False, None, -1, -1, None, expanded)
+    want = lib.attention_forward(q, k, v, False, None, -1, -1, None, expanded.contiguous())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if dtype == torch.float32:
+        torch.library.opcheck(lib.attention_forward.default,
+                              (q, k, v, True, None, -1, -1, None, al, rb, None, sk))
+        cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+        torch.library.opcheck(lib.attention_varlen_forward.default,
+                              (q[0], k[0], v[0], cu, cu, 5, 5, True, None, -1, -1,
+                               al[:1].expand(2, H), rb, None, sk))
+
+
+def test_strided_cu_seqlens_refused_by_the_kernel_and_the_fake_kernel():
+    """cu_seqlens must be contiguous (the kernels read one int32 array): refused by name on
+    CPU, and now by the fake kernels too (meta tensors), which took a strided one."""
+    q = torch.randn(10, 2, 8)
+    lib = torch.ops.attn_ext
+    for t in (q, q.to("meta")):
+        c = torch.tensor([0, 99, 4, 99, 10], dtype=torch.int32, device=t.device)[::2]
+        with pytest.raises(RuntimeError, match=r"cu_seqlens_q must be contiguous, got strides \[2\]"):
+            lib.attention_varlen_forward(t, t, t, c, c.contiguous(), 6, 6, True)
+        with pytest.raises(RuntimeError, match=r"cu_seqlens_k must be contiguous, got strides \[2\]"):
+            lib.attention_varlen_forward(t, t, t, c.contiguous(), c, 6, 6, True)
 
 
 @pytest.mark.parametrize("cap", [1.0, 30.0])

@@ -35,8 +35,11 @@ inline bool score_terms_requested(const ScoreArgs& a) {
 
 // A score-term table (alibi_slopes, rel_bias, sinks) of another floating dtype than the
 // accumulation type, converted to it (a copy of H or H (2M + 1) values): DESIGN's float32
-// tables for float64 inputs (gradcheck), a bf16 model's bf16 rel_bias. Other dtypes pass
-// unchanged, for check_term_tensor to refuse by name.
+// tables for float64 inputs (gradcheck), a bf16 model's bf16 rel_bias. A strided one
+// (rel_bias.t().contiguous().t(), sinks[::2], an expanded table) is copied contiguous the same
+// way: the fake kernels accept any strides, and refusing them here let a compiled or exported
+// graph trace and then fail when it ran. Other dtypes pass unchanged, for check_term_tensor
+// to refuse by name.
 inline bool is_float_table_dtype(ScalarType t) {
   return t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::Half ||
          t == ScalarType::BFloat16;
@@ -44,8 +47,9 @@ inline bool is_float_table_dtype(ScalarType t) {
 inline OptTensor acc_table(const OptTensor& t, const Tensor& q) {
   if (!t.has_value()) return t;
   const ScalarType want = lse_dtype(q.scalar_type());
-  if (t->scalar_type() == want || !is_float_table_dtype(t->scalar_type())) return t;
-  return torch::stable::to(*t, want);
+  if (!is_float_table_dtype(t->scalar_type())) return t;
+  const Tensor same = t->scalar_type() == want ? *t : torch::stable::to(*t, want);
+  return same.is_contiguous() ? same : torch::stable::contiguous(same);
 }
 
 // The tables of one call in the accumulation type (acc_table), kept alive for the kernels.
