@@ -152,6 +152,7 @@ def cpu_forward_plan(s: Shape, threads: int, dropout: bool = False) -> dict:
 
 CPU_DECODE_COLS = 16  # kDecodeCols (csrc/cpu/attention_decode.h): query columns per kv head
 CPU_DECODE_MIN_CHUNK = 256  # kDecodeMinChunk: keys per split-K chunk at least
+CPU_DECODE_HEAD_SPLIT_MIN_BYTES = 192 << 10  # kDecodeHeadSplitMinBytes
 
 
 def cpu_flags() -> list:
@@ -341,11 +342,22 @@ def cpu_decode_plan(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (
     group = s.H // s.Hkv
     if s.Sq * group > CPU_DECODE_COLS:
         return None
-    # work units (sequence, key chunk), each covering every kv head
-    n_chunks = max(1, _ceil_div(4 * max(threads, 1), max(s.B, 1)))
-    n_chunks = min(n_chunks, max(1, band_keys(s.Sq, s.Sk, causal, window) // CPU_DECODE_MIN_CHUNK))
+    # work units (sequence, key chunk, kv head group), a group every kv head unless one chunk
+    # and fewer sequences than threads split the heads
+    workers = max(threads, 1)
+    keys = band_keys(s.Sq, s.Sk, causal, window)
+    n_chunks = max(1, _ceil_div(4 * workers, max(s.B, 1)))
+    n_chunks = min(n_chunks, max(1, keys // CPU_DECODE_MIN_CHUNK))
+    elem = torch.empty(0, dtype=dtype).element_size()
+    head_groups = 1
+    if (os.environ.get("ATTN_EXT_CPU_DECODE_HEAD_SPLIT") != "0" and n_chunks == 1
+            and s.B < workers and s.Hkv > 1
+            and keys * s.Hkv * (s.D + s.Dv) * elem >= CPU_DECODE_HEAD_SPLIT_MIN_BYTES):
+        per = _ceil_div(s.Hkv, min(s.Hkv, _ceil_div(workers, max(s.B, 1))))
+        head_groups = _ceil_div(s.Hkv, per)
     return {"threads": threads, "columns_per_kv_head": s.Sq * group, "kv_heads": s.B * s.Hkv,
-            "n_chunks": n_chunks, "bf16_scores": cpu_bf16_scores(dtype, depth=s.D),
+            "n_chunks": n_chunks, "head_groups": head_groups,
+            "bf16_scores": cpu_bf16_scores(dtype, depth=s.D),
             "scores": cpu_decode_scores(dtype, s.D), "bf16_pv": cpu_decode_pv(dtype, s.D, s.Dv)}
 
 
@@ -369,7 +381,11 @@ def _explain_cpu(s: Shape, dtype: torch.dtype, threads: int, terms: tuple = (),
             f"per kv head ({dtype} on an AVX2 CPU): K/V read once, in memory order, by units of "
             f"(sequence, key chunk) covering every kv head; {decode['n_chunks']} chunk(s) per "
             f"sequence (4 units per thread, at least {CPU_DECODE_MIN_CHUNK} keys each) merged in "
-            "chunk order; float32 accumulation"
+            "chunk order"
+            + (f"; the kv heads in {decode['head_groups']} groups, a unit each (one chunk, fewer "
+               "sequences than threads; the same bits; ATTN_EXT_CPU_DECODE_HEAD_SPLIT=0 turns "
+               "them off)" if decode["head_groups"] > 1 else "")
+            + "; float32 accumulation"
             + ("; bf16 scores by vdpbf16ps (AVX512_BF16; ATTN_EXT_CPU_BF16DP=0 widens "
                "them to float32 instead)" if decode["bf16_scores"] == "vdpbf16ps" else "")
             + ("; bf16 scores on AMX tiles, K read where it is (ATTN_EXT_CPU_AMX=0 or "

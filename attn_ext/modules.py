@@ -283,7 +283,9 @@ class RotaryEmbedding(_DerivedBuffers):
     cannot degrade them; tables are built in float64 and stored in float32.
 
     Calls never read tensor values on the host (no GPU synchronisation): with ``offset`` the
-    tables grow to ``offset + S``; with a ``positions`` tensor every position must be below
+    tables grow to ``offset + S`` (eager; under torch.compile a call past them, and under
+    torch.export every call, builds its rows [offset, offset + S) in the graph and leaves the
+    tables as they are); with a ``positions`` tensor every position must be below
     the table length (``max_seq_len``, or what the tables grew to; ``tables(n)`` grows them
     to ``n``), checked by the op (an error on CPU, a device assert on CUDA).
     """
@@ -330,7 +332,8 @@ class RotaryEmbedding(_DerivedBuffers):
     def _build(self, n: int, device: torch.device, dtype: torch.dtype,
                start: int = 0) -> Tuple[Tensor, Tensor]:
         # rows [start, start + n): arange(start, start + n) holds the same float64 integers
-        # as rows start... of arange(N), so the rows are bitwise the cache's
+        # as rows start... of arange(N), so the rows are bitwise the cache's (eager, aot_eager,
+        # export; inductor's float64 cos / sin may differ by an ulp, in the cache too)
         # torch.full per frequency, not torch.tensor(self.inv_freq, dtype=torch.float64):
         # TorchScript's torch.tensor(List[float]) rounds the values through float32 (torch
         # 2.13), which made a scripted model's tables differ from eager by 1e-4 at position
@@ -382,7 +385,7 @@ class RotaryEmbedding(_DerivedBuffers):
                     torch.compiler.is_exporting()
                     or (torch.compiler.is_compiling() and offset + x.size(1) > self.cos.size(0))):
                 # The rows [offset, offset + S) built in the graph (the same float64 ops as
-                # _build, so the same bits as the cache's rows), rotated at op offset 0:
+                # _build), rotated at op offset 0:
                 # - torch.export: growing the cache on the host would bound the exported
                 #   sequence dim by the cache's length;
                 # - torch.compile, past the cache: growing it in the graph gave the buffer a

@@ -1,7 +1,7 @@
 """A/B of a CPU kernel switch read on every call, alternated call by call in one process: this
 machine's speed drifts by +-15 % between runs, so the values are only compared within a round.
 
-    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads|decode-pv512|decode-pv-pairs|decode-scores512|bf16dp|gemm512|dp-tile16]
+    python benchmarks/bench_switch_ab.py [--switch bwd-jobs|decode-quads|decode-pv512|decode-pv-pairs|decode-scores512|decode-head-split|bf16dp|gemm512|dp-tile16]
                                          [--repeats N]
                                          [--threads T] [--values A,B] [--quick]
 
@@ -29,6 +29,12 @@ checked close, not bitwise.
 (fp32, fp16, and bf16 where they are not vdpbf16ps pairs) on zmm registers, two key groups per
 register (1; where the CPU has AVX-512F/BW) or on ymm (0) (csrc/cpu/attention_decode.h
 scores_cols512). The same rows as decode-quads; the same bits.
+
+--switch decode-head-split: ATTN_EXT_CPU_DECODE_HEAD_SPLIT, the decode kernel's kv head groups
+(1: one unit per group where a sequence's keys make one chunk and there are fewer sequences
+than threads) or one unit per sequence (0) (csrc/cpu/attention_decode.h). Rows: short decode
+steps (Sq = 1, BSHD cache, Sk 64-480) of GQA D = 128 and MHA D = 64 shapes, fp32 and bf16, with
+SDPA (enable_gqa, on BHSD views of the same memory) timed in the same rounds; the same bits.
 
 --switch bf16dp: ATTN_EXT_CPU_BF16DP, bf16 scores by vdpbf16ps (1; where the CPU has
 AVX512_BF16) or widened to fp32 (0): the decode kernel's (csrc/cpu/attention_decode.h
@@ -73,12 +79,15 @@ from attn_ext import ops  # noqa: E402
 
 SHAPES = [(1, 8, 4096, 128), (1, 16, 2048, 64)]  # (B, H, S, D)
 DECODE_SHAPES = [(1, 4096, 32, 8), (4, 2048, 32, 8), (16, 2048, 32, 8), (1, 32768, 32, 8)]
+SHORT_DECODE_SHAPES = [(1, 64, 32, 8, 128), (1, 256, 32, 8, 128), (1, 128, 8, 8, 64),
+                       (1, 256, 8, 8, 64), (1, 256, 12, 12, 64), (1, 480, 16, 16, 64)]
 # switch: (variable, default values, whether every value gives the same bits)
 SWITCHES = {"bwd-jobs": ("ATTN_EXT_CPU_BWD_JOBS", "1,4", True),
             "decode-quads": ("ATTN_EXT_CPU_DECODE_QUADS", "0,1", True),
             "decode-pv512": ("ATTN_EXT_CPU_DECODE_PV512", "0,1", True),
             "decode-pv-pairs": ("ATTN_EXT_CPU_DECODE_PV_PAIRS", "0,1", False),
             "decode-scores512": ("ATTN_EXT_CPU_DECODE_SCORES512", "0,1", True),
+            "decode-head-split": ("ATTN_EXT_CPU_DECODE_HEAD_SPLIT", "0,1", True),
             "bf16dp": ("ATTN_EXT_CPU_BF16DP", "0,1", False),
             "gemm512": ("ATTN_EXT_CPU_GEMM512", "0,1", True),
             "dp-tile16": ("ATTN_EXT_CPU_DP_TILE16", "0,1", True)}
@@ -158,6 +167,8 @@ def main():
             bench_bwd_jobs(var, values, repeats, args)
         elif args.switch == "gemm512":
             bench_fp32_prefill(var, values, repeats, args)
+        elif args.switch == "decode-head-split":
+            bench_short_decode(var, values, repeats, args)
         else:
             with restored_env(pinned):
                 os.environ.update(pinned)
@@ -253,6 +264,58 @@ def bench_decode_quads(var, values, repeats, args, same_bits=True):
             name = "fp32" if dt == torch.float32 else "bf16"
             table_row([name, str(B), str(Sk), f"{H}/{Hkv}"],
                       [f"{m * 1e3:.3f} ({gbs / m:.1f})" for m in med], med)
+
+
+
+def bench_short_decode(var, values, repeats, args):
+    shapes = [(1, 256, 8, 8, 64)] if args.quick else SHORT_DECODE_SHAPES
+    table_header(f"short decode steps (Sq = 1, BSHD cache), {var} in {values}, {args.threads} "
+                 f"threads, medians of rounds (each round: every value, then SDPA, several calls "
+                 f"each)", ["dtype", "B", "Sk", "H/Hkv", "D", "K + V KiB"],
+                 [f"{v}: us" for v in values] + ["SDPA us", "SDPA / last value"])
+    for dt in (torch.float32, torch.bfloat16):
+        for B, Sk, H, Hkv, D in shapes:
+            q = torch.randn(B, 1, H, D).to(dt)
+            k, v = torch.randn(B, Sk, Hkv, D).to(dt), torch.randn(B, Sk, Hkv, D).to(dt)
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+            def dec():
+                return torch.ops.attn_ext.attention_forward(q, k, v, False, None)
+
+            def sdpa():
+                return torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, enable_gqa=H != Hkv)
+
+            first = {}
+            for x in values:  # warm-up, and every value gives the same bits
+                os.environ[var] = x
+                first[x] = dec()
+            for x in values[1:]:
+                for a, b in zip(first[values[0]], first[x]):
+                    assert torch.equal(a, b), x
+            torch.testing.assert_close(sdpa().transpose(1, 2), first[values[-1]][0],
+                                       rtol=2e-2, atol=2e-2)
+            calls = 5 if args.quick else 200  # calls per value per round (steps of 10-200 us)
+            times = {x: [] for x in [*values, "sdpa"]}
+            for r in range(2 if args.quick else max(repeats, 9)):
+                for x in (values if r % 2 == 0 else values[::-1]):
+                    os.environ[var] = x
+                    t = time.perf_counter()
+                    for _ in range(calls):
+                        dec()
+                    times[x].append((time.perf_counter() - t) / calls)
+                t = time.perf_counter()
+                for _ in range(calls):
+                    sdpa()
+                times["sdpa"].append((time.perf_counter() - t) / calls)
+            med = [statistics.median(times[x]) for x in values]
+            sd = statistics.median(times["sdpa"])
+            name = "fp32" if dt == torch.float32 else "bf16"
+            kib = 2 * k.numel() * k.element_size() / 1024
+            print(f"| {name} | {B} | {Sk} | {H}/{Hkv} | {D} | {kib:.0f} | "
+                  + " | ".join(f"{m * 1e6:.1f}" for m in med)
+                  + f" | {sd * 1e6:.1f} | {sd / med[-1]:.2f} | "
+                  + " / ".join(f"{m / med[0]:.3f}" for m in med) + " |", flush=True)
 
 
 if __name__ == "__main__":

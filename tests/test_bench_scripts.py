@@ -364,6 +364,22 @@ def test_bench_switch_ab_decode_quads_smoke(switch, var):
         assert len(rows) == 1, res.stdout
 
 
+def test_bench_switch_ab_decode_head_split_smoke():
+    """bench_switch_ab.py --switch decode-head-split (the short-decode A/B RESULTS.md quotes)
+    runs, checks both values' outputs bitwise equal and SDPA close, and prints a row per
+    dtype with the SDPA column."""
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_switch_ab.py"),
+                          "--switch", "decode-head-split", "--quick", "--threads", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("# commit: "), res.stdout[:300]
+    assert "ATTN_EXT_CPU_DECODE_HEAD_SPLIT in ['0', '1']" in res.stdout, res.stdout
+    for name in ("fp32", "bf16"):
+        rows = [line for line in res.stdout.splitlines()
+                if line.startswith(f"| {name} | 1 | 256 | 8/8 | 64 |")]
+        assert len(rows) == 1 and rows[0].count("|") == 12, res.stdout
+
+
 def test_bench_switch_ab_gemm512_smoke():
     """bench_switch_ab.py --switch gemm512 (the A/B RESULTS.md quotes for the zmm gemms) runs,
     checks both values' forward and backward bitwise equal, and prints a row per layout and

@@ -218,6 +218,50 @@ def test_decode_in_place_reads_equal_packed_blocks(tmp_path, switch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("threads", [2, 16])
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_head_groups_give_the_one_unit_bits(monkeypatch, dt, threads):
+    """Short keys (one chunk) and fewer sequences than threads: the decode kernel splits the kv
+    heads into groups, a unit each (attention_decode.h). A head's scores, softmax, PV and merge
+    are its own, so out and lse are bitwise those of one unit over every kv head
+    (ATTN_EXT_CPU_DECODE_HEAD_SPLIT=0, read per call): GQA / MHA, several query rows, masks,
+    key padding, every score term, in-place and packed blocks; explain names the groups."""
+    from attn_ext import _explain as X
+
+    torch.manual_seed(1)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    n = 0
+    try:
+        for B, Sq, Sk, H, Hkv, D, Dv in [(1, 1, 400, 8, 8, 64, 64), (1, 1, 300, 32, 8, 128, 128),
+                                         (1, 2, 333, 12, 6, 64, 48), (3, 1, 480, 16, 16, 64, 64),
+                                         (1, 1, 200, 6, 3, 96, 96)]:
+            q = torch.randn(B, Sq, H, D).to(dt)
+            k, v = torch.randn(B, Sk, Hkv, D).to(dt), torch.randn(B, Sk, Hkv, Dv).to(dt)
+            kpm = torch.rand(B, Sk) > 0.2
+            monkeypatch.delenv("ATTN_EXT_CPU_DECODE_HEAD_SPLIT", raising=False)
+            plan = X.cpu_decode_plan(X.Shape(B, Sq, Sk, H, Hkv, D, Dv), dt, threads, causal=True)
+            groups = min(Hkv, -(-threads // B)) if B < threads else 1  # (B = 3, 2 threads: 1)
+            assert plan["n_chunks"] == 1 and plan["head_groups"] == groups
+            reason = attn_ext.explain(q, k, v, causal=True).forward_reason
+            assert (f"kv heads in {groups} groups" in reason) == (groups > 1)
+            for kw in (dict(causal=True), dict(causal=True, window=(100, 0)),
+                       dict(causal=False, key_padding_mask=kpm),
+                       dict(causal=True, alibi_slopes=attn_ext.alibi_slopes(H), softcap=20.0,
+                            sinks=torch.randn(H)),
+                       dict(causal=True, rel_bias=torch.randn(H, 65))):
+                res = {}
+                for mode in ("1", "0"):
+                    monkeypatch.setenv("ATTN_EXT_CPU_DECODE_HEAD_SPLIT", mode)
+                    res[mode] = attn_ext.attention(q, k, v, return_lse=True, **kw)
+                for a, b in zip(res["1"], res["0"]):
+                    assert torch.equal(a, b), (B, Sq, Sk, H, Hkv, D, Dv, kw)
+                n += 1
+    finally:
+        torch.set_num_threads(prev)
+    assert n == 25
+
+
 @pytest.mark.skipif(not __import__("attn_ext._explain").\
                     _explain.cpu_avx512_enabled(), reason="no AVX-512F/BW on this CPU")
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])

@@ -74,6 +74,9 @@ constexpr int64_t kDecodeKeys = 32;
 constexpr int64_t kDecodeKeysInPlace = 128;
 // Keys per chunk at least (a chunk's fixed costs: q packing, merge).
 constexpr int64_t kDecodeMinChunk = 256;
+// K + V bytes of a sequence from which a one-chunk decode splits its kv heads into groups
+// (attention_decode_kernel).
+constexpr int64_t kDecodeHeadSplitMinBytes = int64_t(192) << 10;
 
 // ATTN_EXT_CPU_DECODE=0 turns the decode kernel off (for benchmarks that compare it with the
 // tiled kernel on the same shapes). Read per call, as attn_ext.explain() reads it: a process
@@ -82,6 +85,12 @@ constexpr int64_t kDecodeMinChunk = 256;
 inline bool decode_enabled() { return !cpu::env_is("ATTN_EXT_CPU_DECODE", "0"); }
 
 inline int64_t decode_threads() { return num_threads(); }
+
+// ATTN_EXT_CPU_DECODE_HEAD_SPLIT=0: no head groups (key chunks only), for benchmarks comparing
+// both on the same shapes. Read per call.
+inline bool decode_head_split_enabled() {
+  return !cpu::env_is("ATTN_EXT_CPU_DECODE_HEAD_SPLIT", "0");
+}
 
 // ATTN_EXT_CPU_DECODE_IN_PLACE=0: always pack fp32 K/V blocks (for benchmarks comparing both;
 // the same bits). Read per call.
@@ -1219,6 +1228,20 @@ void attention_decode_kernel(const AttentionParams& p) {
   const int64_t workers = std::max<int64_t>(1, decode_threads());
   int64_t n_chunks = std::max<int64_t>(1, ceil_div(4 * workers, p.B));
   n_chunks = std::min(n_chunks, std::max<int64_t>(1, max_keys / kDecodeMinChunk));
+  // Head groups: short keys (one chunk) and fewer sequences than threads left threads idle
+  // (B = 1, Sk < 512: one unit on one thread, while SDPA splits the heads). Then the kv heads
+  // split into groups, one unit each; a head's scores, softmax, PV and merge are its own, so a
+  // unit of fewer heads gives each head the same bits. Below kDecodeHeadSplitMinBytes of K + V
+  // the fork and join cost more than the second thread saves. (Head groups in place of key
+  // chunks for longer keys measured 5-26 % slower than the chunks and their merge region:
+  // RESULTS.md, forty-fifth session.)
+  const int64_t seq_bytes =
+      max_keys * Hkv * (p.D + p.Dv) * static_cast<int64_t>(sizeof(scalar_t));
+  int64_t heads_per = Hkv;
+  if (decode_head_split_enabled() && n_chunks == 1 && p.B < workers && Hkv > 1 &&
+      seq_bytes >= kDecodeHeadSplitMinBytes)
+    heads_per = ceil_div(Hkv, std::min(Hkv, ceil_div(workers, p.B)));
+  const int64_t n_hg = ceil_div(Hkv, heads_per);
   // partial state of (b, chunk, hkv): o (C, Dvp), m (C), l (C)
   const int64_t per_part = C * (Dvp + 2);
   // (not zero-filled: every task initialises its own parts first, and the fill would cost a
@@ -1240,11 +1263,14 @@ void attention_decode_kernel(const AttentionParams& p) {
   // structure depends on that only, not on ATTN_EXT_CPU_DECODE_IN_PLACE, so reading in place
   // and packing give the same bits.
   const bool big_blocks = p.D == Dp && p.Dv == Dvp && !vis.has_padding();
-  // one unit: the partial state of every kv head of sequence b over key chunk `chunk`
+  // one unit: the partial state of kv heads [h_lo, h_hi) (head group hg; every kv head
+  // unless the heads split) of sequence b over key chunk `chunk`
   auto unit = [&](int64_t task, DecodeScratch& w) {
-    const int64_t chunk = task % n_chunks, b = task / n_chunks;
+    const int64_t hg = task % n_hg, chunk = task / n_hg % n_chunks, b = task / n_hg / n_chunks;
+    const int64_t h_lo = hg * heads_per, h_hi = std::min(Hkv, h_lo + heads_per);
+    const int64_t nh = h_hi - h_lo;
     const SeqInfo sq = vis.seq(b);
-    for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+    for (int64_t hkv = h_lo; hkv < h_hi; ++hkv) {
       float* part = part_of(b, chunk, hkv);
       std::fill(part, part + C * Dvp, 0.f);
       std::fill(part + C * Dvp, part + C * Dvp + C, neg_inf);
@@ -1267,7 +1293,7 @@ void attention_decode_kernel(const AttentionParams& p) {
     } else {
       std::fill(w.qs.begin(), w.qs.begin() + Hkv * C * Dp, 0.f);
     }
-    for (int64_t h = 0; h < p.H; ++h) {
+    for (int64_t h = h_lo * group; h < h_hi * group; ++h) {
       const int64_t hkv = h / group, hh = h % group;
       for (int64_t ii = 0; ii < nq; ++ii) {
         const scalar_t* src = q + b * p.q_batch_stride + (sq.q0 + ii) * p.q_row_stride + h * p.q_head_stride;
@@ -1372,20 +1398,20 @@ void attention_decode_kernel(const AttentionParams& p) {
       if (!in_place) w.pack_blocks(!k_direct, v_pairs);
       for (int64_t r = 0; r < nk && !in_place && !k_direct; ++r) {  // (else from K in place)
         if (!w.use[r]) continue;
-        for (int64_t hkv = 0; hkv < Hkv; ++hkv)
+        for (int64_t hkv = h_lo; hkv < h_hi; ++hkv)
           pack_row(kseq + (j0 + r) * p.k_row_stride + hkv * p.k_head_stride, p.D,
                    w.kb.data() + (hkv * pc + r) * Dp);
       }
       for (int64_t r = 0; r < nk && !in_place && !v_pairs; ++r) {
         if (!w.use[r]) continue;
-        for (int64_t hkv = 0; hkv < Hkv; ++hkv)
+        for (int64_t hkv = h_lo; hkv < h_hi; ++hkv)
           pack_row(vseq + (j0 + r) * p.v_row_stride + hkv * p.v_head_stride, p.Dv,
                    w.vb.data() + (hkv * pc + r) * Dvp);
       }
       // (pv_pairs: V's rows as they are; the rows of keys that take no part, up to whole
       // 8-key groups, zero, so that a non-finite v there meets no probability)
       for (int64_t r = 0; r < nk8 && !in_place && v_pairs; ++r) {
-        for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+        for (int64_t hkv = h_lo; hkv < h_hi; ++hkv) {
           c10::BFloat16* dst = w.vh.data() + (hkv * pc + r) * Dvp;
           if (r < nk && w.use[r])
             std::memcpy(dst, vseq + (j0 + r) * p.v_row_stride + hkv * p.v_head_stride,
@@ -1397,28 +1423,30 @@ void attention_decode_kernel(const AttentionParams& p) {
       const int64_t s_head = C * ks;  // scores of one kv head in w.s
       if (in_place && tiles) {
         // on the tiles, 32 keys of every kv head at a time (memory order in a BSHD cache)
-        tile_scores(0, Hkv, j0, nk, w.s.data());
+        tile_scores(h_lo, nh, j0, nk, w.s.data() + h_lo * s_head);
       } else if (in_place) {
         // scores of every kv head first, 8 keys at a time across the heads: in a BSHD cache
         // that reads K in memory order (one pass, hardware prefetch streams in order), each
         // row once per pair of columns (bf16 / fp16 with quads: once per 4 columns)
+        const scalar_t* kgrp = kseq + h_lo * p.k_head_stride;  // (the group's heads)
         for (int64_t r0 = 0; r0 < nk8; r0 += 8) {
-          for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+          for (int64_t hkv = h_lo; hkv < h_hi; ++hkv) {
             const scalar_t* kh = kseq + hkv * p.k_head_stride;
             // (dp: the group after the next; its scores take less time than the widening
             // ones, and one group ahead left the misses exposed: RESULTS.md, seventeenth
             // session)
-            prefetch_next_group(kseq, hkv, Hkv, j0 + r0 + (dp ? 8 : 0), kend, p.k_row_stride,
-                                p.k_head_stride, p.D);
+            prefetch_next_group(kgrp, hkv - h_lo, nh, j0 + r0 + (dp ? 8 : 0), kend,
+                                p.k_row_stride, p.k_head_stride, p.D);
             if (dp && j0 == kbeg && r0 == 0)  // (the unit's second group, which none asks for)
-              prefetch_next_group(kseq, hkv, Hkv, j0, kend, p.k_row_stride, p.k_head_stride, p.D);
+              prefetch_next_group(kgrp, hkv - h_lo, nh, j0, kend, p.k_row_stride,
+                                  p.k_head_stride, p.D);
             if (dp_block(hkv, j0 + r0, 8, w.s.data() + hkv * s_head + r0)) continue;
             gp.scores(w.qs.data() + hkv * C * Dp, C, Dp, kh + (j0 + r0) * p.k_row_stride,
                       w.s.data() + hkv * s_head + r0, ks, p.k_row_stride);
           }
         }
       }
-      for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+      for (int64_t hkv = h_lo; hkv < h_hi; ++hkv) {
         float* sh = w.s.data() + hkv * s_head;
         float* part = part_of(b, chunk, hkv);
         float *o = part, *m = part + C * Dvp, *l = m + C;
@@ -1480,10 +1508,12 @@ void attention_decode_kernel(const AttentionParams& p) {
       if (in_place) {
         // PV of every kv head, 8 keys at a time across the heads (V in memory order, as the
         // scores read K); o of (c, d) takes the keys in the same order as one pass would
+        const scalar_t* vgrp = vseq + h_lo * p.v_head_stride;  // (the group's heads)
         for (int64_t r0 = 0; r0 < nk8; r0 += 8) {
-          for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+          for (int64_t hkv = h_lo; hkv < h_hi; ++hkv) {
             const scalar_t* vh = vseq + hkv * p.v_head_stride;
-            prefetch_next_group(vseq, hkv, Hkv, j0 + r0, kend, p.v_row_stride, p.v_head_stride, p.Dv);
+            prefetch_next_group(vgrp, hkv - h_lo, nh, j0 + r0, kend, p.v_row_stride,
+                                p.v_head_stride, p.Dv);
             gp.pv(w.s.data() + hkv * s_head + r0, ks, C, vh + (j0 + r0) * p.v_row_stride, Dvp,
                   w.use.data() + r0, part_of(b, chunk, hkv), p.v_row_stride);
           }
@@ -1529,12 +1559,13 @@ void attention_decode_kernel(const AttentionParams& p) {
   // threads): a unit merges its own heads (the same merge_chunks call, so the same bits), and
   // the call runs one parallel region instead of two (a small decode step's fork and join:
   // RESULTS.md, fortieth session). Else the merge waits for every chunk.
-  parallel_tasks(p.B * n_chunks,
+  parallel_tasks(p.B * n_chunks * n_hg,
                  [&] { return DecodeScratch(Hkv, C, p.D, p.Dv, big_blocks, big_blocks && !kInPlace); },
                  [&](int64_t task, DecodeScratch& w) {
     unit(task, w);
-    if (n_chunks == 1) {
-      for (int64_t hkv = 0; hkv < Hkv; ++hkv) merge_head(task, hkv, w.merge.data());
+    if (n_chunks == 1) {  // (task = b * n_hg + hg)
+      const int64_t h_lo = task % n_hg * heads_per, h_hi = std::min(Hkv, h_lo + heads_per);
+      for (int64_t hkv = h_lo; hkv < h_hi; ++hkv) merge_head(task / n_hg, hkv, w.merge.data());
     }
   });
   if (n_chunks == 1) return;
