@@ -152,7 +152,7 @@ def cpu_forward_plan(s: Shape, threads: int, dropout: bool = False) -> dict:
 
 CPU_DECODE_COLS = 16  # kDecodeCols (csrc/cpu/attention_decode.h): query columns per kv head
 CPU_DECODE_MIN_CHUNK = 256  # kDecodeMinChunk: keys per split-K chunk at least
-CPU_DECODE_HEAD_SPLIT_MIN_BYTES = 192 << 10  # kDecodeHeadSplitMinBytes
+CPU_DECODE_HEAD_SPLIT_MIN_BYTES = 384 << 10  # kDecodeHeadSplitMinBytes
 
 
 def cpu_flags() -> list:

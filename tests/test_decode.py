@@ -235,7 +235,7 @@ def test_decode_head_groups_give_the_one_unit_bits(monkeypatch, dt, threads):
     try:
         for B, Sq, Sk, H, Hkv, D, Dv in [(1, 1, 400, 8, 8, 64, 64), (1, 1, 300, 32, 8, 128, 128),
                                          (1, 2, 333, 12, 6, 64, 48), (3, 1, 480, 16, 16, 64, 64),
-                                         (1, 1, 200, 6, 3, 96, 96)]:
+                                         (1, 1, 450, 6, 3, 96, 96)]:
             q = torch.randn(B, Sq, H, D).to(dt)
             k, v = torch.randn(B, Sk, Hkv, D).to(dt), torch.randn(B, Sk, Hkv, Dv).to(dt)
             kpm = torch.rand(B, Sk) > 0.2

@@ -76,7 +76,7 @@ constexpr int64_t kDecodeKeysInPlace = 128;
 constexpr int64_t kDecodeMinChunk = 256;
 // K + V bytes of a sequence from which a one-chunk decode splits its kv heads into groups
 // (attention_decode_kernel).
-constexpr int64_t kDecodeHeadSplitMinBytes = int64_t(192) << 10;
+constexpr int64_t kDecodeHeadSplitMinBytes = int64_t(384) << 10;
 
 // ATTN_EXT_CPU_DECODE=0 turns the decode kernel off (for benchmarks that compare it with the
 // tiled kernel on the same shapes). Read per call, as attn_ext.explain() reads it: a process
