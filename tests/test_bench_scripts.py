@@ -333,15 +333,26 @@ def test_gemm512_check_builds_and_passes(tmp_path):
     assert "400 cases, 0 softmax / exp_sub / ds outputs that differ in a bit" in res.stdout, res.stdout
 
 
+def _switch_ab_quick(*switch_args, var=None):
+    """bench_switch_ab.py --quick at 2 threads (with --switch NAME when given): its stdout,
+    after asserting it ran, printed the environment header and, for var, the values it
+    alternated."""
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_switch_ab.py"),
+                          *switch_args, "--quick", "--threads", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("# commit: "), res.stdout[:300]
+    if var is not None:
+        assert f"{var} in ['0', '1']" in res.stdout, res.stdout
+    return res.stdout
+
+
 def test_bench_switch_ab_smoke():
     """benchmarks/bench_switch_ab.py (the ATTN_EXT_CPU_BWD_JOBS A/B RESULTS.md quotes) runs,
     checks the values' gradients bitwise equal, and prints a row per shape."""
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_switch_ab.py"),
-                          "--quick", "--threads", "2"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.startswith("# commit: "), res.stdout[:300]
-    rows = [line for line in res.stdout.splitlines() if line.startswith("| 1, 2, 256, 32 |")]
-    assert len(rows) == 1, res.stdout
+    out = _switch_ab_quick()
+    rows = [line for line in out.splitlines() if line.startswith("| 1, 2, 256, 32 |")]
+    assert len(rows) == 1, out
 
 
 @pytest.mark.parametrize("switch,var", [("decode-quads", "ATTN_EXT_CPU_DECODE_QUADS"),
@@ -353,48 +364,32 @@ def test_bench_switch_ab_smoke():
 def test_bench_switch_ab_decode_quads_smoke(switch, var):
     """bench_switch_ab.py --switch decode-quads / decode-pv512 (the A/Bs RESULTS.md quotes)
     runs, checks both values' outputs bitwise equal, and prints a row per dtype."""
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_switch_ab.py"),
-                          "--switch", switch, "--quick", "--threads", "2"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.startswith("# commit: "), res.stdout[:300]
-    assert f"{var} in ['0', '1']" in res.stdout, res.stdout
+    out = _switch_ab_quick("--switch", switch, var=var)
     for name in ("fp32", "bf16"):
-        rows = [line for line in res.stdout.splitlines() if line.startswith(f"| {name} | 1 | 512 | 8/2 |")]
-        assert len(rows) == 1, res.stdout
+        rows = [line for line in out.splitlines() if line.startswith(f"| {name} | 1 | 512 | 8/2 |")]
+        assert len(rows) == 1, out
 
 
 def test_bench_switch_ab_decode_head_split_smoke():
     """bench_switch_ab.py --switch decode-head-split (the short-decode A/B RESULTS.md quotes)
     runs, checks both values' outputs bitwise equal and SDPA close, and prints a row per
     dtype with the SDPA column."""
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_switch_ab.py"),
-                          "--switch", "decode-head-split", "--quick", "--threads", "2"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.startswith("# commit: "), res.stdout[:300]
-    assert "ATTN_EXT_CPU_DECODE_HEAD_SPLIT in ['0', '1']" in res.stdout, res.stdout
+    out = _switch_ab_quick("--switch", "decode-head-split", var="ATTN_EXT_CPU_DECODE_HEAD_SPLIT")
     for name in ("fp32", "bf16"):
-        rows = [line for line in res.stdout.splitlines()
-                if line.startswith(f"| {name} | 1 | 256 | 8/8 | 64 |")]
-        assert len(rows) == 1 and rows[0].count("|") == 12, res.stdout
+        rows = [line for line in out.splitlines() if line.startswith(f"| {name} | 1 | 256 | 8/8 | 64 |")]
+        assert len(rows) == 1 and rows[0].count("|") == 12, out
 
 
 def test_bench_switch_ab_gemm512_smoke():
     """bench_switch_ab.py --switch gemm512 (the A/B RESULTS.md quotes for the zmm gemms) runs,
     checks both values' forward and backward bitwise equal, and prints a row per layout and
     pass."""
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_switch_ab.py"),
-                          "--switch", "gemm512", "--quick", "--threads", "2"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.startswith("# commit: "), res.stdout[:300]
-    assert "ATTN_EXT_CPU_GEMM512 in ['0', '1']" in res.stdout, res.stdout
+    out = _switch_ab_quick("--switch", "gemm512", var="ATTN_EXT_CPU_GEMM512")
     for layout in ("BSHD", "BHSD view"):
         for name in ("fwd", "bwd"):
-            rows = [line for line in res.stdout.splitlines()
+            rows = [line for line in out.splitlines()
                     if line.startswith(f"| 1, 2, 256, 32 | {layout} | {name} |")]
-            assert len(rows) == 1, res.stdout
+            assert len(rows) == 1, out
 
 
 def test_bench_attention_cpu_shapes_and_fp16():

@@ -218,6 +218,16 @@ def test_decode_in_place_reads_equal_packed_blocks(tmp_path, switch):
         assert torch.equal(a, b)
 
 
+def _same_bits_either_way(monkeypatch, var, call, why):
+    """call() with the switch var at 1 and at 0 (read per call): out and lse bitwise equal."""
+    res = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv(var, mode)
+        res[mode] = call()
+    for a, b in zip(res["1"], res["0"]):
+        assert torch.equal(a, b), why
+
+
 @pytest.mark.parametrize("threads", [2, 16])
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
 def test_decode_head_groups_give_the_one_unit_bits(monkeypatch, dt, threads):
@@ -241,7 +251,9 @@ def test_decode_head_groups_give_the_one_unit_bits(monkeypatch, dt, threads):
             kpm = torch.rand(B, Sk) > 0.2
             monkeypatch.delenv("ATTN_EXT_CPU_DECODE_HEAD_SPLIT", raising=False)
             plan = X.cpu_decode_plan(X.Shape(B, Sq, Sk, H, Hkv, D, Dv), dt, threads, causal=True)
-            groups = min(Hkv, -(-threads // B)) if B < threads else 1  # (B = 3, 2 threads: 1)
+            # min(Hkv, ceil(threads / B)) groups of whole heads (B = 3, 2 threads: 1 group)
+            per = -(-Hkv // min(Hkv, -(-threads // B)))
+            groups = -(-Hkv // per) if B < threads else 1
             assert plan["n_chunks"] == 1 and plan["head_groups"] == groups
             reason = attn_ext.explain(q, k, v, causal=True).forward_reason
             assert (f"kv heads in {groups} groups" in reason) == (groups > 1)
@@ -250,12 +262,9 @@ def test_decode_head_groups_give_the_one_unit_bits(monkeypatch, dt, threads):
                        dict(causal=True, alibi_slopes=attn_ext.alibi_slopes(H), softcap=20.0,
                             sinks=torch.randn(H)),
                        dict(causal=True, rel_bias=torch.randn(H, 65))):
-                res = {}
-                for mode in ("1", "0"):
-                    monkeypatch.setenv("ATTN_EXT_CPU_DECODE_HEAD_SPLIT", mode)
-                    res[mode] = attn_ext.attention(q, k, v, return_lse=True, **kw)
-                for a, b in zip(res["1"], res["0"]):
-                    assert torch.equal(a, b), (B, Sq, Sk, H, Hkv, D, Dv, kw)
+                _same_bits_either_way(monkeypatch, "ATTN_EXT_CPU_DECODE_HEAD_SPLIT",
+                                      lambda: attn_ext.attention(q, k, v, return_lse=True, **kw),
+                                      (B, Sq, Sk, H, Hkv, D, Dv, kw))
                 n += 1
     finally:
         torch.set_num_threads(prev)
@@ -286,12 +295,9 @@ def test_decode_avx512_pv_gives_the_avx2_bits(monkeypatch, dt):
         assert attn_ext.explain(q, k, v, causal=True).forward == "cpu.decode"
         for kw in (dict(causal=False), dict(causal=True), dict(causal=True, window=(100, 0)),
                    dict(causal=False, key_padding_mask=kpm)):
-            res = {}
-            for mode in ("1", "0"):
-                monkeypatch.setenv("ATTN_EXT_CPU_DECODE_PV512", mode)
-                res[mode] = attn_ext.attention(q, k, v, return_lse=True, **kw)
-            for a, b in zip(res["1"], res["0"]):
-                assert torch.equal(a, b), (B, Sq, Sk, H, Hkv, D, Dv, kw)
+            _same_bits_either_way(monkeypatch, "ATTN_EXT_CPU_DECODE_PV512",
+                                  lambda: attn_ext.attention(q, k, v, return_lse=True, **kw),
+                                  (B, Sq, Sk, H, Hkv, D, Dv, kw))
             n += 1
     assert n == 4 * len(cases)
 
