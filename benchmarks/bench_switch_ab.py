@@ -106,11 +106,11 @@ def table_row(lead, cells, med):
           + " |", flush=True)
 
 
-def alternate(var, values, repeats, fn, same_bits=True):
-    """fn()'s results for every value (bitwise equal, asserted; close where not same_bits)
-    and its median seconds."""
+def check_values(var, values, fn, same_bits=True):
+    """fn() once per value (the warm-up): the results of every value are the same bits
+    (asserted; close where not same_bits). Returns the last value's results."""
     first = {}
-    for x in values:  # warm-up, and the results of every value must be the same bits
+    for x in values:
         os.environ[var] = x
         first[x] = fn()
     for x in values[1:]:
@@ -120,6 +120,13 @@ def alternate(var, values, repeats, fn, same_bits=True):
             else:  # out: within one rounding of its dtype; lse (fp32): 1e-4
                 tol = 1e-4 if a.dtype == torch.float32 else 2 * torch.finfo(a.dtype).eps
                 assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol), (x, (a.float() - b.float()).abs().max())
+    return first[values[-1]]
+
+
+def alternate(var, values, repeats, fn, same_bits=True):
+    """fn()'s results for every value (bitwise equal, asserted; close where not same_bits)
+    and its median seconds."""
+    check_values(var, values, fn, same_bits)
     times = {x: [] for x in values}
     for r in range(repeats):
         for x in (values if r % 2 == 0 else values[::-1]):
@@ -286,15 +293,8 @@ def bench_short_decode(var, values, repeats, args):
                 return torch.nn.functional.scaled_dot_product_attention(
                     qt, kt, vt, enable_gqa=H != Hkv)
 
-            first = {}
-            for x in values:  # warm-up, and every value gives the same bits
-                os.environ[var] = x
-                first[x] = dec()
-            for x in values[1:]:
-                for a, b in zip(first[values[0]], first[x]):
-                    assert torch.equal(a, b), x
-            torch.testing.assert_close(sdpa().transpose(1, 2), first[values[-1]][0],
-                                       rtol=2e-2, atol=2e-2)
+            last = check_values(var, values, dec)  # (the warm-up; the same bits)
+            torch.testing.assert_close(sdpa().transpose(1, 2), last[0], rtol=2e-2, atol=2e-2)
             calls = 5 if args.quick else 200  # calls per value per round (steps of 10-200 us)
             times = {x: [] for x in [*values, "sdpa"]}
             for r in range(2 if args.quick else max(repeats, 9)):

@@ -1284,14 +1284,15 @@ void attention_decode_kernel(const AttentionParams& p) {
     const int64_t nq = sq.Sq;  // rows of this sequence (<= p.Sq)
 
     // qs (or qb): kv head hkv, column c = hh * Sq + ii (rows past the sequence stay zero and
-    // hidden)
+    // hidden); only the unit's heads [h_lo, h_hi) are cleared and read
     if (tiles) {
-      w.qp.assign(static_cast<size_t>(Hkv * qp_head), 0u);
+      w.qp.resize(static_cast<size_t>(Hkv * qp_head));
+      std::fill(w.qp.begin() + h_lo * qp_head, w.qp.begin() + h_hi * qp_head, 0u);
     } else if (dp) {
       w.qb.resize(static_cast<size_t>(Hkv * C * p.D));
-      std::fill(w.qb.begin(), w.qb.end(), c10::BFloat16());
+      std::fill(w.qb.begin() + h_lo * C * p.D, w.qb.begin() + h_hi * C * p.D, c10::BFloat16());
     } else {
-      std::fill(w.qs.begin(), w.qs.begin() + Hkv * C * Dp, 0.f);
+      std::fill(w.qs.begin() + h_lo * C * Dp, w.qs.begin() + h_hi * C * Dp, 0.f);
     }
     for (int64_t h = h_lo * group; h < h_hi * group; ++h) {
       const int64_t hkv = h / group, hh = h % group;
