@@ -176,6 +176,8 @@ _impl_lib = torch.library.Library("attn_ext", "IMPL")
 # the usual path gives.
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+# argument types that are plain tensors or no tensor at all
+_PLAIN_ARG_TYPES = frozenset(_PLAIN_TENSOR_TYPES + (bool, int, float, type(None)))
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
@@ -206,7 +208,8 @@ def _plain_eager_call(args) -> bool:
             or torch._C._get_tracing_state() is not None):
         return False
     for a in args:
-        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN_TENSOR_TYPES:
+        # (the usual argument types by one set lookup, ~0.25 us less per call than isinstance)
+        if type(a) not in _PLAIN_ARG_TYPES and isinstance(a, torch.Tensor):
             return False
     return _records_no_gradient(args)
 
@@ -219,10 +222,17 @@ def _below_inplace_or_view() -> bool:
 
 
 def _call_op(op, *args):
-    """op(*args) for an out-of-place op: below its Autograd kernel when _plain_eager_call."""
+    """op(*args) for an out-of-place op (an OpOverloadPacket with one overload): below its
+    Autograd kernel when _plain_eager_call. Under torch.inference_mode() no Autograd kernel
+    runs (the mode excludes those keys), so the usual call is already the floor and the checks
+    and the guard would only add their ~2 us. The fast calls name the overload (op.default):
+    the packet's own call resolves it each time (~0.6 us). (torch.compiler.is_compiling first:
+    dynamo cannot trace torch.is_inference_mode_enabled, and is a constant True there.)"""
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+        return op.default(*args)
     if _plain_eager_call(args):
         with torch._C._AutoDispatchBelowAutograd():
-            return op(*args)
+            return op.default(*args)
     return op(*args)
 
 
@@ -238,7 +248,7 @@ def _call_inplace_op(name, *args):
     written = tuple(zip(args, _INPLACE_WRITES[name]))
     _refuse_inference_writes(name, written)
     with torch._C._AutoDispatchBelowADInplaceOrView():
-        out = op(*args)
+        out = op.default(*args)  # (the overload named: _call_op)
     _bump_versions(written)
     return out
 

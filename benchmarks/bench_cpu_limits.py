@@ -363,21 +363,25 @@ def part_overhead(args):
     print("wrapper: attn_ext.attention (below the op's Python Autograd kernel when it records "
           "nothing); wrapper, usual path: the same with that fast path off; op: "
           "torch.ops.attn_ext.attention (through the Python Autograd kernel); op, inference "
-          "mode: no Python kernel at all (the floor); rope_qk in place: attn_ext.rope_qk(..., "
-          "inplace=True) on the step's q and k, fast path on / off\n")
+          "mode: no Python kernel at all (the floor); the inference-mode columns run each "
+          "sample's calls inside one torch.inference_mode() (the wrapper then calls the op at "
+          "once); rope_qk in place: attn_ext.rope_qk(..., inplace=True) on the step's q and k, "
+          "fast path on / off\n")
     print("| B | Sk | H/Hkv | D | dtype | wrapper | wrapper, usual path | op | op, inference mode "
-          "| SDPA | SDPA / wrapper | SDPA / wrapper, usual path | rope_qk in place | rope_qk, "
-          "usual path |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| wrapper, inference mode | SDPA | SDPA, inference mode | SDPA / wrapper "
+          "| SDPA / wrapper, usual path | SDPA / wrapper, inference mode | rope_qk in place "
+          "| rope_qk, usual path |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     real = _ops._plain_eager_call
 
-    def repeat(fn, usual=False):
+    def repeat(fn, usual=False, inference=False):
         def run():
             if usual:
                 _ops._plain_eager_call = lambda a: False
             try:
-                for _ in range(calls):
-                    fn()
+                with torch.inference_mode(inference):
+                    for _ in range(calls):
+                        fn()
             finally:
                 _ops._plain_eager_call = real
         return run
@@ -392,24 +396,23 @@ def part_overhead(args):
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         wrapper = lambda: attn_ext.attention(q, k, v, causal=True)
         op = lambda: torch.ops.attn_ext.attention(q, k, v, True)
-
-        def op_inference():
-            with torch.inference_mode():
-                op()
-
         sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
         rope = lambda: attn_ext.rope_qk(q, kn, cos, sin, offset=Sk, inplace=True)
         # (Sq = 1: SDPA's top-left is_causal and ours agree; no mask is needed)
         err = (wrapper().float() - sdpa().transpose(1, 2).float()).abs().max().item()
         assert err < (1e-4 if dt == torch.float32 else 2e-2), f"validation failed: {err}"
         t = interleaved_medians({"wrapper": repeat(wrapper), "usual": repeat(wrapper, True),
-                                 "op": repeat(op), "inference": repeat(op_inference),
-                                 "sdpa": repeat(sdpa), "rope": repeat(rope),
+                                 "op": repeat(op), "inference": repeat(op, inference=True),
+                                 "wrapper_inference": repeat(wrapper, inference=True),
+                                 "sdpa": repeat(sdpa), "sdpa_inference": repeat(sdpa, inference=True),
+                                 "rope": repeat(rope),
                                  "rope_usual": repeat(rope, True)}, args.repeats)
         us = {n: v / calls * 1e6 for n, v in t.items()}
         print(f"| {B} | {Sk} | {H}/{Hkv} | {D} | {DTYPE_NAMES[dt]} | {us['wrapper']:.1f} | "
-              f"{us['usual']:.1f} | {us['op']:.1f} | {us['inference']:.1f} | {us['sdpa']:.1f} | "
+              f"{us['usual']:.1f} | {us['op']:.1f} | {us['inference']:.1f} | "
+              f"{us['wrapper_inference']:.1f} | {us['sdpa']:.1f} | {us['sdpa_inference']:.1f} | "
               f"{us['sdpa'] / us['wrapper']:.2f} | {us['sdpa'] / us['usual']:.2f} | "
+              f"{us['sdpa_inference'] / us['wrapper_inference']:.2f} | "
               f"{us['rope']:.1f} | {us['rope_usual']:.1f} |")
 
 

@@ -77,6 +77,23 @@ def test_plain_calls_go_below_autograd_with_the_usual_results(monkeypatch, name,
         assert torch.equal(a, b) and not a.requires_grad and a.grad_fn is None
 
 
+@pytest.mark.parametrize("name", list(_out_of_place_calls()))
+def test_inference_mode_calls_skip_the_checks_with_the_usual_results(monkeypatch, name):
+    """Under torch.inference_mode() no Autograd kernel runs, so _call_op calls the op at once:
+    _plain_eager_call is not asked, and the results are the usual path's."""
+    call = _out_of_place_calls()[name]
+    with torch.inference_mode():
+        seen = _spy(monkeypatch)
+        fast = _flat(call())
+        assert seen == []
+    with torch.no_grad():
+        _spy(monkeypatch, force=False)
+        usual = _flat(call())
+    assert len(fast) == len(usual)
+    for a, b in zip(fast, usual):
+        assert a.is_inference() and torch.equal(a, b)
+
+
 def test_a_call_that_records_a_gradient_takes_the_usual_path(monkeypatch):
     q, k, v = _qkv(requires_grad=True)
     seen = _spy(monkeypatch)
