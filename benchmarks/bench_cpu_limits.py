@@ -3,7 +3,7 @@ BSHD layout vs BHSD views, forward+backward vs SDPA, and the backward's peak ext
 1 and 2 threads.
 
     python benchmarks/bench_cpu_limits.py [--quick] [--repeats N] [--parts decode,layout,train,memory]
-    python benchmarks/bench_cpu_limits.py --parts nonfinite,terms,decode-rows,overhead
+    python benchmarks/bench_cpu_limits.py --parts nonfinite,terms,decode-rows,overhead,short-rows
                                           (not among the defaults)
                                           [--decode-caches cold|interleaved]
 
@@ -36,6 +36,10 @@ Overhead: the per-call cost of small decode steps (Sk = 16 and 512), where the c
 dominates: the wrapper with and without its call below the op's Python Autograd kernel
 (attn_ext/ops.py, _call_op), the op through that kernel, the op under inference mode, SDPA, and
 the in-place rope_qk of one step, interleaved.
+Short-rows: query blocks that one tile per (sequence, kv head) covers (MQA decode; GQA with
+Sq * H / Hkv past the decode kernel's 16 columns), each row in a fresh process: ours alone
+first, then interleaved with SDPA (bottom-right band as an explicit mask), with the minor page
+faults per call of each (SDPA's large frees move glibc's mmap threshold, which changes ours).
 """
 
 from __future__ import annotations
@@ -353,6 +357,64 @@ def part_decode_rows(args):
                   f"{t['sdpa'] * 1e3:.2f} | {t['sdpa'] / t['ours']:.2f} |")
 
 
+_SHORT_CHILD = """
+import resource, statistics, sys, time, torch
+import torch.nn.functional as F
+sys.path[0] = sys.argv[1]
+from _env import checkout_first
+checkout_first()
+import attn_ext
+torch.set_num_threads(int(sys.argv[2]))
+B, Sq, Sk, H, Hkv, D = (int(x) for x in sys.argv[3].split(","))
+dt = getattr(torch, sys.argv[4]); repeats = int(sys.argv[5])
+q = torch.randn(B, Sq, H, D, dtype=dt)
+k, v = (torch.randn(B, Sk, Hkv, D, dtype=dt) for _ in range(2))
+seen = (torch.arange(Sq)[:, None] + (Sk - Sq)) >= torch.arange(Sk)[None, :]  # bottom-right
+qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+ours = lambda: attn_ext.attention(q, k, v, causal=True)
+sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=seen, enable_gqa=True)
+def timed(f):
+    a = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t = time.perf_counter(); f(); t = time.perf_counter() - t
+    return t, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - a
+ours()  # (warm-up: thread pool; no other method has run in this process yet)
+alone = [timed(ours) for _ in range(repeats)]  # ours alone, first
+ref = sdpa()
+err = (ours().float() - ref.transpose(1, 2).float()).abs().max().item()
+assert err < (1e-4 if dt == torch.float32 else 2e-2), f"validation failed: {err}"
+inter = [(timed(ours), timed(sdpa)) for _ in range(repeats)]  # then interleaved with SDPA
+med = lambda xs: statistics.median(xs)
+print(str(attn_ext.explain(q, k, v, causal=True)).splitlines()[1].split()[1],
+      med([t for t, _ in alone]), med([n for _, n in alone]),
+      med([o[0] for o, _ in inter]), med([o[1] for o, _ in inter]), med([s[0] for _, s in inter]))
+"""
+
+
+def part_short_rows(args):
+    """Short query blocks that one tile per (sequence, kv head) covers (MQA decode, GQA with
+    Sq * H / Hkv past the decode kernel's 16 columns), each row in a fresh process: ours alone
+    first (the state a model's own loop sees), then interleaved with SDPA (whose large frees
+    move glibc's mmap threshold, so that our later calls page-fault less)."""
+    print("\n## short query blocks, one tile per kv head (causal; each row in a fresh process: "
+          "ours alone, then interleaved with SDPA), ms per call and minor page faults per call\n")
+    print("| B | Sq | Sk | H/Hkv | D | dtype | path | ours alone ms | faults / call alone | "
+          "ours interleaved ms | faults / call interleaved | SDPA ms | SDPA / ours alone |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    Sk = 1024 if args.quick else 4096
+    rows = [(1, 1, Sk, 32, 1, 128), (1, 8, Sk, 32, 8, 128), (1, 16, Sk, 32, 8, 128),
+            (1, 3, Sk, 64, 8, 128)]
+    for dt in ("float32", "bfloat16"):
+        for shape in rows:
+            out = subprocess.run([sys.executable, "-c", _SHORT_CHILD, HERE, str(torch.get_num_threads()),
+                                  ",".join(map(str, shape)), dt, str(max(3, args.repeats))],
+                                 capture_output=True, text=True, check=True, cwd=HERE).stdout
+            path, alone, fa, inter, fi, sd = out.strip().splitlines()[-1].split()
+            B, Sq, Sk_, H, Hkv, D = shape
+            print(f"| {B} | {Sq} | {Sk_} | {H}/{Hkv} | {D} | {DTYPE_NAMES[getattr(torch, dt)]} | "
+                  f"{path} | {float(alone) * 1e3:.2f} | {float(fa):.0f} | {float(inter) * 1e3:.2f} | "
+                  f"{float(fi):.0f} | {float(sd) * 1e3:.2f} | {float(sd) / float(alone):.2f} |")
+
+
 def part_overhead(args):
     """Per-call cost of small decode steps, where the call path, not K / V, dominates."""
     from attn_ext import ops as _ops
@@ -431,7 +493,7 @@ def main():
     print_env_header("cpu")
     parts = {"decode": part_decode, "layout": part_layout, "train": part_train, "memory": part_memory,
              "nonfinite": part_nonfinite, "terms": part_terms, "decode-rows": part_decode_rows,
-             "overhead": part_overhead}
+             "overhead": part_overhead, "short-rows": part_short_rows}
     for name in args.parts.split(","):
         parts[name](args)
 

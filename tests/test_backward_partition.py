@@ -303,3 +303,40 @@ def test_bf16_backward_accumulates_in_worker_buffers():
     one, many = probe(1), probe(16)
     assert one < grads + 24, one
     assert many < grads + 40, many
+
+
+_MEM_PROBE_ONE_TILE = textwrap.dedent("""
+    import sys, torch
+    import attn_ext
+    torch.set_num_threads(2)
+    Sq, H, Hkv = (int(x) for x in sys.argv[1:4])
+    q = torch.randn(1, Sq, H, 128)
+    k, v = (torch.randn(1, 4096, Hkv, 128) for _ in range(2))  # a kv head's K + V: 4 MiB
+    torch.ops.attn_ext.attention_forward(q[:, :1, :1, :8].contiguous(), k[:, :8, :1, :8].contiguous(),
+                                         v[:, :8, :1, :8].contiguous(), True, None)  # warm-up
+
+    def status(key):
+        return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))
+    open("/proc/self/clear_refs", "w").write("5")
+    before = status("VmRSS:")
+    out = attn_ext.attention(q, k, v, causal=True)
+    print(str(attn_ext.explain(q, k, v, causal=True)).splitlines()[1].split()[1],
+          (status("VmHWM:") - before) / 1024.0)
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+@pytest.mark.parametrize("Sq, H, Hkv", [(1, 32, 1), (8, 32, 8)])
+def test_forward_of_one_tile_per_head_packs_no_whole_head(Sq, H, Hkv):
+    """A (sequence, kv head) that one tile covers (a short query block: MQA decode on the
+    split-KV path, Sq = 8 with GQA on the tiled one) reads each K / V row once: its rows are
+    packed key tile by key tile, not into a buffer of the whole head per worker (4.25 MiB here,
+    zero-filled and faulted in on every call: 2-3x the time of an MQA decode step; RESULTS.md,
+    forty-sixth session). The output is 16 / 128 KiB, each worker's tile buffers ~0.3 MiB."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", _MEM_PROBE_ONE_TILE, str(Sq), str(H), str(Hkv)],
+                         capture_output=True, text=True, check=True, env=env, cwd=ROOT,
+                         timeout=120).stdout
+    path, extra = out.strip().splitlines()[-1].split()
+    assert path in ("cpu.split_kv", "cpu.tiled"), path
+    assert float(extra) < 2.0, (path, extra)

@@ -472,6 +472,17 @@ def test_bench_cpu_limits_decode_rows_smoke(tmp_path):
         assert float(cells[8]) > 0 and float(cells[11]) > 0 and float(cells[12]) > 0, cells
 
 
+def test_bench_cpu_limits_short_rows_smoke(tmp_path):
+    """bench_cpu_limits.py --parts short-rows (the one-tile-per-head rows RESULTS.md quotes)
+    runs each row in a fresh process, validates ours against SDPA, and prints eight rows with
+    positive times on the tiled kernels."""
+    rows = _cpu_limits_rows(tmp_path, "short-rows", "| 1 | ")
+    assert len(rows) == 8, rows
+    for cells in rows:
+        assert cells[6] in ("cpu.tiled", "cpu.split_kv"), cells
+        assert float(cells[7]) > 0 and float(cells[9]) > 0 and float(cells[11]) > 0, cells
+
+
 def test_bench_vmap_smoke():
     """benchmarks/bench_vmap.py (the vmap table RESULTS.md quotes) validates and runs."""
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_vmap.py"),

@@ -248,6 +248,13 @@ struct FwdScratch {
   std::vector<uint64_t> rk, words;  // (kBlockQ): dropout row keys / words of the columns
   HeadRows<acc_t> hk, hv;           // the current head's packed k / v rows
   int64_t head_rows_budget = kHeadRowsBytes;  // this call's per-worker share (head_rows_fit)
+  // Whether the worker's next tiles may read the head's rows again (several tiles of one
+  // (sequence, kv head), not split-KV): only then are the head's rows packed whole (hk / hv,
+  // vp, k16; the share above), else each key tile's alone (kb / vb, the tile buffers). Set per
+  // task. A head packed whole for one tile cost a buffer of the whole head per worker and call
+  // (zero-filled, up to 4.25 MiB: fresh pages to fault in each call, ~577 faults at (1, 4096,
+  // 32 / 1, 128)): RESULTS.md, forty-sixth session. The same values either way.
+  bool head_reuse = true;
   bool bf16dp = false;      // pass 1 by mk::scores_pairs (mk::bf16_scores_by_pairs)
   bool amx = false;         // ... on AMX tiles (mk::amx_for(D))
   bool amx_pv = false;      // pass 3 on AMX tiles (mk::amx_pv_for(Dv)): o^T in ot, below
@@ -452,8 +459,9 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   const int64_t k_cols = k_in_place || s.bf16dp ? 0 : Dp;
   const bool v_packed = !v_in_place && !s.amx_pv;
   int64_t v_ld = s.ldvb;
-  bool head_rows = head_rows_fit(sq.Sk, k_cols, v_packed ? v_ld : 0, sizeof(acc_t), s.head_rows_budget);
-  if (!head_rows && v_packed && !v_dense &&
+  bool head_rows = s.head_reuse &&
+                   head_rows_fit(sq.Sk, k_cols, v_packed ? v_ld : 0, sizeof(acc_t), s.head_rows_budget);
+  if (s.head_reuse && !head_rows && v_packed && !v_dense &&
       head_rows_fit(sq.Sk, k_cols, Dvp, sizeof(acc_t), s.head_rows_budget)) {
     head_rows = true;
     v_ld = Dvp;
@@ -463,7 +471,7 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   // (fp16 on tiles: k's hi / lo rows and v^T's hi / lo pairs, the same bytes as fp32 rows)
   const int64_t split_k_bytes = s.split ? sq.Sk * D * 4 : 0;
   const bool vp_whole =
-      s.amx_pv && (s.bf16dp ? split_k_bytes : sq.Sk * Dp * int64_t(sizeof(acc_t))) +
+      s.head_reuse && s.amx_pv && (s.bf16dp ? split_k_bytes : sq.Sk * Dp * int64_t(sizeof(acc_t))) +
                           Dv * round_up(sq.Sk, 32) * (s.split ? 4 : 2) <= s.head_rows_budget;
   const bool k_whole = vp_whole;
   // bf16 k rows a multiple of 1 KiB apart (and not dense): copied D apart first (HeadRows16),
@@ -471,7 +479,7 @@ int64_t run_tile(const AttentionParams& p, const Visibility& vis, const QueryTil
   const bool k16 = s.bf16dp && !s.split && rows16_alias(p.k_row_stride, D);
   const int64_t v_share = s.amx_pv ? Dv * round_up(sq.Sk, 32) * 2  // v^T's pairs, or v's rows
                                    : (v_packed && head_rows ? sq.Sk * v_ld * int64_t(sizeof(acc_t)) : 0);
-  const bool k16_whole = sq.Sk * D * 2 + v_share <= s.head_rows_budget;
+  const bool k16_whole = s.head_reuse && sq.Sk * D * 2 + v_share <= s.head_rows_budget;
   // the q rows of the worker's likely next tile (`next`), asked for a share at each key tile
   // (into L2), so that its transpose does not wait on them
   const int64_t pf_rows = next != nullptr && next->nq > 0 ? next->nh * next->nq : 0;
@@ -887,6 +895,7 @@ void attention_fwd_rows(const AttentionParams& p) {
       parallel_groups(plan.n_tiles / per_head, per_head, make_scratch, [&](int64_t idx, FwdScratch<acc_t>& s) {
         const QueryTile t = tile_at(p, vis, plan, idx);
         if (t.nq <= 0 || !filter.takes(t.b, t.hkv)) return;
+        s.head_reuse = per_head > 1;
         const Range keys = tile_keys(vis, t);
         // (the group's next tile: the one this worker most likely takes next)
         const QueryTile next = (idx + 1) % per_head != 0 ? tile_at(p, vis, plan, idx + 1) : QueryTile{};
@@ -909,6 +918,7 @@ void attention_fwd_rows(const AttentionParams& p) {
       const int64_t per_chunk = round_up(ceil_div(keys.hi - keys.lo, n_split), kBlockK);
       const int64_t kbeg = std::min(keys.hi, keys.lo + chunk * per_chunk);
       const int64_t kstop = std::min(keys.hi, kbeg + per_chunk);
+      s.head_reuse = false;  // (a chunk's rows: one tile reads them)
       run_tile<scalar_t, acc_t>(p, vis, t, kbeg, kstop, kern, s);
       acc_t* dst = parts.data() + idx * per_part;
       const int64_t cols = t.cols();
