@@ -480,7 +480,7 @@ def test_bench_cpu_limits_short_rows_smoke(tmp_path):
     assert len(rows) == 8, rows
     for cells in rows:
         assert cells[6] in ("cpu.tiled", "cpu.split_kv"), cells
-        assert float(cells[7]) > 0 and float(cells[9]) > 0 and float(cells[11]) > 0, cells
+        assert all(float(cells[i]) > 0 for i in (7, 9, 11, 13)), cells
 
 
 def test_bench_vmap_smoke():

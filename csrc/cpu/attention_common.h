@@ -303,7 +303,13 @@ struct HeadRows {
   const acc_t* tile(bool whole, const scalar_t* head, int64_t row_stride, int64_t n, int64_t cols,
                     int64_t ld, int64_t j0, int64_t nk, AlignedVec<acc_t>& tile_rows) {
     if (whole) return get(head, row_stride, n, cols, ld, j0, nk);
-    load_rows(head + j0 * row_stride, row_stride, nk, cols, tile_rows.data(), ld);
+    // (the row 8 ahead asked for as get() does, into the next tile too: the rows of a head
+    // packed tile by tile are often read once, straight from memory)
+    const int64_t row_bytes = cols * static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t r = j0; r < j0 + nk; ++r) {
+      if (r + 8 < n) prefetch_range(head + (r + 8) * row_stride, row_bytes);
+      convert_row(head + r * row_stride, cols, tile_rows.data() + (r - j0) * ld);
+    }
     return tile_rows.data();
   }
 };
