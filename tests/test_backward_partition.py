@@ -331,8 +331,9 @@ def test_forward_of_one_tile_per_head_packs_no_whole_head(Sq, H, Hkv):
     """A (sequence, kv head) that one tile covers (a short query block: MQA decode on the
     split-KV path, Sq = 8 with GQA on the tiled one) reads each K / V row once: its rows are
     packed key tile by key tile, not into a buffer of the whole head per worker (4.25 MiB here,
-    zero-filled and faulted in on every call: 2-3x the time of an MQA decode step; RESULTS.md,
-    forty-sixth session). The output is 16 / 128 KiB, each worker's tile buffers ~0.3 MiB."""
+    zero-filled, and faulted in on each call where glibc maps it fresh: 2-4x the time of an MQA
+    decode step; RESULTS.md, forty-sixth session). The output is 16 / 128 KiB, each worker's
+    tile buffers ~0.3 MiB."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", _MEM_PROBE_ONE_TILE, str(Sq), str(H), str(Hkv)],
                          capture_output=True, text=True, check=True, env=env, cwd=ROOT,
