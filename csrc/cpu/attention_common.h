@@ -203,6 +203,16 @@ inline void prefetch_range(const void* p, int64_t bytes) {
   }
 }
 
+// Asks for row r + 8 of a head of n rows (`row_stride` elements apart, `row_bytes` each) while
+// row r is packed: rows at a large stride lie in different pages, which the hardware
+// prefetchers do not follow, so this keeps several misses in flight instead of one. The head
+// caches below (whole or tile by tile) pack their rows with it.
+template <typename T>
+inline void prefetch_row_ahead(const T* head, int64_t row_stride, int64_t n, int64_t r,
+                               int64_t row_bytes) {
+  if (r + 8 < n) prefetch_range(head + (r + 8) * row_stride, row_bytes);
+}
+
 // What a per-worker head cache (HeadRows below; the forward's HeadPairs, HeadSplit and
 // HeadRows16) holds: the head it was filled for and which blocks of `block` rows are done.
 // Keyed by the head's first row, its length and the layout the owner keeps the rows in: the
@@ -282,9 +292,7 @@ struct HeadRows {
     }
     const int64_t row_bytes = cols * static_cast<int64_t>(sizeof(scalar_t));
     blocks.fill(j0, nk, [&](int64_t r, int64_t) -> uint8_t {
-      // rows at a large stride lie in different pages, which the hardware prefetchers do not
-      // follow: ask for the row 8 ahead (several misses in flight instead of one)
-      if (r + 8 < n) prefetch_range(head + (r + 8) * row_stride, row_bytes);
+      prefetch_row_ahead(head, row_stride, n, r, row_bytes);
       acc_t* dst = rows.data() + r * ld;
       convert_row(head + r * row_stride, cols, dst);
       return !check_finite || all_finite(dst, 1, cols, ld) ? 1 : 2;
@@ -307,7 +315,7 @@ struct HeadRows {
     // packed tile by tile are often read once, straight from memory)
     const int64_t row_bytes = cols * static_cast<int64_t>(sizeof(scalar_t));
     for (int64_t r = j0; r < j0 + nk; ++r) {
-      if (r + 8 < n) prefetch_range(head + (r + 8) * row_stride, row_bytes);
+      prefetch_row_ahead(head, row_stride, n, r, row_bytes);
       convert_row(head + r * row_stride, cols, tile_rows.data() + (r - j0) * ld);
     }
     return tile_rows.data();

@@ -218,10 +218,8 @@ struct HeadRows16 {
     // rows [a, b) to rows from row a - at on
     auto copy = [&](int64_t a, int64_t b, int64_t at) {
       for (int64_t r = a; r < b; ++r) {
-        // (a head packed tile by tile, its rows often read once: the row 8 ahead asked for, as
-        // HeadRows::tile; rows a multiple of 1 KiB apart lie in other pages, which the hardware
-        // prefetchers do not follow)
-        if (!whole && r + 8 < n) prefetch_range(head + (r + 8) * row_stride, D * int64_t(sizeof(uint16_t)));
+        // (a head packed tile by tile, its rows often read once: as HeadRows::tile)
+        if (!whole) prefetch_row_ahead(head, row_stride, n, r, D * int64_t(sizeof(uint16_t)));
         std::memcpy(rows.data() + (r - at) * D, head + r * row_stride,
                     static_cast<size_t>(D) * sizeof(uint16_t));
       }
