@@ -484,6 +484,51 @@ def part_overhead(args):
               f"{us['rope']:.1f} | {us['rope_usual']:.1f} |")
 
 
+def part_cache_lengths(args):
+    """Decode steps at every cache length from 8 n to 8 n + 7: a decode loop meets them all,
+    one per step, where the decode rows above are multiples of 8. The decode kernel reads whole
+    8-key groups in place and packs the rest of a unit's keys (RESULTS.md, forty-seventh
+    session)."""
+    calls = 20 if args.quick else 100  # calls per timed sample (one sample: median per call)
+    print("\n## decode steps at cache lengths 8 n + t (Sq = 1, causal, B = 1, 32/8 heads, D = 128), "
+          f"microseconds per call, medians of samples of {calls} back-to-back calls, "
+          "interleaved with SDPA; ours: attn_ext.attention under torch.no_grad()\n")
+    print("| Sk | dtype | ours us | ours / ours at 8 n | SDPA us | SDPA / ours |")
+    print("|---|---|---|---|---|---|")
+    bases = (16,) if args.quick else (16, 512)
+    for dt in (torch.float32, torch.bfloat16):
+        for base in bases:
+            at_base = None
+            for Sk in range(base, base + 8):
+                B, H, Hkv, D = 1, 32, 8, 128
+                q = torch.randn(B, 1, H, D, dtype=dt)
+                k = torch.randn(B, Sk, Hkv, D, dtype=dt)
+                v = torch.randn(B, Sk, Hkv, D, dtype=dt)
+                qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+                def ours():
+                    with torch.no_grad():
+                        for _ in range(calls):
+                            attn_ext.attention(q, k, v, causal=True)
+
+                def sdpa():
+                    with torch.no_grad():
+                        for _ in range(calls):
+                            F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+                # (Sq = 1: SDPA's top-left is_causal and ours agree; no mask is needed)
+                got = attn_ext.attention(q, k, v, causal=True).float()
+                want = F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).transpose(1, 2).float()
+                err = (got - want).abs().max().item()
+                assert err < (1e-4 if dt == torch.float32 else 2e-2), f"validation failed: {err}"
+                t = interleaved_medians({"ours": ours, "sdpa": sdpa}, max(args.repeats, 3))
+                us = {n: x / calls * 1e6 for n, x in t.items()}
+                if at_base is None:
+                    at_base = us["ours"]
+                print(f"| {Sk} | {DTYPE_NAMES[dt]} | {us['ours']:.1f} | {us['ours'] / at_base:.2f} | "
+                      f"{us['sdpa']:.1f} | {us['sdpa'] / us['ours']:.2f} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
@@ -499,7 +544,8 @@ def main():
     print_env_header("cpu")
     parts = {"decode": part_decode, "layout": part_layout, "train": part_train, "memory": part_memory,
              "nonfinite": part_nonfinite, "terms": part_terms, "decode-rows": part_decode_rows,
-             "overhead": part_overhead, "short-rows": part_short_rows}
+             "overhead": part_overhead, "short-rows": part_short_rows,
+             "cache-lengths": part_cache_lengths}
     for name in args.parts.split(","):
         parts[name](args)
 

@@ -483,6 +483,19 @@ def test_bench_cpu_limits_short_rows_smoke(tmp_path):
         assert all(float(cells[i]) > 0 for i in (7, 9, 11, 13)), cells
 
 
+def test_bench_cpu_limits_cache_lengths_smoke(tmp_path):
+    """bench_cpu_limits.py --parts cache-lengths (the decode steps at lengths 8 n + t that
+    RESULTS.md quotes) validates ours against SDPA and prints the eight lengths 16-23 per dtype,
+    each with positive times and its ratio to the length 16 one (1.00 there)."""
+    rows = _cpu_limits_rows(tmp_path, "cache-lengths", "| ")
+    rows = [cells for cells in rows if cells[0].isdigit()]
+    assert [int(cells[0]) for cells in rows] == list(range(16, 24)) * 2, rows
+    assert [cells[1] for cells in rows] == ["fp32"] * 8 + ["bf16"] * 8, rows
+    for cells in rows:
+        assert float(cells[2]) > 0 and float(cells[4]) > 0, cells
+    assert rows[0][3] == "1.00" and rows[8][3] == "1.00", rows
+
+
 def test_bench_vmap_smoke():
     """benchmarks/bench_vmap.py (the vmap table RESULTS.md quotes) validates and runs."""
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_vmap.py"),

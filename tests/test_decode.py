@@ -218,6 +218,62 @@ def test_decode_in_place_reads_equal_packed_blocks(tmp_path, switch):
         assert torch.equal(a, b)
 
 
+_PACKED_SCRATCH_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import attn_ext  # noqa: F401
+torch.manual_seed(0)
+outs = []
+# blocks the decode kernel packs: the last 1-7 keys of a unit, every block where D or Dv is not
+# a multiple of 8 (rows padded), key padding, and the band's edges (Sq = 2, a window)
+for dt in (torch.float32, torch.bfloat16, torch.float16):
+    for B, Sq, Sk, H, Hkv, D, Dv in ((1, 1, 9, 8, 2, 64, 64), (1, 1, 131, 32, 8, 128, 128),
+                                     (2, 1, 45, 4, 4, 36, 20), (1, 2, 77, 8, 2, 64, 64),
+                                     (1, 1, 301, 8, 1, 128, 128)):
+        q = torch.randn(B, Sq, H, D).to(dt)
+        k, v = torch.randn(B, Sk, Hkv, D).to(dt), torch.randn(B, Sk, Hkv, Dv).to(dt)
+        kpm = torch.rand(B, Sk) < 0.8
+        outs += list(torch.ops.attn_ext.attention_forward(q, k, v, True, None))
+        outs.append(attn_ext.attention(q, k, v, key_padding_mask=kpm))
+        outs.append(attn_ext.attention(q, k, v, window=(20, 0)))
+torch.save(outs, sys.argv[2])
+"""
+
+
+def test_decode_packed_blocks_read_only_what_they_write(tmp_path):
+    """The decode kernel's packing buffers are allocated without a fill (kb / vb / vh: every
+    row a block reads is packed or zeroed first). glibc's MALLOC_PERTURB_ fills every fresh
+    allocation with a byte pattern (0x5a here, a float of ~1.5e16): an element that is read
+    before it is written and takes part in a result changes the bits of the outputs against a
+    run without it (checked: packing one row fewer of K fails here)."""
+    res = _run_in_both_modes(tmp_path, _PACKED_SCRATCH_SCRIPT,
+                             lambda mode: {"MALLOC_PERTURB_": "165" if mode == "1" else None})
+    assert len(res["1"]) == len(res["0"]) == 60
+    for a, b in zip(res["1"], res["0"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_cache_lengths_past_whole_groups(dtype):
+    """Cache lengths 8 n + t, t = 0..7, as a decode loop meets them step by step: the whole
+    8-key groups are read in place and the last t keys packed (a block of their own), with
+    GQA, Sq = 2 causal (the band's edge) and a window."""
+    torch.manual_seed(0)
+    for n in (0, 1, 3, 16):
+        for t in range(8):
+            Sk = 8 * n + t
+            if Sk == 0:
+                continue
+            q, k, v = _inputs(1, 1, Sk, 8, 2, 64, 64, dtype)
+            out, lse = attn_ext.attention(q, k, v, causal=True, return_lse=True)
+            _check(out, lse, q, k, v, causal=True)
+            q2 = randn(1, 2, 8, 64, dtype=dtype)
+            out, lse = attn_ext.attention(q2, k, v, causal=True, return_lse=True)
+            _check(out, lse, q2, k, v, causal=True)
+            out, lse = attn_ext.attention(q2, k, v, window=(11, 0), return_lse=True)
+            _check(out, lse, q2, k, v, window=(11, 0))
+
+
 def _same_bits_either_way(monkeypatch, var, call, why):
     """call() with the switch var at 1 and at 0 (read per call): out and lse bitwise equal."""
     res = {}

@@ -1095,10 +1095,10 @@ struct DecodeScratch {
   int64_t ks;             // keys per block at most: nb, or kDecodeKeysInPlace (big_blocks)
   int64_t pack_cap;       // keys a packed block holds: nb, or ks when the big blocks are
                           // packed too (ATTN_EXT_CPU_DECODE_IN_PLACE=0)
-  AlignedVec<float> kb;   // (Hkv, pack_cap, Dp): the block's k rows of every kv head; sized
-  AlignedVec<float> vb;   // (Hkv, pack_cap, Dvp)   by pack_blocks() on the first packed block
+  ScratchVec<float> kb;   // (Hkv, pack_cap, Dp): the block's k rows of every kv head; sized
+  ScratchVec<float> vb;   // (Hkv, pack_cap, Dvp)   by pack_blocks() on the first packed block
                           // only (blocks read in place need neither: no fresh pages to fault in)
-  AlignedVec<c10::BFloat16> vh;  // (Hkv, pack_cap, Dvp): V's bf16 rows where pv_pairs takes
+  ScratchVec<c10::BFloat16> vh;  // (Hkv, pack_cap, Dvp): V's bf16 rows where pv_pairs takes
                                  // the product (instead of vb; Dvp = Dv there)
   AlignedVec<float> s;    // (Hkv, C, ks): scores, then probabilities
   std::vector<uint8_t> use;  // (ks): key seen by some column
@@ -1116,9 +1116,9 @@ struct DecodeScratch {
   // with_k: K is packed too (not where dp_scores reads it in place); v_pairs: V as bf16 rows
   // (pv_pairs), else fp32 ones
   void pack_blocks(bool with_k, bool v_pairs) {
-    if (with_k && kb.empty()) kb.assign(static_cast<size_t>(Hkv_ * pack_cap * Dp), 0.f);
-    if (v_pairs && vh.empty()) vh.assign(static_cast<size_t>(Hkv_ * pack_cap * Dvp), c10::BFloat16());
-    if (!v_pairs && vb.empty()) vb.assign(static_cast<size_t>(Hkv_ * pack_cap * Dvp), 0.f);
+    if (with_k && kb.empty()) kb.resize(static_cast<size_t>(Hkv_ * pack_cap * Dp));
+    if (v_pairs && vh.empty()) vh.resize(static_cast<size_t>(Hkv_ * pack_cap * Dvp));
+    if (!v_pairs && vb.empty()) vb.resize(static_cast<size_t>(Hkv_ * pack_cap * Dvp));
   }
   int64_t Hkv_;
 };
@@ -1363,13 +1363,16 @@ void attention_decode_kernel(const AttentionParams& p) {
       return false;
     };
     for (int64_t j0 = kbeg, nk = 0; j0 < kend; j0 += nk) {
-      // a block longer than nb is one of whole 8-key groups every column sees (read in
-      // place unless ATTN_EXT_CPU_DECODE_IN_PLACE=0): the last few keys of the unit, and the
-      // keys near the band's edges, come in blocks of nb
+      // where the blocks may be big, whole 8-key groups every column sees come in blocks of up
+      // to ks keys (read in place unless ATTN_EXT_CPU_DECODE_IN_PLACE=0), the last ones of the
+      // unit included; the keys past them (fewer than 8), and the keys near the band's edges,
+      // come in blocks of nb (packed). (A unit of 8 n + t keys, t < 8, packed its last 8 + t
+      // or all of them where that was at most nb: a decode step whose cache length is not a
+      // multiple of 8 took 3-7 us longer, RESULTS.md, forty-seventh session.)
       nk = std::min(nb, kend - j0);
       if (big_blocks) {
         const int64_t big = std::min(ks, kend - j0) / 8 * 8;
-        if (big > nb && band_covers(j0, j0 + big)) nk = big;
+        if (big >= 8 && big != nk && band_covers(j0, j0 + big)) nk = big;
       }
       const int64_t nk8 = round_up(nk, 8);
       // which keys take part (padding) and which column sees which key: the same for every
