@@ -1114,7 +1114,8 @@ struct DecodeScratch {
         use(static_cast<size_t>(ks)), seen(static_cast<size_t>(C * ks)),
         merge(static_cast<size_t>(2 * Dvp)), Hkv_(Hkv) {}
   // with_k: K is packed too (not where dp_scores reads it in place); v_pairs: V as bf16 rows
-  // (pv_pairs), else fp32 ones
+  // (pv_pairs), else fp32 ones. Not filled (ScratchVec): a block packs or zeroes every k and
+  // vh row it reads, and the fp32 PV skips the vb rows it did not pack (use)
   void pack_blocks(bool with_k, bool v_pairs) {
     if (with_k && kb.empty()) kb.resize(static_cast<size_t>(Hkv_ * pack_cap * Dp));
     if (v_pairs && vh.empty()) vh.resize(static_cast<size_t>(Hkv_ * pack_cap * Dvp));
