@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <new>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 namespace attn_ext {
@@ -38,24 +37,17 @@ template <typename T>
 using AlignedVec = std::vector<T, CacheLineAllocator<T>>;
 
 // The same allocator, except that an element made without a value is default-initialised
-// (left as it is, for float and the 16-bit floats), so resize(n) allocates without writing n
-// zeros: for scratch whose every element is written before it is read.
+// (left as it is, for float and the 16-bit floats), so ScratchVec<T>(n) and resize(n) allocate
+// without writing n zeros: for scratch whose every element is written before it is read.
+// (Construction with a value falls back to placement new: std::allocator_traits.)
 template <typename T>
 struct CacheLineScratchAllocator : CacheLineAllocator<T> {
-  template <typename U>
-  struct rebind {
-    using other = CacheLineScratchAllocator<U>;
-  };
   CacheLineScratchAllocator() = default;
   template <typename U>
   CacheLineScratchAllocator(const CacheLineScratchAllocator<U>&) {}
   template <typename U>
   void construct(U* ptr) noexcept(std::is_nothrow_default_constructible_v<U>) {
     ::new (static_cast<void*>(ptr)) U;
-  }
-  template <typename U, typename... Args>
-  void construct(U* ptr, Args&&... args) {
-    ::new (static_cast<void*>(ptr)) U(std::forward<Args>(args)...);
   }
 };
 

@@ -48,7 +48,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -1247,9 +1246,9 @@ void attention_decode_kernel(const AttentionParams& p) {
   const int64_t per_part = C * (Dvp + 2);
   // (not zero-filled: every task initialises its own parts first, and the fill would cost a
   // pass over them per call)
-  const std::unique_ptr<float[]> parts(new float[static_cast<size_t>(p.B * n_chunks * Hkv * per_part)]);
+  ScratchVec<float> parts(static_cast<size_t>(p.B * n_chunks * Hkv * per_part));
   auto part_of = [&](int64_t b, int64_t chunk, int64_t hkv) {
-    return parts.get() + ((b * n_chunks + chunk) * Hkv + hkv) * per_part;
+    return parts.data() + ((b * n_chunks + chunk) * Hkv + hkv) * per_part;
   };
 
   const auto* q = static_cast<const scalar_t*>(p.q);
@@ -1373,7 +1372,7 @@ void attention_decode_kernel(const AttentionParams& p) {
       nk = std::min(nb, kend - j0);
       if (big_blocks) {
         const int64_t big = std::min(ks, kend - j0) / 8 * 8;
-        if (big >= 8 && big != nk && band_covers(j0, j0 + big)) nk = big;
+        if (big >= 8 && band_covers(j0, j0 + big)) nk = big;
       }
       const int64_t nk8 = round_up(nk, 8);
       // which keys take part (padding) and which column sees which key: the same for every
